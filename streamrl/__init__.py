@@ -1,0 +1,1 @@
+"""StreamRL: RL post-training for LLMs with disaggregated stream generation."""
