@@ -1,0 +1,10 @@
+"""Skewness-aware generation scheduling: PTL(BS) profiles, Algorithm 2, LPT."""
+
+from streamrl.scheduling.dispatch import DispatchPlan, choose_batch_size, dispatch, estimate_latency, fifo_plan
+from streamrl.scheduling.latency import LatencyProfile
+from streamrl.scheduling.lpt import AdmissionQueue, lpt_order
+
+__all__ = [
+    "AdmissionQueue", "DispatchPlan", "LatencyProfile", "choose_batch_size", "dispatch",
+    "estimate_latency", "fifo_plan", "lpt_order",
+]

@@ -1,0 +1,275 @@
+"""Skewness-aware dispatching of prompts to generator instances (Algorithm 2).
+
+The top `alpha` fraction of prompts by predicted output length is the long
+tail. Long-tail prompts go to a dedicated group of N_l instances; the rest to
+N_r = N - N_l instances. Because the long group has few prompts per instance,
+it decodes at a small batch size and hence a low per-token latency, so the
+long outputs finish sooner; the regular group runs large, efficient batches.
+
+Latency model (paper): an instance holding M prompts of mean length L_avg,
+running at most BS at once, takes
+
+    Latency = PTL(BS) * L_avg * ceil(M / BS).
+
+L_avg is not the ranker's prediction: the long group uses the P90 and the
+regular group the P50 of the *recently observed* output lengths, since the
+ranker is trained to rank, not to be calibrated, and lengths drift during RL.
+
+Batch size choice (ours; the paper leaves it implicit): for each group,
+BS = argmin_b PTL(b) * ceil(M / b) over 1 <= b <= min(max_batch_size, M),
+evaluated at the smallest b for each number of waves ceil(M / b) (exact when
+PTL is non-decreasing in b, as every measured curve is). For any sublinear
+PTL curve this is BS = min(max_batch_size, M): the long group, holding few
+prompts per instance, therefore runs small batches.
+
+Objective: the paper prints a sum Latency_long + Latency_reg; the generation
+makespan is max(Latency_long, Latency_reg). Both are available
+(`objective="sum" | "makespan"`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from typing import Sequence
+
+import numpy as np
+
+from streamrl.scheduling.latency import LatencyProfile
+from streamrl.scheduling.lpt import lpt_order
+
+_log = logging.getLogger(__name__)
+
+OBJECTIVES = ("makespan", "sum")
+
+# Set after the first "no length history" warning so that the FIFO fallback
+# is announced once per process, not once per iteration.
+_warned_no_history = False
+
+
+@dataclasses.dataclass(frozen=True)
+class DispatchPlan:
+  """Which prompts each instance generates, in which order, at which batch cap.
+
+  Attributes:
+    assignments: per instance, prompt indices in admission order (LPT order
+      for skew plans, arrival order for FIFO plans).
+    batch_sizes: per instance, the cap on requests in flight (>= 1).
+    n_long_instances: instances dedicated to the long tail; they are the
+      first `n_long_instances` entries of `assignments`. 0 for FIFO plans and
+      when one instance serves everything.
+    predicted_time: estimated generation makespan in seconds,
+      max over groups of PTL(BS) * L_avg * ceil(M / BS); NaN for FIFO plans
+      (nothing is known about lengths).
+    objective: "makespan" or "sum" (what was minimised), or "fifo".
+    objective_value: the minimised quantity (== predicted_time for
+      "makespan"); NaN for FIFO plans.
+    group_times: (long, regular) estimated latencies in seconds.
+  """
+
+  assignments: tuple[tuple[int, ...], ...]
+  batch_sizes: tuple[int, ...]
+  n_long_instances: int
+  predicted_time: float
+  objective: str
+  objective_value: float = math.nan
+  group_times: tuple[float, float] = (math.nan, math.nan)
+
+  @property
+  def num_instances(self) -> int:
+    return len(self.assignments)
+
+  def instance_of(self) -> dict[int, int]:
+    """Prompt index -> instance index."""
+    return {p: i for i, ps in enumerate(self.assignments) for p in ps}
+
+
+def choose_batch_size(profile: LatencyProfile, num_prompts: int, max_batch_size: int) -> int:
+  """Batch cap minimising PTL(b) * ceil(M / b) for M = num_prompts (see module doc).
+
+  Returns 1 when num_prompts is 0.
+  """
+  m = int(num_prompts)
+  cap = min(int(max_batch_size), m)
+  if cap <= 1:
+    return 1
+  best_b, best_cost = 1, math.inf
+  b = 1
+  # Walk the distinct wave counts w = ceil(m / b), O(sqrt(m)) of them, taking
+  # the smallest b that achieves each one.
+  while b <= cap:
+    waves = -(-m // b)
+    b_min = -(-m // waves)
+    cost = profile.ptl(b_min) * waves
+    if cost < best_cost:  # Strict: ties keep the smaller batch.
+      best_b, best_cost = b_min, cost
+    if waves == 1:
+      break
+    b = -(-m // (waves - 1))  # Smallest b with fewer waves.
+  return best_b
+
+
+def estimate_latency(profile: LatencyProfile, num_prompts: int, avg_len: float,
+                     num_instances: int, batch_size: int) -> float:
+  """Per-instance generation time of a group: PTL(BS) * L_avg * ceil(M / BS).
+
+  Args:
+    profile: PTL curve of one instance.
+    num_prompts: prompts given to the group.
+    avg_len: expected output length (tokens) of those prompts.
+    num_instances: instances in the group; M = ceil(num_prompts / num_instances).
+    batch_size: cap on requests in flight; the effective batch is min(BS, M).
+  Returns:
+    Seconds; 0 for no prompts, inf for prompts but no instances.
+  """
+  if num_prompts <= 0:
+    return 0.0
+  if num_instances <= 0:
+    return math.inf
+  m = -(-int(num_prompts) // int(num_instances))
+  bs = max(1, min(int(batch_size), m))
+  return profile.ptl(bs) * max(0.0, float(avg_len)) * (-(-m // bs))
+
+
+def _group_time(profile, num_prompts, avg_len, num_instances, max_batch_size):
+  if num_prompts <= 0:
+    return 0.0
+  if num_instances <= 0:
+    return math.inf
+  m = -(-num_prompts // num_instances)
+  bs = choose_batch_size(profile, m, max_batch_size)
+  return estimate_latency(profile, num_prompts, avg_len, num_instances, bs)
+
+
+def _objective(objective: str, t_long: float, t_reg: float) -> float:
+  return max(t_long, t_reg) if objective == "makespan" else t_long + t_reg
+
+
+def _balance(prompts: Sequence[int], lengths: np.ndarray, num_instances: int) -> list[list[int]]:
+  """Greedy LPT: each prompt (longest first) to the least-loaded instance.
+
+  Load is the total predicted length; ties go to the instance with fewer
+  prompts, then the lower index. Each instance's list stays in LPT order.
+  """
+  buckets: list[list[int]] = [[] for _ in range(num_instances)]
+  loads = [0.0] * num_instances
+  for p in prompts:  # Already longest first.
+    i = min(range(num_instances), key=lambda j: (loads[j], len(buckets[j]), j))
+    buckets[i].append(p)
+    loads[i] += max(0.0, float(lengths[p]))
+  return buckets
+
+
+def fifo_plan(num_prompts: int, num_instances: int, max_batch_size: int, *,
+              seed: int | None = None) -> DispatchPlan:
+  """Baseline: round-robin in arrival order, no length information.
+
+  Prompt k goes to instance k mod N and each instance admits its prompts in
+  arrival order. With `seed`, the arrival order is first shuffled (random
+  FIFO, the paper's baseline); without it the given order is kept (prompt
+  datasets are usually already shuffled).
+  """
+  if num_instances < 1:
+    raise ValueError(f"num_instances must be >= 1, got {num_instances}.")
+  if max_batch_size < 1:
+    raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}.")
+  order = np.arange(num_prompts)
+  if seed is not None:
+    order = np.random.default_rng(seed).permutation(num_prompts)
+  assignments = tuple(tuple(int(p) for p in order[i::num_instances]) for i in range(num_instances))
+  batch_sizes = tuple(max(1, min(int(max_batch_size), len(a))) for a in assignments)
+  return DispatchPlan(assignments=assignments, batch_sizes=batch_sizes, n_long_instances=0,
+                      predicted_time=math.nan, objective="fifo")
+
+
+def dispatch(predicted_lengths: Sequence[float], num_instances: int, profile: LatencyProfile,
+             recent_lengths: Sequence[float] | None, *, alpha: float = 0.2,
+             objective: str = "makespan", max_batch_size: int = 256) -> DispatchPlan:
+  """Algorithm 2: split instances between long-tail and regular prompts.
+
+  Args:
+    predicted_lengths: [P] ranker predictions (only their order matters).
+    num_instances: N generator instances (>= 1).
+    profile: PTL(BS) curve of one instance (all instances alike).
+    recent_lengths: output lengths observed in recent iterations; None or
+      empty (first iteration) falls back to `fifo_plan`, logged once.
+    alpha: fraction of prompts (by predicted length) treated as long tail;
+      ceil(alpha * P) prompts.
+    objective: "makespan" (max of the group latencies) or "sum" (paper).
+    max_batch_size: the most requests one instance can run at once.
+  Returns:
+    A DispatchPlan; long-tail instances come first.
+  """
+  global _warned_no_history
+  if num_instances < 1:
+    raise ValueError(f"num_instances must be >= 1, got {num_instances}.")
+  if not 0.0 <= alpha <= 1.0:
+    raise ValueError(f"alpha must be in [0, 1], got {alpha}.")
+  if objective not in OBJECTIVES:
+    raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}.")
+  if max_batch_size < 1:
+    raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}.")
+  pred = np.asarray(predicted_lengths, dtype=np.float64).reshape(-1)
+  if not np.all(np.isfinite(pred)):
+    raise ValueError("predicted lengths must be finite; check the ranker's output.")
+  num_prompts = pred.shape[0]
+
+  recent = None if recent_lengths is None else np.asarray(recent_lengths, dtype=np.float64).reshape(-1)
+  if recent is None or recent.size == 0:
+    if not _warned_no_history:
+      _log.warning("No output-length history yet (first iteration): dispatching FIFO "
+                   "round-robin until lengths have been observed.")
+      _warned_no_history = True
+    return fifo_plan(num_prompts, num_instances, max_batch_size)
+
+  l_long = float(np.percentile(recent, 90))
+  l_reg = float(np.percentile(recent, 50))
+  order = lpt_order(pred)
+  n_long = min(num_prompts, math.ceil(alpha * num_prompts - 1e-9)) if num_prompts else 0
+  long_ids, reg_ids = order[:n_long], order[n_long:]
+
+  if num_instances == 1:
+    # One instance serves everything, in LPT order.
+    l_avg = (n_long * l_long + len(reg_ids) * l_reg) / num_prompts if num_prompts else 0.0
+    t = _group_time(profile, num_prompts, l_avg, 1, max_batch_size)
+    bs = choose_batch_size(profile, num_prompts, max_batch_size)
+    return DispatchPlan(assignments=(tuple(order),), batch_sizes=(bs,), n_long_instances=0,
+                        predicted_time=t, objective=objective, objective_value=t,
+                        group_times=(0.0, t))
+
+  if long_ids and reg_ids:
+    candidates = range(1, num_instances)
+  elif long_ids:
+    candidates = range(num_instances, num_instances + 1)
+  else:
+    candidates = range(0, 1)
+
+  best = None
+  for n_l in candidates:
+    n_r = num_instances - n_l
+    t_long = _group_time(profile, len(long_ids), l_long, n_l, max_batch_size)
+    t_reg = _group_time(profile, len(reg_ids), l_reg, n_r, max_batch_size)
+    primary = _objective(objective, t_long, t_reg)
+    other = _objective("sum" if objective == "makespan" else "makespan", t_long, t_reg)
+    key = (primary, other, n_l)  # Ties: the other objective, then fewer long instances.
+    if best is None or key < best[0]:
+      best = (key, n_l, t_long, t_reg)
+  _, n_l, t_long, t_reg = best
+  n_r = num_instances - n_l
+
+  long_buckets = _balance(long_ids, pred, n_l)
+  reg_buckets = _balance(reg_ids, pred, n_r)
+  buckets = long_buckets + reg_buckets
+  # Cap per instance from its own load, so an instance that greedy balancing
+  # gave more prompts than ceil(P_g / N_g) does not run extra waves.
+  batch_sizes = tuple(choose_batch_size(profile, len(b), max_batch_size) for b in buckets)
+  return DispatchPlan(
+      assignments=tuple(tuple(int(p) for p in b) for b in buckets),
+      batch_sizes=batch_sizes,
+      n_long_instances=n_l,
+      predicted_time=max(t_long, t_reg),
+      objective=objective,
+      objective_value=_objective(objective, t_long, t_reg),
+      group_times=(t_long, t_reg),
+  )

@@ -1,0 +1,135 @@
+import importlib
+import logging
+import math
+
+import numpy as np
+import pytest
+
+from streamrl.scheduling.dispatch import choose_batch_size, dispatch, estimate_latency, fifo_plan
+from streamrl.scheduling.latency import LatencyProfile
+
+# The package re-exports the function `dispatch`, which shadows the submodule attribute.
+dispatch_mod = importlib.import_module("streamrl.scheduling.dispatch")
+
+PAPER = LatencyProfile.from_paper()
+# A measured-looking CPU curve with a steep, superlinear tail.
+STEEP = LatencyProfile(batch_sizes=(1, 2, 8, 32), ptl_s=(0.01, 0.011, 0.02, 0.2))
+
+
+def _brute_batch(profile, m, max_bs):
+  if m == 0:
+    return 1
+  costs = [(profile.ptl(b) * math.ceil(m / b), b) for b in range(1, min(max_bs, m) + 1)]
+  return min(costs)[1]
+
+
+@pytest.mark.parametrize("profile", [PAPER, STEEP])
+def test_choose_batch_size_matches_full_scan(profile):
+  for m in range(0, 300, 7):
+    for max_bs in (1, 3, 16, 64, 512):
+      b = choose_batch_size(profile, m, max_bs)
+      want = _brute_batch(profile, m, max_bs)
+      assert profile.ptl(b) * math.ceil(max(m, 1) / b) == pytest.approx(
+          profile.ptl(want) * math.ceil(max(m, 1) / want))
+
+
+def test_estimate_latency_formula():
+  p = LatencyProfile(batch_sizes=(1, 10), ptl_s=(0.01, 0.1))
+  # 10 prompts on 2 instances -> M = 5; BS 2 -> 3 waves of PTL(2) * 100.
+  assert estimate_latency(p, 10, 100.0, 2, 2) == pytest.approx(p.ptl(2) * 100 * 3)
+  assert estimate_latency(p, 0, 100.0, 0, 2) == 0.0
+  assert estimate_latency(p, 3, 100.0, 0, 2) == math.inf
+
+
+def _brute_best(pred, n, profile, recent, alpha, objective, max_bs):
+  """Independent enumeration of every instance split; returns the best objective value."""
+  p = len(pred)
+  n_long = math.ceil(alpha * p - 1e-9)
+  l_long, l_reg = np.percentile(recent, 90), np.percentile(recent, 50)
+  best = math.inf
+  for n_l in range(0, n + 1):
+    n_r = n - n_l
+    if (n_long and not n_l) or ((p - n_long) and not n_r):
+      continue
+    times = []
+    for count, inst, l in ((n_long, n_l, l_long), (p - n_long, n_r, l_reg)):
+      if count == 0:
+        times.append(0.0)
+        continue
+      m = math.ceil(count / inst)
+      b = _brute_batch(profile, m, max_bs)
+      times.append(profile.ptl(b) * l * math.ceil(m / b))
+    best = min(best, max(times) if objective == "makespan" else sum(times))
+  return best
+
+
+@pytest.mark.parametrize("objective", ["makespan", "sum"])
+@pytest.mark.parametrize("seed", range(30))
+def test_dispatch_matches_brute_force(objective, seed):
+  rng = np.random.default_rng(seed)
+  p, n = int(rng.integers(1, 40)), int(rng.integers(2, 7))
+  pred = rng.lognormal(4, 1, size=p)
+  recent = rng.lognormal(4, 1, size=int(rng.integers(1, 50)))
+  alpha = float(rng.choice([0.1, 0.2, 0.5]))
+  max_bs = int(rng.choice([2, 4, 64]))
+  profile = PAPER if seed % 2 else STEEP
+  plan = dispatch(pred, n, profile, recent, alpha=alpha, objective=objective, max_batch_size=max_bs)
+  assert plan.objective_value == pytest.approx(_brute_best(pred, n, profile, recent, alpha, objective, max_bs))
+
+  # Every prompt exactly once; long-tail instances hold exactly the top alpha.
+  flat = [i for a in plan.assignments for i in a]
+  assert sorted(flat) == list(range(p))
+  n_long = math.ceil(alpha * p - 1e-9)
+  top = set(np.argsort(-pred, kind="stable")[:n_long].tolist())
+  assert {i for a in plan.assignments[:plan.n_long_instances] for i in a} == top
+  assert 1 <= plan.n_long_instances <= n - (1 if n_long < p else 0)
+  for a, bs in zip(plan.assignments, plan.batch_sizes):
+    assert list(pred[list(a)]) == sorted(pred[list(a)], reverse=True)  # LPT inside.
+    assert 1 <= bs <= max_bs
+
+
+def test_long_tail_instances_run_small_batches():
+  rng = np.random.default_rng(0)
+  pred = rng.lognormal(5, 1, size=256)
+  plan = dispatch(pred, 4, PAPER, recent_lengths=pred, alpha=0.2, max_batch_size=512)
+  assert 1 <= plan.n_long_instances < 4
+  long_bs = plan.batch_sizes[:plan.n_long_instances]
+  reg_bs = plan.batch_sizes[plan.n_long_instances:]
+  assert max(long_bs) < min(reg_bs)
+
+
+def test_one_instance_gets_everything_in_lpt_order():
+  pred = [5, 1, 9, 3]
+  plan = dispatch(pred, 1, PAPER, recent_lengths=[10, 20], max_batch_size=2)
+  assert plan.assignments == ((2, 0, 3, 1),)
+  assert plan.batch_sizes == (2,)
+  assert plan.predicted_time > 0
+
+
+def test_no_history_falls_back_to_fifo_and_logs_once(caplog, monkeypatch):
+  monkeypatch.setattr(dispatch_mod, "_warned_no_history", False)
+  with caplog.at_level(logging.WARNING, logger=dispatch_mod.__name__):
+    a = dispatch([3, 2, 1, 9, 8], 2, PAPER, None, max_batch_size=8)
+    b = dispatch([3, 2, 1, 9, 8], 2, PAPER, [], max_batch_size=8)
+  assert a == b == fifo_plan(5, 2, 8)
+  assert a.assignments == ((0, 2, 4), (1, 3))
+  assert a.objective == "fifo" and math.isnan(a.predicted_time)
+  assert sum("No output-length history" in r.message for r in caplog.records) == 1
+
+
+def test_fifo_plan_seeded_shuffle_is_a_permutation():
+  plan = fifo_plan(10, 3, max_batch_size=2, seed=1)
+  assert sorted(i for a in plan.assignments for i in a) == list(range(10))
+  assert plan.batch_sizes == (2, 2, 2)
+  assert fifo_plan(10, 3, 2, seed=1) == plan
+
+
+def test_bad_arguments_refused():
+  with pytest.raises(ValueError, match="objective"):
+    dispatch([1], 2, PAPER, [1], objective="mean")
+  with pytest.raises(ValueError, match="num_instances"):
+    dispatch([1], 0, PAPER, [1])
+  with pytest.raises(ValueError, match="alpha"):
+    dispatch([1], 2, PAPER, [1], alpha=1.5)
+  with pytest.raises(ValueError, match="finite"):
+    dispatch([1, math.inf], 2, PAPER, [1])
