@@ -1,0 +1,231 @@
+"""Synthetic verifiable string tasks with long-tailed, predictable output length.
+
+A prompt names an operation and a random lowercase string; the answer is the
+operation applied to the string:
+
+  `cpy:abc=` -> `abc`      (copy)
+  `rev:abc=` -> `cba`      (reverse)
+  `dbl:abc=` -> `aabbcc`   (each character doubled)
+  `srt:cab=` -> `abc`      (sorted; harder, not in the default mix)
+
+The length of a correct answer is a function of the prompt (`len(s)` or
+`2 * len(s)`), so an output-length ranker has something real to learn, and the
+input length is drawn from a discretised log-normal distribution truncated to
+the answer budget: most answers are a few characters, a few run to
+`max_answer_len`. That is the skew the StreamRL paper is about (Fig. 3): a
+handful of long generations hold up a batch of short ones.
+
+For a tiny policy the difficulty grows with length: short strings are easy
+to copy or reverse, long ones are not, so a warm-started policy is right on
+short prompts and wrong on long ones, and RL has room to improve.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import string
+from typing import Callable, Mapping, Sequence
+
+import numpy as np
+
+from streamrl.data import tokenizer
+
+
+@dataclasses.dataclass(frozen=True)
+class Example:
+  """One prompt with its reference answer.
+
+  `prompt_id` is unique within a dataset; `task` names the operation
+  (`cpy`, `rev`, ...) or the data source (`jsonl`).
+  """
+
+  prompt_id: int
+  prompt: str
+  answer: str
+  task: str
+
+
+# op name -> (function on the input string, answer length per input char).
+_OPS: Mapping[str, tuple[Callable[[str], str], int]] = {
+    "cpy": (lambda s: s, 1),
+    "rev": (lambda s: s[::-1], 1),
+    "dbl": (lambda s: "".join(c + c for c in s), 2),
+    "srt": (lambda s: "".join(sorted(s)), 1),
+}
+KNOWN_OPS = tuple(_OPS)
+DEFAULT_OPS = ("cpy", "rev", "dbl")
+_SEP, _END = ":", "="
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskConfig:
+  """Shape of the synthetic task distribution.
+
+  Attributes:
+    ops: operations to mix, each drawn with equal probability.
+    max_answer_len: longest answer in characters (the EOS token comes on top),
+      so generation needs `max_tokens >= max_answer_len + 1`.
+    median_len: median of the log-normal input-length distribution before
+      truncation.
+    sigma: log-normal shape; larger means a heavier tail.
+    alphabet_size: the strings use the first `alphabet_size` lowercase
+      letters.
+  """
+
+  ops: tuple[str, ...] = DEFAULT_OPS
+  max_answer_len: int = 48
+  median_len: float = 4.0
+  sigma: float = 1.0
+  alphabet_size: int = 26
+
+  def __post_init__(self):
+    # Accept lists from ml_collections configs but keep the dataclass hashable.
+    object.__setattr__(self, "ops", tuple(self.ops))
+    unknown = [op for op in self.ops if op not in _OPS]
+    if not self.ops or unknown:
+      raise ValueError(
+          f"Unknown task ops {unknown or list(self.ops)}; choose a non-empty "
+          f"subset of {list(KNOWN_OPS)}.")
+    worst = max(_OPS[op][1] for op in self.ops)
+    if self.max_answer_len < worst:
+      raise ValueError(
+          f"max_answer_len={self.max_answer_len} leaves no room for an input "
+          f"string with ops {list(self.ops)}; set it to at least {worst}.")
+    if self.median_len <= 0 or self.sigma <= 0:
+      raise ValueError(
+          f"median_len={self.median_len} and sigma={self.sigma} must both be "
+          "positive.")
+    if not 1 <= self.alphabet_size <= 26:
+      raise ValueError(
+          f"alphabet_size={self.alphabet_size} must be between 1 and 26.")
+
+  def max_input_len(self, op: str) -> int:
+    """Longest input string for `op` whose answer fits `max_answer_len`."""
+    return self.max_answer_len // _OPS[op][1]
+
+
+def solve(op: str, s: str) -> str:
+  """Applies operation `op` to string `s` (the reference answer)."""
+  if op not in _OPS:
+    raise ValueError(f"Unknown task op {op!r}; choose one of {list(KNOWN_OPS)}.")
+  return _OPS[op][0](s)
+
+
+def parse_prompt(prompt: str) -> tuple[str, str]:
+  """Splits `op:string=` into `(op, string)`; ValueError if it is not one."""
+  if (len(prompt) < 5 or prompt[3] != _SEP or not prompt.endswith(_END)
+      or prompt[:3] not in _OPS):
+    raise ValueError(
+        f"{prompt!r} is not a synthetic task prompt of the form 'op:string='.")
+  return prompt[:3], prompt[4:-1]
+
+
+def oracle_answer_length(prompt: str) -> int:
+  """Exact length of the correct answer to a synthetic prompt, in characters.
+
+  The ideal output-length ranker (the policy adds one EOS token).
+  """
+  op, s = parse_prompt(prompt)
+  return len(s) * _OPS[op][1]
+
+
+def input_length_pmf(config: TaskConfig, op: str) -> np.ndarray:
+  """P(input length = k) for k = 0..max_input_len(op); entry 0 is zero.
+
+  Discretised log-normal: P(k) is proportional to the log-normal mass on
+  [k - 1/2, k + 1/2) (from 0 for k = 1), truncated to the answer budget and
+  renormalised. Truncation instead of clipping keeps a point mass from
+  piling up at the longest length.
+  """
+  kmax = config.max_input_len(op)
+  mu = math.log(config.median_len)
+
+  def cdf(x: float) -> float:
+    if x <= 0:
+      return 0.0
+    z = (math.log(x) - mu) / config.sigma
+    return 0.5 * (1.0 + math.erf(z / math.sqrt(2.0)))
+
+  pmf = np.zeros(kmax + 1)
+  for k in range(1, kmax + 1):
+    pmf[k] = cdf(k + 0.5) - cdf(k - 0.5 if k > 1 else 0.0)
+  total = pmf.sum()
+  if total <= 0:  # median far beyond the budget: everything sits at kmax.
+    pmf[kmax] = 1.0
+    return pmf
+  return pmf / total
+
+
+def answer_length_pmf(config: TaskConfig) -> np.ndarray:
+  """P(answer length = L) for L = 0..max_answer_len under the op mixture."""
+  pmf = np.zeros(config.max_answer_len + 1)
+  for op in config.ops:
+    factor = _OPS[op][1]
+    in_pmf = input_length_pmf(config, op)
+    for k, p in enumerate(in_pmf):
+      pmf[k * factor] += p / len(config.ops)
+  return pmf
+
+
+def make_examples(
+    n: int,
+    seed: int,
+    *,
+    ops: Sequence[str] = DEFAULT_OPS,
+    max_answer_len: int = TaskConfig.max_answer_len,
+    median_len: float = TaskConfig.median_len,
+    sigma: float = TaskConfig.sigma,
+    alphabet_size: int = TaskConfig.alphabet_size,
+    first_id: int = 0,
+) -> list[Example]:
+  """Draws `n` synthetic examples; the same arguments give the same list.
+
+  Args:
+    n: number of examples.
+    seed: numpy RNG seed.
+    ops, max_answer_len, median_len, sigma, alphabet_size: see `TaskConfig`.
+    first_id: prompt ids are `first_id .. first_id + n - 1` (use disjoint
+      ranges for train and eval sets).
+
+  Returns:
+    list of `Example` with `task` set to the op name.
+  """
+  if n < 0:
+    raise ValueError(f"n={n} must be non-negative.")
+  config = TaskConfig(ops=tuple(ops), max_answer_len=max_answer_len,
+                      median_len=median_len, sigma=sigma,
+                      alphabet_size=alphabet_size)
+  rng = np.random.default_rng(seed)
+  alphabet = np.array(list(string.ascii_lowercase[:config.alphabet_size]))
+  pmfs = {op: input_length_pmf(config, op) for op in config.ops}
+  op_idx = rng.integers(len(config.ops), size=n)
+  examples = []
+  for i in range(n):
+    op = config.ops[op_idx[i]]
+    length = int(rng.choice(len(pmfs[op]), p=pmfs[op]))
+    s = "".join(rng.choice(alphabet, size=length))
+    examples.append(Example(prompt_id=first_id + i, prompt=f"{op}{_SEP}{s}{_END}",
+                            answer=solve(op, s), task=op))
+  return examples
+
+
+def length_stats(lengths: Sequence[int] | np.ndarray) -> dict[str, float]:
+  """Summary of a length sample: mean, p50, p90, p99, max, p99_over_p50."""
+  arr = np.asarray(lengths, dtype=np.float64)
+  if arr.size == 0:
+    raise ValueError("length_stats needs at least one length.")
+  p50, p90, p99 = np.percentile(arr, [50, 90, 99])
+  return {
+      "mean": float(arr.mean()),
+      "p50": float(p50),
+      "p90": float(p90),
+      "p99": float(p99),
+      "max": float(arr.max()),
+      "p99_over_p50": float(p99 / max(p50, 1.0)),
+  }
+
+
+def answer_length_stats(examples: Sequence[Example]) -> dict[str, float]:
+  """`length_stats` of the answers' token counts (characters, without EOS)."""
+  return length_stats([len(tokenizer.encode(ex.answer)) for ex in examples])

@@ -1,0 +1,102 @@
+"""Synthetic tasks: determinism, correctness per op, long-tailed lengths."""
+
+import numpy as np
+import pytest
+
+from streamrl.data import tasks
+from streamrl.data import tokenizer
+
+
+def test_deterministic_under_seed():
+  a = tasks.make_examples(300, seed=7)
+  b = tasks.make_examples(300, seed=7)
+  c = tasks.make_examples(300, seed=8)
+  assert a == b
+  assert a != c
+  assert [ex.prompt_id for ex in a] == list(range(300))
+  shifted = tasks.make_examples(5, seed=7, first_id=1000)
+  assert [ex.prompt_id for ex in shifted] == list(range(1000, 1005))
+
+
+@pytest.mark.parametrize("op,s,want", [
+    ("cpy", "abc", "abc"),
+    ("rev", "abc", "cba"),
+    ("dbl", "abc", "aabbcc"),
+    ("srt", "cab", "abc"),
+])
+def test_solve(op, s, want):
+  assert tasks.solve(op, s) == want
+
+
+def test_answers_follow_the_prompt_for_every_op():
+  examples = tasks.make_examples(400, seed=3, ops=tasks.KNOWN_OPS)
+  assert {ex.task for ex in examples} == set(tasks.KNOWN_OPS)
+  for ex in examples:
+    op, s = tasks.parse_prompt(ex.prompt)
+    assert op == ex.task
+    assert ex.prompt == f"{op}:{s}="
+    assert s and s.isalpha() and s.islower()
+    if op == "cpy":
+      assert ex.answer == s
+    elif op == "rev":
+      assert ex.answer == "".join(reversed(s))
+    elif op == "dbl":
+      assert ex.answer[::2] == s and ex.answer[1::2] == s
+    elif op == "srt":
+      assert list(ex.answer) == sorted(s)
+    # Length is a function of the prompt alone.
+    assert tasks.oracle_answer_length(ex.prompt) == len(ex.answer)
+
+
+def test_prompts_are_short_and_in_vocab():
+  examples = tasks.make_examples(2000, seed=0)
+  assert max(len(ex.prompt) for ex in examples) <= 70
+  for ex in examples:
+    tokenizer.encode(ex.prompt)  # raises on an out-of-vocab character
+    assert len(ex.answer) <= 48
+
+
+def test_answer_lengths_are_heavy_tailed():
+  stats = tasks.answer_length_stats(tasks.make_examples(5000, seed=0))
+  assert stats["p50"] <= 8
+  assert stats["p99_over_p50"] >= 4
+  assert stats["max"] >= 40
+
+
+def test_length_pmf_matches_samples():
+  config = tasks.TaskConfig()
+  pmf = tasks.answer_length_pmf(config)
+  assert pmf.shape == (config.max_answer_len + 1,)
+  assert pmf.sum() == pytest.approx(1.0)
+  assert pmf[0] == 0.0
+  lengths = [len(ex.answer) for ex in tasks.make_examples(5000, seed=4)]
+  expected_mean = float((pmf * np.arange(len(pmf))).sum())
+  assert np.mean(lengths) == pytest.approx(expected_mean, rel=0.08)
+
+
+def test_options_change_the_distribution():
+  short = tasks.make_examples(500, seed=0, max_answer_len=8, ops=["rev"],
+                              alphabet_size=3)
+  assert max(len(ex.answer) for ex in short) <= 8
+  assert set("".join(ex.answer for ex in short)) <= set("abc")
+  wide = tasks.make_examples(2000, seed=0, sigma=1.5)
+  narrow = tasks.make_examples(2000, seed=0, sigma=0.3)
+  assert (tasks.answer_length_stats(wide)["p99_over_p50"]
+          > tasks.answer_length_stats(narrow)["p99_over_p50"])
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"ops": ["add"]}, "add"),
+    ({"ops": []}, "non-empty"),
+    ({"ops": ["dbl"], "max_answer_len": 1}, "max_answer_len"),
+    ({"sigma": 0.0}, "sigma"),
+    ({"alphabet_size": 27}, "alphabet_size"),
+])
+def test_bad_config_raises(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    tasks.make_examples(3, seed=0, **kwargs)
+
+
+def test_parse_prompt_rejects_other_text():
+  with pytest.raises(ValueError, match="op:string="):
+    tasks.parse_prompt("what is 2+2?")
