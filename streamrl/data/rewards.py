@@ -12,8 +12,9 @@ float`, where `response` is the decoded policy output (already cut at EOS) and
                  padding the output with junk lowers the credit).
   math_verify    GSM8K / MATH style: extracts the final answer (last
                  `\\boxed{...}`, else `#### x`, else the last number) from
-                 both sides and compares them, numerically when both parse
-                 ("1,000" == "1000.0", "1/2" == "0.5" == "\\frac{1}{2}").
+                 the response and compares it with the reference (its
+                 boxed / `####` part, else all of it), numerically when
+                 both parse ("1,000" == "1000.0", "1/2" == "0.5" == "\\frac{1}{2}").
 
 The loop calls rewards through `safe_reward`, so a verifier that raises costs
 one sample its reward (0.0, counted) instead of killing the run.
@@ -141,8 +142,9 @@ def parse_number(ans: str) -> fractions.Fraction | None:
 def math_verify(response: str, answer: str) -> float:
   """1.0 if the response's final answer equals the reference's, else 0.0.
 
-  The reference may be a bare answer ("72") or a full solution ending in
-  `#### 72` or `\\boxed{72}`; both sides go through `extract_final_answer`.
+  The reference may be a bare answer ("72", "\\frac{3}{4}", used whole) or a
+  full solution ending in `#### 72` or `\\boxed{72}` (that part is used). The
+  response goes through `extract_final_answer`.
   Numbers compare exactly as fractions, anything else as normalised strings.
   """
   got = extract_final_answer(response)

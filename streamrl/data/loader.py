@@ -1,0 +1,131 @@
+"""Prompt batches through grain, with a checkpointable position.
+
+The pipeline is `range(n) -> shuffle(seed) -> batch(drop_remainder) ->
+repeat(num_epochs)`: grain reshuffles every epoch with a seed derived from
+`seed` and the epoch, and batching *before* repeating keeps every batch inside
+one epoch, so a batch never holds the same prompt twice (GRPO groups samples
+by `prompt_id`). With `drop_remainder=True` (the default, for a fixed batch
+size) each epoch leaves out `n % batch_size` prompts, different ones each
+epoch.
+
+The iterator state is grain's (`{"next_index": k}`, a plain dict) plus a
+description of the dataset, so restoring into a loader built on other data
+or another batch size is refused instead of silently reading other prompts.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Any, Iterator, Sequence
+
+import grain
+
+from streamrl.data import tokenizer as char_tokenizer
+from streamrl.data.tasks import Example
+
+
+def _fingerprint(examples: Sequence[Example]) -> int:
+  """CRC32 over ids and prompts: cheap, stable across processes."""
+  crc = 0
+  for ex in examples:
+    crc = zlib.crc32(f"{ex.prompt_id}\x00{ex.prompt}\x01".encode(), crc)
+  return crc
+
+
+class PromptLoader(Iterator[list[Example]]):
+  """Iterates over batches (lists) of Examples in a seeded, resumable order.
+
+  Args:
+    examples: the dataset.
+    batch_size: prompts per batch.
+    seed: shuffle seed (the order is a pure function of seed and position).
+    num_epochs: None repeats forever; otherwise StopIteration after that many
+      passes.
+    shuffle: False keeps the dataset order (every epoch the same).
+    drop_remainder: drop the last partial batch of each epoch.
+  """
+
+  def __init__(self, examples: Sequence[Example], batch_size: int, seed: int,
+               num_epochs: int | None = None, *, shuffle: bool = True,
+               drop_remainder: bool = True):
+    if not examples:
+      raise ValueError("PromptLoader got an empty dataset; check the data "
+                       "source config.")
+    if batch_size < 1:
+      raise ValueError(f"batch_size={batch_size} must be at least 1.")
+    if drop_remainder and batch_size > len(examples):
+      raise ValueError(
+          f"batch_size={batch_size} is larger than the dataset "
+          f"({len(examples)} prompts); use more prompts or a smaller batch.")
+    if num_epochs is not None and num_epochs < 1:
+      raise ValueError(f"num_epochs={num_epochs} must be >= 1 or None.")
+    self._examples = list(examples)
+    self._desc = {
+        "num_examples": len(self._examples),
+        "batch_size": int(batch_size),
+        "seed": int(seed),
+        "num_epochs": num_epochs,
+        "shuffle": bool(shuffle),
+        "drop_remainder": bool(drop_remainder),
+        "fingerprint": _fingerprint(self._examples),
+    }
+    ds = grain.MapDataset.range(len(self._examples))
+    if shuffle:
+      ds = ds.shuffle(seed=seed)
+    ds = ds.batch(batch_size, drop_remainder=drop_remainder, batch_fn=list)
+    ds = ds.repeat(num_epochs)
+    # No reader threads: indices are cheap, and threads would compete for
+    # the few CPU cores the generator and trainer need.
+    self._iter = iter(ds.to_iter_dataset(
+        grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)))
+    self.batches_per_epoch = (
+        len(self._examples) // batch_size if drop_remainder
+        else -(-len(self._examples) // batch_size))
+
+  def __iter__(self) -> "PromptLoader":
+    return self
+
+  def __next__(self) -> list[Example]:
+    indices = next(self._iter)
+    return [self._examples[int(i)] for i in indices]
+
+  def get_state(self) -> dict[str, Any]:
+    """JSON-serialisable position; `set_state` on an equal loader resumes."""
+    return {"grain": dict(self._iter.get_state()), **self._desc}
+
+  def set_state(self, state: dict[str, Any]) -> None:
+    """Moves to a position saved by `get_state`.
+
+    Raises ValueError if the state belongs to a different dataset, batch
+    size, seed or epoch setting.
+    """
+    saved = {k: state.get(k) for k in self._desc}
+    if saved != self._desc:
+      diff = sorted(k for k in self._desc if saved[k] != self._desc[k])
+      raise ValueError(
+          f"The saved data-iterator state does not match this loader "
+          f"(differs in {diff}); resume with the same data config or start a "
+          "new workdir.")
+    self._iter.set_state(dict(state["grain"]))
+
+
+def make_prompts(batch: Sequence[Example],
+                 tokenizer: Any = None) -> list[tuple[int, list[int]]]:
+  """Token ids for the generator: `[(prompt_id, token_ids), ...]`.
+
+  Args:
+    batch: Examples.
+    tokenizer: None for the character tokenizer (`[BOS] + encode(prompt)`);
+      otherwise anything with `encode(text)` that adds the model's own special
+      tokens — a `tokenizers.Tokenizer` (returns an Encoding with `.ids`) or
+      a `transformers` tokenizer (returns a list).
+  """
+  out = []
+  for ex in batch:
+    if tokenizer is None or tokenizer is char_tokenizer:
+      ids = [char_tokenizer.BOS_ID] + char_tokenizer.encode(ex.prompt)
+    else:
+      enc = tokenizer.encode(ex.prompt)
+      ids = list(getattr(enc, "ids", enc))
+    out.append((ex.prompt_id, [int(i) for i in ids]))
+  return out
