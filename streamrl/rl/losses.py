@@ -112,6 +112,9 @@ def ppo_policy_loss(
     clipped branch is active), approx_kl (k3 estimate of KL(π_old || π_θ)),
     ratio_mean, ratio_max, and dual_clip_frac when dual_clip is set.
   """
+  if dual_clip is not None and dual_clip <= 1.0:
+    raise ValueError(f"dual_clip must be > 1 (Ye et al. use 3), got "
+                     f"{dual_clip}; or set it to None to disable it.")
   logp = as_float(logp_bt)
   old = jax.lax.stop_gradient(as_float(old_logp_bt)).astype(logp.dtype)
   adv = jax.lax.stop_gradient(as_float(advantages_bt)).astype(logp.dtype)
@@ -127,9 +130,6 @@ def ppo_policy_loss(
   loss_bt = jnp.maximum(loss_unclipped, loss_clipped)
   metrics = {}
   if dual_clip is not None:
-    if dual_clip <= 1.0:
-      raise ValueError(f"dual_clip must be > 1 (Ye et al. use 3), got "
-                       f"{dual_clip}; or set it to None to disable it.")
     cap = -adv * dual_clip  # = c·|A| where A < 0
     dual_active = (adv < 0) & (cap < loss_bt)
     loss_bt = jnp.where(adv < 0, jnp.minimum(loss_bt, cap), loss_bt)
