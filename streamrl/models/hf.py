@@ -1,0 +1,226 @@
+"""Weight conversion between our Flax state and HF checkpoint directories.
+
+One mapping table serves both directions: each entry names a parameter path in
+the Flax state, its HF name, and how the array is laid out on each side (HF
+Linear weights are [out, in]; our kernels are [in, ...out] with heads split
+out). Exported tensors are exactly what vLLM's `load_weights` takes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import json
+import os
+from collections.abc import Callable, Iterator, Mapping
+
+import jax
+import numpy as np
+from flax import nnx
+from safetensors.numpy import load_file, save_file
+
+from streamrl.models.config import ModelConfig
+from streamrl.models.transformer import Transformer
+
+SUPPORTED_ARCHITECTURES = {
+    "Qwen2ForCausalLM": "qwen2",
+    "LlamaForCausalLM": "llama",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Entry:
+  path: tuple
+  hf_name: str
+  to_hf: Callable[[np.ndarray], np.ndarray]
+  from_hf: Callable[[np.ndarray], np.ndarray]
+
+
+def _identity(x):
+  return x
+
+
+def _layout(cfg: ModelConfig) -> Iterator[_Entry]:
+  d, h, k, n = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+
+  def split_heads(heads):  # HF [heads*n, d] <-> ours [d, heads, n]
+    return (lambda w: w.reshape(d, heads * n).T,
+            lambda w: w.T.reshape(d, heads, n))
+
+  def split_bias(heads):
+    return (lambda b: b.reshape(heads * n), lambda b: b.reshape(heads, n))
+
+  transpose = (lambda w: w.T, lambda w: w.T)
+  yield _Entry(("trunk", "embedding_vd"), "model.embed_tokens.weight", _identity, _identity)
+  for i in range(cfg.num_layers):
+    p, hf = ("trunk", "blocks", i), f"model.layers.{i}."
+    yield _Entry(p + ("attn_norm", "scale"), hf + "input_layernorm.weight", _identity, _identity)
+    yield _Entry(p + ("mlp_norm", "scale"), hf + "post_attention_layernorm.weight", _identity, _identity)
+    for ours, theirs, heads in (("q", "q", h), ("k", "k", k), ("v", "v", k)):
+      suffix = "dhn" if ours == "q" else "dkn"
+      yield _Entry(p + ("attn", f"w_{ours}_{suffix}"), hf + f"self_attn.{theirs}_proj.weight",
+                   *split_heads(heads))
+      if cfg.qkv_bias:
+        bsuffix = "hn" if ours == "q" else "kn"
+        yield _Entry(p + ("attn", f"b_{ours}_{bsuffix}"), hf + f"self_attn.{theirs}_proj.bias",
+                     *split_bias(heads))
+    yield _Entry(p + ("attn", "w_o_hnd"), hf + "self_attn.o_proj.weight",
+                 lambda w: w.reshape(h * n, d).T, lambda w: w.T.reshape(h, n, d))
+    yield _Entry(p + ("mlp", "w_gate_df"), hf + "mlp.gate_proj.weight", *transpose)
+    yield _Entry(p + ("mlp", "w_up_df"), hf + "mlp.up_proj.weight", *transpose)
+    yield _Entry(p + ("mlp", "w_down_fd"), hf + "mlp.down_proj.weight", *transpose)
+  yield _Entry(("trunk", "final_norm", "scale"), "model.norm.weight", _identity, _identity)
+  if not cfg.tie_embeddings:
+    yield _Entry(("w_head_dv",), "lm_head.weight", *transpose)
+
+
+def _get(tree, path):
+  for key in path:
+    tree = tree[key]
+  return tree
+
+
+def _set(tree, path, value):
+  for key in path[:-1]:
+    tree = tree.setdefault(key, {})
+  tree[path[-1]] = value
+
+
+def to_hf_tensors(model: Transformer, dtype=np.float32) -> dict[str, np.ndarray]:
+  """Flax policy -> {HF parameter name: numpy array}, ready for vLLM."""
+  pure = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  pure = jax.device_get(pure)
+  return {e.hf_name: np.ascontiguousarray(e.to_hf(np.asarray(_get(pure, e.path))).astype(dtype))
+          for e in _layout(model.cfg)}
+
+
+def from_hf_tensors(cfg: ModelConfig, tensors: Mapping[str, np.ndarray]) -> Transformer:
+  """{HF name: array} -> a Flax policy with exactly those weights."""
+  abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+  graphdef, state = nnx.split(abstract)
+  expected = nnx.to_pure_dict(state)
+  pure: dict = {}
+  for e in _layout(cfg):
+    if e.hf_name not in tensors:
+      raise ValueError(
+          f"Checkpoint is missing {e.hf_name!r}; it does not look like a "
+          f"{cfg.family} checkpoint with this config.json.")
+    value = np.asarray(e.from_hf(np.asarray(tensors[e.hf_name])), dtype=np.float32)
+    want = _get(expected, e.path).shape
+    if value.shape != want:
+      raise ValueError(
+          f"Parameter {e.hf_name!r} has shape {tensors[e.hf_name].shape}, which "
+          f"does not match config.json (expected {want} after conversion); "
+          "check that config.json belongs to these weights.")
+    _set(pure, e.path, value)
+  nnx.replace_by_pure_dict(state, pure)
+  return nnx.merge(graphdef, state)
+
+
+def hf_config_dict(cfg: ModelConfig, *, bos_token_id: int = 1,
+                   eos_token_id: int = 2, pad_token_id: int = 0) -> dict:
+  arch = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}[cfg.family]
+  out = {
+      "architectures": [arch],
+      "model_type": cfg.family,
+      "vocab_size": cfg.vocab_size,
+      "hidden_size": cfg.hidden_size,
+      "intermediate_size": cfg.intermediate_size,
+      "num_hidden_layers": cfg.num_layers,
+      "num_attention_heads": cfg.num_heads,
+      "num_key_value_heads": cfg.num_kv_heads,
+      "head_dim": cfg.head_dim,
+      "rope_theta": cfg.rope_theta,
+      "rms_norm_eps": cfg.rms_norm_eps,
+      "tie_word_embeddings": cfg.tie_embeddings,
+      "max_position_embeddings": cfg.max_position_embeddings,
+      "hidden_act": "silu",
+      "torch_dtype": "float32",
+      "bos_token_id": bos_token_id,
+      "eos_token_id": eos_token_id,
+      "pad_token_id": pad_token_id,
+  }
+  if cfg.family == "llama":
+    out["attention_bias"] = False
+    out["mlp_bias"] = False
+  return out
+
+
+def config_from_hf(hf: Mapping) -> ModelConfig:
+  """Parses an HF config.json dict, refusing architectures we can't run."""
+  archs = hf.get("architectures") or []
+  family = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+  if family is None:
+    raise ValueError(
+        f"Unsupported architecture {archs or hf.get('model_type')!r}; StreamRL "
+        f"runs {sorted(SUPPORTED_ARCHITECTURES)} — convert the model or pick one of those.")
+  if family == "llama" and (hf.get("attention_bias") or hf.get("mlp_bias")):
+    raise ValueError("Llama checkpoints with attention_bias/mlp_bias are not supported; "
+                     "use a checkpoint without biases.")
+  rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+  if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
+    raise ValueError(f"RoPE scaling {rope.get('rope_type')!r} is not supported; "
+                     "use a checkpoint with default RoPE.")
+  theta = hf.get("rope_theta", rope.get("rope_theta", 10000.0))
+  heads = hf["num_attention_heads"]
+  return ModelConfig(
+      vocab_size=hf["vocab_size"],
+      hidden_size=hf["hidden_size"],
+      intermediate_size=hf["intermediate_size"],
+      num_layers=hf["num_hidden_layers"],
+      num_heads=heads,
+      num_kv_heads=hf.get("num_key_value_heads", heads),
+      head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+      rope_theta=float(theta),
+      rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+      tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+      qkv_bias=family == "qwen2",
+      max_position_embeddings=hf.get("max_position_embeddings", 4096),
+      family=family,
+  )
+
+
+def read_config(model_dir: str) -> ModelConfig:
+  path = os.path.join(model_dir, "config.json")
+  if not os.path.isdir(model_dir):
+    raise FileNotFoundError(
+        f"Model directory {model_dir!r} does not exist; pass a local HF checkpoint "
+        "directory (config.json + *.safetensors) or leave it empty for the tiny default.")
+  if not os.path.isfile(path):
+    raise FileNotFoundError(
+        f"{model_dir!r} has no config.json; point to an HF checkpoint directory.")
+  with open(path) as f:
+    return config_from_hf(json.load(f))
+
+
+def load_hf_tensors(model_dir: str) -> dict[str, np.ndarray]:
+  files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+  if not files:
+    raise FileNotFoundError(
+        f"{model_dir!r} has no *.safetensors files; save the checkpoint with "
+        "safe_serialization=True.")
+  tensors: dict[str, np.ndarray] = {}
+  for f in files:
+    tensors.update(load_file(f))
+  return tensors
+
+
+def load_hf(model_dir: str) -> tuple[ModelConfig, Transformer]:
+  """Loads any local Qwen2 / Llama HF checkpoint directory into Flax."""
+  cfg = read_config(model_dir)
+  tensors = load_hf_tensors(model_dir)
+  if cfg.tie_embeddings and "lm_head.weight" in tensors and not np.array_equal(
+      tensors["lm_head.weight"], tensors["model.embed_tokens.weight"]):
+    raise ValueError(f"{model_dir!r} says tie_word_embeddings but has a separate "
+                     "lm_head.weight; fix config.json.")
+  return cfg, from_hf_tensors(cfg, tensors)
+
+
+def save_hf(model: Transformer, model_dir: str, **config_kwargs) -> str:
+  """Writes config.json + model.safetensors (float32) into `model_dir`."""
+  os.makedirs(model_dir, exist_ok=True)
+  with open(os.path.join(model_dir, "config.json"), "w") as f:
+    json.dump(hf_config_dict(model.cfg, **config_kwargs), f, indent=2)
+  save_file(to_hf_tensors(model), os.path.join(model_dir, "model.safetensors"),
+            metadata={"format": "pt"})
+  return model_dir

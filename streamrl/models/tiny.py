@@ -1,0 +1,25 @@
+"""The tiny default policy: random init + the character tokenizer, saved as a
+normal HF directory (config.json, model.safetensors, tokenizer files) so the
+trainer and vLLM load it like any real checkpoint. Nothing is downloaded."""
+
+from __future__ import annotations
+
+import os
+
+from flax import nnx
+
+from streamrl.data import tokenizer as tok
+from streamrl.models import config as config_lib
+from streamrl.models import hf
+from streamrl.models.transformer import Transformer
+
+
+def build_tiny_model_dir(path: str, cfg: config_lib.ModelConfig | None = None,
+                         seed: int = 0, model: Transformer | None = None) -> str:
+  """Writes a tiny model (random init unless `model` is given) to `path`."""
+  cfg = cfg or config_lib.tiny_qwen2(tok.VOCAB_SIZE)
+  model = model or Transformer(cfg, rngs=nnx.Rngs(seed))
+  hf.save_hf(model, path, bos_token_id=tok.BOS_ID, eos_token_id=tok.EOS_ID,
+             pad_token_id=tok.PAD_ID)
+  tok.save_hf_tokenizer(path, model_max_length=cfg.max_position_embeddings)
+  return os.fspath(path)
