@@ -1,0 +1,523 @@
+"""Cost models of the simulator: GPUs, models, generation, training, transfer.
+
+Everything here is a small, explicit physical model; every constant is either a
+hardware spec (the paper's Table 1), a public model shape (Qwen2.5 configs), or
+a value fitted from the paper's PTL curve (Fig. 7) with the assumption named
+next to it.
+
+Generation (decode) cost of one instance running B sequences whose contexts
+sum to S tokens, per decode step (all sequences advance one token):
+
+    step(B, S) = a + b * B + c * S
+    a = L * o * (1 + tp_comm)  +  W / (TP * BW * eps_m)      # launch + weight read
+    b = 2 * N_c / (TP * F * eta_c)                            # per-sequence GEMM work
+    c = kv_bytes_per_token / (TP * BW * eps_m)                # KV-cache read
+
+L layers, W weight bytes, N_c compute parameters, F peak bf16 FLOP/s per GPU,
+BW HBM bandwidth per GPU. Decode is memory-bandwidth bound at small B (the `a`
+term) and grows with batch and context (the `b` and `c` terms). The constants o
+(per-layer step overhead: kernel launches, scheduling) and eta_c (GEMM
+efficiency in decode) are fitted to the paper's 7B/H800 curve under two stated
+assumptions (eps_m = 0.8 of peak HBM bandwidth is reachable; the curve was
+measured at about 1K tokens of context per sequence); see
+`calibrate_from_ptl_curve`. The fitted line reproduces Fig. 7 within 4 %.
+
+Training cost: FLOPs / (GPUs * F * MFU) with 2 * N FLOPs per token for a
+forward-only pass and 6 * N for forward + backward, plus causal attention
+(2 * L * d_attn * T^2 per sequence of T tokens per forward).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from streamrl.scheduling import LatencyProfile
+
+# ---------------------------------------------------------------------------
+# Hardware (paper Table 1) and links.
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuSpec:
+  """One GPU type.
+
+  Attributes:
+    name: e.g. "H800".
+    bf16_tflops: dense bf16 peak, TFLOP/s.
+    hbm_gb: memory per GPU, GB (1e9 bytes).
+    hbm_tb_s: memory bandwidth per GPU, TB/s.
+    nvlink_gb_s: intra-node GPU-GPU bandwidth per GPU, GB/s.
+    cost_per_machine: relative price of one machine (Table 1: H20 machine = 1).
+    gpus_per_machine: GPUs per machine.
+  """
+
+  name: str
+  bf16_tflops: float
+  hbm_gb: float
+  hbm_tb_s: float
+  nvlink_gb_s: float
+  cost_per_machine: float
+  gpus_per_machine: int = 8
+
+  @property
+  def flops(self) -> float:
+    return self.bf16_tflops * 1e12
+
+  @property
+  def hbm_bytes(self) -> float:
+    return self.hbm_gb * 1e9
+
+  @property
+  def hbm_bytes_s(self) -> float:
+    return self.hbm_tb_s * 1e12
+
+  @property
+  def cost_per_gpu(self) -> float:
+    return self.cost_per_machine / self.gpus_per_machine
+
+
+# Table 1 of the paper (hardware specs and relative machine cost).
+GPUS: dict[str, GpuSpec] = {
+    "H800": GpuSpec("H800", bf16_tflops=989.5, hbm_gb=80, hbm_tb_s=3.35, nvlink_gb_s=400,
+                    cost_per_machine=2.85),
+    "H20": GpuSpec("H20", bf16_tflops=148, hbm_gb=96, hbm_tb_s=4.0, nvlink_gb_s=900,
+                   cost_per_machine=1.00),
+}
+
+
+def get_gpu(name: str, gpus: Mapping[str, GpuSpec] | None = None) -> GpuSpec:
+  """Looks up a GPU type; unknown names raise a one-sentence ValueError."""
+  table = GPUS if gpus is None else gpus
+  if name not in table:
+    raise ValueError(f"GPU type {name!r} has no cost model; use one of {sorted(table)} "
+                     "or add a GpuSpec for it.")
+  return table[name]
+
+
+@dataclasses.dataclass(frozen=True)
+class LinkSpec:
+  """A network link: bandwidth in GB/s (1e9 bytes/s) and one-hop latency in s."""
+
+  bandwidth_gb_s: float
+  latency_s: float = 10e-6
+
+  def __post_init__(self):
+    if not self.bandwidth_gb_s > 0:
+      raise ValueError(f"link bandwidth must be > 0 GB/s, got {self.bandwidth_gb_s}.")
+
+
+# Paper setup: main cluster nodes have 8 x 200 Gbps RoCE (200 GB/s per node);
+# cloud nodes 100 Gbps TCP (12.5 GB/s per node); the inter-DC link 80 Gbps.
+MAIN_NODE_LINK = LinkSpec(bandwidth_gb_s=8 * 200 / 8, latency_s=10e-6)
+CLOUD_NODE_LINK = LinkSpec(bandwidth_gb_s=100 / 8, latency_s=50e-6)
+INTER_DC_LINK = LinkSpec(bandwidth_gb_s=80 / 8, latency_s=5e-3)
+
+# ---------------------------------------------------------------------------
+# Models.
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+  """Shape of a decoder-only transformer (enough to count bytes and FLOPs)."""
+
+  name: str
+  num_layers: int
+  hidden_size: int
+  intermediate_size: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  vocab_size: int
+  tie_embeddings: bool = False
+  bytes_per_param: int = 2  # bf16 weights for inference and transfer.
+
+  @property
+  def num_params(self) -> int:
+    d, i, h, k, hd = (self.hidden_size, self.intermediate_size, self.num_heads,
+                      self.num_kv_heads, self.head_dim)
+    attn = d * h * hd + 2 * d * k * hd + h * hd * d + h * hd + 2 * k * hd
+    layer = attn + 3 * d * i + 2 * d
+    emb = self.vocab_size * d * (1 if self.tie_embeddings else 2)
+    return self.num_layers * layer + emb + d
+
+  @property
+  def compute_params(self) -> int:
+    """Parameters that cost 2 FLOPs per token (all but the embedding lookup)."""
+    n = self.num_params - self.vocab_size * self.hidden_size
+    return n + (self.vocab_size * self.hidden_size if self.tie_embeddings else 0)
+
+  @property
+  def weight_bytes(self) -> float:
+    return float(self.num_params * self.bytes_per_param)
+
+  @property
+  def kv_bytes_per_token(self) -> float:
+    """K and V for every layer, bf16."""
+    return float(2 * self.num_layers * self.num_kv_heads * self.head_dim * 2)
+
+  @property
+  def attn_dim(self) -> int:
+    return self.num_heads * self.head_dim
+
+  def forward_flops(self, tokens: np.ndarray | float) -> np.ndarray | float:
+    """FLOPs of one forward pass over sequences of `tokens` tokens each.
+
+    2 * N_c per token for the matmuls plus causal attention: per layer QK^T
+    and AV each cost T^2 * d_attn FLOPs over the lower triangle, i.e.
+    2 * L * d_attn * T^2 per sequence.
+    """
+    t = np.asarray(tokens, dtype=np.float64)
+    return 2.0 * self.compute_params * t + 2.0 * self.num_layers * self.attn_dim * t * t
+
+  @classmethod
+  def from_model_config(cls, config: Any, name: str = "model") -> "ModelSpec":
+    """From a `streamrl.models.ModelConfig` (or anything with its fields)."""
+    return cls(name=name, num_layers=config.num_layers, hidden_size=config.hidden_size,
+               intermediate_size=config.intermediate_size, num_heads=config.num_heads,
+               num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
+               vocab_size=config.vocab_size, tie_embeddings=bool(config.tie_embeddings))
+
+
+# Public Qwen2.5 configs (config.json of each checkpoint).
+MODELS: dict[str, ModelSpec] = {
+    "qwen2.5-7b": ModelSpec("qwen2.5-7b", num_layers=28, hidden_size=3584, intermediate_size=18944,
+                            num_heads=28, num_kv_heads=4, head_dim=128, vocab_size=152064),
+    "qwen2.5-32b": ModelSpec("qwen2.5-32b", num_layers=64, hidden_size=5120,
+                             intermediate_size=27648, num_heads=40, num_kv_heads=8, head_dim=128,
+                             vocab_size=152064),
+    "qwen2.5-72b": ModelSpec("qwen2.5-72b", num_layers=80, hidden_size=8192,
+                             intermediate_size=29568, num_heads=64, num_kv_heads=8, head_dim=128,
+                             vocab_size=152064),
+}
+
+
+def get_model(name: str) -> ModelSpec:
+  if name not in MODELS:
+    raise ValueError(f"model {name!r} is unknown; use one of {sorted(MODELS)} or build a ModelSpec.")
+  return MODELS[name]
+
+
+def default_tp(model: ModelSpec, gpu: GpuSpec, max_weight_fraction: float = 0.25) -> int:
+  """Smallest power-of-two TP whose weight share is <= max_weight_fraction of HBM.
+
+  Why 25 %: rollouts of 20K tokens need most of the memory for KV cache; this
+  rule gives the usual deployments (7B: TP1, 32B: TP4, 72B: TP8 on 80 GB).
+  """
+  tp = 1
+  while model.weight_bytes / tp > max_weight_fraction * gpu.hbm_bytes and tp < gpu.gpus_per_machine:
+    tp *= 2
+  return tp
+
+
+# ---------------------------------------------------------------------------
+# Generation.
+
+
+@dataclasses.dataclass(frozen=True)
+class GenCalibration:
+  """Constants of the decode model that do not come from a spec sheet.
+
+  Attributes:
+    layer_overhead_s: per-layer, per-decode-step fixed cost (kernel launch,
+      scheduling), seconds. Fitted from Fig. 7 (see calibrate_from_ptl_curve).
+    decode_compute_eff: fraction of peak FLOP/s reached by decode GEMMs; also
+      used for prefill. Fitted from Fig. 7.
+    mem_bw_eff: reachable fraction of peak HBM bandwidth (assumed 0.8).
+    tp_allreduce_s: latency of one tensor-parallel all-reduce (2 per layer per
+      step), seconds (assumed 15 us over NVLink).
+    gpu_mem_util: fraction of HBM the engine may use (vLLM default 0.9).
+    max_num_seqs: engine cap on sequences in flight (vLLM default 256).
+    overhead_scale: multiplies layer_overhead_s; 1 for our engine, > 1 for a
+      system without CUDA graphs (the verl baseline's one efficiency knob).
+  """
+
+  layer_overhead_s: float
+  decode_compute_eff: float
+  mem_bw_eff: float = 0.8
+  tp_allreduce_s: float = 15e-6
+  gpu_mem_util: float = 0.9
+  max_num_seqs: int = 256
+  overhead_scale: float = 1.0
+
+
+def calibrate_from_ptl_curve(profile: LatencyProfile, model: ModelSpec, gpu: GpuSpec, *,
+                             tp: int = 1, context_tokens: float = 1024.0,
+                             mem_bw_eff: float = 0.8) -> GenCalibration:
+  """Fits (layer_overhead_s, decode_compute_eff) to a measured PTL(BS) curve.
+
+  Fits PTL(B) = a + b * B by least squares in relative error, then splits
+    a = L * o + W / (TP * BW * mem_bw_eff)          -> o
+    b = 2 N_c / (TP * F * eta) + ctx * kv / (TP * BW * mem_bw_eff)   -> eta
+  with `context_tokens` the (assumed) context per sequence during profiling.
+  """
+  bs = np.asarray(profile.batch_sizes, dtype=np.float64)
+  y = np.asarray(profile.ptl_s, dtype=np.float64)
+  if bs.size < 2:
+    raise ValueError("calibration needs a PTL curve with at least two batch sizes.")
+  w = 1.0 / y
+  design = np.stack([np.ones_like(bs), bs], axis=1) * w[:, None]
+  (a, b), *_ = np.linalg.lstsq(design, y * w, rcond=None)
+  bw = tp * gpu.hbm_bytes_s * mem_bw_eff
+  weight_s = model.weight_bytes / bw
+  comm = 2 * model.num_layers * 15e-6 if tp > 1 else 0.0
+  o = (a - weight_s - comm) / model.num_layers
+  kv_s = context_tokens * model.kv_bytes_per_token / bw
+  compute_s = b - kv_s
+  if o <= 0 or compute_s <= 0:
+    raise ValueError("the PTL curve is faster than the memory-bandwidth bound of this model and "
+                     "GPU; check that profile, model and GPU match.")
+  eta = 2.0 * model.compute_params / (tp * gpu.flops * compute_s)
+  return GenCalibration(layer_overhead_s=float(o), decode_compute_eff=float(eta),
+                        mem_bw_eff=mem_bw_eff)
+
+
+@dataclasses.dataclass(frozen=True)
+class GenCostModel:
+  """Cost of one generator instance (TP GPUs running one engine).
+
+  step_time(B, S) = step_fixed_s + per_seq_s * B + per_ctx_token_s * S.
+
+  Attributes:
+    step_fixed_s: a (s per decode step).
+    per_seq_s: b (s per sequence per step).
+    per_ctx_token_s: c (s per context token in the batch per step).
+    prefill_s_per_token: s per prompt token prefilled.
+    kv_capacity_tokens: KV-cache capacity of the instance, tokens.
+    max_num_seqs: cap on sequences in flight.
+    gpus: GPUs per instance (TP).
+    gpu: GPU type name (for costs); "" for measured models.
+    name: label.
+  """
+
+  step_fixed_s: float
+  per_seq_s: float
+  per_ctx_token_s: float
+  prefill_s_per_token: float
+  kv_capacity_tokens: float
+  max_num_seqs: int = 256
+  gpus: int = 1
+  gpu: str = ""
+  name: str = ""
+
+  def __post_init__(self):
+    if not (self.step_fixed_s > 0 and self.per_seq_s >= 0 and self.per_ctx_token_s >= 0
+            and self.prefill_s_per_token >= 0):
+      raise ValueError("generation cost terms must be >= 0 (and the fixed step cost > 0).")
+    if not self.kv_capacity_tokens > 0:
+      raise ValueError(f"{self.name or 'instance'}: the weights leave no memory for the KV cache; "
+                       "use a larger tensor-parallel degree.")
+
+  def step_time(self, batch: float, context_sum: float) -> float:
+    return self.step_fixed_s + self.per_seq_s * batch + self.per_ctx_token_s * context_sum
+
+  def decode_time(self, batch: int, context_sum: float, steps: int) -> float:
+    """Seconds for `steps` decode steps with constant batch (context grows by batch per step)."""
+    n = steps
+    return (n * (self.step_fixed_s + self.per_seq_s * batch + self.per_ctx_token_s * context_sum)
+            + self.per_ctx_token_s * batch * n * (n - 1) / 2.0)
+
+  def latency_profile(self, context_tokens: float,
+                      batch_sizes: Sequence[int] = (1, 8, 16, 32, 64, 128, 256, 512)) -> LatencyProfile:
+    """PTL(BS) at a fixed per-sequence context, for the Algorithm 2 dispatcher."""
+    ptl = tuple(self.step_time(b, b * context_tokens) for b in batch_sizes)
+    return LatencyProfile(batch_sizes=tuple(batch_sizes), ptl_s=ptl,
+                          prefill_s_per_token=self.prefill_s_per_token, name=self.name)
+
+  @classmethod
+  def for_deployment(cls, model: ModelSpec, gpu: GpuSpec, calib: GenCalibration, *,
+                     tp: int | None = None, reserved_bytes_per_gpu: float = 0.0) -> "GenCostModel":
+    """Scales the calibrated decode model to `model` on `gpu` with `tp` GPUs.
+
+    reserved_bytes_per_gpu: memory held by something else during generation
+    (colocated training state), which shrinks the KV cache.
+    """
+    tp = default_tp(model, gpu) if tp is None else int(tp)
+    if tp < 1:
+      raise ValueError(f"tensor-parallel degree must be >= 1, got {tp}.")
+    bw = tp * gpu.hbm_bytes_s * calib.mem_bw_eff
+    comm = 2 * model.num_layers * calib.tp_allreduce_s if tp > 1 else 0.0
+    a = model.num_layers * calib.layer_overhead_s * calib.overhead_scale + comm + model.weight_bytes / bw
+    b = 2.0 * model.compute_params / (tp * gpu.flops * calib.decode_compute_eff)
+    c = model.kv_bytes_per_token / bw
+    kv_bytes = tp * (gpu.hbm_bytes * calib.gpu_mem_util - reserved_bytes_per_gpu) - model.weight_bytes
+    return cls(step_fixed_s=a, per_seq_s=b, per_ctx_token_s=c, prefill_s_per_token=b,
+               kv_capacity_tokens=kv_bytes / model.kv_bytes_per_token,
+               max_num_seqs=calib.max_num_seqs, gpus=tp, gpu=gpu.name,
+               name=f"{model.name}/{gpu.name}/tp{tp}")
+
+  @classmethod
+  def from_profile(cls, profile: LatencyProfile, *, kv_capacity_tokens: float = math.inf,
+                   max_num_seqs: int = 256, gpus: int = 1, per_ctx_token_s: float = 0.0,
+                   context_tokens: float = 0.0, name: str = "") -> "GenCostModel":
+    """Fits step_time = a + b * B to a measured LatencyProfile (the `from_measured` path).
+
+    If `per_ctx_token_s` is known, the measured points (taken at
+    `context_tokens` per sequence) are first corrected for the KV term.
+    """
+    bs = np.asarray(profile.batch_sizes, dtype=np.float64)
+    y = np.asarray(profile.ptl_s, dtype=np.float64) - per_ctx_token_s * bs * context_tokens
+    if bs.size == 1:
+      a, b = float(y[0]), 0.0
+    else:
+      w = 1.0 / np.maximum(y, 1e-12)
+      design = np.stack([np.ones_like(bs), bs], axis=1) * w[:, None]
+      (a, b), *_ = np.linalg.lstsq(design, y * w, rcond=None)
+      if b < 0:  # A noisy, flat profile: keep the mean as a constant cost.
+        a, b = float(np.mean(y)), 0.0
+    return cls(step_fixed_s=float(a), per_seq_s=float(max(b, 0.0)), per_ctx_token_s=per_ctx_token_s,
+               prefill_s_per_token=profile.prefill_s_per_token, kv_capacity_tokens=kv_capacity_tokens,
+               max_num_seqs=max_num_seqs, gpus=gpus, name=name or profile.name)
+
+
+def paper_calibration() -> GenCalibration:
+  """Calibration fitted on the paper's Fig. 7 curve (Qwen2.5-7B, one H800)."""
+  return calibrate_from_ptl_curve(LatencyProfile.from_paper(), MODELS["qwen2.5-7b"], GPUS["H800"])
+
+
+# ---------------------------------------------------------------------------
+# Training.
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainCostModel:
+  """Trainer time from FLOPs.
+
+  Per sequence of T tokens (prompt + output):
+    forward work (on arrival) = fwd_passes * model.forward_flops(T)
+    update work (per mini-batch) = update_passes * 3 * model.forward_flops(T)
+  seconds = flops / (num_gpus * flops_per_s_per_gpu) + chunk_overhead_s.
+
+  Defaults are PPO with actor, critic and reference of the same size:
+  forward-only passes = reference logprobs, old logprobs, values (3 x 2N);
+  updates = actor and critic (2 x 6N).
+
+  Attributes:
+    model: shape used for FLOPs.
+    flops_per_s_per_gpu: peak * MFU (or, for measured models, 1.0 with the
+      FLOP counts replaced by seconds; see `from_measured`).
+    fwd_passes, update_passes: as above.
+    chunk_overhead_s: fixed cost per unit of work (kernel launch, optimizer
+      step); 0 at cluster scale.
+    linear_s_per_token, quad_s_per_token2: if set (measured models), one GPU's
+      seconds per token (and per token^2) of one forward pass replace FLOPs.
+  """
+
+  model: ModelSpec | None
+  flops_per_s_per_gpu: float
+  fwd_passes: int = 3
+  update_passes: int = 2
+  chunk_overhead_s: float = 0.0
+  linear_s_per_token: float | None = None
+  quad_s_per_token2: float = 0.0
+  name: str = ""
+
+  def _fwd_cost(self, tokens: np.ndarray) -> np.ndarray:
+    t = np.asarray(tokens, dtype=np.float64)
+    if self.linear_s_per_token is not None:
+      return self.linear_s_per_token * t + self.quad_s_per_token2 * t * t
+    return np.asarray(self.model.forward_flops(t)) / self.flops_per_s_per_gpu
+
+  def forward_seconds(self, tokens: np.ndarray) -> np.ndarray:
+    """[n] one-GPU seconds of per-sample forward-only work (divide by GPUs)."""
+    return self.fwd_passes * self._fwd_cost(tokens)
+
+  def update_seconds(self, tokens: np.ndarray) -> np.ndarray:
+    """[n] one-GPU seconds of per-sample update work (fwd + bwd = 3 forwards)."""
+    return self.update_passes * 3.0 * self._fwd_cost(tokens)
+
+  def iteration_seconds(self, tokens: np.ndarray, num_gpus: int, num_minibatches: int = 1) -> float:
+    """Time to train on a whole batch on `num_gpus` GPUs (no overlap)."""
+    work = float(np.sum(self.forward_seconds(tokens)) + np.sum(self.update_seconds(tokens)))
+    return work / num_gpus + self.chunk_overhead_s * (1 + num_minibatches)
+
+  @classmethod
+  def for_gpu(cls, model: ModelSpec, gpu: GpuSpec, mfu: float, *, critic: bool = True) -> "TrainCostModel":
+    if not 0 < mfu <= 1:
+      raise ValueError(f"MFU must be in (0, 1], got {mfu}.")
+    return cls(model=model, flops_per_s_per_gpu=gpu.flops * mfu, fwd_passes=3 if critic else 2,
+               update_passes=2 if critic else 1, name=f"{model.name}/{gpu.name}/mfu{mfu:.2f}")
+
+  @classmethod
+  def from_measured(cls, step_seconds_per_token: float, *, step_overhead_s: float = 0.0,
+                    fwd_fraction: float = 1.0 / 3.0, fwd_passes: int = 3,
+                    update_passes: int = 2, name: str = "measured") -> "TrainCostModel":
+    """From a measured trainer: seconds per token of one full train step on one device.
+
+    `step_seconds_per_token` is the measured time of (all forward-only passes +
+    all updates) per token; it is split into a forward part and an update part
+    by FLOP counts (fwd_passes * 1 : update_passes * 3).
+    """
+    if not step_seconds_per_token > 0:
+      raise ValueError("measured trainer seconds per token must be > 0; re-run the trainer profile.")
+    units = fwd_passes + 3 * update_passes
+    return cls(model=None, flops_per_s_per_gpu=1.0, fwd_passes=fwd_passes, update_passes=update_passes,
+               chunk_overhead_s=step_overhead_s, linear_s_per_token=step_seconds_per_token / units,
+               name=name)
+
+
+# ---------------------------------------------------------------------------
+# Weight transfer.
+
+
+def broadcast_seconds(nbytes: float, num_receivers: int, link: LinkSpec) -> float:
+  """Pipelined (chunked) tree broadcast of `nbytes` to `num_receivers` nodes.
+
+  Bandwidth term once (chunks stream down the tree), latency once per level.
+  """
+  if num_receivers <= 0:
+    return 0.0
+  depth = math.ceil(math.log2(num_receivers + 1))
+  return nbytes / (link.bandwidth_gb_s * 1e9) + depth * link.latency_s
+
+
+def weight_transfer_seconds(model: ModelSpec, num_gen_gpus: int, gpus_per_node: int = 8, *,
+                            local_link: LinkSpec = MAIN_NODE_LINK,
+                            inter_dc_link: LinkSpec | None = None,
+                            remote_link: LinkSpec = CLOUD_NODE_LINK) -> float:
+  """Trainer -> all generator GPUs.
+
+  In one DC: the trainer's shards feed several broadcast trees in parallel
+  (one per shard), so every generator node receives the full weights once
+  over its NIC: one pipelined broadcast of W bytes over node links.
+  Across DCs: only the trainer's DP rank 0 sends W bytes over the inter-DC
+  link to one remote node, which re-broadcasts inside its DC.
+  """
+  nodes = max(1, math.ceil(num_gen_gpus / gpus_per_node))
+  w = model.weight_bytes
+  if inter_dc_link is None:
+    return broadcast_seconds(w, nodes, local_link)
+  return (w / (inter_dc_link.bandwidth_gb_s * 1e9) + inter_dc_link.latency_s
+          + broadcast_seconds(w, nodes - 1, remote_link))
+
+
+def colocated_state_bytes_per_gpu(model: ModelSpec, num_gpus: int, *, critic: bool = True) -> float:
+  """Training state per GPU of a colocated deployment (ZeRO-sharded over all GPUs).
+
+  Actor and critic: bf16 params + fp32 master + Adam m, v + bf16 grads = 16
+  bytes per parameter; reference: bf16 params, 2 bytes.
+  """
+  per_param = 16 + (16 if critic else 0) + 2
+  return per_param * model.num_params / num_gpus
+
+
+def colocated_switch_seconds(model: ModelSpec, gpu: GpuSpec, tp: int, num_gpus: int, *,
+                             offload_gb_s: float | None, critic: bool = True) -> float:
+  """Per-iteration cost of time-multiplexing one set of GPUs between the stages.
+
+  The inference weights are resharded from the training layout over NVLink;
+  with `offload_gb_s` set, the training state is also moved off the GPU for
+  the rollout and back for training (2 x state bytes per GPU) and the
+  inference weights are loaded, at an effective host<->device bandwidth of
+  `offload_gb_s` GB/s. The rollout then has the whole GPU for its KV cache.
+  """
+  reshard = model.weight_bytes / tp / (gpu.nvlink_gb_s * 1e9)
+  if offload_gb_s is None:
+    return reshard
+  if not offload_gb_s > 0:
+    raise ValueError(f"offload bandwidth must be > 0 GB/s, got {offload_gb_s}.")
+  moved = 2 * colocated_state_bytes_per_gpu(model, num_gpus, critic=critic) + model.weight_bytes / tp
+  return reshard + moved / (offload_gb_s * 1e9)

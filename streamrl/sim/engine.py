@@ -1,0 +1,639 @@
+"""Discrete-event simulator of RL iterations: generators, trainer, weight transfer.
+
+Generation. Each instance runs continuous batching: at most `cap` sequences in
+flight (and no more KV tokens than the instance holds); whenever a sequence
+finishes, the next one in the instance's queue is admitted (prefill cost is
+added to the instance's clock). Between two events the batch is constant, so
+the time of n decode steps is closed-form (costs.GenCostModel.decode_time):
+events are admissions, finishes and KV-cache overflows (the newest sequence
+is preempted and recomputed later, like vLLM), never single tokens.
+
+Scheduling. Prompts go to instances through the project's real scheduler
+(`streamrl.scheduling`): `fifo_plan` (random FIFO, round-robin) or `dispatch`
+(Algorithm 2: long-tail prompts on instances running small batches, LPT order
+inside each instance), fed with a simulated ranker's scores
+(`ranker_model.noisy_scores`).
+
+Training. The trainer does per-sample forward-only work (reference/old
+logprobs, values) and per-mini-batch updates; mini-batches are filled in
+arrival order. Work time comes from costs.TrainCostModel.
+
+Modes (all iterations draw fresh lengths from one seeded stream):
+  colocated / verl: generation on all GPUs, then training on all GPUs, then
+    the weights are resharded (`transfer_s`); nothing overlaps.
+  sync:   disaggregated; trainer starts when the whole batch is generated;
+          next generation after training + weight transfer.
+  stream: disaggregated; trainer consumes samples as they finish; next
+          generation after training + weight transfer.
+  async:  like stream, but generation of iteration j runs with the weights of
+          iteration j - 1 - max_staleness (one-step off-policy by default), so
+          it overlaps training of the previous iteration.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import heapq
+import math
+import time
+from typing import Callable, Sequence
+
+import numpy as np
+
+from streamrl.scheduling import dispatch, fifo_plan
+from streamrl.sim.costs import GenCostModel, TrainCostModel
+from streamrl.sim.lengths import LengthDistribution
+from streamrl.sim.ranker_model import noisy_scores
+
+MODES = ("colocated", "verl", "sync", "stream", "async")
+SCHEDULERS = ("fifo", "skew")
+
+# Admission keeps this fraction of the KV cache free (vLLM's watermark), so a
+# newly admitted sequence does not force an immediate preemption.
+_KV_WATERMARK = 0.01
+
+_EV_INSTANCE, _EV_TRAIN, _EV_GEN_START = 0, 1, 2
+_FINISH, _KV_FULL = 0, 1
+
+
+@dataclasses.dataclass(frozen=True)
+class SimConfig:
+  """One simulated run.
+
+  Attributes:
+    mode: one of MODES.
+    gen: cost of one generator instance.
+    num_instances: generator instances (each gen.gpus GPUs).
+    train: trainer cost model.
+    num_train_gpus: GPUs the trainer runs on (all GPUs when colocated).
+    lengths: length distribution, or one per iteration (len >= iterations).
+    batch_size: samples per iteration.
+    num_minibatches: PPO mini-batches per iteration (updates are sequential).
+    iterations: iterations simulated.
+    warmup: iterations excluded from the steady-state throughput (>= 1 when
+      iterations > 1: the first async iteration has no overlap).
+    scheduler: "fifo" (random FIFO) or "skew" (Algorithm 2 + LPT).
+    ranker_sigma: log-space noise of the simulated ranker (0 = oracle).
+    alpha: long-tail fraction for Algorithm 2.
+    dispatch_objective: "sum" (the paper) or "makespan".
+    transfer_s: weight transfer (or colocated reshard) seconds per update.
+    max_staleness: async only; generation j uses weights of j-1-max_staleness.
+    seed: all randomness derives from it.
+  """
+
+  mode: str
+  gen: GenCostModel
+  num_instances: int
+  train: TrainCostModel
+  num_train_gpus: int
+  lengths: LengthDistribution | tuple
+  batch_size: int = 1024
+  num_minibatches: int = 4
+  iterations: int = 4
+  warmup: int = 1
+  scheduler: str = "fifo"
+  ranker_sigma: float = 0.0
+  alpha: float = 0.2
+  dispatch_objective: str = "sum"
+  transfer_s: float = 0.0
+  max_staleness: int = 1
+  seed: int = 0
+
+  def __post_init__(self):
+    if self.mode not in MODES:
+      raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}.")
+    if self.scheduler not in SCHEDULERS:
+      raise ValueError(f"scheduler must be one of {SCHEDULERS}, got {self.scheduler!r}.")
+    if self.num_instances < 1 or self.num_train_gpus < 1:
+      raise ValueError("need at least one generator instance and one trainer GPU.")
+    if self.batch_size < 1 or self.iterations < 1 or self.num_minibatches < 1:
+      raise ValueError("batch_size, iterations and num_minibatches must be >= 1.")
+    if isinstance(self.lengths, (tuple, list)) and len(self.lengths) < self.iterations:
+      raise ValueError(f"got {len(self.lengths)} length distributions for {self.iterations} iterations; "
+                       "give one per iteration.")
+
+  def lengths_at(self, j: int) -> LengthDistribution:
+    return self.lengths[j] if isinstance(self.lengths, (tuple, list)) else self.lengths
+
+
+@dataclasses.dataclass(frozen=True)
+class IterationStats:
+  """What one finished iteration looked like (given to controllers)."""
+
+  index: int
+  num_instances: int
+  gen_start: float
+  gen_end: float
+  train_start: float
+  train_end: float
+  train_busy: float
+  output_lens: np.ndarray
+  prompt_lens: np.ndarray
+
+  @property
+  def gen_time(self) -> float:
+    return self.gen_end - self.gen_start
+
+  @property
+  def stage_gap(self) -> float:
+    """Delta = generation time - training work time (> 0: generation-bound)."""
+    return self.gen_time - self.train_busy
+
+
+@dataclasses.dataclass(frozen=True)
+class SimResult:
+  """Outcome of `simulate`.
+
+  samples_per_s: steady-state throughput (iterations after warmup).
+  iteration_times: [iterations] time between consecutive training ends.
+  gen_util / train_util: busy fraction of generator-instance time and of
+    trainer time over the measured span; bubbles are 1 - util.
+  skew_bubble: mean fraction of instance-time idle inside generation phases
+    (instances that finished early while others still decode).
+  """
+
+  config: SimConfig
+  samples_per_s: float
+  iterations: tuple[IterationStats, ...]
+  iteration_times: np.ndarray
+  gen_util: float
+  train_util: float
+  skew_bubble: float
+  preemptions: int
+  events: int
+  wall_s: float
+
+  @property
+  def gen_bubble(self) -> float:
+    return 1.0 - self.gen_util
+
+  @property
+  def train_bubble(self) -> float:
+    return 1.0 - self.train_util
+
+  @property
+  def mean_iteration_s(self) -> float:
+    return float(self.config.batch_size / self.samples_per_s)
+
+  def summary(self) -> dict:
+    return {
+        "mode": self.config.mode, "scheduler": self.config.scheduler,
+        "samples_per_s": self.samples_per_s, "iteration_s": self.mean_iteration_s,
+        "gen_bubble": self.gen_bubble, "train_bubble": self.train_bubble,
+        "skew_bubble": self.skew_bubble, "preemptions": self.preemptions, "events": self.events,
+    }
+
+
+class _Instance:
+  __slots__ = ("idx", "t", "k", "S", "B", "heap", "stack", "queue", "cap", "version", "active",
+               "start_t", "done_t")
+
+  def __init__(self, idx: int):
+    self.idx = idx
+    self.version = 0
+    self.active = False
+
+
+class _GenPhase:
+  """All generator instances during one iteration's generation."""
+
+  def __init__(self, gen: GenCostModel, push: Callable, on_finish: Callable, on_done: Callable):
+    self.gen = gen
+    self.push = push
+    self.on_finish = on_finish
+    self.on_done = on_done
+    self.instances: list[_Instance] = []
+    self.preemptions = 0
+    self.kv_limit = gen.kv_capacity_tokens * (1.0 - _KV_WATERMARK)
+
+  def start(self, t: float, prompt_lens: Sequence[int], output_lens: Sequence[int],
+            queues: Sequence[Sequence[int]], caps: Sequence[int]) -> None:
+    n = len(queues)
+    while len(self.instances) < n:
+      self.instances.append(_Instance(len(self.instances)))
+    # Per-sample state of this iteration.
+    self.ctx0 = [int(p) for p in prompt_lens]      # context to prefill on (re)admission
+    self.remaining = [int(o) for o in output_lens]  # tokens still to generate
+    self.admit_k = [0] * len(self.ctx0)
+    self.finish_k = [-1] * len(self.ctx0)
+    self.running = [False] * len(self.ctx0)
+    self.n_active = 0
+    for inst, q, cap in zip(self.instances[:n], queues, caps):
+      inst.t, inst.k, inst.S, inst.B = t, 0, 0.0, 0
+      inst.heap, inst.stack = [], []
+      inst.queue = collections.deque(q)
+      inst.cap = max(1, min(int(cap), self.gen.max_num_seqs))
+      inst.start_t, inst.done_t = t, t
+      inst.version += 1
+      inst.active = bool(q)
+      if inst.active:
+        self.n_active += 1
+        self._admit(inst)
+        self._schedule(inst)
+    for inst in self.instances[n:]:
+      inst.active = False
+      inst.version += 1
+    self.num_used = n
+    if self.n_active == 0:
+      self.on_done(t)
+
+  def _admit(self, inst: _Instance) -> None:
+    prefill = 0
+    ctx0, rem = self.ctx0, self.remaining
+    while inst.queue and inst.B < inst.cap:
+      sid = inst.queue[0]
+      need = ctx0[sid] + 1
+      if inst.B > 0 and inst.S + need > self.kv_limit:
+        break  # Wait for a finish to free KV blocks (head-of-line, like vLLM).
+      if need + rem[sid] > self.gen.kv_capacity_tokens:
+        raise ValueError(f"a sequence of {need + rem[sid]} tokens does not fit in the KV cache of "
+                         f"{self.gen.name or 'an instance'} ({self.gen.kv_capacity_tokens:.0f} tokens); "
+                         "use a larger tensor-parallel degree or shorter outputs.")
+      inst.queue.popleft()
+      self.admit_k[sid] = inst.k
+      self.running[sid] = True
+      self.finish_k[sid] = inst.k + rem[sid]
+      heapq.heappush(inst.heap, (inst.k + rem[sid], sid))
+      inst.stack.append(sid)
+      inst.S += ctx0[sid]
+      inst.B += 1
+      prefill += ctx0[sid]
+    inst.t += prefill * self.gen.prefill_s_per_token
+
+  def _schedule(self, inst: _Instance) -> None:
+    if inst.B == 0:
+      return
+    heap, running, finish_k = inst.heap, self.running, self.finish_k
+    # Lazily drop entries of preempted sequences (a re-admitted one has a new entry).
+    while not (running[heap[0][1]] and heap[0][0] == finish_k[heap[0][1]]):
+      heapq.heappop(heap)
+    n_fin = heap[0][0] - inst.k
+    room = self.gen.kv_capacity_tokens - inst.S
+    n_kv = math.floor(room / inst.B) if room > 0 else 0
+    if n_kv >= n_fin:
+      kind, n = _FINISH, n_fin
+    else:
+      kind, n = _KV_FULL, n_kv
+    t_ev = inst.t + self.gen.decode_time(inst.B, inst.S, n)
+    inst.version += 1
+    self.push(t_ev, _EV_INSTANCE, inst.idx, (inst.version, kind, inst.k + n))
+
+  def handle(self, t: float, idx: int, payload) -> None:
+    inst = self.instances[idx]
+    version, kind, k_target = payload
+    if version != inst.version or not inst.active:
+      return
+    n = k_target - inst.k
+    inst.S += inst.B * n
+    inst.k = k_target
+    inst.t = t
+    finished = []
+    if kind == _FINISH:
+      heap = inst.heap
+      while heap and heap[0][0] <= inst.k:
+        f, sid = heapq.heappop(heap)
+        if not self.running[sid] or f != self.finish_k[sid]:
+          continue
+        self.running[sid] = False
+        inst.B -= 1
+        inst.S -= self.ctx0[sid] + (inst.k - self.admit_k[sid])
+        finished.append(sid)
+    else:
+      # KV cache full: preempt the newest sequence; it recomputes its context later.
+      while True:
+        sid = inst.stack.pop()
+        if self.running[sid]:
+          break
+      generated = inst.k - self.admit_k[sid]
+      self.running[sid] = False
+      inst.B -= 1
+      inst.S -= self.ctx0[sid] + generated
+      self.ctx0[sid] += generated
+      self.remaining[sid] -= generated
+      inst.queue.appendleft(sid)
+      self.preemptions += 1
+      if inst.B == 0:
+        raise ValueError(f"one sequence alone overflows the KV cache of {self.gen.name or 'an instance'}; "
+                         "use a larger tensor-parallel degree or shorter outputs.")
+    if finished:
+      # Compact the admission stack now and then so preemption stays O(1) amortised.
+      if len(inst.stack) > 4 * inst.B + 64:
+        inst.stack = [s for s in inst.stack if self.running[s]]
+      for sid in finished:
+        self.on_finish(t, sid, idx)
+    if kind == _FINISH:
+      self._admit(inst)
+    if inst.B == 0 and not inst.queue:
+      inst.active = False
+      inst.done_t = t
+      self.n_active -= 1
+      if self.n_active == 0:
+        self.on_done(t)
+      return
+    if inst.B == 0:
+      self._admit(inst)
+    self._schedule(inst)
+
+  def busy_time(self) -> float:
+    return sum(inst.done_t - inst.start_t for inst in self.instances[:self.num_used])
+
+
+def _plan_queues(config: SimConfig, j: int, n_inst: int, prompt: np.ndarray, out: np.ndarray,
+                 recent: np.ndarray) -> tuple[tuple, tuple]:
+  """Prompt queues per instance via the project's scheduler."""
+  max_bs = config.gen.max_num_seqs
+  if config.scheduler == "fifo":
+    plan = fifo_plan(len(out), n_inst, max_bs, seed=_mix(config.seed, j, 2))
+  else:
+    rng = np.random.default_rng([config.seed, j, 1])
+    scores = noisy_scores(out, config.ranker_sigma, rng)
+    ctx = float(np.mean(prompt)) + 0.5 * float(np.mean(recent))
+    profile = config.gen.latency_profile(ctx)
+    plan = dispatch(np.exp(scores), n_inst, profile, recent, alpha=config.alpha,
+                    objective=config.dispatch_objective, max_batch_size=max_bs)
+  return plan.assignments, plan.batch_sizes
+
+
+def _mix(seed: int, *xs: int) -> int:
+  return int(np.random.default_rng([seed, *xs]).integers(0, 2**31 - 1))
+
+
+Controller = Callable[[int, Sequence[IterationStats]], int]
+
+
+class _Simulation:
+
+  def __init__(self, config: SimConfig, controller: Controller | None):
+    self.c = config
+    self.controller = controller
+    self.heap: list = []
+    self.seq = 0
+    self.events = 0
+    self.gen = _GenPhase(config.gen, self._push, self._on_sample, self._on_gen_done)
+    k = config.iterations
+    self.gen_start = [math.nan] * k
+    self.gen_end = [math.nan] * k
+    self.train_start = [math.nan] * k
+    self.train_end = [math.nan] * k
+    self.train_busy = [0.0] * k
+    self.n_inst = [0] * k
+    self.gen_busy = [0.0] * k
+    self.samples: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    self.fwd_s: dict[int, list] = {}
+    self.upd_s: dict[int, list] = {}
+    self.arrivals: dict[int, list] = collections.defaultdict(list)
+    self.next_gen = 0
+    self.gen_running = False
+    self.gen_scheduled = False
+    self.stats: list[IterationStats] = []
+    # Trainer state.
+    self.tj = 0
+    self.t_busy = False
+    self.fwd_done = 0
+    self.upd_done = 0
+    self.train_gpus = config.num_train_gpus
+
+  def _push(self, t: float, kind: int, a, b) -> None:
+    self.seq += 1
+    heapq.heappush(self.heap, (t, self.seq, kind, a, b))
+
+  def run(self) -> None:
+    self._try_start_gen(0.0)
+    heap = self.heap
+    while heap:
+      t, _, kind, a, b = heapq.heappop(heap)
+      self.events += 1
+      if kind == _EV_INSTANCE:
+        self.gen.handle(t, a, b)
+      elif kind == _EV_TRAIN:
+        self._on_chunk_done(t, b)
+      else:
+        self._start_gen(t, a)
+
+  # -- generation ---------------------------------------------------------
+
+  def _weights_needed(self, g: int) -> int:
+    """Training iteration whose weights generation g must use (-1: initial)."""
+    lag = 1 + (self.c.max_staleness if self.c.mode == "async" else 0)
+    return g - lag
+
+  def _try_start_gen(self, now: float) -> None:
+    g = self.next_gen
+    if g >= self.c.iterations or self.gen_running or self.gen_scheduled:
+      return
+    ready = now if g == 0 else self.gen_end[g - 1]
+    v = self._weights_needed(g)
+    if v >= 0:
+      if math.isnan(self.train_end[v]):
+        return
+      ready = max(ready, self.train_end[v] + self.c.transfer_s)
+    self.gen_scheduled = True
+    self._push(max(ready, now), _EV_GEN_START, g, None)
+
+  def _start_gen(self, t: float, g: int) -> None:
+    c = self.c
+    self.gen_scheduled = False
+    self.gen_running = True
+    self.next_gen = g + 1
+    n_inst = c.num_instances if self.controller is None else int(self.controller(g, tuple(self.stats)))
+    if n_inst < 1:
+      raise ValueError(f"the controller asked for {n_inst} generator instances; it must be >= 1.")
+    self.n_inst[g] = n_inst
+    dist = c.lengths_at(g)
+    prompt, out = dist.sample(np.random.default_rng([c.seed, g, 0]), c.batch_size)
+    self.samples[g] = (prompt, out)
+    tokens = (prompt + out).astype(np.float64)
+    self.fwd_s[g] = c.train.forward_seconds(tokens).tolist()
+    self.upd_s[g] = c.train.update_seconds(tokens).tolist()
+    if g > 0:
+      recent = self.samples[g - 1][1]
+    else:
+      # No history yet: pretend the run has been going (a previous draw).
+      recent = dist.sample(np.random.default_rng([c.seed, g, 3]), c.batch_size)[1]
+    queues, caps = _plan_queues(c, g, n_inst, prompt, out, recent)
+    self.gen_start[g] = t
+    self.gen_phase_iter = g
+    self.gen.start(t, prompt, out, queues, caps)
+
+  def _on_sample(self, t: float, sid: int, inst: int) -> None:
+    g = self.gen_phase_iter
+    self.arrivals[g].append(sid)
+    if self.c.mode in ("stream", "async") and g == self.tj:
+      self._train_try(t)
+
+  def _on_gen_done(self, t: float) -> None:
+    g = self.gen_phase_iter
+    self.gen_end[g] = t
+    self.gen_busy[g] = self.gen.busy_time()
+    self.gen_running = False
+    if g == self.tj:
+      self._train_try(t)
+    self._try_start_gen(t)
+
+  # -- training -----------------------------------------------------------
+
+  def _train_try(self, t: float) -> None:
+    j = self.tj
+    if self.t_busy or j >= self.c.iterations:
+      return
+    arrived = self.arrivals.get(j, ())
+    streaming = self.c.mode in ("stream", "async")
+    if not streaming and math.isnan(self.gen_end[j]):
+      return
+    p = self.c.batch_size
+    mb = -(-p // self.c.num_minibatches)
+    u = self.upd_done
+    mb_end = min((u + 1) * mb, p)
+    if self.fwd_done >= mb_end:
+      ids = arrived[u * mb:mb_end]
+      work = sum(self.upd_s[j][s] for s in ids)
+      kind = ("upd", mb_end)
+    elif len(arrived) > self.fwd_done:
+      ids = arrived[self.fwd_done:]
+      work = sum(self.fwd_s[j][s] for s in ids)
+      kind = ("fwd", len(arrived))
+    else:
+      return
+    if math.isnan(self.train_start[j]):
+      self.train_start[j] = t
+    dur = work / self.train_gpus + self.c.train.chunk_overhead_s
+    self.train_busy[j] += dur
+    self.t_busy = True
+    self._push(t + dur, _EV_TRAIN, None, kind)
+
+  def _on_chunk_done(self, t: float, kind) -> None:
+    self.t_busy = False
+    what, upto = kind
+    if what == "fwd":
+      self.fwd_done = upto
+    else:
+      self.upd_done += 1
+      if upto >= self.c.batch_size:
+        j = self.tj
+        self.train_end[j] = t
+        prompt, out = self.samples[j]
+        self.stats.append(IterationStats(
+            index=j, num_instances=self.n_inst[j], gen_start=self.gen_start[j], gen_end=self.gen_end[j],
+            train_start=self.train_start[j], train_end=t, train_busy=self.train_busy[j],
+            output_lens=out, prompt_lens=prompt))
+        # Free per-iteration buffers that are no longer needed.
+        self.fwd_s.pop(j, None)
+        self.upd_s.pop(j, None)
+        self.arrivals.pop(j, None)
+        if j >= 1:
+          self.samples.pop(j - 1, None)
+        self.tj += 1
+        self.fwd_done = 0
+        self.upd_done = 0
+        self._try_start_gen(t)
+    self._train_try(t)
+
+
+def simulate(config: SimConfig, controller: Controller | None = None) -> SimResult:
+  """Runs `config.iterations` iterations and returns throughput and stage statistics.
+
+  controller(j, finished_iterations) -> number of generator instances for
+  iteration j (elastic scaling); None keeps config.num_instances.
+  """
+  t0 = time.perf_counter()
+  sim = _Simulation(config, controller)
+  sim.run()
+  wall = time.perf_counter() - t0
+  c = config
+  ends = np.asarray(sim.train_end)
+  if np.any(np.isnan(ends)):
+    raise RuntimeError("simulation ended before every iteration finished training.")
+  w = min(max(c.warmup, 1 if c.iterations > 1 else 0), c.iterations - 1)
+  t_from = ends[w - 1] if w > 0 else 0.0
+  span = ends[-1] - t_from
+  thr = c.batch_size * (c.iterations - w) / span
+  iter_times = np.diff(np.concatenate([[0.0], ends]))
+  # Utilisation over the measured span.
+  colocated = c.mode in ("colocated", "verl")
+  gpus_gen = sum(sim.n_inst[w:]) / max(1, c.iterations - w)
+  gen_busy = sum(sim.gen_busy[w:])
+  gen_util = gen_busy / (gpus_gen * span) if span > 0 else 0.0
+  train_util = sum(sim.train_busy[w:]) / span if span > 0 else 0.0
+  if colocated:
+    # Same GPUs do both: utilisation is the share of time doing either.
+    gen_util = gen_util + train_util
+    train_util = gen_util
+  phase = [(sim.gen_end[j] - sim.gen_start[j]) * sim.n_inst[j] for j in range(w, c.iterations)]
+  skew = 1.0 - gen_busy / sum(phase) if sum(phase) > 0 else 0.0
+  return SimResult(config=c, samples_per_s=float(thr), iterations=tuple(sim.stats),
+                   iteration_times=iter_times, gen_util=float(gen_util), train_util=float(train_util),
+                   skew_bubble=float(skew), preemptions=sim.gen.preemptions, events=sim.events,
+                   wall_s=wall)
+
+
+@dataclasses.dataclass(frozen=True)
+class GenResult:
+  """One generation phase alone."""
+
+  makespan: float
+  finish_times: np.ndarray  # [P] seconds from start, per prompt
+  instance_done: np.ndarray  # [N]
+  preemptions: int
+  events: int
+
+
+def simulate_generation(gen: GenCostModel, num_instances: int, prompt_lens: Sequence[int],
+                        output_lens: Sequence[int], *, scheduler: str = "fifo",
+                        ranker_sigma: float = 0.0, recent_lengths: Sequence[int] | None = None,
+                        alpha: float = 0.2, objective: str = "sum", seed: int = 0,
+                        queues: Sequence[Sequence[int]] | None = None,
+                        caps: Sequence[int] | None = None) -> GenResult:
+  """Generation of one batch on `num_instances` instances (no trainer).
+
+  `queues`/`caps` bypass the scheduler (explicit per-instance admission order
+  and batch caps); otherwise the scheduler is "fifo" or "skew" as in SimConfig.
+  """
+  prompt = np.asarray(prompt_lens, dtype=np.int64)
+  out = np.asarray(output_lens, dtype=np.int64)
+  if prompt.shape != out.shape or out.size == 0:
+    raise ValueError("give one prompt length per output length, and at least one sample.")
+  if np.any(out <= 0) or np.any(prompt <= 0):
+    raise ValueError("prompt and output lengths must be positive.")
+  if queues is None:
+    cfg_like = _GenOnly(gen=gen, scheduler=scheduler, ranker_sigma=ranker_sigma, alpha=alpha,
+                        dispatch_objective=objective, seed=seed)
+    recent = out if recent_lengths is None else np.asarray(recent_lengths)
+    queues, caps = _plan_queues(cfg_like, 0, num_instances, prompt, out, recent)
+  elif caps is None:
+    caps = [gen.max_num_seqs] * len(queues)
+  heap: list = []
+  counter = [0]
+  finish = np.full(out.size, np.nan)
+  done = [math.nan]
+
+  def push(t, kind, a, b):
+    counter[0] += 1
+    heapq.heappush(heap, (t, counter[0], kind, a, b))
+
+  def on_finish(t, sid, inst):
+    finish[sid] = t
+
+  def on_done(t):
+    done[0] = t
+
+  phase = _GenPhase(gen, push, on_finish, on_done)
+  phase.start(0.0, prompt, out, queues, caps)
+  events = 0
+  while heap:
+    t, _, _, a, b = heapq.heappop(heap)
+    events += 1
+    phase.handle(t, a, b)
+  inst_done = np.asarray([i.done_t for i in phase.instances[:phase.num_used]])
+  return GenResult(makespan=float(done[0]), finish_times=finish, instance_done=inst_done,
+                   preemptions=phase.preemptions, events=events)
+
+
+@dataclasses.dataclass(frozen=True)
+class _GenOnly:
+  gen: GenCostModel
+  scheduler: str
+  ranker_sigma: float
+  alpha: float
+  dispatch_objective: str
+  seed: int

@@ -1,0 +1,106 @@
+"""The systems compared in the paper, as simulator configurations.
+
+  verl            colocated, random FIFO, verl's eager-mode decode overhead
+  colocation      colocated, random FIFO (the paper's colocation baseline)
+  colocation_skew colocated + skewness-aware scheduling (Table 3, row 2)
+  streamrl_sync   disaggregated + streaming + skewness-aware ("stream" mode)
+  streamrl_async  the same, one-step asynchronous ("async" mode)
+  disagg_sync     disaggregated, no streaming ("sync" mode)
+
+Every knob that is not a hardware spec or a model shape lives in
+`SystemCalibration`, with its source.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from streamrl.sim import costs
+from streamrl.sim.costs import GenCalibration, GenCostModel, GpuSpec, ModelSpec, TrainCostModel
+from streamrl.sim.engine import SimConfig
+
+SYSTEMS = ("verl", "colocation", "colocation_skew", "streamrl_sync", "streamrl_async", "disagg_sync")
+_DISAGG_MODE = {"streamrl_sync": "stream", "streamrl_async": "async", "disagg_sync": "sync"}
+
+
+@dataclasses.dataclass(frozen=True)
+class SystemCalibration:
+  """Knobs shared by all cells of an experiment.
+
+  Attributes:
+    gen: decode model constants (fitted on the paper's Fig. 7).
+    mfu: training model-FLOPs utilisation (fitted on the 7B cells).
+    offload_gb_s: colocation's one parameter: effective host<->device
+      bandwidth of the per-iteration stage switch (fitted on the 7B cells).
+    verl_overhead_scale: verl's one parameter: multiplier on the per-layer
+      decode step overhead (eager mode, no CUDA graphs; fitted on 7B cells).
+    ranker_sigma: simulated ranker noise (from the paper's Table 4 recall).
+    num_minibatches: PPO mini-batches per iteration (verl's default 1024/256).
+    dispatch_objective: Algorithm 2 objective ("makespan" is the project
+      dispatcher's default; the paper prints "sum").
+  """
+
+  gen: GenCalibration
+  mfu: float = 0.35
+  offload_gb_s: float | None = None
+  verl_overhead_scale: float = 1.0
+  ranker_sigma: float = 0.0
+  num_minibatches: int = 4
+  dispatch_objective: str = "makespan"
+  critic: bool = True
+
+
+def colocated_config(model: ModelSpec, gpu: GpuSpec, num_gpus: int, lengths, calib: SystemCalibration, *,
+                     scheduler: str = "fifo", verl: bool = False, tp: int | None = None,
+                     batch_size: int = 1024, iterations: int = 4, seed: int = 0) -> SimConfig:
+  """All `num_gpus` GPUs generate, then all train (the colocated baselines)."""
+  tp = costs.default_tp(model, gpu) if tp is None else tp
+  gcal = calib.gen
+  if verl:
+    gcal = dataclasses.replace(gcal, overhead_scale=calib.verl_overhead_scale)
+  # With offloading the rollout has the whole GPU; without it the training
+  # state stays resident and shrinks the KV cache.
+  reserved = 0.0 if calib.offload_gb_s else costs.colocated_state_bytes_per_gpu(
+      model, num_gpus, critic=calib.critic)
+  gen = GenCostModel.for_deployment(model, gpu, gcal, tp=tp, reserved_bytes_per_gpu=reserved)
+  train = TrainCostModel.for_gpu(model, gpu, calib.mfu, critic=calib.critic)
+  switch = costs.colocated_switch_seconds(model, gpu, tp, num_gpus, offload_gb_s=calib.offload_gb_s,
+                                          critic=calib.critic)
+  return SimConfig(mode="verl" if verl else "colocated", gen=gen, num_instances=max(1, num_gpus // tp),
+                   train=train, num_train_gpus=num_gpus, lengths=lengths, batch_size=batch_size,
+                   num_minibatches=calib.num_minibatches, iterations=iterations, scheduler=scheduler,
+                   ranker_sigma=calib.ranker_sigma, dispatch_objective=calib.dispatch_objective,
+                   transfer_s=switch, seed=seed)
+
+
+def disaggregated_config(mode: str, model: ModelSpec, gen_gpu: GpuSpec, gen_gpus: int, train_gpu: GpuSpec,
+                         train_gpus: int, lengths, calib: SystemCalibration, *, cross_dc: bool = False,
+                         scheduler: str = "skew", tp: int | None = None, batch_size: int = 1024,
+                         iterations: int = 4, seed: int = 0) -> SimConfig:
+  """Generation on `gen_gpus` of `gen_gpu`, training on `train_gpus` of `train_gpu`."""
+  tp = costs.default_tp(model, gen_gpu) if tp is None else tp
+  if gen_gpus < tp:
+    raise ValueError(f"{gen_gpus} generation GPUs cannot hold one {model.name} instance of TP{tp}.")
+  gen = GenCostModel.for_deployment(model, gen_gpu, calib.gen, tp=tp)
+  train = TrainCostModel.for_gpu(model, train_gpu, calib.mfu, critic=calib.critic)
+  transfer = costs.weight_transfer_seconds(
+      model, gen_gpus, gen_gpu.gpus_per_machine,
+      inter_dc_link=costs.INTER_DC_LINK if cross_dc else None)
+  return SimConfig(mode=mode, gen=gen, num_instances=gen_gpus // tp, train=train, num_train_gpus=train_gpus,
+                   lengths=lengths, batch_size=batch_size, num_minibatches=calib.num_minibatches,
+                   iterations=iterations, scheduler=scheduler, ranker_sigma=calib.ranker_sigma,
+                   dispatch_objective=calib.dispatch_objective, transfer_s=transfer, seed=seed)
+
+
+def system_config(system: str, model: ModelSpec, gpu: GpuSpec, num_gpus: int, lengths,
+                  calib: SystemCalibration, *, gen_gpus: int | None = None, **kw) -> SimConfig:
+  """One of SYSTEMS on `num_gpus` GPUs of one type (gen_gpus: disaggregated split)."""
+  if system not in SYSTEMS:
+    raise ValueError(f"system must be one of {SYSTEMS}, got {system!r}.")
+  if system in ("verl", "colocation", "colocation_skew"):
+    return colocated_config(model, gpu, num_gpus, lengths, calib, verl=system == "verl",
+                            scheduler="skew" if system == "colocation_skew" else "fifo", **kw)
+  if gen_gpus is None or not 0 < gen_gpus < num_gpus:
+    raise ValueError(f"{system} needs a split: 0 < gen_gpus < {num_gpus} (use the planner).")
+  return disaggregated_config(_DISAGG_MODE[system], model, gpu, gen_gpus, gpu, num_gpus - gen_gpus, lengths,
+                              calib, **kw)
