@@ -20,6 +20,7 @@ Two families:
 
 from __future__ import annotations
 
+import operator
 from typing import Protocol
 
 import jax
@@ -193,16 +194,24 @@ def whiten(
   return y * m
 
 
-def _check_groups(rewards_b: Array, group_size: int) -> None:
-  if not isinstance(group_size, int) or group_size < 1:
+def _check_groups(rewards_b: Array, group_size: int) -> int:
+  """Validates the [G * K] layout; returns K as a Python int."""
+  try:
+    k = operator.index(group_size)  # accepts numpy ints, rejects floats/tracers
+  except TypeError:
+    k = 0
+  if k < 1:
     raise ValueError(
-        f"group_size must be a positive Python int, got {group_size!r}; pass "
-        "the number of samples per prompt (config: rl.group_size).")
+        f"group_size must be a positive integer known at trace time, got "
+        f"{group_size!r}; pass the number of samples per prompt "
+        "(config: rl.group_size) as a static argument.")
+  group_size = k
   if rewards_b.ndim != 1 or rewards_b.shape[0] % group_size:
     raise ValueError(
         f"rewards_b has shape {rewards_b.shape}, which is not a flat batch of "
         f"whole groups of {group_size}; lay the batch out as [G * K] with the "
         "K samples of each prompt next to each other.")
+  return k
 
 
 def grpo_advantages(
@@ -233,7 +242,7 @@ def grpo_advantages(
     advantages_b: [B].
   """
   rewards_b = as_float(rewards_b)
-  _check_groups(rewards_b, group_size)
+  group_size = _check_groups(rewards_b, group_size)
   r_gk = rewards_b.reshape(-1, group_size)
   centered_gk = r_gk - jnp.mean(r_gk, axis=-1, keepdims=True)
   same_g1 = (jnp.max(r_gk, -1) == jnp.min(r_gk, -1))[:, None]
@@ -260,7 +269,7 @@ def rloo_advantages(rewards_b: Array, group_size: int) -> Array:
     advantages_b: [B].
   """
   rewards_b = as_float(rewards_b)
-  _check_groups(rewards_b, group_size)
+  group_size = _check_groups(rewards_b, group_size)
   if group_size < 2:
     raise ValueError(
         "RLOO needs at least 2 samples per prompt for its leave-one-out "

@@ -43,13 +43,18 @@ def aggregate(
                           a constant normaliser, no length bias;
                           norm_constant defaults to T)
 
+  ``norm_constant`` may also be a traced scalar: with gradient accumulation,
+  token_sum_norm with norm_constant = (valid tokens of the whole batch) / B
+  reproduces the whole batch's token_mean exactly when the micro-batch losses
+  are summed.
+
   Counts are clamped to >= 1, so an all-padding input gives 0. Fully padded
   rows do not count as sequences in the seq_* modes (a jitted step may pad
   the batch with empty rows).
 
   Args:
     x_bt: [B, T] per-token values. mask_bt: [B, T]. mode: one of AGG_MODES
-      (static). norm_constant: static float for token_sum_norm.
+      (static). norm_constant: float or traced scalar for token_sum_norm.
   Returns:
     scalar.
   """
@@ -67,7 +72,7 @@ def aggregate(
   if mode == "token_sum_norm":
     b, t = x_bt.shape
     const = t if norm_constant is None else norm_constant
-    if const <= 0:
+    if isinstance(const, (int, float)) and const <= 0:
       raise ValueError(f"norm_constant must be > 0, got {const}; set it to the "
                        "maximum response length.")
     return jnp.sum(x_bt * m) / (b * const)

@@ -304,3 +304,12 @@ def test_gamma_and_lam_may_be_traced():
                           jnp.float32(0.5))
   np.testing.assert_allclose(adv, ref_gae(rewards, values, mask, 0.9, 0.5)[0],
                              rtol=RTOL, atol=ATOL)
+
+
+def test_group_size_accepts_numpy_int_and_rejects_bad_values():
+  rewards = np.arange(6, dtype=np.float32)
+  np.testing.assert_allclose(A.grpo_advantages(rewards, np.int64(3)),
+                             ref_grpo(rewards, 3), rtol=RTOL, atol=ATOL)
+  for bad in (0, 2.0, -1):
+    with pytest.raises(ValueError, match="positive integer"):
+      A.grpo_advantages(rewards, bad)

@@ -396,3 +396,27 @@ def test_jit_gives_same_results():
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6,
                                                          atol=1e-7),
                  fn(*args), jax.jit(fn)(*args))
+
+
+def test_micro_batches_reproduce_token_mean_with_traced_normaliser():
+  # Gradient accumulation: summing micro-batch losses aggregated with
+  # token_sum_norm and norm_constant = total tokens / micro-batch rows gives
+  # the token_mean of the whole batch (a mean of micro-batch token_means
+  # would not, since the micro-batches hold different token counts).
+  rng = np.random.default_rng(8)
+  mask = ragged_mask(rng, 6, 5)
+  x = rng.normal(size=(6, 5)).astype(np.float32)
+  whole = ref_aggregate(x, mask, "token_mean")
+
+  @jax.jit
+  def micro(x_bt, mask_bt, total_tokens):
+    return L.aggregate(x_bt, mask_bt, "token_sum_norm",
+                       norm_constant=total_tokens / x_bt.shape[0])
+
+  total = jnp.float32(mask.sum())
+  summed = sum(float(micro(x[i:i + 2], mask[i:i + 2], total))
+               for i in range(0, 6, 2))
+  assert summed == pytest.approx(whole, rel=1e-5)
+  naive = np.mean([ref_aggregate(x[i:i + 2], mask[i:i + 2], "token_mean")
+                   for i in range(0, 6, 2)])
+  assert naive != pytest.approx(whole, rel=1e-3)
