@@ -1,0 +1,322 @@
+"""Wire protocol, rate limiting and the data planes that move a payload over one edge.
+
+Why TCP + shared memory (and not Ray's object store):
+- The control plane and the default data plane are plain TCP streams of
+  length-prefixed frames between processes: they work between any two
+  machines (generators need not be Ray actors, and a relay in another
+  datacenter is reached over an ordinary socket), a frame is received
+  straight into the staging buffer (no intermediate copies), and nothing on
+  the wire is pickled: control frames are JSON, data frames are raw
+  safetensors bytes. Ray's object store would deserialize with pickle from
+  the network, which is exactly what we refuse to do, and adds nothing a
+  socket does not do here.
+- Same-host fast path: the sender writes the payload into a POSIX
+  shared-memory segment once; a receiver on the same host label gets only a
+  small control message over TCP, maps the segment read-only and verifies
+  every chunk's crc32 in place. Four receivers then cost one copy plus four
+  checksum passes instead of four copies through the kernel.
+
+Frames: 1-byte kind + 8-byte big-endian body length, then the body.
+  J  JSON control message (requests, replies, the response header with the manifest)
+  C  chunk: 4-byte index + 1-byte encoding (delta.RAW or delta.XOR_ZLIB) + data
+  E  end of payload
+  X  error: JSON {"reason": ...}; the peer aborts this transfer
+
+Where a GPU path plugs in: a ``DataPlane`` subclass (say ``"nccl"``) whose
+``offer`` answers only when client and server share a NCCL/CUDA-IPC group
+(the response header then carries the group id and rank instead of a
+segment name), whose ``send`` broadcasts the payload from device memory, and
+whose ``open``/``fill`` receive into a device staging buffer and verify each
+chunk's checksum on the device before ``commit``-style readiness. On vLLM
+that maps onto the weight-transfer engine API (start_weight_update /
+update_weights / finish_weight_update). It is not implemented here because
+nothing on this machine can test it; the control plane, manifests, versions,
+topology and acks would stay unchanged.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import json
+import socket
+import struct
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
+from typing import Any, ClassVar, Optional
+
+from streamrl.transfer import delta as delta_lib
+from streamrl.transfer.manifest import Manifest, TransferError
+from streamrl.transfer.payload import Payload, map_shared, private_payload
+
+Address = tuple[str, int]
+
+_FRAME = struct.Struct("!cQ")
+_CHUNK = struct.Struct("!IB")
+MAX_JSON_BYTES = 64 << 20
+_SEND_PIECE = 256 << 10  # rate-limited sends go out in pieces this big
+
+
+# ---------------------------------------------------------------- framing
+
+def connect(address: Address, timeout: float) -> socket.socket:
+    """TCP connection with Nagle off (control frames are small and latency-bound)."""
+    sock = socket.create_connection(tuple(address), timeout=timeout)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+def send_json(sock: socket.socket, obj: Any, kind: bytes = b"J") -> None:
+    body = json.dumps(obj, separators=(",", ":")).encode()
+    sock.sendall(_FRAME.pack(kind, len(body)) + body)
+
+
+def recv_exact_into(sock: socket.socket, view: memoryview) -> None:
+    while len(view):
+        n = sock.recv_into(view)
+        if n == 0:
+            raise TransferError("connection closed mid-transfer")
+        view = view[n:]
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytearray:
+    buf = bytearray(n)
+    recv_exact_into(sock, memoryview(buf))
+    return buf
+
+
+def recv_frame_header(sock: socket.socket) -> tuple[bytes, int]:
+    kind, n = _FRAME.unpack(recv_exact(sock, _FRAME.size))
+    return kind, n
+
+
+def _read_json_body(sock: socket.socket, n: int) -> dict:
+    if n > MAX_JSON_BYTES:
+        raise TransferError(f"control frame of {n} bytes is too large")
+    try:
+        obj = json.loads(bytes(recv_exact(sock, n)))
+    except ValueError:
+        raise TransferError("control frame is not valid JSON") from None
+    if not isinstance(obj, dict):
+        raise TransferError("control frame is not a JSON object")
+    return obj
+
+
+def recv_json(sock: socket.socket) -> dict:
+    """Next frame as JSON; TransferError if the peer sent an error frame or something else."""
+    kind, n = recv_frame_header(sock)
+    if kind == b"X":
+        raise TransferError(f"peer error: {_read_json_body(sock, n).get('reason')}")
+    if kind != b"J":
+        raise TransferError(f"expected a control frame, got {kind!r}")
+    return _read_json_body(sock, n)
+
+
+def send_error(sock: socket.socket, reason: str) -> None:
+    """Best effort: tell the peer why we abort (it may already be gone)."""
+    try:
+        send_json(sock, {"reason": reason}, kind=b"X")
+    except OSError:
+        pass
+
+
+# ---------------------------------------------------------------- rate limiting
+
+class RateLimiter:
+    """Token bucket (GCRA form) shared by every stream that crosses one emulated link.
+
+    rate: bytes/s; burst: bytes that may go out back to back before pacing.
+    clock/sleep are injectable so the pacing is testable without wall time.
+    """
+
+    def __init__(self, rate: float, burst: int = 1 << 20, clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], None] = time.sleep):
+        if rate <= 0:
+            raise ValueError(f"rate={rate} bytes/s must be positive.")
+        self.rate, self.burst_s = float(rate), burst / float(rate)
+        self._clock, self._sleep = clock, sleep
+        self._tat = clock()  # theoretical arrival time of the next byte
+        self._lock = threading.Lock()
+
+    def consume(self, n: int) -> float:
+        """Reserves n bytes of link time and sleeps until they may be sent; returns the delay."""
+        with self._lock:
+            now = self._clock()
+            self._tat = max(self._tat, now) + n / self.rate
+            delay = self._tat - now - self.burst_s
+        if delay > 0:
+            self._sleep(delay)
+        return max(delay, 0.0)
+
+
+def send_limited(sock: socket.socket, data: memoryview, limiters: Sequence[RateLimiter]) -> None:
+    if not limiters:
+        sock.sendall(data)
+        return
+    for start in range(0, len(data), _SEND_PIECE):
+        piece = data[start:start + _SEND_PIECE]
+        for lim in limiters:
+            lim.consume(len(piece))
+        sock.sendall(piece)
+
+
+# ---------------------------------------------------------------- data planes
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+    """How one server->client edge is driven.
+
+    limiters: token buckets this edge shares (uplink, cross-datacenter link).
+    delta_base: the client's current version, held by the server, when deltas are on for this edge.
+    """
+
+    limiters: tuple[RateLimiter, ...] = ()
+    delta_base: Optional[Payload] = None
+    delta_level: int = 1
+    executor: Optional[Executor] = None
+    timeout: float = 30.0
+
+
+class DataPlane(abc.ABC):
+    """Moves one payload over one edge; the control plane (service.py) is the same for all planes."""
+
+    name: ClassVar[str]
+
+    @abc.abstractmethod
+    def offer(self, payload: Payload, request: dict, server_host: str, use_shm: bool) -> Optional[dict]:
+        """Server side: header fields if this plane can carry ``payload`` to the requester, else None."""
+
+    @abc.abstractmethod
+    def send(self, sock: socket.socket, payload: Payload, link: Link) -> int:
+        """Server side, after the header: streams the payload; returns bytes put on the wire."""
+
+    @abc.abstractmethod
+    def open(self, header: dict, manifest: Manifest) -> Payload:
+        """Client side: the staging payload the data will land in."""
+
+    @abc.abstractmethod
+    def fill(self, sock: socket.socket, header: dict, payload: Payload, base: Optional[Payload],
+             timeout: float) -> int:
+        """Client side: receives and commits (verifies) every chunk in order; returns wire bytes."""
+
+
+def _encoded_chunks(payload: Payload, link: Link, lookahead: int = 4):
+    """Yields (encoding, bytes|None) per chunk, encoding ahead on the executor; cached per base."""
+    base = link.delta_base
+    n = payload.manifest.num_chunks
+    cache = payload.delta_cache.setdefault(base.version, [None] * n)
+    word = payload.manifest.word_bytes
+
+    def encode(i: int):
+        if cache[i] is None:
+            cache[i] = delta_lib.encode_or_raw(payload.chunk(i), base.chunk(i), word, link.delta_level)
+        return cache[i]
+
+    pending: deque = deque()
+    nxt = 0
+    for i in range(n):
+        while nxt < n and nxt < i + lookahead:
+            payload.wait_ready(nxt + 1, link.timeout)
+            pending.append(link.executor.submit(encode, nxt) if link.executor else None)
+            nxt += 1
+        fut = pending.popleft()
+        yield fut.result() if fut is not None else encode(i)
+
+
+class TcpPlane(DataPlane):
+    """Chunks as frames on the socket, optionally delta-encoded, paced by the edge's limiters."""
+
+    name = "tcp"
+
+    def offer(self, payload, request, server_host, use_shm):
+        return {}
+
+    def send(self, sock, payload, link):
+        m = payload.manifest
+        sent = 0
+        encoded = _encoded_chunks(payload, link) if link.delta_base is not None else None
+        for i in range(m.num_chunks):
+            payload.wait_ready(i + 1, link.timeout)
+            enc, blob = next(encoded) if encoded is not None else (delta_lib.RAW, None)
+            data = payload.chunk(i) if blob is None else memoryview(blob)
+            head = _FRAME.pack(b"C", _CHUNK.size + len(data)) + _CHUNK.pack(i, enc)
+            sock.sendall(head)
+            send_limited(sock, data, link.limiters)
+            sent += len(head) + len(data)
+        sock.sendall(_FRAME.pack(b"E", 0))
+        return sent + _FRAME.size
+
+    def open(self, header, manifest):
+        return private_payload(manifest)
+
+    def fill(self, sock, header, payload, base, timeout):
+        m = payload.manifest
+        received = 0
+        for i in range(m.num_chunks):
+            kind, n = recv_frame_header(sock)
+            if kind == b"X":
+                raise TransferError(f"sender aborted: {_read_json_body(sock, n).get('reason')}")
+            if kind != b"C" or n < _CHUNK.size:
+                raise TransferError(f"expected chunk {i}, got frame {kind!r}")
+            idx, enc = _CHUNK.unpack(recv_exact(sock, _CHUNK.size))
+            a, b = m.chunk_range(i)
+            size = n - _CHUNK.size
+            if idx != i:
+                raise TransferError(f"expected chunk {i}, got chunk {idx}")
+            if enc == delta_lib.RAW:
+                if size != b - a:
+                    raise TransferError(f"chunk {i} has {size} bytes, manifest says {b - a}")
+                recv_exact_into(sock, payload.buf[a:b])
+            elif enc == delta_lib.XOR_ZLIB:
+                if base is None or size > 2 * (b - a) + 1024:
+                    raise TransferError(f"unexpected or oversized delta chunk {i}")
+                blob = recv_exact(sock, size)
+                delta_lib.decode_chunk(bytes(blob), base.chunk(i), payload.buf[a:b], m.word_bytes)
+            else:
+                raise TransferError(f"unknown chunk encoding {enc}")
+            payload.commit(i)  # crc32 of the (reconstructed) chunk vs the manifest
+            received += _FRAME.size + n
+        kind, _ = recv_frame_header(sock)
+        if kind != b"E":
+            raise TransferError(f"expected end of payload, got frame {kind!r}")
+        return received + _FRAME.size
+
+
+class ShmPlane(DataPlane):
+    """Same host: the data is in the sender's segment; the socket only carries the header and the end."""
+
+    name = "shm"
+
+    def offer(self, payload, request, server_host, use_shm):
+        if use_shm and payload.shm_name and request.get("shm", False) and request.get("host") == server_host:
+            return {"shm": payload.shm_name}
+        return None
+
+    def send(self, sock, payload, link):
+        sock.sendall(_FRAME.pack(b"E", 0))
+        return _FRAME.size
+
+    def open(self, header, manifest):
+        return map_shared(str(header.get("shm", "")), manifest)
+
+    def fill(self, sock, header, payload, base, timeout):
+        for i in range(payload.manifest.num_chunks):
+            payload.commit(i)
+        kind, _ = recv_frame_header(sock)
+        if kind != b"E":
+            raise TransferError(f"expected end of payload, got frame {kind!r}")
+        return _FRAME.size
+
+
+PLANES: dict[str, DataPlane] = {p.name: p for p in (ShmPlane(), TcpPlane())}  # preference order
+
+
+def choose_plane(payload: Payload, request: dict, server_host: str, use_shm: bool) -> tuple[DataPlane, dict]:
+    for plane in PLANES.values():
+        fields = plane.offer(payload, request, server_host, use_shm)
+        if fields is not None:
+            return plane, fields
+    raise TransferError("no data plane can reach this client")
