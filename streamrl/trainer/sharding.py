@@ -1,0 +1,102 @@
+"""The mesh and the logical -> physical axis mapping.
+
+Model parameters carry logical axis names (`logical_axes` metadata); the
+config says how big each mesh axis is and which mesh axes each logical name
+is split over. Everything about placement lives here and in the config.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+# Data parallel over (data, fsdp); parameters fully sharded over fsdp on their
+# embed dimension and split over tensor on heads / MLP width (Megatron style).
+DEFAULT_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
+    ("batch", ("data", "fsdp")),
+    ("embed", "fsdp"),
+    ("vocab", "tensor"),
+    ("q_heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("mlp", "tensor"),
+    ("head_dim", None),
+    ("norm", None),
+)
+
+
+def make_mesh(axis_sizes: Mapping[str, int], devices: Sequence | None = None) -> Mesh:
+  """A Mesh with axes (data, fsdp, tensor); a size of -1 takes what is left."""
+  devices = list(devices if devices is not None else jax.devices())
+  unknown = set(axis_sizes) - set(MESH_AXES)
+  if unknown:
+    raise ValueError(f"Unknown mesh axes {sorted(unknown)}; use {MESH_AXES}.")
+  sizes = [int(axis_sizes.get(a, 1)) for a in MESH_AXES]
+  if sizes.count(-1) > 1:
+    raise ValueError("At most one mesh axis may be -1.")
+  known = int(np.prod([s for s in sizes if s != -1]))
+  if -1 in sizes:
+    if len(devices) % known:
+      raise ValueError(f"{len(devices)} devices can't be split into mesh {dict(axis_sizes)}.")
+    sizes[sizes.index(-1)] = len(devices) // known
+  if int(np.prod(sizes)) != len(devices):
+    raise ValueError(
+        f"Mesh {dict(zip(MESH_AXES, sizes))} needs {int(np.prod(sizes))} devices but "
+        f"{len(devices)} are available; change config.mesh so the sizes multiply to "
+        f"{len(devices)}.")
+  return Mesh(np.asarray(devices).reshape(sizes), MESH_AXES)
+
+
+def logical_to_spec(axes: Sequence[str | None], rules, mesh: Mesh,
+                    shape: Sequence[int] | None = None) -> P:
+  """Maps logical axis names to a PartitionSpec.
+
+  A mesh axis is used at most once per array, and a dimension that does not
+  divide evenly by its mesh axes stays replicated (tiny models on 8 devices).
+  """
+  table = dict(rules)
+  used: set[str] = set()
+  out = []
+  for i, name in enumerate(axes):
+    target = table.get(name) if name is not None else None
+    targets = (target,) if isinstance(target, str) else tuple(target or ())
+    targets = tuple(t for t in targets if t not in used and mesh.shape[t] > 1)
+    size = int(np.prod([mesh.shape[t] for t in targets])) if targets else 1
+    if not targets or (shape is not None and shape[i] % size):
+      out.append(None)
+      continue
+    used.update(targets)
+    out.append(targets[0] if len(targets) == 1 else targets)
+  return P(*out)
+
+
+def state_shardings(state: nnx.State, mesh: Mesh, rules=DEFAULT_RULES):
+  """NamedShardings for every variable of an nnx State, from its logical axes."""
+
+  def one(var):
+    axes = var.get_metadata().get("logical_axes")
+    value = var.get_value()
+    if axes is None:
+      return var.replace(NamedSharding(mesh, P()))
+    return var.replace(NamedSharding(mesh, logical_to_spec(axes, rules, mesh, value.shape)))
+
+  return jax.tree.map(one, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def shard_module(module: nnx.Module, mesh: Mesh, rules=DEFAULT_RULES) -> nnx.Module:
+  """Places a module's variables on the mesh according to their logical axes."""
+  graphdef, state = nnx.split(module)
+  shardings = state_shardings(state, mesh, rules)
+  state = jax.device_put(state, shardings)
+  return nnx.merge(graphdef, state)
+
+
+def batch_sharding(mesh: Mesh, ndim: int, rules=DEFAULT_RULES) -> NamedSharding:
+  """Shards the leading (batch) dimension over the data-parallel axes."""
+  spec = logical_to_spec(("batch",) + (None,) * (ndim - 1), rules, mesh)
+  return NamedSharding(mesh, spec)

@@ -1,0 +1,114 @@
+"""The vLLM generator against the Flax model: the trainer's importance ratios
+are only right if these logprobs agree."""
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from streamrl.generator.vllm_engine import GeneratorInstance, SamplingConfig, check_model_dir
+from streamrl.models import config, hf, tiny, transformer
+
+PROMPTS = [(i, [1] + [4 + (3 * i + j) % 40 for j in range(2 + 2 * i)]) for i in range(8)]
+
+
+def flax_logprobs(model, sample, temperature):
+  tokens = jnp.asarray([list(sample.prompt_token_ids) + list(sample.token_ids)])
+  logp, _ = transformer.sequence_logprobs(model, tokens, temperature=temperature)
+  n = len(sample.prompt_token_ids)
+  return np.asarray(logp[0, n - 1:-1])
+
+
+def max_logprob_error(generator, model, temperature=0.8, seed=0):
+  samples = list(generator.generate(
+      PROMPTS, SamplingConfig(temperature=temperature, max_tokens=24, seed=seed)))
+  assert sorted(s.prompt_id for s in samples) == [p for p, _ in PROMPTS]
+  errs = [np.abs(flax_logprobs(model, s, temperature) - np.array(s.logprobs)).max()
+          for s in samples]
+  return max(errs), samples
+
+
+@pytest.fixture(scope="module", params=["qwen2", "llama"])
+def engine(request, tmp_path_factory):
+  cfg = {"qwen2": config.tiny_qwen2, "llama": config.tiny_llama}[request.param](64)
+  path = tiny.build_tiny_model_dir(str(tmp_path_factory.mktemp(request.param)), cfg, seed=7)
+  gen = GeneratorInstance(path, max_num_seqs=8, max_model_len=128, seed=0)
+  _, model = hf.load_hf(path)
+  return gen, model, cfg
+
+
+def test_sampled_logprobs_match_flax(engine):
+  gen, model, _ = engine
+  err, samples = max_logprob_error(gen, model)
+  assert err < 1e-3
+  for s in samples:
+    assert len(s.token_ids) == len(s.logprobs) > 0
+    assert s.finish_reason in ("stop", "length")
+    assert s.weight_version == gen.weight_version
+
+
+def test_weight_update_takes_effect_and_drops_prefix_cache(engine):
+  gen, old_model, cfg = engine
+  # Warm the prefix cache with the old weights on exactly these prompts.
+  list(gen.generate(PROMPTS, SamplingConfig(max_tokens=4, seed=1)))
+  before = gen.weight_version
+  new_model = transformer.Transformer(cfg, rngs=nnx.Rngs(123))
+  assert gen.update_weights(hf.to_hf_tensors(new_model)) == before + 1
+  err_new, samples = max_logprob_error(gen, new_model, seed=1)
+  # Reused prompt KV from the old weights would break this agreement.
+  assert err_new < 1e-3
+  assert all(s.weight_version == before + 1 for s in samples)
+  err_old = max(np.abs(flax_logprobs(old_model, s, 0.8) - np.array(s.logprobs)).max()
+                for s in samples)
+  assert err_old > 0.1
+  with pytest.raises(ValueError, match="must increase"):
+    gen.update_weights(hf.to_hf_tensors(new_model), version=before)
+
+
+def test_never_runs_more_than_the_cap(engine, monkeypatch):
+  gen, _, _ = engine
+  seen = []
+  real_add = gen._engine.add_request
+
+  def add(*args, **kwargs):
+    seen.append(gen._engine.get_num_unfinished_requests() + 1)
+    return real_add(*args, **kwargs)
+
+  monkeypatch.setattr(gen._engine, "add_request", add)
+  samples = list(gen.generate(PROMPTS, SamplingConfig(max_tokens=12, seed=0), max_in_flight=3))
+  assert sorted(s.prompt_id for s in samples) == [p for p, _ in PROMPTS]
+  assert len(seen) == len(PROMPTS) and max(seen) == 3
+
+
+def test_stream_yields_before_batch_end(engine):
+  gen, _, _ = engine
+  # Two prompts with max_tokens 3 and one that runs 40: the first yields
+  # while the long one is still running.
+  long_cfg = SamplingConfig(temperature=1.0, max_tokens=40, seed=3)
+  it = gen.generate([(0, [1, 5, 6]), (1, [1, 7, 8])], long_cfg, max_in_flight=2)
+  first = next(it)
+  # Closing early aborts the rest and leaves the engine idle.
+  it.close()
+  assert gen._in_flight == 0 and not gen._engine.has_unfinished_requests()
+  assert first.prompt_id in (0, 1)
+
+
+def test_bad_model_dirs_are_refused_before_engine_start(tmp_path):
+  with pytest.raises(FileNotFoundError, match="does not exist"):
+    check_model_dir(str(tmp_path / "missing"), on_cpu=True)
+  import dataclasses
+  bad = dataclasses.replace(config.tiny_qwen2(64), hidden_size=192, num_heads=4, head_dim=48)
+  d = tiny.build_tiny_model_dir(str(tmp_path / "hd48"), bad)
+  with pytest.raises(ValueError, match="head_dim=48"):
+    check_model_dir(d, on_cpu=True)
+  d = tiny.build_tiny_model_dir(str(tmp_path / "vocab"), config.tiny_qwen2(32))
+  with pytest.raises(ValueError, match="vocab_size=32"):
+    check_model_dir(d, on_cpu=True)
+  d = tiny.build_tiny_model_dir(str(tmp_path / "arch"))
+  data = json.loads((tmp_path / "arch" / "config.json").read_text())
+  data["architectures"] = ["GPT2LMHeadModel"]
+  (tmp_path / "arch" / "config.json").write_text(json.dumps(data))
+  with pytest.raises(ValueError, match="Unsupported architecture"):
+    GeneratorInstance(d)
