@@ -112,8 +112,6 @@ class StageEstimator:
     # "recent history" draw for the dispatcher.
     self._draws = [workload.lengths.sample(rng, workload.batch_size) for _ in range(workload.num_draws)]
     self._recent = workload.lengths.sample(rng, workload.batch_size)[1]
-    tokens = np.concatenate([p + o for p, o in self._draws]).astype(np.float64)
-    self._tokens = tokens
     for p, o in self._draws:
       if p.size == 0 or np.any(o <= 0):
         raise ValueError("the length distribution produced no or non-positive lengths; fix it.")
@@ -152,8 +150,9 @@ class StageEstimator:
       else:
         train = TrainCostModel.for_gpu(self.w.model, self.gpu(gpu_name), self.w.calib.mfu,
                                        critic=self.w.calib.critic)
-        per_batch = train.iteration_seconds(self._tokens, num_gpus) / len(self._draws)
-        self._train[key] = float(per_batch)
+        self._train[key] = float(np.mean([
+            train.iteration_seconds((p + o).astype(np.float64), num_gpus, self.w.calib.num_minibatches)
+            for p, o in self._draws]))
     return self._train[key]
 
   def allocation(self, gen_pool: Pool, x: int, train_pool: Pool, y: int) -> Allocation:
@@ -200,7 +199,11 @@ def shrink_faster(gen_pool: Pool, train_pool: Pool, est: StageEstimator, *, unit
                   gen_budget: int | None = None, train_budget: int | None = None) -> list[Allocation]:
   """Algorithm 1, two pools: full allocation, then shrink the faster stage.
 
-  Returns [chosen, full allocation, other sizes of the shrunk stage...].
+  The faster stage shrinks to the size k minimising |T_faster(k) - T_slower|
+  among the sizes that keep it no slower than the other stage (with coarse
+  units the unconstrained minimiser can overshoot and make the shrunk stage
+  the bottleneck; we never do that). Returns [chosen, full allocation, other
+  sizes of the shrunk stage...].
   """
   m = gen_pool.num_gpus if gen_budget is None else gen_budget
   n = train_pool.num_gpus if train_budget is None else train_budget
@@ -212,18 +215,17 @@ def shrink_faster(gen_pool: Pool, train_pool: Pool, est: StageEstimator, *, unit
     cands = [est.allocation(gen_pool, k, train_pool, n) for k in _sizes(m, unit)
              if k >= est.tp(gen_pool.gpu)]
     slower = full.t_train
-    gap = lambda a: abs(a.t_gen - slower)
+    shrunk = lambda a: a.t_gen
   else:
     cands = [est.allocation(gen_pool, m, train_pool, k) for k in _sizes(n, unit)]
     slower = full.t_gen
-    gap = lambda a: abs(a.t_train - slower)
+    shrunk = lambda a: a.t_train
+  ok = [a for a in cands if shrunk(a) <= slower] or [full]
   # Ties: the smaller allocation (releases more).
-  chosen = min(cands, key=lambda a: (gap(a), a.gen_gpus + a.train_gpus))
-  rest = sorted((a for a in cands if a is not chosen), key=lambda a: (gap(a), a.gen_gpus + a.train_gpus))
-  out = [chosen]
-  if full not in out:
-    out.append(full)
-  return out + [a for a in rest if a != full]
+  chosen = min(ok, key=lambda a: (abs(shrunk(a) - slower), a.gen_gpus + a.train_gpus))
+  rest = sorted((a for a in cands if a is not chosen and a != full),
+                key=lambda a: (abs(shrunk(a) - slower), a.gen_gpus + a.train_gpus))
+  return [chosen] + ([full] if full != chosen else []) + rest
 
 
 @dataclasses.dataclass(frozen=True)

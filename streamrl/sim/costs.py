@@ -231,8 +231,9 @@ class GenCalibration:
       step), seconds (assumed 15 us over NVLink).
     gpu_mem_util: fraction of HBM the engine may use (vLLM default 0.9).
     max_num_seqs: engine cap on sequences in flight (vLLM default 256).
-    overhead_scale: multiplies layer_overhead_s; 1 for our engine, > 1 for a
-      system without CUDA graphs (the verl baseline's one efficiency knob).
+    extra_step_s: host-side time added to every decode step (scheduling,
+      sampling, Python) by a less optimised engine; 0 for ours, the verl
+      baseline's one efficiency knob.
   """
 
   layer_overhead_s: float
@@ -241,7 +242,7 @@ class GenCalibration:
   tp_allreduce_s: float = 15e-6
   gpu_mem_util: float = 0.9
   max_num_seqs: int = 256
-  overhead_scale: float = 1.0
+  extra_step_s: float = 0.0
 
 
 def calibrate_from_ptl_curve(profile: LatencyProfile, model: ModelSpec, gpu: GpuSpec, *,
@@ -340,7 +341,7 @@ class GenCostModel:
       raise ValueError(f"tensor-parallel degree must be >= 1, got {tp}.")
     bw = tp * gpu.hbm_bytes_s * calib.mem_bw_eff
     comm = 2 * model.num_layers * calib.tp_allreduce_s if tp > 1 else 0.0
-    a = model.num_layers * calib.layer_overhead_s * calib.overhead_scale + comm + model.weight_bytes / bw
+    a = model.num_layers * calib.layer_overhead_s + calib.extra_step_s + comm + model.weight_bytes / bw
     b = 2.0 * model.compute_params / (tp * gpu.flops * calib.decode_compute_eff)
     c = model.kv_bytes_per_token / bw
     kv_bytes = tp * (gpu.hbm_bytes * calib.gpu_mem_util - reserved_bytes_per_gpu) - model.weight_bytes
@@ -384,55 +385,54 @@ def paper_calibration() -> GenCalibration:
 
 @dataclasses.dataclass(frozen=True)
 class TrainCostModel:
-  """Trainer time from FLOPs.
+  """Trainer time from FLOPs (or from measured seconds per token).
 
   Per sequence of T tokens (prompt + output):
-    forward work (on arrival) = fwd_passes * model.forward_flops(T)
+    forward work (on arrival)    = fwd_passes * model.forward_flops(T)
     update work (per mini-batch) = update_passes * 3 * model.forward_flops(T)
-  seconds = flops / (num_gpus * flops_per_s_per_gpu) + chunk_overhead_s.
+  seconds = flops / (num_gpus * flops_per_s_per_gpu), plus a fixed
+  fwd_overhead_s / update_overhead_s per unit of work the trainer starts.
 
   Defaults are PPO with actor, critic and reference of the same size:
   forward-only passes = reference logprobs, old logprobs, values (3 x 2N);
   updates = actor and critic (2 x 6N).
 
-  Attributes:
-    model: shape used for FLOPs.
-    flops_per_s_per_gpu: peak * MFU (or, for measured models, 1.0 with the
-      FLOP counts replaced by seconds; see `from_measured`).
-    fwd_passes, update_passes: as above.
-    chunk_overhead_s: fixed cost per unit of work (kernel launch, optimizer
-      step); 0 at cluster scale.
-    linear_s_per_token, quad_s_per_token2: if set (measured models), one GPU's
-      seconds per token (and per token^2) of one forward pass replace FLOPs.
+  Measured trainers (`from_measured`) set fwd_s_per_token / upd_s_per_token:
+  seconds per token on one "GPU" (the whole measured trainer), replacing FLOPs.
   """
 
   model: ModelSpec | None
-  flops_per_s_per_gpu: float
+  flops_per_s_per_gpu: float = 1.0
   fwd_passes: int = 3
   update_passes: int = 2
-  chunk_overhead_s: float = 0.0
-  linear_s_per_token: float | None = None
-  quad_s_per_token2: float = 0.0
+  fwd_overhead_s: float = 0.0
+  update_overhead_s: float = 0.0
+  fwd_s_per_token: float | None = None
+  upd_s_per_token: float | None = None
   name: str = ""
 
-  def _fwd_cost(self, tokens: np.ndarray) -> np.ndarray:
-    t = np.asarray(tokens, dtype=np.float64)
-    if self.linear_s_per_token is not None:
-      return self.linear_s_per_token * t + self.quad_s_per_token2 * t * t
-    return np.asarray(self.model.forward_flops(t)) / self.flops_per_s_per_gpu
+  def __post_init__(self):
+    if self.model is None and (self.fwd_s_per_token is None or self.upd_s_per_token is None):
+      raise ValueError("a TrainCostModel needs a model shape (FLOPs) or measured seconds per token.")
 
   def forward_seconds(self, tokens: np.ndarray) -> np.ndarray:
     """[n] one-GPU seconds of per-sample forward-only work (divide by GPUs)."""
-    return self.fwd_passes * self._fwd_cost(tokens)
+    t = np.asarray(tokens, dtype=np.float64)
+    if self.fwd_s_per_token is not None:
+      return self.fwd_s_per_token * t
+    return self.fwd_passes * np.asarray(self.model.forward_flops(t)) / self.flops_per_s_per_gpu
 
   def update_seconds(self, tokens: np.ndarray) -> np.ndarray:
     """[n] one-GPU seconds of per-sample update work (fwd + bwd = 3 forwards)."""
-    return self.update_passes * 3.0 * self._fwd_cost(tokens)
+    t = np.asarray(tokens, dtype=np.float64)
+    if self.upd_s_per_token is not None:
+      return self.upd_s_per_token * t
+    return self.update_passes * 3.0 * np.asarray(self.model.forward_flops(t)) / self.flops_per_s_per_gpu
 
   def iteration_seconds(self, tokens: np.ndarray, num_gpus: int, num_minibatches: int = 1) -> float:
-    """Time to train on a whole batch on `num_gpus` GPUs (no overlap)."""
+    """Time to train on a whole batch on `num_gpus` GPUs (no overlap with generation)."""
     work = float(np.sum(self.forward_seconds(tokens)) + np.sum(self.update_seconds(tokens)))
-    return work / num_gpus + self.chunk_overhead_s * (1 + num_minibatches)
+    return work / num_gpus + self.fwd_overhead_s + self.update_overhead_s * num_minibatches
 
   @classmethod
   def for_gpu(cls, model: ModelSpec, gpu: GpuSpec, mfu: float, *, critic: bool = True) -> "TrainCostModel":
@@ -442,21 +442,17 @@ class TrainCostModel:
                update_passes=2 if critic else 1, name=f"{model.name}/{gpu.name}/mfu{mfu:.2f}")
 
   @classmethod
-  def from_measured(cls, step_seconds_per_token: float, *, step_overhead_s: float = 0.0,
-                    fwd_fraction: float = 1.0 / 3.0, fwd_passes: int = 3,
-                    update_passes: int = 2, name: str = "measured") -> "TrainCostModel":
-    """From a measured trainer: seconds per token of one full train step on one device.
-
-    `step_seconds_per_token` is the measured time of (all forward-only passes +
-    all updates) per token; it is split into a forward part and an update part
-    by FLOP counts (fwd_passes * 1 : update_passes * 3).
-    """
-    if not step_seconds_per_token > 0:
-      raise ValueError("measured trainer seconds per token must be > 0; re-run the trainer profile.")
-    units = fwd_passes + 3 * update_passes
-    return cls(model=None, flops_per_s_per_gpu=1.0, fwd_passes=fwd_passes, update_passes=update_passes,
-               chunk_overhead_s=step_overhead_s, linear_s_per_token=step_seconds_per_token / units,
-               name=name)
+  def from_measured(cls, *, fwd_s_per_token: float, upd_s_per_token: float, fwd_overhead_s: float = 0.0,
+                    update_overhead_s: float = 0.0, name: str = "measured") -> "TrainCostModel":
+    """From trainer measurements (seconds per token of all forward-only passes / of one update)."""
+    for k, v in (("fwd_s_per_token", fwd_s_per_token), ("upd_s_per_token", upd_s_per_token)):
+      if not (v >= 0 and math.isfinite(v)):
+        raise ValueError(f"measured {k} must be a finite number >= 0, got {v}; re-run the trainer profile.")
+    for k, v in (("fwd_overhead_s", fwd_overhead_s), ("update_overhead_s", update_overhead_s)):
+      if not (v >= 0 and math.isfinite(v)):
+        raise ValueError(f"measured {k} must be a finite number >= 0, got {v}; re-run the trainer profile.")
+    return cls(model=None, fwd_s_per_token=float(fwd_s_per_token), upd_s_per_token=float(upd_s_per_token),
+               fwd_overhead_s=float(fwd_overhead_s), update_overhead_s=float(update_overhead_s), name=name)
 
 
 # ---------------------------------------------------------------------------

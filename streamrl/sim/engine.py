@@ -270,7 +270,10 @@ class _GenPhase:
       heapq.heappop(heap)
     n_fin = heap[0][0] - inst.k
     room = self.gen.kv_capacity_tokens - inst.S
-    n_kv = math.floor(room / inst.B) if room > 0 else 0
+    if room >= n_fin * inst.B:  # also covers an unbounded cache
+      n_kv = n_fin
+    else:
+      n_kv = math.floor(room / inst.B) if room > 0 else 0
     if n_kv >= n_fin:
       kind, n = _FINISH, n_fin
     else:
@@ -497,7 +500,8 @@ class _Simulation:
       return
     if math.isnan(self.train_start[j]):
       self.train_start[j] = t
-    dur = work / self.train_gpus + self.c.train.chunk_overhead_s
+    tr = self.c.train
+    dur = work / self.train_gpus + (tr.update_overhead_s if kind[0] == "upd" else tr.fwd_overhead_s)
     self.train_busy[j] += dur
     self.t_busy = True
     self._push(t + dur, _EV_TRAIN, None, kind)

@@ -32,8 +32,8 @@ class SystemCalibration:
     mfu: training model-FLOPs utilisation (fitted on the 7B cells).
     offload_gb_s: colocation's one parameter: effective host<->device
       bandwidth of the per-iteration stage switch (fitted on the 7B cells).
-    verl_overhead_scale: verl's one parameter: multiplier on the per-layer
-      decode step overhead (eager mode, no CUDA graphs; fitted on 7B cells).
+    verl_step_overhead_s: verl's one parameter: host time added to every
+      decode step by its rollout engine (fitted on the 7B cells).
     ranker_sigma: simulated ranker noise (from the paper's Table 4 recall).
     num_minibatches: PPO mini-batches per iteration (verl's default 1024/256).
     dispatch_objective: Algorithm 2 objective ("makespan" is the project
@@ -43,7 +43,7 @@ class SystemCalibration:
   gen: GenCalibration
   mfu: float = 0.35
   offload_gb_s: float | None = None
-  verl_overhead_scale: float = 1.0
+  verl_step_overhead_s: float = 0.0
   ranker_sigma: float = 0.0
   num_minibatches: int = 4
   dispatch_objective: str = "makespan"
@@ -57,7 +57,7 @@ def colocated_config(model: ModelSpec, gpu: GpuSpec, num_gpus: int, lengths, cal
   tp = costs.default_tp(model, gpu) if tp is None else tp
   gcal = calib.gen
   if verl:
-    gcal = dataclasses.replace(gcal, overhead_scale=calib.verl_overhead_scale)
+    gcal = dataclasses.replace(gcal, extra_step_s=calib.verl_step_overhead_s)
   # With offloading the rollout has the whole GPU; without it the training
   # state stays resident and shrinks the KV cache.
   reserved = 0.0 if calib.offload_gb_s else costs.colocated_state_bytes_per_gpu(

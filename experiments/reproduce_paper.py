@@ -1,0 +1,371 @@
+"""Reproduces the StreamRL paper's cluster-scale results with the simulator.
+
+  python experiments/reproduce_paper.py [--out_dir=experiments/out/paper] [--skip_scale]
+
+Writes PNG plots and report.md (simulated vs paper) into --out_dir and ends
+with `RESULT fig8_max_rel_err=.. table3_max_abs_err=.. fig9_max_abs_err=..
+fig12_max_rel_err=..`. Errors compare ratios, never absolute samples/s:
+Fig. 8 and Table 3 normalise every system to colocation within its cell,
+Fig. 9 normalises generation latency to random FIFO, Fig. 12 compares the
+hetero/homog ratio of cost-normalised throughput.
+
+Calibration (all printed with their source): the decode model from the
+paper's Fig. 7 curve plus hardware specs; the ranker noise from Table 4;
+then three parameters fitted on the 7B cells of Fig. 8 only — training MFU
+and colocation's offload bandwidth (on the sync/async-vs-colocation ratios),
+and verl's per-step decode overhead (on verl-vs-colocation). 32B and 72B are
+held out. Takes a few minutes on two cores.
+"""
+
+import dataclasses
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+from absl import app, flags  # noqa: E402
+
+from streamrl.planner import ElasticController, Pool, Workload, plan, run_elastic  # noqa: E402
+from streamrl.sim import costs, paper  # noqa: E402
+from streamrl.sim.engine import SimConfig, simulate  # noqa: E402
+from streamrl.sim.lengths import paper_lengths  # noqa: E402
+from streamrl.sim.systems import SystemCalibration, disaggregated_config, system_config  # noqa: E402
+
+_OUT = flags.DEFINE_string("out_dir", "experiments/out/paper", "Where plots and report.md go.")
+_PAPER = flags.DEFINE_string("paper_json", None, "streamrl_paper.json (default: ../shared/reference).")
+_SKIP_SCALE = flags.DEFINE_bool("skip_scale", False, "Skip the 1,024-GPU scale benchmark.")
+_ITERS = flags.DEFINE_integer("iterations", 4, "Iterations per simulation (first is warm-up).")
+_SEED = flags.DEFINE_integer("seed", 0, "Seed of every length draw.")
+
+SYSTEM_LABEL = {"verl": "verl", "colocation": "colocation", "streamrl_sync": "StreamRL-sync",
+                "streamrl_async": "StreamRL-async"}
+
+
+class Report:
+  """Collects markdown sections."""
+
+  def __init__(self):
+    self.lines = ["# StreamRL paper reproduction (simulated)", ""]
+
+  def h(self, title):
+    self.lines += ["", f"## {title}", ""]
+    print(f"\n== {title}")
+
+  def p(self, text):
+    self.lines.append(text)
+    print(text)
+
+  def table(self, header, rows):
+    self.lines.append("| " + " | ".join(header) + " |")
+    self.lines.append("|" + "---|" * len(header))
+    for r in rows:
+      self.lines.append("| " + " | ".join(str(x) for x in r) + " |")
+    print("  " + " | ".join(header))
+    for r in rows:
+      print("  " + " | ".join(str(x) for x in r))
+
+  def save(self, path):
+    with open(path, "w") as f:
+      f.write("\n".join(self.lines) + "\n")
+
+
+def calibrate(ref, rep, iters, seed):
+  rep.h("Calibration")
+  gen = costs.paper_calibration()
+  sigma = paper.ranker_sigma_from_table4(ref)
+  rep.table(["parameter", "value", "source"], [
+      ["HBM bandwidth reachable", f"{gen.mem_bw_eff:.2f} x peak", "assumption (typical measured fraction)"],
+      ["context during Fig. 7 profiling", "1024 tokens/seq", "assumption (not stated in the paper)"],
+      ["per-layer decode step overhead", f"{gen.layer_overhead_s * 1e3:.4f} ms",
+       "fitted: Fig. 7 PTL(1) minus weight read time"],
+      ["decode/prefill GEMM efficiency", f"{gen.decode_compute_eff:.3f}",
+       "fitted: Fig. 7 slope minus KV read"],
+      ["TP all-reduce latency", f"{gen.tp_allreduce_s * 1e6:.0f} us x 2 per layer", "assumption"],
+      ["engine memory / max seqs", f"{gen.gpu_mem_util} / {gen.max_num_seqs}", "vLLM defaults"],
+      ["TP per model", "7B:1, 32B:4, 72B:8 (H800)", "rule: weights <= 25 % of instance HBM"],
+      ["ranker noise sigma (log-length)", f"{sigma:.3f}", "Table 4 ranker_7b top-20 % recall 0.87"],
+      ["PPO mini-batches", "4", "assumption (verl default 1024/256)"],
+  ])
+  base = SystemCalibration(gen=gen, ranker_sigma=sigma)
+  t0 = time.time()
+  cal, grid = paper.fit_stream_params(ref, base, mfus=np.round(np.arange(0.25, 0.601, 0.05), 2),
+                                      offloads=[None, 20, 10, 7, 5, 4, 3, 2.5, 2, 1.5, 1],
+                                      iterations=iters, seed=seed)
+  best_err = min(g[2] for g in grid)
+  cal, vgrid = paper.fit_verl(ref, cal, np.round(np.arange(0.0, 0.0301, 0.001), 4), iterations=iters, seed=seed)
+  verr = min(g[1] for g in vgrid)
+  rep.p("")
+  rep.table(["fitted on 7B cells only", "value", "grid", "7B max rel err at fit"], [
+      ["training MFU (H800)", f"{cal.mfu:.2f}", "0.25..0.60 step 0.05", f"{best_err:.3f}"],
+      ["colocation offload bandwidth", f"{cal.offload_gb_s} GB/s", "none, 20..1 GB/s", "(joint with MFU)"],
+      ["verl extra host time per decode step", f"{cal.verl_step_overhead_s * 1e3:.0f} ms", "0..30 ms step 1",
+       f"{verr:.3f}"],
+  ])
+  rep.p(f"\n(fit took {time.time() - t0:.0f} s)")
+  return cal
+
+
+def fig8(ref, cal, rep, iters, seed, out):
+  rep.h("Fig. 8: throughput, 9 cells x 4 systems (ratios to colocation)")
+  cells = {}
+  rows = []
+  errs_fit, errs_held = [], []
+  cols = ref["fig8_throughput_samples_per_s"]["_columns"]
+  for m in paper.MODEL_GPUS:
+    for length in paper.LENGTHS:
+      c = paper.run_cell(m, length, cal, iterations=iters, seed=seed)
+      cells[(m, length)] = c
+      pv = dict(zip(cols, ref["fig8_throughput_samples_per_s"][m][length]))
+      e = paper.fig8_errors(c, ref)
+      (errs_fit if m == "qwen2.5-7b" else errs_held).extend(e.values())
+      r = c.ratios()
+      rows.append([m, length, f"{c.gen_gpus}/{paper.MODEL_GPUS[m] - c.gen_gpus}"]
+                  + [f"{r[s]:.2f} / {pv[s] / pv['colocation']:.2f}" for s in cols]
+                  + [f"{c.samples_per_s['streamrl_async']:.2f} / {pv['streamrl_async']:.2f}",
+                     f"{max(e.values()):.3f}"])
+  rep.table(["model", "len", "gen/train", *[f"{SYSTEM_LABEL[s]} sim/paper" for s in cols],
+             "async samples/s sim/paper", "max rel err"], rows)
+  fit_err, held_err = max(errs_fit), max(errs_held)
+  rep.p(f"\nmax relative error: 7B (fitted) {fit_err:.3f}; 32B+72B (held out) {held_err:.3f}")
+  for s in cols:
+    if s == "colocation":
+      continue
+    e = [paper.fig8_errors(c, ref)[s] for c in cells.values()]
+    rep.p(f"  {SYSTEM_LABEL[s]}: max {max(e):.3f}, mean {np.mean(e):.3f}")
+  # Plot.
+  fig, axes = plt.subplots(3, 3, figsize=(13, 10))
+  for ax, ((m, length), c) in zip(axes.flat, cells.items()):
+    pv = dict(zip(cols, ref["fig8_throughput_samples_per_s"][m][length]))
+    r = c.ratios()
+    x = np.arange(len(cols))
+    ax.bar(x - 0.2, [r[s] for s in cols], 0.4, label="simulated")
+    ax.bar(x + 0.2, [pv[s] / pv["colocation"] for s in cols], 0.4, label="paper")
+    ax.set_xticks(x, [SYSTEM_LABEL[s] for s in cols], fontsize=7)
+    ax.set_title(f"{m} {length}" + (" (fit)" if m == "qwen2.5-7b" else " (held out)"), fontsize=9)
+    ax.set_ylabel("throughput / colocation")
+  axes[0, 0].legend()
+  fig.tight_layout()
+  fig.savefig(os.path.join(out, "fig8_throughput.png"), dpi=110)
+  plt.close(fig)
+  return cells, max(errs_fit + errs_held)
+
+
+def table3(ref, cal, rep, iters, seed, out):
+  rep.h("Table 3: ablation, 72B 20K (normalised to colocation)")
+  c = paper.run_cell("qwen2.5-72b", "20K", cal, iterations=iters, seed=seed,
+                     systems=("colocation", "colocation_skew", "streamrl_sync", "streamrl_async"))
+  r = c.ratios()
+  pt = ref["table3_ablation_72b_20k_normalized_throughput"]
+  pairs = [("colocation", "colocation"), ("colocation_skew", "+skewness_aware_scheduling"),
+           ("streamrl_sync", "+disaggregation_and_streaming"), ("streamrl_async", "+asynchronous")]
+  rows, errs = [], []
+  for s, k in pairs:
+    errs.append(abs(r[s] - pt[k]))
+    rows.append([k, f"{r[s]:.3f}", f"{pt[k]:.2f}", f"{errs[-1]:.3f}"])
+  rep.table(["row", "simulated", "paper", "abs err"], rows)
+  fig, ax = plt.subplots(figsize=(6, 3.5))
+  x = np.arange(len(pairs))
+  ax.bar(x - 0.2, [r[s] for s, _ in pairs], 0.4, label="simulated")
+  ax.bar(x + 0.2, [pt[k] for _, k in pairs], 0.4, label="paper")
+  ax.set_xticks(x, [k.replace("_", " ") for _, k in pairs], fontsize=7)
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(os.path.join(out, "table3_ablation.png"), dpi=110)
+  plt.close(fig)
+  return max(errs)
+
+
+def fig9(ref, cal, rep, cells, seed, out):
+  rep.h("Fig. 9: generation latency normalised to random FIFO (20K, StreamRL's generation GPUs)")
+  p9 = ref["fig9_generation_latency_normalized_to_random_fifo"]
+  rows, errs, sims = [], [], {}
+  for m in paper.MODEL_GPUS:
+    x = cells[(m, "20K")].gen_gpus
+    lat = paper.fig9_latencies(m, cal, x, seed=seed)
+    alt = paper.fig9_latencies(m, dataclasses.replace(cal, dispatch_objective="sum"), x, seed=seed)
+    norm = {k: v / lat["fifo"] for k, v in lat.items()}
+    sims[m] = norm
+    for k in ("streamrl", "oracle"):
+      errs.append(abs(norm[k] - p9[m][k]))
+    rows.append([m, x, f"{norm['streamrl']:.3f} / {p9[m]['streamrl']:.2f}",
+                 f"{norm['oracle']:.3f} / {p9[m]['oracle']:.2f}",
+                 f"{alt['streamrl'] / alt['fifo']:.3f}", f"{lat['fifo']:.0f} s"])
+  rep.table(["model", "gen GPUs", "ranker sim/paper", "oracle sim/paper", "ranker, 'sum' objective",
+             "FIFO latency"], rows)
+  fig, ax = plt.subplots(figsize=(7, 3.5))
+  x = np.arange(3)
+  ms = list(paper.MODEL_GPUS)
+  for i, (k, lab) in enumerate([("streamrl", "ranker"), ("oracle", "oracle")]):
+    ax.bar(x + (i - 0.5) * 0.4 - 0.1, [sims[m][k] for m in ms], 0.2, label=f"sim {lab}")
+    ax.bar(x + (i - 0.5) * 0.4 + 0.1, [p9[m][k] for m in ms], 0.2, label=f"paper {lab}", alpha=0.6)
+  ax.axhline(1.0, color="k", lw=0.5)
+  ax.set_xticks(x, ms)
+  ax.set_ylabel("latency / random FIFO")
+  ax.legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(os.path.join(out, "fig9_skewness.png"), dpi=110)
+  plt.close(fig)
+  return max(errs)
+
+
+def fig10(ref, cal, rep, iters, seed, out):
+  rep.h("Fig. 10: allocation (Algorithm 1) vs even split, async")
+  pf = ref["fig10_allocation"]
+  rows, speed = [], {}
+  for m, key in (("qwen2.5-32b", "qwen2.5-32b_64gpus"), ("qwen2.5-72b", "qwen2.5-72b_128gpus")):
+    n = paper.MODEL_GPUS[m]
+    for length in paper.LENGTHS:
+      lengths = paper_lengths(paper.LENGTHS[length])
+      x = paper.planned_gen_gpus(m, n, lengths, cal, seed=seed)
+      model, gpu = costs.MODELS[m], costs.GPUS["H800"]
+      thr = {}
+      for name, g in (("chosen", x), ("even", n // 2)):
+        thr[name] = simulate(system_config("streamrl_async", model, gpu, n, lengths, cal, gen_gpus=g,
+                                           iterations=iters, seed=seed)).samples_per_s
+      speed[(m, length)] = thr["chosen"] / thr["even"]
+      rows.append([m, length, f"{x}/{n - x}", str(pf[key]["chosen_gen_train"]), f"{speed[(m, length)]:.3f}"])
+  rep.table(["model", "len", "chosen gen/train (sim)", "paper chosen", "speedup vs even (sim)"], rows)
+  rep.p(f"\npaper: max speedup vs even {pf['max_speedup_vs_even']}; simulated max {max(speed.values()):.3f}")
+  fig, ax = plt.subplots(figsize=(6, 3.5))
+  ax.bar(range(len(speed)), list(speed.values()))
+  ax.set_xticks(range(len(speed)), [f"{m[7:]} {l}" for m, l in speed], fontsize=7)
+  ax.axhline(1.0, color="k", lw=0.5)
+  ax.set_ylabel("chosen / even split throughput")
+  fig.tight_layout()
+  fig.savefig(os.path.join(out, "fig10_allocation.png"), dpi=110)
+  plt.close(fig)
+
+
+def fig11(ref, cal, rep, seed, out):
+  rep.h("Fig. 11: elastic generation scale-up as output lengths grow (7B, 10K -> 20K)")
+  model, gpu = costs.MODELS["qwen2.5-7b"], costs.GPUS["H800"]
+  iters = 30
+  dists = tuple(paper_lengths(int(round(10240 + 10240 * j / (iters - 1)))) for j in range(iters))
+  x0 = paper.planned_gen_gpus("qwen2.5-7b", 32, dists[0], cal, seed=seed)
+  cfg = disaggregated_config("async", model, gpu, x0, gpu, 32 - x0, dists[0], cal, iterations=iters, seed=seed)
+  cfg = dataclasses.replace(cfg, lengths=dists)
+  unit = 8 // cfg.gen.gpus
+  ctl = ElasticController(cfg.gen, cfg.num_instances, unit, cfg.num_instances + 8 * unit,
+                          ranker_sigma=cal.ranker_sigma, objective=cal.dispatch_objective, seed=seed)
+  run = run_elastic(cfg, ctl)
+  adds = run.additions
+  rows = [[s.iteration, s.observed_iteration, s.instances * cfg.gen.gpus, f"{s.gap_s:.1f}", f"{s.saving_s:.1f}"]
+          for s in adds]
+  rep.p(f"start: {x0} generation + {32 - x0} training GPUs (Algorithm 1 at 10K); 8-GPU units added when "
+        "Delta > saving of one more unit")
+  rep.table(["added at iteration", "judged on iteration", "gen GPUs before", "Delta (s)",
+             "saving of one unit (s)"], rows)
+  rep.p(f"paper: {ref['fig11_elastic']}")
+  fig, ax = plt.subplots(1, 2, figsize=(11, 3.5))
+  it = np.arange(iters)
+  ax[0].plot(it, run.instances * cfg.gen.gpus, drawstyle="steps-post")
+  ax[0].set_xlabel("iteration")
+  ax[0].set_ylabel("generation GPUs")
+  ax[1].plot(it, run.gaps, marker=".")
+  for s in adds:
+    ax[1].axvline(s.iteration, color="r", lw=0.5)
+  ax[1].set_xlabel("iteration")
+  ax[1].set_ylabel("stage gap Delta = T_gen - T_train (s)")
+  fig.tight_layout()
+  fig.savefig(os.path.join(out, "fig11_elastic.png"), dpi=110)
+  plt.close(fig)
+  tput = [1024 / s.gen_time for s in run.result.iterations]
+  rep.p(f"additions at iterations {[s.iteration for s in adds]}, Delta at addition "
+        f"{[round(s.gap_s, 1) for s in adds]} s; final generation GPUs {run.instances[-1] * cfg.gen.gpus}; "
+        f"generation rate first/last iteration {tput[0]:.2f}/{tput[-1]:.2f} samples/s")
+
+
+def fig12(ref, cal, rep, iters, seed, out):
+  rep.h("Fig. 12: heterogeneous (32 H20 gen, other DC, + 16 H800 train) vs 32 H800, per cost")
+  p12 = ref["fig12_hetero_cost_normalized_samples_per_s"]
+  rows, errs, sim_r, pap_r = [], [], [], []
+  for length in paper.LENGTHS:
+    h = paper.hetero_vs_homog(length, cal, iterations=iters, seed=seed)
+    r = h["hetero_per_cost"] / h["homog_per_cost"]
+    pr = p12[length][0] / p12[length][1]
+    errs.append(abs(r / pr - 1))
+    sim_r.append(r)
+    pap_r.append(pr)
+    rows.append([length, f"{h['hetero_sps']:.2f}", f"{h['homog_sps']:.2f} ({h['homog_gen_gpus']} gen)",
+                 f"{h['hetero_cost']:.2f} / {h['homog_cost']:.2f}", f"{r:.3f} / {pr:.3f}", f"{errs[-1]:.3f}",
+                 f"{h['hetero_transfer_s']:.1f} s"])
+  rep.table(["len", "hetero samples/s", "homog samples/s", "cost hetero/homog", "per-cost ratio sim/paper",
+             "rel err", "cross-DC transfer"], rows)
+  fig, ax = plt.subplots(figsize=(5, 3.5))
+  x = np.arange(3)
+  ax.bar(x - 0.2, sim_r, 0.4, label="simulated")
+  ax.bar(x + 0.2, pap_r, 0.4, label="paper")
+  ax.set_xticks(x, list(paper.LENGTHS))
+  ax.set_ylabel("hetero / homog samples/s per cost")
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(os.path.join(out, "fig12_hetero.png"), dpi=110)
+  plt.close(fig)
+  return max(errs)
+
+
+def fig2_check(ref, cal, rep, seed):
+  rep.h("Check (not fitted): Fig. 2 scaling of 7B from 8 to 32 GPUs")
+  model, gpu = costs.MODELS["qwen2.5-7b"], costs.GPUS["H800"]
+  w = Workload(model=model, lengths=paper_lengths(20480), calib=cal, seed=seed)
+  from streamrl.planner.allocation import StageEstimator
+  est = StageEstimator(w)
+  g = est.gen_time("H800", 32) / est.gen_time("H800", 8)
+  t = est.train_time("H800", 32) / est.train_time("H800", 8)
+  rep.p(f"generation time x{g:.2f} (paper x0.69), training time x{t:.2f} (paper x0.19: the paper's trainer "
+        "scales super-linearly, ours is linear in GPUs)")
+
+
+def scale_benchmark(cal, rep):
+  rep.h("Scale: simulator cost vs events (7B, async, 5K lengths, half the GPUs generate)")
+  model, gpu = costs.MODELS["qwen2.5-7b"], costs.GPUS["H800"]
+  rows = []
+  for gpus, samples in ((128, 8192), (256, 16384), (512, 32768), (1024, 65536)):
+    for sched in ("fifo", "skew"):
+      cfg = disaggregated_config("async", model, gpu, gpus // 2, gpu, gpus // 2, paper_lengths(5120), cal,
+                                 batch_size=samples, iterations=2, scheduler=sched)
+      t0 = time.perf_counter()
+      r = simulate(cfg)
+      wall = time.perf_counter() - t0
+      rows.append([gpus, samples, sched, r.events, f"{wall:.1f}", f"{r.events / wall:.0f}",
+                   f"{wall / r.events * 1e6:.1f}"])
+  rep.table(["GPUs", "samples/iter", "scheduler", "events (2 iters)", "wall s", "events/s", "us/event"], rows)
+  return rows
+
+
+def main(argv):
+  del argv
+  out = _OUT.value
+  os.makedirs(out, exist_ok=True)
+  ref = paper.load_reference(_PAPER.value)
+  iters, seed = _ITERS.value, _SEED.value
+  rep = Report()
+  t0 = time.time()
+  cal = calibrate(ref, rep, iters, seed)
+  cells, fig8_err = fig8(ref, cal, rep, iters, seed, out)
+  t3_err = table3(ref, cal, rep, iters, seed, out)
+  f9_err = fig9(ref, cal, rep, cells, seed, out)
+  fig10(ref, cal, rep, iters, seed, out)
+  fig11(ref, cal, rep, seed, out)
+  f12_err = fig12(ref, cal, rep, iters, seed, out)
+  fig2_check(ref, cal, rep, seed)
+  if not _SKIP_SCALE.value:
+    scale_benchmark(cal, rep)
+  rep.h("Summary")
+  rep.p(f"fig8_max_rel_err={fig8_err:.3f} (goal 0.15), table3_max_abs_err={t3_err:.3f} (goal 0.08), "
+        f"fig9_max_abs_err={f9_err:.3f} (goal 0.08), fig12_max_rel_err={f12_err:.3f} (goal 0.15); "
+        f"total {time.time() - t0:.0f} s")
+  rep.save(os.path.join(out, "report.md"))
+  print(f"wrote {out}/report.md and plots")
+  print(f"RESULT fig8_max_rel_err={fig8_err:.4f} table3_max_abs_err={t3_err:.4f} "
+        f"fig9_max_abs_err={f9_err:.4f} fig12_max_rel_err={f12_err:.4f}")
+
+
+if __name__ == "__main__":
+  app.run(main)
