@@ -1,0 +1,147 @@
+"""Event engine: closed-form cases, mode formulas, determinism, real scheduler reuse."""
+
+import math
+
+import numpy as np
+import pytest
+
+from streamrl.sim import engine
+from streamrl.sim.costs import GenCostModel, TrainCostModel
+from streamrl.sim.engine import SimConfig, simulate, simulate_generation
+from streamrl.sim.lengths import FixedLengths, PaperLengths, from_lengths
+
+A, B = 0.01, 0.001  # PTL(BS) = A + B * BS
+
+
+def _gen(c=0.0, prefill=0.0, kv=math.inf, max_num_seqs=256):
+  return GenCostModel(step_fixed_s=A, per_seq_s=B, per_ctx_token_s=c, prefill_s_per_token=prefill,
+                      kv_capacity_tokens=kv, max_num_seqs=max_num_seqs)
+
+
+def test_one_instance_fixed_lengths_exact_makespan():
+  r = simulate_generation(_gen(), 1, [8] * 4, [100] * 4, queues=[[0, 1, 2, 3]], caps=[4])
+  assert r.makespan == pytest.approx(100 * (A + 4 * B))
+  assert np.allclose(r.finish_times, 100 * (A + 4 * B))
+
+
+def test_waves_when_batch_is_capped():
+  r = simulate_generation(_gen(), 1, [8] * 4, [100] * 4, queues=[[0, 1, 2, 3]], caps=[2])
+  assert r.makespan == pytest.approx(2 * 100 * (A + 2 * B))
+
+
+def test_continuous_batching_shrinks_batch_and_refills():
+  # Lengths 10, 30 with cap 2 and a third prompt of 5 tokens waiting:
+  # steps 1-10 at BS 2; prompt 2 admitted; steps 11-15 at BS 2; 16-30 at BS 1.
+  r = simulate_generation(_gen(), 1, [4, 4, 4], [10, 30, 5], queues=[[0, 1, 2]], caps=[2])
+  expect = 10 * (A + 2 * B) + 5 * (A + 2 * B) + 15 * (A + B)
+  assert r.makespan == pytest.approx(expect)
+  assert r.finish_times[0] == pytest.approx(10 * (A + 2 * B))
+  assert r.finish_times[2] == pytest.approx(15 * (A + 2 * B))
+
+
+def test_context_term_and_prefill_closed_form():
+  c, p = 1e-5, 2e-4
+  # One sequence, prompt 50, 20 tokens: sum_k (A + B + c * (50 + k)), k = 0..19, plus prefill of 50.
+  r = simulate_generation(_gen(c=c, prefill=p), 1, [50], [20], queues=[[0]], caps=[1])
+  expect = 50 * p + sum(A + B + c * (50 + k) for k in range(20))
+  assert r.makespan == pytest.approx(expect)
+
+
+def test_kv_overflow_preempts_newest_and_recomputes():
+  # Capacity 150 tokens; two sequences (prompt 10, 100 tokens each) both admitted (S = 20),
+  # S grows by 2/step: after 65 steps S = 150 -> the newest is preempted at context 75.
+  # The first finishes 35 steps later alone; then the second re-prefills 75 tokens and
+  # generates its last 35 tokens alone.
+  p = 1e-4
+  r = simulate_generation(_gen(prefill=p, kv=150), 1, [10, 10], [100, 100], queues=[[0, 1]], caps=[2])
+  assert r.preemptions == 1
+  expect = 20 * p + 65 * (A + 2 * B) + 35 * (A + B) + 75 * p + 35 * (A + B)
+  assert r.makespan == pytest.approx(expect)
+  assert r.finish_times[0] < r.finish_times[1]
+
+
+def test_too_long_for_kv_cache_is_a_clear_error():
+  with pytest.raises(ValueError, match="KV cache"):
+    simulate_generation(_gen(kv=50), 1, [10], [100], queues=[[0]], caps=[1])
+
+
+def _trivial(mode, *, out_len=100, fwd=2e-4, upd=6e-4, transfer=0.1, iterations=5, **kw):
+  """P samples of equal length on 2 instances: every sample finishes at G."""
+  return SimConfig(mode=mode, gen=_gen(), num_instances=2, train=TrainCostModel.from_measured(
+      fwd_s_per_token=fwd, upd_s_per_token=upd), num_train_gpus=1,
+      lengths=FixedLengths(prompt_len=10, output_len=out_len), batch_size=8, num_minibatches=2,
+      iterations=iterations, transfer_s=transfer, **kw)
+
+
+def _stage_times(cfg):
+  g = cfg.lengths.output_len * (A + 4 * B)  # 4 samples per instance, one wave
+  t = cfg.batch_size * (cfg.lengths.prompt_len + cfg.lengths.output_len) * (
+      cfg.train.fwd_s_per_token + cfg.train.upd_s_per_token)
+  return g, t
+
+
+@pytest.mark.parametrize("mode", ["sync", "stream", "colocated", "verl"])
+def test_on_policy_modes_iteration_is_gen_plus_train_plus_transfer(mode):
+  cfg = _trivial(mode)
+  g, t = _stage_times(cfg)
+  r = simulate(cfg)
+  assert r.mean_iteration_s == pytest.approx(g + t + cfg.transfer_s)
+  assert np.allclose(r.iteration_times[1:], g + t + cfg.transfer_s)
+
+
+@pytest.mark.parametrize("out_len,upd", [(100, 6e-4), (100, 6e-3)])
+def test_async_iteration_is_the_slower_stage(out_len, upd):
+  cfg = _trivial("async", out_len=out_len, upd=upd, iterations=6)
+  g, t = _stage_times(cfg)
+  assert (t < g) == (upd == 6e-4)  # one case of each
+  r = simulate(cfg)
+  assert r.mean_iteration_s == pytest.approx(max(g, t))
+
+
+def test_stream_beats_sync_with_skewed_lengths():
+  lengths = from_lengths([10, 20, 40, 400], 8)
+  kw = dict(fwd=1e-4, upd=3e-4, transfer=0.0, iterations=4)
+  base = _trivial("sync", **kw)
+  import dataclasses
+  sync = simulate(dataclasses.replace(base, lengths=lengths, batch_size=64))
+  stream = simulate(dataclasses.replace(base, mode="stream", lengths=lengths, batch_size=64))
+  asyn = simulate(dataclasses.replace(base, mode="async", lengths=lengths, batch_size=64))
+  assert sync.samples_per_s < stream.samples_per_s < asyn.samples_per_s
+
+
+def _paper_cfg(seed, scheduler="skew"):
+  return SimConfig(mode="async", gen=_gen(c=2e-8), num_instances=4,
+                   train=TrainCostModel.from_measured(fwd_s_per_token=1e-6, upd_s_per_token=3e-6),
+                   num_train_gpus=1, lengths=PaperLengths(max_output=2048), batch_size=128, iterations=3,
+                   scheduler=scheduler, ranker_sigma=0.2, seed=seed)
+
+
+def test_deterministic_under_seed():
+  a, b, c = simulate(_paper_cfg(1)), simulate(_paper_cfg(1)), simulate(_paper_cfg(2))
+  assert a.samples_per_s == b.samples_per_s
+  assert np.array_equal(a.iteration_times, b.iteration_times)
+  assert a.events == b.events
+  assert a.samples_per_s != c.samples_per_s
+
+
+def test_skew_scheduler_uses_the_project_dispatcher(monkeypatch):
+  calls = []
+  real = engine.dispatch
+
+  def spy(*args, **kw):
+    calls.append(kw)
+    return real(*args, **kw)
+
+  monkeypatch.setattr(engine, "dispatch", spy)
+  simulate(_paper_cfg(0, "skew"))
+  assert len(calls) == 3  # once per iteration
+  calls.clear()
+  simulate(_paper_cfg(0, "fifo"))
+  assert not calls
+
+
+def test_bad_config_errors():
+  with pytest.raises(ValueError, match="mode"):
+    _trivial("bogus")
+  with pytest.raises(ValueError, match="scheduler"):
+    _trivial("sync", scheduler="lifo")
