@@ -58,3 +58,4 @@ def test_auto_tokenizer_loads_with_same_ids(tmp_path):
     ids = tok.encode(ex.answer) + [tok.EOS_ID]
     assert hf.decode(ids, skip_special_tokens=True) == ex.answer
   assert hf.convert_ids_to_tokens(tok.encode("a b")) == ["a", " ", "b"]
+  assert hf.decode(tok.encode("a b, c")) == "a b, c"
