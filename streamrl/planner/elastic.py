@@ -5,7 +5,7 @@ Policy (paper, Sec. on elasticity): after each iteration, with
   saving = T_gen(x) - T_gen(x + unit)  (estimated on that iteration's lengths),
 add one unit of generation instances when Delta > saving, i.e. when the extra
 unit's whole saving turns into throughput (the pipeline stays generation-bound
-or exactly balanced). Each decision looks only at iterations that ran with the
+or exactly balanced); a unit whose estimated saving is <= 0 is never added. Each decision looks only at iterations that ran with the
 current instance count, so a new unit is judged after it has taken effect.
 """
 
@@ -71,7 +71,8 @@ class ElasticController:
       self._seen.add(last.index)
       saving = self.estimate_gen(self.x, last) - self.estimate_gen(self.x + self.unit, last)
       gap = last.stage_gap
-      added = gap > saving
+      # A unit that saves nothing (the stage is long-tail bound) is never added.
+      added = gap > saving > 0
       self.steps.append(ElasticStep(iteration=j, observed_iteration=last.index, instances=self.x, gap_s=gap,
                                     saving_s=saving, added=added))
       if added:
