@@ -234,7 +234,7 @@ def fig10(ref, cal, rep, iters, seed, out):
   rep.p(f"\npaper: max speedup vs even {pf['max_speedup_vs_even']}; simulated max {max(speed.values()):.3f}")
   fig, ax = plt.subplots(figsize=(6, 3.5))
   ax.bar(range(len(speed)), list(speed.values()))
-  ax.set_xticks(range(len(speed)), [f"{m.split("-")[-1]} {l}" for m, l in speed], fontsize=7)
+  ax.set_xticks(range(len(speed)), [f"{m.split('-')[-1]} {l}" for m, l in speed], fontsize=7)
   ax.axhline(1.0, color="k", lw=0.5)
   ax.set_ylabel("chosen / even split throughput")
   fig.tight_layout()
@@ -272,7 +272,7 @@ def fig11(ref, cal, rep, seed, out):
           f"{[round(g) for g in run.gaps]}")
     it = np.arange(len(run.gaps))
     ax[row, 0].plot(it, run.instances * cfg.gen.gpus, drawstyle="steps-post")
-    ax[row, 0].set_ylabel(f"{m.split("-")[-1]}: generation GPUs")
+    ax[row, 0].set_ylabel(f"{m.split('-')[-1]}: generation GPUs")
     ax[row, 1].plot(it, run.gaps, marker=".")
     for s in adds:
       ax[row, 1].axvline(s.iteration, color="r", lw=0.5)
