@@ -318,3 +318,16 @@ def read_payload(buf: memoryview, manifest: Manifest) -> dict[str, np.ndarray]:
     if base + pos != len(buf):
         raise TransferError("safetensors data does not fill the payload exactly")
     return out
+
+
+def describe_payload(buf: memoryview, version: int, chunk_bytes: int) -> Manifest:
+    """Manifest of an existing safetensors file (e.g. one written by the safetensors library)."""
+    (n,) = _U64.unpack(buf[:8])
+    header = json.loads(bytes(buf[8:8 + n]))
+    header.pop("__metadata__", None)
+    entries = sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0])
+    specs = tuple(TensorSpec(k, tuple(e["shape"]), e["dtype"]) for k, e in entries)
+    crcs = tuple(zlib.crc32(buf[i:i + chunk_bytes]) for i in range(0, len(buf), chunk_bytes))
+    m = Manifest(version, specs, len(buf), chunk_bytes, crcs)
+    read_payload(buf, m)  # validates offsets
+    return m

@@ -132,8 +132,9 @@ class _Node:
         self._conns_lock = threading.Lock()
         self._stats: collections.Counter = collections.Counter()
         self._stats_lock = threading.Lock()
-        self._uplink = RateLimiter(config.uplink_bytes_per_s) if config.uplink_bytes_per_s > 0 else None
-        self._wan = RateLimiter(config.cross_dc_bytes_per_s) if config.cross_dc_bytes_per_s > 0 else None
+        # burst: 10 ms of link time (at most 256 KiB), so pacing holds even for small payloads
+        self._uplink, self._wan = (RateLimiter(r, burst=int(min(256 << 10, r * 0.01))) if r > 0 else None
+                                   for r in (config.uplink_bytes_per_s, config.cross_dc_bytes_per_s))
         self._executor = ThreadPoolExecutor(config.delta_threads, thread_name_prefix=f"{name}-delta")
         self._accept_thread = threading.Thread(target=self._accept_loop, name=f"{name}-accept", daemon=True)
 
@@ -219,15 +220,15 @@ class _Node:
                          "base": delta_base.version if delta_base is not None else None, **fields})
         link = Link(self._limiters(req.get("dc")), delta_base, self.config.delta_level, self._executor,
                     self.config.io_timeout_s)
+        where = "local" if req.get("dc") == self.dc else "cross_dc"
+        self._count(f"served_{plane.name}")  # streams started (bytes are counted when a stream ends)
+        self._count(f"served_{where}")
         try:
             n = plane.send(conn, payload, link)
         except TransferError as e:
             send_error(conn, str(e))
             raise
-        where = "local" if req.get("dc") == self.dc else "cross_dc"
         self._count(f"{where}_{'delta' if delta_base is not None else 'full'}_bytes", n)
-        self._count(f"served_{plane.name}")
-        self._count(f"served_{where}")
 
     def _announce_subtree(self, child: TreeNode, version: int, publisher: Address) -> None:
         """Announces ``version`` to ``child`` (with this node as source); adopts its subtree if unreachable."""
@@ -737,6 +738,10 @@ class Receiver(_Node):
 
 
 # ---------------------------------------------------------------- process mode
+
+def relay_only(tensors: Mapping[str, np.ndarray], version: int) -> None:
+    """load_fn of a node that only verifies and forwards (a pure relay, or a benchmark receiver)."""
+
 
 def spawn_receiver(name: str, dc: str, load_fn: LoadFn, publisher: Address, *,
                    expected_schema: Optional[SchemaLike] = None, config: Optional[TransferConfig] = None,
