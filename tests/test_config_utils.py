@@ -4,9 +4,7 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 
-import ml_collections
 import pytest
 
 from streamrl.config_utils import apply_overrides, check_run_names, expand_sweep, load_sweep, run_name
@@ -14,7 +12,6 @@ from streamrl.config_utils import apply_overrides, check_run_names, expand_sweep
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 CONFIG_PY = """
-import ml_collections
 
 def get_config(arg=None):
   c = ml_collections.ConfigDict()
