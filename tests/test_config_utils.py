@@ -12,7 +12,7 @@ from streamrl.config_utils import apply_overrides, check_run_names, expand_sweep
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 CONFIG_PY = """
-
+import ml_collections
 def get_config(arg=None):
   c = ml_collections.ConfigDict()
   c.seed = 0
