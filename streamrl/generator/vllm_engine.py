@@ -76,17 +76,22 @@ def check_model_dir(model_dir: str, *, on_cpu: bool) -> hf_lib.ModelConfig:
   return cfg
 
 
-def _reload_from_bytes(worker, payload: bytes) -> None:
-  """Runs inside each vLLM worker: safetensors bytes -> in-place reload."""
-  from safetensors.torch import load  # pylint: disable=g-import-not-at-top
-  tensors = load(payload)
-  worker.reload_weights(weights_iterator=iter(tensors.items()))
-  # A tied LM head shares the embedding's parameter, so the reload skips it;
-  # but on CPU its GEMM was prepacked from the old values at load time and
-  # must be rebuilt, or sampling would use stale weights.
-  model = worker.model_runner.get_model()
-  if getattr(getattr(model, "config", None), "tie_word_embeddings", False):
-    model.lm_head.quant_method.process_weights_after_loading(model.lm_head)
+class WorkerExtension:
+  """Mixed into every vLLM worker (`worker_extension_cls`), called by name over
+  `collective_rpc`: only a method name and bytes cross the process boundary,
+  never a pickled function or a tensor."""
+
+  def streamrl_reload(self, payload: bytes) -> None:
+    """safetensors bytes (HF names) -> in-place reload of this worker's model."""
+    from safetensors.torch import load  # pylint: disable=g-import-not-at-top
+    tensors = load(payload)
+    self.reload_weights(weights_iterator=iter(tensors.items()))
+    # A tied LM head shares the embedding's parameter, so the reload skips
+    # it; but on CPU its GEMM was prepacked from the old values at load time
+    # and must be rebuilt, or sampling would use stale weights.
+    model = self.model_runner.get_model()
+    if getattr(getattr(model, "config", None), "tie_word_embeddings", False):
+      model.lm_head.quant_method.process_weights_after_loading(model.lm_head)
 
 
 class GeneratorInstance:
@@ -110,7 +115,8 @@ class GeneratorInstance:
         # The sampled token's logprob under the distribution actually sampled
         # from (after temperature / top-p), not the raw model distribution.
         logprobs_mode="processed_logprobs",
-        disable_log_stats=True)
+        disable_log_stats=True,
+        worker_extension_cls=f"{__name__}.WorkerExtension")
     self._engine = LLMEngine.from_engine_args(args)
     self.instance_id = instance_id
     self.max_num_seqs = max_num_seqs
@@ -201,7 +207,7 @@ class GeneratorInstance:
                        f"got {new_version}.")
     payload = save({k: np.ascontiguousarray(v) for k, v in hf_tensors.items()})
     # Bytes, not tensors: torch tensors don't survive the RPC to worker processes.
-    self._engine.collective_rpc(_reload_from_bytes, args=(payload,))
+    self._engine.collective_rpc("streamrl_reload", args=(payload,))
     # KV computed with the old weights must never be reused.
     self._engine.reset_prefix_cache()
     self.weight_version = new_version
