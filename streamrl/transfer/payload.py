@@ -18,6 +18,7 @@ segments and the memory is freed when the last mapping goes away.
 
 from __future__ import annotations
 
+import dataclasses
 import mmap
 import os
 import secrets
@@ -49,6 +50,7 @@ class Payload:
         self.shm_name = shm.name if shm is not None else None
         self._shm = shm
         self._keepalive = keepalive
+        self.crcs: list[Optional[int]] = list(manifest.crcs) or [None] * manifest.num_chunks
         self._ready = ready
         self._error: Optional[str] = None
         self._cond = threading.Condition()
@@ -71,12 +73,35 @@ class Payload:
         a, b = self.manifest.chunk_range(i)
         return self.buf[a:b]
 
-    def commit(self, i: int) -> None:
-        """Verifies chunk i (the next one in order) and marks it ready; ChecksumError if damaged."""
+    @property
+    def full_manifest(self) -> Manifest:
+        """The manifest with every chunk's crc (only once complete)."""
+        if not self.complete:
+            raise TransferError("payload is not complete")
+        return dataclasses.replace(self.manifest, crcs=tuple(self.crcs))
+
+    def commit(self, i: int, crc: Optional[int] = None) -> None:
+        """Verifies chunk i (the next one in order) against ``crc`` (default: the known one), marks it ready.
+
+        ChecksumError if the bytes do not match.
+        """
         if i != self._ready:
             raise TransferError(f"chunk {i} arrived out of order (expected {self._ready})")
-        verify_chunk(self.buf, self.manifest, i)
+        expected = self.crcs[i] if crc is None else crc
+        if expected is None:
+            raise TransferError(f"no checksum for chunk {i}")
+        verify_chunk(self.buf, self.manifest, i, expected)
+        self._mark(i, expected)
+
+    def add_written(self, i: int, crc: int) -> None:
+        """Sender side: chunk i was just written here and checksummed (nothing to verify)."""
+        if i != self._ready:
+            raise TransferError(f"chunk {i} written out of order (expected {self._ready})")
+        self._mark(i, crc)
+
+    def _mark(self, i: int, crc: int) -> None:
         with self._cond:
+            self.crcs[i] = crc
             self._ready += 1
             self._cond.notify_all()
 
@@ -120,17 +145,20 @@ def private_payload(manifest: Manifest) -> Payload:
 
 
 def _mmap(name: str, size: int, writable: bool) -> mmap.mmap:
+    # MAP_POPULATE: build the page tables in one go instead of one fault per 4 KiB page
+    # (measured: faulting 1 GB of fresh shared memory page by page costs 1-2 s here).
+    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
     fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR if writable else os.O_RDONLY)
     try:
         if os.fstat(fd).st_size < size:
             raise TransferError(f"shared-memory segment {name} is smaller than the payload")
-        return mmap.mmap(fd, size, prot=mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0))
+        return mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0))
     finally:
         os.close(fd)
 
 
 def create_shared(size: int) -> tuple[shared_memory.SharedMemory, memoryview]:
-    """A new writable segment of ``size`` bytes (the caller fills it, then wraps it in a Payload).
+    """A new writable, pre-faulted segment of ``size`` bytes (filled by the caller, then wrapped in a Payload).
 
     We create through SharedMemory (so the resource tracker unlinks it if this
     process dies) but map it with our own mmap: SharedMemory.close() raises

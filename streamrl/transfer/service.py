@@ -53,7 +53,7 @@ import ml_collections
 import numpy as np
 
 from streamrl.transfer.manifest import (Manifest, SchemaLike, SchemaMismatch, TensorSpec, TransferError,
-                                        as_schema, check_schema, payload_size, schema_of, write_payload)
+                                        as_schema, check_schema, fill_payload, plan_payload, schema_of)
 from streamrl.transfer.payload import Payload, create_shared, shm_available
 from streamrl.transfer.topology import Address, ReceiverInfo, TreeNode, plan_direct, plan_topology
 from streamrl.transfer.transports import (PLANES, Link, RateLimiter, choose_plane, connect, recv_json,
@@ -77,7 +77,7 @@ class TransferConfig:
     repair_interval_s: how often the publisher re-announces to receivers that have not acked.
     """
 
-    chunk_bytes: int = 16 << 20
+    chunk_bytes: int = 4 << 20
     topology: str = "tree"
     fanout: int = 2
     use_shm: bool = True
@@ -216,7 +216,7 @@ class _Node:
         plane, fields = choose_plane(payload, req, self.host, self.config.use_shm)
         if plane.name != "tcp":
             delta_base = None
-        send_json(conn, {"status": "ok", "plane": plane.name, "manifest": payload.manifest.to_json(),
+        send_json(conn, {"status": "ok", "plane": plane.name, "manifest": payload.manifest.without_crcs().to_json(),
                          "base": delta_base.version if delta_base is not None else None, **fields})
         link = Link(self._limiters(req.get("dc")), delta_base, self.config.delta_level, self._executor,
                     self.config.io_timeout_s)
@@ -281,7 +281,11 @@ class Publisher(_Node):
         super().__init__(name, dc, host, config or TransferConfig(), bind, port)
         self._cond = threading.Condition()
         self._versions: dict[int, Payload] = {}
-        self._latest = self._next = start_version
+        self._accepted = self._next = start_version  # highest version number a publish has claimed
+        self._start_version = start_version
+        self._spare: Optional[tuple[Any, memoryview]] = None  # pre-faulted segment for the next version
+        self._spare_lock = threading.Lock()
+        self._spare_thread: Optional[threading.Thread] = None
         self._peers: dict[str, _Peer] = {}
         self._expected = as_schema(expected_schema) if expected_schema is not None else None
         self._repair_thread = threading.Thread(target=self._repair_loop, name=f"{name}-repair", daemon=True)
@@ -291,7 +295,13 @@ class Publisher(_Node):
     # -- public API
     @property
     def latest_version(self) -> int:
-        return self._latest
+        """The newest version being served (start_version before the first publish)."""
+        with self._cond:
+            return max(self._versions, default=self._start_version)
+
+    def _newest(self) -> Optional[Payload]:
+        with self._cond:
+            return self._versions[max(self._versions)] if self._versions else None
 
     def add_receiver(self, info: ReceiverInfo) -> None:
         """Registers a receiver known from the config (receivers can also register themselves via join)."""
@@ -319,10 +329,13 @@ class Publisher(_Node):
     def publish(self, tensors: Mapping[str, np.ndarray], version: Optional[int] = None) -> int:
         """Snapshots ``tensors`` (HF name -> array) as a new version and announces it.
 
-        Returns the version. It returns once the payload is built and the
-        top-level receivers have been told (not when they have loaded it: see
-        wait_acks); the caller may modify its arrays right away. A version not
-        newer than the latest published one is ignored.
+        Returns the version, once the snapshot is complete (the caller may then
+        modify its arrays) and the top-level receivers have been told. Chunks
+        are served while they are being written, so receivers verify and
+        forward in parallel with the copy; ``wait_acks`` tells when they have
+        loaded it. A version not newer than one already claimed is ignored.
+        Raises SchemaMismatch (a ValueError) if ``expected_schema`` was given
+        and the tensors do not match it.
         """
         if self.closed:
             raise RuntimeError("publisher is closed; create a new Publisher.")
@@ -333,27 +346,49 @@ class Publisher(_Node):
             else:
                 v = int(version)
                 self._next = max(self._next, v)
-            if v <= self._latest:
-                log.warning("publish of version %d ignored: version %d is already published", v, self._latest)
+            if v <= self._accepted:
+                log.warning("publish of version %d ignored: version %d is already published", v, self._accepted)
                 return v
+            self._accepted = v
         if self._expected is not None:
             check_schema(schema_of(tensors), self._expected, v)
-        payload = self._build(tensors, v)
+        manifest = plan_payload(tensors, v, self.config.chunk_bytes)
+        payload = self._allocate(manifest)
         with self._cond:
-            if v <= self._latest:  # a concurrent publish of a newer version won
+            if v < self._accepted:  # a concurrent publish claimed a newer version: newest wins
                 payload.unlink()
                 return v
             self._versions[v] = payload
-            self._latest = v
             while len(self._versions) > max(self.config.keep_versions, 1):
                 self._versions.pop(min(self._versions)).unlink()
             now = time.monotonic()
             for p in self._peers.values():
                 p.announced_at = now
             self._cond.notify_all()
+        announcer = threading.Thread(target=self._announce_all, args=(self.plan().children, v, self.address),
+                                     daemon=True)
+        announcer.start()
+        try:
+            for i, crc in enumerate(fill_payload(tensors, manifest, payload.buf)):
+                payload.add_written(i, crc)
+        except BaseException as e:
+            payload.fail(f"publisher failed while writing version {v}: {e!r}")
+            with self._cond:
+                if self._versions.get(v) is payload:
+                    del self._versions[v]
+            payload.unlink()
+            raise
+        finally:
+            announcer.join()
         self._count("published")
-        self._announce_all(self.plan().children, v, self.address)
+        self._prepare_spare(manifest.total_bytes)
         return v
+
+    def wait_idle(self, timeout: float = 60.0) -> None:
+        """Waits for background work between versions (pre-faulting the next segment)."""
+        t = self._spare_thread
+        if t is not None:
+            t.join(timeout)
 
     def wait_acks(self, version: int, timeout: float = 60.0) -> bool:
         """True once every live receiver has loaded ``version`` (or newer); False on timeout or refusal."""
@@ -385,21 +420,44 @@ class Publisher(_Node):
                 p.unlink()
             self._versions.clear()
             self._cond.notify_all()
+        self._drop_spare()
 
     # -- internals
-    def _build(self, tensors: Mapping[str, np.ndarray], version: int) -> Payload:
-        total = payload_size(tensors)
-        if self.config.use_shm and shm_available():
-            shm, buf = create_shared(total)
-            try:
-                manifest = write_payload(tensors, buf, version, self.config.chunk_bytes)
-            except BaseException:
-                shm.unlink()
-                raise
-            return Payload(manifest, buf, shm=shm, ready=manifest.num_chunks)
-        arr = np.empty(total, np.uint8)
-        manifest = write_payload(tensors, memoryview(arr), version, self.config.chunk_bytes)
-        return Payload(manifest, memoryview(arr), keepalive=arr, ready=manifest.num_chunks)
+    def _allocate(self, manifest: Manifest) -> Payload:
+        if not (self.config.use_shm and shm_available()):
+            arr = np.empty(manifest.total_bytes, np.uint8)
+            return Payload(manifest, memoryview(arr), keepalive=arr)
+        with self._spare_lock:
+            spare, self._spare = self._spare, None
+        if spare is not None and len(spare[1]) != manifest.total_bytes:
+            spare[0].unlink()
+            spare = None
+        shm, buf = spare if spare is not None else create_shared(manifest.total_bytes)
+        return Payload(manifest, buf, shm=shm)
+
+    def _prepare_spare(self, nbytes: int) -> None:
+        """Pre-faults the next version's segment in the background (a new 1 GB tmpfs segment costs
+        ~1-2 s of page faults here, which would otherwise sit on the publish critical path)."""
+        if not (self.config.use_shm and shm_available()) or self.closed:
+            return
+
+        def make():
+            made = create_shared(nbytes)
+            with self._spare_lock:
+                old, self._spare = self._spare, made
+            if old is not None:
+                old[0].unlink()
+            if self.closed:
+                self._drop_spare()
+
+        self._spare_thread = threading.Thread(target=make, name=f"{self.name}-spare", daemon=True)
+        self._spare_thread.start()
+
+    def _drop_spare(self) -> None:
+        with self._spare_lock:
+            spare, self._spare = self._spare, None
+        if spare is not None:
+            spare[0].unlink()
 
     def _dispatch(self, conn, req):
         op = req.get("op")
@@ -410,7 +468,7 @@ class Publisher(_Node):
             with self._cond:
                 self._peers[info.name] = _Peer(info, acked=int(req.get("version", -1)))
                 self._cond.notify_all()
-                latest = self._latest if self._versions else -1
+                latest = max(self._versions, default=-1)
             send_json(conn, {"latest": latest})
         elif op == "ack":
             with self._cond:
@@ -433,18 +491,19 @@ class Publisher(_Node):
             if p is not None and not self._ping(p.info.address):
                 self._on_unreachable(p.info)
         elif op == "ping":
-            send_json(conn, {"ok": True, "version": self._latest})
+            send_json(conn, {"ok": True, "version": self.latest_version})
 
     def _handle_get(self, conn, req):
         want = int(req.get("want", 0))
         with self._cond:
-            payload = self._versions.get(self._latest)
+            payload = self._newest()
             base = self._versions.get(req.get("base")) if isinstance(req.get("base"), int) else None
         if payload is None or payload.version < want:
-            send_json(conn, {"status": "notfound", "latest": self._latest})
+            send_json(conn, {"status": "notfound", "latest": self.latest_version})
             return
         use_delta = (self.config.delta_cross_dc and req.get("dc") != self.dc and base is not None
-                     and base.version < payload.version and base.manifest.layout == payload.manifest.layout)
+                     and base.complete and base.version < payload.version
+                     and base.manifest.layout == payload.manifest.layout)
         self._serve(conn, payload, req, base if use_delta else None)
 
     def _ping(self, address: Address) -> bool:
@@ -468,7 +527,7 @@ class Publisher(_Node):
         while not self._closed.wait(interval):
             now = time.monotonic()
             with self._cond:
-                v = self._latest
+                v = max(self._versions, default=-1)
                 late = [p for p in self._peers.values() if p.alive and p.acked < v and p.refused < v
                         and now - p.announced_at >= interval and v in self._versions]
                 for p in late:

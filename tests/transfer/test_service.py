@@ -37,14 +37,15 @@ def test_corrupted_chunk_is_detected_and_never_loaded(cluster, monkeypatch):
     rs = [cluster.receiver("same-host", host="trainer", join=pub), cluster.receiver("remote", join=pub)]
     v1 = pub.publish(make_tensors(1))
     assert pub.wait_acks(v1, 10)
-    real = service.write_payload
+    real = service.fill_payload
 
-    def corrupt(tensors, out, version, chunk_bytes):  # damage the published bytes after checksumming
-        m = real(tensors, out, version, chunk_bytes)
-        out[3 * chunk_bytes + 5] ^= 0x01
-        return m
+    def corrupt(tensors, manifest, out):  # damage chunk 3 of the published bytes after checksumming it
+        for i, crc in enumerate(real(tensors, manifest, out)):
+            if i == 3:
+                out[3 * manifest.chunk_bytes + 5] ^= 0x01
+            yield crc
 
-    monkeypatch.setattr(service, "write_payload", corrupt)
+    monkeypatch.setattr(service, "fill_payload", corrupt)
     v2 = pub.publish(make_tensors(2))
     for r in rs:
         assert _wait(lambda: v2 in r._gave_up)
@@ -53,7 +54,7 @@ def test_corrupted_chunk_is_detected_and_never_loaded(cluster, monkeypatch):
         assert r.stats["failed_attempts"] == 3  # 1 + max_retries, shm then TCP
         assert _wait(lambda: r.name in pub.errors) and "corrupted" in pub.errors[r.name]
     assert not pub.wait_acks(v2, timeout=0.1)
-    monkeypatch.setattr(service, "write_payload", real)
+    monkeypatch.setattr(service, "fill_payload", real)
     t3 = make_tensors(3)
     v3 = pub.publish(t3)
     assert pub.wait_acks(v3, 10)
