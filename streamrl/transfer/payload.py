@@ -1,29 +1,38 @@
 """A version's bytes held by one node, plus which chunks are verified so far.
 
-The same object serves three roles: the sender's published payload (complete
-from the start), a receiver's staging buffer (filled chunk by chunk, every
-chunk checksummed before it counts as ready) and a receiver's current version
-(kept to re-serve children and late joiners and as the base for deltas).
-Servers stream chunk i to their children as soon as it is ready, which is
-what makes forwarding through a tree pipelined.
+The same object serves three roles: the sender's published payload (its
+chunks become ready as the sender writes them), a receiver's staging buffer
+(filled chunk by chunk, every chunk checksummed before it counts as ready)
+and a receiver's current version (kept to re-serve children and late joiners
+and as the base for deltas). Servers stream chunk i as soon as it is ready,
+which is what makes publishing and forwarding through a tree pipelined.
 
-Memory: private buffers are ``np.empty`` (no page is touched before data
-arrives). Shared-memory payloads are POSIX segments in /dev/shm: created once
-by the sender (registered with multiprocessing's resource tracker so a crashed
-sender does not leak them), mapped read-only by same-host receivers. A
-published segment is never written again (each version gets a new one), so a
-chunk verified in the mapping stays verified; the sender unlinks retired
-segments and the memory is freed when the last mapping goes away.
+Memory: private buffers are ``np.empty``. Shared-memory payloads live in
+POSIX segments in /dev/shm, created by the sender (registered with
+multiprocessing's resource tracker, so a crashed sender does not leak them)
+and mapped read-only by same-host receivers.
+
+Segments are recycled. On this machine (a VM without huge pages for tmpfs)
+setting up the page tables of a fresh 1 GB mapping costs 0.5-2 s per
+process, more than copying and checksumming the bytes, so the sender keeps a
+small pool of segments and every process keeps its mappings
+(``SegmentPool``, ``map_shared``). A segment is rewritten only when it holds
+a version that is retired (not among the versions the sender serves), that
+no stream is reading, and that every live receiver has moved past (acked a
+newer version); otherwise the sender takes a fresh segment. So a chunk a
+receiver verified cannot change while any receiver may still use it.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import mmap
 import os
 import secrets
 import threading
 from multiprocessing import shared_memory
+from collections.abc import Callable
 from typing import Any, Optional
 
 import numpy as np
@@ -42,14 +51,14 @@ class Payload:
     """Bytes of one version and its verification progress (thread-safe)."""
 
     def __init__(self, manifest: Manifest, buf: memoryview, *, keepalive: Any = None,
-                 shm: Optional[shared_memory.SharedMemory] = None, ready: int = 0):
+                 shm_name: Optional[str] = None, ready: int = 0):
         if len(buf) != manifest.total_bytes:
             raise ValueError("buffer size differs from the manifest")
         self.manifest = manifest
         self.buf = buf
-        self.shm_name = shm.name if shm is not None else None
-        self._shm = shm
-        self._keepalive = keepalive
+        self.keepalive = keepalive
+        self.shm_name = shm_name
+        self.streams = 0  # servers streaming from this payload now (keeps its segment from being recycled)
         self.crcs: list[Optional[int]] = list(manifest.crcs) or [None] * manifest.num_chunks
         self._ready = ready
         self._error: Optional[str] = None
@@ -128,25 +137,34 @@ class Payload:
             self._tensors = read_payload(self.buf, self.manifest)
         return self._tensors
 
-    def unlink(self) -> None:
-        """Removes the shared-memory name (existing mappings stay valid)."""
-        if self._shm is not None:
-            try:
-                self._shm.unlink()
-            except FileNotFoundError:
-                pass
-            self._shm = None
+    def open_stream(self) -> None:
+        with self._cond:
+            self.streams += 1
+
+    def close_stream(self) -> None:
+        with self._cond:
+            self.streams -= 1
+
+    @property
+    def failed(self) -> bool:
+        return self._error is not None
 
 
-def private_payload(manifest: Manifest) -> Payload:
-    """An empty staging payload in process memory."""
-    arr = np.empty(manifest.total_bytes, np.uint8)
+def private_payload(manifest: Manifest, recycle: Optional[np.ndarray] = None) -> Payload:
+    """A staging payload in process memory; reuses ``recycle`` (a retired buffer) when the size fits.
+
+    Recycling matters here for the same reason as segments do: first-touching
+    1 GB of fresh memory costs more than receiving it.
+    """
+    if recycle is not None and recycle.size == manifest.total_bytes:
+        arr = recycle
+    else:
+        arr = np.empty(manifest.total_bytes, np.uint8)
     return Payload(manifest, memoryview(arr), keepalive=arr)
 
 
 def _mmap(name: str, size: int, writable: bool) -> mmap.mmap:
-    # MAP_POPULATE: build the page tables in one go instead of one fault per 4 KiB page
-    # (measured: faulting 1 GB of fresh shared memory page by page costs 1-2 s here).
+    # MAP_POPULATE: build the page tables in one go instead of one fault per 4 KiB page.
     flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
     fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR if writable else os.O_RDONLY)
     try:
@@ -157,8 +175,24 @@ def _mmap(name: str, size: int, writable: bool) -> mmap.mmap:
         os.close(fd)
 
 
-def create_shared(size: int) -> tuple[shared_memory.SharedMemory, memoryview]:
-    """A new writable, pre-faulted segment of ``size`` bytes (filled by the caller, then wrapped in a Payload).
+@dataclasses.dataclass
+class Segment:
+    """A sender's segment: its name (SharedMemory, for crash cleanup) and our writable mapping.
+
+    payload: the version it holds now (None while free).
+    """
+
+    shm: shared_memory.SharedMemory
+    buf: memoryview
+    payload: Optional[Payload] = None
+
+    @property
+    def name(self) -> str:
+        return self.shm.name
+
+
+def create_segment(size: int) -> Segment:
+    """A new writable segment of ``size`` bytes, page tables populated.
 
     We create through SharedMemory (so the resource tracker unlinks it if this
     process dies) but map it with our own mmap: SharedMemory.close() raises
@@ -167,15 +201,87 @@ def create_shared(size: int) -> tuple[shared_memory.SharedMemory, memoryview]:
     shm = shared_memory.SharedMemory(name=f"srl_{os.getpid()}_{secrets.token_hex(6)}", create=True,
                                      size=max(size, 1))
     shm.close()
-    return shm, memoryview(_mmap(shm.name, size, writable=True)) if size else memoryview(bytearray())
+    return Segment(shm, memoryview(_mmap(shm.name, size, writable=True)))
+
+
+class SegmentPool:
+    """The sender's segments, recycled under the safety rule in the module docstring.
+
+    Steady state: ``min_segments`` segments (the versions still served plus
+    the one being written) take turns. A receiver that lags keeps its segment
+    from being rewritten, so new ones are made; the pool then forgets (unlinks)
+    the oldest beyond ``max_segments``; a receiver still mapping one keeps its
+    memory until it lets go.
+    """
+
+    def __init__(self, min_segments: int, max_segments: int):
+        self.min_segments, self.max_segments = min_segments, max(max_segments, min_segments)
+        self._segments: list[Segment] = []
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _age(seg: Segment) -> int:
+        return seg.payload.version if seg.payload is not None else -1
+
+    def acquire(self, size: int, reusable: Callable[["Payload"], bool]) -> tuple[Segment, Optional[Payload]]:
+        """A segment for a new version and the payload it held: the newest segment for
+        which ``reusable(its payload)`` holds, else a new one (and None)."""
+        with self._lock:
+            free = [s for s in self._segments
+                    if len(s.buf) == size and (s.payload is None or reusable(s.payload))]
+            if free:
+                chosen = max(free, key=self._age)
+                for extra in sorted(free, key=self._age):  # idle extras left by a laggard: let them go
+                    if extra is not chosen and len(self._segments) > self.min_segments:
+                        self._segments.remove(extra)
+                        _unlink(extra.shm)
+                old, chosen.payload = chosen.payload, None
+                return chosen, old
+        seg = create_segment(size)
+        with self._lock:
+            self._segments.append(seg)
+            while len(self._segments) > self.max_segments:  # forget the oldest other segment
+                old = min((s for s in self._segments if s is not seg), key=self._age)
+                self._segments.remove(old)
+                _unlink(old.shm)
+        return seg, None
+
+    def close(self) -> None:
+        with self._lock:
+            for seg in self._segments:
+                _unlink(seg.shm)
+            self._segments.clear()
+
+
+def _unlink(shm: shared_memory.SharedMemory) -> None:
+    try:
+        shm.unlink()
+    except FileNotFoundError:
+        pass
+
+
+_MAPS: "collections.OrderedDict[str, mmap.mmap]" = collections.OrderedDict()
+_MAPS_LOCK = threading.Lock()
+MAX_CACHED_MAPS = 4
 
 
 def map_shared(name: str, manifest: Manifest) -> Payload:
-    """Maps a sender's segment read-only; nothing is verified yet (commit each chunk)."""
-    if "/" in name or name.startswith("."):
+    """A read-only view of a sender's segment (this process keeps the mapping for later versions).
+
+    Nothing is verified yet: commit each chunk.
+    """
+    if "/" in name or name.startswith(".") or not name:
         raise TransferError(f"bad shared-memory name {name!r}")
-    try:
-        m = _mmap(name, manifest.total_bytes, writable=False)
-    except (FileNotFoundError, ValueError, OSError) as e:
-        raise TransferError(f"cannot map shared-memory segment {name}: {e}") from None
-    return Payload(manifest, memoryview(m), keepalive=m)
+    with _MAPS_LOCK:
+        m = _MAPS.get(name)
+        if m is not None and len(m) >= manifest.total_bytes:
+            _MAPS.move_to_end(name)
+        else:
+            try:
+                m = _mmap(name, manifest.total_bytes, writable=False)
+            except (FileNotFoundError, ValueError, OSError) as e:
+                raise TransferError(f"cannot map shared-memory segment {name}: {e}") from None
+            _MAPS[name] = m
+            while len(_MAPS) > MAX_CACHED_MAPS:
+                _MAPS.popitem(last=False)  # unmapped once no payload view uses it
+    return Payload(manifest, memoryview(m)[:manifest.total_bytes], keepalive=m)

@@ -54,7 +54,7 @@ import numpy as np
 
 from streamrl.transfer.manifest import (Manifest, SchemaLike, SchemaMismatch, TensorSpec, TransferError,
                                         as_schema, check_schema, fill_payload, plan_payload, schema_of)
-from streamrl.transfer.payload import Payload, create_shared, shm_available
+from streamrl.transfer.payload import Payload, SegmentPool, shm_available
 from streamrl.transfer.topology import Address, ReceiverInfo, TreeNode, plan_direct, plan_topology
 from streamrl.transfer.transports import (PLANES, Link, RateLimiter, choose_plane, connect, recv_json,
                                           send_error, send_json)
@@ -223,11 +223,14 @@ class _Node:
         where = "local" if req.get("dc") == self.dc else "cross_dc"
         self._count(f"served_{plane.name}")  # streams started (bytes are counted when a stream ends)
         self._count(f"served_{where}")
+        payload.open_stream()
         try:
             n = plane.send(conn, payload, link)
         except TransferError as e:
             send_error(conn, str(e))
             raise
+        finally:
+            payload.close_stream()
         self._count(f"{where}_{'delta' if delta_base is not None else 'full'}_bytes", n)
 
     def _announce_subtree(self, child: TreeNode, version: int, publisher: Address) -> None:
@@ -283,9 +286,7 @@ class Publisher(_Node):
         self._versions: dict[int, Payload] = {}
         self._accepted = self._next = start_version  # highest version number a publish has claimed
         self._start_version = start_version
-        self._spare: Optional[tuple[Any, memoryview]] = None  # pre-faulted segment for the next version
-        self._spare_lock = threading.Lock()
-        self._spare_thread: Optional[threading.Thread] = None
+        self._pool = SegmentPool(max(self.config.keep_versions, 1), max(self.config.keep_versions, 1) + 2)
         self._peers: dict[str, _Peer] = {}
         self._expected = as_schema(expected_schema) if expected_schema is not None else None
         self._repair_thread = threading.Thread(target=self._repair_loop, name=f"{name}-repair", daemon=True)
@@ -352,15 +353,17 @@ class Publisher(_Node):
             self._accepted = v
         if self._expected is not None:
             check_schema(schema_of(tensors), self._expected, v)
+        t0 = time.perf_counter()
         manifest = plan_payload(tensors, v, self.config.chunk_bytes)
         payload = self._allocate(manifest)
+        t1 = time.perf_counter()
         with self._cond:
             if v < self._accepted:  # a concurrent publish claimed a newer version: newest wins
-                payload.unlink()
+                payload.fail("superseded")
                 return v
             self._versions[v] = payload
             while len(self._versions) > max(self.config.keep_versions, 1):
-                self._versions.pop(min(self._versions)).unlink()
+                self._versions.pop(min(self._versions))
             now = time.monotonic()
             for p in self._peers.values():
                 p.announced_at = now
@@ -376,19 +379,14 @@ class Publisher(_Node):
             with self._cond:
                 if self._versions.get(v) is payload:
                     del self._versions[v]
-            payload.unlink()
             raise
         finally:
+            t2 = time.perf_counter()
             announcer.join()
+        log.debug("%s: version %d: allocate %.3fs, write+crc %.3fs, announce wait %.3fs", self.name, v,
+                  t1 - t0, t2 - t1, time.perf_counter() - t2)
         self._count("published")
-        self._prepare_spare(manifest.total_bytes)
         return v
-
-    def wait_idle(self, timeout: float = 60.0) -> None:
-        """Waits for background work between versions (pre-faulting the next segment)."""
-        t = self._spare_thread
-        if t is not None:
-            t.join(timeout)
 
     def wait_acks(self, version: int, timeout: float = 60.0) -> bool:
         """True once every live receiver has loaded ``version`` (or newer); False on timeout or refusal."""
@@ -416,48 +414,32 @@ class Publisher(_Node):
     def close(self) -> None:
         super().close()
         with self._cond:
-            for p in self._versions.values():
-                p.unlink()
             self._versions.clear()
             self._cond.notify_all()
-        self._drop_spare()
+        self._pool.close()
 
     # -- internals
     def _allocate(self, manifest: Manifest) -> Payload:
         if not (self.config.use_shm and shm_available()):
             arr = np.empty(manifest.total_bytes, np.uint8)
             return Payload(manifest, memoryview(arr), keepalive=arr)
-        with self._spare_lock:
-            spare, self._spare = self._spare, None
-        if spare is not None and len(spare[1]) != manifest.total_bytes:
-            spare[0].unlink()
-            spare = None
-        shm, buf = spare if spare is not None else create_shared(manifest.total_bytes)
-        return Payload(manifest, buf, shm=shm)
+        seg, old = self._pool.acquire(manifest.total_bytes, self._recyclable)
+        if old is not None:
+            with self._cond:
+                if self._versions.get(old.version) is old:
+                    del self._versions[old.version]
+        payload = Payload(manifest, seg.buf, shm_name=seg.name)
+        seg.payload = payload
+        return payload
 
-    def _prepare_spare(self, nbytes: int) -> None:
-        """Pre-faults the next version's segment in the background (a new 1 GB tmpfs segment costs
-        ~1-2 s of page faults here, which would otherwise sit on the publish critical path)."""
-        if not (self.config.use_shm and shm_available()) or self.closed:
-            return
-
-        def make():
-            made = create_shared(nbytes)
-            with self._spare_lock:
-                old, self._spare = self._spare, made
-            if old is not None:
-                old[0].unlink()
-            if self.closed:
-                self._drop_spare()
-
-        self._spare_thread = threading.Thread(target=make, name=f"{self.name}-spare", daemon=True)
-        self._spare_thread.start()
-
-    def _drop_spare(self) -> None:
-        with self._spare_lock:
-            spare, self._spare = self._spare, None
-        if spare is not None:
-            spare[0].unlink()
+    def _recyclable(self, old: Payload) -> bool:
+        """May the segment holding ``old`` be rewritten now? (see payload.py)"""
+        with self._cond:
+            keep = sorted(self._versions)[len(self._versions) - max(self.config.keep_versions - 1, 0):]
+            if old.version in keep or old.streams or not (old.complete or old.failed):
+                return False  # still served, being read, or still being written by another publish
+            return all(p.acked > old.version or p.refused >= old.version or not p.alive
+                       for p in self._peers.values())
 
     def _dispatch(self, conn, req):
         op = req.get("op")
@@ -541,6 +523,8 @@ class Receiver(_Node):
 
     load_fn gets read-only zero-copy arrays (HF name -> array) of a complete,
     verified version and should copy them into the model; calls never overlap.
+    The arrays stay valid at least until load_fn has returned for the next
+    version (their buffer is then recycled), so copy whatever you keep.
     expected_schema: the model's tensor specs (TensorSpecs or {name: (shape, dtype)});
     a version that differs is refused. initial_version: what the generator serves now.
     host: host label (same label as the publisher -> shared memory).
@@ -563,6 +547,7 @@ class Receiver(_Node):
         self._publisher: Optional[Address] = None
         self._gave_up: dict[int, bool] = {}  # version -> permanent?
         self._fetching = False
+        self._retired: Optional[Payload] = None  # a private buffer to reuse as the next staging buffer
         self.last_error: Optional[str] = None
         self._last_exc: Optional[Exception] = None
         self._fetch_thread = threading.Thread(target=self._fetch_loop, name=f"{name}-fetch", daemon=True)
@@ -753,7 +738,7 @@ class Receiver(_Node):
             if header.get("base") is not None and (base is None or header["base"] != base.version
                                                    or base.manifest.layout != manifest.layout):
                 raise TransferError("sender chose a delta base this receiver does not hold")
-            payload = plane.open(header, manifest)
+            payload = plane.open(header, manifest, self._take_recycled(manifest.total_bytes))
             with self._cond:
                 self._inflight = payload
                 self._cond.notify_all()
@@ -768,11 +753,25 @@ class Receiver(_Node):
                     if self._inflight is payload:
                         self._inflight = None
                         self._cond.notify_all()
+                    self._retire(payload)
             raise
         finally:
             self._untrack(sock)
         self._load(payload, tensors)
         return self._version
+
+    def _retire(self, payload: Payload) -> None:
+        """Keeps a private buffer this receiver no longer serves, to be the next staging buffer."""
+        if payload.shm_name is None and isinstance(payload.keepalive, np.ndarray):
+            self._retired = payload
+
+    def _take_recycled(self, nbytes: int) -> Optional[np.ndarray]:
+        with self._cond:
+            old = self._retired
+            if old is None or old.streams or old.keepalive.size != nbytes or old is self._current:
+                return None
+            self._retired = None
+            return old.keepalive
 
     def _load(self, payload: Payload, tensors: dict[str, np.ndarray]) -> None:
         with self._load_lock:
@@ -787,6 +786,8 @@ class Receiver(_Node):
                 payload.fail(f"load_fn failed: {e!r}")
                 raise TransferError(f"load_fn failed on version {payload.version}: {e!r}") from e
             with self._cond:
+                if self._current is not None:
+                    self._retire(self._current)
                 self._version, self._current = payload.version, payload
                 if self._inflight is payload:
                     self._inflight = None

@@ -52,6 +52,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from typing import Any, ClassVar, Optional
 
+import numpy as np
+
 from streamrl.transfer import delta as delta_lib
 from streamrl.transfer.manifest import Manifest, TransferError
 from streamrl.transfer.payload import Payload, map_shared, private_payload
@@ -199,8 +201,8 @@ class DataPlane(abc.ABC):
         """Server side, after the header: streams the payload; returns bytes put on the wire."""
 
     @abc.abstractmethod
-    def open(self, header: dict, manifest: Manifest) -> Payload:
-        """Client side: the staging payload the data will land in."""
+    def open(self, header: dict, manifest: Manifest, recycle: Optional[np.ndarray] = None) -> Payload:
+        """Client side: the staging payload the data will land in (``recycle``: a free buffer to reuse)."""
 
     @abc.abstractmethod
     def fill(self, sock: socket.socket, header: dict, payload: Payload, base: Optional[Payload],
@@ -254,8 +256,8 @@ class TcpPlane(DataPlane):
         sock.sendall(_FRAME.pack(b"E", 0))
         return sent + _FRAME.size
 
-    def open(self, header, manifest):
-        return private_payload(manifest)
+    def open(self, header, manifest, recycle=None):
+        return private_payload(manifest, recycle)
 
     def fill(self, sock, header, payload, base, timeout):
         m = payload.manifest
@@ -313,7 +315,7 @@ class ShmPlane(DataPlane):
         sock.sendall(_FRAME.pack(b"E", 0))
         return wire + _FRAME.size
 
-    def open(self, header, manifest):
+    def open(self, header, manifest, recycle=None):
         return map_shared(str(header.get("shm", "")), manifest)
 
     def fill(self, sock, header, payload, base, timeout):

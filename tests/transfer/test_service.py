@@ -236,3 +236,45 @@ def test_load_fn_failure_keeps_old_version(cluster):
     assert r.version == 0 and "engine rejected weights" in r.last_error
     with pytest.raises(TransferError):
         r.join(pub.address, timeout=5)
+
+
+def test_segments_are_recycled_only_after_every_receiver_moved_on(cluster):
+    pub = cluster.publisher(keep_versions=2)
+    fast = cluster.receiver("fast", host="trainer", join=pub)
+    release, held = threading.Event(), {}
+
+    def slow_load(tensors, version):  # keeps zero-copy views of version 1 while blocked
+        if version == 1:
+            held.update(tensors)
+            release.wait(10)
+
+    slow = cluster.receiver("slow", host="trainer", join=pub)
+    slow.load_fn = slow_load
+    versions = {v: make_tensors(v) for v in range(1, 7)}
+    for v, t in versions.items():
+        assert pub.publish(t) == v
+        assert fast.wait_version(v, 10)
+    assert _wait(lambda: len(held) == len(versions[1]))
+    assert same(held, versions[1])  # nobody rewrote the segment "slow" still reads
+    assert len(pub._pool._segments) <= 4  # bounded: older segments were unlinked, not rewritten
+    release.set()
+    assert pub.wait_acks(6, 10) and slow.version == 6
+    names = set()
+    for t in (make_tensors(10), make_tensors(11), make_tensors(12), make_tensors(13)):
+        v = pub.publish(t)
+        assert pub.wait_acks(v, 10)
+        names.add(pub._newest().shm_name)
+        assert same(fast.loads.calls[-1][1], t)
+    assert len(names) == 2  # everyone moved on: two segments alternate
+
+
+def test_private_staging_buffers_are_recycled_without_corrupting_data(cluster):
+    pub = cluster.publisher(use_shm=False)
+    r = cluster.receiver("r", join=pub)
+    bufs = []
+    for seed in range(1, 5):
+        t = make_tensors(seed)
+        assert pub.wait_acks(pub.publish(t), 10)
+        assert same(r.loads.calls[-1][1], t)
+        bufs.append(id(r._current.keepalive))
+    assert bufs[2] == bufs[0] and bufs[3] == bufs[1]  # version 3 reused version 1's buffer, ...
