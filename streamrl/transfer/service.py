@@ -181,7 +181,9 @@ class _Node:
             req = recv_json(conn)
             self._dispatch(conn, req)
         except (OSError, TransferError, ValueError, KeyError, TypeError) as e:
-            log.debug("%s: connection ended: %r", self.name, e)
+            log.debug("%s: connection ended: %r", self.name, e)  # peers come and go; they retry
+        except Exception:  # a bug must not take the server down with it
+            log.exception("%s: unexpected error while serving a connection", self.name)
         finally:
             self._untrack(conn)
 
@@ -216,15 +218,16 @@ class _Node:
         plane, fields = choose_plane(payload, req, self.host, self.config.use_shm)
         if plane.name != "tcp":
             delta_base = None
-        send_json(conn, {"status": "ok", "plane": plane.name, "manifest": payload.manifest.without_crcs().to_json(),
-                         "base": delta_base.version if delta_base is not None else None, **fields})
         link = Link(self._limiters(req.get("dc")), delta_base, self.config.delta_level, self._executor,
                     self.config.io_timeout_s)
         where = "local" if req.get("dc") == self.dc else "cross_dc"
         self._count(f"served_{plane.name}")  # streams started (bytes are counted when a stream ends)
         self._count(f"served_{where}")
-        payload.open_stream()
+        payload.open_stream()  # before the header: the payload's buffer must not be recycled under us
         try:
+            send_json(conn, {"status": "ok", "plane": plane.name,
+                             "manifest": payload.manifest.without_crcs().to_json(),
+                             "base": delta_base.version if delta_base is not None else None, **fields})
             n = plane.send(conn, payload, link)
         except TransferError as e:
             send_error(conn, str(e))

@@ -9,8 +9,8 @@ import pytest
 import safetensors.numpy as stn
 
 from streamrl.transfer.manifest import (ChecksumError, Manifest, SchemaMismatch, TensorSpec, TransferError,
-                                        check_schema, describe_payload, payload_size, read_payload, schema_of, verify_chunk,
-                                        write_payload)
+                                        check_schema, describe_payload, payload_size, read_payload, schema_of,
+                                        verify_chunk, write_payload)
 
 
 def _tensors(seed=0):

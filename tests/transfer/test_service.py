@@ -241,12 +241,13 @@ def test_load_fn_failure_keeps_old_version(cluster):
 def test_segments_are_recycled_only_after_every_receiver_moved_on(cluster):
     pub = cluster.publisher(keep_versions=2)
     fast = cluster.receiver("fast", host="trainer", join=pub)
-    release, held = threading.Event(), {}
+    release, held, held_version = threading.Event(), {}, []
 
-    def slow_load(tensors, version):  # keeps zero-copy views of version 1 while blocked
-        if version == 1:
+    def slow_load(tensors, version):  # keeps zero-copy views of the first version it gets, blocked
+        if not held_version:
             held.update(tensors)
-            release.wait(10)
+            held_version.append(version)
+            release.wait(20)
 
     slow = cluster.receiver("slow", host="trainer", join=pub)
     slow.load_fn = slow_load
@@ -254,7 +255,8 @@ def test_segments_are_recycled_only_after_every_receiver_moved_on(cluster):
     for v, t in versions.items():
         assert pub.publish(t) == v
         assert fast.wait_version(v, 10)
-    assert _wait(lambda: len(held) == len(versions[1]))
+        if v == 1:
+            assert _wait(lambda: held_version == [1])  # "slow" now sits in load_fn holding views of v1
     assert same(held, versions[1])  # nobody rewrote the segment "slow" still reads
     assert len(pub._pool._segments) <= 4  # bounded: older segments were unlinked, not rewritten
     release.set()
