@@ -1,0 +1,254 @@
+"""Ray as the distributed engine: start or join a cluster, split CPU cores.
+
+Placement is by custom resources used as labels: a node that may host
+generator instances offers `generation_pool`, a node that may host the trainer
+offers `training_pool`. On one machine `init_ray` starts a local Ray whose
+single node offers both; on a real cluster each node type is started with its
+own label, e.g.
+
+  ray start --head --resources='{"training_pool": 1}'              # H800 node
+  ray start --address=<head>:6379 --resources='{"generation_pool": 8}'  # H20 node
+
+and the run joins it with `--config.cluster.address=<head>:6379`.
+
+CPU shares on one machine (what is actually enforced):
+- Each side gets its own cores (`plan_cpu_shares`). A generator actor pins all
+  its threads with `sched_setaffinity` (kernel-enforced: its threads cannot
+  run on other cores) and sizes torch's OpenMP pool to its share
+  (`OMP_NUM_THREADS` before torch loads, `torch.set_num_threads` before the
+  engine starts; vLLM forbids changing it afterwards). With the engine in the
+  actor's process (VLLM_ENABLE_V1_MULTIPROCESSING=0, the default here) that
+  is all there is; `VLLM_CPU_OMP_THREADS_BIND` is set to the same cores so an
+  engine run with worker processes binds them there too.
+- The trainer process calls `bound_trainer_threads(cores)` before JAX creates
+  its CPU client: its threads are pinned to the trainer's cores, and XLA
+  sizes its thread pool from that affinity mask.
+- Ray's own `num_cpus` per actor is bookkeeping for the scheduler only; Ray
+  enforces nothing about cores.
+- On a remote cluster no core ids are known in advance: actors only bound
+  their thread counts (no pinning), and the node labels do the separation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import socket
+import sys
+import threading
+from collections.abc import Sequence
+
+log = logging.getLogger(__name__)
+
+GENERATION_POOL = "generation_pool"
+TRAINING_POOL = "training_pool"
+_DEFAULT_GCS_PORT = 6379
+
+
+@dataclasses.dataclass(frozen=True)
+class CpuShares:
+  """Core ids of this machine given to each side of the pipeline."""
+  generator_cores: tuple[int, ...]
+  trainer_cores: tuple[int, ...]
+
+  def instance_cores(self, instance_id: int, num_instances: int) -> tuple[int, ...]:
+    """Contiguous, disjoint slices of the generator cores, one per instance.
+
+    With fewer cores than instances, instances share cores round-robin (no
+    instance ever gets an empty set).
+    """
+    cores = self.generator_cores
+    if num_instances <= len(cores):
+      per, extra = divmod(len(cores), num_instances)
+      start = instance_id * per + min(instance_id, extra)
+      return cores[start:start + per + (instance_id < extra)]
+    return (cores[instance_id % len(cores)],)
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterInfo:
+  address: str | None  # None: a local Ray started by init_ray.
+  started_locally: bool
+  # Known only for a local Ray on this machine.
+  shares: CpuShares | None
+  generator_cpus: int
+  trainer_cpus: int
+  resources: dict
+
+
+def available_cores() -> tuple[int, ...]:
+  return tuple(sorted(os.sched_getaffinity(0)))
+
+
+def plan_cpu_shares(generator_cpus: int, trainer_cpus: int,
+                    cores: Sequence[int] | None = None) -> CpuShares:
+  """Generators take the first `generator_cpus` cores, the trainer the last
+  `trainer_cpus`; they are disjoint when the machine has enough cores, and
+  overlap (with a warning) when it hasn't."""
+  if generator_cpus < 1 or trainer_cpus < 1:
+    raise ValueError(f"cluster.generator_cpus and cluster.trainer_cpus must be >= 1, got "
+                     f"{generator_cpus} and {trainer_cpus}.")
+  cores = tuple(cores) if cores is not None else available_cores()
+  n = len(cores)
+  gen = tuple(cores[i % n] for i in range(generator_cpus))
+  trainer = tuple(cores[(n - trainer_cpus + i) % n] for i in range(trainer_cpus))
+  shared = sorted(set(gen) & set(trainer))
+  if shared:
+    log.warning("generator_cpus=%d + trainer_cpus=%d exceed the %d cores available: cores "
+                "%s are shared by both sides, so they are not disaggregated.",
+                generator_cpus, trainer_cpus, n, shared)
+  return CpuShares(generator_cores=tuple(sorted(set(gen))),
+                   trainer_cores=tuple(sorted(set(trainer))))
+
+
+def pin_process_threads(cores: Sequence[int]) -> None:
+  """Pins every thread this process has now, and (by inheritance) every thread
+  it creates later, to `cores`. `os.sched_setaffinity(0, ...)` alone would pin
+  only the calling thread."""
+  cores = set(cores)
+  for tid in os.listdir("/proc/self/task"):
+    try:
+      os.sched_setaffinity(int(tid), cores)
+    except (ProcessLookupError, PermissionError):
+      pass  # A thread that just exited, or one we may not touch.
+  os.sched_setaffinity(0, cores)
+
+
+def bound_trainer_threads(cores: Sequence[int]) -> dict:
+  """Confines the calling (trainer) process to `cores`; call it before JAX's
+  first computation, since XLA sizes its CPU thread pool from the affinity
+  mask when its client is created. Returns what was set, for the log."""
+  cores = tuple(sorted(set(cores)))
+  if not cores:
+    raise ValueError("bound_trainer_threads needs at least one core.")
+  jax_started = _jax_backend_started()
+  if jax_started:
+    log.warning("bound_trainer_threads called after JAX created its CPU client: threads are "
+                "pinned to %s, but XLA's pool keeps its size.", cores)
+  n = str(len(cores))
+  for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+    os.environ[var] = n
+  pin_process_threads(cores)
+  return {"cores": cores, "num_threads": len(cores), "jax_already_started": jax_started}
+
+
+def _jax_backend_started() -> bool:
+  if "jax" not in sys.modules:
+    return False
+  try:
+    from jax._src import xla_bridge  # pylint: disable=g-import-not-at-top
+    return bool(getattr(xla_bridge, "_backends", {}))
+  except ImportError:
+    return False
+
+
+def _strip_scheme(address: str) -> str:
+  for prefix in ("ray://", "http://", "https://"):
+    if address.startswith(prefix):
+      return address[len(prefix):]
+  return address
+
+
+def _parse_address(address: str) -> tuple[str, int]:
+  addr = _strip_scheme(address)
+  host, sep, port = addr.rpartition(":")
+  if not sep:
+    host, port = addr, str(10001 if address.startswith("ray://") else _DEFAULT_GCS_PORT)
+  if not host or not port.isdigit():
+    raise ValueError(f"cluster.address={address!r} is not of the form host:port "
+                     "(e.g. 10.0.0.1:6379); fix --config.cluster.address.")
+  return host, int(port)
+
+
+def check_reachable(address: str, timeout_s: float) -> tuple[str, int]:
+  """One TCP connect to the head's port, so a wrong address fails in seconds
+  with a clear message instead of inside Ray's retry loop."""
+  host, port = _parse_address(address)
+  try:
+    with socket.create_connection((host, port), timeout=timeout_s):
+      pass
+  except OSError as e:
+    raise ConnectionError(
+        f"Cannot reach the Ray cluster at {address!r} ({e.__class__.__name__}: {e}); start "
+        "it with `ray start --head` there or fix --config.cluster.address (empty starts a "
+        "local Ray).") from None
+  return host, port
+
+
+def init_ray(address: str | None = None, *, num_cpus: int | None = None,
+             generator_cpus: int = 1, trainer_cpus: int = 1, generation_slots: int = 64,
+             timeout_s: float = 30.0, log_to_driver: bool = False) -> ClusterInfo:
+  """Starts a local Ray (address None or empty) or joins the cluster at
+  `address`, and returns where things may run.
+
+  Local: the node offers `generation_pool=generation_slots` (at most that many
+  generator instances) and `training_pool=1`, and `num_cpus` logical CPUs
+  (default generator_cpus + trainer_cpus). Remote: the nodes' own labels are
+  used, and at least one node must offer `generation_pool`.
+  """
+  import ray  # pylint: disable=g-import-not-at-top
+  if address and address != "auto":
+    host, port = check_reachable(address, min(timeout_s, 10.0))
+    if not address.startswith("ray://"):
+      _probe_gcs(f"{host}:{port}", min(timeout_s, 10.0))
+  if ray.is_initialized():
+    log.info("Ray is already initialised in this process; reusing it.")
+    started_locally = not address
+  else:
+    if address:
+      kwargs = dict(address=address, log_to_driver=log_to_driver)
+    else:
+      kwargs = dict(num_cpus=num_cpus or generator_cpus + trainer_cpus,
+                    resources={GENERATION_POOL: generation_slots, TRAINING_POOL: 1},
+                    include_dashboard=False, log_to_driver=log_to_driver)
+    try:
+      ray.init(**kwargs)
+    except (ConnectionError, RuntimeError) as e:
+      where = f"the Ray cluster at {address!r}" if address else "a local Ray"
+      raise ConnectionError(f"Could not start or join {where}: {e}") from e
+    started_locally = not address
+  resources = ray.cluster_resources()
+  if GENERATION_POOL not in resources:
+    raise RuntimeError(
+        f"No node of the Ray cluster at {address!r} offers {GENERATION_POOL!r}; start the "
+        f"generation nodes with `ray start --resources='{{\"{GENERATION_POOL}\": 8}}'`.")
+  shares = plan_cpu_shares(generator_cpus, trainer_cpus) if started_locally else None
+  return ClusterInfo(address=address or None, started_locally=started_locally, shares=shares,
+                     generator_cpus=generator_cpus, trainer_cpus=trainer_cpus,
+                     resources=dict(resources))
+
+
+def _probe_gcs(address: str, timeout_s: float) -> None:
+  """Asks the address for Ray's GCS in a helper thread: a port that answers
+  but isn't a Ray head would otherwise keep ray.init retrying for minutes,
+  and an abandoned ray.init would leave this process's Ray state half set."""
+  from ray._raylet import GcsClient  # pylint: disable=g-import-not-at-top
+  result: dict = {}
+
+  def target():
+    try:
+      GcsClient(address=address).internal_kv_get(b"streamrl-probe", None, timeout=timeout_s)
+    except BaseException as e:  # pylint: disable=broad-except
+      result["error"] = e
+
+  t = threading.Thread(target=target, name="ray-gcs-probe", daemon=True)
+  t.start()
+  t.join(timeout_s)
+  if t.is_alive() or "error" in result:
+    why = (f"no answer within {timeout_s:.0f} s" if t.is_alive()
+           else f"{result['error'].__class__.__name__}: {str(result['error'])[:200]}")
+    raise ConnectionError(
+        f"{address!r} answers but is not a reachable Ray head ({why}); check it with "
+        "`ray status --address=...` or fix --config.cluster.address.")
+
+
+def init_ray_from_config(config) -> ClusterInfo:
+  """`config.cluster` (all fields optional): address, num_cpus, generator_cpus,
+  trainer_cpus, connect_timeout_s, log_to_driver."""
+  c = config.get("cluster", None) or {}
+  get = lambda k, d: c.get(k, d) if hasattr(c, "get") else d
+  return init_ray(get("address", "") or None, num_cpus=get("num_cpus", None) or None,
+                  generator_cpus=get("generator_cpus", 1), trainer_cpus=get("trainer_cpus", 1),
+                  timeout_s=get("connect_timeout_s", 30.0),
+                  log_to_driver=get("log_to_driver", False))

@@ -1,0 +1,487 @@
+"""The Stream Generation Service: N generator instances behind one stream.
+
+Each instance is a Ray actor (`GeneratorActor`) holding one vLLM engine
+(`GeneratorInstance`). `StreamGenerationService.generate` hands each instance
+its share of the requests and yields every finished Sample the moment any
+instance produces it, so the trainer can work on it at once; `update` loads
+new weights into every live instance.
+
+Faults: an instance that dies mid-stream is reported (`dead_instances`, a log
+warning) and its undelivered requests are re-run on the survivors, so the
+stream still yields every request exactly once. An instance that still has
+work but yields nothing for `stall_timeout_s` fails the stream with a
+TimeoutError that names it: the trainer never waits forever.
+
+torch and vLLM are imported only inside the actor processes, never here in
+the trainer's process.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import os
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+
+import numpy as np
+import ray
+
+from streamrl.pipeline import cluster as cluster_lib
+
+log = logging.getLogger(__name__)
+
+Request = tuple[int, Sequence[int]]  # (request id, prompt token ids)
+
+
+@ray.remote(max_restarts=0, max_task_retries=0)
+class GeneratorActor:
+  """One generator instance in its own Ray worker process.
+
+  Methods run one at a time (a plain, single-threaded actor), so a weight
+  update can never overlap a stream: a `ray.cancel`ed stream stops at its next
+  finished sample, aborts what is still running and frees the engine first.
+  """
+
+  def __init__(self, model_dir: str, *, instance_id: int, engine_kwargs: dict,
+               cores: Sequence[int] | None, num_threads: int, in_process: bool = True):
+    # Before torch loads: libgomp sizes its pool from OMP_NUM_THREADS.
+    os.environ["OMP_NUM_THREADS"] = str(num_threads)
+    os.environ["MKL_NUM_THREADS"] = str(num_threads)
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    # In-process engine: no extra engine-core process, ~2.5 s start-up instead
+    # of ~15 s on CPU, and the pinning below covers every engine thread.
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
+    # Read only by vLLM's multiprocess executor (in_process=False): it binds
+    # the worker's OpenMP threads to these cores.
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = (
+        ",".join(map(str, cores)) if cores else "nobind")
+    t0 = time.perf_counter()
+    import torch  # pylint: disable=g-import-not-at-top
+    # Must precede the engine: vLLM's CPU worker disables set_num_threads.
+    torch.set_num_threads(num_threads)
+    from streamrl.generator.vllm_engine import GeneratorInstance  # pylint: disable=g-import-not-at-top
+    self._gen = GeneratorInstance(model_dir, instance_id=instance_id, **engine_kwargs)
+    # Pinned only now, so that imports and engine start-up may use any core;
+    # this pins every thread that exists, and threads made later inherit it.
+    if cores:
+      cluster_lib.pin_process_threads(cores)
+    self._startup_s = time.perf_counter() - t0
+    self._instance_id = instance_id
+    self._fault: dict | None = None
+    self._peak_in_flight = 0
+
+  def info(self) -> dict:
+    import torch  # pylint: disable=g-import-not-at-top
+    return {"instance_id": self._instance_id, "pid": os.getpid(),
+            "weight_version": self._gen.weight_version,
+            "cores": tuple(sorted(os.sched_getaffinity(0))),
+            "torch_threads": torch.get_num_threads(),
+            "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+            "engine_in_process": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0",
+            "startup_s": self._startup_s}
+
+  def last_stream_stats(self) -> dict:
+    """Largest number of requests seen running at once in the last stream
+    (sampled at each finish), to check that a per-instance cap arrived."""
+    return {"peak_in_flight": self._peak_in_flight}
+
+  def generate(self, requests: Sequence[Request], sampling, max_in_flight: int | None = None):
+    """Ray streaming generator: yields each Sample as it finishes."""
+    ctx = ray.get_runtime_context()
+    fault, self._fault = self._fault, None
+    stream = self._gen.generate(requests, sampling, max_in_flight=max_in_flight)
+    self._peak_in_flight = 0
+    try:
+      for n, sample in enumerate(stream, 1):
+        # The engine's count of requests still running after this finish.
+        self._peak_in_flight = max(self._peak_in_flight,
+                                   getattr(self._gen, "_in_flight", 0) + 1)
+        yield sample
+        if fault is not None and n == fault["after_samples"]:
+          self._run_fault(fault, ctx)
+        # ray.cancel only raises a flag for a running actor task.
+        if ctx.is_canceled():
+          return
+    finally:
+      stream.close()  # Aborts whatever the engine still runs.
+
+  def update_weights(self, tensors: Mapping[str, np.ndarray], version: int) -> int:
+    return self._gen.update_weights(tensors, version)
+
+  def weight_version(self) -> int:
+    return self._gen.weight_version
+
+  # -- test hooks -------------------------------------------------------------
+
+  def inject_fault(self, kind: str, after_samples: int, seconds: float = 3600.0) -> None:
+    """For tests: the next generate call, after `after_samples` samples,
+    stalls (`kind="stall"`, sleeps up to `seconds` unless cancelled) or dies
+    (`kind="crash"`, the process exits)."""
+    if kind not in ("stall", "crash"):
+      raise ValueError(f"Unknown fault kind {kind!r}; use 'stall' or 'crash'.")
+    self._fault = {"kind": kind, "after_samples": after_samples, "seconds": seconds}
+
+  @staticmethod
+  def _run_fault(fault: dict, ctx) -> None:
+    if fault["kind"] == "crash":
+      os._exit(1)  # pylint: disable=protected-access
+    end = time.monotonic() + fault["seconds"]
+    while time.monotonic() < end and not ctx.is_canceled():
+      time.sleep(0.05)
+
+
+@dataclasses.dataclass
+class _Stream:
+  """One generate call running on one instance."""
+  instance_id: int
+  requests: list
+  started: float
+  last_sample: float | None = None
+  num_samples: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class DeadInstance:
+  instance_id: int
+  reason: str
+  requeued: int  # Undelivered requests handed to the survivors.
+  at: float  # time.perf_counter() when the death was seen.
+
+
+class StreamGenerationService:
+  """N generator instances (Ray actors, ids 0..N-1) behind one sample stream.
+
+  Args:
+    config: the run config; reads `generation.*` (engine sizes), `seed`,
+      `model.dtype`, and optionally `pipeline.stall_timeout_s` and
+      `cluster.{generator_cpus, engine_in_process}`.
+    model_dir: HF model directory every instance loads.
+    num_instances: default `config.generation.num_instances`.
+    stall_timeout_s: longest wait for the next sample of an instance that
+      still has work; default `config.pipeline.stall_timeout_s` or 600.
+    cluster: what `cluster.init_ray` returned; its CPU shares pin each
+      instance to its own cores. Without it (and with Ray not started yet)
+      `init_ray_from_config(config)` is called.
+    start_timeout_s: longest wait for all engines to come up.
+  """
+
+  def __init__(self, config, model_dir: str, num_instances: int | None = None, *,
+               stall_timeout_s: float | None = None,
+               cluster: cluster_lib.ClusterInfo | None = None,
+               start_timeout_s: float = 600.0):
+    g = config.generation
+    num_instances = int(num_instances or g.get("num_instances", 1))
+    if num_instances < 1:
+      raise ValueError(f"num_instances must be >= 1, got {num_instances}.")
+    pipe = config.get("pipeline", None) or {}
+    self.stall_timeout_s = float(stall_timeout_s or pipe.get("stall_timeout_s", 600.0))
+    if cluster is None and not ray.is_initialized():
+      cluster = cluster_lib.init_ray_from_config(config)
+    cl = config.get("cluster", None) or {}
+    generator_cpus = cluster.generator_cpus if cluster else int(cl.get("generator_cpus", 1))
+    in_process = bool(cl.get("engine_in_process", True))
+    engine_kwargs = dict(max_num_seqs=g.max_num_seqs, max_model_len=g.max_model_len,
+                         seed=config.seed, kv_cache_gib=g.kv_cache_gib, dtype=config.model.dtype)
+    self.num_instances = num_instances
+    self.placement: dict[int, dict] = {}
+    self._actors = {}
+    for i in range(num_instances):
+      cores = (cluster.shares.instance_cores(i, num_instances)
+               if cluster is not None and cluster.shares is not None else None)
+      threads = len(cores) if cores else max(1, generator_cpus // num_instances)
+      self._actors[i] = GeneratorActor.options(
+          num_cpus=round(generator_cpus / num_instances, 4),
+          resources={cluster_lib.GENERATION_POOL: 1},
+          name=None).remote(model_dir, instance_id=i, engine_kwargs=engine_kwargs,
+                            cores=cores, num_threads=threads, in_process=in_process)
+    self._live = set(self._actors)
+    self.dead_instances: list[DeadInstance] = []
+    # (instance_id, start, end, num_samples) per finished stream segment, in
+    # time.perf_counter() seconds of this process: the instances' busy time.
+    self.busy_intervals: list[tuple[int, float, float, int]] = []
+    self._versions: dict[int, int] = {}
+    self._wait_ready(start_timeout_s)
+
+  # -- lifecycle --------------------------------------------------------------
+
+  def _wait_ready(self, timeout_s: float) -> None:
+    refs = {i: a.info.remote() for i, a in self._actors.items()}
+    try:
+      infos = ray.get(list(refs.values()), timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+      self.close()
+      raise TimeoutError(
+          f"The generator instances did not start within {timeout_s:.0f} s; check that the "
+          f"cluster offers {self.num_instances} x {cluster_lib.GENERATION_POOL!r} and enough "
+          "CPUs (ray status).") from None
+    except ray.exceptions.RayActorError as e:
+      bad = next((i for i, r in refs.items() if _failed(r)), "?")
+      self.close()
+      raise RuntimeError(f"Generator instance {bad} failed to start: "
+                         f"{_last_line(e.error_msg)}") from None
+    for info in infos:
+      self.placement[info["instance_id"]] = info
+      self._versions[info["instance_id"]] = info["weight_version"]
+
+  def close(self) -> None:
+    for a in self._actors.values():
+      ray.kill(a, no_restart=True)
+    self._live.clear()
+
+  @property
+  def live_instances(self) -> list[int]:
+    return sorted(self._live)
+
+  def actor(self, instance_id: int):
+    """The Ray actor handle of one instance (for tests and diagnostics)."""
+    return self._actors[instance_id]
+
+  # -- weights ----------------------------------------------------------------
+
+  def update(self, tensors: Mapping[str, np.ndarray], version: int) -> dict[int, int]:
+    """Loads HF-named tensors into every live instance in parallel and returns
+    {instance_id: weight version} once all have loaded. The tensors go into
+    Ray's object store once, and every instance reads them from there."""
+    if not self._live:
+      raise RuntimeError("All generator instances are dead; nothing to update.")
+    ref = ray.put({k: np.asarray(v) for k, v in tensors.items()})
+    calls = {i: self._actors[i].update_weights.remote(ref, int(version)) for i in self._live}
+    for i, call in calls.items():
+      try:
+        self._versions[i] = ray.get(call)
+      except ray.exceptions.RayActorError as e:
+        self._mark_dead(i, f"died during a weight update: {_last_line(e.error_msg)}", 0)
+      except ray.exceptions.RayTaskError as e:
+        raise e.as_instanceof_cause() from None
+    if not self._live:
+      raise RuntimeError("All generator instances died during the weight update.")
+    return self.versions()
+
+  def versions(self) -> dict[int, int]:
+    """{instance_id: weight version} of the live instances, as of their last
+    load (kept here, so asking never waits behind a running stream)."""
+    return {i: self._versions[i] for i in sorted(self._live)}
+
+  def query_versions(self, timeout_s: float = 60.0) -> dict[int, int]:
+    """The versions as the live instances report them (waits for running streams)."""
+    ids = sorted(self._live)
+    got = ray.get([self._actors[i].weight_version.remote() for i in ids], timeout=timeout_s)
+    return dict(zip(ids, got))
+
+  # -- generation -------------------------------------------------------------
+
+  def generate(self, requests: Sequence[Request] | None, sampling, *,
+               assignments: Sequence[Sequence[Request]] | None = None,
+               caps: Sequence[int | None] | None = None,
+               stall_timeout_s: float | None = None) -> Iterator:
+    """Yields one Sample per request, each as soon as an instance finishes it.
+
+    Args:
+      requests: (request id, prompt token ids) pairs with unique ids; split
+        round-robin over the live instances unless `assignments` is given.
+      sampling: a `SamplingConfig`.
+      assignments: one request list per instance id (0..N-1), run in the
+        given order (e.g. LPT order from the skew scheduler). `requests` may
+        then be None; if given it must hold the same ids.
+      caps: per-instance cap on requests in flight (None: the engine's
+        max_num_seqs).
+      stall_timeout_s: overrides the service's timeout for this call.
+
+    Closing the iterator early cancels the remaining work. Requests of an
+    instance that dies (before or during the call) are re-run on the live
+    ones; a Sample's `instance_id` says which instance produced it.
+    """
+    if not self._live:
+      raise RuntimeError(self._all_dead_message(0))
+    plan = self._plan(requests, assignments)
+    caps = list(caps) if caps is not None else [None] * self.num_instances
+    if len(caps) != self.num_instances:
+      raise ValueError(f"caps has {len(caps)} entries for {self.num_instances} instances.")
+    return self._run(plan, sampling, caps, float(stall_timeout_s or self.stall_timeout_s))
+
+  def _plan(self, requests, assignments) -> dict[int, list]:
+    if assignments is None:
+      if requests is None:
+        raise ValueError("generate needs requests or assignments.")
+      reqs = [(int(rid), ids) for rid, ids in requests]
+      live = sorted(self._live)
+      plan = {i: [] for i in range(self.num_instances)}
+      for k, req in enumerate(reqs):
+        plan[live[k % len(live)]].append(req)
+    else:
+      if len(assignments) != self.num_instances:
+        raise ValueError(f"assignments has {len(assignments)} lists for "
+                         f"{self.num_instances} instances; give one (maybe empty) per instance.")
+      plan = {i: [(int(rid), ids) for rid, ids in a] for i, a in enumerate(assignments)}
+      reqs = [r for i in range(self.num_instances) for r in plan[i]]
+    ids = [rid for rid, _ in reqs]
+    if len(set(ids)) != len(ids):
+      dup = next(r for r, c in collections.Counter(ids).items() if c > 1)
+      raise ValueError(f"Request id {dup} appears more than once; request ids must be unique.")
+    if assignments is not None and requests is not None:
+      if sorted(int(r) for r, _ in requests) != sorted(ids):
+        raise ValueError("assignments must hold exactly the given requests, each once.")
+    # Work planned for instances that are already dead goes to the live ones.
+    orphans = []
+    for i in [i for i in plan if i not in self._live]:
+      orphans.extend(plan.pop(i))
+    self._spread(orphans, plan)
+    return plan
+
+  def _spread(self, reqs: list, plan: dict[int, list]) -> None:
+    """Round-robin over the live instances, keeping the given order (LPT
+    order stays descending inside each instance)."""
+    live = sorted(self._live)
+    for k, req in enumerate(reqs):
+      plan.setdefault(live[k % len(live)], []).append(req)
+
+  def _run(self, plan: dict[int, list], sampling, caps: list, stall_timeout_s: float):
+    # Per instance: batches not started yet (a survivor that already runs a
+    # stream gets a dead peer's requests as its next batch).
+    queued: dict[int, collections.deque] = collections.defaultdict(collections.deque)
+    for i, reqs in plan.items():
+      if reqs:
+        queued[i].append(reqs)
+    undelivered: dict[int, dict[int, Request]] = collections.defaultdict(dict)
+    for i, reqs in plan.items():
+      undelivered[i].update((rid, (rid, ids)) for rid, ids in reqs)
+    delivered: set[int] = set()
+    active: dict = {}  # ObjectRefGenerator -> _Stream
+
+    def start(i: int) -> None:
+      if i in self._live and queued[i] and not any(s.instance_id == i for s in active.values()):
+        reqs = queued[i].popleft()
+        gen = self._actors[i].generate.options(num_returns="streaming").remote(
+            reqs, sampling, caps[i])
+        active[gen] = _Stream(i, reqs, time.perf_counter())
+
+    def end(gen) -> None:
+      st = active.pop(gen)
+      if st.num_samples:
+        self.busy_intervals.append((st.instance_id, st.started, st.last_sample, st.num_samples))
+
+    def fail_over(i: int, reason: str) -> None:
+      for gen in [g for g, s in active.items() if s.instance_id == i]:
+        end(gen)
+      leftover = list(undelivered.pop(i, {}).values())
+      queued.pop(i, None)
+      self._mark_dead(i, reason, len(leftover))
+      if not self._live:
+        raise RuntimeError(self._all_dead_message(len(leftover)))
+      moved: dict[int, list] = {}
+      self._spread(leftover, moved)
+      for j, reqs in moved.items():
+        queued[j].append(reqs)
+        undelivered[j].update((rid, (rid, ids)) for rid, ids in reqs)
+        start(j)
+
+    try:
+      for i in list(queued):
+        start(i)
+      while active:
+        now = time.perf_counter()
+        deadline = {g: (s.last_sample or s.started) + stall_timeout_s for g, s in active.items()}
+        wait_s = max(0.0, min(deadline.values()) - now)
+        ready, _ = ray.wait(list(active), num_returns=1, timeout=wait_s)
+        if not ready:
+          now = time.perf_counter()
+          stalled = sorted({active[g].instance_id for g, d in deadline.items() if d <= now})
+          if not stalled:
+            continue
+          counts = ", ".join(f"instance {i}: {len(undelivered[i])} unfinished" for i in stalled)
+          raise TimeoutError(
+              f"Generator instance{'s' if len(stalled) > 1 else ''} "
+              f"{', '.join(map(str, stalled))} produced no sample for {stall_timeout_s:.0f} s "
+              f"while still having work ({counts}); raise pipeline.stall_timeout_s if "
+              "samples are just slow, or check the instance's log.")
+        for gen in ready:
+          st = active[gen]
+          i = st.instance_id
+          try:
+            sample = ray.get(next(gen))
+          except StopIteration:
+            end(gen)
+            if not queued[i] and undelivered.get(i):
+              # Can't happen with a healthy engine; never lose a request.
+              log.warning("Instance %d ended its stream with %d requests undelivered; "
+                          "running them again.", i, len(undelivered[i]))
+              queued[i].append(list(undelivered[i].values()))
+            start(i)
+            continue
+          except ray.exceptions.RayActorError as e:
+            fail_over(i, _last_line(e.error_msg))
+            continue
+          except ray.exceptions.RayTaskError as e:
+            raise e.as_instanceof_cause() from None
+          st.num_samples += 1
+          st.last_sample = time.perf_counter()
+          rid = sample.prompt_id
+          undelivered[i].pop(rid, None)
+          if rid in delivered:
+            log.warning("Dropped a second sample for request %d (from instance %d).", rid, i)
+            continue
+          delivered.add(rid)
+          yield sample
+    finally:
+      # Runs on completion, on error and when the consumer closes the stream.
+      for gen in list(active):
+        try:
+          ray.cancel(gen)
+        except Exception:  # pylint: disable=broad-except
+          pass  # Already finished or its actor is gone.
+        end(gen)
+
+  # -- faults -----------------------------------------------------------------
+
+  def _mark_dead(self, i: int, reason: str, requeued: int) -> None:
+    if i not in self._live:
+      return
+    self._live.discard(i)
+    self._versions.pop(i, None)
+    # An actor that is only unreachable could come back and produce samples
+    # that were already re-run elsewhere: make sure it is gone.
+    ray.kill(self._actors[i], no_restart=True)
+    self.dead_instances.append(DeadInstance(i, reason, requeued, time.perf_counter()))
+    log.warning("Generator instance %d died (%s); %d unfinished requests re-run on instances "
+                "%s.", i, reason, requeued, sorted(self._live))
+
+  def _all_dead_message(self, unfinished: int) -> str:
+    dead = ", ".join(f"{d.instance_id} ({d.reason})" for d in self.dead_instances)
+    return (f"All {self.num_instances} generator instances are dead ({dead}); {unfinished} "
+            "requests could not be finished. Check the instances' logs (ray logs) and "
+            "restart the run.")
+
+
+def iter_groups(samples: Iterable, group_size: int) -> Iterator[list]:
+  """Regroups a sample stream into complete groups (request id // group_size),
+  each yielded as soon as its last member arrives, members in id order; for
+  GRPO, whose advantages need the whole group."""
+  if group_size < 1:
+    raise ValueError(f"group_size must be >= 1, got {group_size}.")
+  partial: dict[int, list] = collections.defaultdict(list)
+  for s in samples:
+    g = s.prompt_id // group_size
+    partial[g].append(s)
+    if len(partial[g]) == group_size:
+      yield sorted(partial.pop(g), key=lambda x: x.prompt_id)
+  if partial:
+    raise RuntimeError(f"The stream ended with {len(partial)} incomplete groups "
+                       f"(e.g. group {next(iter(partial))}).")
+
+
+def _failed(ref) -> bool:
+  ready, _ = ray.wait([ref], timeout=0)
+  if not ready:
+    return False
+  try:
+    ray.get(ref)
+    return False
+  except Exception:  # pylint: disable=broad-except
+    return True
+
+
+def _last_line(msg: str | None) -> str:
+  lines = [ln.strip() for ln in (msg or "").splitlines() if ln.strip()]
+  return lines[-1] if lines else "unknown cause"
