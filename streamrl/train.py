@@ -183,22 +183,28 @@ def length_metrics(samples) -> dict:
 
 
 # --------------------------------------------------------------------- run
+def fingerprint(config) -> dict:
+  """What must match for a workdir's checkpoints to be resumed."""
+  return {"model": {"path": config.model.path, "tiny": config.model.tiny},
+          "warmstart": config.warmstart.to_dict(), "task": config.task.to_dict(),
+          "algo": config.algo.to_dict(), "mesh": config.mesh.to_dict(),
+          "prompts_per_iteration": config.trainer.prompts_per_iteration,
+          "seed": config.seed}
+
+
 def run(config, workdir: str) -> dict:
   """Runs (or resumes) the RL experiment in `workdir`; returns final metrics."""
   validate(config)
   os.makedirs(workdir, exist_ok=True)
+  # Refuse an incompatible workdir before anything is written into it.
+  ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.checkpoint.keep,
+                      fingerprint=fingerprint(config))
   train_examples, eval_examples = load_examples(config)
   model_dir = prepare_model_dir(config, workdir, train_examples)
   _, policy = hf.load_hf(model_dir)
   tokenizer = Tokenizer(model_dir)
   rewarder = Rewarder(rewards_lib.get_reward_fn(config.task.reward), tokenizer)
-
   trainer = RLTrainer(config, policy)
-  fingerprint = {"model": dataclasses.asdict(policy.cfg), "model_dir": os.path.abspath(model_dir),
-                 "algo": config.algo.to_dict(), "mesh": config.mesh.to_dict(),
-                 "prompts_per_iteration": config.trainer.prompts_per_iteration}
-  ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.checkpoint.keep,
-                      fingerprint=fingerprint)
   loader = loader_lib.PromptLoader(train_examples, config.trainer.prompts_per_iteration,
                                    seed=config.seed)
   start, meta = 0, {}

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from streamrl.models import hf
 from streamrl.models.transformer import Critic, Transformer
@@ -73,18 +74,40 @@ class RLTrainer:
       critic_tx = step_lib.make_optimizer(step_lib.OptimConfig(
           lr=tr.critic_lr, warmup_steps=tr.warmup_steps, decay_steps=total_steps,
           weight_decay=tr.weight_decay, grad_clip=tr.grad_clip))
-    self.models, self.state = step_lib.init_state(policy, actor_tx, critic, critic_tx)
+    self.models, state = step_lib.init_state(policy, actor_tx, critic, critic_tx)
+    # Scalars (step, optimizer counts) default to one device; replicate them on
+    # the mesh so a restored (committed) state has one consistent device set.
+    replicated = NamedSharding(self.mesh, P())
+    self.state = jax.tree.map(
+        lambda x: x if isinstance(getattr(x, "sharding", None), NamedSharding)
+        else jax.device_put(x, replicated), state)
     self.ref = (jax.tree.map(jnp.copy, self.state.actor) if algo.use_reference else None)
 
   # ------------------------------------------------------------ per-sample work
   def _put(self, x: np.ndarray) -> jax.Array:
     return jax.device_put(x, sharding.batch_sharding(self.mesh, x.ndim))
 
+  def begin_iteration(self, snapshot: bool) -> None:
+    """Fixes the parameters that score() uses as "old" for this iteration.
+
+    Sync scores every sample before the first update, so the live parameters
+    are the old ones. Stream scores samples as they arrive, possibly after
+    some updates: it snapshots actor and critic first, so every sample's
+    ratio is taken against the same policy, as in sync.
+    """
+    copy = lambda tree: jax.tree.map(jnp.copy, tree)
+    self._old = ((copy(self.state.actor), copy(self.state.critic)) if snapshot else None)
+
+  def _old_params(self):
+    old = getattr(self, "_old", None)
+    return old if old is not None else (self.state.actor, self.state.critic)
+
   def score(self, samples: Sequence) -> dict:
     """Old / reference logprobs and values of samples (one padded batch)."""
     batch = experience.pad_samples(samples)
     tokens = self._put(batch["tokens_bt"])
-    old, _ = step_lib.policy_logprobs(self.state.actor, tokens, graphdef=self.models.actor_def,
+    old_actor, old_critic = self._old_params()
+    old, _ = step_lib.policy_logprobs(old_actor, tokens, graphdef=self.models.actor_def,
                                       temperature=self.temperature)
     batch["old_logp_bt"] = np.asarray(old)
     if self.ref is not None:
@@ -95,7 +118,7 @@ class RLTrainer:
       batch["ref_logp_bt"] = np.zeros_like(batch["old_logp_bt"])
     if self.models.critic_def is not None:
       batch["old_values_bt"] = np.asarray(step_lib.critic_values(
-          self.state.critic, tokens, graphdef=self.models.critic_def))
+          old_critic, tokens, graphdef=self.models.critic_def))
     return batch
 
   def length_chunks(self, samples: Sequence) -> list[list[int]]:

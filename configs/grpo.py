@@ -1,0 +1,45 @@
+r"""GRPO on the tiny default policy and the synthetic long-tailed string tasks.
+
+Group-relative advantages (8 samples per prompt, normalised within each
+group), no critic; the KL to the reference goes into the loss (k3).
+
+  python launch/main.py --config=configs/grpo.py --workdir=workdirs/grpo
+
+Expected on a 2-core CPU laptop: about 10-15 minutes; held-out task accuracy
+(sampled, temperature 1) rises by 20+ points over the warm-start policy.
+"""
+
+import importlib.util
+import os
+
+import ml_collections
+
+
+def _load_ppo():
+  # Config files are loaded by path, not as a package: import the sibling the same way.
+  path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ppo.py")
+  spec = importlib.util.spec_from_file_location("streamrl_configs_ppo", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def get_config() -> ml_collections.ConfigDict:
+  c = _load_ppo().get_config()
+  c.algo.name = "grpo"
+  c.algo.advantage = "grpo"
+  c.algo.group_size = 8
+  c.algo.use_critic = False
+  c.algo.kl_in_reward = False
+  c.algo.kl_estimator = "k3"
+  c.algo.kl_coef = 0.01
+  c.algo.whiten_advantages = False
+  c.trainer.prompts_per_iteration = 16  # 16 prompts x 8 samples = 128 samples
+  c.trainer.mini_batch_size = 64
+  c.trainer.micro_batch_size = 64
+  c.trainer.lr = 3e-4
+  return c
+
+
+def get_sweep():
+  return [{"algo.group_size": g, "trainer.prompts_per_iteration": 128 // g} for g in (4, 8)]
