@@ -70,7 +70,7 @@ class GeneratorActor:
     self._startup_s = time.perf_counter() - t0
     self._instance_id = instance_id
     self._fault: dict | None = None
-    self._peak_in_flight = 0
+    self._peak_in_flight = self._num_yielded = 0
 
   def info(self) -> dict:
     import torch  # pylint: disable=g-import-not-at-top
@@ -83,21 +83,22 @@ class GeneratorActor:
             "startup_s": self._startup_s}
 
   def last_stream_stats(self) -> dict:
-    """Largest number of requests seen running at once in the last stream
-    (sampled at each finish), to check that a per-instance cap arrived."""
-    return {"peak_in_flight": self._peak_in_flight}
+    """The last stream's sample count and the largest number of requests seen
+    running at once (sampled at each finish: checks that a cap arrived)."""
+    return {"num_samples": self._num_yielded, "peak_in_flight": self._peak_in_flight}
 
   def generate(self, requests: Sequence[Request], sampling, max_in_flight: int | None = None):
     """Ray streaming generator: yields each Sample as it finishes."""
     ctx = ray.get_runtime_context()
     fault, self._fault = self._fault, None
     stream = self._gen.generate(requests, sampling, max_in_flight=max_in_flight)
-    self._peak_in_flight = 0
+    self._peak_in_flight = self._num_yielded = 0
     try:
       for n, sample in enumerate(stream, 1):
         # The engine's count of requests still running after this finish.
         self._peak_in_flight = max(self._peak_in_flight,
                                    getattr(self._gen, "_in_flight", 0) + 1)
+        self._num_yielded = n
         yield sample
         if fault is not None and n == fault["after_samples"]:
           self._run_fault(fault, ctx)
@@ -140,6 +141,26 @@ class _Stream:
   started: float
   last_sample: float | None = None
   num_samples: int = 0
+
+
+class PendingUpdate:
+  """A weight update on its way to the instances (`start_update`)."""
+
+  def __init__(self, svc: "StreamGenerationService", calls: dict, version: int):
+    self._svc, self._calls, self.version = svc, calls, version
+    self._result: dict[int, int] | None = None
+
+  def done(self) -> bool:
+    if self._result is not None:
+      return True
+    ready, _ = ray.wait(list(self._calls.values()), num_returns=len(self._calls), timeout=0)
+    return len(ready) == len(self._calls)
+
+  def wait(self, timeout_s: float | None = None) -> dict[int, int]:
+    """{instance_id: weight version} once every live instance has loaded."""
+    if self._result is None:
+      self._result = self._svc._finish_update(self._calls, timeout_s)  # pylint: disable=protected-access
+    return self._result
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,15 +263,35 @@ class StreamGenerationService:
 
   def update(self, tensors: Mapping[str, np.ndarray], version: int) -> dict[int, int]:
     """Loads HF-named tensors into every live instance in parallel and returns
-    {instance_id: weight version} once all have loaded. The tensors go into
-    Ray's object store once, and every instance reads them from there."""
+    {instance_id: weight version} once all have loaded."""
+    return self.start_update(tensors, version).wait()
+
+  def start_update(self, tensors: Mapping[str, np.ndarray], version: int) -> "PendingUpdate":
+    """Sends the weights and returns at once (e.g. to keep the transfer off
+    the trainer's critical path in `async` mode).
+
+    Each instance loads them after the stream it is running now, and before
+    any generate call made after this one: a stream started later carries
+    the new version in all its samples. The tensors go into Ray's object
+    store once, and every instance reads them from there.
+    """
     if not self._live:
       raise RuntimeError("All generator instances are dead; nothing to update.")
     ref = ray.put({k: np.asarray(v) for k, v in tensors.items()})
     calls = {i: self._actors[i].update_weights.remote(ref, int(version)) for i in self._live}
+    return PendingUpdate(self, calls, int(version))
+
+  def _finish_update(self, calls: dict, timeout_s: float | None) -> dict[int, int]:
+    try:
+      ray.wait(list(calls.values()), num_returns=len(calls), timeout=timeout_s)
+    except ray.exceptions.RayError:
+      pass  # Read each result below.
     for i, call in calls.items():
       try:
-        self._versions[i] = ray.get(call)
+        self._versions[i] = ray.get(call, timeout=0 if timeout_s is not None else None)
+      except ray.exceptions.GetTimeoutError:
+        raise TimeoutError(f"Generator instance {i} did not load the weights within "
+                           f"{timeout_s:.0f} s.") from None
       except ray.exceptions.RayActorError as e:
         self._mark_dead(i, f"died during a weight update: {_last_line(e.error_msg)}", 0)
       except ray.exceptions.RayTaskError as e:

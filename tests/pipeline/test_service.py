@@ -136,9 +136,12 @@ def test_update_reaches_every_instance_and_samples_carry_the_version(svc):
   reqs = requests(8)
   before = {s.prompt_id: s.token_ids for s in svc.generate(reqs, SAMPLING)}
   new = hf.to_hf_tensors(transformer.Transformer(svc.model_cfg, rngs=nnx.Rngs(99)))
-  assert svc.update(new, version=3) == {0: 3, 1: 3}
-  assert svc.query_versions() == {0: 3, 1: 3}
+  assert svc.update(new, version=2) == {0: 2, 1: 2}
+  assert svc.query_versions() == {0: 2, 1: 2}
+  # Not waited for: the instances still load it before the next stream.
+  pending = svc.start_update(new, version=3)
   after = list(svc.generate(reqs, SAMPLING))
+  assert pending.wait() == {0: 3, 1: 3} and pending.done()
   assert count_ids(after) == collections.Counter(range(8))
   assert all(s.weight_version == 3 for s in after)
   # Same sampling seeds, new weights: the tokens change.
@@ -163,12 +166,26 @@ def test_explicit_assignments_and_caps_are_respected(svc):
 
 
 def test_closing_the_stream_early_cancels_and_the_service_stays_usable(svc):
+  # Each instance pauses for 120 s after its first sample, unless cancelled.
+  ray.get([svc.actor(i).inject_fault.remote("stall", after_samples=1, seconds=120)
+           for i in (0, 1)])
   stream = svc.generate(requests(16), SAMPLING)
   first = [next(stream), next(stream)]
   stream.close()
-  assert len(first) == 2
+  assert {s.instance_id for s in first} == {0, 1}
+  # Answered only once the cancelled streams have ended (not after 120 s).
+  stats = ray.get([svc.actor(i).last_stream_stats.remote() for i in (0, 1)], timeout=60)
+  assert [st["num_samples"] for st in stats] == [1, 1]
   samples = list(svc.generate(requests(6, start=100), SAMPLING))
   assert count_ids(samples) == collections.Counter(range(100, 106))
+
+
+def test_a_bad_request_raises_the_engines_error(svc):
+  too_long = [(0, [1] * 60)]  # + max_tokens 8 > max_model_len 64
+  with pytest.raises(ValueError, match="max_model_len"):
+    list(svc.generate(too_long + requests(3, start=1), SAMPLING))
+  assert svc.dead_instances == []
+  assert count_ids(svc.generate(requests(4), SAMPLING)) == collections.Counter(range(4))
 
 
 def test_stall_fails_with_timeout_naming_the_instance(svc):
@@ -176,7 +193,7 @@ def test_stall_fails_with_timeout_naming_the_instance(svc):
   reqs = requests(4)
   with pytest.raises(TimeoutError, match=r"instance 1 produced no sample .*stall_timeout_s"):
     for _ in svc.generate(None, SAMPLING, assignments=[[], reqs], caps=[None, 1],
-                          stall_timeout_s=5):
+                          stall_timeout_s=2):
       pass
   # The cancelled stall ends, and the instance serves the next call.
   samples = list(svc.generate(reqs, SAMPLING))
