@@ -211,11 +211,13 @@ class RankerTrainer:
     return np.expm1(scores)
 
   def evaluate(self, pairs: Sequence[ranker_data.Pair]) -> dict[str, float]:
-    """Recall of the longest 20/10/5 %, Spearman rho and log-MSE on `pairs`."""
+    """Recall of the longest 20/10/5 %, Spearman rho and log-MSE (not for "pairwise") on `pairs`."""
     pred = self.predict([p for p, _ in pairs])
     true = np.asarray([n for _, n in pairs], np.float64)
     out = ranking_metrics(pred, true)
-    out["log_mse"] = float(np.mean((np.log1p(pred) - np.log1p(true)) ** 2))
+    # Pairwise-trained scores are not lengths, so their log-error means nothing.
+    out["log_mse"] = (math.nan if self.config.loss == "pairwise"
+                      else float(np.mean((np.log1p(pred) - np.log1p(true)) ** 2)))
     return out
 
   # ------------------------------------------------------------- checkpoints

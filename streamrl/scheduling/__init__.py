@@ -3,8 +3,9 @@
 from streamrl.scheduling.dispatch import DispatchPlan, choose_batch_size, dispatch, estimate_latency, fifo_plan
 from streamrl.scheduling.latency import LatencyProfile
 from streamrl.scheduling.lpt import AdmissionQueue, lpt_order
+from streamrl.scheduling.policy import SCHEDULERS, plan_generation
 
 __all__ = [
     "AdmissionQueue", "DispatchPlan", "LatencyProfile", "choose_batch_size", "dispatch",
-    "estimate_latency", "fifo_plan", "lpt_order",
+    "estimate_latency", "fifo_plan", "lpt_order", "plan_generation", "SCHEDULERS",
 ]

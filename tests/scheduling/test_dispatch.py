@@ -133,3 +133,17 @@ def test_bad_arguments_refused():
     dispatch([1], 2, PAPER, [1], alpha=1.5)
   with pytest.raises(ValueError, match="finite"):
     dispatch([1, math.inf], 2, PAPER, [1])
+
+
+def test_plan_generation_by_name():
+  from streamrl.scheduling import plan_generation
+  pred, true = [1.0, 9.0, 3.0, 7.0], [2.0, 8.0, 3.0, 9.0]
+  kw = dict(num_prompts=4, num_instances=2, max_batch_size=4, profile=PAPER)
+  assert plan_generation("fifo", **kw, seed=3) == fifo_plan(4, 2, 4, seed=3)
+  assert plan_generation("skew", **kw, predicted_lengths=pred, recent_lengths=true) == dispatch(
+      pred, 2, PAPER, true, max_batch_size=4)
+  assert plan_generation("oracle", **kw, true_lengths=true) == dispatch(true, 2, PAPER, true, max_batch_size=4)
+  with pytest.raises(ValueError, match="config.generation.scheduler"):
+    plan_generation("random", **kw)
+  with pytest.raises(ValueError, match="predicted_lengths"):
+    plan_generation("skew", **kw)

