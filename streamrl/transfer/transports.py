@@ -20,7 +20,7 @@ Why TCP + shared memory (and not Ray's object store):
 
 Frames: 1-byte kind + 8-byte big-endian body length, then the body.
   J  JSON control message (requests, replies, the response header with the manifest)
-  C  chunk: 4-byte index + 1-byte encoding (delta.RAW or delta.XOR_ZLIB) + 4-byte crc32 of the
+  C  chunk: 4-byte index + 1-byte encoding (delta.RAW / XOR_ZLIB / XOR_SPARSE) + 4-byte crc32 of the
      (reconstructed) chunk + data
   R  shared-memory chunk ready: 4-byte index + 4-byte crc32 (the bytes are in the segment)
   E  end of payload
@@ -219,7 +219,7 @@ def _encoded_chunks(payload: Payload, link: Link, lookahead: int = 4):
 
     def encode(i: int):
         if cache[i] is None:
-            cache[i] = delta_lib.encode_or_raw(payload.chunk(i), base.chunk(i), word, link.delta_level)
+            cache[i] = delta_lib.encode_chunk(payload.chunk(i), base.chunk(i), word, link.delta_level)
         return cache[i]
 
     pending: deque = deque()
@@ -277,11 +277,11 @@ class TcpPlane(DataPlane):
                 if size != b - a:
                     raise TransferError(f"chunk {i} has {size} bytes, manifest says {b - a}")
                 recv_exact_into(sock, payload.buf[a:b])
-            elif enc == delta_lib.XOR_ZLIB:
+            elif enc in (delta_lib.XOR_ZLIB, delta_lib.XOR_SPARSE):
                 if base is None or size > 2 * (b - a) + 1024:
                     raise TransferError(f"unexpected or oversized delta chunk {i}")
                 blob = recv_exact(sock, size)
-                delta_lib.decode_chunk(bytes(blob), base.chunk(i), payload.buf[a:b], m.word_bytes)
+                delta_lib.decode_chunk(enc, bytes(blob), base.chunk(i), payload.buf[a:b], m.word_bytes)
             else:
                 raise TransferError(f"unknown chunk encoding {enc}")
             payload.commit(i, crc)  # crc32 of the (reconstructed) chunk
