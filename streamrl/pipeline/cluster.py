@@ -18,8 +18,9 @@ CPU shares on one machine (what is actually enforced):
   (`OMP_NUM_THREADS` before torch loads, `torch.set_num_threads` before the
   engine starts; vLLM forbids changing it afterwards). With the engine in the
   actor's process (VLLM_ENABLE_V1_MULTIPROCESSING=0, the default here) that
-  is all there is; `VLLM_CPU_OMP_THREADS_BIND` is set to the same cores so an
-  engine run with worker processes binds them there too.
+  is all there is. With worker processes (cluster.engine_in_process=False)
+  `VLLM_CPU_OMP_THREADS_BIND` is set to the same cores, so vLLM binds its
+  worker there, and the actor pins its engine-core process tree as well.
 - The trainer process calls `bound_trainer_threads(cores)` before JAX creates
   its CPU client: its threads are pinned to the trainer's cores, and XLA
   sizes its thread pool from that affinity mask.
@@ -102,17 +103,42 @@ def plan_cpu_shares(generator_cpus: int, trainer_cpus: int,
                    trainer_cores=tuple(sorted(set(trainer))))
 
 
-def pin_process_threads(cores: Sequence[int]) -> None:
+def pin_process_threads(cores: Sequence[int], *, children: bool = False) -> None:
   """Pins every thread this process has now, and (by inheritance) every thread
-  it creates later, to `cores`. `os.sched_setaffinity(0, ...)` alone would pin
-  only the calling thread."""
+  it creates later, to `cores`; with `children`, its descendant processes'
+  threads too. `os.sched_setaffinity(0, ...)` alone would pin only the
+  calling thread."""
   cores = set(cores)
-  for tid in os.listdir("/proc/self/task"):
+  pids = [os.getpid()] + (_descendants(os.getpid()) if children else [])
+  for pid in pids:
     try:
-      os.sched_setaffinity(int(tid), cores)
-    except (ProcessLookupError, PermissionError):
-      pass  # A thread that just exited, or one we may not touch.
+      tids = os.listdir(f"/proc/{pid}/task")
+    except FileNotFoundError:
+      continue
+    for tid in tids:
+      try:
+        os.sched_setaffinity(int(tid), cores)
+      except (ProcessLookupError, PermissionError, OSError):
+        pass  # A thread that just exited, or one we may not touch.
   os.sched_setaffinity(0, cores)
+
+
+def _descendants(root: int) -> list[int]:
+  parent: dict[int, int] = {}
+  for name in os.listdir("/proc"):
+    if name.isdigit():
+      try:
+        with open(f"/proc/{name}/stat") as f:
+          # The command name may hold spaces: the fields after it start at ')'.
+          parent[int(name)] = int(f.read().rsplit(")", 1)[1].split()[1])
+      except (OSError, IndexError, ValueError):
+        pass
+  found, frontier = [], [root]
+  while frontier:
+    kids = [p for p, pp in parent.items() if pp in frontier]
+    found += kids
+    frontier = kids
+  return found
 
 
 def bound_trainer_threads(cores: Sequence[int]) -> dict:

@@ -66,7 +66,7 @@ class GeneratorActor:
     # Pinned only now, so that imports and engine start-up may use any core;
     # this pins every thread that exists, and threads made later inherit it.
     if cores:
-      cluster_lib.pin_process_threads(cores)
+      cluster_lib.pin_process_threads(cores, children=not in_process)
     self._startup_s = time.perf_counter() - t0
     self._instance_id = instance_id
     self._fault: dict | None = None
