@@ -6,9 +6,11 @@ Model: random bf16 weights with Qwen2-0.5B's HF names and shapes (494M
 parameters, 988 MB; ``--quick``: 4 layers, 32k vocab, ~60M parameters).
 Receivers are 4 separate processes (``spawn_receiver``) on this machine whose
 load_fn does nothing: an ack means the receiver has the whole version in its
-address space, every chunk crc32-verified and the safetensors header checked,
-as read-only arrays ready for the engine's in-place load (which a generator
-pays the same way whatever delivered the bytes).
+address space, every chunk crc32-verified and the safetensors header and the
+model's schema checked, as read-only arrays ready for the engine's in-place
+load (which a generator pays the same way whatever delivered the bytes).
+Receivers that will use private staging memory fault it in when they join
+(before serving), as they would in a long run.
 
 1. Bandwidth (same host, the service's shared-memory path). Service time =
    ``publish`` start -> all 4 acks (snapshot into a shared-memory segment +
@@ -96,11 +98,11 @@ def adamw_like_step(tensors: dict, lr: float, wd: float = 0.01, seed: int = 1) -
     return out
 
 
-def _receivers(pub, cfg, dc, host_of):
+def _receivers(pub, cfg, dc, host_of, schema):
     from streamrl.transfer import spawn_receiver
     from streamrl.transfer.service import relay_only
-    procs = [spawn_receiver(f"r{i}", dc, relay_only, pub.address, config=cfg, host=host_of(i))
-             for i in range(N_RECEIVERS)]
+    procs = [spawn_receiver(f"r{i}", dc, relay_only, pub.address, expected_schema=schema, config=cfg,
+                            host=host_of(i)) for i in range(N_RECEIVERS)]
     if not pub.wait_receivers(N_RECEIVERS, timeout=120):
         raise RuntimeError("receiver processes did not register within 120 s")
     return procs
@@ -123,7 +125,7 @@ def _timed_publish(pub, tensors, timeout=600.0):
 
 def bench_bandwidth(tensors, chunk, reps, skip_tcp):
     import numpy as np
-    from streamrl.transfer import Publisher, TransferConfig
+    from streamrl.transfer import Publisher, TransferConfig, schema_of
     from streamrl.transfer.manifest import payload_size
     model_bytes = sum(t.nbytes for t in tensors.values())
     res = {"payload_bytes": payload_size(tensors), "model_bytes": model_bytes}
@@ -143,7 +145,7 @@ def bench_bandwidth(tensors, chunk, reps, skip_tcp):
 
     cfg = TransferConfig(chunk_bytes=chunk, use_shm=True)
     pub = Publisher(cfg, dc="A", host="bench-host")
-    procs = _receivers(pub, cfg, "A", lambda i: "bench-host")
+    procs = _receivers(pub, cfg, "A", lambda i: "bench-host", schema_of(tensors))
     try:
         for _ in range(2):  # warm-up: first connections, and the segment pool fills (2 segments)
             _timed_publish(pub, tensors)
@@ -156,7 +158,7 @@ def bench_bandwidth(tensors, chunk, reps, skip_tcp):
     if not skip_tcp:
         cfg = TransferConfig(chunk_bytes=chunk, use_shm=False, fanout=2)
         pub = Publisher(cfg, dc="A", host="bench-host")
-        procs = _receivers(pub, cfg, "A", lambda i: f"host{i}")
+        procs = _receivers(pub, cfg, "A", lambda i: f"host{i}", schema_of(tensors))
         try:
             res["tcp_s"] = _timed_publish(pub, tensors)[0]  # once: a second version doubles receiver memory
         finally:
@@ -166,13 +168,13 @@ def bench_bandwidth(tensors, chunk, reps, skip_tcp):
 
 
 def bench_link(tensors, chunk, link_bytes_per_s, lr):
-    from streamrl.transfer import Publisher, TransferConfig
+    from streamrl.transfer import Publisher, TransferConfig, schema_of
     res = {}
     for topology in ("direct", "tree"):
         cfg = TransferConfig(chunk_bytes=chunk, use_shm=False, topology=topology, fanout=2,
                              cross_dc_bytes_per_s=link_bytes_per_s, delta_cross_dc=True)
         pub = Publisher(cfg, dc="A", host="trainer")
-        procs = _receivers(pub, cfg, "B", lambda i: f"b-host{i}")
+        procs = _receivers(pub, cfg, "B", lambda i: f"b-host{i}", schema_of(tensors))
         try:
             res[f"{topology}_s"], _ = _timed_publish(pub, tensors)
             res[f"{topology}_wan_bytes"] = pub.stats["cross_dc_full_bytes"]

@@ -247,6 +247,12 @@ def layout_order(tensors: Mapping[str, np.ndarray]) -> Schema:
     return tuple(sorted(schema_of(tensors), key=lambda s: (-s.itemsize, s.name)))
 
 
+def payload_nbytes(schema: SchemaLike) -> int:
+    """Bytes of the payload of a version with this schema (what a receiver must hold)."""
+    specs = tuple(sorted(as_schema(schema), key=lambda s: (-s.itemsize, s.name)))
+    return len(_header(specs)) + sum(s.nbytes for s in specs)
+
+
 def payload_size(tensors: Mapping[str, np.ndarray]) -> int:
     """Bytes of the safetensors payload of these tensors."""
     specs = layout_order(tensors)

@@ -16,7 +16,8 @@ Segments are recycled. On this machine (a VM without huge pages for tmpfs)
 setting up the page tables of a fresh 1 GB mapping costs 0.5-2 s per
 process, more than copying and checksumming the bytes, so the sender keeps a
 small pool of segments and every process keeps its mappings
-(``SegmentPool``, ``map_shared``). A segment is rewritten only when it holds
+(``SegmentPool``, ``map_shared``); private staging buffers are recycled
+too (first-touching fresh memory is nearly as slow). A segment is rewritten only when it holds
 a version that is retired (not among the versions the sender serves), that
 no stream is reading, and that every live receiver has moved past (acked a
 newer version); otherwise the sender takes a fresh segment. So a chunk a
@@ -177,45 +178,57 @@ def _mmap(name: str, size: int, writable: bool) -> mmap.mmap:
 
 @dataclasses.dataclass
 class Segment:
-    """A sender's segment: its name (SharedMemory, for crash cleanup) and our writable mapping.
-
-    payload: the version it holds now (None while free).
+    """A sender's buffer: a shared-memory segment (``shm`` set: its name, for crash cleanup, and our
+    writable mapping) or private memory (``shm`` None). payload: the version it holds (None while free).
     """
 
-    shm: shared_memory.SharedMemory
     buf: memoryview
+    shm: Optional[shared_memory.SharedMemory] = None
+    keepalive: Any = None
     payload: Optional[Payload] = None
 
     @property
-    def name(self) -> str:
-        return self.shm.name
+    def name(self) -> Optional[str]:
+        return self.shm.name if self.shm is not None else None
+
+    def unlink(self) -> None:
+        if self.shm is not None:
+            try:
+                self.shm.unlink()
+            except FileNotFoundError:
+                pass
 
 
-def create_segment(size: int) -> Segment:
-    """A new writable segment of ``size`` bytes, page tables populated.
+def create_segment(size: int, shared: bool = True) -> Segment:
+    """A new writable buffer of ``size`` bytes with its pages already mapped.
 
-    We create through SharedMemory (so the resource tracker unlinks it if this
-    process dies) but map it with our own mmap: SharedMemory.close() raises
-    while numpy views exist, a plain mmap just lives as long as its views.
+    Shared: created through SharedMemory (so the resource tracker unlinks it if
+    this process dies) but mapped with our own mmap: SharedMemory.close()
+    raises while numpy views exist, a plain mmap just lives as long as its views.
     """
+    if not shared:
+        arr = np.empty(size, np.uint8)
+        return Segment(memoryview(arr), keepalive=arr)
     shm = shared_memory.SharedMemory(name=f"srl_{os.getpid()}_{secrets.token_hex(6)}", create=True,
                                      size=max(size, 1))
     shm.close()
-    return Segment(shm, memoryview(_mmap(shm.name, size, writable=True)))
+    return Segment(memoryview(_mmap(shm.name, size, writable=True)), shm=shm)
 
 
 class SegmentPool:
-    """The sender's segments, recycled under the safety rule in the module docstring.
+    """The sender's buffers, recycled under the safety rule in the module docstring.
 
-    Steady state: ``min_segments`` segments (the versions still served plus
-    the one being written) take turns. A receiver that lags keeps its segment
-    from being rewritten, so new ones are made; the pool then forgets (unlinks)
-    the oldest beyond ``max_segments``; a receiver still mapping one keeps its
-    memory until it lets go.
+    Steady state: ``min_segments`` buffers (the versions still served plus the
+    one being written) take turns. A receiver that lags keeps its segment from
+    being rewritten, so new ones are made; the pool then forgets (unlinks) the
+    oldest beyond ``max_segments``; a receiver still mapping one keeps its
+    memory until it lets go. ``shared=False``: private buffers (the TCP-only
+    path), recycled for the same reason: first-touching fresh memory is slow.
     """
 
-    def __init__(self, min_segments: int, max_segments: int):
+    def __init__(self, min_segments: int, max_segments: int, shared: bool = True):
         self.min_segments, self.max_segments = min_segments, max(max_segments, min_segments)
+        self.shared = shared
         self._segments: list[Segment] = []
         self._lock = threading.Lock()
 
@@ -224,7 +237,7 @@ class SegmentPool:
         return seg.payload.version if seg.payload is not None else -1
 
     def acquire(self, size: int, reusable: Callable[["Payload"], bool]) -> tuple[Segment, Optional[Payload]]:
-        """A segment for a new version and the payload it held: the newest segment for
+        """A buffer for a new version and the payload it held: the newest buffer for
         which ``reusable(its payload)`` holds, else a new one (and None)."""
         with self._lock:
             free = [s for s in self._segments
@@ -234,30 +247,23 @@ class SegmentPool:
                 for extra in sorted(free, key=self._age):  # idle extras left by a laggard: let them go
                     if extra is not chosen and len(self._segments) > self.min_segments:
                         self._segments.remove(extra)
-                        _unlink(extra.shm)
+                        extra.unlink()
                 old, chosen.payload = chosen.payload, None
                 return chosen, old
-        seg = create_segment(size)
+        seg = create_segment(size, self.shared)
         with self._lock:
             self._segments.append(seg)
-            while len(self._segments) > self.max_segments:  # forget the oldest other segment
+            while len(self._segments) > self.max_segments:  # forget the oldest other buffer
                 old = min((s for s in self._segments if s is not seg), key=self._age)
                 self._segments.remove(old)
-                _unlink(old.shm)
+                old.unlink()
         return seg, None
 
     def close(self) -> None:
         with self._lock:
             for seg in self._segments:
-                _unlink(seg.shm)
+                seg.unlink()
             self._segments.clear()
-
-
-def _unlink(shm: shared_memory.SharedMemory) -> None:
-    try:
-        shm.unlink()
-    except FileNotFoundError:
-        pass
 
 
 _MAPS: "collections.OrderedDict[str, mmap.mmap]" = collections.OrderedDict()

@@ -53,7 +53,8 @@ import ml_collections
 import numpy as np
 
 from streamrl.transfer.manifest import (Manifest, SchemaLike, SchemaMismatch, TensorSpec, TransferError,
-                                        as_schema, check_schema, fill_payload, plan_payload, schema_of)
+                                        as_schema, check_schema, fill_payload, payload_nbytes, plan_payload,
+                                        schema_of)
 from streamrl.transfer.payload import Payload, SegmentPool, shm_available
 from streamrl.transfer.topology import Address, ReceiverInfo, TreeNode, plan_direct, plan_topology
 from streamrl.transfer.transports import (PLANES, Link, RateLimiter, choose_plane, connect, recv_json,
@@ -289,7 +290,8 @@ class Publisher(_Node):
         self._versions: dict[int, Payload] = {}
         self._accepted = self._next = start_version  # highest version number a publish has claimed
         self._start_version = start_version
-        self._pool = SegmentPool(max(self.config.keep_versions, 1), max(self.config.keep_versions, 1) + 2)
+        keep = max(self.config.keep_versions, 1)
+        self._pool = SegmentPool(keep, keep + 2, shared=self.config.use_shm and shm_available())
         self._peers: dict[str, _Peer] = {}
         self._expected = as_schema(expected_schema) if expected_schema is not None else None
         self._repair_thread = threading.Thread(target=self._repair_loop, name=f"{name}-repair", daemon=True)
@@ -423,15 +425,12 @@ class Publisher(_Node):
 
     # -- internals
     def _allocate(self, manifest: Manifest) -> Payload:
-        if not (self.config.use_shm and shm_available()):
-            arr = np.empty(manifest.total_bytes, np.uint8)
-            return Payload(manifest, memoryview(arr), keepalive=arr)
         seg, old = self._pool.acquire(manifest.total_bytes, self._recyclable)
         if old is not None:
             with self._cond:
                 if self._versions.get(old.version) is old:
                     del self._versions[old.version]
-        payload = Payload(manifest, seg.buf, shm_name=seg.name)
+        payload = Payload(manifest, seg.buf, shm_name=seg.name, keepalive=seg.keepalive)
         seg.payload = payload
         return payload
 
@@ -441,6 +440,8 @@ class Publisher(_Node):
             keep = sorted(self._versions)[len(self._versions) - max(self.config.keep_versions - 1, 0):]
             if old.version in keep or old.streams or not (old.complete or old.failed):
                 return False  # still served, being read, or still being written by another publish
+            if old.shm_name is None:
+                return True  # private: nobody else can hold a view of it
             return all(p.acked > old.version or p.refused >= old.version or not p.alive
                        for p in self._peers.values())
 
@@ -476,7 +477,8 @@ class Publisher(_Node):
             if p is not None and not self._ping(p.info.address):
                 self._on_unreachable(p.info)
         elif op == "ping":
-            send_json(conn, {"ok": True, "version": self.latest_version})
+            send_json(conn, {"ok": True, "version": self.latest_version, "host": self.host,
+                             "shm": self.config.use_shm and shm_available()})
 
     def _handle_get(self, conn, req):
         want = int(req.get("want", 0))
@@ -551,6 +553,7 @@ class Receiver(_Node):
         self._gave_up: dict[int, bool] = {}  # version -> permanent?
         self._fetching = False
         self._retired: Optional[Payload] = None  # a private buffer to reuse as the next staging buffer
+        self._spare_buf: Optional[np.ndarray] = None  # staging memory faulted in at join
         self.last_error: Optional[str] = None
         self._last_exc: Optional[Exception] = None
         self._fetch_thread = threading.Thread(target=self._fetch_loop, name=f"{name}-fetch", daemon=True)
@@ -575,6 +578,16 @@ class Receiver(_Node):
         not be delivered.
         """
         self._publisher = tuple(publisher)
+        with connect(self._publisher, self.config.connect_timeout_s) as sock:
+            sock.settimeout(self.config.io_timeout_s)
+            send_json(sock, {"op": "ping"})
+            hello = recv_json(sock)
+        shm = self.config.use_shm and hello.get("shm") and hello.get("host") == self.host
+        if self._expected is not None and not shm and self._spare_buf is None:
+            # Versions will land in private staging memory: fault it in now, before we serve, rather
+            # than while the first version streams in (first-touching 1 GB costs seconds on a busy VM).
+            self._spare_buf = np.empty(payload_nbytes(self._expected), np.uint8)
+            self._spare_buf.fill(0)
         with connect(self._publisher, self.config.connect_timeout_s) as sock:
             sock.settimeout(self.config.io_timeout_s)
             send_json(sock, {"op": "register", "info": self.info.to_json(), "version": self._version})
@@ -770,6 +783,9 @@ class Receiver(_Node):
 
     def _take_recycled(self, nbytes: int) -> Optional[np.ndarray]:
         with self._cond:
+            if self._spare_buf is not None and self._spare_buf.size == nbytes:
+                spare, self._spare_buf = self._spare_buf, None
+                return spare
             old = self._retired
             if old is None or old.streams or old.keepalive.size != nbytes or old is self._current:
                 return None

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from streamrl.transfer import SchemaMismatch, TransferError, schema_of, service, transports
+from streamrl.transfer.manifest import payload_size
 from .conftest import NAMES, make_tensors, same
 
 
@@ -280,3 +281,17 @@ def test_private_staging_buffers_are_recycled_without_corrupting_data(cluster):
         assert same(r.loads.calls[-1][1], t)
         bufs.append(id(r._current.keepalive))
     assert bufs[2] == bufs[0] and bufs[3] == bufs[1]  # version 3 reused version 1's buffer, ...
+
+
+def test_receiver_with_a_schema_faults_in_its_staging_memory_at_join(cluster):
+    pub = cluster.publisher(use_shm=False)
+    t = make_tensors(1)
+    r = cluster.receiver("r", schema=schema_of(t), join=pub)
+    spare = r._spare_buf
+    assert spare is not None and spare.size == payload_size(t)
+    assert pub.wait_acks(pub.publish(t), 10)
+    assert r._current.keepalive is spare and same(r.loads.calls[0][1], t)
+    shm_r = cluster.receiver("s", host="trainer", schema=schema_of(t))  # same host: data stays in the segment
+    pub_shm = cluster.publisher()
+    shm_r.join(pub_shm.address, timeout=10)
+    assert shm_r._spare_buf is None
