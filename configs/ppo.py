@@ -42,7 +42,11 @@ def get_config() -> ml_collections.ConfigDict:
       warmup_steps=5, weight_decay=0.0, grad_clip=1.0)
 
   c.mesh = dict(data=1, fsdp=-1, tensor=1)
-  c.pipeline = dict(mode="sync", max_staleness=1)
+  # colocated | sync | stream | async (see streamrl/pipeline/__init__.py).
+  c.pipeline = dict(mode="colocated", max_staleness=1, stall_timeout_s=600.0)
+  # Disaggregated modes: an empty address starts a local Ray; each side gets
+  # its own cores.
+  c.cluster = dict(address="", generator_cpus=1, trainer_cpus=1, connect_timeout_s=30.0)
   c.checkpoint = dict(every=10, keep=2)
   c.log = dict(eval_every=20, progress=True)
   return ml_collections.ConfigDict(c)

@@ -218,7 +218,7 @@ def run(config, workdir: str) -> dict:
   from streamrl.pipeline import make_pipeline  # pylint: disable=g-import-not-at-top
   pipeline = make_pipeline(config, model_dir, trainer)
   if start:
-    pipeline.push_weights(trainer.hf_tensors(), version=start + 1)
+    pipeline.push_weights(trainer.hf_tensors(), version=start)
 
   writer = metrics_lib.MetricsWriter(workdir, purge_step=start + 1 if start else None)
   metrics_lib.save_config(config, workdir)
@@ -231,8 +231,7 @@ def run(config, workdir: str) -> dict:
       final.update({f"initial_eval/{k}": v for k, v in initial.items()})
       log.info("Warm-start eval: %s", initial)
     for it in range(start, config.trainer.num_iterations):
-      examples = next(loader)
-      stats = pipeline.iteration(it, examples, tokenizer, rewarder)
+      stats = pipeline.iteration(it, loader, tokenizer, rewarder)
       scalars = stats["scalars"]
       scalars["reward/errors_total"] = rewarder.errors
       if config.log.eval_every and (it + 1) % config.log.eval_every == 0 or \
@@ -242,12 +241,13 @@ def run(config, workdir: str) -> dict:
         final.update({f"eval/{k}": v for k, v in ev.items()})
       writer.scalars(it + 1, scalars)
       writer.histogram(it + 1, "response_length", stats["lengths"])
+      writer.histogram(it + 1, "staleness", [it - s.weight_version for s in stats["samples"]])
       progress.update(1, reward=f"{scalars['reward/mean']:.3f}",
                       acc=f"{scalars['accuracy']:.3f}")
       if (it + 1) % config.checkpoint.every == 0 or it + 1 == config.trainer.num_iterations:
         ckpt.save(it + 1, trainer.checkpoint_arrays(),
-                  {"loader": loader.get_state(), "reward_errors": rewarder.errors,
-                   "weight_version": it + 2})
+                  {"loader": stats["loader_state"], "reward_errors": rewarder.errors,
+                   "weight_version": it + 1})
       final.update({k: v for k, v in scalars.items() if not k.startswith("eval/")})
   finally:
     progress.close()

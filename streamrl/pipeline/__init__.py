@@ -1,16 +1,20 @@
 """Pipeline modes: how generation and training are arranged in time.
 
-`colocated` and `sync` run generate-then-train each iteration (see
-`sync.py`); `stream` and `async` overlap the two (see `stream.py`).
+  colocated  engine in the trainer's process; generate, then train (sync.py)
+  sync       engines on Ray actors; the trainer waits for the whole batch (sync.py)
+  stream     samples trained on as they arrive, weights pushed per iteration (stream.py)
+  async      generation of i+1 overlaps training of i (stream.py)
 """
 
 from __future__ import annotations
 
 
-def make_pipeline(config, model_dir: str, trainer):
+def make_pipeline(config, model_dir: str, trainer, backend=None):
   mode = config.pipeline.mode
   if mode in ("colocated", "sync"):
     from streamrl.pipeline.sync import SyncPipeline  # pylint: disable=g-import-not-at-top
-    return SyncPipeline(config, model_dir, trainer)
-  from streamrl.pipeline.stream import StreamPipeline  # pylint: disable=g-import-not-at-top
-  return StreamPipeline(config, model_dir, trainer)
+    return SyncPipeline(config, model_dir, trainer, backend)
+  from streamrl.pipeline import stream  # pylint: disable=g-import-not-at-top
+  if mode == "stream":
+    return stream.StreamPipeline(config, model_dir, trainer, backend)
+  return stream.AsyncPipeline(config, model_dir, trainer, backend)

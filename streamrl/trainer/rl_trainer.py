@@ -85,7 +85,7 @@ class RLTrainer:
 
   # ------------------------------------------------------------ per-sample work
   def _put(self, x: np.ndarray) -> jax.Array:
-    return jax.device_put(x, sharding.batch_sharding(self.mesh, x.ndim))
+    return jax.device_put(x, sharding.batch_sharding(self.mesh, x.ndim, shape=x.shape))
 
   def begin_iteration(self, snapshot: bool) -> None:
     """Fixes the parameters that score() uses as "old" for this iteration.

@@ -96,7 +96,9 @@ def shard_module(module: nnx.Module, mesh: Mesh, rules=DEFAULT_RULES) -> nnx.Mod
   return nnx.merge(graphdef, state)
 
 
-def batch_sharding(mesh: Mesh, ndim: int, rules=DEFAULT_RULES) -> NamedSharding:
-  """Shards the leading (batch) dimension over the data-parallel axes."""
-  spec = logical_to_spec(("batch",) + (None,) * (ndim - 1), rules, mesh)
+def batch_sharding(mesh: Mesh, ndim: int, rules=DEFAULT_RULES,
+                   shape: Sequence[int] | None = None) -> NamedSharding:
+  """Shards the leading (batch) dimension over the data-parallel axes
+  (replicated when `shape` says the batch doesn't divide evenly)."""
+  spec = logical_to_spec(("batch",) + (None,) * (ndim - 1), rules, mesh, shape)
   return NamedSharding(mesh, spec)

@@ -1,0 +1,200 @@
+"""`stream` and `async`: generation and training overlap.
+
+stream (on-policy, dynamic batches): samples are rewarded and scored as they
+arrive; as soon as `mini_batch_size` samples (whole groups, for GRPO) are in,
+an optimizer step runs on them while generation goes on. Weights are pushed
+after the iteration, so every sample of the next iteration is on-policy.
+What differs from `sync`: a mini-batch holds samples in arrival order (short
+ones first) rather than a length-sorted / shuffled split, and advantage
+whitening uses the mini-batch's statistics, not the whole batch's. With
+`mini_batch_size` equal to the whole batch both give the same update
+(tests/pipeline/test_modes.py checks it). Extra PPO epochs replay the
+mini-batches after generation ends.
+
+async (one-step off-policy, as in the paper, bounded by max_staleness):
+a background thread generates iteration i+1 while the trainer trains on
+iteration i; the new weights go out without waiting (`start_update`) and
+each instance loads them between two streams. A batch for iteration i is
+generated with weights of version v >= i - max_staleness (the thread waits
+otherwise); the trainer's truncated importance weights correct for the
+behaviour policy, and every sample records its staleness i - v.
+"""
+
+from __future__ import annotations
+
+import collections
+import queue
+import threading
+
+import numpy as np
+
+from streamrl.pipeline import backends, base
+
+
+class StreamPipeline(base.Pipeline):
+
+  def iteration(self, it: int, loader, tokenizer, rewarder) -> dict:
+    cfg = self.config
+    group = cfg.algo.group_size
+    mb = self.trainer.mini_batch_size
+    examples, loader_state = base.take_examples(loader)
+    requests, by_id = self.make_requests(examples, tokenizer, group)
+    t0 = base.now()
+    self.trainer.begin_iteration(snapshot=True)
+    groups: dict[int, list] = collections.defaultdict(list)
+    ready: list = []
+    minis, prep_all, train_all, samples, scores_all, correct_all = [], [], [], [], [], []
+    train_s = 0.0
+
+    def train_on(batch):
+      nonlocal train_s
+      start = base.now()
+      with self.timeline.busy(base.TRAINER, f"train {it}"):
+        sc = np.array([x[1] for x in batch], np.float32)
+        part, prep = self.trainer.prepare([x[0] for x in batch], sc)
+        for m in part:
+          train_all.append(self.trainer.train_minibatch(m))
+        minis.extend(part)
+        prep_all.append(prep)
+      train_s += base.now() - start
+
+    for s in self.backend.generate(requests, backends.sampling_for(cfg, it)):
+      with self.timeline.busy(base.TRAINER, "reward"):
+        score, correct = rewarder([s], by_id)
+      samples.append(s)
+      scores_all.append(float(score[0]))
+      correct_all.append(float(correct[0]))
+      g = groups[s.prompt_id // group]
+      g.append((s, float(score[0])))
+      if len(g) == group:
+        # GRPO needs whole groups; keep each group's samples in id order.
+        ready.extend(sorted(groups.pop(s.prompt_id // group), key=lambda x: x[0].prompt_id))
+      while len(ready) >= mb:
+        batch, ready = ready[:mb], ready[mb:]
+        train_on(batch)
+    t1 = base.now()
+    if ready or groups:
+      raise RuntimeError(f"Iteration {it} ended with {len(ready)} samples outside a full "
+                         "mini-batch; prompts_per_iteration * group_size must be a multiple "
+                         "of mini_batch_size.")
+    rng = np.random.default_rng([cfg.seed, it])
+    for _ in range(self.trainer.ppo_epochs - 1):
+      with self.timeline.busy(base.TRAINER, f"epoch {it}"):
+        for j in rng.permutation(len(minis)):
+          train_all.append(self.trainer.train_minibatch(minis[j]))
+    self.trainer.begin_iteration(snapshot=False)
+    t2 = base.now()
+    self.push_weights(self.trainer.hf_tensors(), it + 1)
+    t3 = base.now()
+    prep = {k: float(np.mean([p[k] for p in prep_all])) for k in prep_all[0]}
+    train_metrics = {k: float(np.mean([float(m[k]) for m in train_all])) for k in train_all[0]}
+    times = {"generation_s": t1 - t0, "training_s": train_s + (t2 - t1),
+             "weight_update_s": t3 - t2}
+    order = np.argsort([s.prompt_id for s in samples])
+    samples = [samples[i] for i in order]
+    scalars = self.scalars(it, t0, t3, samples, np.array(scores_all)[order],
+                           np.array(correct_all)[order], prep, train_metrics, times)
+    return {"scalars": scalars, "lengths": [len(s.token_ids) for s in samples],
+            "samples": samples, "loader_state": loader_state}
+
+
+class AsyncPipeline(base.Pipeline):
+  """Generation of iteration i+1 overlaps training of iteration i."""
+
+  def __init__(self, config, model_dir: str, trainer, backend=None):
+    super().__init__(config, model_dir, trainer, backend)
+    self.max_staleness = max(1, int(config.pipeline.max_staleness))
+    self._pushed = 0          # newest weight version sent to the generators
+    self._cond = threading.Condition()
+    self._results: queue.Queue = queue.Queue()
+    self._thread: threading.Thread | None = None
+    self._next_it: int | None = None
+    self._pending_update = None
+    self._tokenizer = None
+
+  # --------------------------------------------------------- generation side
+  def _generate(self, it: int, examples, tokenizer) -> None:
+    try:
+      with self._cond:
+        # Bounded staleness: batch `it` needs weights of version >= it - k.
+        self._cond.wait_for(lambda: self._pushed >= it - self.max_staleness)
+      requests, by_id = self.make_requests(examples, tokenizer, self.config.algo.group_size)
+      t0 = base.now()
+      samples = list(self.backend.generate(requests, backends.sampling_for(self.config, it)))
+      self._results.put((it, samples, by_id, t0, base.now()))
+    except BaseException as e:  # pylint: disable=broad-except
+      self._results.put((it, e, None, None, None))
+
+  def _start(self, it: int, loader, tokenizer):
+    examples, loader_state = base.take_examples(loader)
+    self._thread = threading.Thread(target=self._generate, args=(it, examples, tokenizer),
+                                    name=f"generate-{it}", daemon=True)
+    self._thread.start()
+    self._next_it = it
+    return loader_state
+
+  def _collect(self, it: int):
+    got_it, samples, by_id, t0, t1 = self._results.get()
+    self._thread.join()
+    self._thread = None
+    if isinstance(samples, BaseException):
+      raise samples
+    assert got_it == it, (got_it, it)
+    return samples, by_id, t0, t1
+
+  def push_weights(self, tensors, version: int) -> None:
+    if self._pending_update is not None:
+      self._pending_update.wait()
+    self._pending_update = self.backend.start_update(tensors, version)
+    with self._cond:
+      self._pushed = version
+      self._cond.notify_all()
+
+  def generate(self, requests, sampling):
+    """For evaluation: waits until no stream or update is in flight."""
+    self.quiesce()
+    return self.backend.generate(requests, sampling)
+
+  def quiesce(self) -> None:
+    if self._pending_update is not None:
+      self._pending_update.wait()
+      self._pending_update = None
+
+  # ------------------------------------------------------------ trainer side
+  def iteration(self, it: int, loader, tokenizer, rewarder) -> dict:
+    cfg = self.config
+    if self._next_it is None:  # first iteration of this process
+      self._pushed = it       # the generators hold version `it` (0, or the resumed one)
+      self._loader_state = self._start(it, loader, tokenizer)
+    loader_state = self._loader_state
+    t_wait = base.now()
+    samples, by_id, g0, g1 = self._collect(it)
+    samples.sort(key=lambda s: s.prompt_id)
+    stale = [it - s.weight_version for s in samples]
+    if max(stale) > self.max_staleness:
+      raise RuntimeError(f"A sample of iteration {it} is {max(stale)} versions old, beyond "
+                         f"max_staleness={self.max_staleness}; this is a bug.")
+    # Next batch starts now, generated while this one trains.
+    if it + 1 < cfg.trainer.num_iterations:
+      self._loader_state = self._start(it + 1, loader, tokenizer)
+    t1 = base.now()
+    with self.timeline.busy(base.TRAINER, f"train {it}"):
+      scores, correct = rewarder(samples, by_id)
+      self.trainer.begin_iteration(snapshot=False)
+      minis, prep = self.trainer.prepare(samples, scores)
+      train_metrics = self.trainer.train(minis, np.random.default_rng([cfg.seed, it]))
+    t2 = base.now()
+    self.push_weights(self.trainer.hf_tensors(), it + 1)
+    t3 = base.now()
+    times = {"generation_s": g1 - g0, "generation_wait_s": t1 - t_wait,
+             "training_s": t2 - t1, "weight_update_s": t3 - t2}
+    scalars = self.scalars(it, t_wait, t3, samples, scores, correct, prep, train_metrics, times)
+    return {"scalars": scalars, "lengths": [len(s.token_ids) for s in samples],
+            "samples": samples, "loader_state": loader_state, "staleness": stale}
+
+  def close(self) -> None:
+    if self._thread is not None:
+      self._results.get()
+      self._thread.join()
+    self.quiesce()
+    super().close()

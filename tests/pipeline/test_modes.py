@@ -1,0 +1,148 @@
+"""Semantics of the pipeline modes, on the real trainer, with a scripted backend.
+
+The backend here stands in for the vLLM engines (tested on their own in
+tests/generator and tests/pipeline/test_service.py): it answers each request
+with a fixed token sequence, yields them in a shuffled "finish" order, and
+stamps each sample with the weight version it holds, so the tests can count
+samples and check versions exactly.
+"""
+
+import importlib.util
+import os
+import threading
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from streamrl import config_utils
+from streamrl.data import tasks
+from streamrl.data.loader import PromptLoader
+from streamrl.generator.vllm_engine import Sample
+from streamrl.models import config as model_config
+from streamrl.models.transformer import Transformer
+from streamrl.pipeline import make_pipeline
+from streamrl.trainer.rl_trainer import RLTrainer
+from streamrl.train import Rewarder, Tokenizer
+from streamrl.data import rewards
+from streamrl.models import tiny
+
+CONFIGS = os.path.join(os.path.dirname(__file__), "..", "..", "configs")
+
+
+def load(name, **overrides):
+  spec = importlib.util.spec_from_file_location(f"cfg_{name}", os.path.join(CONFIGS, f"{name}.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  base = {"trainer.prompts_per_iteration": 8, "trainer.mini_batch_size": 8,
+          "trainer.micro_batch_size": 4, "trainer.num_iterations": 3}
+  return config_utils.apply_overrides(module.get_config(), {**base, **overrides})
+
+
+class ScriptedBackend:
+  """Deterministic answers, shuffled finish order, real weight versions."""
+
+  def __init__(self, seed=0):
+    self.version = 0
+    self.rng = np.random.default_rng(seed)
+    self.busy_intervals = []
+    self.dead_instances = []
+    self.updates = []
+    self.lock = threading.Lock()
+    self.produced = []
+
+  def generate(self, requests, sampling, *, assignments=None, caps=None):
+    order = self.rng.permutation(len(requests))
+    for j in order:
+      rid, ids = requests[j]
+      r = np.random.default_rng(rid + 7 * len(ids))
+      n = int(r.integers(1, 12))
+      tokens = tuple(int(t) for t in r.integers(4, 40, n)) + (2,)
+      with self.lock:
+        version = self.version
+        self.produced.append(rid)
+      yield Sample(prompt_id=rid, prompt_token_ids=tuple(ids), token_ids=tokens,
+                   logprobs=tuple(float(x) for x in -r.uniform(0.1, 3.0, len(tokens))),
+                   finish_reason="stop", weight_version=version, instance_id=0)
+
+  def update(self, tensors, version):
+    with self.lock:
+      self.version = version
+      self.updates.append(version)
+    return {0: version}
+
+  def start_update(self, tensors, version):
+    self.update(tensors, version)
+
+    class Done:
+      def wait(self, timeout_s=None):
+        return None
+    return Done()
+
+  def close(self):
+    pass
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+  return tiny.build_tiny_model_dir(str(tmp_path_factory.mktemp("tiny")), seed=3)
+
+
+def run_mode(config, model_dir, iterations):
+  policy = Transformer(model_config.tiny_qwen2(64), rngs=nnx.Rngs(1))
+  trainer = RLTrainer(config, policy)
+  backend = ScriptedBackend()
+  pipe = make_pipeline(config, model_dir, trainer, backend=backend)
+  examples = tasks.make_examples(64, 0)
+  loader = PromptLoader(examples, config.trainer.prompts_per_iteration, seed=0)
+  tok = Tokenizer(model_dir)
+  rewarder = Rewarder(rewards.get_reward_fn("partial_match"), tok)
+  outs = [pipe.iteration(it, loader, tok, rewarder) for it in range(iterations)]
+  pipe.close()
+  return trainer, backend, outs
+
+
+def params_of(trainer):
+  return [np.asarray(x) for x in jax.tree.leaves(trainer.state.actor)]
+
+
+def test_stream_with_one_step_per_iteration_equals_sync(model_dir):
+  # One optimizer step per iteration: the mini-batch is the whole batch.
+  overrides = {"trainer.mini_batch_size": 8, "algo.group_size": 1}
+  t_sync, _, _ = run_mode(load("ppo", **{"pipeline.mode": "sync", **overrides}), model_dir, 2)
+  t_stream, _, _ = run_mode(load("ppo", **{"pipeline.mode": "stream", **overrides}), model_dir, 2)
+  for a, b in zip(params_of(t_sync), params_of(t_stream)):
+    np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["sync", "stream", "async"])
+def test_every_sample_trained_on_exactly_once(model_dir, mode):
+  cfg = load("grpo", **{"pipeline.mode": mode, "algo.group_size": 2,
+                        "trainer.prompts_per_iteration": 8, "trainer.mini_batch_size": 4,
+                        "trainer.micro_batch_size": 2})
+  trainer, backend, outs = run_mode(cfg, model_dir, 3)
+  for it, out in enumerate(outs):
+    ids = [s.prompt_id for s in out["samples"]]
+    assert sorted(ids) == list(range(16)), (mode, it)
+  # Three iterations were generated: every request once, nothing extra.
+  assert len(backend.produced) == 3 * 16
+  assert int(trainer.state.step) == 3 * (16 // 4)
+
+
+@pytest.mark.parametrize("max_staleness", [1, 2])
+def test_async_respects_the_staleness_bound(model_dir, max_staleness):
+  cfg = load("ppo", **{"pipeline.mode": "async", "pipeline.max_staleness": max_staleness})
+  _, backend, outs = run_mode(cfg, model_dir, 3)
+  stale = [s for out in outs for s in out["staleness"]]
+  assert max(stale) <= max_staleness
+  assert backend.updates == [1, 2, 3]
+  # Iteration 0 is generated by the initial weights, later ones may lag.
+  assert all(s == 0 for s in outs[0]["staleness"])
+
+
+def test_bubbles_are_reported(model_dir):
+  _, _, outs = run_mode(load("ppo", **{"pipeline.mode": "stream"}), model_dir, 1)
+  scal = outs[0]["scalars"]
+  assert 0.0 <= scal["bubble/trainer"] <= 1.0
+  assert scal["staleness/max"] == 0
