@@ -1,12 +1,14 @@
 """Checkpoint-transfer service: the trainer's Publisher and one Receiver per generator.
 
 Protocol (announce, then pull):
-1. ``Publisher.publish(tensors)`` snapshots the tensors into one payload
-   (shared memory when enabled), plans the broadcast tree from the receivers
-   alive now (topology.py) and sends each top-level child a small
-   ``announce`` (version, source address, the child's subtree). It returns
-   then: the trainer may change its arrays and train on while the bytes flow
-   (async overlap); ``wait_acks`` tells when every live receiver has loaded.
+1. ``Publisher.publish(tensors)`` plans the broadcast tree from the
+   receivers alive now (topology.py), sends each top-level child a small
+   ``announce`` (version, source address, the child's subtree) and copies the
+   tensors chunk by chunk into one payload (shared memory when enabled),
+   checksumming each chunk; chunks are served as soon as they are written.
+   It returns when the copy is complete: the trainer may then change its
+   arrays and train on while the bytes flow (async overlap); ``wait_acks``
+   tells when every live receiver has loaded the version.
 2. A receiver that hears an announce forwards it at once to its own children
    (naming itself as their source) and pulls the version from its source:
    manifest first (schema refused before any data), then chunks. Every node
@@ -31,8 +33,16 @@ publishes wins). A late joiner registers and pulls the latest version before
 
 Deltas (``delta_cross_dc``): when a client in another datacenter says which
 version it holds and the publisher still has it with the same layout, chunks
-go as zlib(XOR) deltas (delta.py), each checked against the full payload's
-crc after reconstruction. Local links always carry full chunks.
+go as XOR deltas (delta.py), each checked against the full chunk's crc after
+reconstruction. Local links always carry full chunks.
+
+Memory: the publisher's buffers (shared-memory segments, or private buffers
+without shared memory) and each receiver's private staging buffers are
+recycled between versions under the rules in payload.py, and a receiver that
+knows its schema faults its staging memory in at ``join``: on this VM, first
+touching 1 GB of fresh memory costs more than moving it.
+
+Where the data plane could be a GPU path (NCCL / CUDA IPC), see transports.py.
 """
 
 from __future__ import annotations
@@ -184,7 +194,8 @@ class _Node:
         except (OSError, TransferError, ValueError, KeyError, TypeError) as e:
             log.debug("%s: connection ended: %r", self.name, e)  # peers come and go; they retry
         except Exception:  # a bug must not take the server down with it
-            log.exception("%s: unexpected error while serving a connection", self.name)
+            if not self.closed:  # (while closing, the delta executor refuses work: expected)
+                log.exception("%s: unexpected error while serving a connection", self.name)
         finally:
             self._untrack(conn)
 
