@@ -32,8 +32,8 @@ import mmap
 import os
 import secrets
 import threading
-from multiprocessing import shared_memory
 from collections.abc import Callable
+from multiprocessing import shared_memory
 from typing import Any, Optional
 
 import numpy as np
