@@ -27,7 +27,11 @@ def get_config() -> ml_collections.ConfigDict:
 
   c.generation = dict(
       temperature=1.0, top_p=1.0, max_tokens=56, max_num_seqs=128,
-      max_model_len=128, kv_cache_gib=1.0, num_instances=1, scheduler="fifo")
+      max_model_len=128, kv_cache_gib=1.0, num_instances=1,
+      # fifo | skew (ranker + Algorithm 2 dispatch + LPT) | oracle (true lengths).
+      scheduler="fifo", long_tail_alpha=0.2, dispatch_objective="makespan",
+      latency_profile="", ranker_config="configs/ranker.py:tiny", ranker_checkpoint="",
+      length_history=1024)
 
   c.algo = dict(
       name="ppo", advantage="gae", gamma=1.0, lam=0.95, group_size=1,

@@ -216,7 +216,7 @@ def run(config, workdir: str) -> dict:
     log.info("Resumed from iteration %d", start)
 
   from streamrl.pipeline import make_pipeline  # pylint: disable=g-import-not-at-top
-  pipeline = make_pipeline(config, model_dir, trainer)
+  pipeline = make_pipeline(config, model_dir, trainer, workdir=workdir)
   if start:
     pipeline.push_weights(trainer.hf_tensors(), version=start)
 

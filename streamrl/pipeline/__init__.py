@@ -9,12 +9,12 @@
 from __future__ import annotations
 
 
-def make_pipeline(config, model_dir: str, trainer, backend=None):
+def make_pipeline(config, model_dir: str, trainer, backend=None, workdir: str | None = None):
   mode = config.pipeline.mode
   if mode in ("colocated", "sync"):
     from streamrl.pipeline.sync import SyncPipeline  # pylint: disable=g-import-not-at-top
-    return SyncPipeline(config, model_dir, trainer, backend)
+    return SyncPipeline(config, model_dir, trainer, backend, workdir)
   from streamrl.pipeline import stream  # pylint: disable=g-import-not-at-top
   if mode == "stream":
-    return stream.StreamPipeline(config, model_dir, trainer, backend)
-  return stream.AsyncPipeline(config, model_dir, trainer, backend)
+    return stream.StreamPipeline(config, model_dir, trainer, backend, workdir)
+  return stream.AsyncPipeline(config, model_dir, trainer, backend, workdir)

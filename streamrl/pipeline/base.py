@@ -7,6 +7,7 @@ import time
 import numpy as np
 
 from streamrl.pipeline import backends
+from streamrl.pipeline.scheduler import GenerationScheduler
 from streamrl.pipeline.timeline import Timeline
 
 TRAINER = "trainer"
@@ -23,13 +24,16 @@ class Pipeline:
   return {"scalars", "lengths", "samples", "loader_state"}.
   """
 
-  def __init__(self, config, model_dir: str, trainer, backend=None):
+  def __init__(self, config, model_dir: str, trainer, backend=None, workdir: str | None = None):
     from streamrl.train import make_requests  # pylint: disable=g-import-not-at-top
     self.make_requests = make_requests
     self.config = config
     self.trainer = trainer
     self.backend = backend or backends.make_backend(config, model_dir)
     self.timeline = Timeline()
+    self.scheduler = GenerationScheduler(config, model_dir, workdir,
+                                         getattr(self.backend, "num_instances", 1))
+    self.scheduler_metrics: dict = {}
     self._synced_intervals = 0
     self._dead_reported = 0
     self.generator = self  # train.evaluate calls self.generator.generate
@@ -48,6 +52,16 @@ class Pipeline:
   # Evaluation and one-off generation go straight to the backend.
   def generate(self, requests, sampling):
     return self.backend.generate(requests, sampling)
+
+  def generate_round(self, requests, by_id, it: int):
+    """Streams one round's samples, dispatched by the configured scheduler."""
+    assignments, caps = self.scheduler.plan(requests, by_id, seed=self.config.seed + it)
+    return self.backend.generate(None if assignments else requests,
+                                 backends.sampling_for(self.config, it),
+                                 assignments=assignments, caps=caps)
+
+  def observe(self, samples) -> None:
+    self.scheduler_metrics = self.scheduler.observe(samples)
 
   def push_weights(self, tensors, version: int) -> None:
     self.backend.update(tensors, version)
@@ -79,6 +93,7 @@ class Pipeline:
     out.update({f"train/{k}": v for k, v in train_metrics.items()})
     for stage, frac in self.timeline.bubble_fractions(t0, t1).items():
       out[f"bubble/{stage}"] = frac
+    out.update(self.scheduler_metrics)
     dead = getattr(self.backend, "dead_instances", [])
     out["generators/dead"] = len(dead)
     return out

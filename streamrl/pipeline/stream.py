@@ -28,7 +28,7 @@ import threading
 
 import numpy as np
 
-from streamrl.pipeline import backends, base
+from streamrl.pipeline import base
 
 
 class StreamPipeline(base.Pipeline):
@@ -58,7 +58,7 @@ class StreamPipeline(base.Pipeline):
         prep_all.append(prep)
       train_s += base.now() - start
 
-    for s in self.backend.generate(requests, backends.sampling_for(cfg, it)):
+    for s in self.generate_round(requests, by_id, it):
       with self.timeline.busy(base.TRAINER, "reward"):
         score, correct = rewarder([s], by_id)
       samples.append(s)
@@ -73,6 +73,7 @@ class StreamPipeline(base.Pipeline):
         batch, ready = ready[:mb], ready[mb:]
         train_on(batch)
     t1 = base.now()
+    self.observe(samples)
     if ready or groups:
       raise RuntimeError(f"Iteration {it} ended with {len(ready)} samples outside a full "
                          "mini-batch; prompts_per_iteration * group_size must be a multiple "
@@ -101,8 +102,8 @@ class StreamPipeline(base.Pipeline):
 class AsyncPipeline(base.Pipeline):
   """Generation of iteration i+1 overlaps training of iteration i."""
 
-  def __init__(self, config, model_dir: str, trainer, backend=None):
-    super().__init__(config, model_dir, trainer, backend)
+  def __init__(self, config, model_dir: str, trainer, backend=None, workdir=None):
+    super().__init__(config, model_dir, trainer, backend, workdir)
     self.max_staleness = max(1, int(config.pipeline.max_staleness))
     self._pushed = 0          # newest weight version sent to the generators
     self._cond = threading.Condition()
@@ -120,8 +121,10 @@ class AsyncPipeline(base.Pipeline):
         self._cond.wait_for(lambda: self._pushed >= it - self.max_staleness)
       requests, by_id = self.make_requests(examples, tokenizer, self.config.algo.group_size)
       t0 = base.now()
-      samples = list(self.backend.generate(requests, backends.sampling_for(self.config, it)))
-      self._results.put((it, samples, by_id, t0, base.now()))
+      samples = list(self.generate_round(requests, by_id, it))
+      t1 = base.now()
+      self.observe(samples)
+      self._results.put((it, samples, by_id, t0, t1))
     except BaseException as e:  # pylint: disable=broad-except
       self._results.put((it, e, None, None, None))
 

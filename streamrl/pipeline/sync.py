@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from streamrl.pipeline import backends, base
+from streamrl.pipeline import base
 
 
 class SyncPipeline(base.Pipeline):
@@ -19,9 +19,9 @@ class SyncPipeline(base.Pipeline):
     examples, loader_state = base.take_examples(loader)
     requests, by_id = self.make_requests(examples, tokenizer, cfg.algo.group_size)
     t0 = base.now()
-    samples = sorted(self.backend.generate(requests, backends.sampling_for(cfg, it)),
-                     key=lambda s: s.prompt_id)
+    samples = sorted(self.generate_round(requests, by_id, it), key=lambda s: s.prompt_id)
     t1 = base.now()
+    self.observe(samples)
     with self.timeline.busy(base.TRAINER, f"train {it}"):
       scores, correct = rewarder(samples, by_id)
       self.trainer.begin_iteration(snapshot=False)

@@ -51,8 +51,13 @@ class ScriptedBackend:
     self.updates = []
     self.lock = threading.Lock()
     self.produced = []
+    self.assignments = []
+    self.num_instances = 2
 
   def generate(self, requests, sampling, *, assignments=None, caps=None):
+    if assignments is not None:
+      self.assignments.append(assignments)
+      requests = [r for part in assignments for r in part]
     order = self.rng.permutation(len(requests))
     for j in order:
       rid, ids = requests[j]
@@ -89,17 +94,18 @@ def model_dir(tmp_path_factory):
   return tiny.build_tiny_model_dir(str(tmp_path_factory.mktemp("tiny")), seed=3)
 
 
-def run_mode(config, model_dir, iterations):
+def run_mode(config, model_dir, iterations, workdir=None):
   policy = Transformer(model_config.tiny_qwen2(64), rngs=nnx.Rngs(1))
   trainer = RLTrainer(config, policy)
   backend = ScriptedBackend()
-  pipe = make_pipeline(config, model_dir, trainer, backend=backend)
+  pipe = make_pipeline(config, model_dir, trainer, backend=backend, workdir=workdir)
   examples = tasks.make_examples(64, 0)
   loader = PromptLoader(examples, config.trainer.prompts_per_iteration, seed=0)
   tok = Tokenizer(model_dir)
   rewarder = Rewarder(rewards.get_reward_fn("partial_match"), tok)
   outs = [pipe.iteration(it, loader, tok, rewarder) for it in range(iterations)]
   pipe.close()
+  run_mode.last_pipeline = pipe
   return trainer, backend, outs
 
 
@@ -146,3 +152,29 @@ def test_bubbles_are_reported(model_dir):
   scal = outs[0]["scalars"]
   assert 0.0 <= scal["bubble/trainer"] <= 1.0
   assert scal["staleness/max"] == 0
+
+
+def test_skew_scheduler_dispatches_learns_and_saves_pairs(model_dir, tmp_path):
+  cfg = load("ppo", **{"pipeline.mode": "sync", "generation.scheduler": "skew"})
+  _, backend, outs = run_mode(cfg, model_dir, 2, workdir=str(tmp_path))
+  # Every round went out as per-instance assignments covering each request once.
+  assert len(backend.assignments) == 2
+  for plan in backend.assignments:
+    ids = sorted(r for part in plan for r, _ in part)
+    assert ids == list(range(8)) and len(plan) == 2
+  # The (prompt, length) pairs of both rounds were saved for the ranker.
+  from streamrl.ranker.data import load_pairs
+  assert len(load_pairs(str(tmp_path / "length_pairs.jsonl"))) == 16
+  assert run_mode.last_pipeline.scheduler.ranker.step > 0
+
+
+def test_oracle_scheduler_puts_the_longest_prompt_first(model_dir):
+  cfg = load("ppo", **{"pipeline.mode": "sync", "generation.scheduler": "oracle"})
+  _, backend, _ = run_mode(cfg, model_dir, 1)
+  by_len = {}
+  for e in tasks.make_examples(64, 0):
+    by_len[e.prompt] = tasks.oracle_answer_length(e.prompt)
+  from streamrl.data import tokenizer as char_tok
+  for part in backend.assignments[0]:
+    lengths = [by_len[char_tok.decode(ids[1:])] for _, ids in part]
+    assert lengths == sorted(lengths, reverse=True)

@@ -1,0 +1,121 @@
+"""Which instance generates which prompt, in which order: fifo | skew | oracle.
+
+`skew` is the paper's skewness-aware generation: the output-length ranker
+predicts each prompt's length, Algorithm 2 (`streamrl.scheduling.dispatch`)
+sends the predicted long tail to instances running small batches, and each
+instance admits its prompts longest-first (LPT) up to its batch cap. The
+ranker is refreshed online from every round's generations (the policy's
+lengths drift as it learns), and every (prompt, length) pair is appended to
+`<workdir>/length_pairs.jsonl` for offline training
+(`launch/train_ranker.py --config.data.pairs_path=...`). `oracle` uses the
+task's true answer lengths (synthetic tasks only; for experiments).
+"""
+
+from __future__ import annotations
+
+import collections
+import importlib.util
+import logging
+import os
+
+import numpy as np
+
+from streamrl.data import tasks
+from streamrl.scheduling.latency import LatencyProfile
+from streamrl.scheduling.policy import SCHEDULERS, plan_generation
+
+log = logging.getLogger(__name__)
+
+
+def load_config_spec(spec: str):
+  """"path/to/config.py[:arg]" -> get_config(arg); the path may be relative to
+  the working directory or to the repository root."""
+  path, _, arg = spec.partition(":")
+  if not os.path.isabs(path) and not os.path.exists(path):
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    path = os.path.join(root, path)
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"Config file {spec!r} not found; set generation.ranker_config "
+                            "to e.g. configs/ranker.py:tiny.")
+  module_spec = importlib.util.spec_from_file_location("streamrl_loaded_config", path)
+  module = importlib.util.module_from_spec(module_spec)
+  module_spec.loader.exec_module(module)
+  return module.get_config(arg or None) if arg else module.get_config()
+
+
+class GenerationScheduler:
+  """Plans each generation round and learns from its results."""
+
+  def __init__(self, config, model_dir: str, workdir: str | None, num_instances: int):
+    g = config.generation
+    self.kind = g.get("scheduler", "fifo")
+    if self.kind not in SCHEDULERS:
+      raise ValueError(f"generation.scheduler={self.kind!r} is unknown; use one of {SCHEDULERS}.")
+    self.num_instances = num_instances
+    self.max_batch_size = g.max_num_seqs
+    self.alpha = g.get("long_tail_alpha", 0.2)
+    self.objective = g.get("dispatch_objective", "makespan")
+    self.recent = collections.deque(maxlen=int(g.get("length_history", 1024)))
+    self.pairs = collections.deque(maxlen=4096)
+    self.pairs_path = os.path.join(workdir, "length_pairs.jsonl") if workdir else None
+    self.profile = None
+    self.ranker = None
+    self._warned = False
+    if self.kind == "fifo":
+      return
+    profile_path = g.get("latency_profile", "")
+    if profile_path:
+      self.profile = LatencyProfile.from_json(profile_path)
+    else:
+      # Only the curve's shape matters for the split; measure the real one
+      # with streamrl.generator.profiler and set generation.latency_profile.
+      self.profile = LatencyProfile.from_paper()
+      log.info("generation.latency_profile is empty: using the paper's PTL(BS) shape.")
+    if self.kind == "skew":
+      from streamrl.ranker import data as ranker_data  # pylint: disable=g-import-not-at-top
+      from streamrl.ranker.train import RankerTrainer  # pylint: disable=g-import-not-at-top
+      vocab, fp = ranker_data.fingerprint_tokenizer_dir(model_dir)
+      if g.get("ranker_checkpoint", ""):
+        self.ranker = RankerTrainer.restore(g.ranker_checkpoint, vocab_size=vocab,
+                                            tokenizer_fingerprint=fp)
+      else:
+        rcfg = load_config_spec(g.get("ranker_config", "configs/ranker.py:tiny"))
+        self.ranker = RankerTrainer(rcfg, vocab_size=vocab, tokenizer_fingerprint=fp)
+
+  def plan(self, requests, examples_by_id, seed: int):
+    """-> (assignments, caps) for the backend; (None, None) means round-robin."""
+    if self.kind == "fifo":
+      return None, None
+    prompts = [list(ids) for _, ids in requests]
+    predicted = true = None
+    if self.kind == "skew":
+      if not self.recent and not self._warned:
+        log.warning("No output lengths seen yet: the first round is dispatched FIFO.")
+        self._warned = True
+      predicted = self.ranker.predict(prompts)
+    else:
+      exs = [examples_by_id[rid] for rid, _ in requests]
+      if any(e.task == "jsonl" for e in exs):
+        raise ValueError("generation.scheduler='oracle' needs a synthetic task with known "
+                         "answer lengths; use 'skew' for real data.")
+      true = [tasks.oracle_answer_length(e.prompt) + 1 for e in exs]  # + eos
+    plan = plan_generation(self.kind, num_prompts=len(requests), num_instances=self.num_instances,
+                           max_batch_size=self.max_batch_size, profile=self.profile,
+                           predicted_lengths=predicted, true_lengths=true,
+                           recent_lengths=list(self.recent) or None, alpha=self.alpha,
+                           objective=self.objective, seed=seed)
+    assignments = [[requests[i] for i in part] for part in plan.assignments]
+    return assignments, list(plan.batch_sizes)
+
+  def observe(self, samples) -> dict:
+    """Records this round's lengths and refreshes the ranker on them."""
+    new = [(list(s.prompt_token_ids), len(s.token_ids)) for s in samples]
+    self.recent.extend(n for _, n in new)
+    self.pairs.extend(new)
+    if self.pairs_path:
+      from streamrl.ranker import data as ranker_data  # pylint: disable=g-import-not-at-top
+      ranker_data.append_pairs(self.pairs_path, new)
+    if self.ranker is None:
+      return {}
+    metrics = self.ranker.update(list(self.pairs))
+    return {f"ranker/{k}": float(v) for k, v in metrics.items() if np.isscalar(v)}
