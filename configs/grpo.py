@@ -9,23 +9,15 @@ Expected on a 2-core CPU laptop: about 10-15 minutes; held-out task accuracy
 (sampled, temperature 1) rises by 20+ points over the warm-start policy.
 """
 
-import importlib.util
 import os
 
 import ml_collections
 
-
-def _load_ppo():
-  # Config files are loaded by path, not as a package: import the sibling the same way.
-  path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ppo.py")
-  spec = importlib.util.spec_from_file_location("streamrl_configs_ppo", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+from streamrl import config_utils
 
 
 def get_config() -> ml_collections.ConfigDict:
-  c = _load_ppo().get_config()
+  c = config_utils.load_config(os.path.join(os.path.dirname(__file__), "ppo.py"))
   c.algo.name = "grpo"
   c.algo.advantage = "grpo"
   c.algo.group_size = 8

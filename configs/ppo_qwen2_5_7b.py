@@ -14,24 +14,17 @@ rising over the first ~100 iterations, as in the usual GSM8K PPO recipes. It
 can't run on a CPU machine; tests/test_configs.py checks it is consistent.
 """
 
-import importlib.util
 import os
 
 import ml_collections
 
+from streamrl import config_utils
+
 NUM_DEVICES = 8
 
 
-def _load_ppo():
-  path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ppo.py")
-  spec = importlib.util.spec_from_file_location("streamrl_configs_ppo", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
-
-
 def get_config() -> ml_collections.ConfigDict:
-  c = _load_ppo().get_config()
+  c = config_utils.load_config(os.path.join(os.path.dirname(__file__), "ppo.py"))
   c.model.path = "/models/Qwen2.5-7B-Instruct"
   c.model.dtype = "bfloat16"
   c.warmstart.steps = 0

@@ -469,3 +469,23 @@ def load_sweep(config_spec: str) -> list[dict[str, Any]]:
                   for p in inspect.signature(get_sweep).parameters.values())
   sweep = get_sweep(arg if sep else None) if takes_arg else get_sweep()
   return expand_sweep(sweep)
+
+
+def load_config(spec: str) -> ml_collections.ConfigDict:
+  """"path/to/config.py[:arg]" -> its get_config(arg). A relative path is
+  looked up from the working directory, then from the repository root, so
+  config files can build on each other (configs/grpo.py on configs/ppo.py)."""
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  import os  # pylint: disable=g-import-not-at-top
+  path, _, arg = spec.partition(":")
+  if not os.path.isabs(path) and not os.path.exists(path):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = os.path.join(root, path)
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"Config file {spec!r} not found; give a path like "
+                            "configs/ranker.py:tiny.")
+  module_spec = importlib.util.spec_from_file_location(
+      "streamrl_config_" + os.path.basename(path)[:-3], path)
+  module = importlib.util.module_from_spec(module_spec)
+  module_spec.loader.exec_module(module)
+  return module.get_config(arg) if arg else module.get_config()

@@ -13,6 +13,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import time
 from collections.abc import Sequence
 
@@ -111,9 +112,13 @@ def prepare_model_dir(config, workdir: str, train_examples: Sequence) -> str:
                                  lr=ws.lr, seq_len=seq_len + 1, seed=config.seed,
                                  log_every=max(ws.steps // 5, 1))
     log.info("Warm-up: %d steps, final loss %.3f, %.0f s", ws.steps, loss, time.time() - t0)
-  tmp = path + ".tmp"
+  tmp = f"{path}.tmp{os.getpid()}"
   tiny.build_tiny_model_dir(tmp, cfg, model=model)
-  os.replace(tmp, path)
+  try:
+    os.replace(tmp, path)  # Atomic: a reader never sees half a directory.
+  except OSError:
+    # Another run finished the same warm start first; theirs is identical.
+    shutil.rmtree(tmp, ignore_errors=True)
   return path
 
 

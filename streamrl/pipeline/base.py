@@ -63,6 +63,15 @@ class Pipeline:
   def observe(self, samples) -> None:
     self.scheduler_metrics = self.scheduler.observe(samples)
 
+  def train_batch(self, it: int, samples, by_id, rewarder):
+    """Rewards, scores and trains on a whole batch (sync and async)."""
+    with self.timeline.busy(TRAINER, f"train {it}"):
+      scores, correct = rewarder(samples, by_id)
+      self.trainer.begin_iteration(snapshot=False)
+      minis, prep = self.trainer.prepare(samples, scores)
+      train_metrics = self.trainer.train(minis, np.random.default_rng([self.config.seed, it]))
+    return scores, correct, prep, train_metrics
+
   def push_weights(self, tensors, version: int) -> None:
     self.backend.update(tensors, version)
 

@@ -14,33 +14,17 @@ task's true answer lengths (synthetic tasks only; for experiments).
 from __future__ import annotations
 
 import collections
-import importlib.util
 import logging
 import os
 
 import numpy as np
 
+from streamrl import config_utils
 from streamrl.data import tasks
 from streamrl.scheduling.latency import LatencyProfile
 from streamrl.scheduling.policy import SCHEDULERS, plan_generation
 
 log = logging.getLogger(__name__)
-
-
-def load_config_spec(spec: str):
-  """"path/to/config.py[:arg]" -> get_config(arg); the path may be relative to
-  the working directory or to the repository root."""
-  path, _, arg = spec.partition(":")
-  if not os.path.isabs(path) and not os.path.exists(path):
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    path = os.path.join(root, path)
-  if not os.path.isfile(path):
-    raise FileNotFoundError(f"Config file {spec!r} not found; set generation.ranker_config "
-                            "to e.g. configs/ranker.py:tiny.")
-  module_spec = importlib.util.spec_from_file_location("streamrl_loaded_config", path)
-  module = importlib.util.module_from_spec(module_spec)
-  module_spec.loader.exec_module(module)
-  return module.get_config(arg or None) if arg else module.get_config()
 
 
 class GenerationScheduler:
@@ -79,7 +63,7 @@ class GenerationScheduler:
         self.ranker = RankerTrainer.restore(g.ranker_checkpoint, vocab_size=vocab,
                                             tokenizer_fingerprint=fp)
       else:
-        rcfg = load_config_spec(g.get("ranker_config", "configs/ranker.py:tiny"))
+        rcfg = config_utils.load_config(g.get("ranker_config", "configs/ranker.py:tiny"))
         self.ranker = RankerTrainer(rcfg, vocab_size=vocab, tokenizer_fingerprint=fp)
 
   def plan(self, requests, examples_by_id, seed: int):

@@ -181,11 +181,7 @@ class AsyncPipeline(base.Pipeline):
     if it + 1 < cfg.trainer.num_iterations:
       self._loader_state = self._start(it + 1, loader, tokenizer)
     t1 = base.now()
-    with self.timeline.busy(base.TRAINER, f"train {it}"):
-      scores, correct = rewarder(samples, by_id)
-      self.trainer.begin_iteration(snapshot=False)
-      minis, prep = self.trainer.prepare(samples, scores)
-      train_metrics = self.trainer.train(minis, np.random.default_rng([cfg.seed, it]))
+    scores, correct, prep, train_metrics = self.train_batch(it, samples, by_id, rewarder)
     t2 = base.now()
     self.push_weights(self.trainer.hf_tensors(), it + 1)
     t3 = base.now()

@@ -7,8 +7,6 @@ trainer still waits for the whole batch (verl-like). Both are on-policy.
 
 from __future__ import annotations
 
-import numpy as np
-
 from streamrl.pipeline import base
 
 
@@ -22,11 +20,7 @@ class SyncPipeline(base.Pipeline):
     samples = sorted(self.generate_round(requests, by_id, it), key=lambda s: s.prompt_id)
     t1 = base.now()
     self.observe(samples)
-    with self.timeline.busy(base.TRAINER, f"train {it}"):
-      scores, correct = rewarder(samples, by_id)
-      self.trainer.begin_iteration(snapshot=False)
-      minis, prep = self.trainer.prepare(samples, scores)
-      train_metrics = self.trainer.train(minis, np.random.default_rng([cfg.seed, it]))
+    scores, correct, prep, train_metrics = self.train_batch(it, samples, by_id, rewarder)
     t2 = base.now()
     self.push_weights(self.trainer.hf_tensors(), it + 1)
     t3 = base.now()
