@@ -51,6 +51,11 @@ def get_config() -> ml_collections.ConfigDict:
   # Disaggregated modes: an empty address starts a local Ray; each side gets
   # its own cores.
   c.cluster = dict(address="", generator_cpus=1, trainer_cpus=1, connect_timeout_s=30.0)
+  # Weights to Ray generators through the checkpoint-transfer service
+  # (streamrl/transfer: chunked, checksummed, versioned; shared memory on one
+  # host, TCP trees and a cross-DC relay otherwise) instead of Ray's object store.
+  c.transfer = dict(enabled=False, chunk_bytes=4 << 20, topology="tree", fanout=2,
+                    use_shm=True, delta_cross_dc=False)
   c.checkpoint = dict(every=10, keep=2)
   c.log = dict(eval_every=20, progress=True)
   return ml_collections.ConfigDict(c)

@@ -31,6 +31,11 @@ def sampling_for(config, iteration: int) -> SamplingConfig:
 
 
 class _Done:
+  """An update that already happened (the local engine loads synchronously)."""
+
+  def delivered(self, timeout_s=None):
+    return None
+
   def wait(self, timeout_s=None):
     return None
 

@@ -22,6 +22,7 @@ import collections
 import dataclasses
 import logging
 import os
+import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 
@@ -90,6 +91,7 @@ class GeneratorActor:
   def generate(self, requests: Sequence[Request], sampling, max_in_flight: int | None = None):
     """Ray streaming generator: yields each Sample as it finishes."""
     ctx = ray.get_runtime_context()
+    self.apply_staged()  # Between streams: the newest verified weights, if any.
     fault, self._fault = self._fault, None
     stream = self._gen.generate(requests, sampling, max_in_flight=max_in_flight)
     self._peak_in_flight = self._num_yielded = 0
@@ -110,6 +112,41 @@ class GeneratorActor:
 
   def update_weights(self, tensors: Mapping[str, np.ndarray], version: int) -> int:
     return self._gen.update_weights(tensors, version)
+
+  # -- checkpoint-transfer service (config.transfer.enabled) -----------------
+
+  def join_transfer(self, address, dc: str, schema, transfer_config: dict) -> int:
+    """Starts this instance's transfer Receiver and joins the publisher.
+
+    The receiver pulls and verifies new versions on its own threads while
+    the engine generates; a verified version is only staged here and loaded
+    between two streams (`apply_staged`), so generation pauses just for the
+    in-place load itself and never mixes two versions.
+    """
+    from streamrl.transfer import Receiver, TransferConfig  # pylint: disable=g-import-not-at-top
+    self._stage_lock = threading.Lock()
+    self._staged = None
+    self._receiver = Receiver(f"generator{self._instance_id}", dc, self._stage,
+                              expected_schema=schema,
+                              config=TransferConfig.from_mapping(transfer_config),
+                              initial_version=self._gen.weight_version)
+    return self._receiver.join(tuple(address))
+
+  def _stage(self, tensors: Mapping[str, np.ndarray], version: int) -> None:
+    # The receiver recycles its buffers: keep a private copy until the load.
+    copy = {k: np.array(v) for k, v in tensors.items()}
+    with self._stage_lock:
+      self._staged = (version, copy)
+
+  def apply_staged(self) -> int:
+    """Loads the newest verified version, if newer than the engine's."""
+    staged = None
+    if getattr(self, "_stage_lock", None) is not None:
+      with self._stage_lock:
+        staged, self._staged = self._staged, None
+    if staged is not None and staged[0] > self._gen.weight_version:
+      self._gen.update_weights(staged[1], staged[0])
+    return self._gen.weight_version
 
   def weight_version(self) -> int:
     return self._gen.weight_version
@@ -150,6 +187,10 @@ class PendingUpdate:
     self._svc, self._calls, self.version = svc, calls, version
     self._result: dict[int, int] | None = None
 
+  def delivered(self, timeout_s: float | None = None) -> None:
+    """Ray queues the load before any later stream on each actor: nothing to wait for."""
+    del timeout_s
+
   def done(self) -> bool:
     if self._result is not None:
       return True
@@ -160,6 +201,29 @@ class PendingUpdate:
     """{instance_id: weight version} once every live instance has loaded."""
     if self._result is None:
       self._result = self._svc._finish_update(self._calls, timeout_s)  # pylint: disable=protected-access
+    return self._result
+
+
+class TransferUpdate:
+  """A version published through the checkpoint-transfer service."""
+
+  def __init__(self, svc: "StreamGenerationService", version: int):
+    self._svc, self.version = svc, version
+    self._result: dict[int, int] | None = None
+
+  def delivered(self, timeout_s: float | None = None) -> None:
+    """Returns once every live instance has verified and staged the version."""
+    pub = self._svc.publisher
+    if not pub.wait_acks(self.version, timeout=timeout_s or self._svc.stall_timeout_s):
+      raise TimeoutError(f"Weight version {self.version} not delivered to "
+                         f"{pub.missing_acks(self.version)}; errors: {pub.errors}.")
+
+  def wait(self, timeout_s: float | None = None) -> dict[int, int]:
+    """Delivered, then loaded by every live instance (after its current stream)."""
+    if self._result is None:
+      self.delivered(timeout_s)
+      calls = {i: self._svc.actor(i).apply_staged.remote() for i in self._svc.live_instances}
+      self._result = self._svc._finish_update(calls, timeout_s)  # pylint: disable=protected-access
     return self._result
 
 
@@ -224,6 +288,17 @@ class StreamGenerationService:
     self.busy_intervals: list[tuple[int, float, float, int]] = []
     self._versions: dict[int, int] = {}
     self._wait_ready(start_timeout_s)
+    # Weights go through the checkpoint-transfer service when enabled
+    # (verified, chunked, shared memory on this host / TCP across hosts);
+    # otherwise through Ray's object store.
+    tcfg = config.get("transfer", None)
+    self.publisher = None
+    self._transfer_joined = False
+    if tcfg is not None and tcfg.get("enabled", False):
+      from streamrl.transfer import Publisher, TransferConfig  # pylint: disable=g-import-not-at-top
+      self._transfer_config = {k: v for k, v in tcfg.items() if k != "enabled"}
+      self.publisher = Publisher(TransferConfig.from_mapping(self._transfer_config), dc="dc0",
+                                 start_version=min(self._versions.values(), default=0))
 
   # -- lifecycle --------------------------------------------------------------
 
@@ -250,6 +325,8 @@ class StreamGenerationService:
     for a in self._actors.values():
       ray.kill(a, no_restart=True)
     self._live.clear()
+    if self.publisher is not None:
+      self.publisher.close()
 
   @property
   def live_instances(self) -> list[int]:
@@ -277,6 +354,15 @@ class StreamGenerationService:
     """
     if not self._live:
       raise RuntimeError("All generator instances are dead; nothing to update.")
+    if self.publisher is not None:
+      if not self._transfer_joined:
+        from streamrl.transfer import schema_of  # pylint: disable=g-import-not-at-top
+        schema = schema_of(tensors)
+        ray.get([self._actors[i].join_transfer.remote(self.publisher.address, "dc0", schema,
+                                                       self._transfer_config)
+                 for i in self._live])
+        self._transfer_joined = True
+      return TransferUpdate(self, self.publisher.publish(tensors, int(version)))
     ref = ray.put({k: np.asarray(v) for k, v in tensors.items()})
     calls = {i: self._actors[i].update_weights.remote(ref, int(version)) for i in self._live}
     return PendingUpdate(self, calls, int(version))

@@ -119,6 +119,11 @@ class AsyncPipeline(base.Pipeline):
       with self._cond:
         # Bounded staleness: batch `it` needs weights of version >= it - k.
         self._cond.wait_for(lambda: self._pushed >= it - self.max_staleness)
+        pending = self._pending_update
+      if pending is not None:
+        # Through the transfer service a version may still be on its way;
+        # the stream must not start before every instance has it staged.
+        pending.delivered()
       requests, by_id = self.make_requests(examples, tokenizer, self.config.algo.group_size)
       t0 = base.now()
       samples = list(self.generate_round(requests, by_id, it))
@@ -148,8 +153,9 @@ class AsyncPipeline(base.Pipeline):
   def push_weights(self, tensors, version: int) -> None:
     if self._pending_update is not None:
       self._pending_update.wait()
-    self._pending_update = self.backend.start_update(tensors, version)
+    pending = self.backend.start_update(tensors, version)
     with self._cond:
+      self._pending_update = pending
       self._pushed = version
       self._cond.notify_all()
 
