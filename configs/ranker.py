@@ -7,10 +7,16 @@ Run:
 Other losses: --config.loss=pairwise | both. Real pairs saved by the RL loop:
 --config.data.pairs_path=<workdir>/length_pairs.jsonl --config.tokenizer=<policy model dir>.
 
-Expected (default, synthetic tasks, held-out 1000 prompts, ~3 CPU-minutes):
-recall20 ≈ 0.99, recall10 ≈ 0.97, recall5 ≈ 0.95, spearman ≈ 0.97 (a random
-ranker gets recall ≈ the fraction itself, spearman ≈ 0). Metrics go to
-TensorBoard under <workdir>/tb; checkpoints to <workdir>/checkpoints.
+Expected (synthetic tasks' answer lengths, 1000 held-out prompts; measured at
+--config.steps=1000, ~2.5 min on 2 shared cores): recall20 = 1.00,
+recall10 = 0.99, recall5 = 1.00, spearman = 0.995 with loss=mse (pairwise: the
+same recalls, spearman 0.91; both: spearman 0.995). A random ranker gets recall
+≈ the fraction itself and spearman ≈ 0; "longer prompt = longer answer" gets
+recall20 = 0.78, spearman = 0.94. `:tiny` (300 steps, ~1 min): recall20 ≈ 0.99.
+On real generations of a warmed-up tiny policy (experiments/bench_skew.py)
+recall20 = 0.98, recall10 = 0.86-0.88, recall5 = 0.62, spearman = 0.97-0.985
+for all three losses. Metrics go to TensorBoard under <workdir>/tb;
+checkpoints to <workdir>/checkpoints.
 """
 
 import ml_collections

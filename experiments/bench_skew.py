@@ -20,7 +20,9 @@ What runs (everything real, on this machine):
        lpt_only  the first fifo assignment, each instance admitting longest-predicted first,
        ranker    ranker predictions -> Algorithm 2 (makespan objective) -> LPT,
        ranker_sum  the same with the paper's sum objective,
-       oracle    true lengths -> Algorithm 2 (makespan) -> LPT.
+       ranker_sim  ranker, makespan objective, latency_model="simulate" (ours),
+       oracle    true lengths -> Algorithm 2 (makespan) -> LPT,
+       oracle_sim  true lengths, latency_model="simulate".
      Sampling is seeded per prompt, so every arm generates the same tokens.
 
 How time is measured: the instances of one plan run one after another through
@@ -32,7 +34,9 @@ on a shared 2-core machine wall time mostly measures the neighbours; wall-time
 ratios are printed too. Within every repetition the same instance slot of all
 plans runs back to back; an instance's time is the minimum over repetitions
 (the uncontended estimate, for all plans alike) and a plan's makespan is its
-slowest instance. Ratios are makespan(arm) / makespan(fifo).
+slowest instance. Ratios are makespan(arm) / makespan(fifo). A third,
+noise-free column ("trace") replays each run's real engine steps through the
+measured profile: sum over steps of PTL(requests in flight).
 
 Ends with
   RESULT fifo=1.00 ranker=<x> oracle=<x> recall20=<x> recall10=<x> recall5=<x> spearman=<x> ...
@@ -61,7 +65,7 @@ _QUICK = flags.DEFINE_bool("quick", False, "Small everything, for development.")
 _NUM_PROMPTS = flags.DEFINE_integer("num_prompts", 512, "Benchmark prompts.")
 _NUM_INSTANCES = flags.DEFINE_integer("num_instances", 4, "Generator instances.")
 _MAX_BS = flags.DEFINE_integer("max_batch_size", 32, "Most requests in flight per instance.")
-_REPS = flags.DEFINE_integer("reps", 7, "Timed repetitions of every (plan, instance).")
+_REPS = flags.DEFINE_integer("reps", 11, "Timed repetitions of every (plan, instance).")
 _TRAIN_PROMPTS = flags.DEFINE_integer("train_prompts", 3000, "Prompts generated for the length history.")
 _SFT_STEPS = flags.DEFINE_integer("sft_steps", 300, "Supervised warm-up steps of the policy.")
 _RANKER_STEPS = flags.DEFINE_integer("ranker_steps", 1000, "Training steps per ranker.")
@@ -152,22 +156,46 @@ def train_ranker(workdir, loss, pairs):
   return trainer
 
 
-def run_plan(gen, prompts_by_id, plan, sampling):
-  """Runs each instance's prompts; returns per-instance (cpu s, wall s) and lengths."""
-  times, lengths = [], {}
-  for ids, bs in zip(plan.assignments, plan.batch_sizes):
+class StepTrace:
+  """Records how many requests are in flight at every engine step of `gen`.
+
+  Wraps the engine's `step` (benchmark-only instrumentation); GeneratorInstance
+  sets `_in_flight` before each step. Summing PTL(in flight) over the steps of
+  a run gives its time under the measured latency profile: a noise-free
+  companion to the measured time that still reflects the engine's real
+  admission and finishing order.
+  """
+
+  def __init__(self, gen):
+    self.gen, self.counts = gen, []
+    original = gen._engine.step  # pylint: disable=protected-access
+
+    def step():
+      self.counts.append(int(getattr(gen, "_in_flight", 0)))
+      return original()
+
+    gen._engine.step = step  # pylint: disable=protected-access
+
+
+def run_instance(gen, trace, prompts_by_id, ids, batch_size, sampling, profile):
+  """Generates `ids` (in order, at most batch_size in flight) on `gen`.
+
+  Returns (cpu s, wall s, profile-weighted step-trace s, {prompt id: length}).
+  """
+  import gc
+
+  lengths = {}
+  trace.counts = []
+  gc.collect()
+  gc.disable()  # A collection inside a 0.3 s run is a 10 % outlier.
+  try:
     c0, w0 = time.process_time(), time.perf_counter()
-    for s in gen.generate([(i, prompts_by_id[i]) for i in ids], sampling, max_in_flight=bs):
+    for s in gen.generate([(i, prompts_by_id[i]) for i in ids], sampling, max_in_flight=batch_size):
       lengths[s.prompt_id] = len(s.token_ids)
-    times.append((time.process_time() - c0, time.perf_counter() - w0))
-  return times, lengths
-
-
-def _one_instance(plan, inst):
-  """The plan restricted to one instance (as a one-instance plan)."""
-  import dataclasses
-
-  return dataclasses.replace(plan, assignments=(plan.assignments[inst],), batch_sizes=(plan.batch_sizes[inst],))
+    cpu, wall = time.process_time() - c0, time.perf_counter() - w0
+  finally:
+    gc.enable()
+  return cpu, wall, sum(profile.ptl(n) for n in trace.counts if n > 0), lengths
 
 
 def main(argv):
@@ -228,12 +256,24 @@ def main(argv):
       "lpt_only": lpt_only,
       "ranker": dispatch(pred, n_inst, profile, recent, alpha=_ALPHA.value, objective="makespan", max_batch_size=max_bs),
       "ranker_sum": dispatch(pred, n_inst, profile, recent, alpha=_ALPHA.value, objective="sum", max_batch_size=max_bs),
+      "ranker_sim": dispatch(pred, n_inst, profile, recent, alpha=_ALPHA.value, objective="makespan",
+                             max_batch_size=max_bs, latency_model="simulate"),
       "oracle": dispatch(true_len, n_inst, profile, recent, alpha=_ALPHA.value, objective="makespan",
                          max_batch_size=max_bs),
+      "oracle_sim": dispatch(true_len, n_inst, profile, recent, alpha=_ALPHA.value, objective="makespan",
+                             max_batch_size=max_bs, latency_model="simulate"),
   }
-  names = list(plans)
+  # Identical plans (e.g. both objectives choosing the same split) run once.
+  aliases = {}
+  for a in list(plans):
+    same = next((b for b in plans if b != a and b not in aliases and plans[b].assignments == plans[a].assignments
+                 and plans[b].batch_sizes == plans[a].batch_sizes and list(plans).index(b) < list(plans).index(a)), None)
+    if same:
+      aliases[a] = same
+  names = [a for a in plans if a not in aliases]
+  trace = StepTrace(gen)
   # times[plan][instance][clock] -> one value per repetition.
-  times = {a: [{"cpu": [], "wall": []} for _ in range(n_inst)] for a in names}
+  times = {a: [{"cpu": [], "wall": [], "trace": []} for _ in range(n_inst)] for a in names}
   mismatched = 0
   for rep in range(_REPS.value):
     for inst in range(n_inst):
@@ -241,10 +281,12 @@ def main(argv):
       # first), so drifting load on the machine hits all plans alike.
       k = (rep * n_inst + inst) % len(names)
       for a in names[k:] + names[:k]:
-        (t,), lengths = run_plan(gen, prompts_by_id, _one_instance(plans[a], inst), sampling)
+        cpu, wall, modelled, lengths = run_instance(gen, trace, prompts_by_id, plans[a].assignments[inst],
+                                                    plans[a].batch_sizes[inst], sampling, profile)
         mismatched += sum(lengths[i] != true[i] for i in lengths)
-        times[a][inst]["cpu"].append(t[0])
-        times[a][inst]["wall"].append(t[1])
+        times[a][inst]["cpu"].append(cpu)
+        times[a][inst]["wall"].append(wall)
+        times[a][inst]["trace"].append(modelled)
     print(f"[bench] rep {rep + 1}/{_REPS.value} done", flush=True)
 
   def makespan(a, clock):
@@ -252,13 +294,17 @@ def main(argv):
     # plan's makespan is its slowest instance.
     return max(min(times[a][i][clock]) for i in range(n_inst))
 
-  arms = ["fifo"] + [a for a in names if not a.startswith("fifo")]
-  med = {a: {c: makespan(a, c) for c in ("cpu", "wall")} for a in names}
+  for a, same in aliases.items():
+    times[a] = times[same]
+
+  clocks = ("cpu", "wall", "trace")
+  arms = ["fifo"] + [a for a in plans if not a.startswith("fifo")]
+  med = {a: {c: makespan(a, c) for c in clocks} for a in plans}
   # Random FIFO: the mean over its random orders.
-  med["fifo"] = {c: statistics.mean(med[f][c] for f in fifo_plans) for c in ("cpu", "wall")}
+  med["fifo"] = {c: statistics.mean(med[f][c] for f in fifo_plans) for c in clocks}
   plans["fifo"] = base
-  ratio = {a: med[a][_CLOCK.value] / med["fifo"][_CLOCK.value] for a in arms}
-  wall_ratio = {a: med[a]["wall"] / med["fifo"]["wall"] for a in arms}
+  rel = {a: {c: med[a][c] / med["fifo"][c] for c in clocks} for a in list(plans)}
+  ratio = {a: rel[a][_CLOCK.value] for a in arms}
 
   print()
   print(f"policy: tiny qwen2 + {_SFT_STEPS.value} SFT steps; tasks max_answer_len={_MAX_ANSWER.value}; "
@@ -275,17 +321,21 @@ def main(argv):
     print(f"{loss:12s} {m['recall20']:8.3f} {m['recall10']:8.3f} {m['recall5']:8.3f} {m['spearman']:8.3f}")
   print(f"makespan = max over instances of min over {_REPS.value} repetitions; fifo = mean of "
         f"{len(fifo_plans)} random orders")
-  print(f"{'arm':11s} {'cpu s':>7s} {'wall s':>7s} {'ratio':>6s} {'wall ratio':>10s} {'N_long':>6s} "
-        f"{'model s':>8s}  batch caps")
+  print("ratio = makespan / fifo's; cpu: process CPU time, wall: wall time, trace: sum of PTL(in flight)"
+        " over the engine steps of each run (noise-free); alg2 s: Algorithm 2's own estimate")
+  print(f"{'arm':12s} {'cpu s':>6s} {'cpu':>6s} {'wall':>6s} {'trace':>6s} {'N_long':>6s} {'alg2 s':>7s}  batch caps")
   for a in arms + list(fifo_plans):
     plan = plans[a]
-    print(f"{a:11s} {med[a]['cpu']:7.2f} {med[a]['wall']:7.2f} {med[a]['cpu'] / med['fifo']['cpu']:6.3f} {med[a]['wall'] / med['fifo']['wall']:10.3f} "
-          f"{plan.n_long_instances:6d} {plan.predicted_time:8.2f}  {list(plan.batch_sizes)}")
+    note = f"  (same plan as {aliases[a]})" if a in aliases else ""
+    print(f"{a:12s} {med[a]['cpu']:6.3f} {rel[a]['cpu']:6.3f} {rel[a]['wall']:6.3f} {rel[a]['trace']:6.3f} "
+          f"{plan.n_long_instances:6d} {plan.predicted_time:7.3f}  {list(plan.batch_sizes)}{note}")
   m = rank_metrics[_RANKER_LOSS.value]
   print(f"RESULT fifo=1.00 ranker={ratio['ranker']:.2f} oracle={ratio['oracle']:.2f} "
         f"recall20={m['recall20']:.2f} recall10={m['recall10']:.2f} recall5={m['recall5']:.2f} "
         f"spearman={m['spearman']:.2f} ranker_sum={ratio['ranker_sum']:.2f} lpt_only={ratio['lpt_only']:.2f} "
-        f"ranker_wall={wall_ratio['ranker']:.2f} oracle_wall={wall_ratio['oracle']:.2f}")
+        f"ranker_sim={ratio['ranker_sim']:.2f} oracle_sim={ratio['oracle_sim']:.2f} "
+        f"ranker_trace={rel['ranker']['trace']:.2f} oracle_trace={rel['oracle']['trace']:.2f} "
+        f"ranker_wall={rel['ranker']['wall']:.2f} oracle_wall={rel['oracle']['wall']:.2f}")
 
 
 if __name__ == "__main__":

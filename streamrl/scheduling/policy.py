@@ -19,7 +19,8 @@ def plan_generation(scheduler: str, *, num_prompts: int, num_instances: int, max
                     predicted_lengths: Sequence[float] | None = None,
                     true_lengths: Sequence[float] | None = None,
                     recent_lengths: Sequence[float] | None = None, alpha: float = 0.2,
-                    objective: str = "makespan", seed: int | None = None) -> DispatchPlan:
+                    objective: str = "makespan", latency_model: str = "paper",
+                    seed: int | None = None) -> DispatchPlan:
   """Builds the plan for one generation round.
 
   Args:
@@ -31,7 +32,7 @@ def plan_generation(scheduler: str, *, num_prompts: int, num_instances: int, max
     true_lengths: [P], needed for "oracle".
     recent_lengths: observed lengths of recent iterations (P50/P90 estimates);
       None/empty makes "skew" fall back to FIFO (logged once).
-    profile, alpha, objective, max_batch_size: see `dispatch`.
+    profile, alpha, objective, max_batch_size, latency_model: see `dispatch`.
   """
   if scheduler not in SCHEDULERS:
     raise ValueError(f"generation scheduler must be one of {SCHEDULERS}, got {scheduler!r}; "
@@ -48,4 +49,4 @@ def plan_generation(scheduler: str, *, num_prompts: int, num_instances: int, max
   if scheduler == "oracle" and not (recent_lengths is not None and len(recent_lengths)):
     recent_lengths = true_lengths  # The oracle knows this round's distribution too.
   return dispatch(lengths, num_instances, profile, recent_lengths, alpha=alpha, objective=objective,
-                  max_batch_size=max_batch_size)
+                  max_batch_size=max_batch_size, latency_model=latency_model)
