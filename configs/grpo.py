@@ -30,6 +30,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.trainer.mini_batch_size = 64
   c.trainer.micro_batch_size = 64
   c.trainer.lr = 3e-4
+  c.trainer.num_iterations = 150
   return c
 
 

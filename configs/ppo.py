@@ -21,7 +21,7 @@ def get_config() -> ml_collections.ConfigDict:
 
   # Empty path: build the tiny default (random init + char tokenizer + warm-up).
   c.model = dict(path="", tiny="qwen2", dtype="float32")
-  c.warmstart = dict(steps=300, batch_size=64, lr=3e-3, num_examples=20000)
+  c.warmstart = dict(steps=150, batch_size=64, lr=3e-3, num_examples=20000)
   c.task = dict(kind="synthetic", ops=("cpy", "rev", "dbl"), max_answer_len=48,
                 reward="partial_match", jsonl_path="", num_eval=256)
 
@@ -29,7 +29,10 @@ def get_config() -> ml_collections.ConfigDict:
       temperature=1.0, top_p=1.0, max_tokens=56, max_num_seqs=128,
       max_model_len=128, kv_cache_gib=1.0, num_instances=1,
       # fifo | skew (ranker + Algorithm 2 dispatch + LPT) | oracle (true lengths).
+      # dispatch_latency_model: "paper" (PTL(BS) * L_avg * ceil(M/BS)) or
+      # "simulate" (replays continuous batching through the profile).
       scheduler="fifo", long_tail_alpha=0.2, dispatch_objective="makespan",
+      dispatch_latency_model="paper",
       latency_profile="", ranker_config="configs/ranker.py:tiny", ranker_checkpoint="",
       length_history=1024)
 
@@ -41,8 +44,8 @@ def get_config() -> ml_collections.ConfigDict:
       use_reference=True)
 
   c.trainer = dict(
-      num_iterations=60, prompts_per_iteration=64, mini_batch_size=32,
-      micro_batch_size=32, ppo_epochs=1, lr=3e-4, critic_lr=1e-3,
+      num_iterations=250, prompts_per_iteration=64, mini_batch_size=32,
+      micro_batch_size=32, ppo_epochs=2, lr=3e-4, critic_lr=1e-3,
       warmup_steps=5, weight_decay=0.0, grad_clip=1.0)
 
   c.mesh = dict(data=1, fsdp=-1, tensor=1)
@@ -56,8 +59,8 @@ def get_config() -> ml_collections.ConfigDict:
   # host, TCP trees and a cross-DC relay otherwise) instead of Ray's object store.
   c.transfer = dict(enabled=False, chunk_bytes=4 << 20, topology="tree", fanout=2,
                     use_shm=True, delta_cross_dc=False)
-  c.checkpoint = dict(every=10, keep=2)
-  c.log = dict(eval_every=20, progress=True)
+  c.checkpoint = dict(every=25, keep=2)
+  c.log = dict(eval_every=25, progress=True)
   return ml_collections.ConfigDict(c)
 
 

@@ -70,7 +70,7 @@ def load_examples(config) -> tuple[list, list]:
   task = config.task
   if task.kind == "synthetic":
     kw = dict(ops=tuple(task.ops), max_answer_len=task.max_answer_len)
-    train = tasks_lib.make_examples(20000, config.seed, **kw)
+    train = tasks_lib.make_examples(config.warmstart.num_examples, config.seed, **kw)
     evals = tasks_lib.make_examples(task.num_eval, config.seed + 10_000, first_id=10**6, **kw)
     return train, evals
   if task.kind == "jsonl":

@@ -39,6 +39,7 @@ class GenerationScheduler:
     self.max_batch_size = g.max_num_seqs
     self.alpha = g.get("long_tail_alpha", 0.2)
     self.objective = g.get("dispatch_objective", "makespan")
+    self.latency_model = g.get("dispatch_latency_model", "paper")
     self.recent = collections.deque(maxlen=int(g.get("length_history", 1024)))
     self.pairs = collections.deque(maxlen=4096)
     self.pairs_path = os.path.join(workdir, "length_pairs.jsonl") if workdir else None
@@ -87,7 +88,8 @@ class GenerationScheduler:
                            max_batch_size=self.max_batch_size, profile=self.profile,
                            predicted_lengths=predicted, true_lengths=true,
                            recent_lengths=list(self.recent) or None, alpha=self.alpha,
-                           objective=self.objective, seed=seed)
+                           objective=self.objective, latency_model=self.latency_model,
+                           seed=seed)
     assignments = [[requests[i] for i in part] for part in plan.assignments]
     return assignments, list(plan.batch_sizes)
 
