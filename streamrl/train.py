@@ -90,8 +90,10 @@ def prepare_model_dir(config, workdir: str, train_examples: Sequence) -> str:
   if config.model.path:
     hf.read_config(config.model.path)  # clear error for a bad path / arch
     return config.model.path
+  # Only what changes the warm-started weights (not, say, the eval set size).
   key = _fingerprint({"tiny": config.model.tiny, "warm": config.warmstart.to_dict(),
-                      "task": config.task.to_dict(), "seed": config.seed})
+                      "ops": list(config.task.ops), "max_answer_len": config.task.max_answer_len,
+                      "seed": config.seed})
   path = os.path.join(workdir, f"warmstart-{key}")
   if os.path.isfile(os.path.join(path, "model.safetensors")):
     log.info("Reusing warm-started policy %s", path)
