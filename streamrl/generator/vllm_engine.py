@@ -108,10 +108,16 @@ class GeneratorInstance:
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, int(np.ceil(kv_cache_gib))))
     from vllm import EngineArgs  # pylint: disable=g-import-not-at-top
     from vllm.v1.engine.llm_engine import LLMEngine  # pylint: disable=g-import-not-at-top
+    on_cpu = current_platform.is_cpu()
     args = EngineArgs(
         model=model_dir, dtype=dtype, seed=seed, max_num_seqs=max_num_seqs,
         max_model_len=max_model_len, enforce_eager=enforce_eager,
         enable_prefix_caching=enable_prefix_caching,
+        # A partially prefilled request rewinds its seeded sampler with
+        # Generator.set_offset, which CPU generators lack (the engine dies
+        # with "CPU Generator does not use offset"): no chunked prefill on CPU.
+        enable_chunked_prefill=not on_cpu,
+        max_num_batched_tokens=max(max_model_len, 2048) if on_cpu else None,
         # The sampled token's logprob under the distribution actually sampled
         # from (after temperature / top-p), not the raw model distribution.
         logprobs_mode="processed_logprobs",

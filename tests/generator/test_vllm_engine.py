@@ -112,3 +112,15 @@ def test_bad_model_dirs_are_refused_before_engine_start(tmp_path):
   (tmp_path / "arch" / "config.json").write_text(json.dumps(data))
   with pytest.raises(ValueError, match="Unsupported architecture"):
     GeneratorInstance(d)
+
+
+def test_many_long_seeded_prompts_do_not_kill_the_cpu_engine(tmp_path):
+  """More prompt tokens than one engine step takes, with per-request seeds:
+  a partially prefilled request would make vLLM rewind a CPU generator's
+  offset and kill the engine (seen in a GRPO run); StreamRL turns chunked
+  prefill off on CPU."""
+  path = tiny.build_tiny_model_dir(str(tmp_path / "m"), config.tiny_qwen2(64), seed=2)
+  gen = GeneratorInstance(path, max_num_seqs=64, max_model_len=128, seed=0)
+  prompts = [(i, [1] + [4 + (7 * i + j) % 40 for j in range(60)]) for i in range(96)]
+  samples = list(gen.generate(prompts, SamplingConfig(max_tokens=8, seed=3)))
+  assert sorted(s.prompt_id for s in samples) == list(range(96))
