@@ -1,0 +1,461 @@
+"""Throughput cost of our streaming generator, and the cost of a weight update.
+
+  python experiments/bench_generator.py [--quick] [--in_process] [--workdir=/tmp/streamrl_bench]
+
+Takes ~4 minutes on 2 busy cores (first run also builds the 0.5B dir, ~2 GB).
+
+Part 1 runs the same prompts with the same sampling through two identically
+configured vLLM engines (same model dir, float32, max_num_seqs, max_model_len,
+enforce_eager, prefix caching, `processed_logprobs` with `logprobs=0`, the same
+per-prompt seeds and stop ids): our `GeneratorInstance.generate` stream,
+consumed to the end, and plain `vllm.LLM.generate`. Repetitions alternate
+ours / plain / ours / plain after one untimed warm-up of each, so the noise of a
+shared machine hits both alike; the reported ratio is the median of the
+per-pair ratios. Prompts repeat across repetitions, so both engines serve them
+from an equally warm prefix cache.
+
+Part 2 times `GeneratorInstance.update_weights(hf.to_hf_tensors(model))`:
+the Flax -> HF conversion and the engine reload (safetensors bytes -> engine
+worker -> in-place reload -> prefix cache dropped) separately, for the tiny
+model and for a random-weight model with Qwen2-0.5B's shapes (494M params,
+24 layers, vocab 151936, with the 64-token char tokenizer). It also times a
+possible fix, `update_via_path` (a file in /dev/shm instead of bytes through
+the RPC), reported in the table only. The 0.5B updates are skipped, with a
+note and `nan`, when free memory is below what they were measured to need
+(see _COPIES_*): in the multiprocess engine `update_weights` holds ~8 copies
+of the weights at once across the processes, ~15 GiB for 0.5B in float32.
+
+By default the engines run vLLM's multiprocess engine core, which is what users
+get; `--in_process` sets VLLM_ENABLE_V1_MULTIPROCESSING=0 instead. In the
+multiprocess mode this script sets VLLM_ALLOW_INSECURE_SERIALIZATION=1:
+`update_weights` passes a function to `collective_rpc`, which vLLM's msgpack
+encoder refuses between processes without it.
+
+Ends with `RESULT generator_overhead_ratio=.. weight_update_s_tiny=..
+weight_update_s_0p5b=..` (weight updates: median of --updates runs, total of
+conversion + reload).
+"""
+
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import app, flags  # noqa: E402
+
+_QUICK = flags.DEFINE_bool(
+    "quick", False, "Small workload, 1 rep, 1 update, a 2-layer big model (explicit flags win).")
+_IN_PROCESS = flags.DEFINE_bool(
+    "in_process", False, "Run the engines in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0).")
+_WORKDIR = flags.DEFINE_string("workdir", "/tmp/streamrl_bench", "Where the model dirs are built.")
+_NUM_PROMPTS = flags.DEFINE_integer("num_prompts", 256, "Prompts per repetition.")
+_MAX_TOKENS = flags.DEFINE_integer("max_tokens", 64, "max_tokens of every request.")
+_REPS = flags.DEFINE_integer("reps", 7, "Timed repetitions per arm (after one warm-up).")
+_MAX_NUM_SEQS = flags.DEFINE_integer("max_num_seqs", 64, "Engine max_num_seqs (both engines).")
+_MAX_MODEL_LEN = flags.DEFINE_integer("max_model_len", 256, "Engine max_model_len (both engines).")
+_UPDATES = flags.DEFINE_integer("updates", 3, "Weight updates timed per model.")
+_SKIP_BIG = flags.DEFINE_bool("skip_0p5b", False, "Skip the 0.5B weight-update measurement.")
+_BIG_LAYERS = flags.DEFINE_integer("big_layers", 24, "Layers of the 0.5B-shaped model (--quick: 2).")
+
+SEED = 0
+TEMPERATURE = 1.0
+# Free memory the 0.5B updates need, in copies of the float32 weights. Peak
+# extra RSS measured at 2 layers (0.6 GiB) / 24 layers (1.8 GiB):
+# update_weights multiprocess 7.6 / -, in-process 4.2 / 2.5, via path 4.0 /
+# 2.3 (about 1 GiB of it fixed). With a margin and the /dev/shm file for the
+# path. Below it the step is skipped rather than risk the OOM killer on a
+# shared machine.
+_COPIES_UPDATE = {"multiprocess": 7, "in_process": 4}
+_COPIES_PATH = 4
+
+# Engine-core clients started here, shut down explicitly at the end: dropping
+# the last reference to a GeneratorInstance did not always stop its engine
+# processes, and the script then hung at exit.
+_ENGINE_CORES = []
+
+
+def _shutdown_engines() -> None:
+  while _ENGINE_CORES:
+    _ENGINE_CORES.pop().shutdown()
+
+
+def _prompts(n: int, vocab_size: int) -> list[tuple[int, list[int]]]:
+  """n prompts of 8..40 tokens: <bos> then ids of real characters (4..vocab)."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(1234)
+  out = []
+  for pid in range(n):
+    length = int(rng.integers(8, 41))
+    out.append((pid, [1] + rng.integers(4, vocab_size, size=length - 1).tolist()))
+  return out
+
+
+def _plain_params(eos: list[int], prompts, max_tokens: int):
+  """The SamplingParams GeneratorInstance builds, one per prompt, for vllm.LLM."""
+  from vllm import SamplingParams  # pylint: disable=g-import-not-at-top
+  return [SamplingParams(temperature=TEMPERATURE, top_p=1.0, max_tokens=max_tokens,
+                         logprobs=0, detokenize=False, stop_token_ids=eos, seed=SEED + pid)
+          for pid, _ in prompts]
+
+
+def _run_ours(gen, prompts, sampling):
+  t0 = time.perf_counter()
+  samples = list(gen.generate(prompts, sampling))
+  dt = time.perf_counter() - t0
+  tokens = {s.prompt_id: tuple(s.token_ids) for s in samples}
+  return dt, tokens
+
+
+def _run_plain(llm, eos, prompts, max_tokens):
+  inputs = [{"prompt_token_ids": list(ids)} for _, ids in prompts]
+  params = _plain_params(eos, prompts, max_tokens)  # LLM.generate mutates them
+  t0 = time.perf_counter()
+  outs = llm.generate(inputs, params, use_tqdm=False)
+  dt = time.perf_counter() - t0
+  tokens = {pid: tuple(o.outputs[0].token_ids) for (pid, _), o in zip(prompts, outs)}
+  return dt, tokens
+
+
+def bench_throughput(model_dir: str, vocab_size: int):
+  """Part 1: returns (table rows, summary, our GeneratorInstance, the vllm.LLM)."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from vllm import LLM  # pylint: disable=g-import-not-at-top
+
+  from streamrl.generator.vllm_engine import GeneratorInstance, SamplingConfig  # pylint: disable=g-import-not-at-top
+
+  n, max_tokens = _NUM_PROMPTS.value, _MAX_TOKENS.value
+  prompts = _prompts(n, vocab_size)
+  sampling = SamplingConfig(temperature=TEMPERATURE, top_p=1.0, max_tokens=max_tokens, seed=SEED)
+
+  t0 = time.perf_counter()
+  gen = GeneratorInstance(model_dir, max_num_seqs=_MAX_NUM_SEQS.value,
+                          max_model_len=_MAX_MODEL_LEN.value, seed=SEED, kv_cache_gib=1.0)
+  _ENGINE_CORES.append(gen._engine.engine_core)  # pylint: disable=protected-access
+  print(f"[bench] ours engine up in {time.perf_counter() - t0:.1f}s", flush=True)
+  # GeneratorInstance has set VLLM_CPU_KVCACHE_SPACE=1 (GiB); the plain engine
+  # reads the same value.
+  t0 = time.perf_counter()
+  llm = LLM(model=model_dir, dtype="float32", seed=SEED, max_num_seqs=_MAX_NUM_SEQS.value,
+            max_model_len=_MAX_MODEL_LEN.value, enforce_eager=True, enable_prefix_caching=True,
+            logprobs_mode="processed_logprobs", disable_log_stats=True)
+  _ENGINE_CORES.append(llm.llm_engine.engine_core)
+  print(f"[bench] plain engine up in {time.perf_counter() - t0:.1f}s", flush=True)
+  eos = list(gen._eos)  # pylint: disable=protected-access
+
+  arms = {"ours": lambda: _run_ours(gen, prompts, sampling),
+          "plain": lambda: _run_plain(llm, eos, prompts, max_tokens)}
+
+  times = {k: [] for k in arms}
+  tokens = {}
+  for rep in range(_REPS.value + 1):  # rep 0 is the untimed warm-up
+    for name, fn in arms.items():
+      dt, toks = fn()
+      if rep == 0:
+        tokens[name] = toks
+        continue
+      if toks != tokens[name]:
+        print(f"[bench] note: {name} produced different tokens in rep {rep}", flush=True)
+      times[name].append(dt)
+      ntok = sum(len(t) for t in toks.values())
+      print(f"[bench] rep {rep} {name:5s} {dt:7.3f}s {ntok / dt:9.1f} tok/s", flush=True)
+
+  ntok = {k: sum(len(t) for t in v.values()) for k, v in tokens.items()}
+  same = sum(tokens["ours"][p] == tokens["plain"][p] for p, _ in prompts)
+  lengths = [len(t) for t in tokens["ours"].values()]
+  ratios = [(ntok["ours"] / o) / (ntok["plain"] / p)
+            for o, p in zip(times["ours"], times["plain"])]
+  rows = [(name, statistics.median(ts), ntok[name] / statistics.median(ts))
+          for name, ts in times.items()]
+  info = {
+      "ratio": statistics.median(ratios),
+      "ratios": ratios,
+      "same_tokens": same,
+      "mean_len": float(np.mean(lengths)),
+      "tokens_per_rep": ntok["ours"],
+  }
+  return rows, info, gen, llm
+
+
+def time_updates(gen, models, update=None) -> list[tuple[float, float]]:
+  """(conversion s, reload s) of update(gen, to_hf_tensors(m)) per model;
+  `update` defaults to GeneratorInstance.update_weights."""
+  from streamrl.models import hf  # pylint: disable=g-import-not-at-top
+  update = update or (lambda g, tensors: g.update_weights(tensors))
+  out = []
+  for model in models:
+    t0 = time.perf_counter()
+    tensors = hf.to_hf_tensors(model)
+    t1 = time.perf_counter()
+    update(gen, tensors)
+    t2 = time.perf_counter()
+    del tensors
+    out.append((t1 - t0, t2 - t1))
+    print(f"[bench] update -> v{gen.weight_version}: convert {t1 - t0:.3f}s "
+          f"reload {t2 - t1:.3f}s", flush=True)
+  return out
+
+
+def update_via_path(gen, tensors) -> None:
+  """A possible fix, measured here: hand the engine a file path, not bytes.
+
+  update_weights serialises all weights to bytes in this process, and in the
+  multiprocess engine vLLM pickles them to the engine-core process, which
+  pickles them again to its worker: several full copies alive at once. Here
+  the tensors go to one safetensors file in /dev/shm and the worker's own
+  `reload_weights(weights_path=...)` reads it (by name, so no function crosses
+  the RPC). Timing only: it skips the tied-LM-head repack that
+  `_reload_from_bytes` does (a real fix would do both in a method registered
+  with EngineArgs(worker_extension_cls=...)), and it leaves the version
+  untouched. Not used for RESULT.
+  """
+  import shutil  # pylint: disable=g-import-not-at-top
+  import tempfile  # pylint: disable=g-import-not-at-top
+
+  from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
+  root = "/dev/shm" if os.path.isdir("/dev/shm") else None
+  path = tempfile.mkdtemp(prefix="streamrl_bench_", dir=root)
+  try:
+    save_file(tensors, os.path.join(path, "model.safetensors"))
+    engine = gen._engine  # pylint: disable=protected-access
+    engine.collective_rpc("reload_weights", kwargs={"weights_path": path})
+    engine.reset_prefix_cache()
+  finally:
+    shutil.rmtree(path)
+
+
+def _available_gib() -> float:
+  import psutil  # pylint: disable=g-import-not-at-top
+  return psutil.virtual_memory().available / 2**30
+
+
+class _PeakMemory:
+  """Samples the summed RSS of this process and its children (the engine
+  processes) in a thread; `peak_gib` after the block. RSS counts shared pages
+  once per process, so this is an upper bound."""
+
+  def __init__(self, period_s: float = 0.1):
+    self.period_s, self.peak_gib, self.base_gib = period_s, 0.0, None
+
+  def _sample(self):
+    import psutil  # pylint: disable=g-import-not-at-top
+    me = psutil.Process()
+    while not self._stop.is_set():
+      total = 0
+      for p in [me] + me.children(recursive=True):
+        try:
+          total += p.memory_info().rss
+        except psutil.Error:
+          pass
+      if self.base_gib is None:
+        self.base_gib = total / 2**30
+      self.peak_gib = max(self.peak_gib, total / 2**30)
+      self._stop.wait(self.period_s)
+
+  def __enter__(self):
+    import threading  # pylint: disable=g-import-not-at-top
+    self._stop = threading.Event()
+    self._thread = threading.Thread(target=self._sample, daemon=True)
+    self._thread.start()
+    while self.base_gib is None:
+      time.sleep(0.01)
+    return self
+
+  @property
+  def extra_gib(self) -> float:
+    return self.peak_gib - self.base_gib
+
+  def __exit__(self, *exc):
+    self._stop.set()
+    self._thread.join()
+
+
+def _check_generates(gen, vocab_size: int, max_tokens: int = 8) -> None:
+  """The engine still serves after the updates, at the new weight version."""
+  from streamrl.generator.vllm_engine import SamplingConfig  # pylint: disable=g-import-not-at-top
+  samples = list(gen.generate(_prompts(4, vocab_size),
+                              SamplingConfig(max_tokens=max_tokens, seed=SEED)))
+  assert len(samples) == 4 and all(s.weight_version == gen.weight_version for s in samples)
+
+
+def big_config(num_layers: int):
+  """Qwen2-0.5B's shapes (tied embeddings, q/k/v bias, vocab 151936)."""
+  from streamrl.models.config import ModelConfig  # pylint: disable=g-import-not-at-top
+  return ModelConfig(vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                     num_layers=num_layers, num_heads=14, num_kv_heads=2, head_dim=64,
+                     rope_theta=1000000.0, rms_norm_eps=1e-6, tie_embeddings=True,
+                     qkv_bias=True, max_position_embeddings=512, family="qwen2")
+
+
+def random_model(cfg, seed: int):
+  """A Transformer with N(0, 0.02) weights drawn by numpy (JAX's threefry on
+  two cores is much slower for 0.5B numbers); norms 1, biases 0, as the init."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+
+  from streamrl.models.transformer import Transformer  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(seed)
+  abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+  graphdef, state = nnx.split(abstract)
+
+  def fill(path, leaf):
+    name = str(path[-1].key if hasattr(path[-1], "key") else path[-1])
+    if name == "scale":
+      return jnp.ones(leaf.shape, leaf.dtype)
+    if name.startswith("b_"):
+      return jnp.zeros(leaf.shape, leaf.dtype)
+    x = rng.standard_normal(leaf.shape, dtype=np.float32)
+    x *= 0.02
+    return jnp.asarray(x)  # a JAX array, as the trainer holds it
+
+  pure = jax.tree_util.tree_map_with_path(fill, nnx.to_pure_dict(state))
+  nnx.replace_by_pure_dict(state, pure)
+  return nnx.merge(graphdef, state)
+
+
+def build_big_dir(path: str, cfg) -> str:
+  """Writes (once) the random 0.5B-shaped model with the char tokenizer."""
+  import json  # pylint: disable=g-import-not-at-top
+
+  from streamrl.models import hf, tiny  # pylint: disable=g-import-not-at-top
+  cfg_path = os.path.join(path, "config.json")
+  if os.path.isfile(cfg_path) and os.path.isfile(os.path.join(path, "model.safetensors")):
+    with open(cfg_path) as f:
+      if json.load(f) == hf.hf_config_dict(cfg, bos_token_id=1, eos_token_id=2, pad_token_id=0):
+        return path
+  t0 = time.perf_counter()
+  model = random_model(cfg, seed=1)
+  tiny.build_tiny_model_dir(path, cfg, model=model)
+  print(f"[bench] built {path} ({cfg.num_params / 1e6:.0f}M params) in "
+        f"{time.perf_counter() - t0:.1f}s", flush=True)
+  return path
+
+
+def _stop(core) -> None:
+  _ENGINE_CORES.remove(core)
+  core.shutdown()
+
+
+def main(argv):
+  try:
+    _main(argv)
+  finally:
+    _shutdown_engines()
+
+
+def _main(argv):
+  del argv
+  if _QUICK.value:
+    for flag, value in (("num_prompts", 64), ("max_tokens", 32), ("reps", 1), ("updates", 1),
+                        ("big_layers", 2)):
+      if not flags.FLAGS[flag].present:  # flags given explicitly win
+        flags.FLAGS[flag].value = value
+  if _IN_PROCESS.value:
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+  else:
+    # update_weights sends a Python function through collective_rpc; across
+    # processes vLLM's msgpack encoder refuses functions unless this is set.
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+  os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+  os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+
+  from streamrl.data import tokenizer as tok  # pylint: disable=g-import-not-at-top
+  from streamrl.generator.vllm_engine import GeneratorInstance  # pylint: disable=g-import-not-at-top
+  from streamrl.models import config, tiny  # pylint: disable=g-import-not-at-top
+  from streamrl.models.transformer import Transformer  # pylint: disable=g-import-not-at-top
+
+  mode = "in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0)" if _IN_PROCESS.value else \
+      "multiprocess engine core (vLLM default)"
+  print(f"[bench] engine mode: {mode}", flush=True)
+  tiny_cfg = config.tiny_qwen2(tok.VOCAB_SIZE)
+  tiny_dir = tiny.build_tiny_model_dir(os.path.join(_WORKDIR.value, "tiny"), tiny_cfg, seed=0)
+
+  # Part 1.
+  rows, info, gen, llm = bench_throughput(tiny_dir, tiny_cfg.vocab_size)
+
+  # Part 2, tiny: a fresh random model per update (built outside the timing).
+  models = [Transformer(tiny_cfg, rngs=nnx.Rngs(100 + i)) for i in range(_UPDATES.value)]
+  upd = {"tiny": time_updates(gen, models)}
+  _check_generates(gen, tiny_cfg.vocab_size)
+  upd["tiny, via path"] = time_updates(gen, models, update_via_path)
+  # Both stop before the big engine starts, and together: in-process engines
+  # share vLLM's global distributed state, which a shutdown tears down.
+  _stop(gen._engine.engine_core)  # pylint: disable=protected-access
+  _stop(llm.llm_engine.engine_core)
+  del gen, llm, models
+
+  big_cfg = big_config(_BIG_LAYERS.value)
+  big_name = f"0.5B shapes, {big_cfg.num_layers} layers"
+  weights_gib = big_cfg.num_params * 4 / 2**30
+  notes, peaks = [], {}
+  if not _SKIP_BIG.value:
+    big_dir = build_big_dir(os.path.join(_WORKDIR.value, f"qwen2_0p5b_l{big_cfg.num_layers}"),
+                            big_cfg)
+    t0 = time.perf_counter()
+    big_gen = GeneratorInstance(big_dir, max_num_seqs=8, max_model_len=_MAX_MODEL_LEN.value,
+                                seed=SEED, kv_cache_gib=1.0)
+    _ENGINE_CORES.append(big_gen._engine.engine_core)  # pylint: disable=protected-access
+    print(f"[bench] big engine up in {time.perf_counter() - t0:.1f}s", flush=True)
+    big_model = random_model(big_cfg, seed=2)  # new values, same shapes
+    # The same model for each update: reload cost does not depend on values.
+    mode_key = "in_process" if _IN_PROCESS.value else "multiprocess"
+    for name, fn, copies in ((big_name + ", via path", update_via_path, _COPIES_PATH),
+                             (big_name, None, _COPIES_UPDATE[mode_key])):
+      need = copies * weights_gib
+      if _available_gib() < need:
+        notes.append(f"{name}: skipped, needs ~{need:.0f} GiB free ({copies} copies of "
+                     f"{weights_gib:.1f} GiB of weights), {_available_gib():.0f} GiB available")
+        print(f"[bench] {notes[-1]}", flush=True)
+        continue
+      with _PeakMemory() as mem:
+        upd[name] = time_updates(big_gen, [big_model] * _UPDATES.value, fn)
+      peaks[name] = mem.extra_gib
+    _check_generates(big_gen, tok.VOCAB_SIZE)
+    _stop(big_gen._engine.engine_core)  # pylint: disable=protected-access
+    del big_gen, big_model
+
+  def med(xs, i):
+    return statistics.median(x[i] for x in xs)
+
+  def tot(xs):
+    return statistics.median(a + b for a, b in xs)
+
+  print()
+  print(f"engine: {mode}; tiny model {tiny_cfg.num_params / 1e6:.2f}M params, float32, "
+        f"enforce_eager, max_num_seqs={_MAX_NUM_SEQS.value}, max_model_len={_MAX_MODEL_LEN.value}")
+  print(f"workload: {_NUM_PROMPTS.value} prompts (8..40 tokens) x max_tokens={_MAX_TOKENS.value}, "
+        f"T={TEMPERATURE}, per-prompt seeds; mean generated length {info['mean_len']:.1f} "
+        f"({info['tokens_per_rep']} tokens/rep); {info['same_tokens']}/{_NUM_PROMPTS.value} "
+        f"prompts gave identical tokens ours vs plain")
+  print(f"{'arm':20s} {'median s':>9s} {'tok/s':>9s}")
+  for name, dt, tps in rows:
+    print(f"{name:20s} {dt:9.3f} {tps:9.1f}")
+  print(f"ratio ours/plain per pair: {' '.join(f'{r:.3f}' for r in info['ratios'])} "
+        f"-> median {info['ratio']:.3f} (goal >= 0.90)")
+  print()
+  print("weight update = hf.to_hf_tensors(model) [convert] + GeneratorInstance.update_weights "
+        "[reload: safetensors bytes, RPC to the engine, in-place reload, prefix-cache reset]; "
+        f"median of {_UPDATES.value}")
+  print(f"{'model / path':32s} {'params':>8s} {'convert s':>10s} {'reload s':>9s} "
+        f"{'total s':>8s} {'extra RSS GiB':>14s}")
+  for name, xs in upd.items():
+    params = tiny_cfg.num_params if name.startswith("tiny") else big_cfg.num_params
+    extra = f"{peaks[name]:14.1f}" if name in peaks else f"{'':14s}"
+    print(f"{name:32s} {params / 1e6:7.1f}M {med(xs, 0):10.3f} {med(xs, 1):9.3f} "
+          f"{tot(xs):8.3f} {extra}")
+  print("'via path' = a possible fix measured from here (update_via_path), not what "
+        "GeneratorInstance does; extra RSS = peak minus start of the summed RSS of this "
+        f"process and the engine processes ({weights_gib:.2f} GiB of float32 weights in the big model)")
+  for note in notes:
+    print(note)
+  big_s = f"{tot(upd[big_name]):.3f}" if big_name in upd else "nan"
+  print(f"RESULT generator_overhead_ratio={info['ratio']:.3f} "
+        f"weight_update_s_tiny={tot(upd['tiny']):.3f} weight_update_s_0p5b={big_s}")
+
+if __name__ == "__main__":
+  app.run(main)
