@@ -26,10 +26,7 @@ note and `nan`, when free memory is below what they were measured to need
 of the weights at once across the processes, ~15 GiB for 0.5B in float32.
 
 By default the engines run vLLM's multiprocess engine core, which is what users
-get; `--in_process` sets VLLM_ENABLE_V1_MULTIPROCESSING=0 instead. In the
-multiprocess mode this script sets VLLM_ALLOW_INSECURE_SERIALIZATION=1:
-`update_weights` passes a function to `collective_rpc`, which vLLM's msgpack
-encoder refuses between processes without it.
+get; `--in_process` sets VLLM_ENABLE_V1_MULTIPROCESSING=0 instead.
 
 Ends with `RESULT generator_overhead_ratio=.. weight_update_s_tiny=..
 weight_update_s_0p5b=..` (weight updates: median of --updates runs, total of
@@ -135,11 +132,18 @@ def bench_throughput(model_dir: str, vocab_size: int):
   _ENGINE_CORES.append(gen._engine.engine_core)  # pylint: disable=protected-access
   print(f"[bench] ours engine up in {time.perf_counter() - t0:.1f}s", flush=True)
   # GeneratorInstance has set VLLM_CPU_KVCACHE_SPACE=1 (GiB); the plain engine
-  # reads the same value.
+  # reads the same value. The scheduler settings GeneratorInstance picks
+  # (chunked prefill off on CPU, its token budget) are copied from its engine.
+  sched = gen._engine.vllm_config.scheduler_config  # pylint: disable=protected-access
   t0 = time.perf_counter()
   llm = LLM(model=model_dir, dtype="float32", seed=SEED, max_num_seqs=_MAX_NUM_SEQS.value,
             max_model_len=_MAX_MODEL_LEN.value, enforce_eager=True, enable_prefix_caching=True,
+            enable_chunked_prefill=sched.enable_chunked_prefill,
+            max_num_batched_tokens=sched.max_num_batched_tokens,
             logprobs_mode="processed_logprobs", disable_log_stats=True)
+  mine = llm.llm_engine.vllm_config.scheduler_config
+  assert (mine.enable_chunked_prefill, mine.max_num_batched_tokens, mine.max_num_seqs) == (
+      sched.enable_chunked_prefill, sched.max_num_batched_tokens, sched.max_num_seqs)
   _ENGINE_CORES.append(llm.llm_engine.engine_core)
   print(f"[bench] plain engine up in {time.perf_counter() - t0:.1f}s", flush=True)
   eos = list(gen._eos)  # pylint: disable=protected-access
@@ -174,6 +178,8 @@ def bench_throughput(model_dir: str, vocab_size: int):
       "same_tokens": same,
       "mean_len": float(np.mean(lengths)),
       "tokens_per_rep": ntok["ours"],
+      "sched": f"chunked_prefill={sched.enable_chunked_prefill}, "
+               f"max_num_batched_tokens={sched.max_num_batched_tokens}",
   }
   return rows, info, gen, llm
 
@@ -201,14 +207,14 @@ def update_via_path(gen, tensors) -> None:
   """A possible fix, measured here: hand the engine a file path, not bytes.
 
   update_weights serialises all weights to bytes in this process, and in the
-  multiprocess engine vLLM pickles them to the engine-core process, which
-  pickles them again to its worker: several full copies alive at once. Here
+  multiprocess engine vLLM sends them to the engine-core process, which
+  forwards them to its worker process, which loads them into tensors: several
+  full copies alive at once. Here
   the tensors go to one safetensors file in /dev/shm and the worker's own
   `reload_weights(weights_path=...)` reads it (by name, so no function crosses
   the RPC). Timing only: it skips the tied-LM-head repack that
-  `_reload_from_bytes` does (a real fix would do both in a method registered
-  with EngineArgs(worker_extension_cls=...)), and it leaves the version
-  untouched. Not used for RESULT.
+  `WorkerExtension.streamrl_reload` does (a real fix would read the file
+  there), and it leaves the version untouched. Not used for RESULT.
   """
   import shutil  # pylint: disable=g-import-not-at-top
   import tempfile  # pylint: disable=g-import-not-at-top
@@ -355,10 +361,6 @@ def _main(argv):
         flags.FLAGS[flag].value = value
   if _IN_PROCESS.value:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-  else:
-    # update_weights sends a Python function through collective_rpc; across
-    # processes vLLM's msgpack encoder refuses functions unless this is set.
-    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
   os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
   os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -427,7 +429,8 @@ def _main(argv):
 
   print()
   print(f"engine: {mode}; tiny model {tiny_cfg.num_params / 1e6:.2f}M params, float32, "
-        f"enforce_eager, max_num_seqs={_MAX_NUM_SEQS.value}, max_model_len={_MAX_MODEL_LEN.value}")
+        f"enforce_eager, max_num_seqs={_MAX_NUM_SEQS.value}, max_model_len={_MAX_MODEL_LEN.value}, "
+        f"{info['sched']} (both engines)")
   print(f"workload: {_NUM_PROMPTS.value} prompts (8..40 tokens) x max_tokens={_MAX_TOKENS.value}, "
         f"T={TEMPERATURE}, per-prompt seeds; mean generated length {info['mean_len']:.1f} "
         f"({info['tokens_per_rep']} tokens/rep); {info['same_tokens']}/{_NUM_PROMPTS.value} "
