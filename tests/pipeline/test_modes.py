@@ -81,6 +81,9 @@ class ScriptedBackend:
     self.update(tensors, version)
 
     class Done:
+      def delivered(self, timeout_s=None):
+        return None
+
       def wait(self, timeout_s=None):
         return None
     return Done()
@@ -133,7 +136,8 @@ def test_every_sample_trained_on_exactly_once(model_dir, mode):
     assert sorted(ids) == list(range(16)), (mode, it)
   # Three iterations were generated: every request once, nothing extra.
   assert len(backend.produced) == 3 * 16
-  assert int(trainer.state.step) == 3 * (16 // 4)
+  # 16 samples in mini-batches of 4, for every PPO epoch of each iteration.
+  assert int(trainer.state.step) == 3 * (16 // 4) * cfg.trainer.ppo_epochs
 
 
 @pytest.mark.parametrize("max_staleness", [1, 2])
