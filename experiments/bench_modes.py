@@ -1,0 +1,642 @@
+r"""Pipeline modes side by side: colocated, sync, stream, async on one workload.
+
+  python experiments/bench_modes.py [--quick] [--blocks=5] [--iterations=2]
+
+What runs (everything real: vLLM engines, Ray actors, the JAX trainer):
+  * The tiny PPO policy of configs/ppo.py, warm-started once into
+    `--workdir` (`train.prepare_model_dir`); every mode starts from those
+    weights and a fresh optimizer state. One RLTrainer object serves all
+    arms, each swapping its own trainer state in (a new RLTrainer would
+    recompile its update step: the jit cache is keyed by its optimizer
+    objects). Before any arm, the trainer's jitted functions are compiled
+    for every padded length the workload can produce, so no arm pays a
+    compile that another got for free.
+  * Each mode's pipeline comes from `make_pipeline(config, model_dir,
+    trainer)` with the real backend: `colocated` runs a vLLM engine in this
+    process and uses both cores; the others run one Ray generator actor
+    pinned to core 0 and pin this process (the trainer) to core 1. Same
+    prompts (PromptLoader seed) and sampling seeds (`sampling_for(config,
+    it)`) in every mode; the `it0 digest` column hashes iteration 0's samples
+    (same weights everywhere): equal digests, identical generations.
+  * Blocks: in each of `--blocks` blocks every arm runs `--warmup` untimed +
+    `--iterations` timed iterations on a freshly built pipeline that first
+    loads the arm's current weights, as a resumed run does
+    (`push_weights(trainer.hf_tensors(), version=next iteration)`). The arm
+    order rotates from block to block, so the load of a shared machine falls
+    on all arms alike, and only one engine holds memory at a time. Start-up
+    and the untimed iterations (first generations on a fresh engine are
+    slow) stay outside the measurement. Throughput = samples / wall seconds
+    summed over an arm's timed iterations.
+  * Generation alone: one Ray generator instance on the generator core,
+    generating the same batches with the same seeds, nothing else running.
+    Training alone: the trainer pinned to its core, training on those
+    samples (rewards, old/ref logprobs, values, advantages, PPO updates; the
+    Flax->HF weight export is reported apart). Both in every block too.
+
+Workload (defaults): 64 prompts per iteration, PPO (actor + critic +
+reference), mini-batches of 16, one PPO epoch, and the generator admitting
+at most `--max_num_seqs=4` requests at once. With all 64 prompts decoding
+in one batch this CPU generates the tiny policy several times faster than it
+trains it; the cap makes generation take roughly as long as training (CPU
+seconds per iteration measured here: generation 0.57, training 0.75), the
+regime where overlapping the two can pay. Each mini-batch is padded to its
+longest sample: sync/async/colocated cut the batch into length-sorted
+mini-batches, stream takes them in arrival order.
+
+Columns: `gen s`, `train s`, `push s` are the pipelines' own
+time/generation_s, time/training_s, time/weight_update_s means; `idle:*` the
+bubble fraction of each stage (`Timeline.busy_seconds` over the timed
+iterations); `cpu:this` / `cpu:gen` the cores' worth of CPU that this
+process (trainer; colocated: trainer + engine) and the generator actor used
+over the timed iterations (1.0 = a whole core): well below 1 on a busy stage
+means the machine's other load took its core.
+
+Writes under `--out` (default experiments/out/bench_modes): one
+timeline_<mode>.json per mode (`Timeline.to_json`; labels "gen k", "train k",
+"reward k" name iteration k), timeline_<mode>.png of each mode's last block,
+timeline_all.png (experiments/plot_timeline.py) and summary.json.
+
+Ends with
+  RESULT colocated=1.00 sync=<x> stream=<x> async=<x> pipeline_efficiency=<x>
+(mode throughputs / colocated's; efficiency = async / min(generation alone,
+training alone)).
+"""
+
+import json
+import os
+import re
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# The colocated engine runs in this process (as the Ray actors run theirs):
+# no engine-core process, fast start-up. Set before vLLM is imported.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from absl import app, flags, logging as absl_logging  # noqa: E402
+
+_QUICK = flags.DEFINE_bool("quick", False, "Tiny workload (16 prompts, 2 blocks), for development.")
+_WORKDIR = flags.DEFINE_string("workdir", "/tmp/streamrl_bench_modes", "Cache of the warm-started policy.")
+_OUT = flags.DEFINE_string("out", os.path.join(os.path.dirname(os.path.abspath(__file__)), "out", "bench_modes"),
+                           "Where timelines, PNGs and summary.json go.")
+_MODES = flags.DEFINE_list("modes", ["colocated", "sync", "stream", "async"], "Modes to run.")
+_BLOCKS = flags.DEFINE_integer("blocks", 5, "Blocks: every arm runs once per block, in rotating order.")
+_WARMUP = flags.DEFINE_integer("warmup", 1, "Untimed iterations at the start of each arm's block.")
+_ITERATIONS = flags.DEFINE_integer("iterations", 2, "Timed iterations per arm and block.")
+_PROMPTS = flags.DEFINE_integer("prompts", 64, "trainer.prompts_per_iteration.")
+_MINI = flags.DEFINE_integer("mini_batch", 16, "trainer.mini_batch_size (= micro_batch_size).")
+_MAX_NUM_SEQS = flags.DEFINE_integer("max_num_seqs", 4, "generation.max_num_seqs: requests in flight per instance.")
+_MAX_TOKENS = flags.DEFINE_integer("max_tokens", 56, "generation.max_tokens.")
+_PPO_EPOCHS = flags.DEFINE_integer(
+    "ppo_epochs", 1, "trainer.ppo_epochs. One: every optimizer step of stream can overlap "
+    "generation (further epochs replay the mini-batches after it).")
+_OVERRIDES = flags.DEFINE_multi_string("override", [], "Extra config overrides, key=value (configs/ppo.py keys).")
+_PLOT = flags.DEFINE_bool("plot", True, "Draw the timeline PNGs.")
+_LOG_COMPILES = flags.DEFINE_bool("log_compiles", False, "Log every JAX compile after the precompile step.")
+_COLOC_THREADS = flags.DEFINE_integer(
+    "colocated_engine_threads", 1,
+    "torch threads of colocated's in-process engine (its JAX trainer uses both cores either way).")
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def now() -> float:
+  return time.perf_counter()
+
+
+def proc_cpu_s(pid: int | None) -> float:
+  """CPU seconds (user + system, all threads) a process has used so far."""
+  if pid is None:
+    return time.process_time()
+  try:
+    with open(f"/proc/{pid}/stat") as f:
+      fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+  except (OSError, IndexError, ValueError):
+    return float("nan")
+
+
+def rss_gib() -> float:
+  with open("/proc/self/status") as f:
+    kib = next(int(line.split()[1]) for line in f if line.startswith("VmRSS"))
+  return kib / 2**20
+
+
+def load_config():
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  from streamrl import config_utils  # pylint: disable=g-import-not-at-top
+  spec = importlib.util.spec_from_file_location("bench_ppo", os.path.join(REPO, "configs", "ppo.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  prompts, mini, blocks = _PROMPTS.value, _MINI.value, _BLOCKS.value
+  warm, iters = _WARMUP.value, _ITERATIONS.value
+  if _QUICK.value:
+    prompts, mini, blocks, warm, iters = 16, 8, 2, 1, 1
+  overrides = {
+      "trainer.prompts_per_iteration": prompts,
+      "trainer.mini_batch_size": mini,
+      "trainer.micro_batch_size": mini,
+      # One more than run: async starts generating the next batch during the
+      # last timed iteration, as in steady state. Same value in every mode
+      # (it sets the lr decay horizon).
+      "trainer.num_iterations": blocks * (warm + iters) + 1,
+      "trainer.ppo_epochs": _PPO_EPOCHS.value,
+      "generation.max_num_seqs": _MAX_NUM_SEQS.value,
+      "generation.max_tokens": _MAX_TOKENS.value,
+      "cluster.generator_cpus": 1,
+      "cluster.trainer_cpus": 1,
+      "log.progress": False,
+  }
+  config = config_utils.apply_overrides(module.get_config(), overrides)
+  config = config_utils.apply_overrides(config, list(_OVERRIDES.value))
+  from streamrl.train import validate  # pylint: disable=g-import-not-at-top
+  validate(config)
+  return config, blocks, warm, iters
+
+
+def with_mode(config, mode: str):
+  from streamrl import config_utils  # pylint: disable=g-import-not-at-top
+  return config_utils.apply_overrides(config, {"pipeline.mode": mode})
+
+
+class Workload:
+  """What every arm shares: examples, model dir, tokenizer, config."""
+
+  def __init__(self, config, workdir: str):
+    from streamrl import train  # pylint: disable=g-import-not-at-top
+    self.config = config
+    self.train_examples, _ = train.load_examples(config)
+    t0 = now()
+    self.model_dir = train.prepare_model_dir(config, workdir, self.train_examples)
+    print(f"policy: {self.model_dir} ({now() - t0:.0f} s)", flush=True)
+    self.tokenizer = train.Tokenizer(self.model_dir)
+    self._trainer = None
+    self._initial = None
+
+  def loader(self):
+    from streamrl.data.loader import PromptLoader  # pylint: disable=g-import-not-at-top
+    return PromptLoader(self.train_examples, self.config.trainer.prompts_per_iteration,
+                        seed=self.config.seed)
+
+  def rewarder(self):
+    from streamrl import train  # pylint: disable=g-import-not-at-top
+    from streamrl.data import rewards  # pylint: disable=g-import-not-at-top
+    return train.Rewarder(rewards.get_reward_fn(self.config.task.reward), self.tokenizer)
+
+  def trainer(self, config):
+    """The trainer, reset to the warm-started policy and a fresh optimizer.
+
+    One RLTrainer serves every arm, its state (actor, critic, optimizer
+    states, step) put back to a copy of the initial one each time: a new
+    RLTrainer would recompile its update step (the jit cache is keyed by the
+    optimizer objects, new for every trainer), and those compiles would land
+    in whichever iteration first meets each padded length.
+    """
+    import jax  # pylint: disable=g-import-not-at-top
+    import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+    if self._trainer is None:
+      from streamrl.models import hf  # pylint: disable=g-import-not-at-top
+      from streamrl.trainer.rl_trainer import RLTrainer  # pylint: disable=g-import-not-at-top
+      _, policy = hf.load_hf(self.model_dir)
+      self._trainer = RLTrainer(config, policy)
+      self._initial = jax.tree.map(jnp.copy, self._trainer.state)
+    t = self._trainer
+    t.config = config
+    t.state = jax.tree.map(jnp.copy, self._initial)
+    t.begin_iteration(snapshot=False)  # no snapshot left from a previous arm
+    return t
+
+  def trainer_object(self):
+    """The shared trainer as it is (each arm swaps its own state in)."""
+    return self._trainer
+
+  def batches(self, n: int):
+    """The first n prompt batches of the loader: what every mode generates."""
+    loader = self.loader()
+    return [next(loader) for _ in range(n)]
+
+
+# ----------------------------------------------------------------- CPU shares
+# The cores this process may use, before any pinning narrows its mask.
+_ALL_CORES = tuple(sorted(os.sched_getaffinity(0)))
+
+
+def all_cores() -> tuple[int, ...]:
+  return _ALL_CORES
+
+
+def unpin() -> None:
+  """Gives this process every core back, before each arm.
+
+  colocated must use both cores; and the disaggregated modes split "the
+  available cores" (cluster.plan_cpu_shares) as seen by this process, which
+  the previous mode's trainer pinning narrowed to the trainer's core.
+  """
+  from streamrl.pipeline import cluster  # pylint: disable=g-import-not-at-top
+  cluster.pin_process_threads(all_cores())
+
+
+def set_engine_threads(n: int) -> None:
+  """torch's thread count for the in-process (colocated) engine.
+
+  One by default: decoding the tiny policy gains nothing from a second
+  thread, and on a shared machine a 2-thread OpenMP team waits at every
+  barrier for whichever thread lost its core (measured here: the same
+  generation 10x slower and erratic). It must be set before the first engine
+  starts; vLLM's CPU worker forbids changing it afterwards.
+  """
+  import torch  # pylint: disable=g-import-not-at-top
+  if torch.get_num_threads() != n:
+    torch.set_num_threads(n)
+
+
+def pin_trainer(config) -> None:
+  from streamrl.pipeline import cluster  # pylint: disable=g-import-not-at-top
+  shares = cluster.plan_cpu_shares(config.cluster.generator_cpus, config.cluster.trainer_cpus,
+                                   all_cores())
+  cluster.bound_trainer_threads(shares.trainer_cores)
+
+
+# --------------------------------------------------------------- JIT warm-up
+def precompile(work: Workload, num_batches: int) -> None:
+  """Compiles the trainer's jitted functions for every padded length.
+
+  Mini-batches are padded to multiples of 32 tokens; a timed iteration that
+  meets a new length would pay a compile, and jit caches are per process,
+  so whichever mode ran first would pay for the others. Synthetic samples of
+  each length go through prepare (old / ref logprobs, values) and two
+  updates on the shared trainer, whose state is then reset.
+  """
+  from streamrl.generator.vllm_engine import Sample  # pylint: disable=g-import-not-at-top
+  from streamrl.trainer import experience  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  cfg = work.config
+  longest_prompt = max(len(work.tokenizer.encode_prompt(ex.prompt))
+                       for batch in work.batches(num_batches) for ex in batch)
+  top = experience.bucket_length(longest_prompt + cfg.generation.max_tokens)
+  trainer = work.trainer(cfg)
+  mb = cfg.trainer.mini_batch_size
+  full = cfg.trainer.prompts_per_iteration * cfg.algo.group_size
+  t0 = now()
+  for length in range(32, top + 1, 32):
+    resp = max(1, length - 2 - 1)
+    # sync / async / colocated prepare the whole batch (advantages over
+    # [full, L]); stream prepares one mini-batch at a time ([mb, L]).
+    for size in sorted({full, mb}):
+      samples = [Sample(prompt_id=i, prompt_token_ids=(1, 5), token_ids=(7,) * resp,
+                        logprobs=(-1.0,) * resp, finish_reason="length", weight_version=0,
+                        instance_id=0) for i in range(size)]
+      scores = np.linspace(0, 1, size, dtype=np.float32)
+      trainer.begin_iteration(snapshot=True)  # stream's path: scores with a snapshot
+      minis, _ = trainer.prepare(samples, scores)
+      trainer.begin_iteration(snapshot=False)
+      minis, _ = trainer.prepare(samples, scores)
+    # The first step of a fresh state and the later ones compile apart
+    # (their inputs' shardings differ): both, for every length.
+    trainer.train_minibatch(minis[0])
+    trainer.train_minibatch(minis[0])
+    trainer.state = jax.tree.map(jnp.copy, work._initial)  # pylint: disable=protected-access
+  trainer.hf_tensors()
+  print(f"precompiled trainer for lengths 32..{top} ({now() - t0:.0f} s)", flush=True)
+
+
+# ------------------------------------------------------------------ the arms
+class Arm:
+  """One mode: its trainer state, loader and measurements across blocks.
+
+  Each block builds the mode's pipeline (engine or Ray actor), loads the
+  arm's current weights into it the way a resumed run does
+  (`push_weights(trainer.hf_tensors(), version=next iteration)`), runs its
+  iterations and closes it, so only one engine holds memory at a time. All
+  arms share one RLTrainer object and swap their own state in.
+  """
+
+  def __init__(self, work: Workload, mode: str):
+    self.mode, self.work = mode, work
+    self.cfg = with_mode(work.config, mode)
+    self.state = work.trainer(self.cfg).state
+    self.loader, self.rewarder = work.loader(), work.rewarder()
+    self.next_it = 0
+    self.windows: list[tuple[int, float, float]] = []  # every iteration
+    self.timed: list[tuple[int, float, float]] = []
+    self.outs: list[dict] = []
+    self.intervals: list[tuple[str, float, float, str]] = []
+    self.cpu_this = self.cpu_gen = 0.0
+    self.startup_s: list[float] = []
+    self.digest_it0 = None
+    self.loads: list[float] = []
+
+  def run_block(self, n: int, untimed: int) -> None:
+    """n iterations in a row on a fresh pipeline; the first `untimed` are not timed."""
+    from streamrl.pipeline import make_pipeline  # pylint: disable=g-import-not-at-top
+    unpin()  # colocated uses both cores; the others split all cores afresh
+    trainer = self.work.trainer_object()
+    trainer.config, trainer.state = self.cfg, self.state
+    t0 = now()
+    pipe = make_pipeline(self.cfg, self.work.model_dir, trainer)
+    try:
+      if self.next_it:
+        pipe.push_weights(trainer.hf_tensors(), self.next_it)
+      self.startup_s.append(now() - t0)
+      print(f"  {self.mode:9s} pipeline up in {self.startup_s[-1]:.0f} s (untimed)", flush=True)
+      placement = getattr(pipe.backend, "placement", {})
+      gen_pid = placement[0]["pid"] if 0 in placement else None
+      self.loads.append(os.getloadavg()[0])
+      first_it, last_out = self.next_it, None
+      for j in range(n):
+        it = self.next_it
+        c0 = (time.process_time(), proc_cpu_s(gen_pid) if gen_pid else float("nan"))
+        start = now()
+        out = pipe.iteration(it, self.loader, self.work.tokenizer, self.rewarder)
+        end = now()
+        c1 = (time.process_time(), proc_cpu_s(gen_pid) if gen_pid else float("nan"))
+        self.windows.append((it, start, end))
+        if it == 0:
+          self.digest_it0 = digest(out["samples"])
+        if j >= untimed:
+          self.timed.append((it, start, end))
+          self.outs.append(out)
+          self.cpu_this += c1[0] - c0[0]
+          self.cpu_gen += c1[1] - c0[1]
+        s = out["scalars"]
+        print(f"  {self.mode:9s} it {it:2d}{'  untimed' if j < untimed else '         '}"
+              f" {end - start:6.2f} s  gen {s.get('time/generation_s', 0):5.2f} s  "
+              f"train {s.get('time/training_s', 0):5.2f} s  "
+              f"push {s.get('time/weight_update_s', 0):4.2f} s  "
+              f"mean len {s['response_length/mean']:4.1f}  staleness {s['staleness/mean']:.0f}",
+              flush=True)
+        self.next_it += 1
+        last_out = out
+      if self.mode == "async":
+        # Its read-ahead took the next batch from the loader; the next block
+        # generates that batch again, so every mode sees the same prompts.
+        self.loader.set_state(last_out["loader_state"])
+    finally:
+      pipe.close()
+      if self.mode == "colocated":
+        # LocalBackend.close() leaves the in-process engine (and its 1 GiB
+        # KV cache) alive until the process ends.
+        pipe.backend.engine._engine.engine_core.shutdown()  # pylint: disable=protected-access
+    pipe.sync_generator_intervals()
+    self.intervals += labelled_intervals(pipe.timeline.intervals,
+                                         [w for w in self.windows if w[0] >= first_it])
+    self.state = trainer.state
+
+  def result(self) -> dict:
+    from streamrl.pipeline.timeline import Timeline  # pylint: disable=g-import-not-at-top
+    tl = Timeline()
+    for iv in self.intervals:
+      tl.add(*iv)
+    wall = sum(e - s for _, s, e in self.timed)
+    n = sum(len(o["samples"]) for o in self.outs)
+    busy = {st: sum(tl.busy_seconds(st, s, e) for _, s, e in self.timed) for st in tl.stages()}
+    mean = lambda k: statistics.fmean(o["scalars"].get(k, 0.0) for o in self.outs)
+    per_iter = [len(o["samples"]) / (e - s) for o, (_, s, e) in zip(self.outs, self.timed)]
+    return {
+        "mode": self.mode, "samples": n, "wall_s": wall, "samples_per_s": n / wall,
+        "samples_per_s_per_iteration": per_iter,
+        "tokens_per_s": sum(sum(o["lengths"]) for o in self.outs) / wall,
+        "startup_s": self.startup_s, "digest_it0": self.digest_it0,
+        # Over the timed iterations: idle share of each stage, and cores' worth
+        # of CPU used by this process (the trainer; colocated: trainer +
+        # engine) and by the generator actor.
+        "bubbles": {st: 1.0 - b / wall for st, b in busy.items()},
+        "cpu_this": self.cpu_this / wall, "cpu_gen": self.cpu_gen / wall,
+        "staleness_mean": mean("staleness/mean"),
+        "generation_s": mean("time/generation_s"), "training_s": mean("time/training_s"),
+        "weight_update_s": mean("time/weight_update_s"),
+        "load": (min(self.loads), max(self.loads)),
+        "windows": self.windows, "timed": self.timed, "timeline": self.intervals,
+    }
+
+
+def digest(samples) -> str:
+  """Short hash of (request id, tokens) of a batch: equal batches, equal digests."""
+  import hashlib  # pylint: disable=g-import-not-at-top
+  h = hashlib.sha256()
+  for s in sorted(samples, key=lambda s: s.prompt_id):
+    h.update(repr((s.prompt_id, tuple(s.token_ids))).encode())
+  return h.hexdigest()[:8]
+
+
+def labelled_intervals(intervals, windows) -> list:
+  """One pipeline's intervals, each labelled with its iteration ("gen k",
+  "train k", "reward k"); `windows` are that pipeline's iterations."""
+  out, gen_count, first = [], {}, windows[0][0]
+  for stage, start, end, label in sorted(intervals, key=lambda x: x[1]):
+    if stage.startswith("generator"):
+      # One stream per instance per iteration, in order (async's read-ahead
+      # of the block's last iteration is the one after it).
+      k = gen_count.get(stage, 0)
+      gen_count[stage] = k + 1
+      label = f"gen {first + k}"
+    elif not re.search(r"\d+$", label or ""):
+      it = next((i for i, s, e in windows if s <= start < e), windows[-1][0])
+      label = f"{label or 'busy'} {it}"
+    out.append((stage, start, end, label))
+  return out
+
+
+class AloneArms:
+  """Generation alone and training alone, on the disaggregated shares.
+
+  Generation: one Ray generator instance on the generator core (started per
+  block, like the modes' instances), the same prompt batches and sampling
+  seeds as the modes, nothing else running. Training: the shared trainer (a
+  state of its own) pinned to the trainer core, training on those samples.
+  """
+
+  def __init__(self, work: Workload):
+    self.work = work
+    self.cfg = with_mode(work.config, "sync")
+    self.state = work.trainer(self.cfg).state
+    self.rewarder = work.rewarder()
+    self.loader = work.loader()
+    self.next_it = 0
+    self.gen = {"samples": 0, "wall_s": 0.0, "cpu": 0.0}
+    self.train = {"samples": 0, "wall_s": 0.0, "cpu": 0.0, "export_s": 0.0}
+    self.digest_it0 = None
+
+  def run_block(self, n: int, untimed: int) -> None:
+    import numpy as np  # pylint: disable=g-import-not-at-top
+    from streamrl import train  # pylint: disable=g-import-not-at-top
+    from streamrl.pipeline import backends, cluster  # pylint: disable=g-import-not-at-top
+    from streamrl.pipeline.service import StreamGenerationService  # pylint: disable=g-import-not-at-top
+    unpin()
+    info = cluster.init_ray_from_config(self.cfg)  # core shares planned over all cores
+    pin_trainer(self.cfg)  # this process stays off the generator's core
+    svc = StreamGenerationService(self.cfg, self.work.model_dir, cluster=info)
+    generated = []
+    try:
+      gen_pid = svc.placement[0]["pid"]
+      for j in range(n):
+        it = self.next_it
+        requests, by_id = train.make_requests(next(self.loader), self.work.tokenizer,
+                                              self.cfg.algo.group_size)
+        c0, t0 = proc_cpu_s(gen_pid), now()
+        samples = sorted(svc.generate(requests, backends.sampling_for(self.cfg, it)),
+                         key=lambda s: s.prompt_id)
+        t1, c1 = now(), proc_cpu_s(gen_pid)
+        if it == 0:
+          self.digest_it0 = digest(samples)
+        if j >= untimed:
+          self.gen["samples"] += len(samples)
+          self.gen["wall_s"] += t1 - t0
+          self.gen["cpu"] += c1 - c0
+        generated.append((it, samples, by_id))
+        self.next_it += 1
+    finally:
+      svc.close()
+    trainer = self.work.trainer_object()
+    trainer.config, trainer.state = self.cfg, self.state
+    for j, (it, samples, by_id) in enumerate(generated):
+      t0, c0 = now(), time.process_time()
+      scores, _ = self.rewarder(samples, by_id)
+      trainer.begin_iteration(snapshot=False)
+      minis, _ = trainer.prepare(samples, scores)
+      trainer.train(minis, np.random.default_rng([self.cfg.seed, it]))
+      t1, c1 = now(), time.process_time()
+      trainer.hf_tensors()
+      t2 = now()
+      if j >= untimed:
+        self.train["samples"] += len(samples)
+        self.train["wall_s"] += t1 - t0
+        self.train["cpu"] += c1 - c0
+        self.train["export_s"] += t2 - t1
+    self.state = trainer.state
+
+  def results(self) -> tuple[dict, dict]:
+    g, t = self.gen, self.train
+    gen = {"samples": g["samples"], "wall_s": g["wall_s"],
+           "samples_per_s": g["samples"] / g["wall_s"], "cpu_gen": g["cpu"] / g["wall_s"],
+           "digest_it0": self.digest_it0}
+    trn = {"samples": t["samples"], "wall_s": t["wall_s"],
+           "samples_per_s": t["samples"] / t["wall_s"], "cpu_this": t["cpu"] / t["wall_s"],
+           "samples_per_s_with_export": t["samples"] / (t["wall_s"] + t["export_s"])}
+    return gen, trn
+
+
+# ------------------------------------------------------------------- report
+def save_timeline(res: dict, out_dir: str) -> str:
+  from streamrl.pipeline.timeline import Timeline  # pylint: disable=g-import-not-at-top
+  tl = Timeline()
+  for stage, start, end, label in res["timeline"]:
+    tl.add(stage, start, end, label)
+  path = os.path.join(out_dir, f"timeline_{res['mode']}.json")
+  origin = res["windows"][0][1]
+  tl.to_json(path, origin=origin)
+  res["timeline_json"] = path
+  res["origin"] = origin
+  return path
+
+
+def main(argv):
+  del argv
+  absl_logging.set_verbosity(absl_logging.WARNING)
+  import logging  # pylint: disable=g-import-not-at-top
+  logging.getLogger("streamrl").setLevel(logging.WARNING)
+  config, blocks, warm, iters = load_config()
+  modes = list(_MODES.value)
+  for m in modes:
+    if m not in ("colocated", "sync", "stream", "async"):
+      raise app.UsageError(f"--modes has {m!r}; use colocated, sync, stream, async.")
+  os.makedirs(_OUT.value, exist_ok=True)
+  os.makedirs(_WORKDIR.value, exist_ok=True)
+  t_all = now()
+  print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at start", flush=True)
+  tr, g = config.trainer, config.generation
+  print(f"workload: {tr.prompts_per_iteration} prompts x {config.algo.group_size} samples/iteration, "
+        f"{config.algo.name} (critic={config.algo.use_critic}, reference={config.algo.use_reference}), "
+        f"mini-batch {tr.mini_batch_size}, ppo_epochs {tr.ppo_epochs}, max_num_seqs "
+        f"{g.max_num_seqs}, max_tokens {g.max_tokens}; {blocks} blocks of {warm} untimed + "
+        f"{iters} timed iterations per arm", flush=True)
+  work = Workload(config, _WORKDIR.value)
+  precompile(work, blocks * (warm + iters) + 1)
+  if _LOG_COMPILES.value:
+    import jax  # pylint: disable=g-import-not-at-top
+    jax.config.update("jax_log_compiles", True)
+    absl_logging.set_verbosity(absl_logging.INFO)
+
+  if "colocated" in modes:
+    set_engine_threads(_COLOC_THREADS.value)
+  arms = {m: Arm(work, m) for m in modes}
+  alone = AloneArms(work)
+  for b in range(blocks):
+    order = modes[b % len(modes):] + modes[:b % len(modes)]
+    print(f"--- block {b + 1}/{blocks}: {', '.join(order)}, alone "
+          f"(load {os.getloadavg()[0]:.1f}, rss {rss_gib():.1f} GiB)", flush=True)
+    for mode in order:
+      arms[mode].run_block(warm + iters, warm)
+    alone.run_block(warm + iters, warm)
+  results = {m: arms[m].result() for m in modes}
+  gen, trn = alone.results()
+
+  tput = {m: results[m]["samples_per_s"] for m in modes}
+  tput["gen_alone"], tput["train_alone"] = gen["samples_per_s"], trn["samples_per_s"]
+  base = tput.get("colocated")
+  limit = min(tput["gen_alone"], tput["train_alone"])
+
+  # Table.
+  stages = sorted({st for m in modes for st in results[m]["bubbles"]})
+  head = (f"{'mode':11s} {'samples/s':>9s} {'vs coloc':>8s} {'gen s':>6s} {'train s':>7s} "
+          f"{'push s':>6s} " + " ".join(f"{'idle:' + st:>15s}" for st in stages) +
+          f" {'staleness':>9s} {'cpu:this':>8s} {'cpu:gen':>7s} {'it0 digest':>10s}")
+  print("\n" + head)
+  print("-" * len(head))
+  for m in modes:
+    r = results[m]
+    ratio = f"{tput[m] / base:8.2f}" if base else f"{'-':>8s}"
+    print(f"{m:11s} {tput[m]:9.2f} {ratio} {r['generation_s']:6.2f} {r['training_s']:7.2f} "
+          f"{r['weight_update_s']:6.2f} "
+          + " ".join(f"{r['bubbles'].get(st, 1.0):15.2f}" for st in stages) +
+          f" {r['staleness_mean']:9.2f} {r['cpu_this']:8.2f} {r['cpu_gen']:7.2f} "
+          f"{r['digest_it0']:>10s}")
+  for k, name, res, cpu_k in (("gen_alone", "gen alone", gen, "cpu_gen"),
+                              ("train_alone", "train alone", trn, "cpu_this")):
+    ratio = f"{tput[k] / base:8.2f}" if base else f"{'-':>8s}"
+    extra = f"  it0 digest {gen['digest_it0']}" if k == "gen_alone" else ""
+    print(f"{name:11s} {tput[k]:9.2f} {ratio}   {cpu_k}={res[cpu_k]:.2f}{extra}")
+  print(f"train alone with the Flax->HF weight export: {trn['samples_per_s_with_export']:.2f} samples/s")
+  print("per timed iteration samples/s (median, min-max): " + "; ".join(
+      f"{m} {statistics.median(v):.0f} ({min(v):.0f}-{max(v):.0f})"
+      for m, v in ((m, results[m]["samples_per_s_per_iteration"]) for m in modes)))
+  loads = [x for m in modes for x in results[m]["load"]]
+  print(f"load average during the blocks: {min(loads):.1f}-{max(loads):.1f} (2 cores)")
+
+  # Timelines and pictures: the whole run per mode; the pictures show the
+  # last block.
+  summary = {"config": json.loads(config.to_json()), "throughput": tput, "modes": {},
+             "gen_alone": gen, "train_alone": trn}
+  for m in modes:
+    res = results[m]
+    save_timeline(res, _OUT.value)
+    last_block = res["windows"][-(warm + iters):]
+    res["plot_window"] = (last_block[0][1] - res["origin"], last_block[-1][2] - res["origin"])
+    res["timed_windows"] = [(i, s - res["origin"], e - res["origin"]) for i, s, e in res["timed"]]
+    summary["modes"][m] = {k: v for k, v in res.items() if k not in ("timeline", "windows", "timed")}
+  with open(os.path.join(_OUT.value, "summary.json"), "w") as f:
+    json.dump(summary, f, indent=1, default=str)
+  if _PLOT.value:
+    import plot_timeline  # pylint: disable=g-import-not-at-top  # experiments/ is on sys.path
+    pngs = plot_timeline.plot_summary(_OUT.value)
+    for p in pngs:
+      print(f"timeline picture: {p}")
+  print(f"total {now() - t_all:.0f} s, load average {os.getloadavg()[0]:.1f} at end", flush=True)
+
+  fmt = lambda m: f"{tput[m] / base:.2f}" if (base and m in tput) else "nan"
+  eff = tput["async"] / limit if "async" in tput else float("nan")
+  print(f"RESULT colocated={fmt('colocated')} sync={fmt('sync')} stream={fmt('stream')} "
+        f"async={fmt('async')} pipeline_efficiency={eff:.2f}")
+  import ray  # pylint: disable=g-import-not-at-top
+  if ray.is_initialized():
+    ray.shutdown()
+
+
+if __name__ == "__main__":
+  app.run(main)

