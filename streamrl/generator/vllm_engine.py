@@ -15,6 +15,7 @@ import itertools
 import json
 import logging
 import os
+import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
@@ -81,11 +82,16 @@ class WorkerExtension:
   `collective_rpc`: only a method name and bytes cross the process boundary,
   never a pickled function or a tensor."""
 
-  def streamrl_reload(self, payload: bytes) -> None:
-    """safetensors bytes (HF names) -> in-place reload of this worker's model."""
-    from safetensors.torch import load  # pylint: disable=g-import-not-at-top
-    tensors = load(payload)
-    self.reload_weights(weights_iterator=iter(tensors.items()))
+  def streamrl_reload(self, path: str) -> None:
+    """A safetensors file (HF names) -> in-place reload of this worker's model.
+
+    Tensors are read one at a time from the file (in /dev/shm), so the
+    update holds about one extra copy of the weights instead of one per
+    process the bytes would pass through over the RPC.
+    """
+    from safetensors import safe_open  # pylint: disable=g-import-not-at-top
+    with safe_open(path, "pt") as f:
+      self.reload_weights(weights_iterator=((k, f.get_tensor(k)) for k in f.keys()))
     # A tied LM head shares the embedding's parameter, so the reload skips
     # it; but on CPU its GEMM was prepacked from the old values at load time
     # and must be rebuilt, or sampling would use stale weights.
@@ -206,14 +212,18 @@ class GeneratorInstance:
     if self._in_flight:
       raise RuntimeError("update_weights called while requests are running; "
                          "finish or close the generate() stream first.")
-    from safetensors.numpy import save  # pylint: disable=g-import-not-at-top
+    from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
     new_version = self.weight_version + 1 if version is None else int(version)
     if new_version <= self.weight_version:
       raise ValueError(f"Weight version must increase: have {self.weight_version}, "
                        f"got {new_version}.")
-    payload = save({k: np.ascontiguousarray(v) for k, v in hf_tensors.items()})
-    # Bytes, not tensors: torch tensors don't survive the RPC to worker processes.
-    self._engine.collective_rpc("streamrl_reload", args=(payload,))
+    # A path, not tensors: torch tensors don't survive the RPC to worker
+    # processes, and bytes would be copied once per process on the way. The
+    # engine's workers are always on this host; /dev/shm keeps it in memory.
+    tmpdir = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    with tempfile.NamedTemporaryFile(suffix=".safetensors", dir=tmpdir) as f:
+      save_file({k: np.ascontiguousarray(v) for k, v in hf_tensors.items()}, f.name)
+      self._engine.collective_rpc("streamrl_reload", args=(f.name,))
     # KV computed with the old weights must never be reused.
     self._engine.reset_prefix_cache()
     self.weight_version = new_version

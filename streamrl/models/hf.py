@@ -90,7 +90,8 @@ def to_hf_tensors(model: Transformer, dtype=np.float32) -> dict[str, np.ndarray]
   """Flax policy -> {HF parameter name: numpy array}, ready for vLLM."""
   pure = nnx.to_pure_dict(nnx.state(model, nnx.Param))
   pure = jax.device_get(pure)
-  return {e.hf_name: np.ascontiguousarray(e.to_hf(np.asarray(_get(pure, e.path))).astype(dtype))
+  # One copy per tensor: transpose and cast in a single contiguous write.
+  return {e.hf_name: np.ascontiguousarray(e.to_hf(np.asarray(_get(pure, e.path))), dtype=dtype)
           for e in _layout(model.cfg)}
 
 
