@@ -1,6 +1,6 @@
 r"""Pipeline modes side by side: colocated, sync, stream, async on one workload.
 
-  python experiments/bench_modes.py [--quick] [--blocks=5] [--iterations=2]
+  python experiments/bench_modes.py [--quick] [--blocks=3] [--iterations=3]
 
 What runs (everything real: vLLM engines, Ray actors, the JAX trainer):
   * The tiny PPO policy of configs/ppo.py, warm-started once into
@@ -84,9 +84,9 @@ _WORKDIR = flags.DEFINE_string("workdir", "/tmp/streamrl_bench_modes", "Cache of
 _OUT = flags.DEFINE_string("out", os.path.join(os.path.dirname(os.path.abspath(__file__)), "out", "bench_modes"),
                            "Where timelines, PNGs and summary.json go.")
 _MODES = flags.DEFINE_list("modes", ["colocated", "sync", "stream", "async"], "Modes to run.")
-_BLOCKS = flags.DEFINE_integer("blocks", 5, "Blocks: every arm runs once per block, in rotating order.")
+_BLOCKS = flags.DEFINE_integer("blocks", 3, "Blocks: every arm runs once per block, in rotating order.")
 _WARMUP = flags.DEFINE_integer("warmup", 1, "Untimed iterations at the start of each arm's block.")
-_ITERATIONS = flags.DEFINE_integer("iterations", 2, "Timed iterations per arm and block.")
+_ITERATIONS = flags.DEFINE_integer("iterations", 3, "Timed iterations per arm and block.")
 _PROMPTS = flags.DEFINE_integer("prompts", 64, "trainer.prompts_per_iteration.")
 _MINI = flags.DEFINE_integer("mini_batch", 16, "trainer.mini_batch_size (= micro_batch_size).")
 _MAX_NUM_SEQS = flags.DEFINE_integer("max_num_seqs", 4, "generation.max_num_seqs: requests in flight per instance.")
@@ -408,6 +408,7 @@ class Arm:
         # engine) and by the generator actor.
         "bubbles": {st: 1.0 - b / wall for st, b in busy.items()},
         "cpu_this": self.cpu_this / wall, "cpu_gen": self.cpu_gen / wall,
+        "cpu_s_per_iteration": (self.cpu_this / len(self.timed), self.cpu_gen / len(self.timed)),
         "staleness_mean": mean("staleness/mean"),
         "generation_s": mean("time/generation_s"), "training_s": mean("time/training_s"),
         "weight_update_s": mean("time/weight_update_s"),
@@ -513,11 +514,14 @@ class AloneArms:
 
   def results(self) -> tuple[dict, dict]:
     g, t = self.gen, self.train
+    batch = self.cfg.trainer.prompts_per_iteration * self.cfg.algo.group_size
     gen = {"samples": g["samples"], "wall_s": g["wall_s"],
            "samples_per_s": g["samples"] / g["wall_s"], "cpu_gen": g["cpu"] / g["wall_s"],
+           "cpu_s_per_iteration": g["cpu"] * batch / g["samples"],
            "digest_it0": self.digest_it0}
     trn = {"samples": t["samples"], "wall_s": t["wall_s"],
            "samples_per_s": t["samples"] / t["wall_s"], "cpu_this": t["cpu"] / t["wall_s"],
+           "cpu_s_per_iteration": t["cpu"] * batch / t["samples"],
            "samples_per_s_with_export": t["samples"] / (t["wall_s"] + t["export_s"])}
     return gen, trn
 
@@ -603,21 +607,30 @@ def main(argv):
     extra = f"  it0 digest {gen['digest_it0']}" if k == "gen_alone" else ""
     print(f"{name:11s} {tput[k]:9.2f} {ratio}   {cpu_k}={res[cpu_k]:.2f}{extra}")
   print(f"train alone with the Flax->HF weight export: {trn['samples_per_s_with_export']:.2f} samples/s")
+  # CPU work per iteration does not depend on how much of a core the
+  # machine's other load left us: it shows where work grew, not time.
+  print("CPU seconds per timed iteration (this process / generator actor): " + "; ".join(
+      f"{m} {results[m]['cpu_s_per_iteration'][0]:.2f}/{results[m]['cpu_s_per_iteration'][1]:.2f}"
+      for m in modes) + f"; gen alone -/{gen['cpu_s_per_iteration']:.2f}; "
+      f"train alone {trn['cpu_s_per_iteration']:.2f}/-")
   print("per timed iteration samples/s (median, min-max): " + "; ".join(
       f"{m} {statistics.median(v):.0f} ({min(v):.0f}-{max(v):.0f})"
       for m, v in ((m, results[m]["samples_per_s_per_iteration"]) for m in modes)))
   loads = [x for m in modes for x in results[m]["load"]]
   print(f"load average during the blocks: {min(loads):.1f}-{max(loads):.1f} (2 cores)")
 
-  # Timelines and pictures: the whole run per mode; the pictures show the
-  # last block.
+  # Timelines: the whole run per mode; the pictures show the last block.
   summary = {"config": json.loads(config.to_json()), "throughput": tput, "modes": {},
              "gen_alone": gen, "train_alone": trn}
   for m in modes:
     res = results[m]
     save_timeline(res, _OUT.value)
-    last_block = res["windows"][-(warm + iters):]
-    res["plot_window"] = (last_block[0][1] - res["origin"], last_block[-1][2] - res["origin"])
+    # The last block's timed iterations (its untimed first one, on a fresh
+    # engine, is slow and would squeeze the rest), with a margin before.
+    last_timed = res["timed"][-iters:]
+    span = last_timed[-1][2] - last_timed[0][1]
+    res["plot_window"] = (max(last_timed[0][1] - 0.15 * span, res["windows"][-(warm + iters)][1])
+                          - res["origin"], last_timed[-1][2] - res["origin"])
     res["timed_windows"] = [(i, s - res["origin"], e - res["origin"]) for i, s, e in res["timed"]]
     summary["modes"][m] = {k: v for k, v in res.items() if k not in ("timeline", "windows", "timed")}
   with open(os.path.join(_OUT.value, "summary.json"), "w") as f:

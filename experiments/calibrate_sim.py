@@ -55,6 +55,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from absl import app, flags, logging as absl_logging  # noqa: E402
 
 MODES = ("colocated", "sync", "stream", "async")
+# Modes whose generation and training run at the same time.
+OVERLAPPING = ("stream", "async")
 
 _QUICK = flags.DEFINE_bool("quick", False, "Small workload (16 prompts, colocated + sync, 1+2 iterations).")
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/streamrl_bench_modes",
@@ -63,7 +65,7 @@ _OUT = flags.DEFINE_string("out", os.path.join(os.path.dirname(os.path.abspath(_
                                                "calibrate_sim"), "Where the JSON files go.")
 _MODES = flags.DEFINE_list("modes", list(MODES), "Modes to run (--quick: colocated,sync).")
 _WARMUP = flags.DEFINE_integer("warmup", 1, "Untimed iterations per mode.")
-_ITERATIONS = flags.DEFINE_integer("iterations", 4, "Timed iterations per mode.")
+_ITERATIONS = flags.DEFINE_integer("iterations", 8, "Timed iterations per mode.")
 _PROMPTS = flags.DEFINE_integer("prompts", 64, "trainer.prompts_per_iteration.")
 _MINI = flags.DEFINE_integer("mini_batch", 16, "trainer.mini_batch_size (= micro_batch_size).")
 _MAX_NUM_SEQS = flags.DEFINE_integer("max_num_seqs", 4, "generation.max_num_seqs: requests in flight.")
@@ -250,7 +252,7 @@ def run_pipeline(work: Workload, mode: str, warm: int, iters: int, between=None)
 
   Each iteration's wall time is taken around `pipe.iteration`; throughput is
   samples / summed wall time of the timed iterations. between(pipe, it,
-  timed), if given, runs after every iteration, outside those times: each
+  timed, samples), if given, runs after every iteration, outside those times: each
   iteration of colocated / sync / stream starts and ends with nothing in
   flight, so the gaps change nothing else (async overlaps iterations: no
   gaps there, its iterations follow each other back to back).
@@ -278,7 +280,7 @@ def run_pipeline(work: Workload, mode: str, warm: int, iters: int, between=None)
       outs.append(out)
       walls.append(t1 - t0)
     if between is not None:
-      between(pipe, it, it >= warm)
+      between(pipe, it, it >= warm, out["samples"])
   n = sum(len(o["samples"]) for o in outs)
   mean = lambda key: statistics.fmean(o["scalars"].get(key, 0.0) for o in outs)
   res = {"mode": mode, "samples": n, "wall_s": sum(walls), "iteration_walls": walls,
@@ -289,6 +291,7 @@ def run_pipeline(work: Workload, mode: str, warm: int, iters: int, between=None)
          "weight_update_s": mean("time/weight_update_s"),
          "output_lens": [len(s.token_ids) for o in outs for s in o["samples"]],
          "prompt_lens": [len(s.prompt_token_ids) for o in outs for s in o["samples"]]}
+  res["_samples"] = {it: o["samples"] for it, o in zip(range(warm, warm + iters), outs)}
   return res, pipe
 
 
@@ -303,13 +306,21 @@ def drain(pipe) -> None:
 class Components:
   """Generator alone and trainer alone, one batch at a time (a `between` hook).
 
-  For the batch of iteration `it` (same requests, order, in-flight cap and
-  sampling seeds as the pipeline's), on the mode's own generator (in-process
-  engine or Ray actor) and its trainer (on the cores the mode gave it):
-    gen:  the whole batch generated, nothing else running -> seconds;
-    fwd:  reward + prepare (old / ref logprobs, values, advantages) on those
-          samples -> seconds per token of prompt + output;
-    upd:  train (every PPO epoch over every mini-batch) -> seconds per token.
+  For iteration `it`, on the mode's own generator (in-process engine or Ray
+  actor) and its trainer (on the cores the mode gave it):
+    gen:  the iteration's batch generated again (same requests, order,
+          in-flight cap and sampling seeds), nothing else running -> seconds,
+          and the lengths in admission order (for the per-request cost);
+    fwd:  the trainer's per-sample work on the pipeline's own samples of that
+          iteration: reward + old / ref logprobs, values, advantages ->
+          seconds per token of prompt + output;
+    upd:  its updates (every PPO epoch over every mini-batch) -> seconds per token.
+  The trainer works on the pipeline's samples, not the regenerated ones: its
+  cost follows the padded lengths of the mini-batches, so the same samples
+  give the same cost the pipeline met. For `stream` the trainer does what
+  the stream trainer does (reward per sample, a snapshot, prepare and one
+  update per mini-batch as samples arrive, the other epochs after); for the
+  other modes what `train_batch` does.
   The parts run one after the other, each alone; how they overlap (or not)
   in each mode is what the simulator adds. No weights are pushed here, so the
   generator keeps the pipeline's weight versions (`measure_transfer` times
@@ -324,31 +335,123 @@ class Components:
     self.rewarder = work.rewarder()
     self.per_batch: list[dict] = []
 
-  def __call__(self, pipe, it: int, timed: bool) -> None:
-    import numpy as np  # pylint: disable=g-import-not-at-top
+  def __call__(self, pipe, it: int, timed: bool, pipeline_samples) -> None:
     from streamrl import train  # pylint: disable=g-import-not-at-top
     from streamrl.pipeline.backends import sampling_for  # pylint: disable=g-import-not-at-top
-    cfg, trainer = self.cfg, pipe.trainer
+    cfg = self.cfg
     requests, by_id = train.make_requests(self.batches[it], self.work.tokenizer, cfg.algo.group_size)
     t0 = now()
-    samples = sorted(pipe.backend.generate(requests, sampling_for(cfg, it)),
-                     key=lambda s: s.prompt_id)
-    t1 = now()
+    regenerated = list(pipe.backend.generate(requests, sampling_for(cfg, it)))
+    gen_s = now() - t0
+    fwd_s, upd_s = self._trainer(pipe.trainer, it, pipeline_samples, by_id)
+    rec = {"it": it, "gen_s": gen_s, "fwd_s": fwd_s, "upd_s": upd_s,
+           "tokens": sum(len(s.prompt_token_ids) + len(s.token_ids) for s in pipeline_samples),
+           **self._admission_lengths(requests, regenerated)}
+    if self.mode in OVERLAPPING:
+      rec["contended"] = self._concurrent(pipe, it, requests, pipeline_samples, by_id)
+    rec["load"] = load()
+    if timed:
+      self.per_batch.append(rec)
+
+  def _trainer(self, trainer, it, samples, by_id) -> tuple[float, float]:
+    if self.mode == "stream":
+      return self._stream_trainer(trainer, it, samples, by_id)
+    return self._batch_trainer(trainer, it, samples, by_id)
+
+  @staticmethod
+  def _admission_lengths(requests, samples) -> dict:
+    by_rid = {s.prompt_id: s for s in samples}
+    order = [by_rid[rid] for rid, _ in requests]
+    return {"prompt_lens": [len(s.prompt_token_ids) for s in order],
+            "output_lens": [len(s.token_ids) for s in order]}
+
+  def _concurrent(self, pipe, it, requests, samples, by_id) -> dict:
+    """The same generation and trainer work again, at the same time.
+
+    In stream and async the two sides run together, and on this machine they
+    are not isolated (two cores, shared with other jobs; the sample hand-off
+    runs in the trainer's process): this measures each side's speed while the
+    other runs. The generation is consumed in a thread of this process, as
+    async's generation thread does.
+    """
+    import threading  # pylint: disable=g-import-not-at-top
+    from streamrl.pipeline.backends import sampling_for  # pylint: disable=g-import-not-at-top
+    out = {}
+
+    def generate():
+      t0 = now()
+      out["samples"] = list(pipe.backend.generate(requests, sampling_for(self.cfg, it)))
+      out["gen_s"] = now() - t0
+
+    thread = threading.Thread(target=generate, name="calibrate-generate")
+    thread.start()
+    fwd_s, upd_s = self._trainer(pipe.trainer, it, samples, by_id)
+    thread.join()
+    return {"gen_s": out["gen_s"], "fwd_s": fwd_s, "upd_s": upd_s,
+            **self._admission_lengths(requests, out["samples"])}
+
+  def _batch_trainer(self, trainer, it, samples, by_id) -> tuple[float, float]:
+    """What Pipeline.train_batch does (colocated, sync, async)."""
+    import numpy as np  # pylint: disable=g-import-not-at-top
+    t0 = now()
     scores, _ = self.rewarder(samples, by_id)
     trainer.begin_iteration(snapshot=False)
     minis, _ = trainer.prepare(samples, scores)
-    t2 = now()
-    trainer.train(minis, np.random.default_rng([cfg.seed, it]))
-    t3 = now()
-    if not timed:
-      return
-    by_rid = {s.prompt_id: s for s in samples}
-    order = [by_rid[rid] for rid, _ in requests]  # admission order
-    self.per_batch.append({
-        "it": it, "gen_s": t1 - t0, "fwd_s": t2 - t1, "upd_s": t3 - t2,
-        "tokens": sum(len(s.prompt_token_ids) + len(s.token_ids) for s in samples),
-        "prompt_lens": [len(s.prompt_token_ids) for s in order],
-        "output_lens": [len(s.token_ids) for s in order], "load": load()})
+    t1 = now()
+    trainer.train(minis, np.random.default_rng([self.cfg.seed, it]))  # blocks on its metrics
+    return t1 - t0, now() - t1
+
+  def _stream_trainer(self, trainer, it, samples, by_id) -> tuple[float, float]:
+    """What StreamPipeline does with the samples, in the order they finish.
+
+    The finish order is the continuous-batching order of the pipeline's own
+    lengths (admission by request id, `max_num_seqs` in flight), replayed by
+    the simulator with a unit step cost: only the order matters here.
+    """
+    import jax  # pylint: disable=g-import-not-at-top
+    import numpy as np  # pylint: disable=g-import-not-at-top
+    from streamrl.sim.costs import GenCostModel  # pylint: disable=g-import-not-at-top
+    from streamrl.sim.engine import simulate_generation  # pylint: disable=g-import-not-at-top
+    cfg = self.cfg
+    ordered = sorted(samples, key=lambda s: s.prompt_id)
+    unit = GenCostModel(step_fixed_s=1.0, per_seq_s=0.0, per_ctx_token_s=0.0,
+                        prefill_s_per_token=0.0, kv_capacity_tokens=float("inf"),
+                        max_num_seqs=cfg.generation.max_num_seqs)
+    finish = simulate_generation(unit, 1, [len(s.prompt_token_ids) for s in ordered],
+                                 [len(s.token_ids) for s in ordered],
+                                 queues=[list(range(len(ordered)))],
+                                 caps=[cfg.generation.max_num_seqs]).finish_times
+    arrival = [ordered[i] for i in np.argsort(finish, kind="stable")]
+    group, mb = cfg.algo.group_size, trainer.mini_batch_size
+    fwd = upd = 0.0
+    t0 = now()
+    trainer.begin_iteration(snapshot=True)
+    fwd += now() - t0
+    groups, ready, minis = {}, [], []
+    for s in arrival:
+      t0 = now()
+      score, _ = self.rewarder([s], by_id)
+      g = groups.setdefault(s.prompt_id // group, [])
+      g.append((s, float(score[0])))
+      if len(g) == group:
+        ready.extend(sorted(groups.pop(s.prompt_id // group), key=lambda x: x[0].prompt_id))
+      fwd += now() - t0
+      while len(ready) >= mb:
+        batch, ready = ready[:mb], ready[mb:]
+        t0 = now()
+        part, _ = trainer.prepare([x[0] for x in batch], np.array([x[1] for x in batch], np.float32))
+        t1 = now()
+        for m in part:
+          jax.block_until_ready(trainer.train_minibatch(m))
+        fwd, upd = fwd + t1 - t0, upd + now() - t1
+        minis.extend(part)
+    rng = np.random.default_rng([cfg.seed, it])
+    t0 = now()
+    for _ in range(trainer.ppo_epochs - 1):
+      for j in rng.permutation(len(minis)):
+        jax.block_until_ready(trainer.train_minibatch(minis[j]))
+    trainer.begin_iteration(snapshot=False)
+    return fwd, upd + now() - t0
 
 
 def measure_transfer(pipe, version: int, reps: int = 3) -> list[float]:
@@ -377,8 +480,11 @@ def measure_generator(work: Workload, prompt_len: int, path: str):
 
 
 def cost_models(mode: str, profile, per_batch: list[dict], transfer: list[float], cap: int,
-                mean_prompt_len: float, stat: str) -> dict:
+                mean_prompt_len: float, stat: str, condition: str = "isolated") -> dict:
   """The simulator's inputs from the measurements, with `stat` = "mean" or "median".
+
+  condition: "isolated" uses the generator-alone and trainer-alone timings;
+  "contended" those taken with both sides running at once (stream, async).
 
   generator: the PTL profile, plus a per-request cost from the generator-
     alone runs: the profile's two-length slope cancels everything that does
@@ -400,6 +506,8 @@ def cost_models(mode: str, profile, per_batch: list[dict], transfer: list[float]
   from streamrl.sim.engine import simulate_generation  # pylint: disable=g-import-not-at-top
   gen_only, _ = from_measured(profile, {"fwd_s_per_token": 0.0, "upd_s_per_token": 0.0},
                               max_num_seqs=cap)
+  if condition == "contended":
+    per_batch = [{**b, **b["contended"]} for b in per_batch]
   sim = [simulate_generation(gen_only, 1, b["prompt_lens"], b["output_lens"],
                              queues=[list(range(len(b["output_lens"])))], caps=[cap]).makespan
          for b in per_batch]
@@ -422,7 +530,7 @@ def cost_models(mode: str, profile, per_batch: list[dict], transfer: list[float]
   with_req = dataclasses.replace(
       profile, prefill_s_per_token=profile.prefill_s_per_token + max(req, 0.0) / mean_prompt_len,
       name=f"{profile.name}+request")
-  trainer = {"name": f"tiny/jax-cpu/{mode}/{stat}", "fwd_s_per_token": fwd_t,
+  trainer = {"name": f"tiny/jax-cpu/{mode}/{condition}/{stat}", "fwd_s_per_token": fwd_t,
              "upd_s_per_token": upd_t, "fwd_overhead_s": 0.0, "update_overhead_s": 0.0}
   return {"profile": with_req.to_dict(), "profile_ptl_only": profile.to_dict(), "trainer": trainer,
           "transfer_s": xfer, "per_request_s_raw": req, "gen_alone_s": gen_alone,
@@ -434,16 +542,16 @@ def run_arm(work: Workload, mode: str, warm: int, iters: int, out_dir: str) -> d
   and the PTL profile after."""
   cfg = work.config
   comp = Components(work, mode, work.batches(warm + iters))
-  # async overlaps iterations, so its components run after its pipeline
-  # (warm-up batch first, untimed); the others' run after each iteration.
+  # async overlaps iterations, so its components run after its pipeline;
+  # the others' run after each iteration (after the warm-up one untimed).
   interleave = mode != "async"
   res, pipe = run_pipeline(work, mode, warm, iters, between=comp if interleave else None)
   t0 = now()
   try:
     drain(pipe)
     if not interleave:
-      for it in range(max(warm - 1, 0), warm + iters):
-        comp(pipe, it, it >= warm)
+      for it in range(warm, warm + iters):
+        comp(pipe, it, True, res["_samples"][it])
     # Versions above every one the pipeline used.
     res["transfer_times"] = measure_transfer(pipe, cfg.trainer.num_iterations + 10)
   finally:
@@ -452,6 +560,7 @@ def run_arm(work: Workload, mode: str, warm: int, iters: int, out_dir: str) -> d
   gc.collect()
   res["components_s"] = now() - t0
   res["per_batch"] = comp.per_batch
+  del res["_samples"]
   # PTL profile: colocated's engine is still up; the Ray generator is gone
   # now, and an in-process one (one thread, on the generator's share of
   # cores) starts for the profile.
@@ -466,20 +575,26 @@ def run_arm(work: Workload, mode: str, warm: int, iters: int, out_dir: str) -> d
   work.close_local()
   res["profile_s"] = now() - t0
   cap = cfg.generation.max_num_seqs
-  res["costs"] = {stat: cost_models(mode, profile, comp.per_batch, res["transfer_times"], cap,
-                                    mean_prompt, stat) for stat in ("mean", "median")}
+  conditions = ("isolated", "contended") if mode in OVERLAPPING else ("isolated",)
+  res["costs"] = {
+      cond: {stat: cost_models(mode, profile, comp.per_batch, res["transfer_times"], cap,
+                               mean_prompt, stat, cond) for stat in ("mean", "median")}
+      for cond in conditions}
+  # What the prediction uses: the two sides' speeds as they run in this mode.
+  res["condition"] = conditions[-1]
   with open(os.path.join(out_dir, f"trainer_{mode}.json"), "w") as f:
-    json.dump(res["costs"]["mean"]["trainer"], f, indent=1)
+    json.dump(res["costs"][res["condition"]]["mean"]["trainer"], f, indent=1)
   res["load_after"] = load()
   return res
 
 
 # ----------------------------------------------------------------- predict
-def predict(res: dict, config, stat: str = "mean", profile_key: str = "profile") -> dict:
+def predict(res: dict, config, stat: str = "mean", profile_key: str = "profile",
+            condition: str | None = None) -> dict:
   from streamrl.sim.calibrate import predict_local_throughput  # pylint: disable=g-import-not-at-top
   tr = config.trainer
   batch = tr.prompts_per_iteration * config.algo.group_size
-  c = res["costs"][stat]
+  c = res["costs"][condition or res["condition"]][stat]
   return predict_local_throughput(
       c[profile_key], c["trainer"], res["mode"], output_lens=res["output_lens"],
       prompt_lens=res["prompt_lens"], batch_size=batch, num_instances=1,
@@ -487,46 +602,53 @@ def predict(res: dict, config, stat: str = "mean", profile_key: str = "profile")
       transfer_s=c["transfer_s"], iterations=_SIM_ITERATIONS.value, seed=config.seed)
 
 
-def report(runs: dict, config, iters: int) -> list:
+def report(runs: dict, config) -> list:
   rows = []
   for mode, res in runs.items():
     pred = predict(res, config, "mean")
     pred_med = predict(res, config, "median")
     only = predict(res, config, "mean", "profile_ptl_only")
-    res["predicted"], res["predicted_median"], res["predicted_ptl_only"] = pred, pred_med, only
-    res["rel_err"] = pred["samples_per_s"] / res["samples_per_s"] - 1.0
-    res["rel_err_median"] = pred_med["samples_per_s"] / res["samples_per_s_median"] - 1.0
-    res["rel_err_ptl_only"] = only["samples_per_s"] / res["samples_per_s"] - 1.0
+    iso = predict(res, config, "mean", condition="isolated")
+    res["predicted"], res["predicted_median"] = pred, pred_med
+    res["predicted_ptl_only"], res["predicted_isolated"] = only, iso
+    err = lambda p, m: p["samples_per_s"] / m - 1.0
+    res["rel_err"] = err(pred, res["samples_per_s"])
+    res["rel_err_median"] = err(pred_med, res["samples_per_s_median"])
+    res["rel_err_ptl_only"] = err(only, res["samples_per_s"])
+    res["rel_err_isolated"] = err(iso, res["samples_per_s"])
     rows.append(mode)
 
-  head = (f"{'mode':9s} {'measured':>8s} {'predicted':>9s} {'rel err':>7s} | {'median':>6s} "
-          f"{'pred':>6s} {'rel err':>7s} | {'PTL only':>8s} | {'gen: pipe':>9s} {'alone':>5s} "
-          f"{'sim':>5s} | {'train: pipe':>11s} {'alone':>5s} {'sim':>5s} | {'push':>5s} {'xfer':>5s} | "
-          f"{'req ms':>6s} {'out len':>7s} {'load':>9s}")
+  head = (f"{'mode':9s} {'costs':9s} {'measured':>8s} {'predicted':>9s} {'rel err':>7s} | "
+          f"{'median':>6s} {'pred':>6s} {'rel err':>7s} | {'isolated':>8s} {'PTL only':>8s} | "
+          f"{'gen: pipe':>9s} {'alone':>5s} {'sim':>5s} | {'train: pipe':>11s} {'alone':>5s} "
+          f"{'sim':>5s} | {'push':>5s} {'xfer':>5s} | {'req ms':>6s} {'out len':>7s} {'load':>9s}")
   print("\n" + head)
   print("-" * len(head))
   for mode in rows:
     res = runs[mode]
-    c, pred = res["costs"]["mean"], res["predicted"]
-    print(f"{mode:9s} {res['samples_per_s']:8.2f} {pred['samples_per_s']:9.2f} "
+    c, pred = res["costs"][res["condition"]]["mean"], res["predicted"]
+    print(f"{mode:9s} {res['condition']:9s} {res['samples_per_s']:8.2f} {pred['samples_per_s']:9.2f} "
           f"{100 * res['rel_err']:+6.1f}% | {res['samples_per_s_median']:6.2f} "
           f"{res['predicted_median']['samples_per_s']:6.2f} {100 * res['rel_err_median']:+6.1f}% | "
-          f"{100 * res['rel_err_ptl_only']:+7.1f}% | {res['generation_s']:9.3f} "
-          f"{c['gen_alone_s']:5.3f} {pred['gen_s']:5.3f} | {res['training_s']:11.3f} "
-          f"{c['train_alone_s']:5.3f} {pred['train_s']:5.3f} | {res['weight_update_s']:5.3f} "
-          f"{c['transfer_s']:5.3f} | {1e3 * c['per_request_s_raw']:6.2f} "
+          f"{100 * res['rel_err_isolated']:+7.1f}% {100 * res['rel_err_ptl_only']:+7.1f}% | "
+          f"{res['generation_s']:9.3f} {c['gen_alone_s']:5.3f} {pred['gen_s']:5.3f} | "
+          f"{res['training_s']:11.3f} {c['train_alone_s']:5.3f} {pred['train_s']:5.3f} | "
+          f"{res['weight_update_s']:5.3f} {c['transfer_s']:5.3f} | {1e3 * c['per_request_s_raw']:6.2f} "
           f"{statistics.fmean(res['output_lens']):7.1f} {res['load'][0]:4.1f}-{res['load_after']:4.1f}")
   print("""
 measured: samples / summed wall time of the timed iterations; predicted: the simulator
-  (streamrl.sim.calibrate.predict_local_throughput) with the measured cost models, mean over
+  (streamrl.sim.calibrate.predict_local_throughput) with the measured cost models, summed over
   the batches. median / pred: batch / median iteration time, against the prediction from
-  per-batch medians of every cost. PTL only: the mean prediction without the per-request
-  generator cost.
-gen / train: seconds per iteration in the pipeline (its own timers), alone (generator-alone
-  and trainer-alone runs of the same batches), and in the simulator (generation phase, trainer
-  busy time). push: the pipeline's weight update; xfer: the measured blocking push the
-  simulator gets. req ms: per-request generator cost (generator alone minus the PTL-profile
-  replay of the same lengths, per request; raw, floored at 0 when used).""")
+  per-batch medians of every cost. costs: which measurements the prediction uses, isolated
+  (each side alone) or contended (both sides at once, for the modes that overlap them);
+  isolated / PTL only: the error with the isolated costs, and with the isolated costs but
+  without the per-request generator cost.
+gen / train: seconds per iteration in the pipeline (its own timers: stream's count the
+  training done while consuming the stream as generation, and its push waits for updates still
+  running), measured alone (or contended), and in the simulator (generation phase, trainer busy
+  time). push: the pipeline's weight update; xfer: the measured blocking push the simulator
+  gets. req ms: per-request generator cost (generator time minus the PTL-profile replay of the
+  same lengths, per request; raw, floored at 0 when used).""")
   return rows
 
 
@@ -563,21 +685,22 @@ def main(argv):
     for mode in modes:
       res = run_arm(work, mode, warm, iters, _OUT.value)
       runs[mode] = res
-      c = res["costs"]["mean"]
+      c = res["costs"][res["condition"]]["mean"]
       p, t = c["profile_ptl_only"], c["trainer"]
       print(f"  {mode}: {res['samples_per_s']:.2f} samples/s (start-up {res['startup_s']:.0f} s, "
             f"measurements {res['components_s'] + res['profile_s']:.0f} s); PTL "
             f"{', '.join(f'{b}:{1e3 * x:.2f}' for b, x in zip(p['batch_sizes'], p['ptl_s']))} ms, "
             f"prefill {1e6 * p['prefill_s_per_token']:.1f} us/token, request "
             f"{1e3 * c['per_request_s_raw']:.2f} ms; trainer fwd {1e6 * t['fwd_s_per_token']:.0f} + upd "
-            f"{1e6 * t['upd_s_per_token']:.0f} us/token; transfer {c['transfer_s']:.3f} s", flush=True)
+            f"{1e6 * t['upd_s_per_token']:.0f} us/token ({res['condition']}); transfer "
+            f"{c['transfer_s']:.3f} s; load {load():.1f}", flush=True)
   finally:
     work.close_local()
     import ray  # pylint: disable=g-import-not-at-top
     if ray.is_initialized():
       ray.shutdown()
 
-  rows = report(runs, config, iters)
+  rows = report(runs, config)
   summary = {"config": json.loads(config.to_json()), "modes": runs,
              "load_end": load(), "total_s": now() - t_all}
   with open(os.path.join(_OUT.value, "summary.json"), "w") as f:
