@@ -60,6 +60,11 @@ Ends with
   RESULT colocated=1.00 sync=<x> stream=<x> async=<x> pipeline_efficiency=<x>
 (mode throughputs / colocated's; efficiency = async / min(generation alone,
 training alone)).
+
+Measured on the shared 2-core machine (about 5 min; the numbers move with
+the other agents' load, so compare runs only at similar load):
+  load 5-8:  RESULT colocated=1.00 sync=0.92 stream=0.84 async=1.22 pipeline_efficiency=0.86
+  load 6-17: RESULT colocated=1.00 sync=0.78 stream=0.52 async=0.85 pipeline_efficiency=0.47
 """
 
 import json
