@@ -78,8 +78,13 @@ class ClusterInfo:
   resources: dict
 
 
+# Read once at import: pinning the trainer later narrows this process's own
+# affinity, and a second pipeline must still see every core.
+_CORES_AT_START = tuple(sorted(os.sched_getaffinity(0)))
+
+
 def available_cores() -> tuple[int, ...]:
-  return tuple(sorted(os.sched_getaffinity(0)))
+  return _CORES_AT_START
 
 
 def plan_cpu_shares(generator_cpus: int, trainer_cpus: int,

@@ -26,6 +26,7 @@ import collections
 import queue
 import threading
 
+import jax
 import numpy as np
 
 from streamrl.pipeline import base
@@ -53,7 +54,8 @@ class StreamPipeline(base.Pipeline):
         sc = np.array([x[1] for x in batch], np.float32)
         part, prep = self.trainer.prepare([x[0] for x in batch], sc)
         for m in part:
-          train_all.append(self.trainer.train_minibatch(m))
+          # Wait for the device: the busy interval must cover the compute, not the dispatch.
+          train_all.append(jax.block_until_ready(self.trainer.train_minibatch(m)))
         minis.extend(part)
         prep_all.append(prep)
       train_s += base.now() - start
