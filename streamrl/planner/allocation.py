@@ -28,7 +28,7 @@ import numpy as np
 from streamrl.sim import costs
 from streamrl.sim.costs import GenCostModel, GpuSpec, ModelSpec, TrainCostModel
 from streamrl.sim.engine import simulate_generation
-from streamrl.sim.systems import SystemCalibration
+from streamrl.sim.systems import SystemCalibration, gen_cost
 
 OBJECTIVES = ("throughput", "throughput_per_cost")
 
@@ -123,8 +123,7 @@ class StageEstimator:
     return costs.default_tp(self.w.model, self.gpu(gpu_name))
 
   def gen_cost(self, gpu_name: str) -> GenCostModel:
-    return GenCostModel.for_deployment(self.w.model, self.gpu(gpu_name), self.w.calib.gen,
-                                       tp=self.tp(gpu_name))
+    return gen_cost(self.w.model, self.gpu(gpu_name), self.w.calib, self.w.lengths, tp=self.tp(gpu_name))
 
   def gen_time(self, gpu_name: str, num_gpus: int) -> float:
     key = (gpu_name, num_gpus)
@@ -137,7 +136,8 @@ class StageEstimator:
         gen = self.gen_cost(gpu_name)
         times = [simulate_generation(gen, n_inst, p, o, scheduler=self.w.scheduler,
                                      ranker_sigma=self.w.calib.ranker_sigma, recent_lengths=self._recent,
-                                     objective=self.w.calib.dispatch_objective, seed=self.w.seed + i).makespan
+                                     objective=self.w.calib.dispatch_objective, seed=self.w.seed + i,
+                                     latency_model=self.w.calib.dispatch_latency_model).makespan
                  for i, (p, o) in enumerate(self._draws)]
         self._gen[key] = float(np.mean(times))
     return self._gen[key]

@@ -289,6 +289,14 @@ class GenCostModel:
     prefill_s_per_token: s per prompt token prefilled.
     kv_capacity_tokens: KV-cache capacity of the instance, tokens.
     max_num_seqs: cap on sequences in flight.
+    reserve_output_tokens: admission policy. 0 (vLLM): a sequence is admitted
+      when its prompt fits in the free KV cache; when the cache fills up the
+      newest sequence is preempted and recomputed later. > 0 (reserving
+      engines, e.g. TensorRT-LLM's guaranteed-no-evict scheduler): a sequence
+      is admitted only if its prompt plus this many output tokens fit next to
+      the reservations of the sequences already running, so nothing is ever
+      preempted but fewer sequences run at once (with the maximum output
+      length reserved, at most capacity / (prompt + max_output) of them).
     gpus: GPUs per instance (TP).
     gpu: GPU type name (for costs); "" for measured models.
     name: label.
@@ -303,14 +311,24 @@ class GenCostModel:
   gpus: int = 1
   gpu: str = ""
   name: str = ""
+  reserve_output_tokens: float = 0.0
 
   def __post_init__(self):
+    if not (self.reserve_output_tokens >= 0 and math.isfinite(self.reserve_output_tokens)):
+      raise ValueError(f"reserve_output_tokens must be a finite number >= 0, got {self.reserve_output_tokens}.")
     if not (self.step_fixed_s > 0 and self.per_seq_s >= 0 and self.per_ctx_token_s >= 0
             and self.prefill_s_per_token >= 0):
       raise ValueError("generation cost terms must be >= 0 (and the fixed step cost > 0).")
     if not self.kv_capacity_tokens > 0:
       raise ValueError(f"{self.name or 'instance'}: the weights leave no memory for the KV cache; "
                        "use a larger tensor-parallel degree.")
+
+  def max_concurrent(self, prompt_tokens: float) -> int:
+    """Sequences of `prompt_tokens` that can run at once (engine cap and KV reservations)."""
+    if self.reserve_output_tokens <= 0:
+      return self.max_num_seqs
+    fit = int(self.kv_capacity_tokens // (prompt_tokens + 1 + self.reserve_output_tokens))
+    return max(1, min(self.max_num_seqs, fit))
 
   def step_time(self, batch: float, context_sum: float) -> float:
     return self.step_fixed_s + self.per_seq_s * batch + self.per_ctx_token_s * context_sum

@@ -77,6 +77,9 @@ class SimConfig:
     ranker_sigma: log-space noise of the simulated ranker (0 = oracle).
     alpha: long-tail fraction for Algorithm 2.
     dispatch_objective: "sum" (the paper) or "makespan".
+    dispatch_latency_model: Algorithm 2's latency estimate, "paper"
+      (PTL(BS) * L_avg * ceil(M / BS)) or "simulate" (continuous batching
+      replayed per instance); see streamrl.scheduling.dispatch.
     transfer_s: weight transfer (or colocated reshard) seconds per update.
     max_staleness: async only; generation j uses weights of j-1-max_staleness.
     seed: all randomness derives from it.
@@ -96,6 +99,7 @@ class SimConfig:
   ranker_sigma: float = 0.0
   alpha: float = 0.2
   dispatch_objective: str = "sum"
+  dispatch_latency_model: str = "paper"
   transfer_s: float = 0.0
   max_staleness: int = 1
   seed: int = 0
@@ -186,7 +190,7 @@ class SimResult:
 
 
 class _Instance:
-  __slots__ = ("idx", "t", "k", "S", "B", "heap", "stack", "queue", "cap", "version", "active",
+  __slots__ = ("idx", "t", "k", "S", "B", "R", "heap", "stack", "queue", "cap", "version", "active",
                "start_t", "done_t")
 
   def __init__(self, idx: int):
@@ -206,6 +210,7 @@ class _GenPhase:
     self.instances: list[_Instance] = []
     self.preemptions = 0
     self.kv_limit = gen.kv_capacity_tokens * (1.0 - _KV_WATERMARK)
+    self.reserve = float(gen.reserve_output_tokens)
 
   def start(self, t: float, prompt_lens: Sequence[int], output_lens: Sequence[int],
             queues: Sequence[Sequence[int]], caps: Sequence[int]) -> None:
@@ -220,7 +225,7 @@ class _GenPhase:
     self.running = [False] * len(self.ctx0)
     self.n_active = 0
     for inst, q, cap in zip(self.instances[:n], queues, caps):
-      inst.t, inst.k, inst.S, inst.B = t, 0, 0.0, 0
+      inst.t, inst.k, inst.S, inst.B, inst.R = t, 0, 0.0, 0, 0.0
       inst.heap, inst.stack = [], []
       inst.queue = collections.deque(q)
       inst.cap = max(1, min(int(cap), self.gen.max_num_seqs))
@@ -246,6 +251,8 @@ class _GenPhase:
       need = ctx0[sid] + 1
       if inst.B > 0 and inst.S + need > self.kv_limit:
         break  # Wait for a finish to free KV blocks (head-of-line, like vLLM).
+      if self.reserve > 0 and inst.B > 0 and inst.R + need + self.reserve > self.gen.kv_capacity_tokens:
+        break  # Reserving engine: wait until a finish releases a reservation.
       if need + rem[sid] > self.gen.kv_capacity_tokens:
         raise ValueError(f"a sequence of {need + rem[sid]} tokens does not fit in the KV cache of "
                          f"{self.gen.name or 'an instance'} ({self.gen.kv_capacity_tokens:.0f} tokens); "
@@ -257,6 +264,7 @@ class _GenPhase:
       heapq.heappush(inst.heap, (inst.k + rem[sid], sid))
       inst.stack.append(sid)
       inst.S += ctx0[sid]
+      inst.R += need + self.reserve
       inst.B += 1
       prefill += ctx0[sid]
     inst.t += prefill * self.gen.prefill_s_per_token
@@ -301,6 +309,7 @@ class _GenPhase:
         self.running[sid] = False
         inst.B -= 1
         inst.S -= self.ctx0[sid] + (inst.k - self.admit_k[sid])
+        inst.R -= self.ctx0[sid] + 1 + self.reserve
         finished.append(sid)
     else:
       # KV cache full: preempt the newest sequence; it recomputes its context later.
@@ -312,6 +321,7 @@ class _GenPhase:
       self.running[sid] = False
       inst.B -= 1
       inst.S -= self.ctx0[sid] + generated
+      inst.R -= self.ctx0[sid] + 1 + self.reserve
       self.ctx0[sid] += generated
       self.remaining[sid] -= generated
       inst.queue.appendleft(sid)
@@ -345,7 +355,8 @@ class _GenPhase:
 def _plan_queues(config: SimConfig, j: int, n_inst: int, prompt: np.ndarray, out: np.ndarray,
                  recent: np.ndarray) -> tuple[tuple, tuple]:
   """Prompt queues per instance via the project's scheduler."""
-  max_bs = config.gen.max_num_seqs
+  # The most sequences an instance runs at once (KV reservations included).
+  max_bs = config.gen.max_concurrent(float(np.mean(prompt)))
   if config.scheduler == "fifo":
     plan = fifo_plan(len(out), n_inst, max_bs, seed=_mix(config.seed, j, 2))
   else:
@@ -354,7 +365,8 @@ def _plan_queues(config: SimConfig, j: int, n_inst: int, prompt: np.ndarray, out
     ctx = float(np.mean(prompt)) + 0.5 * float(np.mean(recent))
     profile = config.gen.latency_profile(ctx)
     plan = dispatch(np.exp(scores), n_inst, profile, recent, alpha=config.alpha,
-                    objective=config.dispatch_objective, max_batch_size=max_bs)
+                    objective=config.dispatch_objective, max_batch_size=max_bs,
+                    latency_model=config.dispatch_latency_model)
   return plan.assignments, plan.batch_sizes
 
 
@@ -586,6 +598,7 @@ def simulate_generation(gen: GenCostModel, num_instances: int, prompt_lens: Sequ
                         output_lens: Sequence[int], *, scheduler: str = "fifo",
                         ranker_sigma: float = 0.0, recent_lengths: Sequence[int] | None = None,
                         alpha: float = 0.2, objective: str = "sum", seed: int = 0,
+                        latency_model: str = "paper",
                         queues: Sequence[Sequence[int]] | None = None,
                         caps: Sequence[int] | None = None) -> GenResult:
   """Generation of one batch on `num_instances` instances (no trainer).
@@ -601,7 +614,7 @@ def simulate_generation(gen: GenCostModel, num_instances: int, prompt_lens: Sequ
     raise ValueError("prompt and output lengths must be positive.")
   if queues is None:
     cfg_like = _GenOnly(gen=gen, scheduler=scheduler, ranker_sigma=ranker_sigma, alpha=alpha,
-                        dispatch_objective=objective, seed=seed)
+                        dispatch_objective=objective, seed=seed, dispatch_latency_model=latency_model)
     recent = out if recent_lengths is None else np.asarray(recent_lengths)
     queues, caps = _plan_queues(cfg_like, 0, num_instances, prompt, out, recent)
   elif caps is None:
@@ -641,3 +654,4 @@ class _GenOnly:
   alpha: float
   dispatch_objective: str
   seed: int
+  dispatch_latency_model: str = "paper"

@@ -22,7 +22,7 @@ from streamrl.sim import costs
 from streamrl.sim.engine import SimResult, simulate, simulate_generation
 from streamrl.sim.lengths import paper_lengths
 from streamrl.sim.ranker_model import sigma_for_recall
-from streamrl.sim.systems import SystemCalibration, disaggregated_config, system_config
+from streamrl.sim.systems import SystemCalibration, disaggregated_config, gen_cost, system_config
 
 FIG8_SYSTEMS = ("verl", "colocation", "streamrl_sync", "streamrl_async")
 LENGTHS = {"5K": 5120, "10K": 10240, "20K": 20480}
@@ -161,22 +161,29 @@ def _ratio_errors(cell: CellResult, ref: dict, systems: Sequence[str]) -> dict:
 
 def fig9_latencies(model_name: str, calib: SystemCalibration, gen_gpus: int, *, length: int = 20480,
                    draws: int = 4, seed: int = 0) -> dict:
-  """Mean generation makespan (s) with random FIFO, ranker-driven skew, oracle skew."""
+  """Mean generation makespan (s) with random FIFO, ranker-driven skew, oracle skew.
+
+  Also "floor": the longest sample of each draw decoded alone (batch 1), a
+  lower bound on any schedule's makespan.
+  """
   model = costs.MODELS[model_name]
   gpu = costs.GPUS["H800"]
-  gen = costs.GenCostModel.for_deployment(model, gpu, calib.gen)
-  n_inst = gen_gpus // gen.gpus
   dist = paper_lengths(length)
-  out = {"fifo": [], "streamrl": [], "oracle": []}
+  gen = gen_cost(model, gpu, calib, dist)
+  n_inst = gen_gpus // gen.gpus
+  out = {"fifo": [], "streamrl": [], "oracle": [], "floor": []}
   for d in range(draws):
     rng = np.random.default_rng([seed, 900, d])
     p, o = dist.sample(rng, 1024)
     recent = dist.sample(rng, 1024)[1]
-    kw = dict(recent_lengths=recent, objective=calib.dispatch_objective, seed=seed + d)
+    kw = dict(recent_lengths=recent, objective=calib.dispatch_objective, seed=seed + d,
+              latency_model=calib.dispatch_latency_model)
     out["fifo"].append(simulate_generation(gen, n_inst, p, o, scheduler="fifo", **kw).makespan)
     out["streamrl"].append(simulate_generation(gen, n_inst, p, o, scheduler="skew",
                                                ranker_sigma=calib.ranker_sigma, **kw).makespan)
     out["oracle"].append(simulate_generation(gen, n_inst, p, o, scheduler="skew", ranker_sigma=0.0, **kw).makespan)
+    i = int(np.argmax(o))
+    out["floor"].append(gen.prefill_s_per_token * p[i] + gen.decode_time(1, float(p[i]), int(o[i])))
   return {k: float(np.mean(v)) for k, v in out.items()}
 
 

@@ -38,6 +38,12 @@ class SystemCalibration:
     num_minibatches: PPO mini-batches per iteration (verl's default 1024/256).
     dispatch_objective: Algorithm 2 objective ("makespan" is the project
       dispatcher's default; the paper prints "sum").
+    dispatch_latency_model: Algorithm 2's latency estimate ("paper" formula
+      or "simulate": continuous batching replayed per instance).
+    reserve_max_output: engine admission policy. False: vLLM (admit on the
+      prompt, preempt when the KV cache fills). True: every sequence reserves
+      KV for the maximum output length when admitted (no preemption ever),
+      which caps the sequences in flight at capacity / (prompt + max_output).
   """
 
   gen: GenCalibration
@@ -48,6 +54,24 @@ class SystemCalibration:
   num_minibatches: int = 4
   dispatch_objective: str = "makespan"
   critic: bool = True
+  dispatch_latency_model: str = "paper"
+  reserve_max_output: bool = False
+
+
+def max_output_of(lengths) -> int:
+  """Largest output length a distribution (or a per-iteration tuple of them) can produce."""
+  if isinstance(lengths, (tuple, list)):
+    return max(int(d.max_output) for d in lengths)
+  return int(lengths.max_output)
+
+
+def gen_cost(model: ModelSpec, gpu: GpuSpec, calib: SystemCalibration, lengths, *, tp: int | None = None,
+             reserved_bytes_per_gpu: float = 0.0) -> GenCostModel:
+  """One generator instance under `calib` (decode model and admission policy) for `lengths`."""
+  gen = GenCostModel.for_deployment(model, gpu, calib.gen, tp=tp, reserved_bytes_per_gpu=reserved_bytes_per_gpu)
+  if calib.reserve_max_output:
+    gen = dataclasses.replace(gen, reserve_output_tokens=float(max_output_of(lengths)))
+  return gen
 
 
 def colocated_config(model: ModelSpec, gpu: GpuSpec, num_gpus: int, lengths, calib: SystemCalibration, *,
@@ -62,7 +86,8 @@ def colocated_config(model: ModelSpec, gpu: GpuSpec, num_gpus: int, lengths, cal
   # state stays resident and shrinks the KV cache.
   reserved = 0.0 if calib.offload_gb_s else costs.colocated_state_bytes_per_gpu(
       model, num_gpus, critic=calib.critic)
-  gen = GenCostModel.for_deployment(model, gpu, gcal, tp=tp, reserved_bytes_per_gpu=reserved)
+  gen = gen_cost(model, gpu, dataclasses.replace(calib, gen=gcal), lengths, tp=tp,
+                 reserved_bytes_per_gpu=reserved)
   train = TrainCostModel.for_gpu(model, gpu, calib.mfu, critic=calib.critic)
   switch = costs.colocated_switch_seconds(model, gpu, tp, num_gpus, offload_gb_s=calib.offload_gb_s,
                                           critic=calib.critic)
@@ -70,7 +95,7 @@ def colocated_config(model: ModelSpec, gpu: GpuSpec, num_gpus: int, lengths, cal
                    train=train, num_train_gpus=num_gpus, lengths=lengths, batch_size=batch_size,
                    num_minibatches=calib.num_minibatches, iterations=iterations, scheduler=scheduler,
                    ranker_sigma=calib.ranker_sigma, dispatch_objective=calib.dispatch_objective,
-                   transfer_s=switch, seed=seed)
+                   dispatch_latency_model=calib.dispatch_latency_model, transfer_s=switch, seed=seed)
 
 
 def disaggregated_config(mode: str, model: ModelSpec, gen_gpu: GpuSpec, gen_gpus: int, train_gpu: GpuSpec,
@@ -81,7 +106,7 @@ def disaggregated_config(mode: str, model: ModelSpec, gen_gpu: GpuSpec, gen_gpus
   tp = costs.default_tp(model, gen_gpu) if tp is None else tp
   if gen_gpus < tp:
     raise ValueError(f"{gen_gpus} generation GPUs cannot hold one {model.name} instance of TP{tp}.")
-  gen = GenCostModel.for_deployment(model, gen_gpu, calib.gen, tp=tp)
+  gen = gen_cost(model, gen_gpu, calib, lengths, tp=tp)
   train = TrainCostModel.for_gpu(model, train_gpu, calib.mfu, critic=calib.critic)
   transfer = costs.weight_transfer_seconds(
       model, gen_gpus, gen_gpu.gpus_per_machine,
@@ -89,7 +114,8 @@ def disaggregated_config(mode: str, model: ModelSpec, gen_gpu: GpuSpec, gen_gpus
   return SimConfig(mode=mode, gen=gen, num_instances=gen_gpus // tp, train=train, num_train_gpus=train_gpus,
                    lengths=lengths, batch_size=batch_size, num_minibatches=calib.num_minibatches,
                    iterations=iterations, scheduler=scheduler, ranker_sigma=calib.ranker_sigma,
-                   dispatch_objective=calib.dispatch_objective, transfer_s=transfer, seed=seed)
+                   dispatch_objective=calib.dispatch_objective,
+                   dispatch_latency_model=calib.dispatch_latency_model, transfer_s=transfer, seed=seed)
 
 
 def system_config(system: str, model: ModelSpec, gpu: GpuSpec, num_gpus: int, lengths,
