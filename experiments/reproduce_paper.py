@@ -11,10 +11,20 @@ hetero/homog ratio of cost-normalised throughput.
 
 Calibration (all printed with their source): the decode model from the
 paper's Fig. 7 curve plus hardware specs; the ranker noise from Table 4;
+generator admission reserves KV for the maximum output per sequence
+(--reserve_max_output, no preemption; False gives vLLM-style admission);
 then three parameters fitted on the 7B cells of Fig. 8 only — training MFU
 and colocation's offload bandwidth (on the sync/async-vs-colocation ratios),
 and verl's per-step decode overhead (on verl-vs-colocation). 32B and 72B are
-held out. Takes a few minutes on two cores.
+held out. Takes about 30 s on two cores.
+
+Measured (seed 0, 4 iterations): RESULT fig8_max_rel_err=0.320
+table3_max_abs_err=0.215 fig9_max_abs_err=0.142 fig12_max_rel_err=0.114
+(goals 0.15 / 0.08 / 0.08 / 0.15; before max-output reservation:
+0.313 / 0.177 / 0.293 / 0.111). Fig. 9's ranker column is within 0.04 of
+the paper for every model; its oracle column, Fig. 8 (verl 32B 10K/20K,
+async 32B 5K) and Table 3 stay above their goals, with the reasons in the
+report's "Unmet goals" section.
 """
 
 import dataclasses
@@ -188,6 +198,15 @@ def table3(ref, cal, rep, iters, seed, out):
     errs.append(abs(r[s] - pt[k]))
     rows.append([k, f"{r[s]:.3f}", f"{pt[k]:.2f}", f"{errs[-1]:.3f}"])
   rep.table(["row", "simulated", "paper", "abs err"], rows)
+  co, asy = c.results["colocation"].iterations[-1], c.results["streamrl_async"].iterations[-1]
+  switch = c.results["colocation"].config.transfer_s
+  rep.p(f"\ncolocation iteration: generation {co.gen_time:.0f} s (128 GPUs) + training {co.train_busy:.0f} s + "
+        f"switch {switch:.0f} s; StreamRL-async: generation {asy.gen_time:.0f} s ({c.gen_gpus} GPUs), training "
+        f"{asy.train_busy:.0f} s ({paper.MODEL_GPUS['qwen2.5-72b'] - c.gen_gpus} GPUs). Generation is bound by "
+        "the longest samples on either GPU count, so async / colocation is about (T_gen + T_train(128) + switch) "
+        f"/ T_gen = {(co.gen_time + co.train_busy + switch) / asy.gen_time:.2f}; the paper's "
+        f"{pt['+asynchronous']} needs training + switch of {(pt['+asynchronous'] - 1):.2f} x T_gen on 128 GPUs "
+        f"(simulated {(co.train_busy + switch) / asy.gen_time:.2f} x, with the MFU fitted on 7B).")
   fig, ax = plt.subplots(figsize=(6, 3.5))
   x = np.arange(len(pairs))
   ax.bar(x - 0.2, [r[s] for s, _ in pairs], 0.4, label="simulated")
@@ -412,6 +431,31 @@ def main(argv):
   rep.p(f"fig8_max_rel_err={fig8_err:.3f} (goal 0.15), table3_max_abs_err={t3_err:.3f} (goal 0.08), "
         f"fig9_max_abs_err={f9_err:.3f} (goal 0.08), fig12_max_rel_err={f12_err:.3f} (goal 0.15); "
         f"total {time.time() - t0:.0f} s")
+  notes = []
+  if fig8_err > 0.15:
+    notes.append("Fig. 8: the largest errors are verl on 32B 10K/20K (the paper's verl/colocation ratios 0.69, "
+                 "1.00, 0.95 for 32B cannot all be met by one per-system parameter: see the consistency line "
+                 "under Fig. 8) and StreamRL-async on 32B 5K (the paper's async gain at 5K is 1.64 for 7B, "
+                 "1.26 for 32B, 1.78 for 72B: not monotone in model size, which one MFU and one decode model "
+                 "cannot follow).")
+  if t3_err > 0.08:
+    notes.append("Table 3: see the line under the table: simulated generation is bound by the longest "
+                 "samples whatever the GPU count, so disaggregation gains only the training time colocation "
+                 "adds; the paper's gains need a slower colocated trainer/switch than the 7B-fitted MFU and "
+                 "offload bandwidth give on 72B.")
+  if f9_err > 0.08:
+    notes.append("Fig. 9: with reserving admission FIFO instances run in waves (more waves for 32B: 40 "
+                 "sequences in flight for 102 prompts per instance), which gives the paper's ordering "
+                 "(32B gains most); the floor column shows the paper's oracle is reachable in principle, but "
+                 "Algorithm 2 puts the whole top 20 % on the long-tail instances, where tens of sequences at "
+                 "10-20K context read several GB of KV cache per step: far above Fig. 7's short-context PTL. "
+                 "The simulated oracle therefore gains little over the ranker.")
+  if f12_err > 0.15:
+    notes.append("Fig. 12: above the goal.")
+  if notes:
+    rep.h("Unmet goals: why")
+    for n in notes:
+      rep.p(f"- {n}")
   rep.save(os.path.join(out, "report.md"))
   print(f"wrote {out}/report.md and plots")
   print(f"RESULT fig8_max_rel_err={fig8_err:.4f} table3_max_abs_err={t3_err:.4f} "
