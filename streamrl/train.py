@@ -47,6 +47,11 @@ def validate(config) -> None:
     raise ValueError(
         f"prompts_per_iteration * group_size = {n} is not a multiple of "
         f"trainer.mini_batch_size={tr.mini_batch_size}; change one of them.")
+  if config.pipeline.mode == "stream" and tr.mini_batch_size % algo.group_size:
+    raise ValueError(
+        f"pipeline.mode='stream' trains whole groups as they finish, so "
+        f"trainer.mini_batch_size={tr.mini_batch_size} must be a multiple of "
+        f"algo.group_size={algo.group_size}.")
   if tr.mini_batch_size % tr.micro_batch_size:
     raise ValueError(f"trainer.mini_batch_size={tr.mini_batch_size} is not a multiple of "
                      f"trainer.micro_batch_size={tr.micro_batch_size}.")

@@ -1,13 +1,16 @@
 """`stream` and `async`: generation and training overlap.
 
-stream (on-policy, dynamic batches): samples are rewarded and scored as they
-arrive; as soon as `mini_batch_size` samples (whole groups, for GRPO) are in,
-an optimizer step runs on them while generation goes on. Weights are pushed
-after the iteration, so every sample of the next iteration is on-policy.
-What differs from `sync`: a mini-batch holds samples in arrival order (short
-ones first) rather than a length-sorted / shuffled split, and advantage
-whitening uses the mini-batch's statistics, not the whole batch's. With
-`mini_batch_size` equal to the whole batch both give the same update
+stream (on-policy, dynamic batches): samples are rewarded as they arrive and
+collected by `LengthBatcher` into per-length buckets; as soon as a bucket
+holds `mini_batch_size` samples (whole groups, for GRPO) they are scored
+(old / reference logprobs, values) and an optimizer step runs on them while
+generation goes on. Weights are pushed after the iteration, so every sample
+of the next iteration is on-policy. What differs from `sync`: a mini-batch
+holds samples of one length bucket in arrival order (sync sorts the whole
+batch by length and cuts it), the mini-batches are trained in the order they
+fill (short ones first, since they finish first) rather than shuffled, and
+advantage whitening uses the mini-batch's statistics, not the whole batch's.
+With `mini_batch_size` equal to the whole batch both give the same update
 (tests/pipeline/test_modes.py checks it). Extra PPO epochs replay the
 mini-batches after generation ends.
 
@@ -30,6 +33,57 @@ import jax
 import numpy as np
 
 from streamrl.pipeline import base
+from streamrl.trainer import experience
+
+
+class LengthBatcher:
+  """Turns arriving groups into mini-batches of similar padded length.
+
+  A group (the samples of one prompt: one for PPO, group_size for GRPO) goes
+  to the bucket of its longest sample's padded length
+  (`experience.bucket_length`, the shapes the jitted step sees); a bucket
+  that holds `size` samples becomes a mini-batch at once. Taking mini-batches
+  in plain arrival order would pad most of them to the longest sample that
+  happened to arrive with them (on the tiny task: 64-96 tokens instead of 32).
+  When the stream ends, `flush` sorts what is left by length and cuts it into
+  mini-batches, so the number of optimizer steps equals sync's.
+  `size` must be a multiple of the group size (train.validate checks it).
+  """
+
+  def __init__(self, size: int, group_size: int = 1):
+    if size % group_size:
+      raise ValueError(f"mini-batch size {size} is not a multiple of group size {group_size}.")
+    self.size = size
+    self._buckets: dict[int, list] = collections.defaultdict(list)
+
+  @staticmethod
+  def length(item) -> int:
+    sample = item[0]
+    return len(sample.prompt_token_ids) + len(sample.token_ids)
+
+  def add(self, group: list) -> list[list]:
+    """Adds one whole group of (sample, score) items; returns full mini-batches."""
+    key = experience.bucket_length(max(self.length(x) for x in group))
+    bucket = self._buckets[key]
+    bucket.extend(group)
+    out = []
+    while len(bucket) >= self.size:
+      out.append(bucket[:self.size])
+      del bucket[:self.size]
+    return out
+
+  def pending(self) -> int:
+    return sum(len(b) for b in self._buckets.values())
+
+  def flush(self) -> list[list]:
+    """What the buckets still hold, as length-sorted mini-batches."""
+    left = [x for key in sorted(self._buckets) for x in self._buckets[key]]
+    self._buckets.clear()
+    if len(left) % self.size:
+      raise RuntimeError(f"{len(left)} samples are left outside a full mini-batch of "
+                         f"{self.size}; prompts_per_iteration * group_size must be a multiple "
+                         "of mini_batch_size.")
+    return [left[i:i + self.size] for i in range(0, len(left), self.size)]
 
 
 class StreamPipeline(base.Pipeline):
@@ -43,7 +97,7 @@ class StreamPipeline(base.Pipeline):
     t0 = base.now()
     self.trainer.begin_iteration(snapshot=True)
     groups: dict[int, list] = collections.defaultdict(list)
-    ready: list = []
+    batcher = LengthBatcher(mb, group)
     minis, prep_all, train_all, samples, scores_all, correct_all = [], [], [], [], [], []
     train_s = 0.0
 
@@ -60,7 +114,9 @@ class StreamPipeline(base.Pipeline):
         prep_all.append(prep)
       train_s += base.now() - start
 
+    t_last = t0  # when the last sample was taken from the stream
     for s in self.generate_round(requests, by_id, it):
+      t_last = base.now()
       with self.timeline.busy(base.TRAINER, "reward"):
         score, correct = rewarder([s], by_id)
       samples.append(s)
@@ -70,16 +126,16 @@ class StreamPipeline(base.Pipeline):
       g.append((s, float(score[0])))
       if len(g) == group:
         # GRPO needs whole groups; keep each group's samples in id order.
-        ready.extend(sorted(groups.pop(s.prompt_id // group), key=lambda x: x[0].prompt_id))
-      while len(ready) >= mb:
-        batch, ready = ready[:mb], ready[mb:]
-        train_on(batch)
-    t1 = base.now()
+        for batch in batcher.add(sorted(groups.pop(s.prompt_id // group),
+                                        key=lambda x: x[0].prompt_id)):
+          train_on(batch)
+    if groups:
+      raise RuntimeError(f"Iteration {it} ended with {len(groups)} incomplete groups; "
+                         "a generator returned fewer samples than requested.")
     self.observe(samples)
-    if ready or groups:
-      raise RuntimeError(f"Iteration {it} ended with {len(ready)} samples outside a full "
-                         "mini-batch; prompts_per_iteration * group_size must be a multiple "
-                         "of mini_batch_size.")
+    for batch in batcher.flush():
+      train_on(batch)
+    t1 = base.now()
     rng = np.random.default_rng([cfg.seed, it])
     for _ in range(self.trainer.ppo_epochs - 1):
       with self.timeline.busy(base.TRAINER, f"epoch {it}"):
@@ -91,7 +147,7 @@ class StreamPipeline(base.Pipeline):
     t3 = base.now()
     prep = {k: float(np.mean([p[k] for p in prep_all])) for k in prep_all[0]}
     train_metrics = {k: float(np.mean([float(m[k]) for m in train_all])) for k in train_all[0]}
-    times = {"generation_s": t1 - t0, "training_s": train_s + (t2 - t1),
+    times = {"generation_s": t_last - t0, "training_s": train_s + (t2 - t1),
              "weight_update_s": t3 - t2}
     order = np.argsort([s.prompt_id for s in samples])
     samples = [samples[i] for i in order]
