@@ -352,18 +352,27 @@ class _GenPhase:
     return sum(inst.done_t - inst.start_t for inst in self.instances[:self.num_used])
 
 
+def dispatch_inputs(gen: GenCostModel, prompt: np.ndarray, recent: np.ndarray):
+  """(max_batch_size, PTL profile) the simulator hands to Algorithm 2.
+
+  max_batch_size: the most sequences an instance runs at once (engine cap and
+  KV reservations, at the batch's mean prompt). The profile is PTL(BS) at a
+  per-sequence context of the mean prompt plus half the mean recent output.
+  """
+  max_bs = gen.max_concurrent(float(np.mean(prompt)))
+  ctx = float(np.mean(prompt)) + 0.5 * float(np.mean(recent))
+  return max_bs, gen.latency_profile(ctx)
+
+
 def _plan_queues(config: SimConfig, j: int, n_inst: int, prompt: np.ndarray, out: np.ndarray,
                  recent: np.ndarray) -> tuple[tuple, tuple]:
   """Prompt queues per instance via the project's scheduler."""
-  # The most sequences an instance runs at once (KV reservations included).
-  max_bs = config.gen.max_concurrent(float(np.mean(prompt)))
+  max_bs, profile = dispatch_inputs(config.gen, prompt, recent)
   if config.scheduler == "fifo":
     plan = fifo_plan(len(out), n_inst, max_bs, seed=_mix(config.seed, j, 2))
   else:
     rng = np.random.default_rng([config.seed, j, 1])
     scores = noisy_scores(out, config.ranker_sigma, rng)
-    ctx = float(np.mean(prompt)) + 0.5 * float(np.mean(recent))
-    profile = config.gen.latency_profile(ctx)
     plan = dispatch(np.exp(scores), n_inst, profile, recent, alpha=config.alpha,
                     objective=config.dispatch_objective, max_batch_size=max_bs,
                     latency_model=config.dispatch_latency_model)

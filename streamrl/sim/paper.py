@@ -19,7 +19,9 @@ import numpy as np
 
 from streamrl.planner.allocation import Pool, Workload, plan
 from streamrl.sim import costs
-from streamrl.sim.engine import SimResult, simulate, simulate_generation
+from streamrl.scheduling.dispatch import _balance, calibrated_lengths, choose_batch_size
+from streamrl.scheduling.lpt import lpt_order
+from streamrl.sim.engine import SimResult, dispatch_inputs, simulate, simulate_generation
 from streamrl.sim.lengths import paper_lengths
 from streamrl.sim.ranker_model import sigma_for_recall
 from streamrl.sim.systems import SystemCalibration, disaggregated_config, gen_cost, system_config
@@ -159,12 +161,50 @@ def _ratio_errors(cell: CellResult, ref: dict, systems: Sequence[str]) -> dict:
   return {s: abs((cell.samples_per_s[s] / base) / (paper[s] / paper["colocation"]) - 1.0) for s in systems}
 
 
+def best_split_makespan(gen, num_instances: int, prompt_lens, output_lens, recent_lengths, *,
+                        alpha: float = 0.2) -> tuple[float, int, list]:
+  """Algorithm 2 with true lengths and the long/regular split chosen in hindsight.
+
+  Builds every split N_l = 1 .. N-1 exactly as `streamrl.scheduling.dispatch`
+  does (the true top `alpha` prompts on N_l instances, the rest on N - N_l,
+  greedy LPT balancing on the calibrated length estimates, the wave-optimal
+  batch cap per instance, the simulator's max batch size and PTL profile),
+  simulates each one and keeps the fastest. The oracle dispatch (ranker noise
+  0) picks one of these splits with its latency model, so on the same draw
+  this is a lower bound on its makespan: how far any choice of split inside
+  Algorithm 2 can go.
+
+  Returns (best makespan s, its N_l, [(N_l, makespan s)] for every split).
+  """
+  prompt = np.asarray(prompt_lens, dtype=np.int64)
+  out = np.asarray(output_lens, dtype=np.int64)
+  recent = np.asarray(recent_lengths, dtype=np.float64)
+  if num_instances < 2:
+    raise ValueError(f"a long/regular split needs at least two instances, got {num_instances}.")
+  max_bs, profile = dispatch_inputs(gen, prompt, recent)
+  pred = np.exp(np.log(out.astype(np.float64)))  # What the simulated oracle ranker hands to dispatch.
+  order = lpt_order(pred)
+  est = calibrated_lengths(pred, recent)
+  n_long = min(len(out), math.ceil(alpha * len(out) - 1e-9))
+  long_ids, reg_ids = order[:n_long], order[n_long:]
+  results = []
+  for n_l in range(1, num_instances):
+    buckets = _balance(long_ids, est, n_l) + _balance(reg_ids, est, num_instances - n_l)
+    caps = [choose_batch_size(profile, len(b), max_bs) for b in buckets]
+    r = simulate_generation(gen, num_instances, prompt, out, queues=buckets, caps=caps)
+    results.append((n_l, r.makespan))
+  n_best, t_best = min(results, key=lambda x: (x[1], x[0]))
+  return t_best, n_best, results
+
+
 def fig9_latencies(model_name: str, calib: SystemCalibration, gen_gpus: int, *, length: int = 20480,
-                   draws: int = 4, seed: int = 0) -> dict:
+                   draws: int = 4, seed: int = 0, best_split: bool = False) -> dict:
   """Mean generation makespan (s) with random FIFO, ranker-driven skew, oracle skew.
 
   Also "floor": the longest sample of each draw decoded alone (batch 1), a
-  lower bound on any schedule's makespan.
+  lower bound on any schedule's makespan; with `best_split`, "best_split":
+  the oracle's Algorithm 2 with the split chosen in hindsight per draw
+  (`best_split_makespan`, a lower bound on "oracle").
   """
   model = costs.MODELS[model_name]
   gpu = costs.GPUS["H800"]
@@ -172,6 +212,8 @@ def fig9_latencies(model_name: str, calib: SystemCalibration, gen_gpus: int, *, 
   gen = gen_cost(model, gpu, calib, dist)
   n_inst = gen_gpus // gen.gpus
   out = {"fifo": [], "streamrl": [], "oracle": [], "floor": []}
+  if best_split:
+    out["best_split"] = []
   for d in range(draws):
     rng = np.random.default_rng([seed, 900, d])
     p, o = dist.sample(rng, 1024)
@@ -182,6 +224,8 @@ def fig9_latencies(model_name: str, calib: SystemCalibration, gen_gpus: int, *, 
     out["streamrl"].append(simulate_generation(gen, n_inst, p, o, scheduler="skew",
                                                ranker_sigma=calib.ranker_sigma, **kw).makespan)
     out["oracle"].append(simulate_generation(gen, n_inst, p, o, scheduler="skew", ranker_sigma=0.0, **kw).makespan)
+    if best_split:
+      out["best_split"].append(best_split_makespan(gen, n_inst, p, o, recent)[0])
     i = int(np.argmax(o))
     out["floor"].append(gen.prefill_s_per_token * p[i] + gen.decode_time(1, float(p[i]), int(o[i])))
   return {k: float(np.mean(v)) for k, v in out.items()}
