@@ -52,8 +52,11 @@ def get_config() -> ml_collections.ConfigDict:
   # colocated | sync | stream | async (see streamrl/pipeline/__init__.py).
   c.pipeline = dict(mode="colocated", max_staleness=1, stall_timeout_s=600.0)
   # Disaggregated modes: an empty address starts a local Ray; each side gets
-  # its own cores.
-  c.cluster = dict(address="", generator_cpus=1, trainer_cpus=1, connect_timeout_s=30.0)
+  # its own cores. The trainer runs as a Ray actor on the `training_pool`
+  # (trainer_actor=False keeps it in the launching process, for debugging);
+  # trainer_gpus is its Ray GPU request on a GPU cluster.
+  c.cluster = dict(address="", generator_cpus=1, trainer_cpus=1, connect_timeout_s=30.0,
+                   trainer_actor=True, trainer_gpus=0)
   # Weights to Ray generators through the checkpoint-transfer service
   # (streamrl/transfer: chunked, checksummed, versioned; shared memory on one
   # host, TCP trees and a cross-DC relay otherwise) instead of Ray's object store.

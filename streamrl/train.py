@@ -204,8 +204,43 @@ def fingerprint(config) -> dict:
           "seed": config.seed}
 
 
+def write_placement(workdir: str, placement: dict | None, pipeline) -> None:
+  """Where the trainer and each generator instance run: <workdir>/placement.json."""
+  placement = dict(placement or {"trainer": {"pid": os.getpid(),
+                                             "cores": sorted(os.sched_getaffinity(0))}})
+  placement["generators"] = {
+      str(i): {k: v for k, v in info.items() if k in ("pid", "cores", "torch_threads")}
+      for i, info in getattr(pipeline.backend, "placement", {}).items()}
+  if not placement["generators"]:
+    placement["generators"] = {"0": {"in_trainer_process": True}}
+  with open(os.path.join(workdir, "placement.json"), "w") as f:
+    json.dump(placement, f, indent=1, default=str)
+
+
 def run(config, workdir: str) -> dict:
-  """Runs (or resumes) the RL experiment in `workdir`; returns final metrics."""
+  """Runs (or resumes) the RL experiment in `workdir`; returns final metrics.
+
+  The disaggregated modes run the trainer as a Ray actor on the training
+  pool (streamrl/pipeline/trainer_actor.py) unless cluster.trainer_actor is
+  False; colocated runs here.
+  """
+  validate(config)
+  if config.pipeline.mode != "colocated" and config.cluster.get("trainer_actor", True):
+    # Refuse an incompatible workdir here too, before Ray or an actor starts.
+    Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.checkpoint.keep,
+                 fingerprint=fingerprint(config))
+    from streamrl.pipeline import trainer_actor  # pylint: disable=g-import-not-at-top
+    return trainer_actor.run(config, workdir)
+  return run_here(config, workdir)
+
+
+def run_here(config, workdir: str, cluster=None, placement: dict | None = None) -> dict:
+  """The run itself, with the trainer in this process.
+
+  `cluster` (a ClusterInfo) is the Ray cluster the generators go to, when the
+  caller already joined it; `placement` describes this process, for
+  <workdir>/placement.json.
+  """
   validate(config)
   os.makedirs(workdir, exist_ok=True)
   # Refuse an incompatible workdir before anything is written into it.
@@ -228,7 +263,8 @@ def run(config, workdir: str) -> dict:
     log.info("Resumed from iteration %d", start)
 
   from streamrl.pipeline import make_pipeline  # pylint: disable=g-import-not-at-top
-  pipeline = make_pipeline(config, model_dir, trainer, workdir=workdir)
+  pipeline = make_pipeline(config, model_dir, trainer, workdir=workdir, cluster=cluster)
+  write_placement(workdir, placement, pipeline)
   if start:
     pipeline.push_weights(trainer.hf_tensors(), version=start)
 

@@ -9,12 +9,15 @@
 from __future__ import annotations
 
 
-def make_pipeline(config, model_dir: str, trainer, backend=None, workdir: str | None = None):
+def make_pipeline(config, model_dir: str, trainer, backend=None, workdir: str | None = None,
+                  cluster=None):
+  """The configured mode's pipeline. `backend` replaces the generation backend
+  (tests); `cluster` is a ClusterInfo when Ray was already started or joined."""
   mode = config.pipeline.mode
   if mode in ("colocated", "sync"):
     from streamrl.pipeline.sync import SyncPipeline  # pylint: disable=g-import-not-at-top
-    return SyncPipeline(config, model_dir, trainer, backend, workdir)
+    return SyncPipeline(config, model_dir, trainer, backend, workdir, cluster)
   from streamrl.pipeline import stream  # pylint: disable=g-import-not-at-top
   if mode == "stream":
-    return stream.StreamPipeline(config, model_dir, trainer, backend, workdir)
-  return stream.AsyncPipeline(config, model_dir, trainer, backend, workdir)
+    return stream.StreamPipeline(config, model_dir, trainer, backend, workdir, cluster)
+  return stream.AsyncPipeline(config, model_dir, trainer, backend, workdir, cluster)

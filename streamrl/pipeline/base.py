@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -24,12 +25,13 @@ class Pipeline:
   return {"scalars", "lengths", "samples", "loader_state"}.
   """
 
-  def __init__(self, config, model_dir: str, trainer, backend=None, workdir: str | None = None):
+  def __init__(self, config, model_dir: str, trainer, backend=None, workdir: str | None = None,
+               cluster=None):
     from streamrl.train import make_requests  # pylint: disable=g-import-not-at-top
     self.make_requests = make_requests
     self.config = config
     self.trainer = trainer
-    self.backend = backend or backends.make_backend(config, model_dir)
+    self.backend = backend or backends.make_backend(config, model_dir, cluster)
     self.timeline = Timeline()
     self.scheduler = GenerationScheduler(config, model_dir, workdir,
                                          getattr(self.backend, "num_instances", 1))
@@ -47,6 +49,8 @@ class Pipeline:
     from streamrl.pipeline import cluster  # pylint: disable=g-import-not-at-top
     c = self.config.cluster
     shares = cluster.plan_cpu_shares(c.generator_cpus, c.trainer_cpus)
+    if set(os.sched_getaffinity(0)) <= set(shares.trainer_cores):
+      return  # Already there (a TrainerActor pins itself before JAX starts).
     cluster.bound_trainer_threads(shares.trainer_cores)
 
   # Evaluation and one-off generation go straight to the backend.

@@ -160,8 +160,8 @@ class StreamPipeline(base.Pipeline):
 class AsyncPipeline(base.Pipeline):
   """Generation of iteration i+1 overlaps training of iteration i."""
 
-  def __init__(self, config, model_dir: str, trainer, backend=None, workdir=None):
-    super().__init__(config, model_dir, trainer, backend, workdir)
+  def __init__(self, config, model_dir: str, trainer, backend=None, workdir=None, cluster=None):
+    super().__init__(config, model_dir, trainer, backend, workdir, cluster)
     self.max_staleness = max(1, int(config.pipeline.max_staleness))
     self._pushed = 0          # newest weight version sent to the generators
     self._cond = threading.Condition()

@@ -1,0 +1,66 @@
+"""The trainer as a Ray actor: a disaggregated run end to end through train.run."""
+
+import glob
+import json
+import os
+
+import pytest
+import ray
+
+from streamrl import config_utils, train
+
+CONFIGS = os.path.join(os.path.dirname(__file__), "..", "..", "configs")
+
+TINY = {
+    "warmstart.steps": 4, "warmstart.batch_size": 16,
+    "trainer.num_iterations": 2, "trainer.prompts_per_iteration": 8,
+    "trainer.mini_batch_size": 8, "trainer.micro_batch_size": 4,
+    "generation.max_tokens": 24, "generation.max_num_seqs": 16,
+    "task.num_eval": 8, "log.eval_every": 0, "checkpoint.every": 1, "log.progress": False,
+}
+
+
+def load(**overrides):
+  import importlib.util
+  spec = importlib.util.spec_from_file_location("cfg_ppo_actor", os.path.join(CONFIGS, "ppo.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return config_utils.apply_overrides(module.get_config(), {**TINY, **overrides})
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fresh_ray():
+  if ray.is_initialized():
+    ray.shutdown()
+  yield
+  ray.shutdown()
+
+
+def test_async_run_trains_on_a_trainer_actor(tmp_path):
+  workdir = str(tmp_path / "async")
+  final = train.run(load(**{"pipeline.mode": "async"}), workdir)
+  with open(os.path.join(workdir, "placement.json")) as f:
+    placement = json.load(f)
+  # The trainer ran in its own process (an actor), not in this one, and the
+  # generator in another; on a machine with 2+ cores their cores don't overlap.
+  trainer, gen = placement["trainer"], placement["generators"]["0"]
+  assert trainer["pid"] != os.getpid()
+  assert gen["pid"] not in (os.getpid(), trainer["pid"])
+  if len(os.sched_getaffinity(0)) >= 2:
+    assert not set(trainer["cores"]) & set(gen["cores"])
+  # It did the whole job: events, checkpoints, final metrics, its own log.
+  assert glob.glob(os.path.join(workdir, "events.out.tfevents.*"))
+  assert sorted(os.listdir(os.path.join(workdir, "checkpoints")))[-1] == "2"
+  assert final["staleness/max"] <= 1
+  assert 0.0 <= final["eval/accuracy"] <= 1.0
+  with open(os.path.join(workdir, "trainer.log")) as f:
+    assert "Warm-start eval" in f.read()
+
+
+def test_an_error_in_the_actor_keeps_its_type_and_message(tmp_path):
+  # The data file is read inside the actor; its error comes back as itself.
+  cfg = load(**{"pipeline.mode": "sync", "task.kind": "jsonl",
+                "task.jsonl_path": str(tmp_path / "missing.jsonl")})
+  with pytest.raises(FileNotFoundError, match="missing.jsonl") as info:
+    train.run(cfg, str(tmp_path / "bad"))
+  assert isinstance(info.value, ray.exceptions.RayTaskError)  # it did come from the actor
