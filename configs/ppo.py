@@ -34,7 +34,10 @@ def get_config() -> ml_collections.ConfigDict:
       scheduler="fifo", long_tail_alpha=0.2, dispatch_objective="makespan",
       dispatch_latency_model="paper",
       latency_profile="", ranker_config="configs/ranker.py:tiny", ranker_checkpoint="",
-      length_history=1024)
+      length_history=1024,
+      # Ray generators: samples finishing within this many seconds travel to
+      # the trainer as one object (0: one object per sample).
+      coalesce_s=0.02)
 
   c.algo = dict(
       name="ppo", advantage="gae", gamma=1.0, lam=0.95, group_size=1,

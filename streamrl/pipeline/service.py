@@ -88,25 +88,45 @@ class GeneratorActor:
     running at once (sampled at each finish: checks that a cap arrived)."""
     return {"num_samples": self._num_yielded, "peak_in_flight": self._peak_in_flight}
 
-  def generate(self, requests: Sequence[Request], sampling, max_in_flight: int | None = None):
-    """Ray streaming generator: yields each Sample as it finishes."""
+  def generate(self, requests: Sequence[Request], sampling, max_in_flight: int | None = None,
+               coalesce_s: float = 0.0):
+    """Ray streaming generator: yields lists of finished Samples.
+
+    Samples that finish within `coalesce_s` of the first one not yet sent
+    travel together as one Ray object (0: each on its own). One object per
+    sample costs the receiving trainer ~0.7 ms of CPU on this machine; a
+    window of a few tens of ms keeps that off the trainer's core while
+    delaying no sample by more than the window (or the gap to the next
+    finish, when that is longer).
+    """
     ctx = ray.get_runtime_context()
     self.apply_staged()  # Between streams: the newest verified weights, if any.
     fault, self._fault = self._fault, None
     stream = self._gen.generate(requests, sampling, max_in_flight=max_in_flight)
     self._peak_in_flight = self._num_yielded = 0
+    pending: list = []
+    first_at = 0.0
     try:
       for n, sample in enumerate(stream, 1):
         # The engine's count of requests still running after this finish.
         self._peak_in_flight = max(self._peak_in_flight,
                                    getattr(self._gen, "_in_flight", 0) + 1)
-        self._num_yielded = n
-        yield sample
-        if fault is not None and n == fault["after_samples"]:
+        if not pending:
+          first_at = time.perf_counter()
+        pending.append(sample)
+        at_fault = fault is not None and n == fault["after_samples"]
+        if at_fault or time.perf_counter() - first_at >= coalesce_s:
+          self._num_yielded = n
+          yield pending
+          pending = []
+        if at_fault:
           self._run_fault(fault, ctx)
         # ray.cancel only raises a flag for a running actor task.
         if ctx.is_canceled():
           return
+      if pending:
+        self._num_yielded += len(pending)
+        yield pending
     finally:
       stream.close()  # Aborts whatever the engine still runs.
 
@@ -262,6 +282,9 @@ class StreamGenerationService:
       raise ValueError(f"num_instances must be >= 1, got {num_instances}.")
     pipe = config.get("pipeline", None) or {}
     self.stall_timeout_s = float(stall_timeout_s or pipe.get("stall_timeout_s", 600.0))
+    # Samples finishing within this window reach the trainer as one object.
+    self.coalesce_s = float(g.get("coalesce_s", 0.0))
+    self.num_objects = 0  # sample batches received, over all streams
     if cluster is None and not ray.is_initialized():
       cluster = cluster_lib.init_ray_from_config(config)
     cl = config.get("cluster", None) or {}
@@ -481,7 +504,7 @@ class StreamGenerationService:
       if i in self._live and queued[i] and not any(s.instance_id == i for s in active.values()):
         reqs = queued[i].popleft()
         gen = self._actors[i].generate.options(num_returns="streaming").remote(
-            reqs, sampling, caps[i])
+            reqs, sampling, caps[i], self.coalesce_s)
         active[gen] = _Stream(i, reqs, time.perf_counter())
 
     def end(gen) -> None:
@@ -527,7 +550,7 @@ class StreamGenerationService:
           st = active[gen]
           i = st.instance_id
           try:
-            sample = ray.get(next(gen))
+            batch = ray.get(next(gen))
           except StopIteration:
             end(gen)
             if not queued[i] and undelivered.get(i):
@@ -542,15 +565,17 @@ class StreamGenerationService:
             continue
           except ray.exceptions.RayTaskError as e:
             raise e.as_instanceof_cause() from None
-          st.num_samples += 1
+          st.num_samples += len(batch)
+          self.num_objects += 1
           st.last_sample = time.perf_counter()
-          rid = sample.prompt_id
-          undelivered[i].pop(rid, None)
-          if rid in delivered:
-            log.warning("Dropped a second sample for request %d (from instance %d).", rid, i)
-            continue
-          delivered.add(rid)
-          yield sample
+          for sample in batch:
+            rid = sample.prompt_id
+            undelivered[i].pop(rid, None)
+            if rid in delivered:
+              log.warning("Dropped a second sample for request %d (from instance %d).", rid, i)
+              continue
+            delivered.add(rid)
+            yield sample
     finally:
       # Runs on completion, on error and when the consumer closes the stream.
       for gen in list(active):

@@ -132,6 +132,21 @@ def test_every_request_exactly_once_across_two_instances(svc):
     svc.generate(reqs + reqs[:1], SAMPLING)
 
 
+@pytest.mark.parametrize("coalesce_s, most_objects", [(0.0, 12), (60.0, 2)])
+def test_coalescing_sends_fewer_objects_and_loses_nothing(svc, coalesce_s, most_objects):
+  before, svc.coalesce_s = svc.coalesce_s, coalesce_s
+  try:
+    n0 = svc.num_objects
+    samples = list(svc.generate(requests(12, start=100), SAMPLING))
+    objects = svc.num_objects - n0
+  finally:
+    svc.coalesce_s = before
+  assert count_ids(samples) == collections.Counter(range(100, 112))
+  # One object per sample without a window; with a window longer than the
+  # stream, one per instance.
+  assert objects == most_objects
+
+
 def test_update_reaches_every_instance_and_samples_carry_the_version(svc):
   reqs = requests(8)
   before = {s.prompt_id: s.token_ids for s in svc.generate(reqs, SAMPLING)}
