@@ -38,10 +38,17 @@ reference), mini-batches of 16, one PPO epoch, and the generator admitting
 at most `--max_num_seqs=4` requests at once. With all 64 prompts decoding
 in one batch this CPU generates the tiny policy several times faster than it
 trains it; the cap makes generation take roughly as long as training (CPU
-seconds per iteration measured here: generation 0.57, training 0.75), the
+seconds per iteration measured here: generation 0.31, training 0.41), the
 regime where overlapping the two can pay. Each mini-batch is padded to its
-longest sample: sync/async/colocated cut the batch into length-sorted
-mini-batches, stream takes them in arrival order.
+longest sample: sync/async/colocated cut the length-sorted batch into
+mini-batches, stream fills one mini-batch per length bucket as samples
+arrive (`stream.LengthBatcher`).
+
+The trainer runs in this process (make_pipeline is called directly, so
+`cluster.trainer_actor` does not apply): one set of compiled functions then
+serves every arm. It is pinned to the trainer's core like a TrainerActor,
+except that XLA sized its thread pool before the pinning (two threads on one
+core; a check here: 0.64-0.69 CPU-s per training iteration either way).
 
 Columns: `gen s`, `train s`, `push s` are the pipelines' own
 time/generation_s, time/training_s, time/weight_update_s means; `idle:*` the
@@ -61,10 +68,19 @@ Ends with
 (mode throughputs / colocated's; efficiency = async / min(generation alone,
 training alone)).
 
-Measured on the shared 2-core machine (about 5 min; the numbers move with
-the other agents' load, so compare runs only at similar load):
+Measured on this 2-core machine, quiet (load 1.1-1.5), about 4 min:
+  RESULT colocated=1.00 sync=0.70 stream=0.86 async=1.14 pipeline_efficiency=0.80
+  (samples/s: colocated 108.9, sync 76.0, stream 94.0, async 124.7; generation
+  alone 202.7, training alone 156.4). stream = 1.24 x sync.
+Why async stays below 1.5 x colocated here: colocated trains on both cores
+(0.28 s per iteration against 0.41-0.48 s on the trainer's one core), so
+even a perfect async pipeline is bounded by training alone, 156.4 / 108.9 =
+1.44 x colocated. The trainer's core is the bottleneck (idle 0.04): it
+spends 0.50 CPU-s per iteration against 0.41 training alone -- the
+pipeline's own work on that core (the stream-reading thread, weight export
+and push, metrics).
+Earlier runs while other jobs shared the machine moved a lot, e.g.
   load 5-8:  RESULT colocated=1.00 sync=0.92 stream=0.84 async=1.22 pipeline_efficiency=0.86
-  load 6-17: RESULT colocated=1.00 sync=0.78 stream=0.52 async=0.85 pipeline_efficiency=0.47
 """
 
 import json
