@@ -432,7 +432,9 @@ class Components:
     return t1 - t0, now() - t1
 
   def _stream_trainer(self, trainer, it, samples, by_id) -> tuple[float, float]:
-    """What StreamPipeline does with the samples, in the order they finish.
+    """What StreamPipeline does with the samples, in the order they finish
+    (reward per sample, mini-batches filled per length bucket by the same
+    `LengthBatcher`, the rest flushed after the last sample).
 
     The finish order is the continuous-batching order of the pipeline's own
     lengths (admission by request id, `max_num_seqs` in flight), replayed by
@@ -442,6 +444,7 @@ class Components:
     import numpy as np  # pylint: disable=g-import-not-at-top
     from streamrl.sim.costs import GenCostModel  # pylint: disable=g-import-not-at-top
     from streamrl.sim.engine import simulate_generation  # pylint: disable=g-import-not-at-top
+    from streamrl.pipeline.stream import LengthBatcher  # pylint: disable=g-import-not-at-top
     cfg = self.cfg
     ordered = sorted(samples, key=lambda s: s.prompt_id)
     unit = GenCostModel(step_fixed_s=1.0, per_seq_s=0.0, per_ctx_token_s=0.0,
@@ -452,29 +455,37 @@ class Components:
                                  queues=[list(range(len(ordered)))],
                                  caps=[cfg.generation.max_num_seqs]).finish_times
     arrival = [ordered[i] for i in np.argsort(finish, kind="stable")]
-    group, mb = cfg.algo.group_size, trainer.mini_batch_size
+    group = cfg.algo.group_size
+    batcher = LengthBatcher(trainer.mini_batch_size, group)
     fwd = upd = 0.0
     t0 = now()
     trainer.begin_iteration(snapshot=True)
     fwd += now() - t0
-    groups, ready, minis = {}, [], []
+    groups, minis = {}, []
+
+    def train_on(batch):
+      nonlocal fwd, upd
+      t0 = now()
+      part, _ = trainer.prepare([x[0] for x in batch], np.array([x[1] for x in batch], np.float32))
+      t1 = now()
+      for m in part:
+        jax.block_until_ready(trainer.train_minibatch(m))
+      fwd, upd = fwd + t1 - t0, upd + now() - t1
+      minis.extend(part)
+
     for s in arrival:
       t0 = now()
       score, _ = self.rewarder([s], by_id)
       g = groups.setdefault(s.prompt_id // group, [])
       g.append((s, float(score[0])))
+      full = []
       if len(g) == group:
-        ready.extend(sorted(groups.pop(s.prompt_id // group), key=lambda x: x[0].prompt_id))
+        full = batcher.add(sorted(groups.pop(s.prompt_id // group), key=lambda x: x[0].prompt_id))
       fwd += now() - t0
-      while len(ready) >= mb:
-        batch, ready = ready[:mb], ready[mb:]
-        t0 = now()
-        part, _ = trainer.prepare([x[0] for x in batch], np.array([x[1] for x in batch], np.float32))
-        t1 = now()
-        for m in part:
-          jax.block_until_ready(trainer.train_minibatch(m))
-        fwd, upd = fwd + t1 - t0, upd + now() - t1
-        minis.extend(part)
+      for batch in full:
+        train_on(batch)
+    for batch in batcher.flush():
+      train_on(batch)
     rng = np.random.default_rng([cfg.seed, it])
     t0 = now()
     for _ in range(trainer.ppo_epochs - 1):
