@@ -91,6 +91,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # modes_workload
 
 # The colocated engine runs in this process (as the Ray actors run theirs):
 # no engine-core process, fast start-up. Set before vLLM is imported.
@@ -99,6 +100,9 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from absl import app, flags, logging as absl_logging  # noqa: E402
+
+from modes_workload import (ALL_CORES, Workload, make_config, now, precompile,  # noqa: E402
+                            set_engine_threads, unpin, with_mode)
 
 _QUICK = flags.DEFINE_bool("quick", False, "Tiny workload (16 prompts, 2 blocks), for development.")
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/streamrl_bench_modes", "Cache of the warm-started policy.")
@@ -122,11 +126,6 @@ _COLOC_THREADS = flags.DEFINE_integer(
     "colocated_engine_threads", 1,
     "torch threads of colocated's in-process engine (its JAX trainer uses both cores either way).")
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def now() -> float:
-  return time.perf_counter()
 
 
 def proc_cpu_s(pid: int | None) -> float:
@@ -148,183 +147,26 @@ def rss_gib() -> float:
 
 
 def load_config():
-  import importlib.util  # pylint: disable=g-import-not-at-top
-  from streamrl import config_utils  # pylint: disable=g-import-not-at-top
-  spec = importlib.util.spec_from_file_location("bench_ppo", os.path.join(REPO, "configs", "ppo.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
   prompts, mini, blocks = _PROMPTS.value, _MINI.value, _BLOCKS.value
   warm, iters = _WARMUP.value, _ITERATIONS.value
   if _QUICK.value:
     prompts, mini, blocks, warm, iters = 16, 8, 2, 1, 1
-  overrides = {
-      "trainer.prompts_per_iteration": prompts,
-      "trainer.mini_batch_size": mini,
-      "trainer.micro_batch_size": mini,
-      # One more than run: async starts generating the next batch during the
-      # last timed iteration, as in steady state. Same value in every mode
-      # (it sets the lr decay horizon).
-      "trainer.num_iterations": blocks * (warm + iters) + 1,
-      "trainer.ppo_epochs": _PPO_EPOCHS.value,
-      "generation.max_num_seqs": _MAX_NUM_SEQS.value,
-      "generation.max_tokens": _MAX_TOKENS.value,
-      "cluster.generator_cpus": 1,
-      "cluster.trainer_cpus": 1,
-      "log.progress": False,
-  }
-  config = config_utils.apply_overrides(module.get_config(), overrides)
-  config = config_utils.apply_overrides(config, list(_OVERRIDES.value))
-  from streamrl.train import validate  # pylint: disable=g-import-not-at-top
-  validate(config)
+  # One more iteration than run: async starts generating the next batch
+  # during the last timed iteration, as in steady state. Same value in every
+  # mode (it sets the lr decay horizon).
+  config = make_config(prompts=prompts, mini_batch=mini,
+                       num_iterations=blocks * (warm + iters) + 1,
+                       max_num_seqs=_MAX_NUM_SEQS.value, max_tokens=_MAX_TOKENS.value,
+                       extra={"trainer.ppo_epochs": _PPO_EPOCHS.value},
+                       overrides=_OVERRIDES.value)
   return config, blocks, warm, iters
-
-
-def with_mode(config, mode: str):
-  from streamrl import config_utils  # pylint: disable=g-import-not-at-top
-  return config_utils.apply_overrides(config, {"pipeline.mode": mode})
-
-
-class Workload:
-  """What every arm shares: examples, model dir, tokenizer, config."""
-
-  def __init__(self, config, workdir: str):
-    from streamrl import train  # pylint: disable=g-import-not-at-top
-    self.config = config
-    self.train_examples, _ = train.load_examples(config)
-    t0 = now()
-    self.model_dir = train.prepare_model_dir(config, workdir, self.train_examples)
-    print(f"policy: {self.model_dir} ({now() - t0:.0f} s)", flush=True)
-    self.tokenizer = train.Tokenizer(self.model_dir)
-    self._trainer = None
-    self._initial = None
-
-  def loader(self):
-    from streamrl.data.loader import PromptLoader  # pylint: disable=g-import-not-at-top
-    return PromptLoader(self.train_examples, self.config.trainer.prompts_per_iteration,
-                        seed=self.config.seed)
-
-  def rewarder(self):
-    from streamrl import train  # pylint: disable=g-import-not-at-top
-    from streamrl.data import rewards  # pylint: disable=g-import-not-at-top
-    return train.Rewarder(rewards.get_reward_fn(self.config.task.reward), self.tokenizer)
-
-  def trainer(self, config):
-    """The trainer, reset to the warm-started policy and a fresh optimizer.
-
-    One RLTrainer serves every arm, its state (actor, critic, optimizer
-    states, step) put back to a copy of the initial one each time: a new
-    RLTrainer would recompile its update step (the jit cache is keyed by the
-    optimizer objects, new for every trainer), and those compiles would land
-    in whichever iteration first meets each padded length.
-    """
-    import jax  # pylint: disable=g-import-not-at-top
-    import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-    if self._trainer is None:
-      from streamrl.models import hf  # pylint: disable=g-import-not-at-top
-      from streamrl.trainer.rl_trainer import RLTrainer  # pylint: disable=g-import-not-at-top
-      _, policy = hf.load_hf(self.model_dir)
-      self._trainer = RLTrainer(config, policy)
-      self._initial = jax.tree.map(jnp.copy, self._trainer.state)
-    t = self._trainer
-    t.config = config
-    t.state = jax.tree.map(jnp.copy, self._initial)
-    t.begin_iteration(snapshot=False)  # no snapshot left from a previous arm
-    return t
-
-  def trainer_object(self):
-    """The shared trainer as it is (each arm swaps its own state in)."""
-    return self._trainer
-
-  def batches(self, n: int):
-    """The first n prompt batches of the loader: what every mode generates."""
-    loader = self.loader()
-    return [next(loader) for _ in range(n)]
-
-
-# ----------------------------------------------------------------- CPU shares
-# The cores this process may use, before any pinning narrows its mask.
-_ALL_CORES = tuple(sorted(os.sched_getaffinity(0)))
-
-
-def all_cores() -> tuple[int, ...]:
-  return _ALL_CORES
-
-
-def unpin() -> None:
-  """Gives this process every core back, before each arm.
-
-  colocated must use both cores; and the disaggregated modes split "the
-  available cores" (cluster.plan_cpu_shares) as seen by this process, which
-  the previous mode's trainer pinning narrowed to the trainer's core.
-  """
-  from streamrl.pipeline import cluster  # pylint: disable=g-import-not-at-top
-  cluster.pin_process_threads(all_cores())
-
-
-def set_engine_threads(n: int) -> None:
-  """torch's thread count for the in-process (colocated) engine.
-
-  One by default: decoding the tiny policy gains nothing from a second
-  thread, and on a shared machine a 2-thread OpenMP team waits at every
-  barrier for whichever thread lost its core (measured here: the same
-  generation 10x slower and erratic). It must be set before the first engine
-  starts; vLLM's CPU worker forbids changing it afterwards.
-  """
-  import torch  # pylint: disable=g-import-not-at-top
-  if torch.get_num_threads() != n:
-    torch.set_num_threads(n)
 
 
 def pin_trainer(config) -> None:
   from streamrl.pipeline import cluster  # pylint: disable=g-import-not-at-top
   shares = cluster.plan_cpu_shares(config.cluster.generator_cpus, config.cluster.trainer_cpus,
-                                   all_cores())
+                                   ALL_CORES)
   cluster.bound_trainer_threads(shares.trainer_cores)
-
-
-# --------------------------------------------------------------- JIT warm-up
-def precompile(work: Workload, num_batches: int) -> None:
-  """Compiles the trainer's jitted functions for every padded length.
-
-  Mini-batches are padded to multiples of 32 tokens; a timed iteration that
-  meets a new length would pay a compile, and jit caches are per process,
-  so whichever mode ran first would pay for the others. Synthetic samples of
-  each length go through prepare (old / ref logprobs, values) and two
-  updates on the shared trainer, whose state is then reset.
-  """
-  from streamrl.generator.vllm_engine import Sample  # pylint: disable=g-import-not-at-top
-  from streamrl.trainer import experience  # pylint: disable=g-import-not-at-top
-  import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  cfg = work.config
-  longest_prompt = max(len(work.tokenizer.encode_prompt(ex.prompt))
-                       for batch in work.batches(num_batches) for ex in batch)
-  top = experience.bucket_length(longest_prompt + cfg.generation.max_tokens)
-  trainer = work.trainer(cfg)
-  mb = cfg.trainer.mini_batch_size
-  full = cfg.trainer.prompts_per_iteration * cfg.algo.group_size
-  t0 = now()
-  for length in range(32, top + 1, 32):
-    resp = max(1, length - 2 - 1)
-    # sync / async / colocated prepare the whole batch (advantages over
-    # [full, L]); stream prepares one mini-batch at a time ([mb, L]).
-    for size in sorted({full, mb}):
-      samples = [Sample(prompt_id=i, prompt_token_ids=(1, 5), token_ids=(7,) * resp,
-                        logprobs=(-1.0,) * resp, finish_reason="length", weight_version=0,
-                        instance_id=0) for i in range(size)]
-      scores = np.linspace(0, 1, size, dtype=np.float32)
-      trainer.begin_iteration(snapshot=True)  # stream's path: scores with a snapshot
-      minis, _ = trainer.prepare(samples, scores)
-      trainer.begin_iteration(snapshot=False)
-      minis, _ = trainer.prepare(samples, scores)
-    # The first step of a fresh state and the later ones compile apart
-    # (their inputs' shardings differ): both, for every length.
-    trainer.train_minibatch(minis[0])
-    trainer.train_minibatch(minis[0])
-    trainer.state = jax.tree.map(jnp.copy, work._initial)  # pylint: disable=protected-access
-  trainer.hf_tensors()
-  print(f"precompiled trainer for lengths 32..{top} ({now() - t0:.0f} s)", flush=True)
 
 
 # ------------------------------------------------------------------ the arms
@@ -399,11 +241,7 @@ class Arm:
         # generates that batch again, so every mode sees the same prompts.
         self.loader.set_state(last_out["loader_state"])
     finally:
-      pipe.close()
-      if self.mode == "colocated":
-        # LocalBackend.close() leaves the in-process engine (and its 1 GiB
-        # KV cache) alive until the process ends.
-        pipe.backend.engine._engine.engine_core.shutdown()  # pylint: disable=protected-access
+      pipe.close()  # colocated: shuts the in-process engine down, freeing its KV cache
     pipe.sync_generator_intervals()
     self.intervals += labelled_intervals(pipe.timeline.intervals,
                                          [w for w in self.windows if w[0] >= first_it])

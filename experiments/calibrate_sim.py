@@ -72,9 +72,9 @@ import json
 import os
 import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # modes_workload
 
 # The profiled engine runs in this process with one thread (as the Ray
 # actors run theirs). Set before vLLM is imported.
@@ -83,6 +83,9 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from absl import app, flags, logging as absl_logging  # noqa: E402
+
+from modes_workload import (ALL_CORES, Workload, make_config, now, precompile,  # noqa: E402
+                            unpin, with_mode)
 
 MODES = ("colocated", "sync", "stream", "async")
 # Modes whose generation and training run at the same time.
@@ -107,12 +110,6 @@ _OVERRIDES = flags.DEFINE_multi_string("override", [], "Extra config overrides, 
 _LOG_COMPILES = flags.DEFINE_bool("log_compiles", False,
                                   "Log every JAX compile after the precompile step (none should appear).")
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_ALL_CORES = tuple(sorted(os.sched_getaffinity(0)))
-
-
-def now() -> float:
-  return time.perf_counter()
 
 
 def load() -> float:
@@ -121,159 +118,15 @@ def load() -> float:
 
 # --------------------------------------------------------------------- setup
 def load_config():
-  import importlib.util  # pylint: disable=g-import-not-at-top
-  from streamrl import config_utils  # pylint: disable=g-import-not-at-top
-  from streamrl.train import validate  # pylint: disable=g-import-not-at-top
-  spec = importlib.util.spec_from_file_location("calib_ppo", os.path.join(REPO, "configs", "ppo.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
   prompts, mini, iters, warm = _PROMPTS.value, _MINI.value, _ITERATIONS.value, _WARMUP.value
   if _QUICK.value:
     prompts, mini, iters, warm = 16, 8, 2, 1
-  overrides = {
-      "trainer.prompts_per_iteration": prompts,
-      "trainer.mini_batch_size": mini,
-      "trainer.micro_batch_size": mini,
-      # One more than run: async generates the next batch during the last
-      # timed iteration, as in steady state. Same in every mode (lr horizon).
-      "trainer.num_iterations": warm + iters + 1,
-      "generation.max_num_seqs": _MAX_NUM_SEQS.value,
-      "generation.max_tokens": _MAX_TOKENS.value,
-      "cluster.generator_cpus": 1,
-      "cluster.trainer_cpus": 1,
-      "log.progress": False,
-  }
-  config = config_utils.apply_overrides(module.get_config(), overrides)
-  config = config_utils.apply_overrides(config, list(_OVERRIDES.value))
-  validate(config)
+  # One more iteration than run: async generates the next batch during the
+  # last timed iteration, as in steady state. Same in every mode (lr horizon).
+  config = make_config(prompts=prompts, mini_batch=mini, num_iterations=warm + iters + 1,
+                       max_num_seqs=_MAX_NUM_SEQS.value, max_tokens=_MAX_TOKENS.value,
+                       overrides=_OVERRIDES.value)
   return config, warm, iters
-
-
-def with_mode(config, mode: str):
-  from streamrl import config_utils  # pylint: disable=g-import-not-at-top
-  return config_utils.apply_overrides(config, {"pipeline.mode": mode})
-
-
-def unpin() -> None:
-  """All cores back to this process (a disaggregated arm pinned it to the trainer's)."""
-  from streamrl.pipeline import cluster  # pylint: disable=g-import-not-at-top
-  cluster.pin_process_threads(_ALL_CORES)
-
-
-class Workload:
-  """Examples, policy, tokenizer, one trainer (reset per arm), the in-process engine."""
-
-  def __init__(self, config, workdir: str):
-    from streamrl import train  # pylint: disable=g-import-not-at-top
-    self.config = config
-    self.train_examples, _ = train.load_examples(config)
-    t0 = now()
-    self.model_dir = train.prepare_model_dir(config, workdir, self.train_examples)
-    print(f"policy: {self.model_dir} ({now() - t0:.0f} s)", flush=True)
-    self.tokenizer = train.Tokenizer(self.model_dir)
-    self._trainer = None
-    self._initial = None
-    self._local = None
-
-  def loader(self):
-    from streamrl.data.loader import PromptLoader  # pylint: disable=g-import-not-at-top
-    return PromptLoader(self.train_examples, self.config.trainer.prompts_per_iteration,
-                        seed=self.config.seed)
-
-  def batches(self, n: int):
-    loader = self.loader()
-    return [next(loader) for _ in range(n)]
-
-  def rewarder(self):
-    from streamrl import train  # pylint: disable=g-import-not-at-top
-    from streamrl.data import rewards  # pylint: disable=g-import-not-at-top
-    return train.Rewarder(rewards.get_reward_fn(self.config.task.reward), self.tokenizer)
-
-  def trainer(self, config):
-    """One RLTrainer for every arm, its state reset to the warm-started one.
-
-    A fresh RLTrainer would recompile its update step (the jit cache is keyed
-    by the optimizer objects), and the compile would land in a timed window.
-    """
-    import jax  # pylint: disable=g-import-not-at-top
-    import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-    if self._trainer is None:
-      from streamrl.models import hf  # pylint: disable=g-import-not-at-top
-      from streamrl.trainer.rl_trainer import RLTrainer  # pylint: disable=g-import-not-at-top
-      _, policy = hf.load_hf(self.model_dir)
-      self._trainer = RLTrainer(config, policy)
-      self._initial = jax.tree.map(jnp.copy, self._trainer.state)
-    t = self._trainer
-    t.config = config
-    t.state = jax.tree.map(jnp.copy, self._initial)
-    t.begin_iteration(snapshot=False)
-    return t
-
-  def local_backend(self):
-    """The in-process engine: colocated's backend, and the instance the profiler measures.
-
-    torch gets one thread before the first engine starts (vLLM's CPU worker
-    forbids changing it later): the Ray generator of the disaggregated modes
-    runs one thread on one core too, and on a shared machine a 2-thread
-    OpenMP team waits at every barrier for whichever thread lost its core.
-    The engine lives only while no Ray generator does (`close_local`): the
-    machine's memory is shared, and Ray's memory monitor kills actors when it
-    runs short.
-    """
-    if self._local is None:
-      import torch  # pylint: disable=g-import-not-at-top
-      if torch.get_num_threads() != 1:
-        torch.set_num_threads(1)
-      from streamrl.pipeline.backends import LocalBackend  # pylint: disable=g-import-not-at-top
-      self._local = LocalBackend(with_mode(self.config, "colocated"), self.model_dir)
-    return self._local
-
-  def close_local(self) -> None:
-    if self._local is not None:
-      # LocalBackend.close() leaves the engine alive; shut its core down.
-      self._local.engine._engine.engine_core.shutdown()  # pylint: disable=protected-access
-      self._local = None
-      gc.collect()
-
-
-def precompile(work: Workload, warm: int, iters: int, modes) -> None:
-  """Fills the trainer's jit caches for every padded length the workload can produce.
-
-  Mini-batches are padded to multiples of 32 tokens: a timed window that met a
-  new length would pay a compile. Synthetic samples of each length go through
-  prepare (whole batch and one mini-batch, with and without the stream
-  snapshot, for stream) and two updates (the first step of a fresh state
-  compiles apart).
-  """
-  import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  from streamrl.generator.vllm_engine import Sample  # pylint: disable=g-import-not-at-top
-  from streamrl.trainer import experience  # pylint: disable=g-import-not-at-top
-  cfg = work.config
-  longest = max(len(work.tokenizer.encode_prompt(ex.prompt))
-                for batch in work.batches(warm + iters + 1) for ex in batch)
-  top = experience.bucket_length(longest + cfg.generation.max_tokens)
-  trainer = work.trainer(cfg)
-  mb = cfg.trainer.mini_batch_size
-  full = cfg.trainer.prompts_per_iteration * cfg.algo.group_size
-  t0 = now()
-  streaming = "stream" in modes  # stream prepares each mini-batch on a snapshot
-  for length in range(32, top + 1, 32):
-    resp = max(1, length - 3)
-    for size in sorted({full, mb} if streaming else {full}):
-      samples = [Sample(prompt_id=i, prompt_token_ids=(1, 5), token_ids=(7,) * resp,
-                        logprobs=(-1.0,) * resp, finish_reason="length", weight_version=0,
-                        instance_id=0) for i in range(size)]
-      scores = np.linspace(0, 1, size, dtype=np.float32)
-      for snapshot in (True, False) if streaming else (False,):
-        trainer.begin_iteration(snapshot=snapshot)
-        minis, _ = trainer.prepare(samples, scores)
-    trainer.train_minibatch(minis[0])
-    trainer.train_minibatch(minis[0])
-    trainer.state = jax.tree.map(jnp.copy, work._initial)  # pylint: disable=protected-access
-  trainer.hf_tensors()
-  print(f"precompiled the trainer for lengths 32..{top} ({now() - t0:.0f} s)", flush=True)
 
 
 # ----------------------------------------------------------------- the arms
@@ -607,7 +460,7 @@ def run_arm(work: Workload, mode: str, warm: int, iters: int, out_dir: str) -> d
   # cores) starts for the profile.
   if mode != "colocated":
     from streamrl.pipeline import cluster  # pylint: disable=g-import-not-at-top
-    shares = cluster.plan_cpu_shares(cfg.cluster.generator_cpus, cfg.cluster.trainer_cpus, _ALL_CORES)
+    shares = cluster.plan_cpu_shares(cfg.cluster.generator_cpus, cfg.cluster.trainer_cpus, ALL_CORES)
     cluster.pin_process_threads(shares.generator_cores)
   t0 = now()
   mean_prompt = statistics.fmean(res["prompt_lens"])
@@ -715,7 +568,7 @@ def main(argv):
         f"max_num_seqs {g.max_num_seqs}, max_tokens {g.max_tokens}; {warm} warm-up + {iters} "
         f"timed iterations per mode", flush=True)
   work = Workload(config, _WORKDIR.value)
-  precompile(work, warm, iters, modes)
+  precompile(work, warm + iters + 1, streaming="stream" in modes)
   if _LOG_COMPILES.value:
     import jax  # pylint: disable=g-import-not-at-top
     jax.config.update("jax_log_compiles", True)

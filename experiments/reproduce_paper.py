@@ -47,9 +47,9 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
-from streamrl.planner import ElasticController, Pool, Workload, plan, run_elastic  # noqa: E402
+from streamrl.planner import ElasticController, Workload, run_elastic  # noqa: E402
 from streamrl.sim import costs, engine, paper  # noqa: E402
-from streamrl.sim.engine import SimConfig, simulate  # noqa: E402
+from streamrl.sim.engine import simulate  # noqa: E402
 from streamrl.sim.lengths import paper_lengths  # noqa: E402
 from streamrl.sim.systems import SystemCalibration, disaggregated_config, gen_cost, system_config  # noqa: E402
 
@@ -434,7 +434,7 @@ def fig12(ref, cal, rep, iters, seed, out):
 
 def fig2_check(ref, cal, rep, seed):
   rep.h("Check (not fitted): Fig. 2 scaling of 7B from 8 to 32 GPUs")
-  model, gpu = costs.MODELS["qwen2.5-7b"], costs.GPUS["H800"]
+  model = costs.MODELS["qwen2.5-7b"]
   w = Workload(model=model, lengths=paper_lengths(20480), calib=cal, seed=seed)
   from streamrl.planner.allocation import StageEstimator
   est = StageEstimator(w)

@@ -203,6 +203,20 @@ class GeneratorInstance:
           self._engine.step()
       self._in_flight = 0
 
+  def close(self) -> None:
+    """Shuts the engine down and frees its KV cache; the instance is unusable after.
+
+    Idempotent. Needed when one process starts engines one after another
+    (benchmarks, colocated runs in tests): an engine left alive keeps its
+    KV cache until the process ends.
+    """
+    engine, self._engine = getattr(self, "_engine", None), None
+    if engine is None:
+      return
+    core = getattr(engine, "engine_core", None)
+    if core is not None and hasattr(core, "shutdown"):
+      core.shutdown()
+
   def update_weights(self, hf_tensors: Mapping[str, np.ndarray],
                      version: int | None = None) -> int:
     """Loads new weights in place, drops the prefix cache, bumps the version.

@@ -69,7 +69,7 @@ class LocalBackend:
     return _Done()
 
   def close(self) -> None:
-    pass
+    self.engine.close()
 
 
 def make_backend(config, model_dir: str, cluster_info=None):

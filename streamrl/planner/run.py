@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-import numpy as np
 
 from streamrl.planner.allocation import Allocation, PlanResult, Pool, Workload, plan
 from streamrl.sim import costs

@@ -21,7 +21,7 @@ from streamrl.planner.allocation import Pool, Workload, plan
 from streamrl.sim import costs
 from streamrl.scheduling.dispatch import _balance, calibrated_lengths, choose_batch_size
 from streamrl.scheduling.lpt import lpt_order
-from streamrl.sim.engine import SimResult, dispatch_inputs, simulate, simulate_generation
+from streamrl.sim.engine import dispatch_inputs, simulate, simulate_generation
 from streamrl.sim.lengths import paper_lengths
 from streamrl.sim.ranker_model import sigma_for_recall
 from streamrl.sim.systems import SystemCalibration, disaggregated_config, gen_cost, system_config

@@ -10,7 +10,6 @@ longest; their order is shuffled every epoch.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 
 import jax

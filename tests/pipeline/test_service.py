@@ -5,7 +5,6 @@ slow part). The tests that kill instances come last, in file order.
 """
 
 import collections
-import os
 import socket
 import subprocess
 import sys

@@ -1,7 +1,6 @@
 """Payload format: safetensors compatibility, chunk checksums, schema refusal."""
 
 import json
-import zlib
 
 import ml_dtypes
 import numpy as np
