@@ -163,6 +163,7 @@ class GeneratorInstance:
     once (default: the engine's max_num_seqs) and a new one is admitted on
     every finish. Closing the iterator early aborts what is still running.
     """
+    self._check_open()
     cap = min(max_in_flight or self.max_num_seqs, self.max_num_seqs)
     if cap < 1:
       raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}.")
@@ -203,6 +204,11 @@ class GeneratorInstance:
           self._engine.step()
       self._in_flight = 0
 
+  def _check_open(self) -> None:
+    if self._engine is None:
+      raise RuntimeError(f"Generator instance {self.instance_id} was closed; create a new "
+                         "GeneratorInstance to generate again.")
+
   def close(self) -> None:
     """Shuts the engine down and frees its KV cache; the instance is unusable after.
 
@@ -223,6 +229,7 @@ class GeneratorInstance:
 
     Only between generations: a sample is produced by exactly one version.
     """
+    self._check_open()
     if self._in_flight:
       raise RuntimeError("update_weights called while requests are running; "
                          "finish or close the generate() stream first.")

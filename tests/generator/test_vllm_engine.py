@@ -124,3 +124,10 @@ def test_many_long_seeded_prompts_do_not_kill_the_cpu_engine(tmp_path):
   prompts = [(i, [1] + [4 + (7 * i + j) % 40 for j in range(60)]) for i in range(96)]
   samples = list(gen.generate(prompts, SamplingConfig(max_tokens=8, seed=3)))
   assert sorted(s.prompt_id for s in samples) == list(range(96))
+  # close() frees the engine; using the instance afterwards says so.
+  gen.close()
+  gen.close()  # idempotent
+  with pytest.raises(RuntimeError, match="closed"):
+    list(gen.generate(prompts[:1], SamplingConfig(max_tokens=2, seed=3)))
+  with pytest.raises(RuntimeError, match="closed"):
+    gen.update_weights({}, 5)
