@@ -141,6 +141,9 @@ class StreamPipeline(base.Pipeline):
       with self.timeline.busy(base.TRAINER, f"epoch {it}"):
         for j in rng.permutation(len(minis)):
           train_all.append(self.trainer.train_minibatch(minis[j]))
+        # Training time must cover the compute, not only its dispatch (else
+        # the weight export below would wait for it and be billed for it).
+        jax.block_until_ready(train_all[-1])
     self.trainer.begin_iteration(snapshot=False)
     t2 = base.now()
     self.push_weights(self.trainer.hf_tensors(), it + 1)
