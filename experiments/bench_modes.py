@@ -68,17 +68,23 @@ Ends with
 (mode throughputs / colocated's; efficiency = async / min(generation alone,
 training alone)).
 
-Measured on this 2-core machine, quiet (load 1.1-1.5), about 4 min:
+Measured on this 2-core machine, quiet (load 1.1-1.5), about 4 min, two runs:
   RESULT colocated=1.00 sync=0.70 stream=0.86 async=1.14 pipeline_efficiency=0.80
-  (samples/s: colocated 108.9, sync 76.0, stream 94.0, async 124.7; generation
-  alone 202.7, training alone 156.4). stream = 1.24 x sync.
+  RESULT colocated=1.00 sync=0.68 stream=0.86 async=1.13 pipeline_efficiency=0.80
+  (second run, samples/s: colocated 103.1, sync 70.3, stream 88.7, async 116.1;
+  generation alone 192.6, training alone 144.9). stream = 1.24-1.26 x sync.
+  Before stream mode filled mini-batches per length bucket (arrival order, so
+  most were padded to 64-96 tokens instead of 32) the same machine gave
+  RESULT colocated=1.00 sync=0.76 stream=0.71 async=1.11 pipeline_efficiency=0.77.
 Why async stays below 1.5 x colocated here: colocated trains on both cores
 (0.28 s per iteration against 0.41-0.48 s on the trainer's one core), so
 even a perfect async pipeline is bounded by training alone, 156.4 / 108.9 =
-1.44 x colocated. The trainer's core is the bottleneck (idle 0.04): it
-spends 0.50 CPU-s per iteration against 0.41 training alone -- the
-pipeline's own work on that core (the stream-reading thread, weight export
-and push, metrics).
+1.40-1.44 x colocated. In async the trainer's core is the bottleneck (idle
+0.04-0.05): it spends 0.50-0.53 CPU-s per iteration against 0.41-0.44
+training alone. About a quarter of the difference is the two sides slowing
+each other (calibrate_sim: update cost per token 4 % higher while the
+generator runs), the rest the pipeline's own Python on that core (the
+thread reading the generator's stream, weight export and push, metrics).
 Earlier runs while other jobs shared the machine moved a lot, e.g.
   load 5-8:  RESULT colocated=1.00 sync=0.92 stream=0.84 async=1.22 pipeline_efficiency=0.86
 """
