@@ -228,7 +228,7 @@ def run(config, workdir: str) -> dict:
   if config.pipeline.mode != "colocated" and config.cluster.get("trainer_actor", True):
     # Refuse an incompatible workdir here too, before Ray or an actor starts.
     Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.checkpoint.keep,
-                 fingerprint=fingerprint(config))
+                 fingerprint=fingerprint(config)).close()
     from streamrl.pipeline import trainer_actor  # pylint: disable=g-import-not-at-top
     return trainer_actor.run(config, workdir)
   return run_here(config, workdir)

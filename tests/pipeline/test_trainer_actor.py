@@ -55,6 +55,12 @@ def test_async_run_trains_on_a_trainer_actor(tmp_path):
   assert 0.0 <= final["eval/accuracy"] <= 1.0
   with open(os.path.join(workdir, "trainer.log")) as f:
     assert "Warm-start eval" in f.read()
+  # A workdir written by another config is refused here, before any actor starts.
+  before = sorted((p, os.path.getmtime(p)) for p in glob.glob(f"{workdir}/**", recursive=True))
+  with pytest.raises(ValueError, match="new --workdir"):
+    train.run(load(**{"pipeline.mode": "async", "model.tiny": "llama"}), workdir)
+  after = sorted((p, os.path.getmtime(p)) for p in glob.glob(f"{workdir}/**", recursive=True))
+  assert before == after
 
 
 def test_an_error_in_the_actor_keeps_its_type_and_message(tmp_path):
