@@ -6,8 +6,6 @@ r"""Runs one RL experiment.
 Running again with the same --workdir resumes from its last checkpoint.
 """
 
-import logging
-
 from absl import app, flags
 
 from streamrl import config_utils
@@ -19,8 +17,8 @@ _WORKDIR = flags.DEFINE_string("workdir", "workdirs/default", "Logs and checkpoi
 
 def main(argv):
   del argv
-  logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-  from streamrl import train  # pylint: disable=g-import-not-at-top
+  from streamrl import metrics, train  # pylint: disable=g-import-not-at-top
+  metrics.configure_logging()
   final = train.run(_CONFIG.value, _WORKDIR.value)
   print({k: round(v, 4) for k, v in final.items() if "eval" in k})
 

@@ -16,6 +16,7 @@ are written as null (strict JSON, readable by jq and pandas alike).
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import sys
@@ -33,6 +34,14 @@ def _scalar(name: str, value: Any) -> float:
     raise ValueError(f"metric {name!r} has shape {arr.shape}; log a scalar (or use histogram()).")
   return float(arr.reshape(()))
 
+
+
+def configure_logging(level: int = logging.INFO) -> None:
+  """StreamRL's own log lines at `level`; other libraries' (e.g. Orbax's
+  per-save chatter) only from WARNING up."""
+  logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(message)s",
+                      force=True)
+  logging.getLogger("streamrl").setLevel(level)
 
 class MetricsWriter:
   """TensorBoard event files (via tensorboardX) plus `metrics.jsonl` in `logdir`.

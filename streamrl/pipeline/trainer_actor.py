@@ -47,9 +47,8 @@ class TrainerActor:
   def run(self, config, workdir: str, info: cluster_lib.ClusterInfo) -> dict:
     os.makedirs(workdir, exist_ok=True)
     _redirect_output(os.path.join(workdir, LOG_NAME))
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s",
-                        force=True)
-    from streamrl import train  # pylint: disable=g-import-not-at-top
+    from streamrl import metrics, train  # pylint: disable=g-import-not-at-top
+    metrics.configure_logging()
     placement = {"trainer": {"pid": os.getpid(), "host": socket.gethostname(),
                              "cores": list(self._cores),
                              "node_id": ray.get_runtime_context().get_node_id()}}
