@@ -1,6 +1,6 @@
 r"""Pipeline modes side by side: colocated, sync, stream, async on one workload.
 
-  python experiments/bench_modes.py [--quick] [--blocks=3] [--iterations=3]
+  python experiments/bench_modes.py [--quick] [--blocks=2] [--iterations=8]
 
 What runs (everything real: vLLM engines, Ray actors, the JAX trainer):
   * The tiny PPO policy of configs/ppo.py, warm-started once into
@@ -68,25 +68,34 @@ Ends with
 (mode throughputs / colocated's; efficiency = async / min(generation alone,
 training alone)).
 
-Measured on this 2-core machine, quiet (load 1.1-1.5), about 4 min, two runs:
+Measured on this 2-core machine, quiet (load 1.2-1.8), about 4 min per run,
+default 2 blocks x (1 untimed + 8 timed) iterations per arm:
+  RESULT colocated=1.00 sync=0.73 stream=0.76 async=1.23 pipeline_efficiency=0.88
+  RESULT colocated=1.00 sync=0.71 stream=0.86 async=1.08 pipeline_efficiency=0.89
+  (--modes=colocated,sync,async: async=1.23 pipeline_efficiency=0.88)
+  stream = 1.04-1.22 x sync. Generation alone moved most between runs
+  (130-234 samples/s); training alone 136-155.
+With 3 blocks x (1 + 3) iterations (the earlier default) the same code gave
   RESULT colocated=1.00 sync=0.70 stream=0.86 async=1.14 pipeline_efficiency=0.80
   RESULT colocated=1.00 sync=0.68 stream=0.86 async=1.13 pipeline_efficiency=0.80
-  (second run, samples/s: colocated 103.1, sync 70.3, stream 88.7, async 116.1;
-  generation alone 192.6, training alone 144.9). stream = 1.24-1.26 x sync.
-  Before stream mode filled mini-batches per length bucket (arrival order, so
-  most were padded to 64-96 tokens instead of 32) the same machine gave
+  -- a fresh generator's first iterations are slow beyond the one untimed
+  iteration, and with 3 timed iterations per block that start-up weighs on
+  async most; 8 per block measure the steady state a long run lives in.
+Before stream mode filled mini-batches per length bucket (arrival order, so
+most were padded to 64-96 tokens instead of 32) the short blocks gave
   RESULT colocated=1.00 sync=0.76 stream=0.71 async=1.11 pipeline_efficiency=0.77.
+What is left in stream: the longest samples finish last, so the last
+mini-batch (the longest bucket, ~0.2 s) always trains after generation ends,
+and the trainer idles while the first bucket fills (~0.1 s).
 Why async stays below 1.5 x colocated here: colocated trains on both cores
 (0.28 s per iteration against 0.41-0.48 s on the trainer's one core), so
-even a perfect async pipeline is bounded by training alone, 156.4 / 108.9 =
-1.40-1.44 x colocated. In async the trainer's core is the bottleneck (idle
-0.04-0.05): it spends 0.50-0.53 CPU-s per iteration against 0.41-0.44
-training alone. About a quarter of the difference is the two sides slowing
-each other (calibrate_sim: update cost per token 4 % higher while the
-generator runs), the rest the pipeline's own Python on that core (the
-thread reading the generator's stream, weight export and push, metrics).
-Earlier runs while other jobs shared the machine moved a lot, e.g.
-  load 5-8:  RESULT colocated=1.00 sync=0.92 stream=0.84 async=1.22 pipeline_efficiency=0.86
+even a perfect async pipeline is bounded by training alone: 1.27-1.40 x
+colocated in these runs. In async the trainer's core is the bottleneck
+(idle 0.03-0.07), with 0.46-0.52 CPU-s per iteration against 0.41-0.47
+training alone: the two sides slow each other a little (calibrate_sim:
+update cost per token 4 % higher while the generator runs) and the
+pipeline's own Python runs on that core (the thread reading the generator's
+stream, weight export and push, metrics).
 """
 
 import json
@@ -115,9 +124,9 @@ _WORKDIR = flags.DEFINE_string("workdir", "/tmp/streamrl_bench_modes", "Cache of
 _OUT = flags.DEFINE_string("out", os.path.join(os.path.dirname(os.path.abspath(__file__)), "out", "bench_modes"),
                            "Where timelines, PNGs and summary.json go.")
 _MODES = flags.DEFINE_list("modes", ["colocated", "sync", "stream", "async"], "Modes to run.")
-_BLOCKS = flags.DEFINE_integer("blocks", 3, "Blocks: every arm runs once per block, in rotating order.")
+_BLOCKS = flags.DEFINE_integer("blocks", 2, "Blocks: every arm runs once per block, in rotating order.")
 _WARMUP = flags.DEFINE_integer("warmup", 1, "Untimed iterations at the start of each arm's block.")
-_ITERATIONS = flags.DEFINE_integer("iterations", 3, "Timed iterations per arm and block.")
+_ITERATIONS = flags.DEFINE_integer("iterations", 8, "Timed iterations per arm and block.")
 _PROMPTS = flags.DEFINE_integer("prompts", 64, "trainer.prompts_per_iteration.")
 _MINI = flags.DEFINE_integer("mini_batch", 16, "trainer.mini_batch_size (= micro_batch_size).")
 _MAX_NUM_SEQS = flags.DEFINE_integer("max_num_seqs", 4, "generation.max_num_seqs: requests in flight per instance.")
