@@ -16,7 +16,6 @@ training take turns on the same cores there.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import socket
@@ -29,7 +28,6 @@ from streamrl.pipeline import cluster as cluster_lib
 log = logging.getLogger(__name__)
 
 LOG_NAME = "trainer.log"
-PLACEMENT_NAME = "placement.json"
 
 
 class TrainerActor:
@@ -130,7 +128,3 @@ def _last_line(e: Exception) -> str:
   msg = str(getattr(e, "error_msg", None) or e).strip().splitlines()
   return msg[-1] if msg else e.__class__.__name__
 
-
-def write_placement(workdir: str, placement: dict) -> None:
-  with open(os.path.join(workdir, PLACEMENT_NAME), "w") as f:
-    json.dump(placement, f, indent=1, default=str)
