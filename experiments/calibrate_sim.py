@@ -315,13 +315,12 @@ class Components:
                                  queues=[list(range(len(ordered)))],
                                  caps=[cfg.generation.max_num_seqs]).finish_times
     arrival = [ordered[i] for i in np.argsort(finish, kind="stable")]
-    group = cfg.algo.group_size
-    batcher = LengthBatcher(trainer.mini_batch_size, group)
+    batcher = LengthBatcher(trainer.mini_batch_size, cfg.algo.group_size)
     fwd = upd = 0.0
     t0 = now()
     trainer.begin_iteration(snapshot=True)
     fwd += now() - t0
-    groups, minis = {}, []
+    minis = []
 
     def train_on(batch):
       nonlocal fwd, upd
@@ -336,11 +335,7 @@ class Components:
     for s in arrival:
       t0 = now()
       score, _ = self.rewarder([s], by_id)
-      g = groups.setdefault(s.prompt_id // group, [])
-      g.append((s, float(score[0])))
-      full = []
-      if len(g) == group:
-        full = batcher.add(sorted(groups.pop(s.prompt_id // group), key=lambda x: x[0].prompt_id))
+      full = batcher.add_sample((s, float(score[0])))
       fwd += now() - t0
       for batch in full:
         train_on(batch)

@@ -35,13 +35,13 @@ def _scalar(name: str, value: Any) -> float:
   return float(arr.reshape(()))
 
 
-
 def configure_logging(level: int = logging.INFO) -> None:
   """StreamRL's own log lines at `level`; other libraries' (e.g. Orbax's
   per-save chatter) only from WARNING up."""
   logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(message)s",
                       force=True)
   logging.getLogger("streamrl").setLevel(level)
+
 
 class MetricsWriter:
   """TensorBoard event files (via tensorboardX) plus `metrics.jsonl` in `logdir`.

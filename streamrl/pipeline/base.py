@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import time
 
 import numpy as np
@@ -49,8 +48,6 @@ class Pipeline:
     from streamrl.pipeline import cluster  # pylint: disable=g-import-not-at-top
     c = self.config.cluster
     shares = cluster.plan_cpu_shares(c.generator_cpus, c.trainer_cpus)
-    if set(os.sched_getaffinity(0)) <= set(shares.trainer_cores):
-      return  # Already there (a TrainerActor pins itself before JAX starts).
     cluster.bound_trainer_threads(shares.trainer_cores)
 
   # Evaluation and one-off generation go straight to the backend.

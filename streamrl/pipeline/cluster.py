@@ -153,13 +153,17 @@ def bound_trainer_threads(cores: Sequence[int]) -> dict:
   cores = tuple(sorted(set(cores)))
   if not cores:
     raise ValueError("bound_trainer_threads needs at least one core.")
+  n = str(len(cores))
+  for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
+    os.environ[var] = n
+  if set(os.sched_getaffinity(0)) <= set(cores):
+    # Already confined (e.g. a TrainerActor pinned itself before JAX started):
+    # nothing to pin again, and nothing to warn about.
+    return {"cores": cores, "num_threads": len(cores), "already_bound": True}
   jax_started = _jax_backend_started()
   if jax_started:
     log.warning("bound_trainer_threads called after JAX created its CPU client: threads are "
                 "pinned to %s, but XLA's pool keeps its size.", cores)
-  n = str(len(cores))
-  for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
-    os.environ[var] = n
   pin_process_threads(cores)
   return {"cores": cores, "num_threads": len(cores), "jax_already_started": jax_started}
 

@@ -54,7 +54,9 @@ class LengthBatcher:
     if size % group_size:
       raise ValueError(f"mini-batch size {size} is not a multiple of group size {group_size}.")
     self.size = size
+    self.group_size = group_size
     self._buckets: dict[int, list] = collections.defaultdict(list)
+    self._groups: dict[int, list] = collections.defaultdict(list)  # incomplete ones
 
   @staticmethod
   def length(item) -> int:
@@ -72,11 +74,24 @@ class LengthBatcher:
       del bucket[:self.size]
     return out
 
+  def add_sample(self, item) -> list[list]:
+    """Adds one (sample, score) item; its group joins a bucket once complete
+    (GRPO needs whole groups), its samples in request-id order."""
+    gid = item[0].prompt_id // self.group_size
+    g = self._groups[gid]
+    g.append(item)
+    if len(g) < self.group_size:
+      return []
+    return self.add(sorted(self._groups.pop(gid), key=lambda x: x[0].prompt_id))
+
   def pending(self) -> int:
     return sum(len(b) for b in self._buckets.values())
 
   def flush(self) -> list[list]:
     """What the buckets still hold, as length-sorted mini-batches."""
+    if self._groups:
+      raise RuntimeError(f"The stream ended with {len(self._groups)} incomplete groups; "
+                         "a generator returned fewer samples than requested.")
     left = [x for key in sorted(self._buckets) for x in self._buckets[key]]
     self._buckets.clear()
     if len(left) % self.size:
@@ -96,7 +111,6 @@ class StreamPipeline(base.Pipeline):
     requests, by_id = self.make_requests(examples, tokenizer, group)
     t0 = base.now()
     self.trainer.begin_iteration(snapshot=True)
-    groups: dict[int, list] = collections.defaultdict(list)
     batcher = LengthBatcher(mb, group)
     minis, prep_all, train_all, samples, scores_all, correct_all = [], [], [], [], [], []
     train_s = 0.0
@@ -122,16 +136,8 @@ class StreamPipeline(base.Pipeline):
       samples.append(s)
       scores_all.append(float(score[0]))
       correct_all.append(float(correct[0]))
-      g = groups[s.prompt_id // group]
-      g.append((s, float(score[0])))
-      if len(g) == group:
-        # GRPO needs whole groups; keep each group's samples in id order.
-        for batch in batcher.add(sorted(groups.pop(s.prompt_id // group),
-                                        key=lambda x: x[0].prompt_id)):
-          train_on(batch)
-    if groups:
-      raise RuntimeError(f"Iteration {it} ended with {len(groups)} incomplete groups; "
-                         "a generator returned fewer samples than requested.")
+      for batch in batcher.add_sample((s, float(score[0]))):
+        train_on(batch)
     self.observe(samples)
     for batch in batcher.flush():
       train_on(batch)

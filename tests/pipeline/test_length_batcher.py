@@ -57,6 +57,16 @@ def test_groups_stay_whole():
     assert all(ids[k] // 2 == ids[k + 1] // 2 for k in range(0, 4, 2)), ids
 
 
+def test_add_sample_waits_for_whole_groups_in_id_order():
+  b = LengthBatcher(size=2, group_size=2)
+  assert b.add_sample(item(1, 5, 5)) == []
+  out = b.add_sample(item(0, 5, 5))
+  assert [[x[0].prompt_id for x in m] for m in out] == [[0, 1]]
+  b.add_sample(item(3, 5, 5))  # its partner never arrives
+  with pytest.raises(RuntimeError, match="incomplete groups"):
+    b.flush()
+
+
 def test_flush_refuses_a_partial_mini_batch():
   b = LengthBatcher(size=4)
   b.add([item(0, 3, 3)])
