@@ -178,7 +178,7 @@ def load_config():
 
 
 def pin_trainer(config) -> None:
-  from streamrl.pipeline import cluster  # pylint: disable=g-import-not-at-top
+  from streamrl import cluster  # pylint: disable=g-import-not-at-top
   shares = cluster.plan_cpu_shares(config.cluster.generator_cpus, config.cluster.trainer_cpus,
                                    ALL_CORES)
   cluster.bound_trainer_threads(shares.trainer_cores)
@@ -341,8 +341,9 @@ class AloneArms:
   def run_block(self, n: int, untimed: int) -> None:
     import numpy as np  # pylint: disable=g-import-not-at-top
     from streamrl import train  # pylint: disable=g-import-not-at-top
-    from streamrl.pipeline import backends, cluster  # pylint: disable=g-import-not-at-top
-    from streamrl.pipeline.service import StreamGenerationService  # pylint: disable=g-import-not-at-top
+    from streamrl.generator import local as backends
+    from streamrl import cluster  # pylint: disable=g-import-not-at-top
+    from streamrl.generator.service import StreamGenerationService  # pylint: disable=g-import-not-at-top
     unpin()
     info = cluster.init_ray_from_config(self.cfg)  # core shares planned over all cores
     pin_trainer(self.cfg)  # this process stays off the generator's core

@@ -227,7 +227,7 @@ class Components:
 
   def __call__(self, pipe, it: int, timed: bool, pipeline_samples) -> None:
     from streamrl import train  # pylint: disable=g-import-not-at-top
-    from streamrl.pipeline.backends import sampling_for  # pylint: disable=g-import-not-at-top
+    from streamrl.generator.local import sampling_for  # pylint: disable=g-import-not-at-top
     cfg = self.cfg
     requests, by_id = train.make_requests(self.batches[it], self.work.tokenizer, cfg.algo.group_size)
     t0 = now()
@@ -265,7 +265,7 @@ class Components:
     async's generation thread does.
     """
     import threading  # pylint: disable=g-import-not-at-top
-    from streamrl.pipeline.backends import sampling_for  # pylint: disable=g-import-not-at-top
+    from streamrl.generator.local import sampling_for  # pylint: disable=g-import-not-at-top
     out = {}
 
     def generate():
@@ -462,7 +462,7 @@ def run_arm(work: Workload, mode: str, warm: int, iters: int, out_dir: str) -> d
   # now, and an in-process one (one thread, on the generator's share of
   # cores) starts for the profile.
   if mode != "colocated":
-    from streamrl.pipeline import cluster  # pylint: disable=g-import-not-at-top
+    from streamrl import cluster  # pylint: disable=g-import-not-at-top
     shares = cluster.plan_cpu_shares(cfg.cluster.generator_cpus, cfg.cluster.trainer_cpus, ALL_CORES)
     cluster.pin_process_threads(shares.generator_cores)
   t0 = now()

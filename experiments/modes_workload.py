@@ -33,7 +33,7 @@ def unpin() -> None:
   available cores" (cluster.plan_cpu_shares) as seen by this process, which
   the previous mode's trainer pinning narrowed to the trainer's core.
   """
-  from streamrl.pipeline import cluster  # pylint: disable=g-import-not-at-top
+  from streamrl import cluster  # pylint: disable=g-import-not-at-top
   cluster.pin_process_threads(ALL_CORES)
 
 
@@ -111,7 +111,7 @@ class Workload:
     machine runs short."""
     if self._local is None:
       set_engine_threads(1)
-      from streamrl.pipeline.backends import LocalBackend  # pylint: disable=g-import-not-at-top
+      from streamrl.generator.local import LocalBackend  # pylint: disable=g-import-not-at-top
       self._local = LocalBackend(with_mode(self.config, "colocated"), self.model_dir)
     return self._local
 

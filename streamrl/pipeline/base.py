@@ -6,7 +6,7 @@ import time
 
 import numpy as np
 
-from streamrl.pipeline import backends
+from streamrl.generator import local as backends
 from streamrl.pipeline.scheduler import GenerationScheduler
 from streamrl.pipeline.timeline import Timeline
 
@@ -45,7 +45,7 @@ class Pipeline:
     """On a local Ray, keeps the trainer off the generators' cores."""
     if self.config.cluster.address:
       return
-    from streamrl.pipeline import cluster  # pylint: disable=g-import-not-at-top
+    from streamrl import cluster  # pylint: disable=g-import-not-at-top
     c = self.config.cluster
     shares = cluster.plan_cpu_shares(c.generator_cpus, c.trainer_cpus)
     cluster.bound_trainer_threads(shares.trainer_cores)

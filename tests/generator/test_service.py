@@ -18,7 +18,8 @@ from flax import nnx
 from streamrl.generator.vllm_engine import SamplingConfig
 from streamrl.models import config as model_config
 from streamrl.models import hf, tiny, transformer
-from streamrl.pipeline import cluster, service
+from streamrl import cluster
+from streamrl.generator import service
 
 SAMPLING = SamplingConfig(temperature=1.0, max_tokens=8, seed=11)
 
@@ -70,7 +71,7 @@ def test_bound_trainer_threads_pins_every_thread():
   # In a child process: pinning this test process would slow the others.
   code = textwrap.dedent("""
       import os, threading, time
-      from streamrl.pipeline import cluster
+      from streamrl import cluster
       core = min(os.sched_getaffinity(0))
       ev = threading.Event()
       t = threading.Thread(target=ev.wait); t.start()  # exists before the call

@@ -29,7 +29,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 import numpy as np
 import ray
 
-from streamrl.pipeline import cluster as cluster_lib
+from streamrl import cluster as cluster_lib
 
 log = logging.getLogger(__name__)
 

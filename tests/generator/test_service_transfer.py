@@ -12,7 +12,8 @@ from flax import nnx
 from streamrl.generator.vllm_engine import SamplingConfig
 from streamrl.models import config as model_config
 from streamrl.models import hf, tiny, transformer
-from streamrl.pipeline import cluster, service
+from streamrl import cluster
+from streamrl.generator import service
 
 PROMPTS = [(i, [1] + [4 + (5 * i + j) % 40 for j in range(3 + i % 4)]) for i in range(6)]
 

@@ -23,7 +23,7 @@ import sys
 
 import ray
 
-from streamrl.pipeline import cluster as cluster_lib
+from streamrl import cluster as cluster_lib
 
 log = logging.getLogger(__name__)
 

@@ -75,7 +75,7 @@ class LocalBackend:
 def make_backend(config, model_dir: str, cluster_info=None):
   if config.pipeline.mode == "colocated":
     return LocalBackend(config, model_dir)
-  from streamrl.pipeline.service import StreamGenerationService  # pylint: disable=g-import-not-at-top
-  from streamrl.pipeline import cluster  # pylint: disable=g-import-not-at-top
+  from streamrl.generator.service import StreamGenerationService  # pylint: disable=g-import-not-at-top
+  from streamrl import cluster  # pylint: disable=g-import-not-at-top
   info = cluster_info or cluster.init_ray_from_config(config)
   return StreamGenerationService(config, model_dir, cluster=info)
