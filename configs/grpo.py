@@ -18,7 +18,6 @@ from streamrl import config_utils
 
 def get_config() -> ml_collections.ConfigDict:
   c = config_utils.load_config(os.path.join(os.path.dirname(__file__), "ppo.py"))
-  c.algo.name = "grpo"
   c.algo.advantage = "grpo"
   c.algo.group_size = 8
   c.algo.use_critic = False

@@ -15,15 +15,12 @@ per-pair ratios (the ratio of the fastest runs is printed too). Prompts repeat a
 from an equally warm prefix cache.
 
 Part 2 times `GeneratorInstance.update_weights(hf.to_hf_tensors(model))`:
-the Flax -> HF conversion and the engine reload (safetensors bytes -> engine
-worker -> in-place reload -> prefix cache dropped) separately, for the tiny
-model and for a random-weight model with Qwen2-0.5B's shapes (494M params,
-24 layers, vocab 151936, with the 64-token char tokenizer). It also times a
-possible fix, `update_via_path` (a file in /dev/shm instead of bytes through
-the RPC), reported in the table only. The 0.5B updates are skipped, with a
-note and `nan`, when free memory is below what they were measured to need
-(see _COPIES_*): in the multiprocess engine `update_weights` holds ~8 copies
-of the weights at once across the processes, ~15 GiB for 0.5B in float32.
+the Flax -> HF conversion and the engine reload (a safetensors file in
+/dev/shm -> engine worker -> in-place reload -> prefix cache dropped)
+separately, for the tiny model and for a random-weight model with Qwen2-0.5B's
+shapes (494M params, 24 layers, vocab 151936, with the 64-token char
+tokenizer). The 0.5B update is skipped, with a note and `nan`, when free
+memory is below what it was measured to need (see _COPIES_UPDATE).
 
 By default the engines run vLLM's multiprocess engine core, which is what users
 get; `--in_process` sets VLLM_ENABLE_V1_MULTIPROCESSING=0 instead.
@@ -58,24 +55,30 @@ _BIG_LAYERS = flags.DEFINE_integer("big_layers", 24, "Layers of the 0.5B-shaped 
 
 SEED = 0
 TEMPERATURE = 1.0
-# Free memory the 0.5B updates need, in copies of the float32 weights. Peak
-# extra RSS measured at 2 layers (0.6 GiB) / 24 layers (1.8 GiB):
-# update_weights multiprocess 7.6 / -, in-process 4.2 / 2.5, via path 4.0 /
-# 2.3 (about 1 GiB of it fixed). With a margin and the /dev/shm file for the
-# path. Below it the step is skipped rather than risk the OOM killer on a
-# shared machine.
+# Free memory the 0.5B update needs, in copies of the float32 weights. Peak
+# extra RSS measured at 2 layers (0.6 GiB) / 24 layers (1.8 GiB) when
+# update_weights still sent the weights as bytes over the RPC: multiprocess
+# 7.6 / -, in-process 4.2 / 2.5. Handing vLLM's own reload a /dev/shm file
+# instead measured 4.0 / 2.3 (about 1 GiB of it fixed); update_weights now
+# passes such a file (read one tensor at a time in the worker), not
+# re-measured for these limits. Kept at the older, larger values: below them
+# the step is skipped rather than risk the OOM killer on a shared machine.
 _COPIES_UPDATE = {"multiprocess": 7, "in_process": 4}
-_COPIES_PATH = 4
 
-# Engine-core clients started here, shut down explicitly at the end: dropping
-# the last reference to a GeneratorInstance did not always stop its engine
-# processes, and the script then hung at exit.
-_ENGINE_CORES = []
+# Shutdown callables of the engines started here, called explicitly at the
+# end: dropping the last reference to an engine did not always stop its
+# engine processes, and the script then hung at exit.
+_CLOSERS = []
 
 
 def _shutdown_engines() -> None:
-  while _ENGINE_CORES:
-    _ENGINE_CORES.pop().shutdown()
+  while _CLOSERS:
+    _CLOSERS.pop()()
+
+
+def _stop(closer) -> None:
+  _CLOSERS.remove(closer)
+  closer()
 
 
 def _prompts(n: int, vocab_size: int) -> list[tuple[int, list[int]]]:
@@ -117,7 +120,7 @@ def _run_plain(llm, eos, prompts, max_tokens):
 
 
 def bench_throughput(model_dir: str, vocab_size: int):
-  """Part 1: returns (table rows, summary, our GeneratorInstance, the vllm.LLM)."""
+  """Part 1: returns (table rows, summary, our GeneratorInstance, the plain engine's shutdown)."""
   import numpy as np  # pylint: disable=g-import-not-at-top
   from vllm import LLM  # pylint: disable=g-import-not-at-top
 
@@ -130,24 +133,25 @@ def bench_throughput(model_dir: str, vocab_size: int):
   t0 = time.perf_counter()
   gen = GeneratorInstance(model_dir, max_num_seqs=_MAX_NUM_SEQS.value,
                           max_model_len=_MAX_MODEL_LEN.value, seed=SEED, kv_cache_gib=1.0)
-  _ENGINE_CORES.append(gen._engine.engine_core)  # pylint: disable=protected-access
+  _CLOSERS.append(gen.close)
   print(f"[bench] ours engine up in {time.perf_counter() - t0:.1f}s", flush=True)
   # GeneratorInstance has set VLLM_CPU_KVCACHE_SPACE=1 (GiB); the plain engine
   # reads the same value. The scheduler settings GeneratorInstance picks
-  # (chunked prefill off on CPU, its token budget) are copied from its engine.
-  sched = gen._engine.vllm_config.scheduler_config  # pylint: disable=protected-access
+  # (chunked prefill off on CPU, its token budget) are copied from it.
+  sched = gen.scheduler_limits()
   t0 = time.perf_counter()
   llm = LLM(model=model_dir, dtype="float32", seed=SEED, max_num_seqs=_MAX_NUM_SEQS.value,
             max_model_len=_MAX_MODEL_LEN.value, enforce_eager=True, enable_prefix_caching=True,
-            enable_chunked_prefill=sched.enable_chunked_prefill,
+            enable_chunked_prefill=sched.chunked_prefill,
             max_num_batched_tokens=sched.max_num_batched_tokens,
             logprobs_mode="processed_logprobs", disable_log_stats=True)
-  mine = llm.llm_engine.vllm_config.scheduler_config
-  assert (mine.enable_chunked_prefill, mine.max_num_batched_tokens, mine.max_num_seqs) == (
-      sched.enable_chunked_prefill, sched.max_num_batched_tokens, sched.max_num_seqs)
-  _ENGINE_CORES.append(llm.llm_engine.engine_core)
+  plain = llm.llm_engine.vllm_config.scheduler_config
+  assert (plain.enable_chunked_prefill, plain.max_num_batched_tokens, plain.max_num_seqs) == (
+      sched.chunked_prefill, sched.max_num_batched_tokens, sched.max_num_seqs)
+  llm_closer = llm.llm_engine.engine_core.shutdown
+  _CLOSERS.append(llm_closer)
   print(f"[bench] plain engine up in {time.perf_counter() - t0:.1f}s", flush=True)
-  eos = list(gen._eos)  # pylint: disable=protected-access
+  eos = list(gen.eos_token_ids)
 
   arms = {"ours": lambda: _run_ours(gen, prompts, sampling),
           "plain": lambda: _run_plain(llm, eos, prompts, max_tokens)}
@@ -185,57 +189,27 @@ def bench_throughput(model_dir: str, vocab_size: int):
       "same_tokens": same,
       "mean_len": float(np.mean(lengths)),
       "tokens_per_rep": ntok["ours"],
-      "sched": f"chunked_prefill={sched.enable_chunked_prefill}, "
+      "sched": f"chunked_prefill={sched.chunked_prefill}, "
                f"max_num_batched_tokens={sched.max_num_batched_tokens}",
   }
-  return rows, info, gen, llm
+  return rows, info, gen, llm_closer
 
 
-def time_updates(gen, models, update=None) -> list[tuple[float, float]]:
-  """(conversion s, reload s) of update(gen, to_hf_tensors(m)) per model;
-  `update` defaults to GeneratorInstance.update_weights."""
+def time_updates(gen, models) -> list[tuple[float, float]]:
+  """(conversion s, reload s) of gen.update_weights(to_hf_tensors(m)) per model."""
   from streamrl.models import hf  # pylint: disable=g-import-not-at-top
-  update = update or (lambda g, tensors: g.update_weights(tensors))
   out = []
   for model in models:
     t0 = time.perf_counter()
     tensors = hf.to_hf_tensors(model)
     t1 = time.perf_counter()
-    update(gen, tensors)
+    gen.update_weights(tensors)
     t2 = time.perf_counter()
     del tensors
     out.append((t1 - t0, t2 - t1))
     print(f"[bench] update -> v{gen.weight_version}: convert {t1 - t0:.3f}s "
           f"reload {t2 - t1:.3f}s", flush=True)
   return out
-
-
-def update_via_path(gen, tensors) -> None:
-  """A possible fix, measured here: hand the engine a file path, not bytes.
-
-  update_weights serialises all weights to bytes in this process, and in the
-  multiprocess engine vLLM sends them to the engine-core process, which
-  forwards them to its worker process, which loads them into tensors: several
-  full copies alive at once. Here
-  the tensors go to one safetensors file in /dev/shm and the worker's own
-  `reload_weights(weights_path=...)` reads it (by name, so no function crosses
-  the RPC). Timing only: it skips the tied-LM-head repack that
-  `WorkerExtension.streamrl_reload` does (a real fix would read the file
-  there), and it leaves the version untouched. Not used for RESULT.
-  """
-  import shutil  # pylint: disable=g-import-not-at-top
-  import tempfile  # pylint: disable=g-import-not-at-top
-
-  from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
-  root = "/dev/shm" if os.path.isdir("/dev/shm") else None
-  path = tempfile.mkdtemp(prefix="streamrl_bench_", dir=root)
-  try:
-    save_file(tensors, os.path.join(path, "model.safetensors"))
-    engine = gen._engine  # pylint: disable=protected-access
-    engine.collective_rpc("reload_weights", kwargs={"weights_path": path})
-    engine.reset_prefix_cache()
-  finally:
-    shutil.rmtree(path)
 
 
 def _available_gib() -> float:
@@ -347,11 +321,6 @@ def build_big_dir(path: str, cfg) -> str:
   return path
 
 
-def _stop(core) -> None:
-  _ENGINE_CORES.remove(core)
-  core.shutdown()
-
-
 def main(argv):
   try:
     _main(argv)
@@ -385,18 +354,17 @@ def _main(argv):
   tiny_dir = tiny.build_tiny_model_dir(os.path.join(_WORKDIR.value, "tiny"), tiny_cfg, seed=0)
 
   # Part 1.
-  rows, info, gen, llm = bench_throughput(tiny_dir, tiny_cfg.vocab_size)
+  rows, info, gen, llm_closer = bench_throughput(tiny_dir, tiny_cfg.vocab_size)
 
   # Part 2, tiny: a fresh random model per update (built outside the timing).
   models = [Transformer(tiny_cfg, rngs=nnx.Rngs(100 + i)) for i in range(_UPDATES.value)]
   upd = {"tiny": time_updates(gen, models)}
   _check_generates(gen, tiny_cfg.vocab_size)
-  upd["tiny, via path"] = time_updates(gen, models, update_via_path)
   # Both stop before the big engine starts, and together: in-process engines
   # share vLLM's global distributed state, which a shutdown tears down.
-  _stop(gen._engine.engine_core)  # pylint: disable=protected-access
-  _stop(llm.llm_engine.engine_core)
-  del gen, llm, models
+  _stop(gen.close)
+  _stop(llm_closer)
+  del gen, llm_closer, models
 
   big_cfg = big_config(_BIG_LAYERS.value)
   big_name = f"0.5B shapes, {big_cfg.num_layers} layers"
@@ -408,24 +376,22 @@ def _main(argv):
     t0 = time.perf_counter()
     big_gen = GeneratorInstance(big_dir, max_num_seqs=8, max_model_len=_MAX_MODEL_LEN.value,
                                 seed=SEED, kv_cache_gib=1.0)
-    _ENGINE_CORES.append(big_gen._engine.engine_core)  # pylint: disable=protected-access
+    _CLOSERS.append(big_gen.close)
     print(f"[bench] big engine up in {time.perf_counter() - t0:.1f}s", flush=True)
     big_model = random_model(big_cfg, seed=2)  # new values, same shapes
     # The same model for each update: reload cost does not depend on values.
-    mode_key = "in_process" if _IN_PROCESS.value else "multiprocess"
-    for name, fn, copies in ((big_name + ", via path", update_via_path, _COPIES_PATH),
-                             (big_name, None, _COPIES_UPDATE[mode_key])):
-      need = copies * weights_gib
-      if _available_gib() < need:
-        notes.append(f"{name}: skipped, needs ~{need:.0f} GiB free ({copies} copies of "
-                     f"{weights_gib:.1f} GiB of weights), {_available_gib():.0f} GiB available")
-        print(f"[bench] {notes[-1]}", flush=True)
-        continue
+    copies = _COPIES_UPDATE["in_process" if _IN_PROCESS.value else "multiprocess"]
+    need = copies * weights_gib
+    if _available_gib() < need:
+      notes.append(f"{big_name}: skipped, needs ~{need:.0f} GiB free ({copies} copies of "
+                   f"{weights_gib:.1f} GiB of weights), {_available_gib():.0f} GiB available")
+      print(f"[bench] {notes[-1]}", flush=True)
+    else:
       with _PeakMemory() as mem:
-        upd[name] = time_updates(big_gen, [big_model] * _UPDATES.value, fn)
-      peaks[name] = mem.extra_gib
+        upd[big_name] = time_updates(big_gen, [big_model] * _UPDATES.value)
+      peaks[big_name] = mem.extra_gib
     _check_generates(big_gen, tok.VOCAB_SIZE)
-    _stop(big_gen._engine.engine_core)  # pylint: disable=protected-access
+    _stop(big_gen.close)
     del big_gen, big_model
 
   def med(xs, i):
@@ -454,7 +420,7 @@ def _main(argv):
         f"{info['best_ratio']:.3f}")
   print()
   print("weight update = hf.to_hf_tensors(model) [convert] + GeneratorInstance.update_weights "
-        "[reload: safetensors bytes, RPC to the engine, in-place reload, prefix-cache reset]; "
+        "[reload: safetensors file in /dev/shm, RPC to the engine, in-place reload, prefix-cache reset]; "
         f"median of {_UPDATES.value}")
   print(f"{'model / path':32s} {'params':>8s} {'convert s':>10s} {'reload s':>9s} "
         f"{'total s':>8s} {'extra RSS GiB':>14s}")
@@ -463,9 +429,8 @@ def _main(argv):
     extra = f"{peaks[name]:14.1f}" if name in peaks else f"{'':14s}"
     print(f"{name:32s} {params / 1e6:7.1f}M {med(xs, 0):10.3f} {med(xs, 1):9.3f} "
           f"{tot(xs):8.3f} {extra}")
-  print("'via path' = a possible fix measured from here (update_via_path), not what "
-        "GeneratorInstance does; extra RSS = peak minus start of the summed RSS of this "
-        f"process and the engine processes ({weights_gib:.2f} GiB of float32 weights in the big model)")
+  print("extra RSS = peak minus start of the summed RSS of this process and the engine "
+        f"processes ({weights_gib:.2f} GiB of float32 weights in the big model)")
   for note in notes:
     print(note)
   big_s = f"{tot(upd[big_name]):.3f}" if big_name in upd else "nan"

@@ -61,7 +61,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from absl import app, flags  # noqa: E402
 
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/streamrl_skew", "Cache for policy, pairs, rankers, profile.")
-_QUICK = flags.DEFINE_bool("quick", False, "Small everything, for development.")
+_QUICK = flags.DEFINE_bool("quick", False, "Small everything, for development (explicit flags win).")
 _NUM_PROMPTS = flags.DEFINE_integer("num_prompts", 512, "Benchmark prompts.")
 _NUM_INSTANCES = flags.DEFINE_integer("num_instances", 4, "Generator instances.")
 _MAX_BS = flags.DEFINE_integer("max_batch_size", 32, "Most requests in flight per instance.")
@@ -159,22 +159,18 @@ def train_ranker(workdir, loss, pairs):
 class StepTrace:
   """Records how many requests are in flight at every engine step of `gen`.
 
-  Wraps the engine's `step` (benchmark-only instrumentation); GeneratorInstance
-  sets `_in_flight` before each step. Summing PTL(in flight) over the steps of
-  a run gives its time under the measured latency profile: a noise-free
-  companion to the measured time that still reflects the engine's real
-  admission and finishing order.
+  Registered as the instance's step callback. Summing PTL(in flight) over the
+  steps of a run gives its time under the measured latency profile: a
+  noise-free companion to the measured time that still reflects the engine's
+  real admission and finishing order.
   """
 
   def __init__(self, gen):
-    self.gen, self.counts = gen, []
-    original = gen._engine.step  # pylint: disable=protected-access
+    self.counts = []
+    gen.set_step_callback(self._record)
 
-    def step():
-      self.counts.append(int(getattr(gen, "_in_flight", 0)))
-      return original()
-
-    gen._engine.step = step  # pylint: disable=protected-access
+  def _record(self, in_flight: int) -> None:
+    self.counts.append(in_flight)
 
 
 def run_instance(gen, trace, prompts_by_id, ids, batch_size, sampling, profile):
@@ -203,7 +199,8 @@ def main(argv):
   if _QUICK.value:
     for flag, value in (("num_prompts", 128), ("reps", 2), ("train_prompts", 600), ("sft_steps", 100),
                         ("ranker_steps", 200), ("max_answer_len", 48), ("compare_losses", ["mse"])):
-      flags.FLAGS[flag].value = value
+      if not flags.FLAGS[flag].present:  # flags given explicitly win
+        flags.FLAGS[flag].value = value
   import numpy as np
 
   from streamrl.data import tasks

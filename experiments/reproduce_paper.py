@@ -2,7 +2,9 @@
 
   python experiments/reproduce_paper.py [--out_dir=experiments/out/paper] [--skip_scale]
 
-Writes PNG plots and report.md (simulated vs paper) into --out_dir and ends
+The simulated cells are in experiments/paper_figures.py, the paper's numbers
+in experiments/reference/streamrl_paper.json. Writes PNG plots and report.md
+(simulated vs paper) into --out_dir and ends
 with `RESULT fig8_max_rel_err=.. table3_max_abs_err=.. fig9_max_abs_err=..
 fig12_max_rel_err=..`. Errors compare ratios, never absolute samples/s:
 Fig. 8 and Table 3 normalise every system to colocation within its cell,
@@ -39,6 +41,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # paper_figures
 
 import matplotlib
 
@@ -47,14 +50,16 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
+import paper_figures as paper  # noqa: E402
 from streamrl.planner import ElasticController, Workload, run_elastic  # noqa: E402
-from streamrl.sim import costs, engine, paper  # noqa: E402
+from streamrl.sim import costs, engine  # noqa: E402
 from streamrl.sim.engine import simulate  # noqa: E402
 from streamrl.sim.lengths import paper_lengths  # noqa: E402
 from streamrl.sim.systems import SystemCalibration, disaggregated_config, gen_cost, system_config  # noqa: E402
 
 _OUT = flags.DEFINE_string("out_dir", "experiments/out/paper", "Where plots and report.md go.")
-_PAPER = flags.DEFINE_string("paper_json", None, "streamrl_paper.json (default: ../shared/reference).")
+_PAPER = flags.DEFINE_string("paper_json", None,
+                              "The paper's reference numbers (default: experiments/reference/streamrl_paper.json).")
 _SKIP_SCALE = flags.DEFINE_bool("skip_scale", False, "Skip the 1,024-GPU scale benchmark.")
 _ITERS = flags.DEFINE_integer("iterations", 4, "Iterations per simulation (first is warm-up).")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of every length draw.")

@@ -12,6 +12,12 @@ refused), and the run goes to `<workdir>/<run_name(overrides)>/` — e.g.
 at `<workdir>` shows the points side by side. Every point is validated before
 the first one starts. Starting the same sweep again resumes each run from its
 own checkpoints (the run function resumes from its workdir).
+
+The terminal shows progress and StreamRL's own lines; each run's library logs
+(vLLM, Ray, Orbax, ...) go to `<workdir>/<run name>/libraries.log`. At the end
+a table ranks the runs by their final `eval/accuracy`, read from each run's
+`final_metrics.json`. A mistake in the input prints one `error: ...` line and
+exits with status 2 (--debug shows the traceback).
 """
 
 import importlib
@@ -26,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import app, flags
 from ml_collections import config_flags
 
-from streamrl import config_utils
+from streamrl import config_utils, errors, metrics
 
 _CONFIG = config_utils.define_config_file("config", None, "Config file defining get_config() and get_sweep().")
 flags.mark_flag_as_required("config")
@@ -46,21 +52,25 @@ def _resolve_run_fn(spec: str | None):
   for candidate in candidates:
     module_name, _, fn_name = candidate.partition(":")
     if not fn_name:
-      raise ValueError(f"--run_fn={candidate!r} must look like module:function.")
+      raise errors.UserError(f"--run_fn={candidate!r} must look like module:function.")
     try:
       module = importlib.import_module(module_name)
     except ModuleNotFoundError as e:
-      # Only "this module does not exist" means try the next one; a missing
-      # dependency inside it is a real error.
-      if spec or not (e.name and module_name.startswith(e.name)):
+      # Only "this module does not exist" means try the next one (or, for
+      # --run_fn, is the user's mistake); a missing dependency inside it is
+      # a real error.
+      if not (e.name and module_name.startswith(e.name)):
         raise
+      if spec:
+        raise errors.UserError(f"--run_fn: no module named {module_name!r}; check the name and "
+                               "PYTHONPATH.") from e
       continue
     fn = getattr(module, fn_name, None)
     if callable(fn):
       return fn
     if spec:
-      raise ValueError(f"--run_fn: module {module_name} has no function {fn_name!r}.")
-  raise ValueError(f"no training entry point found (tried {', '.join(candidates)}); pass --run_fn=module:function.")
+      raise errors.UserError(f"--run_fn: module {module_name} has no function {fn_name!r}.")
+  raise errors.UserError(f"no training entry point found (tried {', '.join(candidates)}); pass --run_fn=module:function.")
 
 
 def _plan():
@@ -73,21 +83,29 @@ def _plan():
   for name, point in zip(names, points):
     clash = [k for k in point if k in cli or any(k.startswith(c + ".") or c.startswith(k + ".") for c in cli)]
     if clash:
-      raise ValueError(f"--config.{clash[0]} is set both on the command line and by the sweep; drop one of them.")
+      raise errors.UserError(f"--config.{clash[0]} is set both on the command line and by the sweep; drop one of them.")
     plan.append((name, point, config_utils.apply_overrides(_CONFIG.value, point)))
   return plan
+
+
+def _summary(plan, workdir: str, results: dict) -> str:
+  """The closing table: every point, best final eval/accuracy first."""
+  rows = []
+  for name, _, _ in plan:
+    status, returned = results.get(name, ("not run", None))
+    values = metrics.read_final_metrics(os.path.join(workdir, name))
+    if values is None and isinstance(returned, dict):
+      values = returned  # A --run_fn that writes no final_metrics.json.
+    rows.append((name if status == "done" else f"{name} ({status})", values))
+  return metrics.results_table(rows)
 
 
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments {argv[1:]}; flags look like --name=value.")
-  try:
-    plan = _plan()
-    run_fn = None if _DRY_RUN.value else _resolve_run_fn(_RUN_FN.value)
-  except (ValueError, FileNotFoundError) as e:
-    sys.stderr.write(f"error: {e}\n")
-    return 1
-  workdir = _WORKDIR.value
+  workdir = errors.check_workdir(_WORKDIR.value)
+  plan = _plan()
+  run_fn = None if _DRY_RUN.value else _resolve_run_fn(_RUN_FN.value)
   print(f"sweep: {len(plan)} run(s) under {workdir}", flush=True)
   for i, (name, point, _) in enumerate(plan):
     print(f"  [{i + 1}/{len(plan)}] {os.path.join(workdir, name)}  {json.dumps(point)}", flush=True)
@@ -97,16 +115,28 @@ def main(argv):
   with open(os.path.join(workdir, "sweep.json"), "w", encoding="utf-8") as f:
     json.dump([{"run": name, "overrides": point} for name, point, _ in plan], f, indent=2)
   failed = []
-  for i, (name, point, config) in enumerate(plan):
-    run_dir = os.path.join(workdir, name)
-    print(f"sweep: starting [{i + 1}/{len(plan)}] {run_dir}", flush=True)
-    try:
-      run_fn(config, run_dir)
-    except Exception:  # pylint: disable=broad-except
-      if not _KEEP_GOING.value:
-        raise
-      traceback.print_exc()
-      failed.append(name)
+  results: dict = {}  # run name -> (status, what run_fn returned)
+  try:
+    for i, (name, point, config) in enumerate(plan):
+      run_dir = os.path.join(workdir, name)
+      print(f"sweep: starting [{i + 1}/{len(plan)}] {run_dir}", flush=True)
+      # Each run's library chatter into its own directory.
+      metrics.configure_logging(run_dir)
+      try:
+        results[name] = ("done", run_fn(config, run_dir))
+      except Exception as e:  # pylint: disable=broad-except
+        results[name] = ("failed", None)
+        if not _KEEP_GOING.value:
+          raise
+        if errors.find_user_error(e) is not None and not errors.debug_requested(sys.argv):
+          sys.stderr.write(f"error: {name}: {errors.user_message(e)}\n")
+        else:
+          traceback.print_exc()
+        failed.append(name)
+  finally:
+    if results:
+      print(f"sweep: results (best {metrics.SUMMARY_METRICS[0]} first)\n{_summary(plan, workdir, results)}",
+            flush=True)
   if failed:
     sys.stderr.write(f"error: {len(failed)} of {len(plan)} sweep runs failed: {', '.join(failed)}\n")
     return 1
@@ -114,4 +144,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main, flags_parser=config_utils.parse_flags_or_exit)
+  config_utils.run_main(main)

@@ -28,6 +28,20 @@ CPU shares on one machine (what is actually enforced):
   enforces nothing about cores.
 - On a remote cluster no core ids are known in advance: actors only bound
   their thread counts (no pinning), and the node labels do the separation.
+
+Console output: Ray starts with `log_to_driver=False` by default, so what the
+actors print (vLLM's engine, Ray's worker chatter) is not forwarded to the
+launcher's terminal; it stays in Ray's session directory on each node,
+/tmp/ray/session_latest/logs/worker-<id>-<job>-<pid>.{out,err} (the session
+directory is printed by `ray status -v`; `ray logs` lists the files). Actors
+that call `streamrl.metrics.configure_actor_logging(workdir)` also write their
+library logs to <workdir>/libraries.log. An actor's exception still reaches
+the launcher through `ray.get`. `cluster.log_to_driver=True` forwards
+everything again (for debugging).
+
+A wrong `cluster.address` (unreachable, not a Ray head, no node offering
+`generation_pool`) fails fast with a `streamrl.errors.UserError` (for an
+unreachable one, an `UnreachableClusterError`, also a ConnectionError).
 """
 
 from __future__ import annotations
@@ -39,6 +53,8 @@ import socket
 import sys
 import threading
 from collections.abc import Sequence
+
+from streamrl.errors import UnreachableClusterError, UserError
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +109,7 @@ def plan_cpu_shares(generator_cpus: int, trainer_cpus: int,
   `trainer_cpus`; they are disjoint when the machine has enough cores, and
   overlap (with a warning) when it hasn't."""
   if generator_cpus < 1 or trainer_cpus < 1:
-    raise ValueError(f"cluster.generator_cpus and cluster.trainer_cpus must be >= 1, got "
+    raise UserError(f"cluster.generator_cpus and cluster.trainer_cpus must be >= 1, got "
                      f"{generator_cpus} and {trainer_cpus}.")
   cores = tuple(cores) if cores is not None else available_cores()
   n = len(cores)
@@ -191,7 +207,7 @@ def _parse_address(address: str) -> tuple[str, int]:
   if not sep:
     host, port = addr, str(10001 if address.startswith("ray://") else _DEFAULT_GCS_PORT)
   if not host or not port.isdigit():
-    raise ValueError(f"cluster.address={address!r} is not of the form host:port "
+    raise UserError(f"cluster.address={address!r} is not of the form host:port "
                      "(e.g. 10.0.0.1:6379); fix --config.cluster.address.")
   return host, int(port)
 
@@ -204,7 +220,7 @@ def check_reachable(address: str, timeout_s: float) -> tuple[str, int]:
     with socket.create_connection((host, port), timeout=timeout_s):
       pass
   except OSError as e:
-    raise ConnectionError(
+    raise UnreachableClusterError(
         f"Cannot reach the Ray cluster at {address!r} ({e.__class__.__name__}: {e}); start "
         "it with `ray start --head` there or fix --config.cluster.address (empty starts a "
         "local Ray).") from None
@@ -221,8 +237,19 @@ def init_ray(address: str | None = None, *, num_cpus: int | None = None,
   generator instances) and `training_pool=1`, and `num_cpus` logical CPUs
   (default generator_cpus + trainer_cpus). Remote: the nodes' own labels are
   used, and at least one node must offer `generation_pool`.
+
+  `log_to_driver=False` (the default) keeps the actors' stdout/stderr out of
+  this process's terminal (see the module docstring for where it goes). Ray's
+  own log lines in this process follow `streamrl.metrics.configure_logging`
+  (into <workdir>/libraries.log once it has run).
+
+  Raises:
+    UnreachableClusterError: `address` does not answer, or not as a Ray head.
+    UserError: `address` is malformed, or no node offers `generation_pool`.
   """
   import ray  # pylint: disable=g-import-not-at-top
+  from streamrl import metrics  # pylint: disable=g-import-not-at-top
+  metrics.adopt_library_loggers()  # Importing ray attached its console handler to "ray".
   if address and address != "auto":
     host, port = check_reachable(address, min(timeout_s, 10.0))
     if not address.startswith("ray://"):
@@ -240,12 +267,15 @@ def init_ray(address: str | None = None, *, num_cpus: int | None = None,
     try:
       ray.init(**kwargs)
     except (ConnectionError, RuntimeError) as e:
-      where = f"the Ray cluster at {address!r}" if address else "a local Ray"
-      raise ConnectionError(f"Could not start or join {where}: {e}") from e
+      if address:
+        raise UnreachableClusterError(
+            f"Could not join the Ray cluster at {address!r} ({' '.join(str(e).split())[:300]}); check it "
+            "with `ray status --address=...` or fix --config.cluster.address.") from e
+      raise ConnectionError(f"Could not start a local Ray: {e}") from e
     started_locally = not address
   resources = ray.cluster_resources()
   if GENERATION_POOL not in resources:
-    raise RuntimeError(
+    raise UserError(
         f"No node of the Ray cluster at {address!r} offers {GENERATION_POOL!r}; start the "
         f"generation nodes with `ray start --resources='{{\"{GENERATION_POOL}\": 8}}'`.")
   shares = plan_cpu_shares(generator_cpus, trainer_cpus) if started_locally else None
@@ -273,17 +303,12 @@ def _probe_gcs(address: str, timeout_s: float) -> None:
   if t.is_alive() or "error" in result:
     why = (f"no answer within {timeout_s:.0f} s" if t.is_alive()
            else f"{result['error'].__class__.__name__}: {str(result['error'])[:200]}")
-    raise ConnectionError(
+    raise UnreachableClusterError(
         f"{address!r} answers but is not a reachable Ray head ({why}); check it with "
         "`ray status --address=...` or fix --config.cluster.address.")
 
 
-def init_ray_from_config(config) -> ClusterInfo:
-  """`config.cluster` (all fields optional): address, num_cpus, generator_cpus,
-  trainer_cpus, connect_timeout_s, log_to_driver."""
-  c = config.get("cluster", None) or {}
-  get = lambda k, d: c.get(k, d) if hasattr(c, "get") else d
-  return init_ray(get("address", "") or None, num_cpus=get("num_cpus", None) or None,
-                  generator_cpus=get("generator_cpus", 1), trainer_cpus=get("trainer_cpus", 1),
-                  timeout_s=get("connect_timeout_s", 30.0),
-                  log_to_driver=get("log_to_driver", False))
+def init_ray_for(c) -> ClusterInfo:
+  """Starts or joins Ray as `c` (a `streamrl.settings.Cluster`) says."""
+  return init_ray(c.address or None, generator_cpus=c.generator_cpus,
+                  trainer_cpus=c.trainer_cpus, timeout_s=c.connect_timeout_s)

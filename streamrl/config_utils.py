@@ -1,7 +1,7 @@
 """ml_collections helpers: checked overrides, one-sentence flag errors, sweeps, run names.
 
   config = apply_overrides(get_config(), ["trainer.lr=3e-6", "trainer.num_iterations=2"])
-  app.run(main, flags_parser=parse_flags_or_exit)   # in launch scripts
+  run_main(main)   # in launch scripts, instead of app.run(main)
   points = expand_sweep([{"trainer.lr": [1e-6, 3e-6], "algo.kl_coef": 0.01}])
   run_name(points[0])  # 'trainer.lr=1e-06,algo.kl_coef=0.01'
 
@@ -14,6 +14,11 @@ such a field back to None. Index paths (`a.b[0]`) are not supported here.
 `absl` reports an unknown `--config.x.y` key with a traceback from deep in
 ml_collections; `parse_flags_or_exit` turns that and the other user errors
 (wrong type, missing config file, a config file that raises) into one line.
+`run_main` does the same for a `streamrl.errors.UserError` raised by the
+script's main: `error: <sentence>` on stderr, exit status 2, no traceback
+(unless --debug or STREAMRL_DEBUG=1). The errors raised here for bad
+overrides, sweeps and config paths are UserErrors (so also ValueErrors;
+MissingFileError is also a FileNotFoundError).
 """
 
 from __future__ import annotations
@@ -27,11 +32,13 @@ import json
 import os
 import re
 import sys
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, NoReturn, Sequence
 
 import ml_collections
-from absl import flags
+from absl import app, flags
 from ml_collections.config_flags import config_flags, tuple_parser
+
+from streamrl.errors import MissingFileError, UserError, debug_requested, user_message
 
 # ----------------------------------------------------------------- overrides
 
@@ -55,7 +62,7 @@ def _all_keys(node: Any, prefix: str = "") -> list[str]:
   return out
 
 
-def _unknown_key(config: Any, key: str) -> ValueError:
+def _unknown_key(config: Any, key: str) -> UserError:
   parts = key.split(".")
   node, depth = config, 0  # Deepest existing ancestor of the key.
   while depth < len(parts) - 1 and _is_node(node) and parts[depth] in node and _is_node(node[parts[depth]]):
@@ -63,7 +70,7 @@ def _unknown_key(config: Any, key: str) -> ValueError:
   prefix = ".".join(parts[:depth])
   if depth < len(parts) - 1 and _is_node(node) and parts[depth] in node:
     leaf = ".".join(parts[:depth + 1])
-    return ValueError(f"unknown config key {key!r}; {leaf} is a value, not a group of keys.")
+    return UserError(f"unknown config key {key!r}; {leaf} is a value, not a group of keys.")
   # Siblings first: a shared "trainer." prefix would make any trainer.* key look close.
   close = []
   if depth == len(parts) - 1:
@@ -77,18 +84,18 @@ def _unknown_key(config: Any, key: str) -> ValueError:
       close.extend(by_last[m])
     close = close[:3]
   if close:
-    return ValueError(f"unknown config key {key!r}; did you mean {', '.join(close)}?")
+    return UserError(f"unknown config key {key!r}; did you mean {', '.join(close)}?")
   names = sorted(node.keys())
   shown = ", ".join(names[:12]) + (", ..." if len(names) > 12 else "")
   where = f"under {prefix}" if prefix else "at the top level"
-  return ValueError(f"unknown config key {key!r}; the keys {where} are: {shown}.")
+  return UserError(f"unknown config key {key!r}; the keys {where} are: {shown}.")
 
 
 def _locate(config: Any, key: str) -> tuple[Any, str]:
   """(parent node, leaf name) of dotted `key`, or ValueError naming close keys."""
   parts = key.split(".")
   if not all(parts):
-    raise ValueError(f"malformed config key {key!r}; use dotted names like trainer.lr.")
+    raise UserError(f"malformed config key {key!r}; use dotted names like trainer.lr.")
   node = config
   for i, part in enumerate(parts):
     if not _is_node(node) or part not in node:
@@ -105,9 +112,9 @@ def _field_type(node: Any, name: str) -> type:
   return type(node[name])
 
 
-def _wrong_type(key: str, want: type, got: Any, current: Any) -> ValueError:
+def _wrong_type(key: str, want: type, got: Any, current: Any) -> UserError:
   want_name = _TYPE_NAMES.get(want, f"a {getattr(want, '__name__', want)}")
-  return ValueError(f"cannot set {key} to {got!r}: it expects {want_name} (currently {current!r}).")
+  return UserError(f"cannot set {key} to {got!r}: it expects {want_name} (currently {current!r}).")
 
 
 def _parse_string(key: str, raw: str, want: type, current: Any) -> Any:
@@ -166,7 +173,7 @@ def _check_value(key: str, value: Any, want: type, current: Any) -> Any:
 
 def _split_override(item: str) -> tuple[str, str]:
   if not isinstance(item, str) or "=" not in item:
-    raise ValueError(f"override {item!r} must look like key=value, e.g. trainer.lr=3e-6.")
+    raise UserError(f"override {item!r} must look like key=value, e.g. trainer.lr=3e-6.")
   key, raw = item.split("=", 1)
   return key.strip(), raw
 
@@ -199,7 +206,7 @@ def apply_overrides(config: ml_collections.ConfigDict,
     try:
       parent[name] = value
     except (TypeError, ValueError) as e:
-      raise ValueError(f"cannot set {key} to {value!r}: {e}") from None
+      raise UserError(f"cannot set {key} to {value!r}: {e}") from None
   return out
 
 
@@ -312,9 +319,15 @@ def explain_flag_error(error: BaseException, argv: Sequence[str],
   return _explain(error, argv, _config_specs(flag_values))
 
 
-def _exit_with(message: str) -> None:
-  sys.stderr.write(f"error: {message}\n")
-  sys.exit(1)
+USER_ERROR_EXIT_CODE = 2
+
+
+def _exit_with(message: str) -> NoReturn:
+  """Prints `error: <message>` (one line) to stderr and exits with USER_ERROR_EXIT_CODE."""
+  sys.stdout.flush()
+  sys.stderr.write(f"error: {' '.join(message.split())}\n")
+  sys.stderr.flush()
+  sys.exit(USER_ERROR_EXIT_CODE)
 
 
 def define_config_file(name: str = "config", default: str | None = None, help_string: str = "Config file.",
@@ -329,7 +342,7 @@ def define_config_file(name: str = "config", default: str | None = None, help_st
     return config_flags.DEFINE_config_file(name, default, help_string, **kwargs)
   except _USER_ERRORS as e:
     message = _explain(e, sys.argv, [(name, default)])
-    if message is None:
+    if message is None or debug_requested(sys.argv):
       raise
     _exit_with(message)
 
@@ -346,9 +359,10 @@ def parse_flags_or_exit(argv: Sequence[str], flag_values: flags.FlagValues = fla
 
   On a user error (unknown or mistyped --config.key, missing or failing
   config file, unknown flag) prints `error: <sentence>` to stderr and exits
-  with status 1; other exceptions (bugs) keep their traceback. Define the
-  config flag with `define_config_file` so errors at definition time are
-  reported the same way.
+  with status 2 (USER_ERROR_EXIT_CODE); other exceptions (bugs) keep their
+  traceback, and so does every error under --debug or STREAMRL_DEBUG=1.
+  Define the config flag with `define_config_file` so errors at definition
+  time are reported the same way. `run_main` uses this parser.
   """
   try:
     rest = flag_values(list(argv))
@@ -356,9 +370,47 @@ def parse_flags_or_exit(argv: Sequence[str], flag_values: flags.FlagValues = fla
     return rest
   except _USER_ERRORS as e:
     message = explain_flag_error(e, argv, flag_values)
-    if message is None:
+    if message is None or debug_requested(list(argv)):
       raise
     _exit_with(message)
+
+
+DEBUG_FLAG = "debug"
+
+
+def run_main(main: Callable[[list[str]], Any], argv: Sequence[str] | None = None) -> NoReturn:
+  """Runs a launch script's `main(argv)` under absl, reporting user errors in one line.
+
+    if __name__ == "__main__":
+      config_utils.run_main(main)
+
+  Flags are parsed by `parse_flags_or_exit`. A `streamrl.errors.UserError`
+  raised by `main` (also one re-raised from a Ray actor) is printed as
+  `error: <sentence>` on stderr and the process exits with status 2
+  (USER_ERROR_EXIT_CODE). Any other exception keeps its traceback. Defines a
+  `--debug` flag (unless the script has one): with it, or with the
+  environment variable STREAMRL_DEBUG=1, user errors show their traceback too.
+
+  Args:
+    main: called with the arguments left after flag parsing (argv[0] first);
+      its return value is the exit status, as with `absl.app.run`.
+    argv: the command line; default sys.argv.
+  """
+  if DEBUG_FLAG not in flags.FLAGS:
+    flags.DEFINE_bool(DEBUG_FLAG, False, "Show the traceback of errors caused by the input (bad config "
+                      "value, missing file, ...) instead of one line; same as STREAMRL_DEBUG=1.")
+
+  def guarded_main(args: list[str]) -> Any:
+    try:
+      return main(args)
+    except UserError as e:
+      debug = flags.FLAGS[DEBUG_FLAG].value if flags.FLAGS.is_parsed() else False
+      if debug or debug_requested(()):
+        raise
+      _exit_with(user_message(e))
+
+  app.run(guarded_main, argv=list(argv) if argv is not None else None, flags_parser=parse_flags_or_exit)
+  raise AssertionError("app.run returned")  # It always exits.
 
 
 # --------------------------------------------------------------------- sweeps
@@ -377,22 +429,22 @@ def expand_sweep(sweep: Sequence[Mapping[str, Any]] | Mapping[str, Any]) -> list
   if isinstance(sweep, Mapping):
     sweep = [sweep]
   if not isinstance(sweep, (list, tuple)) or not sweep:
-    raise ValueError(f"a sweep is a non-empty list of override dicts like [{{'trainer.lr': [1e-6, 3e-6]}}], "
+    raise UserError(f"a sweep is a non-empty list of override dicts like [{{'trainer.lr': [1e-6, 3e-6]}}], "
                      f"got {sweep!r}.")
   points = []
   for grid in sweep:
     if not isinstance(grid, Mapping):
-      raise ValueError(f"each sweep entry must be a dict of overrides, got {grid!r}.")
+      raise UserError(f"each sweep entry must be a dict of overrides, got {grid!r}.")
     keys = list(grid)
     for k in keys:
       if not isinstance(k, str) or not k:
-        raise ValueError(f"sweep keys are dotted config names like 'trainer.lr', got {k!r}.")
+        raise UserError(f"sweep keys are dotted config names like 'trainer.lr', got {k!r}.")
     axes = []
     for k in keys:
       v = grid[k]
       if isinstance(v, list):
         if not v:
-          raise ValueError(f"sweep axis {k!r} is an empty list; give it at least one value.")
+          raise UserError(f"sweep axis {k!r} is an empty list; give it at least one value.")
         axes.append(v)
       else:
         axes.append([v])
@@ -434,7 +486,7 @@ def check_run_names(points: Iterable[Mapping[str, Any]]) -> list[str]:
   for p in points:
     name = run_name(p)
     if name in names:
-      raise ValueError(f"the sweep has the same point twice ({dict(p)!r} and {dict(names[name])!r}); "
+      raise UserError(f"the sweep has the same point twice ({dict(p)!r} and {dict(names[name])!r}); "
                        "remove the duplicate.")
     names[name] = p
     out.append(name)
@@ -456,14 +508,14 @@ def load_sweep(config_spec: str) -> list[dict[str, Any]]:
 
   path, sep, arg = config_spec.partition(":")
   if not os.path.isfile(path):
-    raise FileNotFoundError(f"config file {path!r} does not exist; pass the path of a config .py file.")
+    raise MissingFileError(f"config file {path!r} does not exist; pass the path of a config .py file.")
   name = "streamrl_sweep_config_" + hashlib.sha1(os.path.abspath(path).encode()).hexdigest()[:8]
   spec = importlib.util.spec_from_file_location(name, path)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   get_sweep = getattr(module, "get_sweep", None)
   if not callable(get_sweep):
-    raise ValueError(f"{path} defines no get_sweep(); add one returning a list of override dicts, e.g. "
+    raise UserError(f"{path} defines no get_sweep(); add one returning a list of override dicts, e.g. "
                      "[{'trainer.lr': [1e-6, 3e-6]}].")
   takes_arg = any(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)
                   for p in inspect.signature(get_sweep).parameters.values())
@@ -482,7 +534,7 @@ def load_config(spec: str) -> ml_collections.ConfigDict:
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     path = os.path.join(root, path)
   if not os.path.isfile(path):
-    raise FileNotFoundError(f"Config file {spec!r} not found; give a path like "
+    raise MissingFileError(f"Config file {spec!r} not found; give a path like "
                             "configs/ranker.py:tiny.")
   module_spec = importlib.util.spec_from_file_location(
       "streamrl_config_" + os.path.basename(path)[:-3], path)

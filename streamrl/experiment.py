@@ -1,17 +1,19 @@
-"""The trainer as a Ray actor on the training pool.
+"""Where the run goes: this process, or a trainer actor on the training pool.
 
-For the disaggregated modes (`sync`, `stream`, `async`) `train.run` hands the
-whole run to one `TrainerActor`: it is placed by the `training_pool` resource
-label (a training node on a real cluster; the local node otherwise), pins
-itself to the trainer's cores before JAX starts (so XLA sizes its thread
-pool to the trainer's share), and runs `train.run_here`, which starts the
-generator actors on the `generation_pool` and streams their samples straight
-into this actor. The launching process only waits, and copies the actor's
-log (`<workdir>/trainer.log`) to its own output as it grows.
+  experiment.run(config, workdir)   # what launch/main.py calls
 
-`cluster.trainer_actor=False` keeps the trainer in the launching process
-(easier to debug with pdb); `colocated` never uses an actor: generation and
-training take turns on the same cores there.
+`run` maps the config onto typed settings (every check happens there, before
+anything starts), refuses an incompatible workdir, and then runs
+`streamrl.train.run` either here (colocated, or `cluster.trainer_actor=False`
+for debugging with pdb) or, for the disaggregated modes (`sync`, `stream`,
+`async`), on one `TrainerActor`: it is placed by the `training_pool`
+resource label (a training node on a real cluster; the local node
+otherwise), pins itself to the trainer's cores before JAX starts (so XLA
+sizes its thread pool to the trainer's share), and runs the loop, which
+starts the generator actors on the `generation_pool` and streams their
+samples straight into this actor. The launching process only waits, and
+copies the actor's log (`<workdir>/trainer.log`) to its own output as it
+grows.
 """
 
 from __future__ import annotations
@@ -24,10 +26,27 @@ import sys
 import ray
 
 from streamrl import cluster as cluster_lib
+from streamrl import settings as settings_lib
+from streamrl import train
 
 log = logging.getLogger(__name__)
 
 LOG_NAME = "trainer.log"
+
+
+def run(config, workdir: str) -> dict:
+  """Runs (or resumes) the experiment of `config` (a ConfigDict or Settings)."""
+  s = config if isinstance(config, settings_lib.Settings) else settings_lib.from_config(config)
+  disaggregated = s.pipeline.mode != "colocated"
+  if disaggregated and s.cluster.trainer_actor:
+    # Refuse an incompatible workdir here too, before Ray or an actor starts.
+    train.open_checkpoints(s, workdir).close()
+    return run_on_actor(s, workdir)
+  if disaggregated and not s.cluster.address:
+    # Local Ray: keep this process's threads off the generators' cores.
+    shares = cluster_lib.plan_cpu_shares(s.cluster.generator_cpus, s.cluster.trainer_cpus)
+    cluster_lib.bound_trainer_threads(shares.trainer_cores)
+  return train.run(s, workdir)
 
 
 class TrainerActor:
@@ -42,15 +61,15 @@ class TrainerActor:
         os.environ[var] = str(num_threads)
     self._cores = tuple(sorted(os.sched_getaffinity(0)))
 
-  def run(self, config, workdir: str, info: cluster_lib.ClusterInfo) -> dict:
+  def run(self, s: settings_lib.Settings, workdir: str, info: cluster_lib.ClusterInfo) -> dict:
     os.makedirs(workdir, exist_ok=True)
     _redirect_output(os.path.join(workdir, LOG_NAME))
-    from streamrl import metrics, train  # pylint: disable=g-import-not-at-top
-    metrics.configure_logging()
+    from streamrl import metrics  # pylint: disable=g-import-not-at-top
+    metrics.configure_actor_logging(workdir)
     placement = {"trainer": {"pid": os.getpid(), "host": socket.gethostname(),
                              "cores": list(self._cores),
                              "node_id": ray.get_runtime_context().get_node_id()}}
-    return train.run_here(config, workdir, cluster=info, placement=placement)
+    return train.run(s, workdir, cluster=info, placement=placement)
 
 
 def _redirect_output(path: str) -> None:
@@ -65,26 +84,25 @@ def _redirect_output(path: str) -> None:
   sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
 
 
-def run(config, workdir: str) -> dict:
+def run_on_actor(s: settings_lib.Settings, workdir: str) -> dict:
   """Runs the experiment on a TrainerActor; returns its final metrics.
 
   Errors raised in the actor are raised here with their own type and
   message; if the actor's process dies, the error says so and names its log.
   """
-  info = cluster_lib.init_ray_from_config(config)
-  c = config.cluster
+  info = cluster_lib.init_ray_for(s.cluster)
   cores = info.shares.trainer_cores if info.shares is not None else None
-  cpus = int(c.get("trainer_cpus", 1))
+  cpus = s.cluster.trainer_cpus
   actor_cls = ray.remote(TrainerActor)
   actor = actor_cls.options(
-      num_cpus=cpus, num_gpus=float(c.get("trainer_gpus", 0) or 0),
+      num_cpus=cpus, num_gpus=float(s.cluster.trainer_gpus),
       resources={cluster_lib.TRAINING_POOL: 1},
       # Never restarted: a second copy would resume from the checkpoint
       # while the first one's generator actors may still be alive.
       max_restarts=0, name=None).remote(cores, cpus)
   os.makedirs(workdir, exist_ok=True)
   log_path = os.path.join(workdir, LOG_NAME)
-  ref = actor.run.remote(config, workdir, info)
+  ref = actor.run.remote(s, workdir, info)
   follower = _LogFollower(log_path)
   try:
     while True:

@@ -11,6 +11,14 @@
 Scalars also go to `<logdir>/metrics.jsonl`, one line per `scalars` call:
 {"step": 3, "wall_time": 1.7e9, "reward/mean": 0.4, ...}; non-finite values
 are written as null (strict JSON, readable by jq and pandas alike).
+
+The console shows the progress bar and StreamRL's own log lines only:
+
+  configure_logging(workdir)          # in a launch script, once the workdir is known
+  configure_actor_logging(workdir)    # first thing in a Ray actor
+
+Everything other libraries log (vLLM, Ray, Orbax through absl, JAX, ...) and
+the Python warnings they raise go to `<workdir>/libraries.log` instead.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ import math
 import os
 import sys
 import time
+import warnings
 from typing import Any, Mapping, Sequence, TextIO
 
 import numpy as np
@@ -35,12 +44,204 @@ def _scalar(name: str, value: Any) -> float:
   return float(arr.reshape(()))
 
 
-def configure_logging(level: int = logging.INFO) -> None:
-  """StreamRL's own log lines at `level`; other libraries' (e.g. Orbax's
-  per-save chatter) only from WARNING up."""
-  logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(message)s",
-                      force=True)
-  logging.getLogger("streamrl").setLevel(level)
+# ------------------------------------------------------------------- logging
+
+LIBRARY_LOG_NAME = "libraries.log"
+# Loggers whose lines belong on the console; their children ("streamrl.x") too.
+OWN_LOGGERS = ("streamrl", "__main__")
+_CONSOLE_FORMAT = "%(asctime)s %(levelname)s %(message)s"
+_FILE_FORMAT = "%(asctime)s %(process)d %(levelname)s %(name)s: %(message)s"
+_MARK = "_streamrl_handler"  # Set on the handlers installed here, so a reconfigure can find them.
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+_OWN_DIRS = (_PACKAGE_DIR + os.sep, os.path.join(os.path.dirname(_PACKAGE_DIR), "launch") + os.sep)
+_configured = False
+_original_showwarning = None
+
+
+class _StderrHandler(logging.StreamHandler):
+  """A StreamHandler on whatever `sys.stderr` is at emit time (redirects, test capture)."""
+
+  def __init__(self):
+    super().__init__(sys.stderr)
+
+  @property
+  def stream(self):  # pylint: disable=invalid-overridden-method
+    return sys.stderr
+
+  @stream.setter
+  def stream(self, value):
+    del value
+
+
+def _is_own(name: str) -> bool:
+  return any(name == own or name.startswith(own + ".") for own in OWN_LOGGERS)
+
+
+def _mark(handler: logging.Handler, fmt: str, level: int = logging.NOTSET) -> logging.Handler:
+  setattr(handler, _MARK, True)
+  handler.setFormatter(logging.Formatter(fmt))
+  handler.setLevel(level)
+  return handler
+
+
+def _drop_handlers(logger: logging.Logger, *, only_ours: bool) -> None:
+  for handler in list(logger.handlers):
+    ours = getattr(handler, _MARK, False)
+    if ours or not only_ours:
+      logger.removeHandler(handler)
+    if ours:
+      handler.close()
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+  """warnings.showwarning: our modules' warnings to our console logger, the rest to the file."""
+  if file is not None:  # An explicit target (warnings.showwarning(..., file=f)): honour it.
+    _original_showwarning(message, category, filename, lineno, file, line)
+    return
+  text = warnings.formatwarning(message, category, filename, lineno, line).rstrip()
+  ours = os.path.abspath(str(filename)).startswith(_OWN_DIRS)
+  logging.getLogger("streamrl.warnings" if ours else "py.warnings").warning("%s", text)
+
+
+def configure_logging(workdir: str | os.PathLike | None = None, level: int = logging.INFO, *,
+                      console: TextIO | None = None) -> str | None:
+  """Sends StreamRL's log lines to the console and every other library's to a file.
+
+  With a `workdir`:
+  - loggers "streamrl" (and its children) and "__main__" write to the console
+    from `level` up, and to `<workdir>/libraries.log` as well (for context);
+  - every other logger (vllm, ray, orbax/absl, jax, ...) writes from INFO up
+    to `<workdir>/libraries.log` only, as do Python warnings raised outside
+    StreamRL's own code (ours go to the console as "streamrl.warnings").
+  Without one (or with a remote "gs://..." path, which a log file cannot
+  use), other libraries print only from WARNING up, on the console.
+
+  Libraries that attach their own console handlers (Ray, vLLM, transformers)
+  are re-routed here and again whenever `adopt_library_loggers` runs (init_ray
+  and the progress bar call it); vLLM is also told not to install one
+  (VLLM_CONFIGURE_LOGGING=0, unless set) in this process and those it starts.
+  Calling this again (e.g. for each run of a sweep) replaces the previous
+  setup and closes its file.
+
+  Args:
+    workdir: the run directory; created if missing.
+    level: the lowest level of our own lines on the console.
+    console: where our lines go; default whatever sys.stderr is at the time
+      of each line.
+
+  Returns:
+    The path of the library log, or None when there is none.
+
+  Raises:
+    streamrl.errors.UserError: `workdir` is a file or cannot be created.
+  """
+  global _configured, _original_showwarning
+  from streamrl import errors  # pylint: disable=g-import-not-at-top
+
+  os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
+  log_path = None
+  if workdir is not None and "://" not in os.fspath(workdir):
+    workdir = errors.check_workdir(os.fspath(workdir))
+    try:
+      os.makedirs(workdir, exist_ok=True)
+    except OSError as e:
+      raise errors.UserError(f"cannot create the run directory {workdir} ({e.strerror}); pass another "
+                             "--workdir.") from e
+    log_path = os.path.join(workdir, LIBRARY_LOG_NAME)
+
+  def console_handler(level_: int = logging.NOTSET) -> logging.Handler:
+    handler = _StderrHandler() if console is None else logging.StreamHandler(console)
+    return _mark(handler, _CONSOLE_FORMAT, level_)
+
+  root = logging.getLogger()
+  _drop_handlers(root, only_ours=False)  # Also absl's handler, installed by app.run.
+  ours = [console_handler()]
+  if log_path is not None:
+    file_handler = _mark(logging.FileHandler(log_path, mode="a", encoding="utf-8"), _FILE_FORMAT)
+    root.addHandler(file_handler)
+    root.setLevel(logging.INFO)
+    ours.append(file_handler)
+  else:
+    # A handler level, not just the root's: loggers with their own level
+    # (absl's follows --verbosity, INFO by default) would pass INFO lines on.
+    root.addHandler(console_handler(logging.WARNING))
+    root.setLevel(logging.WARNING)
+  for name in OWN_LOGGERS:
+    logger = logging.getLogger(name)
+    _drop_handlers(logger, only_ours=True)
+    logger.setLevel(level)
+    logger.propagate = False
+    for handler in ours:
+      logger.addHandler(handler)
+  if _original_showwarning is None:
+    _original_showwarning = warnings.showwarning
+  warnings.showwarning = _show_warning
+  _configured = True
+  adopt_library_loggers()
+  return log_path
+
+
+def configure_actor_logging(workdir: str | os.PathLike | None, level: int = logging.INFO) -> str | None:
+  """`configure_logging` for a Ray actor (or any worker process), called first thing in it.
+
+  Call it before the actor imports vLLM. The library log is the same
+  `<workdir>/libraries.log` as the driver's (lines carry their process id).
+  Our own lines go to the actor's stderr: with `log_to_driver=False` (see
+  `streamrl.cluster.init_ray`) that is Ray's worker log in the session
+  directory, /tmp/ray/session_latest/logs/worker-*.err (the trainer actor
+  redirects its stderr to <workdir>/trainer.log, which the launcher copies
+  to the console). Errors still reach the launcher as exceptions.
+
+  When the workdir cannot be written on this node (e.g. a remote node
+  without the shared filesystem), library warnings go to the actor's stderr
+  instead, and one warning says so.
+
+  Args:
+    workdir: the run directory, or None for no library log.
+    level: the lowest level of our own lines.
+
+  Returns:
+    The library log's path, or None.
+  """
+  os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
+  try:
+    return configure_logging(workdir, level)
+  except (ValueError, OSError) as e:  # UserError is a ValueError.
+    configure_logging(None, level)
+    logging.getLogger(__name__).warning("No library log on this node (%s); other libraries' warnings go to "
+                                        "this process's stderr.", e)
+    return None
+
+
+def adopt_library_loggers() -> list[str]:
+  """Re-routes library loggers that print to the console by themselves.
+
+  Ray, vLLM and transformers attach a console handler to their top logger
+  and stop propagation, which would bypass `configure_logging`; this removes
+  such handlers (any non-file StreamHandler, and Ray's own handler) from
+  every logger outside StreamRL's and lets those loggers propagate to the
+  root, i.e. into the library log. Cheap enough to call often; does nothing
+  before `configure_logging` has run in this process.
+
+  Returns:
+    The names of the loggers changed.
+  """
+  if not _configured:
+    return []
+  changed = []
+  for name, logger in list(logging.root.manager.loggerDict.items()):
+    if not isinstance(logger, logging.Logger) or _is_own(name):
+      continue
+    console = [h for h in logger.handlers
+               if not getattr(h, _MARK, False) and not isinstance(h, logging.FileHandler)
+               and (isinstance(h, logging.StreamHandler) or type(h).__name__ == "PlainRayHandler")]
+    if not console:
+      continue
+    for handler in console:
+      logger.removeHandler(handler)
+    logger.propagate = True
+    changed.append(name)
+  return changed
 
 
 class MetricsWriter:
@@ -214,6 +415,7 @@ class Progress:
     self._start = time.monotonic()
     self._last_print = -math.inf
     self._bar = None
+    adopt_library_loggers()  # Libraries imported since configure_logging (e.g. vLLM's transformers).
     isatty = getattr(self._file, "isatty", None)
     if isatty is not None and isatty():
       try:
@@ -226,6 +428,7 @@ class Progress:
   def update(self, n: int = 1, **postfix: Any) -> None:
     """Advances by `n` units and shows `postfix` (e.g. reward=0.41) next to the bar."""
     self.n += int(n)
+    adopt_library_loggers()
     if self._bar is not None:
       if postfix:
         self._bar.set_postfix_str(_fmt_postfix(postfix), refresh=False)
@@ -268,3 +471,70 @@ class Progress:
 
   def __exit__(self, *exc) -> None:
     self.close()
+
+
+# ------------------------------------------------------------- run summaries
+
+FINAL_METRICS_NAME = "final_metrics.json"  # Written into the run directory by streamrl.train.run.
+SUMMARY_METRICS = ("eval/accuracy", "eval/accuracy_greedy", "reward/mean")
+
+
+def read_final_metrics(run_dir: str) -> dict[str, float] | None:
+  """The `final_metrics.json` of a finished run, or None if it is missing or unreadable."""
+  try:
+    with open(os.path.join(run_dir, FINAL_METRICS_NAME), encoding="utf-8") as f:
+      values = json.load(f)
+  except (OSError, ValueError):
+    return None
+  return values if isinstance(values, dict) else None
+
+
+def _metric(values: Mapping[str, Any] | None, key: str) -> float | None:
+  """values[key] as a finite float, else None (missing, null, NaN or not a number)."""
+  if not values or key not in values:
+    return None
+  try:
+    x = _scalar(key, values[key])
+  except (TypeError, ValueError):
+    return None
+  return x if math.isfinite(x) else None
+
+
+def results_table(runs: Sequence[tuple[str, Mapping[str, Any] | None]],
+                  columns: Sequence[str] = SUMMARY_METRICS, sort_by: str | None = None) -> str:
+  """A plain-text table of runs and their final metrics, best first.
+
+    rank  run                       eval/accuracy  eval/accuracy_greedy  reward/mean
+       1  trainer.lr=3e-06                 0.5312                0.5625       0.4410
+       2  trainer.lr=1e-06                 0.4219                     -       0.3902
+       -  trainer.lr=1e-05 (failed)             -                     -            -
+
+  Args:
+    runs: (run name, final metrics) pairs; metrics None for a run that left
+      none (it failed, or was never run).
+    columns: the metric keys to show, in order.
+    sort_by: the key ranking the runs, higher is better; default the first
+      column. Runs without a finite value for it come last, unranked, in
+      their given order; ties keep the given order.
+
+  Returns:
+    The table, lines joined by newlines (no trailing newline).
+  """
+  columns = list(columns)
+  key = sort_by or (columns[0] if columns else None)
+  indexed = list(enumerate(runs))
+  ranked = [(i, r) for i, r in indexed if key is not None and _metric(r[1], key) is not None]
+  unranked = [(i, r) for i, r in indexed if key is None or _metric(r[1], key) is None]
+  ranked.sort(key=lambda ir: (-_metric(ir[1][1], key), ir[0]))
+  header = ["rank", "run", *columns]
+  body = []
+  for pos, (_, (name, values)) in enumerate(ranked + unranked, start=1):
+    cells = [str(pos) if pos <= len(ranked) else "-", str(name)]
+    for col in columns:
+      x = _metric(values, col)
+      cells.append("-" if x is None else f"{x:.4f}")
+    body.append(cells)
+  widths = [max(len(row[j]) for row in [header, *body]) for j in range(len(header))]
+  def fmt(row):  # Names left-aligned, numbers right-aligned.
+    return "  ".join(c.ljust(w) if j == 1 else c.rjust(w) for j, (c, w) in enumerate(zip(row, widths))).rstrip()
+  return "\n".join(fmt(row) for row in [header, *body])

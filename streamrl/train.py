@@ -1,260 +1,237 @@
-"""The RL run: set up policy, data, generator and trainer, then iterate.
+"""The RL run: the one loop every pipeline mode shares.
 
-One iteration (synchronous, on-policy): prompts -> generator (each sample as
-it finishes) -> rewards -> trainer (old / ref logprobs, values, advantages,
-PPO epochs) -> weights pushed to the generator. The pipeline modes of
-`streamrl/pipeline` reorder these same parts.
+One iteration, whatever the mode:
+
+  old = trainer.snapshot()                          the old policy, explicit
+  for chunk in mode.chunks(it):                     samples, as the mode releases them
+    rewards = rewarder(chunk)                       the task's verifier
+    minis = trainer.prepare(chunk, rewards, old)    old/ref logprobs, values, advantages
+    trainer.update(mini) for each mini-batch        first PPO epoch
+  trainer.update(...) for the other PPO epochs
+  mode.push(trainer.export_weights(), it + 1)       new weights to the generators
+  log
+
+The mode (streamrl/pipeline) decides only when chunks are released (the
+whole batch after generation in colocated/sync/async, each full length
+bucket as it fills in stream) and whether the push waits (not in async,
+whose generation of the next batch overlaps this iteration's training).
+`run` sets up the parts from typed settings (streamrl/settings.py) and
+resumes from the workdir's last checkpoint.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
+import io
 import json
 import logging
 import os
-import shutil
-import time
-from collections.abc import Sequence
+import socket
 
+import jax
 import numpy as np
 
 from streamrl import metrics as metrics_lib
-from streamrl.data import loader as loader_lib
-from streamrl.data import rewards as rewards_lib
-from streamrl.data import tasks as tasks_lib
-from streamrl.data import tokenizer as char_tok
-from streamrl.models import config as model_config_lib
-from streamrl.models import hf, tiny
-from streamrl.models.transformer import Transformer
-from streamrl.trainer import sft
+from streamrl import settings as settings_lib
+from streamrl.data import jsonl, tasks as tasks_lib
+from streamrl.data.loader import PromptLoader, make_requests
+from streamrl.data.rewards import Rewarder, get_reward_fn
+from streamrl.data.tokenizer import Tokenizer
+from streamrl.generator import make_rollout
+from streamrl.generator.local import sampling_for
+from streamrl.generator.rollout import SamplingConfig
+from streamrl.models import hf, warmstart
+from streamrl.pipeline import base as mode_base
+from streamrl.pipeline import make_mode
+from streamrl.pipeline.timeline import Timeline
+from streamrl.scheduling.scheduler import GenerationScheduler
 from streamrl.trainer.checkpoint import Checkpointer
 from streamrl.trainer.rl_trainer import RLTrainer
 
 log = logging.getLogger(__name__)
 
-PIPELINE_MODES = ("colocated", "sync", "stream", "async")
-
-
-# ---------------------------------------------------------------- validation
-def validate(config) -> None:
-  """Config consistency checks, each failing with one sentence naming the fix."""
-  algo, tr, gen = config.algo, config.trainer, config.generation
-  if config.pipeline.mode not in PIPELINE_MODES:
-    raise ValueError(f"pipeline.mode={config.pipeline.mode!r} is unknown; use one of {PIPELINE_MODES}.")
-  n = tr.prompts_per_iteration * algo.group_size
-  if n % tr.mini_batch_size:
-    raise ValueError(
-        f"prompts_per_iteration * group_size = {n} is not a multiple of "
-        f"trainer.mini_batch_size={tr.mini_batch_size}; change one of them.")
-  if config.pipeline.mode == "stream" and tr.mini_batch_size % algo.group_size:
-    raise ValueError(
-        f"pipeline.mode='stream' trains whole groups as they finish, so "
-        f"trainer.mini_batch_size={tr.mini_batch_size} must be a multiple of "
-        f"algo.group_size={algo.group_size}.")
-  if tr.mini_batch_size % tr.micro_batch_size:
-    raise ValueError(f"trainer.mini_batch_size={tr.mini_batch_size} is not a multiple of "
-                     f"trainer.micro_batch_size={tr.micro_batch_size}.")
-  if algo.advantage == "gae" and not algo.use_critic:
-    raise ValueError("algo.advantage='gae' needs a critic; set algo.use_critic=True or "
-                     "use 'grpo' / 'rloo' / 'reinforce_pp'.")
-  if algo.advantage in ("grpo", "rloo") and algo.group_size < 2:
-    raise ValueError(f"algo.advantage={algo.advantage!r} needs algo.group_size >= 2.")
-  if gen.max_tokens >= gen.max_model_len:
-    raise ValueError("generation.max_tokens must be below generation.max_model_len.")
-  rewards_lib.get_reward_fn(config.task.reward)  # unknown name -> clear error
+TRAINER = "trainer"
 
 
 # ------------------------------------------------------------------- setup
-def _fingerprint(obj) -> str:
-  return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:12]
-
-
-def load_examples(config) -> tuple[list, list]:
+def load_examples(s: settings_lib.Settings) -> tuple[list, list]:
   """Train and held-out eval examples of the configured task."""
-  task = config.task
+  task = s.task
   if task.kind == "synthetic":
     kw = dict(ops=tuple(task.ops), max_answer_len=task.max_answer_len)
-    train = tasks_lib.make_examples(config.warmstart.num_examples, config.seed, **kw)
-    evals = tasks_lib.make_examples(task.num_eval, config.seed + 10_000, first_id=10**6, **kw)
+    train = tasks_lib.make_examples(s.warmstart.num_examples, s.seed, **kw)
+    evals = tasks_lib.make_examples(task.num_eval, s.seed + 10_000, first_id=10**6, **kw)
     return train, evals
-  if task.kind == "jsonl":
-    from streamrl.data import jsonl  # pylint: disable=g-import-not-at-top
-    examples = jsonl.load_jsonl(task.jsonl_path)
-    n_eval = min(task.num_eval, len(examples) // 10)
-    return examples[n_eval:], examples[:n_eval]
-  raise ValueError(f"task.kind={task.kind!r} is unknown; use 'synthetic' or 'jsonl'.")
+  examples = jsonl.load_jsonl(task.jsonl_path)
+  n_eval = min(task.num_eval, len(examples) // 10)
+  return examples[n_eval:], examples[:n_eval]
 
 
-def prepare_model_dir(config, workdir: str, train_examples: Sequence) -> str:
-  """The policy's HF directory: the configured path, or the warm-started tiny.
-
-  The tiny warm start is cached in the workdir under a name derived from what
-  it depends on, and reused on the next run.
-  """
-  if config.model.path:
-    hf.read_config(config.model.path)  # clear error for a bad path / arch
-    return config.model.path
-  # Only what changes the warm-started weights (not, say, the eval set size).
-  key = _fingerprint({"tiny": config.model.tiny, "warm": config.warmstart.to_dict(),
-                      "ops": list(config.task.ops), "max_answer_len": config.task.max_answer_len,
-                      "seed": config.seed})
-  path = os.path.join(workdir, f"warmstart-{key}")
-  if os.path.isfile(os.path.join(path, "model.safetensors")):
-    log.info("Reusing warm-started policy %s", path)
-    return path
-  makers = {"qwen2": model_config_lib.tiny_qwen2, "llama": model_config_lib.tiny_llama}
-  if config.model.tiny not in makers:
-    raise ValueError(f"model.tiny={config.model.tiny!r} is unknown; use one of {sorted(makers)}.")
-  cfg = makers[config.model.tiny](char_tok.VOCAB_SIZE)
-  from flax import nnx  # pylint: disable=g-import-not-at-top
-  model = Transformer(cfg, rngs=nnx.Rngs(config.seed))
-  ws = config.warmstart
-  if ws.steps:
-    pairs = [([char_tok.BOS_ID] + char_tok.encode(e.prompt),
-              char_tok.encode(e.answer) + [char_tok.EOS_ID]) for e in train_examples]
-    seq_len = max(len(p) + len(a) for p, a in pairs)
-    t0 = time.time()
-    model, loss = sft.warm_start(model, pairs, steps=ws.steps, batch_size=ws.batch_size,
-                                 lr=ws.lr, seq_len=seq_len + 1, seed=config.seed,
-                                 log_every=max(ws.steps // 5, 1))
-    log.info("Warm-up: %d steps, final loss %.3f, %.0f s", ws.steps, loss, time.time() - t0)
-  tmp = f"{path}.tmp{os.getpid()}"
-  tiny.build_tiny_model_dir(tmp, cfg, model=model)
-  try:
-    os.replace(tmp, path)  # Atomic: a reader never sees half a directory.
-  except OSError:
-    # Another run finished the same warm start first; theirs is identical.
-    shutil.rmtree(tmp, ignore_errors=True)
-  return path
+def fingerprint(s: settings_lib.Settings) -> dict:
+  """What must match for a workdir's checkpoints to be resumed."""
+  asdict = dataclasses.asdict
+  return {"model": {"path": s.model.path, "tiny": s.model.tiny},
+          "warmstart": asdict(s.warmstart), "task": asdict(s.task),
+          "advantage": asdict(s.advantage), "kl": asdict(s.kl), "loss": asdict(s.loss),
+          "mesh": asdict(s.mesh), "prompts_per_iteration": s.trainer.prompts_per_iteration,
+          "seed": s.seed}
 
 
-class Tokenizer:
-  """Prompt encoding / response decoding from the model dir's tokenizer.json."""
-
-  def __init__(self, model_dir: str):
-    import tokenizers  # pylint: disable=g-import-not-at-top
-    self._tok = tokenizers.Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
-
-  def encode_prompt(self, text: str) -> list[int]:
-    return self._tok.encode(text, add_special_tokens=True).ids
-
-  def decode(self, ids: Sequence[int]) -> str:
-    return self._tok.decode(list(ids), skip_special_tokens=True)
+def open_checkpoints(s: settings_lib.Settings, workdir: str) -> Checkpointer:
+  """The workdir's checkpoints; refuses one written by an incompatible config."""
+  return Checkpointer(os.path.join(workdir, "checkpoints"), keep=s.checkpoint.keep,
+                      fingerprint=fingerprint(s))
 
 
-@dataclasses.dataclass
-class Rewarder:
-  """Scores samples with the task's verifier; a raising verifier scores 0."""
-  reward_fn: object
-  tokenizer: Tokenizer
-  errors: int = 0
-
-  def __call__(self, samples, examples_by_id) -> tuple[np.ndarray, np.ndarray]:
-    scores, correct = [], []
-    for s in samples:
-      ex = examples_by_id[s.prompt_id]
-      text = self.tokenizer.decode(s.token_ids)
-      r, failed = rewards_lib.safe_reward(self.reward_fn, text, ex)
-      self.errors += int(failed)
-      scores.append(r)
-      correct.append(float(text.strip() == ex.answer.strip()))
-    return np.asarray(scores, np.float32), np.asarray(correct, np.float32)
-
-
-def make_requests(examples: Sequence, tokenizer: Tokenizer, group_size: int):
-  """One generator request per sample: id = position * group_size + k."""
-  requests, by_id = [], {}
-  for j, ex in enumerate(examples):
-    ids = tokenizer.encode_prompt(ex.prompt)
-    for k in range(group_size):
-      requests.append((j * group_size + k, ids))
-      by_id[j * group_size + k] = ex
-  return requests, by_id
-
-
-def evaluate(generator, examples, tokenizer, config, seed: int) -> dict:
+def evaluate(rollout, examples, tokenizer, s: settings_lib.Settings) -> dict:
   """Held-out exact-match accuracy: sampled (the policy's pass@1) and greedy."""
-  from streamrl.generator.vllm_engine import SamplingConfig  # pylint: disable=g-import-not-at-top
   requests, by_id = make_requests(examples, tokenizer, 1)
   out = {}
-  for name, temp in (("accuracy", config.generation.temperature), ("accuracy_greedy", 0.0)):
-    sampling = SamplingConfig(temperature=temp, max_tokens=config.generation.max_tokens, seed=seed)
-    hits = [float(tokenizer.decode(s.token_ids).strip() == by_id[s.prompt_id].answer.strip())
-            for s in generator.generate(requests, sampling)]
+  for name, temp in (("accuracy", s.sampling.temperature), ("accuracy_greedy", 0.0)):
+    sampling = SamplingConfig(temperature=temp, max_tokens=s.sampling.max_tokens, seed=s.seed)
+    hits = [float(tokenizer.decode(x.token_ids).strip() == by_id[x.prompt_id].answer.strip())
+            for x in rollout.generate(requests, sampling)]
     out[name] = float(np.mean(hits))
   return out
 
 
-def length_metrics(samples) -> dict:
-  lengths = np.array([len(s.token_ids) for s in samples], np.float64)
-  return {"response_length/mean": lengths.mean(),
-          "response_length/p50": np.percentile(lengths, 50),
-          "response_length/p90": np.percentile(lengths, 90),
-          "response_length/max": lengths.max()}
-
-
-# --------------------------------------------------------------------- run
-def fingerprint(config) -> dict:
-  """What must match for a workdir's checkpoints to be resumed."""
-  return {"model": {"path": config.model.path, "tiny": config.model.tiny},
-          "warmstart": config.warmstart.to_dict(), "task": config.task.to_dict(),
-          "algo": config.algo.to_dict(), "mesh": config.mesh.to_dict(),
-          "prompts_per_iteration": config.trainer.prompts_per_iteration,
-          "seed": config.seed}
-
-
-def write_placement(workdir: str, placement: dict | None, pipeline) -> None:
+def write_placement(workdir: str, placement: dict | None, rollout) -> None:
   """Where the trainer and each generator instance run: <workdir>/placement.json."""
-  placement = dict(placement or {"trainer": {"pid": os.getpid(),
+  placement = dict(placement or {"trainer": {"pid": os.getpid(), "host": socket.gethostname(),
                                              "cores": sorted(os.sched_getaffinity(0))}})
   placement["generators"] = {
       str(i): {k: v for k, v in info.items() if k in ("pid", "cores", "torch_threads")}
-      for i, info in getattr(pipeline.backend, "placement", {}).items()}
+      for i, info in rollout.placement.items()}
   if not placement["generators"]:
     placement["generators"] = {"0": {"in_trainer_process": True}}
   with open(os.path.join(workdir, "placement.json"), "w") as f:
     json.dump(placement, f, indent=1, default=str)
 
 
-def run(config, workdir: str) -> dict:
-  """Runs (or resumes) the RL experiment in `workdir`; returns final metrics.
+# --------------------------------------------------------------- iteration
+def _combine(parts: list[dict]) -> dict:
+  """Per-chunk metrics -> one value each: max of maxima, mean of the rest."""
+  if not parts:
+    return {}
+  out = {}
+  for k in parts[0]:
+    vals = [float(p[k]) for p in parts]
+    out[k] = max(vals) if "max" in k.rsplit("/", 1)[-1] else float(np.mean(vals))
+  return out
 
-  The disaggregated modes run the trainer as a Ray actor on the training
-  pool (streamrl/pipeline/trainer_actor.py) unless cluster.trainer_actor is
-  False; colocated runs here.
+
+@dataclasses.dataclass
+class Iteration:
+  """What one iteration did, for its scalars."""
+  it: int
+  samples: list
+  rewards: np.ndarray
+  correct: np.ndarray
+  prepare: dict
+  updates: dict
+  generated: mode_base.Generated
+  t0: float
+  t1: float
+  training_s: float
+  weight_update_s: float
+
+
+def train_iteration(it: int, mode: mode_base.Mode, trainer: RLTrainer, rewarder: Rewarder,
+                    timeline: Timeline, *, ppo_epochs: int, seed: int) -> Iteration:
+  """Runs one iteration of the loop above; returns what it did."""
+  t0 = mode_base.now()
+  rng = np.random.default_rng([seed, it])
+  old = trainer.snapshot(copy=not mode.scores_up_front)
+  minis, prep, updates, samples, rewards, correct = [], [], [], [], [], []
+  training_s = 0.0
+  for chunk in mode.chunks(it):
+    start = mode_base.now()
+    with timeline.busy(TRAINER, f"train {it}"):
+      r, c = rewarder(chunk, mode.round.examples_by_id)
+      part, metrics = trainer.prepare(chunk, r, old)
+      for j in rng.permutation(len(part)):
+        updates.append(trainer.update(part[j]))
+      # The busy interval must cover the compute, not only its dispatch.
+      jax.block_until_ready(updates[-1])
+    training_s += mode_base.now() - start
+    minis.extend(part)
+    prep.append(metrics)
+    samples.extend(chunk)
+    rewards.extend(r)
+    correct.extend(c)
+  start = mode_base.now()
+  with timeline.busy(TRAINER, f"epochs {it}"):
+    for _ in range(ppo_epochs - 1):
+      for j in rng.permutation(len(minis)):
+        updates.append(trainer.update(minis[j]))
+    jax.block_until_ready(updates[-1])
+  training_s += mode_base.now() - start
+  t_push = mode_base.now()
+  mode.push(trainer.export_weights(), it + 1)
+  t1 = mode_base.now()
+  order = np.argsort([x.prompt_id for x in samples], kind="stable")
+  return Iteration(
+      it=it, samples=[samples[i] for i in order],
+      rewards=np.asarray(rewards, np.float32)[order],
+      correct=np.asarray(correct, np.float32)[order],
+      prepare=_combine(prep), updates=_combine(jax.device_get(updates)),
+      generated=mode.generated, t0=t0, t1=t1, training_s=training_s,
+      weight_update_s=t1 - t_push)
+
+
+def iteration_scalars(x: Iteration, timeline: Timeline, rollout) -> dict:
+  """The scalars of one iteration (TensorBoard and metrics.jsonl)."""
+  for i, start, end, _ in rollout.busy_intervals[timeline.synced:]:
+    timeline.add(f"generator{i}", start, end)
+  timeline.synced = len(rollout.busy_intervals)
+  lengths = np.array([len(s.token_ids) for s in x.samples], np.float64)
+  wall = max(x.t1 - x.t0, 1e-9)
+  staleness = np.array([x.it - s.weight_version for s in x.samples], np.float64)
+  out = {"reward/mean": float(np.mean(x.rewards)), "accuracy": float(np.mean(x.correct)),
+         "response_length/mean": lengths.mean(),
+         "response_length/p50": float(np.percentile(lengths, 50)),
+         "response_length/p90": float(np.percentile(lengths, 90)),
+         "response_length/max": lengths.max(),
+         "throughput/samples_per_s": len(x.samples) / wall,
+         "throughput/tokens_per_s": float(lengths.sum()) / wall,
+         "time/iteration_s": wall, "time/generation_s": x.generated.generation_s,
+         "time/training_s": x.training_s, "time/weight_update_s": x.weight_update_s,
+         "staleness/mean": staleness.mean(), "staleness/max": staleness.max(),
+         "generators/live": len(rollout.live_instances),
+         "generators/dead": len(rollout.dead_instances)}
+  if x.generated.wait_s:
+    out["time/generation_wait_s"] = x.generated.wait_s
+  for k, v in {**x.prepare, **x.updates}.items():
+    out[k if "/" in k else f"train/{k}"] = float(v)
+  for stage, frac in timeline.bubble_fractions(x.t0, x.t1).items():
+    out[f"bubble/{stage}"] = frac
+  out.update(x.generated.scheduler_metrics)
+  return out
+
+
+# --------------------------------------------------------------------- run
+def run(s: settings_lib.Settings, workdir: str, cluster=None,
+        placement: dict | None = None) -> dict:
+  """Runs (or resumes) the experiment in `workdir` with the trainer in this
+  process; returns the final metrics.
+
+  `cluster` (a ClusterInfo) is the Ray cluster the generators go to, when
+  the caller already joined it; `placement` describes this process, for
+  <workdir>/placement.json. `streamrl.experiment.run` puts this on a Ray
+  actor for the disaggregated modes.
   """
-  validate(config)
-  if config.pipeline.mode != "colocated" and config.cluster.get("trainer_actor", True):
-    # Refuse an incompatible workdir here too, before Ray or an actor starts.
-    Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.checkpoint.keep,
-                 fingerprint=fingerprint(config)).close()
-    from streamrl.pipeline import trainer_actor  # pylint: disable=g-import-not-at-top
-    return trainer_actor.run(config, workdir)
-  return run_here(config, workdir)
-
-
-def run_here(config, workdir: str, cluster=None, placement: dict | None = None) -> dict:
-  """The run itself, with the trainer in this process.
-
-  `cluster` (a ClusterInfo) is the Ray cluster the generators go to, when the
-  caller already joined it; `placement` describes this process, for
-  <workdir>/placement.json.
-  """
-  validate(config)
   os.makedirs(workdir, exist_ok=True)
   # Refuse an incompatible workdir before anything is written into it.
-  ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=config.checkpoint.keep,
-                      fingerprint=fingerprint(config))
-  train_examples, eval_examples = load_examples(config)
-  model_dir = prepare_model_dir(config, workdir, train_examples)
+  ckpt = open_checkpoints(s, workdir)
+  train_examples, eval_examples = load_examples(s)
+  model_dir = warmstart.prepare_model_dir(s.model, s.warmstart, s.task, seed=s.seed,
+                                          workdir=workdir, train_examples=train_examples)
   _, policy = hf.load_hf(model_dir)
   tokenizer = Tokenizer(model_dir)
-  rewarder = Rewarder(rewards_lib.get_reward_fn(config.task.reward), tokenizer)
-  trainer = RLTrainer(config, policy)
-  loader = loader_lib.PromptLoader(train_examples, config.trainer.prompts_per_iteration,
-                                   seed=config.seed)
-  start, meta = 0, {}
+  rewarder = Rewarder(get_reward_fn(s.task.reward), tokenizer)
+  trainer = RLTrainer.from_settings(policy, s)
+  loader = PromptLoader(train_examples, s.trainer.prompts_per_iteration, seed=s.seed)
+  start = 0
   if ckpt.latest_step() is not None:
     start, arrays, meta = ckpt.restore(trainer.checkpoint_arrays())
     trainer.load_checkpoint_arrays(arrays)
@@ -262,45 +239,67 @@ def run_here(config, workdir: str, cluster=None, placement: dict | None = None) 
     rewarder.errors = meta.get("reward_errors", 0)
     log.info("Resumed from iteration %d", start)
 
-  from streamrl.pipeline import make_pipeline  # pylint: disable=g-import-not-at-top
-  pipeline = make_pipeline(config, model_dir, trainer, workdir=workdir, cluster=cluster)
-  write_placement(workdir, placement, pipeline)
+  def rounds(it: int) -> mode_base.Round:
+    examples = next(loader)
+    requests, by_id = make_requests(examples, tokenizer, s.advantage.group_size)
+    return mode_base.Round(it, requests, by_id, loader.get_state())
+
+  rollout = make_rollout(s, model_dir, cluster)
+  try:
+    scheduler = GenerationScheduler(s.scheduler, model_dir=model_dir, workdir=workdir,
+                                    num_instances=rollout.num_instances,
+                                    max_batch_size=s.engine.max_num_seqs)
+    mode = make_mode(s, rollout, scheduler, rounds)
+  except BaseException:
+    rollout.close()
+    raise
+  write_placement(workdir, placement, rollout)
   if start:
-    pipeline.push_weights(trainer.hf_tensors(), version=start)
+    mode.push(trainer.export_weights(), start)
 
   writer = metrics_lib.MetricsWriter(workdir, purge_step=start + 1 if start else None)
-  metrics_lib.save_config(config, workdir)
-  progress = metrics_lib.Progress(config.trainer.num_iterations, "RL", initial=start)
+  metrics_lib.save_config(settings_lib.to_config(s), workdir)
+  # log.progress=False: no bar (the scalars still go to metrics.jsonl).
+  progress = metrics_lib.Progress(s.trainer.num_iterations, "RL", initial=start,
+                                  file=None if s.log.progress else io.StringIO())
+  timeline = Timeline()
+  timeline.synced = 0
   final: dict = {}
+  num_it = s.trainer.num_iterations
   try:
     if start == 0:
-      initial = evaluate(pipeline.generator, eval_examples, tokenizer, config, config.seed)
+      initial = evaluate(rollout, eval_examples, tokenizer, s)
       writer.scalars(0, {f"eval/{k}": v for k, v in initial.items()})
       final.update({f"initial_eval/{k}": v for k, v in initial.items()})
       log.info("Warm-start eval: %s", initial)
-    for it in range(start, config.trainer.num_iterations):
-      stats = pipeline.iteration(it, loader, tokenizer, rewarder)
-      scalars = stats["scalars"]
+    for it in range(start, num_it):
+      x = train_iteration(it, mode, trainer, rewarder, timeline,
+                          ppo_epochs=s.trainer.ppo_epochs, seed=s.seed)
+      scalars = iteration_scalars(x, timeline, rollout)
       scalars["reward/errors_total"] = rewarder.errors
-      if config.log.eval_every and (it + 1) % config.log.eval_every == 0 or \
-          it + 1 == config.trainer.num_iterations:
-        ev = evaluate(pipeline.generator, eval_examples, tokenizer, config, config.seed)
+      if s.log.eval_every and (it + 1) % s.log.eval_every == 0 or it + 1 == num_it:
+        mode.quiesce()
+        ev = evaluate(rollout, eval_examples, tokenizer, s)
         scalars.update({f"eval/{k}": v for k, v in ev.items()})
         final.update({f"eval/{k}": v for k, v in ev.items()})
       writer.scalars(it + 1, scalars)
-      writer.histogram(it + 1, "response_length", stats["lengths"])
-      writer.histogram(it + 1, "staleness", [it - s.weight_version for s in stats["samples"]])
+      writer.histogram(it + 1, "response_length", [len(q.token_ids) for q in x.samples])
+      writer.histogram(it + 1, "staleness", [it - q.weight_version for q in x.samples])
       progress.update(1, reward=f"{scalars['reward/mean']:.3f}",
                       acc=f"{scalars['accuracy']:.3f}")
-      if (it + 1) % config.checkpoint.every == 0 or it + 1 == config.trainer.num_iterations:
+      if (it + 1) % s.checkpoint.every == 0 or it + 1 == num_it:
         ckpt.save(it + 1, trainer.checkpoint_arrays(),
-                  {"loader": stats["loader_state"], "reward_errors": rewarder.errors,
+                  {"loader": x.generated.round.loader_state, "reward_errors": rewarder.errors,
                    "weight_version": it + 1})
       final.update({k: v for k, v in scalars.items() if not k.startswith("eval/")})
   finally:
     progress.close()
     writer.close()
-    pipeline.close()
+    try:
+      mode.close()
+    finally:
+      rollout.close()
+      ckpt.close()
   with open(os.path.join(workdir, "final_metrics.json"), "w") as f:
     json.dump(final, f, indent=2, sort_keys=True)
   return final

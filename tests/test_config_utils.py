@@ -8,6 +8,7 @@ import sys
 import pytest
 
 from streamrl.config_utils import apply_overrides, check_run_names, expand_sweep, load_sweep, run_name
+from streamrl.errors import MissingFileError, UserError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -76,7 +77,7 @@ def test_apply_overrides_parses_by_field_type_and_copies():
     ("trainer.lr", "override 'trainer.lr' must look like key=value"),
 ])
 def test_apply_overrides_rejects_with_one_sentence(override, message):
-  with pytest.raises(ValueError) as e:
+  with pytest.raises(UserError) as e:
     apply_overrides(_config(), [override])
   assert str(e.value).startswith(message)
   assert "\n" not in str(e.value)
@@ -90,7 +91,7 @@ def test_apply_overrides_rejects_with_one_sentence(override, message):
     ({"trainer.mesh": 3}, "it expects a tuple"),
 ])
 def test_typed_overrides_are_strict(overrides, message):
-  with pytest.raises(ValueError, match=message):
+  with pytest.raises(UserError, match=message):
     apply_overrides(_config(), overrides)
 
 
@@ -104,7 +105,7 @@ def test_expand_sweep_grid_order_and_fixed_values():
   assert expand_sweep({"a": [1, 2]}) == [{"a": 1}, {"a": 2}]
   for bad, message in [([], "non-empty list"), ([{"a": []}], "empty list"), ([3], "must be a dict"),
                        ([{1: 2}], "dotted config names")]:
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(UserError, match=message):
       expand_sweep(bad)
 
 
@@ -120,7 +121,7 @@ def test_run_name_is_readable_safe_and_deterministic():
   name = run_name(long)
   assert len(name) == 120 and name == run_name(dict(long))
   assert name != run_name({**long, "group.key_39": 1.0})  # Differs only past the cut.
-  with pytest.raises(ValueError, match="same point twice"):
+  with pytest.raises(UserError, match="same point twice"):
     check_run_names([{"a": 1}, {"a": 1}])
 
 
@@ -130,10 +131,11 @@ def test_load_sweep_from_file(tmp_path):
   points = load_sweep(f"{path}:tiny")
   assert len(points) == 5 and points[-1] == {"algo.name": "grpo", "trainer.mesh": (2, 4)}
   (tmp_path / "nosweep.py").write_text(CONFIG_PY)
-  with pytest.raises(ValueError, match="defines no get_sweep"):
+  with pytest.raises(UserError, match="defines no get_sweep"):
     load_sweep(str(tmp_path / "nosweep.py"))
-  with pytest.raises(FileNotFoundError, match="does not exist"):
+  with pytest.raises(MissingFileError, match="does not exist") as e:
     load_sweep(str(tmp_path / "missing.py"))
+  assert isinstance(e.value, FileNotFoundError)  # Still caught by callers that expect the built-in type.
 
 
 # -------------------------------------------------------- launch scripts
@@ -180,7 +182,7 @@ def test_launcher_reports_bad_overrides_in_one_line(tmp_path, default):
   ]
   for args, message in cases:
     res = _run(["launch.py", *args], tmp_path)
-    assert res.returncode == 1, (args, res.stdout, res.stderr)
+    assert res.returncode == 2, (args, res.stdout, res.stderr)
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(message), (args, res.stderr)
 
@@ -206,7 +208,7 @@ def test_sweep_dry_run_plans_run_dirs(tmp_path):
 RUN_FN_PY = """
 import json, os
 def run(config, workdir):
-  os.makedirs(workdir)
+  os.makedirs(workdir, exist_ok=True)  # The sweep already made it (for its libraries.log).
   with open(os.path.join(workdir, "seen.json"), "w") as f:
     json.dump({"lr": config.trainer.lr, "kl": config.algo.kl_coef, "algo": config.algo.name,
                "iters": config.trainer.num_iterations, "mesh": list(config.trainer.mesh)}, f)
@@ -245,6 +247,6 @@ def test_sweep_refuses_bad_sweeps_before_running_anything(tmp_path):
                                                          "and by the sweep"),
   ]:
     res = _sweep(tmp_path, *args, f"--workdir={wd}", "--run_fn=fake_train:run")
-    assert res.returncode == 1, (args, res.stdout, res.stderr)
+    assert res.returncode == 2, (args, res.stdout, res.stderr)
     assert message in res.stderr and "Traceback" not in res.stderr, res.stderr
     assert not wd.exists()

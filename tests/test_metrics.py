@@ -1,16 +1,23 @@
-"""MetricsWriter (read back with TensorBoard's own reader), save_config, Progress, percentiles."""
+"""MetricsWriter (read back with TensorBoard's own reader), save_config, Progress, percentiles,
+the results table, and the console/library-log split of configure_logging."""
 
 import glob
 import io
 import json
 import math
+import os
+import subprocess
+import sys
 
 import ml_collections
 import numpy as np
 import pytest
 from tensorboard.backend.event_processing import event_accumulator
 
-from streamrl.metrics import MetricsWriter, Progress, percentiles, save_config
+from streamrl.metrics import (MetricsWriter, Progress, percentiles, read_final_metrics, results_table,
+                              save_config)
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _accumulator(logdir):
@@ -114,3 +121,113 @@ def test_progress_uses_tqdm_on_a_tty():
     p.update(reward=0.25)
   out = buf.getvalue()
   assert "grpo" in out and "1/3" in out and "reward=0.25" in out
+
+
+# ------------------------------------------------------------- results table
+
+
+def test_results_table_ranks_by_eval_accuracy_and_keeps_missing_runs_last():
+  runs = [
+      ("lr=1e-06", {"eval/accuracy": 0.40, "eval/accuracy_greedy": 0.45, "reward/mean": 0.31, "loss": 1.0}),
+      ("lr=3e-06", {"eval/accuracy": 0.55, "eval/accuracy_greedy": 0.60, "reward/mean": 0.42}),
+      ("lr=1e-05 (failed)", None),
+      ("lr=1e-07", {"eval/accuracy": float("nan"), "reward/mean": 0.1}),  # No usable accuracy.
+      ("lr=2e-06", {"eval/accuracy": 0.40, "reward/mean": None}),  # Tie with lr=1e-06: given order.
+  ]
+  lines = results_table(runs).splitlines()
+  assert lines[0].split() == ["rank", "run", "eval/accuracy", "eval/accuracy_greedy", "reward/mean"]
+  rows = [l.split() for l in lines[1:]]
+  assert rows == [
+      ["1", "lr=3e-06", "0.5500", "0.6000", "0.4200"],
+      ["2", "lr=1e-06", "0.4000", "0.4500", "0.3100"],
+      ["3", "lr=2e-06", "0.4000", "-", "-"],
+      ["-", "lr=1e-05", "(failed)", "-", "-", "-"],
+      ["-", "lr=1e-07", "-", "-", "0.1000"],
+  ]
+  # Columns line up: every value ends where its header does.
+  end = lines[0].index("reward/mean") + len("reward/mean")
+  assert all(len(l) == end for l in lines)
+
+
+def test_results_table_other_columns_and_sort_key():
+  runs = [("a", {"x": 1.0, "y": 3.0}), ("b", {"x": 2.0, "y": 1.0})]
+  assert [l.split()[1] for l in results_table(runs, columns=("x", "y")).splitlines()[1:]] == ["b", "a"]
+  assert [l.split()[1] for l in results_table(runs, columns=("x", "y"), sort_by="y").splitlines()[1:]] == ["a", "b"]
+
+
+def test_read_final_metrics(tmp_path):
+  assert read_final_metrics(str(tmp_path)) is None
+  (tmp_path / "final_metrics.json").write_text("{not json")
+  assert read_final_metrics(str(tmp_path)) is None
+  (tmp_path / "final_metrics.json").write_text(json.dumps({"eval/accuracy": 0.5}))
+  assert read_final_metrics(str(tmp_path)) == {"eval/accuracy": 0.5}
+
+
+# ------------------------------------------------------------------- logging
+
+LOGGING_SCRIPT = r"""
+import logging, os, sys, warnings
+from absl import logging as absl_logging
+from streamrl import metrics
+
+absl_logging.use_absl_handler()  # What absl's app.run does before main.
+absl_logging.set_verbosity(absl_logging.INFO)  # absl's default once flags are parsed.
+early = logging.getLogger("early_lib")  # A library with its own console handler (like Ray, vLLM).
+early.addHandler(logging.StreamHandler(sys.stderr))
+early.propagate = False
+path = metrics.configure_logging(sys.argv[1])
+late = logging.getLogger("late_lib")  # One that sets up its handler later (like transformers).
+late.addHandler(logging.StreamHandler(sys.stderr))
+late.propagate = False
+
+absl_logging.info("orbax-like info")
+early.warning("early library warning")
+logging.getLogger("vllm.model_executor").warning("RotaryEmbedding: Failed to load weights")
+warnings.warn_explicit("library warning", UserWarning, "/x/site-packages/lib/mod.py", 3)
+warnings.warn_explicit("our own warning", UserWarning, metrics.__file__, 5)
+logging.getLogger("streamrl.train").info("our line")
+logging.getLogger("streamrl.train").debug("our debug line")
+logging.getLogger("__main__").info("main line")
+metrics.Progress(2, "RL", file=sys.stdout).update(1)  # Re-routes late_lib.
+late.warning("late library warning")
+print("PATH", path, os.environ["VLLM_CONFIGURE_LOGGING"])
+"""
+
+_LIBRARY_LINES = ("orbax-like info", "early library warning", "Failed to load weights", "library warning",
+                  "late library warning")
+
+
+def _run_logging_script(workdir):
+  env = dict(os.environ, PYTHONPATH=REPO)
+  env.pop("VLLM_CONFIGURE_LOGGING", None)
+  return subprocess.run([sys.executable, "-c", LOGGING_SCRIPT, workdir], env=env, capture_output=True,
+                        text=True, timeout=120)
+
+
+def test_configure_logging_keeps_the_console_to_our_lines(tmp_path):
+  workdir = tmp_path / "run"  # Created by configure_logging.
+  res = _run_logging_script(str(workdir))
+  assert res.returncode == 0, res.stderr
+  log_path = workdir / "libraries.log"
+  assert f"PATH {log_path} 0" in res.stdout
+  console = res.stderr
+  for line in ("our line", "main line", "our own warning"):
+    assert line in console, console
+  for line in _LIBRARY_LINES + ("our debug line",):
+    assert line not in console, console
+  library_log = log_path.read_text()
+  for line in _LIBRARY_LINES + ("our line",):  # Our lines too, for context.
+    assert line in library_log, library_log
+
+
+def test_configure_logging_without_workdir_shows_only_library_warnings(tmp_path):
+  res = _run_logging_script("")  # An empty path is a mistake, not "no workdir".
+  assert res.returncode != 0 and "UserError: --workdir is empty" in res.stderr
+  script = LOGGING_SCRIPT.replace("metrics.configure_logging(sys.argv[1])", "metrics.configure_logging(None)")
+  res = subprocess.run([sys.executable, "-c", script], env=dict(os.environ, PYTHONPATH=REPO),
+                       capture_output=True, text=True, timeout=120, cwd=tmp_path)
+  assert res.returncode == 0, res.stderr
+  assert "PATH None" in res.stdout
+  assert "our line" in res.stderr and "early library warning" in res.stderr
+  assert "orbax-like info" not in res.stderr  # absl's INFO stays out even at absl verbosity INFO.
+  assert not list(tmp_path.iterdir())

@@ -9,8 +9,10 @@ a non-empty string, an answer that is neither string nor number — are
 **counted and skipped**, with a warning naming each line (the first
 `_MAX_LINE_WARNINGS` of them, then one summary). A file that is mostly broken
 is not a dataset: if more than `max_bad_fraction` (default 50%) of the rows
-are malformed, or none is usable, loading stops with one ValueError sentence
-naming the file, the count and the first bad line.
+are malformed, or none is usable, loading stops with one sentence naming the
+file, the count and the first bad line. Problems with the file itself are
+`streamrl.errors.UserError`s (a missing file a `MissingFileError`, which is
+also a FileNotFoundError), so a launch script prints just that sentence.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import logging
 import os
 
 from streamrl.data.tasks import Example
+from streamrl.errors import MissingFileError, UserError
 
 _log = logging.getLogger(__name__)
 _MAX_LINE_WARNINGS = 10
@@ -61,12 +64,18 @@ def load_jsonl(
     first_id: prompt ids are `first_id, first_id + 1, ...` over the kept rows.
 
   Raises:
-    FileNotFoundError: the file does not exist.
-    ValueError: the file has no rows, no usable row, or too many bad ones.
+    MissingFileError: the file does not exist (a UserError and a
+      FileNotFoundError).
+    UserError: the path is a directory, the file is not UTF-8 text, or it
+      has no rows, no usable row, or too many bad ones.
+    ValueError: `max_bad_fraction` is out of range.
   """
   path = os.fspath(path)
+  if os.path.isdir(path):
+    raise UserError(f"Dataset path {path!r} is a directory; point the dataset path config key at a "
+                    "JSONL file.")
   if not os.path.isfile(path):
-    raise FileNotFoundError(
+    raise MissingFileError(
         f"Dataset file {path!r} does not exist; point the dataset path "
         "config key at a JSONL file with one {\"prompt\": ..., \"answer\": "
         "...} object per line.")
@@ -75,23 +84,29 @@ def load_jsonl(
         f"max_bad_fraction={max_bad_fraction} must be in [0, 1).")
   examples: list[Example] = []
   bad: list[tuple[int, str]] = []
-  with open(path, encoding="utf-8") as f:
-    for lineno, line in enumerate(f, start=1):
-      if not line.strip():
-        continue
-      try:
-        prompt, answer = _parse_row(line, prompt_key, answer_key)
-      except ValueError as err:
-        bad.append((lineno, str(err)))
-        if len(bad) <= _MAX_LINE_WARNINGS:
-          _log.warning("Skipping malformed row at %s line %d: %s.",
-                       path, lineno, err)
-        continue
-      examples.append(Example(prompt_id=first_id + len(examples),
-                              prompt=prompt, answer=answer, task="jsonl"))
+  lineno = 0
+  try:
+    with open(path, encoding="utf-8") as f:
+      for lineno, line in enumerate(f, start=1):
+        if not line.strip():
+          continue
+        try:
+          prompt, answer = _parse_row(line, prompt_key, answer_key)
+        except ValueError as err:
+          bad.append((lineno, str(err)))
+          if len(bad) <= _MAX_LINE_WARNINGS:
+            _log.warning("Skipping malformed row at %s line %d: %s.",
+                         path, lineno, err)
+          continue
+        examples.append(Example(prompt_id=first_id + len(examples),
+                                prompt=prompt, answer=answer, task="jsonl"))
+  except UnicodeDecodeError:
+    raise UserError(
+        f"Dataset file {path!r} is not UTF-8 text (after line {lineno}); "
+        "save it as UTF-8 JSONL.") from None
   total = len(examples) + len(bad)
   if total == 0:
-    raise ValueError(
+    raise UserError(
         f"Dataset file {path!r} has no rows; add one JSON object per line.")
   if bad:
     if len(bad) > _MAX_LINE_WARNINGS:
@@ -99,7 +114,7 @@ def load_jsonl(
                    len(bad), path, [n for n, _ in bad[:20]])
     if not examples or len(bad) / total > max_bad_fraction:
       lineno, reason = bad[0]
-      raise ValueError(
+      raise UserError(
           f"Dataset file {path!r} has {len(bad)} malformed rows out of "
           f"{total} (more than {max_bad_fraction:.0%}; first at line "
           f"{lineno}: {reason}); fix the file so each line is a JSON object "

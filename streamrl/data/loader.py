@@ -129,3 +129,17 @@ def make_prompts(batch: Sequence[Example],
       ids = list(getattr(enc, "ids", enc))
     out.append((ex.prompt_id, [int(i) for i in ids]))
   return out
+
+
+def make_requests(examples: Sequence[Example], tokenizer, group_size: int):
+  """One generator request per sample: id = position * group_size + k.
+
+  Returns the (request id, prompt token ids) pairs and {request id: Example}.
+  """
+  requests, by_id = [], {}
+  for j, ex in enumerate(examples):
+    ids = tokenizer.encode_prompt(ex.prompt)
+    for k in range(group_size):
+      requests.append((j * group_size + k, ids))
+      by_id[j * group_size + k] = ex
+  return requests, by_id

@@ -29,6 +29,8 @@ import math
 import re
 from typing import Any, Callable
 
+import numpy as np
+
 RewardFn = Callable[[str, str], float]
 
 _log = logging.getLogger(__name__)
@@ -217,3 +219,25 @@ def safe_reward(fn: RewardFn, response: str, example: Any) -> tuple[float, bool]
           getattr(fn, "__name__", repr(fn)), kind, err,
           getattr(example, "prompt_id", "?"), kind)
     return 0.0, True
+
+
+class Rewarder:
+  """Scores samples with the task's verifier; a raising verifier scores 0
+  and is counted in `errors` (logged as reward/errors_total)."""
+
+  def __init__(self, reward_fn: RewardFn, tokenizer):
+    self.reward_fn = reward_fn
+    self.tokenizer = tokenizer
+    self.errors = 0
+
+  def __call__(self, samples, examples_by_id) -> tuple[np.ndarray, np.ndarray]:
+    """(reward, exact-match correctness) per sample, float32."""
+    scores, correct = [], []
+    for s in samples:
+      ex = examples_by_id[s.prompt_id]
+      text = self.tokenizer.decode(s.token_ids)
+      r, failed = safe_reward(self.reward_fn, text, ex)
+      self.errors += int(failed)
+      scores.append(r)
+      correct.append(float(text.strip() == ex.answer.strip()))
+    return np.asarray(scores, np.float32), np.asarray(correct, np.float32)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 import json
 import os
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, processors
@@ -145,3 +145,16 @@ def save_hf_tokenizer(directory: str | os.PathLike, *,
   with open(os.path.join(directory, "special_tokens_map.json"), "w") as f:
     json.dump(special_map, f, indent=2)
   return directory
+
+
+class Tokenizer:
+  """Prompt encoding / response decoding with a model directory's tokenizer.json."""
+
+  def __init__(self, model_dir: str):
+    self._tok = tokenizers.Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
+
+  def encode_prompt(self, text: str) -> list[int]:
+    return self._tok.encode(text, add_special_tokens=True).ids
+
+  def decode(self, ids: Sequence[int]) -> str:
+    return self._tok.decode(list(ids), skip_special_tokens=True)

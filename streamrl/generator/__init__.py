@@ -1,0 +1,27 @@
+"""Generation: vLLM engines behind the `Rollout` protocol (rollout.py).
+
+The only package that imports torch and vLLM (inside `vllm_engine.py`, and
+only in the processes that run an engine):
+
+  rollout.py      the protocol, Sample, SamplingConfig, UpdateHandle
+  vllm_engine.py  one engine = one generator instance
+  local.py        LocalRollout: one engine in the trainer's process
+  service.py      StreamGenerationService: N engines on Ray actors
+  profiler.py     the PTL(BS) latency profile of one engine
+"""
+
+from __future__ import annotations
+
+
+def make_rollout(s, model_dir: str, cluster=None):
+  """The rollout of settings `s`: in this process for colocated, Ray actors
+  otherwise (joining or starting Ray unless `cluster` is given)."""
+  if s.pipeline.mode == "colocated":
+    from streamrl.generator.local import LocalRollout  # pylint: disable=g-import-not-at-top
+    return LocalRollout(model_dir, s.engine, dtype=s.model.dtype, seed=s.seed)
+  from streamrl import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
+  from streamrl.generator.service import StreamGenerationService  # pylint: disable=g-import-not-at-top
+  info = cluster or cluster_lib.init_ray_for(s.cluster)
+  return StreamGenerationService(model_dir, s.engine, dtype=s.model.dtype, seed=s.seed,
+                                 cluster=info, stall_timeout_s=s.pipeline.stall_timeout_s,
+                                 transfer=s.transfer)

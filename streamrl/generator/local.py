@@ -1,53 +1,49 @@
-"""Where generation runs: in this process (colocated) or on Ray actors.
+"""`LocalRollout`: one engine in the trainer's process (the colocated mode).
 
-Both backends offer the same small surface as `StreamGenerationService`:
-`generate(requests, sampling, assignments=None, caps=None)` streaming
-Samples, `update(tensors, version)`, `start_update(...)` returning something
-with `wait()`, `close()`.
+Generation and training take turns on the same cores; a weight update loads
+synchronously, so its `UpdateHandle` is already done.
 """
 
 from __future__ import annotations
 
-import logging
 import time
 
-from streamrl.generator.vllm_engine import GeneratorInstance, SamplingConfig
-
-log = logging.getLogger(__name__)
-
-
-def make_engine(config, model_dir: str, instance_id: int = 0) -> GeneratorInstance:
-  g = config.generation
-  return GeneratorInstance(model_dir, instance_id=instance_id, max_num_seqs=g.max_num_seqs,
-                           max_model_len=g.max_model_len, seed=config.seed,
-                           kv_cache_gib=g.kv_cache_gib, dtype=config.model.dtype)
+from streamrl import settings as settings_lib
+from streamrl.generator.rollout import SamplingConfig, UpdateHandle
 
 
-def sampling_for(config, iteration: int) -> SamplingConfig:
-  g = config.generation
-  # A fresh seed per iteration; each request adds its id to it.
-  return SamplingConfig(temperature=g.temperature, top_p=g.top_p, max_tokens=g.max_tokens,
-                        seed=config.seed * 1_000_003 + iteration * 100_003)
+def engine_kwargs(engine: settings_lib.Engine, *, dtype: str, seed: int) -> dict:
+  """`GeneratorInstance` keyword arguments for one engine."""
+  return dict(max_num_seqs=engine.max_num_seqs, max_model_len=engine.max_model_len,
+              seed=seed, kv_cache_gib=engine.kv_cache_gib, dtype=dtype)
 
 
-class _Done:
-  """An update that already happened (the local engine loads synchronously)."""
-
-  def delivered(self, timeout_s=None):
-    return None
-
-  def wait(self, timeout_s=None):
-    return None
+def sampling_for(sampling: settings_lib.Sampling, seed: int, iteration: int) -> SamplingConfig:
+  """The sampling of one training round: a fresh seed per iteration (each
+  request adds its id to it), so a resumed run samples what it would have."""
+  return SamplingConfig(temperature=sampling.temperature, top_p=sampling.top_p,
+                        max_tokens=sampling.max_tokens,
+                        seed=seed * 1_000_003 + iteration * 100_003)
 
 
-class LocalBackend:
-  """One engine in the trainer's process: generation and training take turns."""
+class LocalRollout:
+  """One `GeneratorInstance` in this process."""
 
-  def __init__(self, config, model_dir: str):
-    self.engine = make_engine(config, model_dir)
+  def __init__(self, model_dir: str, engine: settings_lib.Engine, *, dtype: str, seed: int):
+    from streamrl.generator.vllm_engine import GeneratorInstance  # pylint: disable=g-import-not-at-top
+    self.engine = GeneratorInstance(model_dir, instance_id=0,
+                                    **engine_kwargs(engine, dtype=dtype, seed=seed))
     self.busy_intervals: list[tuple[int, float, float, int]] = []
-    self.dead_instances: list = []
     self.num_instances = 1
+    self.placement: dict = {}
+
+  @property
+  def live_instances(self) -> list[int]:
+    return [0]
+
+  @property
+  def dead_instances(self) -> list:
+    return []
 
   def generate(self, requests, sampling, *, assignments=None, caps=None):
     if assignments is not None:
@@ -61,21 +57,8 @@ class LocalBackend:
     finally:
       self.busy_intervals.append((0, start, time.perf_counter(), n))
 
-  def update(self, tensors, version: int) -> dict[int, int]:
-    return {0: self.engine.update_weights(tensors, version)}
-
-  def start_update(self, tensors, version: int) -> _Done:
-    self.update(tensors, version)
-    return _Done()
+  def update(self, tensors, version: int) -> UpdateHandle:
+    return UpdateHandle.done(version, {0: self.engine.update_weights(tensors, version)})
 
   def close(self) -> None:
     self.engine.close()
-
-
-def make_backend(config, model_dir: str, cluster_info=None):
-  if config.pipeline.mode == "colocated":
-    return LocalBackend(config, model_dir)
-  from streamrl.generator.service import StreamGenerationService  # pylint: disable=g-import-not-at-top
-  from streamrl import cluster  # pylint: disable=g-import-not-at-top
-  info = cluster_info or cluster.init_ray_from_config(config)
-  return StreamGenerationService(config, model_dir, cluster=info)

@@ -11,14 +11,12 @@ set-up, the first step). Prefill cost per prompt token comes from BS requests
 with long prompts and one output token. Each timing is the median of `reps`
 runs, since the machine may be shared.
 
-Fixed-length decoding needs EOS to be ignored, which `SamplingConfig` does not
-expose; the profiler wraps the instance's request builder for the duration of
-the measurement (as experiments/bench_generator.py does for another field).
+Fixed-length decoding ignores EOS (`GeneratorInstance.generate(...,
+ignore_eos=True)`), so every request decodes exactly the length asked for.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import statistics
 import time
@@ -32,24 +30,6 @@ from streamrl.scheduling.latency import LatencyProfile
 _log = logging.getLogger(__name__)
 
 
-@contextlib.contextmanager
-def _fixed_length(instance: GeneratorInstance):
-  """Requests of `instance` decode exactly max_tokens tokens while active."""
-  original = instance._params  # pylint: disable=protected-access
-
-  def params(sampling, prompt_id):
-    p = original(sampling, prompt_id)
-    p.ignore_eos = True
-    p.stop_token_ids = []
-    return p
-
-  instance._params = params  # pylint: disable=protected-access
-  try:
-    yield instance
-  finally:
-    del instance._params  # Back to the class method.
-
-
 def _random_prompts(rng: np.random.Generator, n: int, length: int, vocab_lo: int, vocab_hi: int,
                     first_id: int) -> list[tuple[int, list[int]]]:
   # Distinct random prompts so the prefix cache never turns prefill into a hit.
@@ -59,7 +39,7 @@ def _random_prompts(rng: np.random.Generator, n: int, length: int, vocab_lo: int
 def _time_batch(instance, prompts, max_tokens: int, seed: int, clock) -> tuple[float, int]:
   sampling = SamplingConfig(temperature=1.0, max_tokens=max_tokens, seed=seed)
   t0 = clock()
-  samples = list(instance.generate(prompts, sampling, max_in_flight=len(prompts)))
+  samples = list(instance.generate(prompts, sampling, max_in_flight=len(prompts), ignore_eos=True))
   dt = clock() - t0
   return dt, sum(len(s.token_ids) for s in samples)
 
@@ -109,30 +89,29 @@ def profile_instance(instance: GeneratorInstance, batch_sizes: Sequence[int], *,
     return out
 
   ptl = []
-  with _fixed_length(instance):
-    _time_batch(instance, prompts(sizes[-1], prompt_len), l1, seed, clock)  # Warm-up, untimed.
-    for bs in sizes:
-      t = {l1: [], l2: []}
-      for _ in range(reps):
-        for length in (l1, l2):  # Interleaved, so drifting load hits both.
-          dt, ntok = _time_batch(instance, prompts(bs, prompt_len), length, seed, clock)
-          if ntok != bs * length:
-            raise RuntimeError(f"expected {bs * length} tokens at BS={bs}, got {ntok}: the engine "
-                               "stopped early, so fixed-length decoding is not in effect.")
-          t[length].append(dt)
-      slope = (statistics.median(t[l2]) - statistics.median(t[l1])) / (l2 - l1)
-      # On a busy machine the difference can come out <= 0; floor it at a tiny
-      # positive value so the profile stays valid, and say so.
-      if slope <= 0:
-        _log.warning("PTL at BS=%d measured %.3g s (noise); flooring it.", bs, slope)
-        slope = 1e-6
-      ptl.append(slope)
-      _log.info("PTL(BS=%d) = %.2f ms", bs, 1e3 * slope)
-    pre = []
+  _time_batch(instance, prompts(sizes[-1], prompt_len), l1, seed, clock)  # Warm-up, untimed.
+  for bs in sizes:
+    t = {l1: [], l2: []}
     for _ in range(reps):
-      dt_long, _ = _time_batch(instance, prompts(prefill_batch, prefill_prompt_len), 1, seed, clock)
-      dt_short, _ = _time_batch(instance, prompts(prefill_batch, 1), 1, seed, clock)
-      pre.append(max(0.0, dt_long - dt_short) / (prefill_batch * (prefill_prompt_len - 1)))
+      for length in (l1, l2):  # Interleaved, so drifting load hits both.
+        dt, ntok = _time_batch(instance, prompts(bs, prompt_len), length, seed, clock)
+        if ntok != bs * length:
+          raise RuntimeError(f"expected {bs * length} tokens at BS={bs}, got {ntok}: the engine "
+                             "stopped early, so fixed-length decoding is not in effect.")
+        t[length].append(dt)
+    slope = (statistics.median(t[l2]) - statistics.median(t[l1])) / (l2 - l1)
+    # On a busy machine the difference can come out <= 0; floor it at a tiny
+    # positive value so the profile stays valid, and say so.
+    if slope <= 0:
+      _log.warning("PTL at BS=%d measured %.3g s (noise); flooring it.", bs, slope)
+      slope = 1e-6
+    ptl.append(slope)
+    _log.info("PTL(BS=%d) = %.2f ms", bs, 1e3 * slope)
+  pre = []
+  for _ in range(reps):
+    dt_long, _ = _time_batch(instance, prompts(prefill_batch, prefill_prompt_len), 1, seed, clock)
+    dt_short, _ = _time_batch(instance, prompts(prefill_batch, 1), 1, seed, clock)
+    pre.append(max(0.0, dt_long - dt_short) / (prefill_batch * (prefill_prompt_len - 1)))
   profile = LatencyProfile(batch_sizes=tuple(sizes), ptl_s=tuple(ptl),
                            prefill_s_per_token=statistics.median(pre), name=name)
   if path:

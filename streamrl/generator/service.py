@@ -24,16 +24,18 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
 import ray
 
 from streamrl import cluster as cluster_lib
+from streamrl import settings as settings_lib
+from streamrl.errors import UserError
+from streamrl.generator import local
+from streamrl.generator.rollout import DeadInstance, Request, UpdateHandle
 
 log = logging.getLogger(__name__)
-
-Request = tuple[int, Sequence[int]]  # (request id, prompt token ids)
 
 
 @ray.remote(max_restarts=0, max_task_retries=0)
@@ -200,126 +202,62 @@ class _Stream:
   num_samples: int = 0
 
 
-class PendingUpdate:
-  """A weight update on its way to the instances (`start_update`)."""
-
-  def __init__(self, svc: "StreamGenerationService", calls: dict, version: int):
-    self._svc, self._calls, self.version = svc, calls, version
-    self._result: dict[int, int] | None = None
-
-  def delivered(self, timeout_s: float | None = None) -> None:
-    """Ray queues the load before any later stream on each actor: nothing to wait for."""
-    del timeout_s
-
-  def done(self) -> bool:
-    if self._result is not None:
-      return True
-    ready, _ = ray.wait(list(self._calls.values()), num_returns=len(self._calls), timeout=0)
-    return len(ready) == len(self._calls)
-
-  def wait(self, timeout_s: float | None = None) -> dict[int, int]:
-    """{instance_id: weight version} once every live instance has loaded."""
-    if self._result is None:
-      self._result = self._svc._finish_update(self._calls, timeout_s)  # pylint: disable=protected-access
-    return self._result
-
-
-class TransferUpdate:
-  """A version published through the checkpoint-transfer service."""
-
-  def __init__(self, svc: "StreamGenerationService", version: int):
-    self._svc, self.version = svc, version
-    self._result: dict[int, int] | None = None
-
-  def delivered(self, timeout_s: float | None = None) -> None:
-    """Returns once every live instance has verified and staged the version."""
-    pub = self._svc.publisher
-    if not pub.wait_acks(self.version, timeout=timeout_s or self._svc.stall_timeout_s):
-      raise TimeoutError(f"Weight version {self.version} not delivered to "
-                         f"{pub.missing_acks(self.version)}; errors: {pub.errors}.")
-
-  def wait(self, timeout_s: float | None = None) -> dict[int, int]:
-    """Delivered, then loaded by every live instance (after its current stream)."""
-    if self._result is None:
-      self.delivered(timeout_s)
-      calls = {i: self._svc.actor(i).apply_staged.remote() for i in self._svc.live_instances}
-      self._result = self._svc._finish_update(calls, timeout_s)  # pylint: disable=protected-access
-    return self._result
-
-
-@dataclasses.dataclass(frozen=True)
-class DeadInstance:
-  instance_id: int
-  reason: str
-  requeued: int  # Undelivered requests handed to the survivors.
-  at: float  # time.perf_counter() when the death was seen.
-
-
 class StreamGenerationService:
-  """N generator instances (Ray actors, ids 0..N-1) behind one sample stream.
+  """N generator instances (Ray actors, ids 0..N-1) behind one sample stream;
+  a `streamrl.generator.rollout.Rollout`.
 
   Args:
-    config: the run config; reads `generation.*` (engine sizes), `seed`,
-      `model.dtype`, and optionally `pipeline.stall_timeout_s` and
-      `cluster.{generator_cpus, engine_in_process}`.
     model_dir: HF model directory every instance loads.
-    num_instances: default `config.generation.num_instances`.
+    engine: the engine settings (sizes, number of instances, coalescing).
+    dtype, seed: the engine's dtype and sampling seed base.
+    cluster: what `streamrl.cluster.init_ray` returned; its CPU shares pin
+      each instance to its own cores on a local Ray.
     stall_timeout_s: longest wait for the next sample of an instance that
-      still has work; default `config.pipeline.stall_timeout_s` or 600.
-    cluster: what `cluster.init_ray` returned; its CPU shares pin each
-      instance to its own cores. Without it (and with Ray not started yet)
-      `init_ray_from_config(config)` is called.
+      still has work.
+    transfer: when enabled, weights go through the checkpoint-transfer
+      service (verified, chunked; shared memory on this host, TCP across
+      hosts) instead of Ray's object store.
+    num_instances: overrides `engine.num_instances`.
     start_timeout_s: longest wait for all engines to come up.
   """
 
-  def __init__(self, config, model_dir: str, num_instances: int | None = None, *,
-               stall_timeout_s: float | None = None,
-               cluster: cluster_lib.ClusterInfo | None = None,
-               start_timeout_s: float = 600.0):
-    g = config.generation
-    num_instances = int(num_instances or g.get("num_instances", 1))
+  def __init__(self, model_dir: str, engine: settings_lib.Engine, *, dtype: str, seed: int,
+               cluster: cluster_lib.ClusterInfo, stall_timeout_s: float = 600.0,
+               transfer: settings_lib.Transfer | None = None,
+               num_instances: int | None = None, start_timeout_s: float = 600.0):
+    num_instances = int(num_instances or engine.num_instances)
     if num_instances < 1:
-      raise ValueError(f"num_instances must be >= 1, got {num_instances}.")
-    pipe = config.get("pipeline", None) or {}
-    self.stall_timeout_s = float(stall_timeout_s or pipe.get("stall_timeout_s", 600.0))
+      raise UserError(f"generation.num_instances={num_instances} must be >= 1.")
+    self.stall_timeout_s = float(stall_timeout_s)
     # Samples finishing within this window reach the trainer as one object.
-    self.coalesce_s = float(g.get("coalesce_s", 0.0))
+    self.coalesce_s = float(engine.coalesce_s)
     self.num_objects = 0  # sample batches received, over all streams
-    if cluster is None and not ray.is_initialized():
-      cluster = cluster_lib.init_ray_from_config(config)
-    cl = config.get("cluster", None) or {}
-    generator_cpus = cluster.generator_cpus if cluster else int(cl.get("generator_cpus", 1))
-    in_process = bool(cl.get("engine_in_process", True))
-    engine_kwargs = dict(max_num_seqs=g.max_num_seqs, max_model_len=g.max_model_len,
-                         seed=config.seed, kv_cache_gib=g.kv_cache_gib, dtype=config.model.dtype)
+    generator_cpus = cluster.generator_cpus
+    kwargs = local.engine_kwargs(engine, dtype=dtype, seed=seed)
     self.num_instances = num_instances
     self.placement: dict[int, dict] = {}
     self._actors = {}
     for i in range(num_instances):
       cores = (cluster.shares.instance_cores(i, num_instances)
-               if cluster is not None and cluster.shares is not None else None)
+               if cluster.shares is not None else None)
       threads = len(cores) if cores else max(1, generator_cpus // num_instances)
       self._actors[i] = GeneratorActor.options(
           num_cpus=round(generator_cpus / num_instances, 4),
           resources={cluster_lib.GENERATION_POOL: 1},
-          name=None).remote(model_dir, instance_id=i, engine_kwargs=engine_kwargs,
-                            cores=cores, num_threads=threads, in_process=in_process)
+          name=None).remote(model_dir, instance_id=i, engine_kwargs=kwargs,
+                            cores=cores, num_threads=threads, in_process=engine.in_process)
     self._live = set(self._actors)
-    self.dead_instances: list[DeadInstance] = []
+    self._dead: list[DeadInstance] = []
     # (instance_id, start, end, num_samples) per finished stream segment, in
     # time.perf_counter() seconds of this process: the instances' busy time.
     self.busy_intervals: list[tuple[int, float, float, int]] = []
     self._versions: dict[int, int] = {}
     self._wait_ready(start_timeout_s)
-    # Weights go through the checkpoint-transfer service when enabled
-    # (verified, chunked, shared memory on this host / TCP across hosts);
-    # otherwise through Ray's object store.
-    tcfg = config.get("transfer", None)
     self.publisher = None
     self._transfer_joined = False
-    if tcfg is not None and tcfg.get("enabled", False):
+    if transfer is not None and transfer.enabled:
       from streamrl.transfer import Publisher, TransferConfig  # pylint: disable=g-import-not-at-top
-      self._transfer_config = {k: v for k, v in tcfg.items() if k != "enabled"}
+      self._transfer_config = transfer.service_options()
       self.publisher = Publisher(TransferConfig.from_mapping(self._transfer_config), dc="dc0",
                                  start_version=min(self._versions.values(), default=0))
 
@@ -355,28 +293,29 @@ class StreamGenerationService:
   def live_instances(self) -> list[int]:
     return sorted(self._live)
 
+  @property
+  def dead_instances(self) -> list[DeadInstance]:
+    return list(self._dead)
+
   def actor(self, instance_id: int):
     """The Ray actor handle of one instance (for tests and diagnostics)."""
     return self._actors[instance_id]
 
   # -- weights ----------------------------------------------------------------
 
-  def update(self, tensors: Mapping[str, np.ndarray], version: int) -> dict[int, int]:
-    """Loads HF-named tensors into every live instance in parallel and returns
-    {instance_id: weight version} once all have loaded."""
-    return self.start_update(tensors, version).wait()
-
-  def start_update(self, tensors: Mapping[str, np.ndarray], version: int) -> "PendingUpdate":
-    """Sends the weights and returns at once (e.g. to keep the transfer off
-    the trainer's critical path in `async` mode).
+  def update(self, tensors: Mapping[str, np.ndarray], version: int) -> UpdateHandle:
+    """Sends the weights and returns at once; `.wait()` on the handle for the load.
 
     Each instance loads them after the stream it is running now, and before
     any generate call made after this one: a stream started later carries
-    the new version in all its samples. The tensors go into Ray's object
-    store once, and every instance reads them from there.
+    the new version in all its samples. Through Ray, the tensors go into the
+    object store once and every instance reads them from there; through the
+    transfer service, each instance's receiver verifies and stages them
+    while it generates.
     """
     if not self._live:
       raise RuntimeError("All generator instances are dead; nothing to update.")
+    version = int(version)
     if self.publisher is not None:
       if not self._transfer_joined:
         from streamrl.transfer import schema_of  # pylint: disable=g-import-not-at-top
@@ -385,10 +324,25 @@ class StreamGenerationService:
                                                        self._transfer_config)
                  for i in self._live])
         self._transfer_joined = True
-      return TransferUpdate(self, self.publisher.publish(tensors, int(version)))
+      self.publisher.publish(tensors, version)
+      return UpdateHandle(version, delivered=lambda t: self._await_acks(version, t),
+                          loaded=self._apply_staged)
     ref = ray.put({k: np.asarray(v) for k, v in tensors.items()})
-    calls = {i: self._actors[i].update_weights.remote(ref, int(version)) for i in self._live}
-    return PendingUpdate(self, calls, int(version))
+    calls = {i: self._actors[i].update_weights.remote(ref, version) for i in self._live}
+    # Ray runs the load before any later stream on each actor: nothing to deliver.
+    return UpdateHandle(version, delivered=lambda t: None,
+                        loaded=lambda t: self._finish_update(calls, t))
+
+  def _await_acks(self, version: int, timeout_s: float | None) -> None:
+    """Every live instance has verified and staged `version`."""
+    pub = self.publisher
+    if not pub.wait_acks(version, timeout=timeout_s or self.stall_timeout_s):
+      raise TimeoutError(f"Weight version {version} not delivered to "
+                         f"{pub.missing_acks(version)}; errors: {pub.errors}.")
+
+  def _apply_staged(self, timeout_s: float | None) -> dict[int, int]:
+    calls = {i: self._actors[i].apply_staged.remote() for i in self._live}
+    return self._finish_update(calls, timeout_s)
 
   def _finish_update(self, calls: dict, timeout_s: float | None) -> dict[int, int]:
     try:
@@ -595,32 +549,15 @@ class StreamGenerationService:
     # An actor that is only unreachable could come back and produce samples
     # that were already re-run elsewhere: make sure it is gone.
     ray.kill(self._actors[i], no_restart=True)
-    self.dead_instances.append(DeadInstance(i, reason, requeued, time.perf_counter()))
+    self._dead.append(DeadInstance(i, reason, requeued, time.perf_counter()))
     log.warning("Generator instance %d died (%s); %d unfinished requests re-run on instances "
                 "%s.", i, reason, requeued, sorted(self._live))
 
   def _all_dead_message(self, unfinished: int) -> str:
-    dead = ", ".join(f"{d.instance_id} ({d.reason})" for d in self.dead_instances)
+    dead = ", ".join(f"{d.instance_id} ({d.reason})" for d in self._dead)
     return (f"All {self.num_instances} generator instances are dead ({dead}); {unfinished} "
             "requests could not be finished. Check the instances' logs (ray logs) and "
             "restart the run.")
-
-
-def iter_groups(samples: Iterable, group_size: int) -> Iterator[list]:
-  """Regroups a sample stream into complete groups (request id // group_size),
-  each yielded as soon as its last member arrives, members in id order; for
-  GRPO, whose advantages need the whole group."""
-  if group_size < 1:
-    raise ValueError(f"group_size must be >= 1, got {group_size}.")
-  partial: dict[int, list] = collections.defaultdict(list)
-  for s in samples:
-    g = s.prompt_id // group_size
-    partial[g].append(s)
-    if len(partial[g]) == group_size:
-      yield sorted(partial.pop(g), key=lambda x: x.prompt_id)
-  if partial:
-    raise RuntimeError(f"The stream ended with {len(partial)} incomplete groups "
-                       f"(e.g. group {next(iter(partial))}).")
 
 
 def _failed(ref) -> bool:

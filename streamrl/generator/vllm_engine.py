@@ -16,41 +16,15 @@ import json
 import logging
 import os
 import tempfile
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
+from streamrl.generator.rollout import Sample, SamplingConfig  # pylint: disable=unused-import
 from streamrl.models import hf as hf_lib
 from streamrl.models.config import CPU_SUPPORTED_HEAD_DIMS
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplingConfig:
-  temperature: float = 1.0
-  top_p: float = 1.0
-  max_tokens: int = 64
-  # With a seed, request i of prompt p samples with seed + p: the same prompt
-  # id gives the same tokens whatever else is in the batch.
-  seed: int | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class Sample:
-  """One finished generation.
-
-  `logprobs[i]` is the log-probability of `token_ids[i]` under the
-  distribution it was sampled from (after temperature), as the importance
-  ratios of the trainer need.
-  """
-  prompt_id: int
-  prompt_token_ids: tuple[int, ...]
-  token_ids: tuple[int, ...]
-  logprobs: tuple[float, ...]
-  finish_reason: str
-  weight_version: int
-  instance_id: int
 
 
 def check_model_dir(model_dir: str, *, on_cpu: bool) -> hf_lib.ModelConfig:
@@ -77,31 +51,162 @@ def check_model_dir(model_dir: str, *, on_cpu: bool) -> hf_lib.ModelConfig:
   return cfg
 
 
+@dataclasses.dataclass(frozen=True)
+class SchedulerLimits:
+  """How much work the engine's scheduler takes on per step.
+
+  Attributes:
+    max_num_seqs: most requests running at once.
+    max_num_batched_tokens: most tokens (prefill + decode) in one step.
+    chunked_prefill: whether a long prompt may be prefilled over several steps.
+  """
+  max_num_seqs: int
+  max_num_batched_tokens: int
+  chunked_prefill: bool
+
+
+# What vLLM logs on every in-place reload that says nothing about our weights:
+# (logger, message template). Hidden around our reload only; see
+# _ReloadLogFilter and WorkerExtension.streamrl_reload.
+_LAYERWISE_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
+_INPLACE_LOGGER = "vllm.model_executor.model_loader.reload.inplace"
+_BLOCK_POOL_LOGGER = "vllm.v1.core.block_pool"
+_NOT_LOADED_MSG = "%s: Failed to load weights"
+_RELOAD_INFO_MSGS = frozenset({"Reloading weights inplace...",
+                               "Reloading and processing weights took %.2f seconds"})
+_PREFIX_RESET_MSG = "Successfully reset prefix cache"
+
+
+def layers_without_checkpoint_weights(model) -> frozenset[str]:
+  """Class names of the modules of `model` that no checkpoint holds weights for.
+
+  vLLM's in-place reload expects every module with tensors to receive some
+  and warns "<class>: Failed to load weights" for the others, then keeps
+  their current tensors. Two kinds of module get nothing by design:
+
+  * modules whose only tensors are non-persistent buffers, such as the
+    rotary embedding's cos/sin cache: computed from the config at start-up,
+    never saved, so there is nothing to reload;
+  * a tied LM head: its weight is the embedding's Parameter, which is
+    reloaded under the embedding's name (model.embed_tokens.weight), so the
+    head sees the new values without receiving a tensor of its own.
+
+  Any other module that receives no weights is a real loading defect (names
+  that did not match) and is not listed here.
+  """
+  persistent = set(model.state_dict(keep_vars=True))
+  names = set()
+  for prefix, module in model.named_modules():
+    if next(module.parameters(recurse=False), None) is not None:
+      continue
+    buffers = [f"{prefix}.{n}" if prefix else n for n, _ in module.named_buffers(recurse=False)]
+    if buffers and not persistent.intersection(buffers):
+      names.add(type(module).__name__)
+  head = getattr(model, "lm_head", None)
+  if head is not None and getattr(getattr(model, "config", None), "tie_word_embeddings", False):
+    names.add(type(head).__name__)
+  return frozenset(names)
+
+
+class _ReloadLogFilter(logging.Filter):
+  """Drops vLLM's expected in-place reload messages, nothing else.
+
+  "Failed to load weights" is dropped only for the classes in `expected`
+  (see layers_without_checkpoint_weights) and the class names it hid are
+  kept in `hidden`; the "Reloading ..." progress lines are dropped always.
+  """
+
+  def __init__(self, expected: frozenset[str]):
+    super().__init__()
+    self.expected = expected
+    self.hidden: set[str] = set()
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    if record.msg == _NOT_LOADED_MSG and record.args and record.args[0] in self.expected:
+      self.hidden.add(str(record.args[0]))
+      return False
+    return record.msg not in _RELOAD_INFO_MSGS
+
+
+class _DropNextPrefixReset(logging.Filter):
+  """Drops the next "Successfully reset prefix cache" message, once per arm().
+
+  The reset follows every reload (update_weights) as a separate engine call,
+  after the reload has returned, so this cannot be a scoped filter like
+  _ReloadLogFilter: the reload arms it and the reset's message disarms it.
+  A failed reset logs a warning, which passes.
+  """
+
+  def __init__(self):
+    super().__init__()
+    self.armed = 0
+
+  def arm(self) -> None:
+    self.armed += 1
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    if self.armed and record.msg == _PREFIX_RESET_MSG:
+      self.armed -= 1
+      return False
+    return True
+
+
+_PREFIX_RESET_FILTER = _DropNextPrefixReset()
+
+
 class WorkerExtension:
   """Mixed into every vLLM worker (`worker_extension_cls`), called by name over
   `collective_rpc`: only a method name and bytes cross the process boundary,
   never a pickled function or a tensor."""
 
-  def streamrl_reload(self, path: str) -> None:
+  def streamrl_reload(self, path: str) -> list[str]:
     """A safetensors file (HF names) -> in-place reload of this worker's model.
 
     Tensors are read one at a time from the file (in /dev/shm), so the
     update holds about one extra copy of the weights instead of one per
     process the bytes would pass through over the RPC.
+
+    Returns the class names whose expected "Failed to load weights" warning
+    was hidden (see layers_without_checkpoint_weights), for the caller to
+    explain once.
     """
     from safetensors import safe_open  # pylint: disable=g-import-not-at-top
-    with safe_open(path, "pt") as f:
-      self.reload_weights(weights_iterator=((k, f.get_tensor(k)) for k in f.keys()))
+    model = self.model_runner.get_model()
+    quiet = _ReloadLogFilter(layers_without_checkpoint_weights(model))
+    loggers = [logging.getLogger(n) for n in (_LAYERWISE_LOGGER, _INPLACE_LOGGER)]
+    for lg in loggers:
+      lg.addFilter(quiet)
+    try:
+      with safe_open(path, "pt") as f:
+        self.reload_weights(weights_iterator=((k, f.get_tensor(k)) for k in f.keys()))
+    finally:
+      for lg in loggers:
+        lg.removeFilter(quiet)
     # A tied LM head shares the embedding's parameter, so the reload skips
     # it; but on CPU its GEMM was prepacked from the old values at load time
     # and must be rebuilt, or sampling would use stale weights.
-    model = self.model_runner.get_model()
     if getattr(getattr(model, "config", None), "tie_word_embeddings", False):
       model.lm_head.quant_method.process_weights_after_loading(model.lm_head)
+    # The prefix-cache reset that follows runs in this process when the
+    # scheduler and this worker share one (single-process executor, the
+    # case here); with worker processes of their own it still prints.
+    logging.getLogger(_BLOCK_POOL_LOGGER).addFilter(_PREFIX_RESET_FILTER)
+    _PREFIX_RESET_FILTER.arm()
+    return sorted(quiet.hidden)
+
+
+# Whether update_weights has said why vLLM's reload warnings are hidden.
+_explained_hidden_reload_warnings = False
 
 
 class GeneratorInstance:
-  """One vLLM engine that streams finished samples and reloads in place."""
+  """One vLLM engine that streams finished samples and reloads in place.
+
+  Besides generate / update_weights / close, a few read-only views and one
+  hook exist for benchmarks and tools, so nothing outside this module needs
+  the vLLM engine itself: `eos_token_ids`, `in_flight`, `scheduler_limits()`
+  and `set_step_callback()`.
+  """
 
   def __init__(self, model_dir: str, *, instance_id: int = 0, max_num_seqs: int = 64,
                max_model_len: int = 256, seed: int = 0, kv_cache_gib: float = 1.0,
@@ -137,6 +242,40 @@ class GeneratorInstance:
     self._eos = self._read_eos(model_dir)
     self._request_ids = itertools.count()
     self._in_flight = 0
+    self._step_callback: Callable[[int], None] | None = None
+
+  @property
+  def eos_token_ids(self) -> tuple[int, ...]:
+    """Token ids that end a sample (config.json's eos_token_id), in order."""
+    return tuple(self._eos)
+
+  @property
+  def in_flight(self) -> int:
+    """Requests of the running generate() call now inside the engine (0 when idle)."""
+    return self._in_flight
+
+  def scheduler_limits(self) -> SchedulerLimits:
+    """The scheduler settings the engine actually runs with.
+
+    Some are chosen here rather than by the caller (chunked prefill is off on
+    CPU, with a token budget to match), so a second engine meant to behave
+    the same should copy these.
+    """
+    self._check_open()
+    sched = self._engine.vllm_config.scheduler_config
+    return SchedulerLimits(max_num_seqs=int(sched.max_num_seqs),
+                           max_num_batched_tokens=int(sched.max_num_batched_tokens),
+                           chunked_prefill=bool(sched.enable_chunked_prefill))
+
+  def set_step_callback(self, callback: Callable[[int], None] | None) -> None:
+    """Calls `callback(n)` right before each engine step of generate().
+
+    `n` is the number of requests in flight for that step (after admission).
+    Meant for instrumentation (e.g. replaying a run through a latency
+    profile); it runs on the generating thread, so keep it cheap. None
+    removes it.
+    """
+    self._step_callback = callback
 
   @staticmethod
   def _read_eos(model_dir: str) -> list[int]:
@@ -146,22 +285,25 @@ class GeneratorInstance:
       return []
     return list(eos) if isinstance(eos, list) else [eos]
 
-  def _params(self, sampling: SamplingConfig, prompt_id: int):
+  def _params(self, sampling: SamplingConfig, prompt_id: int, ignore_eos: bool = False):
     from vllm import SamplingParams  # pylint: disable=g-import-not-at-top
     return SamplingParams(
         temperature=sampling.temperature, top_p=sampling.top_p,
         max_tokens=sampling.max_tokens, logprobs=0, detokenize=False,
-        stop_token_ids=self._eos,
+        stop_token_ids=[] if ignore_eos else self._eos, ignore_eos=ignore_eos,
         seed=None if sampling.seed is None else sampling.seed + prompt_id)
 
   def generate(self, prompts: Sequence[tuple[int, Sequence[int]]],
                sampling: SamplingConfig, *,
-               max_in_flight: int | None = None) -> Iterator[Sample]:
+               max_in_flight: int | None = None, ignore_eos: bool = False) -> Iterator[Sample]:
     """Streams one Sample per prompt as each finishes.
 
     Prompts are admitted in the given order; at most `max_in_flight` run at
     once (default: the engine's max_num_seqs) and a new one is admitted on
     every finish. Closing the iterator early aborts what is still running.
+    With `ignore_eos`, every sample decodes exactly sampling.max_tokens
+    tokens (EOS does not stop it): for measurements such as the latency
+    profiler, not for RL.
     """
     self._check_open()
     cap = min(max_in_flight or self.max_num_seqs, self.max_num_seqs)
@@ -181,9 +323,11 @@ class GeneratorInstance:
                 "raise max_model_len or shorten the prompt.")
           rid = f"{self.instance_id}-{next(self._request_ids)}"
           self._engine.add_request(rid, {"prompt_token_ids": list(ids)},
-                                   self._params(sampling, prompt_id))
+                                   self._params(sampling, prompt_id, ignore_eos))
           running[rid] = (prompt_id, ids)
         self._in_flight = len(running)
+        if self._step_callback is not None:
+          self._step_callback(self._in_flight)
         for out in self._engine.step():
           if not out.finished:
             continue
@@ -244,8 +388,22 @@ class GeneratorInstance:
     tmpdir = "/dev/shm" if os.path.isdir("/dev/shm") else None
     with tempfile.NamedTemporaryFile(suffix=".safetensors", dir=tmpdir) as f:
       save_file({k: np.ascontiguousarray(v) for k, v in hf_tensors.items()}, f.name)
-      self._engine.collective_rpc("streamrl_reload", args=(f.name,))
+      hidden = self._engine.collective_rpc("streamrl_reload", args=(f.name,))
+    _explain_hidden_reload_warnings(sorted({n for names in hidden or () for n in names or ()}))
     # KV computed with the old weights must never be reused.
     self._engine.reset_prefix_cache()
     self.weight_version = new_version
     return new_version
+
+
+def _explain_hidden_reload_warnings(hidden: Sequence[str]) -> None:
+  """Says once per process why vLLM's reload warnings for `hidden` are not shown."""
+  global _explained_hidden_reload_warnings  # pylint: disable=global-statement
+  if not hidden or _explained_hidden_reload_warnings:
+    return
+  _explained_hidden_reload_warnings = True
+  log.info("Weight reload: vLLM reports %s as 'Failed to load weights' on every in-place reload. "
+           "That is expected: these modules hold no checkpoint tensors (a rotary embedding's cos/sin "
+           "cache is computed from the config; a tied LM head uses the embedding's weight, which is "
+           "reloaded) and keep their current values. Those warnings and vLLM's reload progress lines "
+           "are not shown; any other module that fails to load still warns.", ", ".join(hidden))

@@ -19,6 +19,7 @@ import numpy as np
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
+from streamrl.errors import MissingFileError, UserError
 from streamrl.models.config import ModelConfig
 from streamrl.models.transformer import Transformer
 
@@ -103,13 +104,13 @@ def from_hf_tensors(cfg: ModelConfig, tensors: Mapping[str, np.ndarray]) -> Tran
   pure: dict = {}
   for e in _layout(cfg):
     if e.hf_name not in tensors:
-      raise ValueError(
+      raise UserError(
           f"Checkpoint is missing {e.hf_name!r}; it does not look like a "
           f"{cfg.family} checkpoint with this config.json.")
     value = np.asarray(e.from_hf(np.asarray(tensors[e.hf_name])), dtype=np.float32)
     want = _get(expected, e.path).shape
     if value.shape != want:
-      raise ValueError(
+      raise UserError(
           f"Parameter {e.hf_name!r} has shape {tensors[e.hf_name].shape}, which "
           f"does not match config.json (expected {want} after conversion); "
           "check that config.json belongs to these weights.")
@@ -152,15 +153,15 @@ def config_from_hf(hf: Mapping) -> ModelConfig:
   archs = hf.get("architectures") or []
   family = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
   if family is None:
-    raise ValueError(
+    raise UserError(
         f"Unsupported architecture {archs or hf.get('model_type')!r}; StreamRL "
         f"runs {sorted(SUPPORTED_ARCHITECTURES)} — convert the model or pick one of those.")
   if family == "llama" and (hf.get("attention_bias") or hf.get("mlp_bias")):
-    raise ValueError("Llama checkpoints with attention_bias/mlp_bias are not supported; "
+    raise UserError("Llama checkpoints with attention_bias/mlp_bias are not supported; "
                      "use a checkpoint without biases.")
   rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
   if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
-    raise ValueError(f"RoPE scaling {rope.get('rope_type')!r} is not supported; "
+    raise UserError(f"RoPE scaling {rope.get('rope_type')!r} is not supported; "
                      "use a checkpoint with default RoPE.")
   theta = hf.get("rope_theta", rope.get("rope_theta", 10000.0))
   heads = hf["num_attention_heads"]
@@ -182,22 +183,41 @@ def config_from_hf(hf: Mapping) -> ModelConfig:
 
 
 def read_config(model_dir: str) -> ModelConfig:
+  """The ModelConfig of the HF checkpoint directory `model_dir`.
+
+  Raises:
+    MissingFileError: no such directory, or no config.json in it (a
+      UserError, also a FileNotFoundError).
+    UserError: config.json is not JSON, or describes a model we can't run.
+  """
   path = os.path.join(model_dir, "config.json")
   if not os.path.isdir(model_dir):
-    raise FileNotFoundError(
+    raise MissingFileError(
         f"Model directory {model_dir!r} does not exist; pass a local HF checkpoint "
         "directory (config.json + *.safetensors) or leave it empty for the tiny default.")
   if not os.path.isfile(path):
-    raise FileNotFoundError(
+    raise MissingFileError(
         f"{model_dir!r} has no config.json; point to an HF checkpoint directory.")
-  with open(path) as f:
-    return config_from_hf(json.load(f))
+  try:
+    with open(path) as f:
+      hf_config = json.load(f)
+  except json.JSONDecodeError as e:
+    raise UserError(f"{path} is not valid JSON ({e.msg} at line {e.lineno}); point to an HF checkpoint "
+                    "directory with an intact config.json.") from None
+  if not isinstance(hf_config, dict):
+    raise UserError(f"{path} holds a {type(hf_config).__name__}, not a JSON object; point to an HF "
+                    "checkpoint directory.")
+  missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                         "num_attention_heads") if k not in hf_config]
+  if missing and any(a in SUPPORTED_ARCHITECTURES for a in hf_config.get("architectures") or []):
+    raise UserError(f"{path} lacks {', '.join(missing)}; point to a complete HF checkpoint directory.")
+  return config_from_hf(hf_config)
 
 
 def load_hf_tensors(model_dir: str) -> dict[str, np.ndarray]:
   files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
   if not files:
-    raise FileNotFoundError(
+    raise MissingFileError(
         f"{model_dir!r} has no *.safetensors files; save the checkpoint with "
         "safe_serialization=True.")
   tensors: dict[str, np.ndarray] = {}
@@ -212,7 +232,7 @@ def load_hf(model_dir: str) -> tuple[ModelConfig, Transformer]:
   tensors = load_hf_tensors(model_dir)
   if cfg.tie_embeddings and "lm_head.weight" in tensors and not np.array_equal(
       tensors["lm_head.weight"], tensors["model.embed_tokens.weight"]):
-    raise ValueError(f"{model_dir!r} says tie_word_embeddings but has a separate "
+    raise UserError(f"{model_dir!r} says tie_word_embeddings but has a separate "
                      "lm_head.weight; fix config.json.")
   return cfg, from_hf_tensors(cfg, tensors)
 

@@ -4,20 +4,23 @@
   sync       engines on Ray actors; the trainer waits for the whole batch (sync.py)
   stream     samples trained on as they arrive, weights pushed per iteration (stream.py)
   async      generation of i+1 overlaps training of i (stream.py)
+
+A mode only decides order and overlap; `streamrl/train.py` runs the iteration.
 """
 
 from __future__ import annotations
 
+from streamrl.pipeline import base, stream, sync
 
-def make_pipeline(config, model_dir: str, trainer, backend=None, workdir: str | None = None,
-                  cluster=None):
-  """The configured mode's pipeline. `backend` replaces the generation backend
-  (tests); `cluster` is a ClusterInfo when Ray was already started or joined."""
-  mode = config.pipeline.mode
+
+def make_mode(s, rollout, scheduler, rounds) -> base.Mode:
+  """The mode of settings `s` over `rollout`; `rounds(it)` gives iteration it's Round."""
+  kw = dict(sampling=s.sampling, seed=s.seed, group_size=s.advantage.group_size,
+            mini_batch_size=s.trainer.mini_batch_size)
+  mode = s.pipeline.mode
   if mode in ("colocated", "sync"):
-    from streamrl.pipeline.sync import SyncPipeline  # pylint: disable=g-import-not-at-top
-    return SyncPipeline(config, model_dir, trainer, backend, workdir, cluster)
-  from streamrl.pipeline import stream  # pylint: disable=g-import-not-at-top
+    return sync.SyncMode(rollout, scheduler, rounds, **kw)
   if mode == "stream":
-    return stream.StreamPipeline(config, model_dir, trainer, backend, workdir, cluster)
-  return stream.AsyncPipeline(config, model_dir, trainer, backend, workdir, cluster)
+    return stream.StreamMode(rollout, scheduler, rounds, **kw)
+  return stream.AsyncMode(rollout, scheduler, rounds, max_staleness=s.pipeline.max_staleness,
+                          num_iterations=s.trainer.num_iterations, **kw)

@@ -38,7 +38,7 @@ from streamrl.ranker.model import LengthRanker
 
 _log = logging.getLogger(__name__)
 
-_CKPT_DIR = "checkpoints"
+CHECKPOINT_DIR = "checkpoints"
 _TB_DIR = "tb"
 
 
@@ -227,7 +227,7 @@ class RankerTrainer:
       raise ValueError("this RankerTrainer has no workdir; pass workdir=... to save checkpoints.")
     if self._ckpt is None:
       self._ckpt = ocp.CheckpointManager(
-          os.path.abspath(os.path.join(self.workdir, _CKPT_DIR)),
+          os.path.abspath(os.path.join(self.workdir, CHECKPOINT_DIR)),
           options=ocp.CheckpointManagerOptions(max_to_keep=int(self.config.max_to_keep), create=True))
     return self._ckpt
 
@@ -252,7 +252,7 @@ class RankerTrainer:
     vocabulary size than the policy's: its token embeddings would index
     different strings and its predictions would be meaningless.
     """
-    ckpt_dir = os.path.abspath(os.path.join(workdir, _CKPT_DIR))
+    ckpt_dir = os.path.abspath(os.path.join(workdir, CHECKPOINT_DIR))
     if not os.path.isdir(ckpt_dir):
       raise FileNotFoundError(f"no ranker checkpoints under {ckpt_dir}; train one with "
                               "launch/train_ranker.py --workdir=... first.")
@@ -324,7 +324,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   """
   vocab_size, fingerprint = tokenizer_identity(config.tokenizer)
   train, evals = load_dataset(config)
-  ckpt_dir = os.path.join(workdir, _CKPT_DIR)
+  ckpt_dir = os.path.join(workdir, CHECKPOINT_DIR)
   if os.path.isdir(ckpt_dir) and os.listdir(ckpt_dir):
     trainer = RankerTrainer.restore(workdir, vocab_size=vocab_size, tokenizer_fingerprint=fingerprint)
     _log.info("resumed ranker from step %d", trainer.step)

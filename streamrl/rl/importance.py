@@ -1,4 +1,4 @@
-"""Truncated importance weights between the sampler and the trainer.
+"""Rollout correction: importance weights between the sampler and the trainer.
 
 The tokens of a rollout were sampled by a generator whose distribution μ is
 not exactly the trainer's π_old:
@@ -9,18 +9,21 @@ not exactly the trainer's π_old:
   are k versions older than the ones the trainer computes π_old with.
 
 PPO's ratio π_θ / π_old then no longer corrects for the sampling
-distribution. Truncated importance sampling (TIS; Espeholt et al. 2018's
-truncation, as used for rollout/trainer mismatch by Yao et al. 2025) multiplies
-each token's loss by
+distribution. `rollout_correction_weights` gives each token's loss a weight
+without gradient:
 
-    w = min(π_old(x) / μ(x), cap)
+* "tis", truncated importance sampling (Espeholt et al. 2018's truncation, as
+  used for rollout/trainer mismatch by Yao et al. 2025):
+  w = min(π_old(x) / μ(x), cap) per token (`truncated_is_weights`;
+  ``level="sequence"`` uses w_b = min(prod_t π_old / μ, cap) instead);
+* "mis", masked importance sampling: a sequence whose geometric-mean ratio
+  falls outside [1 / threshold, threshold] gets weight 0, the others 1.
 
-with no gradient through w. ``level="sequence"`` uses one weight per
-sequence, w_b = min(prod_t π_old / μ, cap) (unbiased for sequence-level
-objectives but high variance — hence the cap).
+`mismatch_metrics` measures the gap for logging.
 
 Shapes: [B, T] with ``mask_bt`` 1 on valid response tokens. All functions are
-jit-safe; ``level`` is static, ``cap`` may be traced.
+jit-safe; ``mode`` and ``level`` are static, ``cap`` and the threshold may be
+traced.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from streamrl.rl.kl import kl_k3
+from streamrl.rl.losses import MAX_LOG_RATIO
 from streamrl.rl.masked import as_float, as_mask, masked_mean
 
 Array = jax.Array
@@ -87,61 +91,81 @@ def truncated_is_weights(
   return jax.lax.stop_gradient(w_bt * m)
 
 
-def staleness_is_weights(
-    current_logp_bt: Array,
-    behaviour_logp_bt: Array,
+ROLLOUT_CORRECTIONS = ("none", "tis", "mis")
+
+
+def rollout_correction_weights(
+    old_logp_bt: Array,
+    gen_logp_bt: Array,
     mask_bt: Array,
-    cap: float | Array = 2.0,
+    mode: str = "none",
+    *,
+    is_cap: float | Array = 2.0,
+    mis_threshold: float | Array = 2.0,
     level: str = "token",
 ) -> Array:
-  """Off-policy correction for samples generated with older weights.
+  """Per-token loss weights that correct for the trainer/generator mismatch.
 
-  In an async pipeline, a sample generated under weight version v - k
-  reaches a trainer at version v. ``behaviour_logp_bt`` are the logprobs the
-  generator recorded at sampling time (version v - k), ``current_logp_bt`` the
-  trainer's logprobs of the same tokens at version v (π_old for this update).
-  The correction is exactly `truncated_is_weights`: one weight covers both
-  the staleness and the bf16/kernel mismatch, since the generator's
-  recorded logprobs are the true sampling distribution. Returns [B, T].
+  With d_bt = old_logp_bt - gen_logp_bt on valid tokens:
+
+    none  1
+    tis   min(exp(d_bt), is_cap): `truncated_is_weights` (``level`` applies)
+    mis   1 if exp(mean_t d_bt) of the sequence lies in
+          [1 / mis_threshold, mis_threshold], else 0 for the whole sequence
+
+  MIS drops a sequence whose geometric-mean ratio says it was sampled from a
+  visibly different distribution, instead of reweighting its tokens. Every
+  mode gives 0 on padding and no gradient.
+
+  Args:
+    old_logp_bt: [B, T] trainer logprobs of the sampled tokens (π_old).
+    gen_logp_bt: [B, T] logprobs the generator reported.
+    mask_bt: [B, T] valid response tokens.
+    mode: one of ROLLOUT_CORRECTIONS (static).
+    is_cap: truncation level of "tis".
+    mis_threshold: ratio bound of "mis", >= 1.
+    level: "token" or "sequence", for "tis" only (static).
+  Returns:
+    weights_bt: [B, T].
   """
-  return truncated_is_weights(current_logp_bt, behaviour_logp_bt, mask_bt,
-                              cap, level)
+  if mode not in ROLLOUT_CORRECTIONS:
+    raise ValueError(f"Unknown rollout correction {mode!r}; set it to one of "
+                     f"{list(ROLLOUT_CORRECTIONS)}.")
+  if mode == "tis":
+    return truncated_is_weights(old_logp_bt, gen_logp_bt, mask_bt, is_cap,
+                                level)
+  log_ratio_bt, m = _log_ratio(old_logp_bt, gen_logp_bt, mask_bt)
+  if mode == "none":
+    return m
+  if isinstance(mis_threshold, (int, float)) and mis_threshold < 1:
+    raise ValueError(f"mis_threshold must be >= 1, got {mis_threshold}.")
+  mean_b = masked_mean(log_ratio_bt, m, axis=-1)
+  log_threshold = jnp.log(jnp.asarray(mis_threshold, log_ratio_bt.dtype))
+  keep_b = (jnp.abs(mean_b) <= log_threshold).astype(m.dtype)
+  return jax.lax.stop_gradient(m * keep_b[:, None])
 
 
-def staleness_mask_b(weight_version_b: Array, current_version: int | Array,
-                     max_staleness: int) -> Array:
-  """1.0 for samples at most ``max_staleness`` versions behind, else 0.0: [B].
+def mismatch_metrics(trainer_logp_bt: Array, gen_logp_bt: Array,
+                     mask_bt: Array) -> dict[str, Array]:
+  """How far the generator's logprobs are from the trainer's, for logging.
 
-  Samples older than the bound are dropped (masked) rather than reweighted,
-  since their importance weights would be mostly truncated anyway.
+  With r = exp(trainer - gen) on valid tokens:
+
+    k3_kl                 mean of r - 1 - log r (k3 estimate of
+                          KL(generator || trainer), tokens from the generator)
+    max_abs_logprob_diff  max |trainer - gen|
+    is_weight_max         max r
+
+  The log-ratio is clamped at ±MAX_LOG_RATIO for k3_kl and is_weight_max, so
+  a single absurd token can't make them inf. All are 0 for an empty mask.
+  Accepts numpy or jax arrays; returns scalars without gradient.
   """
-  lag_b = jnp.asarray(current_version) - jnp.asarray(weight_version_b)
-  return (lag_b <= max_staleness).astype(jnp.float32)
-
-
-def importance_metrics(
-    trainer_logp_bt: Array,
-    generator_logp_bt: Array,
-    mask_bt: Array,
-    cap: float | Array = 2.0,
-) -> dict[str, Array]:
-  """Diagnostics of the generator/trainer mismatch (token level), for logging.
-
-  Returns is_weight_mean (of the untruncated token ratio), is_capped_frac
-  (share of valid tokens whose ratio exceeds cap), mismatch_kl (k3 estimate
-  of KL(μ || π_trainer), tokens sampled from the generator μ) and
-  log_ratio_abs_max.
-  """
-  log_ratio_bt, m = _log_ratio(trainer_logp_bt, generator_logp_bt, mask_bt)
-  # Clamped only so one absurd token can't make the logged means inf.
-  clamped_bt = jnp.minimum(log_ratio_bt, 20.0)
-  ratio_bt = jnp.exp(clamped_bt)
+  log_ratio_bt, m = _log_ratio(trainer_logp_bt, gen_logp_bt, mask_bt)
+  clamped_bt = jnp.clip(log_ratio_bt, -MAX_LOG_RATIO, MAX_LOG_RATIO)
+  valid = m > 0
   metrics = {
-      "is_weight_mean": masked_mean(ratio_bt, m),
-      "is_capped_frac": masked_mean(ratio_bt > cap, m),
-      # k3 with q = μ (sampler), p = π_trainer: log(p/q) = log_ratio.
-      "mismatch_kl": masked_mean(
-          kl_k3(jnp.zeros_like(clamped_bt), clamped_bt), m),
-      "log_ratio_abs_max": jnp.max(jnp.abs(log_ratio_bt)),
+      "k3_kl": masked_mean(kl_k3(jnp.zeros_like(clamped_bt), clamped_bt), m),
+      "max_abs_logprob_diff": jnp.max(jnp.abs(log_ratio_bt)),
+      "is_weight_max": jnp.max(jnp.where(valid, jnp.exp(clamped_bt), 0.0)),
   }
   return jax.lax.stop_gradient(metrics)

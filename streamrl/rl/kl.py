@@ -1,4 +1,4 @@
-"""Per-token KL estimators and KL-coefficient controllers.
+"""Per-token KL estimators.
 
 Tokens are sampled from the current policy q (``logp_bt`` = log q(x_t)) and
 we estimate KL(q || p) to a reference p (``ref_logp_bt`` = log p(x_t)) from
@@ -16,7 +16,6 @@ the KL is used as a reward rather than as a loss.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 
 import jax
@@ -61,65 +60,3 @@ def get_kl_estimator(name: str) -> Callable[[Array, Array], Array]:
   except KeyError:
     raise ValueError(f"Unknown KL estimator {name!r}; set it to one of "
                      f"{sorted(KL_ESTIMATORS)}.") from None
-
-
-# ----------------------------------------------------------------------------
-# KL coefficient controllers (as pure update rules)
-# ----------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class FixedKLController:
-  """β stays at ``init_coef``."""
-
-  init_coef: float
-
-  def update(self, coef: float | Array, current_kl: float | Array,
-             n_steps: int | Array) -> float | Array:
-    del current_kl, n_steps
-    return coef
-
-
-@dataclasses.dataclass(frozen=True)
-class AdaptiveKLController:
-  """Proportional controller steering the measured KL to ``target`` (Ziegler et al. 2019).
-
-    e      = clip(KL / target - 1, -0.2, 0.2)
-    β_next = β · (1 + e · n_steps / horizon)
-
-  ``n_steps`` is the number of samples (or steps) the KL was measured over,
-  ``horizon`` how many of them it should take to close the gap. Works on
-  Python floats and on traced scalars; state (β) lives with the caller.
-  """
-
-  init_coef: float
-  target: float
-  horizon: float
-
-  def __post_init__(self):
-    if self.target <= 0 or self.horizon <= 0:
-      raise ValueError(
-          "AdaptiveKLController needs target > 0 and horizon > 0, got "
-          f"target={self.target}, horizon={self.horizon}; set rl.kl_target "
-          "and rl.kl_horizon.")
-
-  def update(self, coef: float | Array, current_kl: float | Array,
-             n_steps: int | Array) -> float | Array:
-    error = jnp.clip(current_kl / self.target - 1.0, -0.2, 0.2)
-    return coef * (1.0 + error * n_steps / self.horizon)
-
-
-def make_kl_controller(
-    kind: str, init_coef: float, target: float | None = None,
-    horizon: float | None = None
-) -> FixedKLController | AdaptiveKLController:
-  """Builds a KL controller from config values: kind is 'fixed' or 'adaptive'."""
-  if kind == "fixed":
-    return FixedKLController(init_coef)
-  if kind == "adaptive":
-    if target is None or horizon is None:
-      raise ValueError("The adaptive KL controller needs both a target KL and "
-                       "a horizon; set rl.kl_target and rl.kl_horizon.")
-    return AdaptiveKLController(init_coef, target, horizon)
-  raise ValueError(f"Unknown KL controller {kind!r}; set it to 'fixed' or "
-                   "'adaptive'.")

@@ -1,4 +1,4 @@
-"""Policy, value and KL losses, entropy and loss aggregation (pure jax.numpy).
+"""Policy, value and KL losses and loss aggregation (pure jax.numpy).
 
 Shapes: ``B`` sequences, ``T`` response tokens, ``V`` vocabulary;
 ``mask_bt`` is 1 on valid response tokens. Every loss returns
@@ -235,18 +235,3 @@ def kl_loss(
   kl_bt = get_kl_estimator(estimator)(logp_bt, ref)
   loss = aggregate(kl_bt, mask_bt, agg, norm_constant)
   return loss, {"kl_loss": jax.lax.stop_gradient(loss)}
-
-
-def entropy_from_logits(logits_btv: Array) -> Array:
-  """Entropy of the softmax over the last axis: [B, T, V] -> [B, T].
-
-    H = logsumexp(z) - sum_v softmax(z)_v · z_v      (= -sum p log p)
-
-  Entries with z = -inf (banned tokens) contribute 0 without producing NaN
-  in the value or the gradient.
-  """
-  z = as_float(logits_btv)
-  logz = jax.nn.logsumexp(z, axis=-1)
-  p = jnp.exp(z - logz[..., None])
-  z_safe = jnp.where(jnp.isfinite(z), z, 0.0)
-  return logz - jnp.sum(p * z_safe, axis=-1)

@@ -24,7 +24,6 @@ from typing import Any
 # meaningful and keeps every division by PTL safe.
 _MIN_PTL_S = 1e-9
 
-_PAPER_JSON = "streamrl_paper.json"
 _PAPER_KEY = "ptl_ms_vs_batch_size_7b_h800_fig7"
 
 
@@ -137,21 +136,17 @@ class LatencyProfile:
     """The paper's Fig. 7 curve (Qwen2.5-7B on one H800), converted ms → s.
 
     Args:
-      reference_json: path to streamrl_paper.json; by default it is looked up
-        in ../shared/reference relative to the repository, then falls back to
-        the same numbers embedded here (so the simulator works anywhere).
+      reference_json: path to a streamrl_paper.json to read the curve from;
+        by default the same numbers embedded here are used (the repository's
+        copy is experiments/reference/streamrl_paper.json).
     """
-    points = None
-    candidates = [reference_json] if reference_json else _paper_json_candidates()
-    for cand in candidates:
-      if cand and os.path.exists(cand):
-        with open(cand) as f:
-          points = json.load(f)[_PAPER_KEY]
-        break
-    if points is None:
-      if reference_json:
+    if reference_json:
+      if not os.path.exists(reference_json):
         raise FileNotFoundError(f"{reference_json} does not exist; pass the path to "
                                 "streamrl_paper.json or omit it to use the embedded curve.")
+      with open(reference_json) as f:
+        points = json.load(f)[_PAPER_KEY]
+    else:
       points = _PAPER_PTL_MS
     items = sorted((int(k), float(v)) for k, v in points.items() if not k.startswith("_"))
     return cls(batch_sizes=tuple(b for b, _ in items),
@@ -159,15 +154,7 @@ class LatencyProfile:
                name="paper-fig7-qwen2.5-7b-h800")
 
 
-# Same numbers as reference/streamrl_paper.json (Fig. 7), used when that file
-# is not next to the checkout.
+# The paper's Fig. 7 curve, the same numbers as ptl_ms_vs_batch_size_7b_h800_fig7
+# in experiments/reference/streamrl_paper.json (tests/sim/test_reference.py
+# checks that they agree).
 _PAPER_PTL_MS = {"1": 8.5, "16": 9.5, "32": 10.2, "64": 11.7, "128": 15.3, "256": 21.0, "512": 37.0}
-
-
-def _paper_json_candidates() -> list[str]:
-  here = os.path.dirname(os.path.abspath(__file__))
-  repo = os.path.dirname(os.path.dirname(here))
-  return [
-      os.path.join(repo, "shared", "reference", _PAPER_JSON),
-      os.path.join(os.path.dirname(repo), "shared", "reference", _PAPER_JSON),
-  ]

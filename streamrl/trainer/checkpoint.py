@@ -17,7 +17,8 @@ Each step directory holds three Orbax items:
 A directory whose checkpoints carry another fingerprint is refused at
 construction, before anything is written or deleted there: resuming an
 incompatible run, or letting `keep` rotate its checkpoints away, would both
-destroy someone's results.
+destroy someone's results. That refusal, and a directory path that runs
+into a file, are `streamrl.errors.UserError`s (the fix is another --workdir).
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
+
+from streamrl.errors import UserError
 
 _log = logging.getLogger(__name__)
 
@@ -78,6 +81,19 @@ def _layout(tree: Any) -> dict[str, list[int]]:
   return {jax.tree_util.keystr(path): [int(d) for d in np.shape(leaf)] for path, leaf in leaves}
 
 
+def _check_not_under_file(directory: str) -> None:
+  """UserError if `directory`, or its nearest existing parent, is not a directory."""
+  path = directory
+  while not os.path.exists(path):
+    parent = os.path.dirname(path)
+    if parent == path:
+      return
+    path = parent
+  if not os.path.isdir(path):
+    raise UserError(f"cannot keep checkpoints in {directory}: {path} is a file, not a directory; "
+                    "pass a --workdir that is a directory (or a new path).")
+
+
 def _abstract(leaf: Any) -> Any:
   """Restore target for one template leaf: jax arrays keep their sharding, numpy stays numpy."""
   if isinstance(leaf, jax.Array):
@@ -97,8 +113,9 @@ class Checkpointer:
       round trip, so tuples and lists are equal.
 
   Raises:
-    ValueError: `directory` already holds a checkpoint with another
-      fingerprint (or one not written by this class); nothing is modified.
+    UserError: `directory` already holds a checkpoint with another
+      fingerprint (or one not written by this class), or it (or a parent)
+      is a file; nothing is modified.
   """
 
   def __init__(self, directory: str, *, keep: int = 3, fingerprint: dict):
@@ -111,6 +128,8 @@ class Checkpointer:
     self.directory = directory if "://" in directory else os.path.abspath(directory)
     self.keep = int(keep)
     self.fingerprint = _to_json(fingerprint, "fingerprint")
+    if "://" not in self.directory:
+      _check_not_under_file(self.directory)
     # Check with a read-only manager first: the read-write one may create
     # directories, and a refused directory must stay exactly as it was.
     self._check_compatible()
@@ -140,12 +159,12 @@ class Checkpointer:
       for step in reversed(steps):
         info = self._read_info(m, step)
         if info is None:
-          raise ValueError(f"{self.directory} holds a checkpoint (step {step}) that was not written by "
+          raise UserError(f"{self.directory} holds a checkpoint (step {step}) that was not written by "
                            "streamrl's Checkpointer; use a new --workdir.")
         diff = _first_difference(info.get("fingerprint"), self.fingerprint)
         if diff is not None:
           key, was, now = diff
-          raise ValueError(f"{self.directory} holds checkpoints of an incompatible run (step {step}): "
+          raise UserError(f"{self.directory} holds checkpoints of an incompatible run (step {step}): "
                            f"{key!s} is {json.dumps(was)} there but {json.dumps(now)} now; use a new "
                            "--workdir (or the config that wrote them) — nothing there was changed.")
 
@@ -183,7 +202,7 @@ class Checkpointer:
       _log.info("checkpoint step %d already in %s; not saving it again", step, self.directory)
       return False
     if steps and step < steps[-1]:
-      raise ValueError(f"cannot save step {step} into {self.directory}: it already holds the newer step "
+      raise UserError(f"cannot save step {step} into {self.directory}: it already holds the newer step "
                        f"{steps[-1]}; resume from it or use a new --workdir.")
     info = {"format": _FORMAT, "fingerprint": self.fingerprint, "layout": _layout(arrays)}
     self._manager.save(step, args=ocp.args.Composite(arrays=ocp.args.StandardSave(arrays),
@@ -220,11 +239,11 @@ class Checkpointer:
     step = int(step)
     info = self._read_info(self._manager, step)
     if info is None:
-      raise ValueError(f"checkpoint step {step} in {self.directory} was not written by streamrl's "
+      raise UserError(f"checkpoint step {step} in {self.directory} was not written by streamrl's "
                        "Checkpointer; use a new --workdir.")
     diff = _first_difference(info["fingerprint"], self.fingerprint)
     if diff is not None:  # Only reachable if files changed since __init__.
-      raise ValueError(f"checkpoint step {step} in {self.directory} has another fingerprint at {diff[0]}; "
+      raise UserError(f"checkpoint step {step} in {self.directory} has another fingerprint at {diff[0]}; "
                        "use a new --workdir.")
     self._check_layout(info["layout"], _layout(abstract_arrays), step)
     target = jax.tree.map(_abstract, abstract_arrays)
@@ -242,7 +261,7 @@ class Checkpointer:
         problem = f"has shape {tuple(saved[key])} in the checkpoint but {tuple(wanted[key])} in the template"
       else:
         continue
-      raise ValueError(f"cannot restore step {step} from {self.directory}: array {key} {problem}; the model "
+      raise UserError(f"cannot restore step {step} from {self.directory}: array {key} {problem}; the model "
                        "or optimizer changed since it was saved — use a new --workdir.")
 
   def close(self) -> None:

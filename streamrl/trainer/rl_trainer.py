@@ -1,15 +1,21 @@
 """The RL trainer: owns the mesh, the actor / critic / reference and their state.
 
-`prepare` does the trainer-side work on finished samples (old and reference
-logprobs, values, advantages) and `train` runs the PPO epochs over
-mini-batches; the pipelines in `streamrl/pipeline` call these in different
-orders. Mini-batches group samples of similar length (each padded to its own
-bucket), which on CPU is several times cheaper than padding all to the
-longest; their order is shuffled every epoch.
+Called by the one loop in `streamrl/train.py`, the same in every pipeline
+mode:
+
+  old = trainer.snapshot()                      # the iteration's old policy
+  minis, metrics = trainer.prepare(samples, rewards, old)   # score + advantages
+  step_metrics = trainer.update(minis[j])       # one optimizer step
+  tensors = trainer.export_weights()            # HF-named, for the generators
+
+`prepare` groups samples of similar length into mini-batches (each padded to
+its own bucket), which on CPU is several times cheaper than padding all to
+the longest, and measures the trainer/generator mismatch (`mismatch/*`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import jax
@@ -18,26 +24,48 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from streamrl import rl
+from streamrl import settings as settings_lib
 from streamrl.models import hf
 from streamrl.models.transformer import Critic, Transformer
 from streamrl.trainer import experience, sharding, step as step_lib
 
 
-def loss_config(algo) -> step_lib.LossConfig:
+def loss_config(s: settings_lib.Settings) -> step_lib.LossConfig:
+  """The jitted step's loss options (temperature: the generators')."""
+  loss, kl = s.loss, s.kl
   return step_lib.LossConfig(
-      clip_low=algo.clip_low, clip_high=algo.clip_high,
-      dual_clip=algo.dual_clip or None, agg=algo.loss_agg,
-      entropy_coef=algo.entropy_coef, kl_coef=algo.kl_coef,
-      kl_estimator=algo.kl_estimator, kl_in_loss=not algo.kl_in_reward,
-      vf_clip=algo.vf_clip, is_cap=algo.is_cap)
+      clip_low=loss.clip_low, clip_high=loss.clip_high, dual_clip=loss.dual_clip or None,
+      agg=loss.agg, norm_constant=float(s.sampling.max_tokens),
+      entropy_coef=loss.entropy_coef, kl_coef=kl.coef if kl.use_reference else 0.0,
+      kl_estimator=kl.estimator, kl_in_loss=not kl.in_reward, vf_clip=loss.vf_clip,
+      rollout_correction=s.rollout_correction, is_cap=loss.is_cap,
+      mis_threshold=loss.mis_threshold, temperature=s.sampling.temperature)
 
 
-def advantage_config(algo) -> experience.AdvantageConfig:
+def advantage_config(s: settings_lib.Settings) -> experience.AdvantageConfig:
+  adv, kl = s.advantage, s.kl
   return experience.AdvantageConfig(
-      estimator=algo.advantage, gamma=algo.gamma, lam=algo.lam,
-      group_size=algo.group_size, kl_coef=algo.kl_coef if algo.use_reference else 0.0,
-      kl_estimator=algo.kl_estimator, kl_in_reward=algo.kl_in_reward,
-      whiten=algo.whiten_advantages)
+      estimator=adv.estimator, gamma=adv.gamma, lam=adv.lam, group_size=adv.group_size,
+      kl_coef=kl.coef if kl.use_reference else 0.0, kl_estimator=kl.estimator,
+      kl_in_reward=kl.in_reward, whiten=adv.whiten)
+
+
+def optim_configs(s: settings_lib.Settings) -> tuple[step_lib.OptimConfig, step_lib.OptimConfig]:
+  """(actor, critic) optimizer configs, decaying over the run's optimizer steps."""
+  o, tr = s.optimizer, s.trainer
+  total = tr.num_iterations * tr.ppo_epochs * max(1, s.samples_per_iteration // tr.mini_batch_size)
+  common = dict(warmup_steps=o.warmup_steps, decay_steps=total, weight_decay=o.weight_decay,
+                grad_clip=o.grad_clip)
+  return (step_lib.OptimConfig(lr=o.lr, **common),
+          step_lib.OptimConfig(lr=o.critic_lr, **common))
+
+
+@dataclasses.dataclass(frozen=True)
+class Snapshot:
+  """The parameters that score an iteration's samples as "old" (PPO ratio)."""
+  actor: object
+  critic: object
 
 
 def critic_from_policy(policy: Transformer, seed: int) -> Critic:
@@ -49,66 +77,76 @@ def critic_from_policy(policy: Transformer, seed: int) -> Critic:
 
 
 class RLTrainer:
-  """Actor (+ critic, + frozen reference) on a mesh, updated with PPO steps."""
+  """Actor (+ critic, + frozen reference) on a mesh, updated with PPO steps.
 
-  def __init__(self, config, policy: Transformer, mesh: jax.sharding.Mesh | None = None):
-    self.config = config
-    algo, tr = config.algo, config.trainer
-    self.mesh = mesh or sharding.make_mesh(dict(config.mesh))
-    self.loss_cfg = loss_config(algo)
-    self.adv_cfg = advantage_config(algo)
-    self.mini_batch_size = tr.mini_batch_size
-    self.num_micro = tr.mini_batch_size // tr.micro_batch_size
-    self.ppo_epochs = tr.ppo_epochs
-    self.temperature = config.generation.temperature
-    total_steps = tr.num_iterations * tr.ppo_epochs * max(
-        1, tr.prompts_per_iteration * algo.group_size // tr.mini_batch_size)
-    actor_tx = step_lib.make_optimizer(step_lib.OptimConfig(
-        lr=tr.lr, warmup_steps=tr.warmup_steps, decay_steps=total_steps,
-        weight_decay=tr.weight_decay, grad_clip=tr.grad_clip))
+  Args:
+    policy: the actor, unsharded.
+    loss, advantage: the step's and the advantage estimator's options.
+    actor_optim, critic_optim: optimizer configs (critic_optim None: no critic).
+    mini_batch_size, micro_batch_size: in samples.
+    use_reference: keep a frozen copy of the initial policy for the KL term.
+    mesh: the device mesh (default: `mesh_axes` over all devices).
+  """
+
+  def __init__(self, policy: Transformer, *, loss: step_lib.LossConfig,
+               advantage: experience.AdvantageConfig, actor_optim: step_lib.OptimConfig,
+               critic_optim: step_lib.OptimConfig | None, mini_batch_size: int,
+               micro_batch_size: int, use_reference: bool, seed: int = 0,
+               mesh: jax.sharding.Mesh | None = None, mesh_axes: dict | None = None):
+    self.mesh = mesh or sharding.make_mesh(dict(mesh_axes or {"fsdp": -1}))
+    self.loss_cfg = loss
+    self.adv_cfg = advantage
+    self.mini_batch_size = mini_batch_size
+    self.num_micro = mini_batch_size // micro_batch_size
+    self.temperature = loss.temperature
     policy = sharding.shard_module(policy, self.mesh)
-    critic, critic_tx = None, None
-    if algo.use_critic:
-      critic = sharding.shard_module(critic_from_policy(policy, config.seed), self.mesh)
-      critic_tx = step_lib.make_optimizer(step_lib.OptimConfig(
-          lr=tr.critic_lr, warmup_steps=tr.warmup_steps, decay_steps=total_steps,
-          weight_decay=tr.weight_decay, grad_clip=tr.grad_clip))
-    self.models, state = step_lib.init_state(policy, actor_tx, critic, critic_tx)
+    critic = None
+    if critic_optim is not None:
+      critic = sharding.shard_module(critic_from_policy(policy, seed), self.mesh)
+    self.models, state = step_lib.init_state(policy, actor_optim, critic, critic_optim)
     # Scalars (step, optimizer counts) default to one device; replicate them on
     # the mesh so a restored (committed) state has one consistent device set.
     replicated = NamedSharding(self.mesh, P())
     self.state = jax.tree.map(
         lambda x: x if isinstance(getattr(x, "sharding", None), NamedSharding)
         else jax.device_put(x, replicated), state)
-    self.ref = (jax.tree.map(jnp.copy, self.state.actor) if algo.use_reference else None)
+    self.ref = jax.tree.map(jnp.copy, self.state.actor) if use_reference else None
+
+  @classmethod
+  def from_settings(cls, policy: Transformer, s: settings_lib.Settings,
+                    mesh: jax.sharding.Mesh | None = None) -> "RLTrainer":
+    actor_optim, critic_optim = optim_configs(s)
+    return cls(policy, loss=loss_config(s), advantage=advantage_config(s),
+               actor_optim=actor_optim,
+               critic_optim=critic_optim if s.advantage.use_critic else None,
+               mini_batch_size=s.trainer.mini_batch_size,
+               micro_batch_size=s.trainer.micro_batch_size,
+               use_reference=s.kl.use_reference, seed=s.seed, mesh=mesh,
+               mesh_axes=s.mesh.axes())
 
   # ------------------------------------------------------------ per-sample work
   def _put(self, x: np.ndarray) -> jax.Array:
     return jax.device_put(x, sharding.batch_sharding(self.mesh, x.ndim, shape=x.shape))
 
-  def begin_iteration(self, snapshot: bool) -> None:
-    """Fixes the parameters that score() uses as "old" for this iteration.
+  def snapshot(self, copy: bool = True) -> Snapshot:
+    """The current actor and critic as the old policy of an iteration.
 
-    Sync scores every sample before the first update, so the live parameters
-    are the old ones. Stream scores samples as they arrive, possibly after
-    some updates: it snapshots actor and critic first, so every sample's
-    ratio is taken against the same policy, as in sync.
+    `copy=False` is for callers that score every sample before the first
+    update (the step donates its input state, so a plain reference would not
+    survive an update).
     """
-    copy = lambda tree: jax.tree.map(jnp.copy, tree)
-    self._old = ((copy(self.state.actor), copy(self.state.critic)) if snapshot else None)
+    if not copy:
+      return Snapshot(self.state.actor, self.state.critic)
+    dup = lambda tree: jax.tree.map(jnp.copy, tree)
+    return Snapshot(dup(self.state.actor), dup(self.state.critic))
 
-  def _old_params(self):
-    old = getattr(self, "_old", None)
-    return old if old is not None else (self.state.actor, self.state.critic)
-
-  def score(self, samples: Sequence) -> dict:
+  def score(self, samples: Sequence, old: Snapshot) -> dict:
     """Old / reference logprobs and values of samples (one padded batch)."""
     batch = experience.pad_samples(samples)
     tokens = self._put(batch["tokens_bt"])
-    old_actor, old_critic = self._old_params()
-    old, _ = step_lib.policy_logprobs(old_actor, tokens, graphdef=self.models.actor_def,
-                                      temperature=self.temperature)
-    batch["old_logp_bt"] = np.asarray(old)
+    logp, _ = step_lib.policy_logprobs(old.actor, tokens, graphdef=self.models.actor_def,
+                                       temperature=self.temperature)
+    batch["old_logp_bt"] = np.asarray(logp)
     if self.ref is not None:
       ref, _ = step_lib.policy_logprobs(self.ref, tokens, graphdef=self.models.actor_def,
                                         temperature=self.temperature)
@@ -117,7 +155,7 @@ class RLTrainer:
       batch["ref_logp_bt"] = np.zeros_like(batch["old_logp_bt"])
     if self.models.critic_def is not None:
       batch["old_values_bt"] = np.asarray(step_lib.critic_values(
-          old_critic, tokens, graphdef=self.models.critic_def))
+          old.critic, tokens, graphdef=self.models.critic_def))
     return batch
 
   def length_chunks(self, samples: Sequence) -> list[list[int]]:
@@ -127,23 +165,25 @@ class RLTrainer:
     m = self.mini_batch_size
     return [order[i:i + m] for i in range(0, len(order), m)]
 
-  def prepare(self, samples: Sequence, scores: Sequence[float]) -> tuple[list[dict], dict]:
-    """Scores every sample, computes advantages over the whole batch.
+  def prepare(self, samples: Sequence, rewards: Sequence[float],
+              old: Snapshot) -> tuple[list[dict], dict]:
+    """Scores samples with `old`, computes advantages over all of them.
 
     Returns the mini-batches (numpy dicts, each padded to its own length) and
-    batch-level metrics (KL to the reference, value statistics).
+    metrics: KL to the reference, advantage and value means, and the
+    trainer/generator mismatch on the sampled tokens (`mismatch/*`).
     """
     if len(samples) % self.mini_batch_size:
       raise ValueError(f"{len(samples)} samples don't split into mini-batches of "
                        f"{self.mini_batch_size}.")
     chunks = self.length_chunks(samples)
-    parts = [self.score([samples[i] for i in c]) for c in chunks]
+    parts = [self.score([samples[i] for i in c], old) for c in chunks]
     full_len = max(p["tokens_bt"].shape[1] for p in parts)
     full = {k: np.zeros((len(samples), full_len), v.dtype) for k, v in parts[0].items()}
     for c, p in zip(chunks, parts):
       for k, v in p.items():
         full[k][c, :v.shape[1]] = v
-    adv = experience.compute_advantages(full, np.asarray(scores, np.float32), cfg=self.adv_cfg)
+    adv = experience.compute_advantages(full, np.asarray(rewards, np.float32), cfg=self.adv_cfg)
     for k, v in adv.items():
       full[k] = np.asarray(v)
     minis = []
@@ -156,28 +196,24 @@ class RLTrainer:
                "advantage_mean": float((full["advantages_bt"] * mask).sum() / ntok)}
     if "old_values_bt" in full:
       metrics["value_mean"] = float((full["old_values_bt"] * mask).sum() / ntok)
+    mismatch = rl.mismatch_metrics(full["old_logp_bt"], full["gen_logp_bt"], mask)
+    metrics.update({f"mismatch/{k}": float(v) for k, v in mismatch.items()})
     return minis, metrics
 
   # ----------------------------------------------------------------- updates
-  def train_minibatch(self, mini: dict) -> dict:
+  def update(self, mini: dict) -> dict:
+    """One optimizer step on a mini-batch; returns its metrics (device arrays)."""
     batch = {k: self._put(v) for k, v in mini.items()}
     self.state, metrics = step_lib.update_step(
         self.state, batch, models=self.models, cfg=self.loss_cfg, num_micro=self.num_micro)
     return metrics
 
-  def train(self, minis: list[dict], rng: np.random.Generator) -> dict:
-    """PPO epochs over the mini-batches (order shuffled every epoch)."""
-    collected = []
-    for _ in range(self.ppo_epochs):
-      for j in rng.permutation(len(minis)):
-        collected.append(self.train_minibatch(minis[j]))
-    return {k: float(np.mean([float(m[k]) for m in collected])) for k in collected[0]}
-
   # ------------------------------------------------------------------ export
   def policy(self) -> Transformer:
     return nnx.merge(self.models.actor_def, self.state.actor)
 
-  def hf_tensors(self) -> dict[str, np.ndarray]:
+  def export_weights(self) -> dict[str, np.ndarray]:
+    """The actor as HF-named numpy tensors, for the generators."""
     return hf.to_hf_tensors(self.policy())
 
   def checkpoint_arrays(self) -> dict:

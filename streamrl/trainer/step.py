@@ -29,18 +29,51 @@ from streamrl.models.transformer import token_logprobs
 
 @dataclasses.dataclass(frozen=True)
 class LossConfig:
+  """Loss options; static in the jitted step, so equal configs share its code.
+
+  Attributes:
+    agg: how token losses become one number (`rl.AGG_MODES`). Splitting a
+      mini-batch into micro-batches gives the same loss and gradient in every
+      mode (see `micro_batch_weights`).
+    norm_constant: the fixed divisor of agg="token_sum_norm" (Dr. GRPO): the
+      loss is sum of token losses / (sequences · norm_constant). Use the
+      maximum response length (generation.max_tokens); it must be > 0 in
+      that mode and is ignored in the others.
+    rollout_correction: "none", "tis" or "mis": per-token weights for the
+      trainer/generator mismatch (`rl.rollout_correction_weights`).
+    is_cap: the cap of the "tis" weights.
+    is_level: "token" or "sequence" weights for "tis".
+    mis_threshold: "mis" keeps a sequence whose geometric-mean ratio
+      trainer/generator lies in [1 / mis_threshold, mis_threshold].
+    temperature: the generator's sampling temperature; the logits are
+      divided by it, as in `policy_logprobs`.
+  """
   clip_low: float = 0.2
   clip_high: float = 0.2
   dual_clip: float | None = None
   agg: str = "token_mean"
+  norm_constant: float = 0.0
   entropy_coef: float = 0.0
   kl_coef: float = 0.0
   kl_estimator: str = "k3"
   kl_in_loss: bool = False  # GRPO style; PPO puts the KL penalty in the reward
   vf_clip: float = 0.2
-  is_cap: float = 2.0       # truncated IS weights generator -> trainer; 0 = off
+  rollout_correction: str = "none"
+  is_cap: float = 2.0
   is_level: str = "token"
+  mis_threshold: float = 2.0
   temperature: float = 1.0
+
+  def __post_init__(self):
+    if self.agg not in rl.AGG_MODES:
+      raise ValueError(f"Unknown loss aggregation {self.agg!r}; set algo.loss_agg to "
+                       f"one of {list(rl.AGG_MODES)}.")
+    if self.agg == "token_sum_norm" and not self.norm_constant > 0:
+      raise ValueError("agg='token_sum_norm' divides by a fixed norm_constant, got "
+                       f"{self.norm_constant}; set it to the maximum response length.")
+    if self.rollout_correction not in rl.ROLLOUT_CORRECTIONS:
+      raise ValueError(f"Unknown rollout correction {self.rollout_correction!r}; use "
+                       f"one of {list(rl.ROLLOUT_CORRECTIONS)}.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,44 +111,52 @@ class TrainState:
 
 @dataclasses.dataclass(frozen=True)
 class Models:
-  """Static halves of the models (graph definitions) and their optimizers."""
-  actor_def: Any
-  actor_tx: optax.GradientTransformation
-  critic_def: Any = None
-  critic_tx: optax.GradientTransformation | None = None
+  """The static half of the train state: graph definitions, optimizer configs.
+
+  Every field compares and hashes by value (nnx GraphDefs and frozen
+  configs), so two trainers with equal models and configs share the
+  compiled `update_step`.
+  """
+  actor_def: nnx.GraphDef
+  actor_optim: OptimConfig
+  critic_def: nnx.GraphDef | None = None
+  critic_optim: OptimConfig | None = None
 
 
-def init_state(actor: nnx.Module, actor_tx, critic: nnx.Module | None = None,
-               critic_tx=None) -> tuple[Models, TrainState]:
+def init_state(actor: nnx.Module, actor_optim: OptimConfig,
+               critic: nnx.Module | None = None,
+               critic_optim: OptimConfig | None = None) -> tuple[Models, TrainState]:
+  """Splits the models into (static Models, TrainState with fresh optimizer state)."""
   actor_def, actor_params = nnx.split(actor, nnx.Param)
-  models = Models(actor_def, actor_tx)
+  models = Models(actor_def, actor_optim)
   state = TrainState(step=jnp.zeros((), jnp.int32), actor=actor_params,
-                     actor_opt=jax.jit(actor_tx.init)(actor_params))
+                     actor_opt=jax.jit(make_optimizer(actor_optim).init)(actor_params))
   if critic is not None:
+    if critic_optim is None:
+      raise ValueError("init_state got a critic but no critic_optim; pass its OptimConfig.")
     critic_def, critic_params = nnx.split(critic, nnx.Param)
-    models = dataclasses.replace(models, critic_def=critic_def, critic_tx=critic_tx)
+    models = dataclasses.replace(models, critic_def=critic_def, critic_optim=critic_optim)
     state = state.replace(critic=critic_params,
-                          critic_opt=jax.jit(critic_tx.init)(critic_params))
+                          critic_opt=jax.jit(make_optimizer(critic_optim).init)(critic_params))
   return models, state
 
 
-def _actor_loss(params, graphdef, batch, norm, cfg: LossConfig):
+def _actor_loss(params, graphdef, batch, cfg: LossConfig):
   model = nnx.merge(graphdef, params)
   logits = model(batch["tokens_bt"])[:, :-1]
   targets = batch["tokens_bt"][:, 1:]
   logp, entropy = token_logprobs(logits, targets, cfg.temperature)
   mask = batch["mask_bt"][:, :-1]
   old_logp = batch["old_logp_bt"][:, :-1]
-  is_w = None
-  if cfg.is_cap > 0:
-    is_w = rl.truncated_is_weights(old_logp, batch["gen_logp_bt"][:, :-1], mask,
-                                   cap=cfg.is_cap, level=cfg.is_level)
-  agg = dict(agg=cfg.agg, norm_constant=norm if cfg.agg == "token_sum_norm" else None)
+  is_w = rl.rollout_correction_weights(
+      old_logp, batch["gen_logp_bt"][:, :-1], mask, cfg.rollout_correction,
+      is_cap=cfg.is_cap, mis_threshold=cfg.mis_threshold, level=cfg.is_level)
+  agg = dict(agg=cfg.agg, norm_constant=cfg.norm_constant)
   loss, metrics = rl.ppo_policy_loss(
       logp, old_logp, batch["advantages_bt"][:, :-1], mask,
       clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip,
       is_weights_bt=is_w, **agg)
-  ent = rl.aggregate(entropy, mask, mode=cfg.agg, norm_constant=agg["norm_constant"])
+  ent = rl.aggregate(entropy, mask, mode=cfg.agg, norm_constant=cfg.norm_constant)
   loss = loss - cfg.entropy_coef * ent
   metrics["entropy"] = ent
   if cfg.kl_in_loss and cfg.kl_coef:
@@ -126,41 +167,73 @@ def _actor_loss(params, graphdef, batch, norm, cfg: LossConfig):
   return loss, metrics
 
 
-def _critic_loss(params, graphdef, batch, norm, cfg: LossConfig):
+def _critic_loss(params, graphdef, batch, cfg: LossConfig):
   model = nnx.merge(graphdef, params)
   values = model(batch["tokens_bt"])[:, :-1]
-  agg = dict(agg=cfg.agg, norm_constant=norm if cfg.agg == "token_sum_norm" else None)
   return rl.value_loss(values, batch["old_values_bt"][:, :-1], batch["returns_bt"][:, :-1],
-                       batch["mask_bt"][:, :-1], clip=cfg.vf_clip, **agg)
+                       batch["mask_bt"][:, :-1], clip=cfg.vf_clip, agg=cfg.agg,
+                       norm_constant=cfg.norm_constant)
+
+
+def micro_batch_weights(mask_bt: jax.Array, num_micro: int, agg: str) -> jax.Array:
+  """Weights w_k with sum_k w_k · aggregate(micro-batch k) = aggregate(batch).
+
+  Every mode divides a sum over tokens by a count that adds up over
+  micro-batches, so w_k is micro-batch k's share of that count: valid tokens
+  (token_mean), sequences with at least one valid token (seq_mean_*) or rows
+  (token_sum_norm, whose per-row constant is fixed). The weights depend on
+  the mask only, so the weighted gradients add up to the full-batch gradient
+  too. The weights sum to 1, or are all 0 when a count is 0 everywhere.
+
+  Args:
+    mask_bt: [b, t] the loss mask; b divisible by num_micro.
+    num_micro: micro-batches, consecutive blocks of b / num_micro rows.
+    agg: one of `rl.AGG_MODES` (static).
+  Returns:
+    [num_micro] weights.
+  """
+  m = (jnp.asarray(mask_bt) != 0).astype(jnp.float32)
+  m = m.reshape((num_micro, -1) + m.shape[1:])
+  if agg == "token_mean":
+    count_k = m.sum((1, 2))
+  elif agg in ("seq_mean_token_mean", "seq_mean_token_sum"):
+    count_k = (m.sum(2) > 0).sum(1).astype(jnp.float32)
+  elif agg == "token_sum_norm":
+    count_k = jnp.full((num_micro,), m.shape[1], jnp.float32)
+  else:
+    raise ValueError(f"Unknown loss aggregation {agg!r}; use one of {list(rl.AGG_MODES)}.")
+  return count_k / jnp.maximum(count_k.sum(), 1.0)
+
+
+def combine_micro_metrics(metrics: dict, weights_k: jax.Array) -> dict:
+  """[num_micro] metrics -> scalars: the max for "*_max" keys, else sum_k w_k · x_k."""
+  return {k: v.max() if k.endswith("_max") else jnp.sum(weights_k * v)
+          for k, v in metrics.items()}
 
 
 def _accumulate(loss_fn, params, graphdef, batch, num_micro, cfg):
-  """Sums gradients over `num_micro` equal micro-batches with lax.scan.
+  """Loss and gradient of a mini-batch, summed over micro-batches with lax.scan.
 
-  Token-mean losses are normalised by the token count of the whole
-  mini-batch, so the sum of micro-batch gradients equals the full-batch
-  gradient exactly; other aggregations average micro-batch means.
+  Micro-batch k's loss is scaled by `micro_batch_weights`, so the result equals
+  the full-batch loss and gradient in every aggregation mode.
   """
   micro = jax.tree.map(lambda x: x.reshape((num_micro, -1) + x.shape[1:]), batch)
-  micro_b = batch["tokens_bt"].shape[0] // num_micro
-  total_tokens = jnp.maximum(batch["mask_bt"][:, :-1].sum(), 1.0)
-  exact = cfg.agg == "token_mean"
-  sub_cfg = dataclasses.replace(cfg, agg="token_sum_norm") if exact else cfg
-  norm = total_tokens / micro_b  # token_sum_norm divides by micro_b * norm
-  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+  weights_k = micro_batch_weights(batch["mask_bt"][:, :-1], num_micro, cfg.agg)
 
-  def body(carry, mb):
+  def weighted_loss(p, mb, w):
+    loss, metrics = loss_fn(p, graphdef, mb, cfg)
+    return w * loss, metrics
+
+  grad_fn = jax.value_and_grad(weighted_loss, has_aux=True)
+
+  def body(carry, xs):
     grads, loss_sum = carry
-    (loss, metrics), g = grad_fn(params, graphdef, mb, norm, sub_cfg)
-    grads = jax.tree.map(jnp.add, grads, g)
-    return (grads, loss_sum + loss), metrics
+    (loss, metrics), g = grad_fn(params, *xs)
+    return (jax.tree.map(jnp.add, grads, g), loss_sum + loss), metrics
 
   zeros = jax.tree.map(jnp.zeros_like, params)
-  (grads, loss), metrics = jax.lax.scan(body, (zeros, jnp.zeros(())), micro)
-  scale = 1.0 if exact else 1.0 / num_micro
-  grads = jax.tree.map(lambda g: g * scale, grads)
-  metrics = jax.tree.map(jnp.mean, metrics)
-  return loss * scale, grads, metrics
+  (grads, loss), metrics = jax.lax.scan(body, (zeros, jnp.zeros(())), (micro, weights_k))
+  return loss, grads, combine_micro_metrics(metrics, weights_k)
 
 
 @functools.partial(jax.jit, static_argnames=("models", "cfg", "num_micro"), donate_argnums=(0,))
@@ -169,14 +242,16 @@ def update_step(state: TrainState, batch: dict, *, models: Models, cfg: LossConf
   """One optimizer step of the actor (and critic) on one mini-batch."""
   loss, grads, metrics = _accumulate(_actor_loss, state.actor, models.actor_def, batch,
                                      num_micro, cfg)
-  updates, actor_opt = models.actor_tx.update(grads, state.actor_opt, state.actor)
+  actor_tx = make_optimizer(models.actor_optim)
+  updates, actor_opt = actor_tx.update(grads, state.actor_opt, state.actor)
   actor = optax.apply_updates(state.actor, updates)
   metrics = dict(metrics, actor_loss=loss, actor_grad_norm=optax.global_norm(grads))
   state = state.replace(step=state.step + 1, actor=actor, actor_opt=actor_opt)
   if models.critic_def is not None:
     vloss, vgrads, vmetrics = _accumulate(_critic_loss, state.critic, models.critic_def,
                                           batch, num_micro, cfg)
-    updates, critic_opt = models.critic_tx.update(vgrads, state.critic_opt, state.critic)
+    critic_tx = make_optimizer(models.critic_optim)
+    updates, critic_opt = critic_tx.update(vgrads, state.critic_opt, state.critic)
     state = state.replace(critic=optax.apply_updates(state.critic, updates),
                           critic_opt=critic_opt)
     metrics.update(vmetrics, critic_loss=vloss, critic_grad_norm=optax.global_norm(vgrads))

@@ -2,12 +2,15 @@
 are only right if these logprobs agree."""
 
 import json
+import logging
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
+from streamrl.data import tokenizer as tok
+from streamrl.generator import vllm_engine
 from streamrl.generator.vllm_engine import GeneratorInstance, SamplingConfig, check_model_dir
 from streamrl.models import config, hf, tiny, transformer
 
@@ -91,8 +94,97 @@ def test_stream_yields_before_batch_end(engine):
   first = next(it)
   # Closing early aborts the rest and leaves the engine idle.
   it.close()
-  assert gen._in_flight == 0 and not gen._engine.has_unfinished_requests()
+  assert gen.in_flight == 0 and not gen._engine.has_unfinished_requests()
   assert first.prompt_id in (0, 1)
+
+
+def test_weight_update_is_quiet(engine):
+  """vLLM's expected reload messages (modules with no checkpoint tensors, progress
+  lines, the prefix-cache reset) do not reach vLLM's console handler."""
+  gen, _, cfg = engine
+  records = []
+  capture = logging.Handler(logging.DEBUG)
+  capture.emit = records.append
+  vllm_logger = logging.getLogger("vllm")  # vLLM's handler sits here (no propagation above).
+  vllm_logger.addHandler(capture)
+  try:
+    gen.update_weights(hf.to_hf_tensors(transformer.Transformer(cfg, rngs=nnx.Rngs(5))))
+  finally:
+    vllm_logger.removeHandler(capture)
+  noisy = [r.getMessage() for r in records
+           if any(m in r.getMessage() for m in ("Failed to load weights", "Reloading", "reset prefix cache"))]
+  assert not noisy
+  # Nothing stays armed: the next reset (e.g. one we did not cause) is shown again.
+  assert vllm_engine._PREFIX_RESET_FILTER.armed == 0
+
+
+def test_reload_filter_hides_only_the_expected_layers():
+  quiet = vllm_engine._ReloadLogFilter(frozenset({"RotaryEmbedding"}))
+
+  def record(msg, *args):
+    return logging.LogRecord("vllm.x", logging.WARNING, __file__, 1, msg, args, None)
+
+  assert not quiet.filter(record(vllm_engine._NOT_LOADED_MSG, "RotaryEmbedding"))
+  # A layer that should have received weights but did not is a real defect.
+  assert quiet.filter(record(vllm_engine._NOT_LOADED_MSG, "QKVParallelLinear"))
+  assert not quiet.filter(record("Reloading and processing weights took %.2f seconds", 0.1))
+  assert quiet.filter(record("Following weights were not loaded from checkpoint: %s", {"x"}))
+  assert quiet.hidden == {"RotaryEmbedding"}
+
+
+def test_layers_without_checkpoint_weights():
+  import torch  # pylint: disable=g-import-not-at-top
+
+  class Rotary(torch.nn.Module):
+
+    def __init__(self):
+      super().__init__()
+      self.register_buffer("cos_sin_cache", torch.zeros(4), persistent=False)
+
+  class Head(torch.nn.Module):
+
+    def __init__(self, weight):
+      super().__init__()
+      self.weight = weight
+
+  class Model(torch.nn.Module):
+
+    def __init__(self, tied):
+      super().__init__()
+      self.config = type("Config", (), {"tie_word_embeddings": tied})()
+      self.embed = torch.nn.Embedding(8, 4)
+      self.rotary = Rotary()
+      self.norm = torch.nn.LayerNorm(4)
+      self.lm_head = Head(self.embed.weight if tied else torch.nn.Parameter(torch.zeros(8, 4)))
+
+  assert vllm_engine.layers_without_checkpoint_weights(Model(tied=True)) == {"Rotary", "Head"}
+  assert vllm_engine.layers_without_checkpoint_weights(Model(tied=False)) == {"Rotary"}
+
+
+def test_public_views_step_callback_and_ignore_eos(engine):
+  from vllm.platforms import current_platform  # pylint: disable=g-import-not-at-top
+  gen, _, _ = engine
+  assert gen.eos_token_ids == (tok.EOS_ID,)
+  limits = gen.scheduler_limits()
+  assert limits.max_num_seqs == 8
+  assert limits.chunked_prefill == (not current_platform.is_cpu())
+  assert limits.max_num_batched_tokens >= gen.max_model_len
+  seen = []
+  gen.set_step_callback(seen.append)
+  try:
+    samples = list(gen.generate(PROMPTS, SamplingConfig(max_tokens=12, seed=0), max_in_flight=3,
+                                ignore_eos=True))
+  finally:
+    gen.set_step_callback(None)
+  # One call per engine step, with the requests in flight for it.
+  assert seen and max(seen) == 3 and min(seen) >= 1
+  assert gen.in_flight == 0
+  # Every sample decodes exactly max_tokens tokens, EOS or not.
+  assert sorted(s.prompt_id for s in samples) == [p for p, _ in PROMPTS]
+  assert all(len(s.token_ids) == 12 for s in samples)
+  calls = len(seen)
+  list(gen.generate(PROMPTS[:2], SamplingConfig(max_tokens=4, seed=0)))
+  assert len(seen) == calls  # A removed callback is not called.
 
 
 def test_bad_model_dirs_are_refused_before_engine_start(tmp_path):

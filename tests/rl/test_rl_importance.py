@@ -1,4 +1,4 @@
-"""Truncated importance weights against numpy loops."""
+"""Rollout-correction weights and mismatch metrics against numpy loops."""
 
 import functools
 import math
@@ -115,29 +115,81 @@ def test_weights_scale_policy_loss_per_token():
   assert float(weighted) != pytest.approx(float(plain), rel=1e-3)
 
 
-def test_staleness_helpers():
-  trainer, generator, mask = mismatched_logps(5)
-  np.testing.assert_array_equal(
-      I.staleness_is_weights(trainer, generator, mask, 3.0, "sequence"),
-      I.truncated_is_weights(trainer, generator, mask, 3.0, "sequence"))
-  keep = jax.jit(functools.partial(I.staleness_mask_b, max_staleness=1))(
-      np.array([5, 4, 3, 5]), 5)
-  np.testing.assert_array_equal(keep, [1.0, 1.0, 0.0, 1.0])
+def ref_rollout_weights(trainer, generator, mask, mode, cap, threshold):
+  """Per-token weights of `rollout_correction_weights`, in plain numpy."""
+  if mode == "tis":
+    return ref_weights(trainer, generator, mask, cap, "token")
+  d = (trainer.astype(np.float64) - generator) * mask
+  if mode == "none":
+    return mask.astype(np.float64)
+  mean_b = d.sum(1) / np.maximum(mask.sum(1), 1)
+  ratio_b = np.exp(mean_b)
+  keep_b = (ratio_b >= 1 / threshold) & (ratio_b <= threshold)
+  return mask * keep_b[:, None]
 
 
-def test_importance_metrics_match_numpy():
+@pytest.mark.parametrize("mode", ["none", "tis", "mis"])
+def test_rollout_correction_weights_match_numpy(mode):
+  trainer, generator, mask = mismatched_logps(5, b=12, scale=0.4)
+  fn = jax.jit(functools.partial(I.rollout_correction_weights, mode=mode,
+                                 is_cap=1.5, mis_threshold=1.15))
+  w = np.asarray(fn(trainer, generator, mask))
+  ref = ref_rollout_weights(trainer, generator, mask, mode, 1.5, 1.15)
+  np.testing.assert_allclose(w, ref, rtol=1e-5, atol=1e-6)
+  if mode == "mis":  # some non-empty sequences kept, some dropped
+    kept_b = w.sum(1) > 0
+    assert 0 < kept_b.sum() < (mask.sum(1) > 0).sum()
+    assert set(np.unique(w)) <= {0.0, 1.0}
+
+
+def test_mis_keeps_a_sequence_by_its_mean_ratio():
+  # Row 0: per-token ratios e^0.5 and e^-0.5, mean log-ratio 0: kept though
+  # each token alone is outside [1/1.2, 1.2]. Row 1: mean log-ratio 0.25 >
+  # log(1.2): dropped. Row 2: padding holds -inf and is ignored.
+  trainer = np.array([[0.0, -1.0], [0.0, 0.0], [-0.1, 0.0]], np.float32)
+  generator = np.array([[-0.5, -0.5], [-0.25, -0.25], [-0.1, -np.inf]],
+                       np.float32)
+  mask = np.array([[1, 1], [1, 1], [1, 0]], np.float32)
+  w = I.rollout_correction_weights(trainer, generator, mask, "mis",
+                                   mis_threshold=1.2)
+  np.testing.assert_array_equal(w, [[1, 1], [0, 0], [1, 0]])
+  grad = jax.grad(lambda tr: I.rollout_correction_weights(
+      tr, generator, mask, "mis").sum())(trainer)
+  np.testing.assert_array_equal(grad, 0.0)
+
+
+def test_rollout_correction_rejects_unknown_mode_and_threshold():
   trainer, generator, mask = mismatched_logps(6)
-  m = jax.jit(I.importance_metrics)(trainer, generator, mask, 2.0)
-  ratios = [math.exp(float(trainer[i, j]) - float(generator[i, j]))
-            for i in range(mask.shape[0]) for j in range(mask.shape[1])
-            if mask[i, j]]
-  np.testing.assert_allclose(m["is_weight_mean"], np.mean(ratios), rtol=1e-5)
-  np.testing.assert_allclose(m["is_capped_frac"],
-                             np.mean([r > 2.0 for r in ratios]), rtol=1e-6)
-  # KL(μ || π) with tokens from μ: k3 = r - 1 - log r, r = π / μ.
-  np.testing.assert_allclose(
-      m["mismatch_kl"], np.mean([r - 1 - math.log(r) for r in ratios]),
-      rtol=1e-4)
+  with pytest.raises(ValueError, match=r"'is'.*\['none', 'tis', 'mis'\]"):
+    I.rollout_correction_weights(trainer, generator, mask, "is")
+  with pytest.raises(ValueError, match="mis_threshold"):
+    I.rollout_correction_weights(trainer, generator, mask, "mis",
+                                 mis_threshold=0.5)
+
+
+def test_mismatch_metrics_match_numpy():
+  trainer, generator, mask = mismatched_logps(6)
+  m = I.mismatch_metrics(trainer, generator, mask)  # numpy in, no jit
+  d = (trainer.astype(np.float64) - generator)[mask > 0]
+  r = np.exp(d)
+  np.testing.assert_allclose(m["k3_kl"], np.mean(r - 1 - d), rtol=1e-4)
+  np.testing.assert_allclose(m["max_abs_logprob_diff"], np.abs(d).max(),
+                             rtol=1e-6)
+  np.testing.assert_allclose(m["is_weight_max"], r.max(), rtol=1e-5)
+  jitted = jax.jit(I.mismatch_metrics)(trainer, generator, mask)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6),
+               m, jitted)
+
+
+def test_mismatch_metrics_ignore_padding_and_empty_masks():
+  trainer = np.array([[0.0, -1.0, 0.0]], np.float32)
+  generator = np.array([[-0.5, -1.0, -np.inf]], np.float32)
+  m = I.mismatch_metrics(trainer, generator, np.array([[1, 1, 0]]))
+  np.testing.assert_allclose(m["max_abs_logprob_diff"], 0.5)
+  np.testing.assert_allclose(m["is_weight_max"], math.exp(0.5), rtol=1e-6)
+  np.testing.assert_allclose(m["k3_kl"], (math.exp(0.5) - 1.5) / 2, rtol=1e-5)
+  empty = I.mismatch_metrics(trainer, generator, np.zeros((1, 3)))
+  assert all(float(v) == 0.0 for v in empty.values())
 
 
 def test_unknown_level_is_rejected():

@@ -1,4 +1,4 @@
-"""Policy / value / KL losses, entropy and aggregation against numpy loops."""
+"""Policy / value / KL losses and aggregation against numpy loops."""
 
 import functools
 import math
@@ -93,18 +93,6 @@ def ref_masked_mean(x, mask):
   vals = [x[i, j] for i in range(x.shape[0]) for j in range(x.shape[1])
           if mask[i, j]]
   return sum(vals) / len(vals) if vals else 0.0
-
-
-def ref_entropy(logits):
-  b, t, v = logits.shape
-  out = np.zeros((b, t))
-  for i in range(b):
-    for j in range(t):
-      zmax = max(logits[i, j])
-      exps = [math.exp(z - zmax) for z in logits[i, j]]
-      total = sum(exps)
-      out[i, j] = -sum((e / total) * math.log(e / total) for e in exps if e > 0)
-  return out
 
 
 def random_policy_batch(seed, b=5, t=7):
@@ -360,28 +348,8 @@ def test_kl_loss_matches_numpy():
                              rtol=RTOL, atol=ATOL)
 
 
-def test_entropy_matches_numpy():
-  rng = np.random.default_rng(6)
-  logits = (3 * rng.normal(size=(3, 4, 11))).astype(np.float32)
-  entropy = jax.jit(L.entropy_from_logits)
-  np.testing.assert_allclose(entropy(logits), ref_entropy(logits), rtol=1e-5,
-                             atol=1e-6)
-  uniform = np.zeros((2, 3, 7), np.float32)
-  np.testing.assert_allclose(entropy(uniform), np.log(7),
-                             rtol=1e-6)
-
-
-def test_entropy_with_banned_tokens_is_finite():
-  logits = np.array([[[0.0, 0.0, -np.inf, -np.inf]]], np.float32)
-  np.testing.assert_allclose(jax.jit(L.entropy_from_logits)(logits),
-                             [[np.log(2)]], rtol=1e-6)
-  grad = jax.jit(jax.grad(lambda z: L.entropy_from_logits(z).sum()))(logits)
-  assert np.all(np.isfinite(np.asarray(grad)))
-
-
 def test_jit_gives_same_results():
-  logp, old, adv, mask, rng = random_policy_batch(7)
-  logits = rng.normal(size=(2, 3, 5)).astype(np.float32)
+  logp, old, adv, mask, _ = random_policy_batch(7)
   cases = [
       (functools.partial(L.aggregate, mode="seq_mean_token_mean"),
        (adv, mask)),
@@ -389,7 +357,6 @@ def test_jit_gives_same_results():
                          agg="seq_mean_token_sum"), (logp, old, adv, mask)),
       (L.value_loss, (logp, old, adv, mask)),
       (L.kl_loss, (logp, old, mask)),
-      (L.entropy_from_logits, (logits,)),
       (L.explained_variance, (logp, adv, mask)),
   ]
   for fn, args in cases:

@@ -1,11 +1,12 @@
-"""paper.best_split_makespan: Algorithm 2's split chosen in hindsight (Fig. 9 diagnostic)."""
+"""best_split_makespan: Algorithm 2's split chosen in hindsight (Fig. 9 diagnostic)."""
 
 import math
 
 import numpy as np
 import pytest
 
-from streamrl.sim import costs, paper
+from streamrl.sim import costs
+from streamrl.sim.best_split import best_split_makespan
 from streamrl.sim.costs import GenCostModel
 from streamrl.sim.engine import simulate_generation
 from streamrl.sim.lengths import paper_lengths
@@ -21,7 +22,7 @@ def _flat_gen():
 def test_closed_form_two_instances():
   # 4 equal prompts, alpha 1/4: one long prompt alone (100 steps at B=1: 110 s), three regular
   # ones at the wave-optimal cap 3 (100 steps at B=3: 130 s). Only one split exists.
-  t, n_l, allr = paper.best_split_makespan(_flat_gen(), 2, [1] * 4, [100] * 4, [100] * 4, alpha=0.25)
+  t, n_l, allr = best_split_makespan(_flat_gen(), 2, [1] * 4, [100] * 4, [100] * 4, alpha=0.25)
   assert n_l == 1 and allr == [(1, pytest.approx(130.0))]
   assert t == pytest.approx(130.0)
 
@@ -29,7 +30,7 @@ def test_closed_form_two_instances():
 def test_closed_form_three_instances_picks_the_faster_split():
   # N_l = 1: regular 3 prompts on 2 instances (2 + 1): 100 steps at B=2 = 120 s; long 110 s.
   # N_l = 2: regular 3 prompts on 1 instance: 130 s.
-  t, n_l, allr = paper.best_split_makespan(_flat_gen(), 3, [1] * 4, [100] * 4, [100] * 4, alpha=0.25)
+  t, n_l, allr = best_split_makespan(_flat_gen(), 3, [1] * 4, [100] * 4, [100] * 4, alpha=0.25)
   assert dict(allr) == {1: pytest.approx(120.0), 2: pytest.approx(130.0)}
   assert (t, n_l) == (pytest.approx(120.0), 1)
 
@@ -41,8 +42,8 @@ def test_is_a_lower_bound_on_the_oracle_dispatch_and_deterministic():
   rng = np.random.default_rng(3)
   p, o = dist.sample(rng, 256)
   recent = dist.sample(rng, 256)[1]
-  a = paper.best_split_makespan(gen, 4, p, o, recent)
-  b = paper.best_split_makespan(gen, 4, p, o, recent)
+  a = best_split_makespan(gen, 4, p, o, recent)
+  b = best_split_makespan(gen, 4, p, o, recent)
   assert a == b
   assert [n for n, _ in a[2]] == [1, 2, 3]
   oracle = simulate_generation(gen, 4, p, o, scheduler="skew", ranker_sigma=0.0, recent_lengths=recent,
@@ -55,4 +56,4 @@ def test_is_a_lower_bound_on_the_oracle_dispatch_and_deterministic():
 
 def test_needs_two_instances():
   with pytest.raises(ValueError, match="two instances"):
-    paper.best_split_makespan(_flat_gen(), 1, [1, 1], [5, 5], [5, 5])
+    best_split_makespan(_flat_gen(), 1, [1, 1], [5, 5], [5, 5])

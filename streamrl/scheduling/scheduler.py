@@ -20,7 +20,9 @@ import os
 import numpy as np
 
 from streamrl import config_utils
+from streamrl import settings as settings_lib
 from streamrl.data import tasks
+from streamrl.errors import UserError
 from streamrl.scheduling.latency import LatencyProfile
 from streamrl.scheduling.policy import SCHEDULERS, plan_generation
 
@@ -30,17 +32,17 @@ log = logging.getLogger(__name__)
 class GenerationScheduler:
   """Plans each generation round and learns from its results."""
 
-  def __init__(self, config, model_dir: str, workdir: str | None, num_instances: int):
-    g = config.generation
-    self.kind = g.get("scheduler", "fifo")
+  def __init__(self, sched: settings_lib.Scheduler, *, model_dir: str, workdir: str | None,
+               num_instances: int, max_batch_size: int):
+    self.kind = sched.kind
     if self.kind not in SCHEDULERS:
-      raise ValueError(f"generation.scheduler={self.kind!r} is unknown; use one of {SCHEDULERS}.")
+      raise UserError(f"generation.scheduler={self.kind!r} is unknown; use one of {SCHEDULERS}.")
     self.num_instances = num_instances
-    self.max_batch_size = g.max_num_seqs
-    self.alpha = g.get("long_tail_alpha", 0.2)
-    self.objective = g.get("dispatch_objective", "makespan")
-    self.latency_model = g.get("dispatch_latency_model", "paper")
-    self.recent = collections.deque(maxlen=int(g.get("length_history", 1024)))
+    self.max_batch_size = max_batch_size
+    self.alpha = sched.long_tail_alpha
+    self.objective = sched.objective
+    self.latency_model = sched.latency_model
+    self.recent = collections.deque(maxlen=sched.length_history)
     self.pairs = collections.deque(maxlen=4096)
     self.pairs_path = os.path.join(workdir, "length_pairs.jsonl") if workdir else None
     self.profile = None
@@ -48,9 +50,8 @@ class GenerationScheduler:
     self._warned = False
     if self.kind == "fifo":
       return
-    profile_path = g.get("latency_profile", "")
-    if profile_path:
-      self.profile = LatencyProfile.from_json(profile_path)
+    if sched.latency_profile:
+      self.profile = LatencyProfile.from_json(sched.latency_profile)
     else:
       # Only the curve's shape matters for the split; measure the real one
       # with streamrl.generator.profiler and set generation.latency_profile.
@@ -60,11 +61,11 @@ class GenerationScheduler:
       from streamrl.ranker import data as ranker_data  # pylint: disable=g-import-not-at-top
       from streamrl.ranker.train import RankerTrainer  # pylint: disable=g-import-not-at-top
       vocab, fp = ranker_data.fingerprint_tokenizer_dir(model_dir)
-      if g.get("ranker_checkpoint", ""):
-        self.ranker = RankerTrainer.restore(g.ranker_checkpoint, vocab_size=vocab,
+      if sched.ranker_checkpoint:
+        self.ranker = RankerTrainer.restore(sched.ranker_checkpoint, vocab_size=vocab,
                                             tokenizer_fingerprint=fp)
       else:
-        rcfg = config_utils.load_config(g.get("ranker_config", "configs/ranker.py:tiny"))
+        rcfg = config_utils.load_config(sched.ranker_config)
         self.ranker = RankerTrainer(rcfg, vocab_size=vocab, tokenizer_fingerprint=fp)
 
   def plan(self, requests, examples_by_id, seed: int):

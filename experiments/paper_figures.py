@@ -1,9 +1,12 @@
-"""Simulating the paper's experiments (used by experiments/reproduce_paper.py).
+"""Simulating the paper's experiments: the cells behind experiments/reproduce_paper.py.
 
-Nothing here reads a paper *result*: the reference JSON is read for the setup
-(models, GPU counts, lengths), the Fig. 7 PTL curve and the Table 4 ranker
-recall (inputs to the cost models), and, in `fit_*`, the 7B cells of Fig. 8 as
-fitting targets for the three declared parameters.
+The paper's setups (models, GPU counts, output lengths) run through the
+simulator in streamrl/sim. The reference numbers come from
+experiments/reference/streamrl_paper.json (a copy kept in the repository).
+Nothing here reads a paper *result* into a simulation: the JSON feeds the
+Table 4 ranker recall (an input to the cost models) and, in `fit_*`, the 7B
+cells of Fig. 8 as fitting targets for the three declared parameters; the
+other figures are only compared against.
 """
 
 from __future__ import annotations
@@ -11,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
-import math
 import os
 from typing import Iterable, Sequence
 
@@ -19,9 +21,8 @@ import numpy as np
 
 from streamrl.planner.allocation import Pool, Workload, plan
 from streamrl.sim import costs
-from streamrl.scheduling.dispatch import _balance, calibrated_lengths, choose_batch_size
-from streamrl.scheduling.lpt import lpt_order
-from streamrl.sim.engine import dispatch_inputs, simulate, simulate_generation
+from streamrl.sim.best_split import best_split_makespan
+from streamrl.sim.engine import simulate, simulate_generation
 from streamrl.sim.lengths import paper_lengths
 from streamrl.sim.ranker_model import sigma_for_recall
 from streamrl.sim.systems import SystemCalibration, disaggregated_config, gen_cost, system_config
@@ -30,22 +31,21 @@ FIG8_SYSTEMS = ("verl", "colocation", "streamrl_sync", "streamrl_async")
 LENGTHS = {"5K": 5120, "10K": 10240, "20K": 20480}
 MODEL_GPUS = {"qwen2.5-7b": 32, "qwen2.5-32b": 64, "qwen2.5-72b": 128}
 
+# The paper's figures as numbers, kept next to this file.
+REFERENCE_JSON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "reference", "streamrl_paper.json")
+
 
 def find_reference(path: str | None = None) -> str:
-  """Path of streamrl_paper.json (given, or ../shared/reference next to the repo)."""
-  if path:
-    if not os.path.exists(path):
-      raise FileNotFoundError(f"{path} does not exist; pass --paper_json=<path to streamrl_paper.json>.")
-    return path
-  repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-  for cand in (os.path.join(repo, "shared", "reference", "streamrl_paper.json"),
-               os.path.join(os.path.dirname(repo), "shared", "reference", "streamrl_paper.json")):
-    if os.path.exists(cand):
-      return cand
-  raise FileNotFoundError("streamrl_paper.json not found next to the repository; pass --paper_json.")
+  """Path of the paper's reference JSON: `path` if given, else REFERENCE_JSON."""
+  path = path or REFERENCE_JSON
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"{path} does not exist; pass --paper_json=<path to streamrl_paper.json> "
+                            "(the repository keeps one in experiments/reference/).")
+  return path
 
 
 def load_reference(path: str | None = None) -> dict:
+  """The paper's reference numbers (see find_reference)."""
   with open(find_reference(path)) as f:
     return json.load(f)
 
@@ -159,42 +159,6 @@ def _ratio_errors(cell: CellResult, ref: dict, systems: Sequence[str]) -> dict:
   paper = dict(zip(cols, ref["fig8_throughput_samples_per_s"][cell.model][cell.length]))
   base = cell.samples_per_s["colocation"]
   return {s: abs((cell.samples_per_s[s] / base) / (paper[s] / paper["colocation"]) - 1.0) for s in systems}
-
-
-def best_split_makespan(gen, num_instances: int, prompt_lens, output_lens, recent_lengths, *,
-                        alpha: float = 0.2) -> tuple[float, int, list]:
-  """Algorithm 2 with true lengths and the long/regular split chosen in hindsight.
-
-  Builds every split N_l = 1 .. N-1 exactly as `streamrl.scheduling.dispatch`
-  does (the true top `alpha` prompts on N_l instances, the rest on N - N_l,
-  greedy LPT balancing on the calibrated length estimates, the wave-optimal
-  batch cap per instance, the simulator's max batch size and PTL profile),
-  simulates each one and keeps the fastest. The oracle dispatch (ranker noise
-  0) picks one of these splits with its latency model, so on the same draw
-  this is a lower bound on its makespan: how far any choice of split inside
-  Algorithm 2 can go.
-
-  Returns (best makespan s, its N_l, [(N_l, makespan s)] for every split).
-  """
-  prompt = np.asarray(prompt_lens, dtype=np.int64)
-  out = np.asarray(output_lens, dtype=np.int64)
-  recent = np.asarray(recent_lengths, dtype=np.float64)
-  if num_instances < 2:
-    raise ValueError(f"a long/regular split needs at least two instances, got {num_instances}.")
-  max_bs, profile = dispatch_inputs(gen, prompt, recent)
-  pred = np.exp(np.log(out.astype(np.float64)))  # What the simulated oracle ranker hands to dispatch.
-  order = lpt_order(pred)
-  est = calibrated_lengths(pred, recent)
-  n_long = min(len(out), math.ceil(alpha * len(out) - 1e-9))
-  long_ids, reg_ids = order[:n_long], order[n_long:]
-  results = []
-  for n_l in range(1, num_instances):
-    buckets = _balance(long_ids, est, n_l) + _balance(reg_ids, est, num_instances - n_l)
-    caps = [choose_batch_size(profile, len(b), max_bs) for b in buckets]
-    r = simulate_generation(gen, num_instances, prompt, out, queues=buckets, caps=caps)
-    results.append((n_l, r.makespan))
-  n_best, t_best = min(results, key=lambda x: (x[1], x[0]))
-  return t_best, n_best, results
 
 
 def fig9_latencies(model_name: str, calib: SystemCalibration, gen_gpus: int, *, length: int = 20480,

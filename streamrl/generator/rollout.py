@@ -1,0 +1,127 @@
+"""The `Rollout` protocol: what the trainer side sees of generation.
+
+Two implementations, both in this package:
+
+  local.LocalRollout            one engine in the trainer's process (colocated)
+  service.StreamGenerationService  N engines on Ray actors (sync, stream, async)
+
+Both stream finished `Sample`s as they finish, take new weights through
+`update` (which returns an `UpdateHandle` at once), and report their live and
+dead instances. Nothing here imports torch or vLLM.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Protocol
+
+import numpy as np
+
+Request = tuple[int, Sequence[int]]  # (request id, prompt token ids)
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingConfig:
+  temperature: float = 1.0
+  top_p: float = 1.0
+  max_tokens: int = 64
+  # With a seed, request i of prompt p samples with seed + p: the same prompt
+  # id gives the same tokens whatever else is in the batch.
+  seed: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Sample:
+  """One finished generation.
+
+  `logprobs[i]` is the log-probability of `token_ids[i]` under the
+  distribution it was sampled from (after temperature), as the importance
+  ratios of the trainer need.
+  """
+  prompt_id: int
+  prompt_token_ids: tuple[int, ...]
+  token_ids: tuple[int, ...]
+  logprobs: tuple[float, ...]
+  finish_reason: str
+  weight_version: int
+  instance_id: int
+
+
+@dataclasses.dataclass(frozen=True)
+class DeadInstance:
+  instance_id: int
+  reason: str
+  requeued: int  # Undelivered requests handed to the survivors.
+  at: float  # time.perf_counter() when the death was seen.
+
+
+class UpdateHandle:
+  """A weight version on its way to the generator instances.
+
+  `delivered()` returns once every live instance holds the version, ready to
+  load before its next stream (a stream started afterwards carries it in
+  every sample); `wait()` returns {instance_id: version} once every live
+  instance has loaded it. Both take an optional timeout in seconds.
+  """
+
+  def __init__(self, version: int, *,
+               delivered: Callable[[float | None], None] | None = None,
+               loaded: Callable[[float | None], Mapping[int, int]] | None = None,
+               versions: Mapping[int, int] | None = None):
+    self.version = int(version)
+    self._delivered_fn = delivered
+    self._loaded_fn = loaded
+    self._delivered = delivered is None
+    self._result = dict(versions) if versions is not None else None
+
+  @classmethod
+  def done(cls, version: int, versions: Mapping[int, int]) -> "UpdateHandle":
+    """An update that has already been loaded everywhere."""
+    return cls(version, versions=versions)
+
+  def delivered(self, timeout_s: float | None = None) -> None:
+    if not self._delivered:
+      self._delivered_fn(timeout_s)
+      self._delivered = True
+
+  def wait(self, timeout_s: float | None = None) -> dict[int, int]:
+    if self._result is None:
+      self.delivered(timeout_s)
+      self._result = dict(self._loaded_fn(timeout_s))
+    return dict(self._result)
+
+
+class Rollout(Protocol):
+  """Streamed generation on one or more generator instances."""
+
+  # Instances ever started; ids 0..num_instances-1.
+  num_instances: int
+  # {instance_id: {"pid", "cores", ...}}: where each instance runs.
+  placement: dict
+  # (instance_id, start, end, num_samples) per stream segment, perf_counter s.
+  busy_intervals: list
+
+  def generate(self, requests: Sequence[Request] | None, sampling: SamplingConfig, *,
+               assignments: Sequence[Sequence[Request]] | None = None,
+               caps: Sequence[int | None] | None = None) -> Iterator[Sample]:
+    """Yields one Sample per request as soon as an instance finishes it.
+
+    `assignments` (one list per instance, run in order) replaces the
+    round-robin split of `requests`; `caps` bounds each instance's requests
+    in flight.
+    """
+
+  def update(self, tensors: Mapping[str, np.ndarray], version: int) -> UpdateHandle:
+    """Sends HF-named weights to every live instance; returns at once."""
+
+  @property
+  def live_instances(self) -> list[int]:
+    """Ids of the instances that can take work."""
+
+  @property
+  def dead_instances(self) -> list[DeadInstance]:
+    """Instances that died, with why and how much of their work was re-run."""
+
+  def close(self) -> None:
+    """Stops every instance and frees its engine."""

@@ -1,0 +1,534 @@
+"""Typed run settings: the one place that reads and checks the config.
+
+A run config is a plain `ml_collections.ConfigDict` (configs/*.py), so every
+field can be overridden on the command line. `from_config` maps it, key by
+key, onto the frozen dataclasses below (one per part of the system) and
+checks every value before anything heavy starts. Lower modules receive only
+their own part (the engine gets `Engine`, the trainer `Optimizer`, `Loss`,
+...), never the ConfigDict.
+
+Every field names the config key it is read from (`_key`), and its default
+lives here and nowhere else: `default_config()` builds the complete config
+from these defaults, and the files in configs/ start from it.
+
+  config = settings.default_config()        # every key, with its default
+  s = settings.from_config(config)          # typed, validated; UserError if not
+  s.sampling.temperature, s.loss.clip_low, s.pipeline.mode
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import ml_collections
+
+from streamrl.errors import UserError
+
+PIPELINE_MODES = ("colocated", "sync", "stream", "async")
+ADVANTAGES = ("gae", "grpo", "rloo", "reinforce_pp")
+LOSS_AGGS = ("token_mean", "token_sum_norm", "seq_mean_token_mean", "seq_mean_token_sum")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+ROLLOUT_CORRECTIONS = ("auto", "none", "tis", "mis")
+SCHEDULERS = ("fifo", "skew", "oracle")
+DISPATCH_OBJECTIVES = ("makespan", "mean")
+LATENCY_MODELS = ("paper", "simulate")
+DTYPES = ("float32", "bfloat16", "float16")
+TASK_KINDS = ("synthetic", "jsonl")
+TINY_MODELS = ("qwen2", "llama")
+
+
+def _key(key: str, default: Any):
+  """A settings field read from config key `key` (dotted), with its default."""
+  return dataclasses.field(default=default, metadata={"key": key})
+
+
+# ------------------------------------------------------------------- parts
+@dataclasses.dataclass(frozen=True)
+class Model:
+  """The policy: a local HF directory, or (empty path) the tiny default."""
+  path: str = _key("model.path", "")
+  tiny: str = _key("model.tiny", "qwen2")
+  dtype: str = _key("model.dtype", "float32")
+
+
+@dataclasses.dataclass(frozen=True)
+class Warmstart:
+  """Supervised warm-up of the tiny policy (cached in the workdir)."""
+  steps: int = _key("warmstart.steps", 150)
+  batch_size: int = _key("warmstart.batch_size", 64)
+  lr: float = _key("warmstart.lr", 3e-3)
+  num_examples: int = _key("warmstart.num_examples", 20000)
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+  """Prompts and their verifier: synthetic string tasks or a JSONL file."""
+  kind: str = _key("task.kind", "synthetic")
+  ops: tuple = _key("task.ops", ("cpy", "rev", "dbl"))
+  max_answer_len: int = _key("task.max_answer_len", 48)
+  reward: str = _key("task.reward", "partial_match")
+  jsonl_path: str = _key("task.jsonl_path", "")
+  num_eval: int = _key("task.num_eval", 256)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+  """How the generators sample (the trainer scores at the same temperature)."""
+  temperature: float = _key("generation.temperature", 1.0)
+  top_p: float = _key("generation.top_p", 1.0)
+  max_tokens: int = _key("generation.max_tokens", 56)
+
+
+@dataclasses.dataclass(frozen=True)
+class Engine:
+  """One vLLM engine (generator instance) and how many of them run."""
+  max_num_seqs: int = _key("generation.max_num_seqs", 128)
+  max_model_len: int = _key("generation.max_model_len", 128)
+  kv_cache_gib: float = _key("generation.kv_cache_gib", 1.0)
+  num_instances: int = _key("generation.num_instances", 1)
+  # Ray generators: samples finishing within this many seconds travel to the
+  # trainer as one object (0: one object per sample).
+  coalesce_s: float = _key("generation.coalesce_s", 0.02)
+  # CPU engines: run vLLM's engine core inside the actor's process (fast
+  # start, every thread pinned) rather than as a child process.
+  in_process: bool = _key("cluster.engine_in_process", True)
+
+
+@dataclasses.dataclass(frozen=True)
+class Scheduler:
+  """Which instance generates which prompt, in which order.
+
+  kind: fifo | skew (ranker + Algorithm 2 dispatch + LPT) | oracle (true
+  lengths, synthetic tasks). latency_model: "paper" (PTL(BS) * L_avg *
+  ceil(M/BS)) or "simulate" (replays continuous batching through the profile).
+  """
+  kind: str = _key("generation.scheduler", "fifo")
+  long_tail_alpha: float = _key("generation.long_tail_alpha", 0.2)
+  objective: str = _key("generation.dispatch_objective", "makespan")
+  latency_model: str = _key("generation.dispatch_latency_model", "paper")
+  latency_profile: str = _key("generation.latency_profile", "")
+  ranker_config: str = _key("generation.ranker_config", "configs/ranker.py:tiny")
+  ranker_checkpoint: str = _key("generation.ranker_checkpoint", "")
+  length_history: int = _key("generation.length_history", 1024)
+
+
+@dataclasses.dataclass(frozen=True)
+class Advantage:
+  """Advantage estimator; `group_size` samples per prompt."""
+  estimator: str = _key("algo.advantage", "gae")
+  gamma: float = _key("algo.gamma", 1.0)
+  lam: float = _key("algo.lam", 0.95)
+  group_size: int = _key("algo.group_size", 1)
+  whiten: bool = _key("algo.whiten_advantages", True)
+  use_critic: bool = _key("algo.use_critic", True)
+
+
+@dataclasses.dataclass(frozen=True)
+class Kl:
+  """KL to a frozen reference: a reward penalty (PPO) or a loss term (GRPO)."""
+  coef: float = _key("algo.kl_coef", 0.01)
+  estimator: str = _key("algo.kl_estimator", "k1")
+  in_reward: bool = _key("algo.kl_in_reward", True)
+  use_reference: bool = _key("algo.use_reference", True)
+
+
+@dataclasses.dataclass(frozen=True)
+class Loss:
+  """The clipped policy loss, value loss and rollout correction.
+
+  rollout_correction: none | tis (token-level truncated importance weights
+  trainer/generator, capped at is_cap) | mis (drop samples whose per-token
+  geometric-mean ratio leaves [1/mis_threshold, mis_threshold]) | auto (tis
+  in async mode, where samples come from older weights; none otherwise).
+  """
+  clip_low: float = _key("algo.clip_low", 0.2)
+  clip_high: float = _key("algo.clip_high", 0.2)
+  dual_clip: float = _key("algo.dual_clip", 0.0)
+  agg: str = _key("algo.loss_agg", "token_mean")
+  entropy_coef: float = _key("algo.entropy_coef", 0.0)
+  vf_clip: float = _key("algo.vf_clip", 0.2)
+  rollout_correction: str = _key("algo.rollout_correction", "auto")
+  is_cap: float = _key("algo.is_cap", 2.0)
+  mis_threshold: float = _key("algo.mis_threshold", 2.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Trainer:
+  """Iterations and batch sizes (in samples)."""
+  num_iterations: int = _key("trainer.num_iterations", 250)
+  prompts_per_iteration: int = _key("trainer.prompts_per_iteration", 64)
+  mini_batch_size: int = _key("trainer.mini_batch_size", 32)
+  micro_batch_size: int = _key("trainer.micro_batch_size", 32)
+  ppo_epochs: int = _key("trainer.ppo_epochs", 2)
+
+
+@dataclasses.dataclass(frozen=True)
+class Optimizer:
+  """AdamW, warm-up then cosine decay, global-norm clipping."""
+  lr: float = _key("trainer.lr", 3e-4)
+  critic_lr: float = _key("trainer.critic_lr", 1e-3)
+  warmup_steps: int = _key("trainer.warmup_steps", 5)
+  weight_decay: float = _key("trainer.weight_decay", 0.0)
+  grad_clip: float = _key("trainer.grad_clip", 1.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Mesh:
+  """The trainer's device mesh (-1: all remaining devices)."""
+  data: int = _key("mesh.data", 1)
+  fsdp: int = _key("mesh.fsdp", -1)
+  tensor: int = _key("mesh.tensor", 1)
+
+  def axes(self) -> dict:
+    return {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}
+
+
+@dataclasses.dataclass(frozen=True)
+class Pipeline:
+  """How generation and training overlap (streamrl/pipeline)."""
+  mode: str = _key("pipeline.mode", "colocated")
+  max_staleness: int = _key("pipeline.max_staleness", 1)
+  stall_timeout_s: float = _key("pipeline.stall_timeout_s", 600.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+  """Ray: an empty address starts a local Ray where each side gets its own
+  cores; the trainer runs as a Ray actor on the `training_pool` unless
+  trainer_actor is False (handy under a debugger)."""
+  address: str = _key("cluster.address", "")
+  generator_cpus: int = _key("cluster.generator_cpus", 1)
+  trainer_cpus: int = _key("cluster.trainer_cpus", 1)
+  trainer_gpus: int = _key("cluster.trainer_gpus", 0)
+  connect_timeout_s: float = _key("cluster.connect_timeout_s", 30.0)
+  trainer_actor: bool = _key("cluster.trainer_actor", True)
+
+
+@dataclasses.dataclass(frozen=True)
+class Transfer:
+  """Weights to Ray generators through the checkpoint-transfer service
+  (streamrl/transfer) instead of Ray's object store."""
+  enabled: bool = _key("transfer.enabled", False)
+  chunk_bytes: int = _key("transfer.chunk_bytes", 4 << 20)
+  topology: str = _key("transfer.topology", "tree")
+  fanout: int = _key("transfer.fanout", 2)
+  use_shm: bool = _key("transfer.use_shm", True)
+  delta_cross_dc: bool = _key("transfer.delta_cross_dc", False)
+
+  def service_options(self) -> dict:
+    """The streamrl.transfer.TransferConfig fields."""
+    return {k: v for k, v in dataclasses.asdict(self).items() if k != "enabled"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Checkpoint:
+  every: int = _key("checkpoint.every", 25)
+  keep: int = _key("checkpoint.keep", 2)
+
+
+@dataclasses.dataclass(frozen=True)
+class Log:
+  eval_every: int = _key("log.eval_every", 25)
+  progress: bool = _key("log.progress", True)
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+  """Everything a run reads, by part."""
+  seed: int = _key("seed", 0)
+  model: Model = Model()
+  warmstart: Warmstart = Warmstart()
+  task: Task = Task()
+  sampling: Sampling = Sampling()
+  engine: Engine = Engine()
+  scheduler: Scheduler = Scheduler()
+  advantage: Advantage = Advantage()
+  kl: Kl = Kl()
+  loss: Loss = Loss()
+  trainer: Trainer = Trainer()
+  optimizer: Optimizer = Optimizer()
+  mesh: Mesh = Mesh()
+  pipeline: Pipeline = Pipeline()
+  cluster: Cluster = Cluster()
+  transfer: Transfer = Transfer()
+  checkpoint: Checkpoint = Checkpoint()
+  log: Log = Log()
+
+  @property
+  def samples_per_iteration(self) -> int:
+    return self.trainer.prompts_per_iteration * self.advantage.group_size
+
+  @property
+  def rollout_correction(self) -> str:
+    """The effective correction (`auto` resolved by mode)."""
+    if self.loss.rollout_correction != "auto":
+      return self.loss.rollout_correction
+    return "tis" if self.pipeline.mode == "async" else "none"
+
+  def replace(self, **parts) -> "Settings":
+    return dataclasses.replace(self, **parts)
+
+
+_PARTS = [f for f in dataclasses.fields(Settings) if f.name != "seed"]
+
+
+def _leaves() -> list[tuple[str | None, str, dataclasses.Field]]:
+  """(part name or None for top level, field name, field) for every setting."""
+  out = [(None, "seed", next(f for f in dataclasses.fields(Settings) if f.name == "seed"))]
+  for part in _PARTS:
+    out.extend((part.name, f.name, f) for f in dataclasses.fields(_PART_CLS[part.name]))
+  return out
+
+
+_PART_CLS = {p.name: type(p.default) for p in _PARTS}  # annotations are strings
+
+
+def config_keys() -> list[str]:
+  """Every config key the settings read, dotted."""
+  return [f.metadata["key"] for _, _, f in _leaves()]
+
+
+def default_config() -> ml_collections.ConfigDict:
+  """The complete run config with every default; configs/*.py start here."""
+  root: dict = {}
+  for _, _, f in _leaves():
+    *groups, leaf = f.metadata["key"].split(".")
+    node = root
+    for g in groups:
+      node = node.setdefault(g, {})
+    node[leaf] = f.default
+  return ml_collections.ConfigDict(root)
+
+
+def _config_leaves(node, prefix: str = "") -> dict[str, Any]:
+  out = {}
+  for k in node.keys():
+    v = node[k]
+    path = f"{prefix}{k}"
+    if isinstance(v, (ml_collections.ConfigDict, dict)):
+      out.update(_config_leaves(v, path + "."))
+    else:
+      out[path] = v
+  return out
+
+
+def _coerce(key: str, value: Any, want: Any) -> Any:
+  want = {"int": int, "float": float, "str": str, "bool": bool, "tuple": tuple}.get(want, want)
+  if want is float and isinstance(value, int) and not isinstance(value, bool):
+    return float(value)
+  if want is tuple and isinstance(value, list):
+    return tuple(value)
+  if want is int and isinstance(value, bool) or not isinstance(value, want):
+    raise UserError(f"{key}={value!r} must be {want.__name__}; fix it in the config or "
+                    f"with --config.{key}=...")
+  return value
+
+
+def from_config(config, *, check_files: bool = True) -> Settings:
+  """Maps a run config onto `Settings` and validates it.
+
+  Raises UserError (one sentence naming the fix) for a key the settings
+  don't know, a missing key, a wrong type or a bad value. `check_files=False`
+  skips the checks that paths exist (for configs describing another machine).
+  """
+  given = _config_leaves(config)
+  known = set(config_keys())
+  unknown = sorted(set(given) - known)
+  if unknown:
+    raise UserError(f"config key {unknown[0]!r} is not a StreamRL setting; remove it or "
+                    "rename it to one listed in streamrl/settings.py.")
+  parts: dict[str, dict] = {p.name: {} for p in _PARTS}
+  top: dict = {}
+  for part, name, f in _leaves():
+    key = f.metadata["key"]
+    value = given.get(key, f.default)
+    value = _coerce(key, value, f.type)
+    (parts[part] if part else top)[name] = value
+  s = Settings(**top, **{p.name: _PART_CLS[p.name](**parts[p.name]) for p in _PARTS})
+  validate(s, check_files=check_files)
+  return s
+
+
+def to_config(s: Settings) -> ml_collections.ConfigDict:
+  """The config that maps back onto `s` (for config.json and Ray)."""
+  config = default_config()
+  for part, name, f in _leaves():
+    *groups, leaf = f.metadata["key"].split(".")
+    node = config
+    for g in groups:
+      node = node[g]
+    node[leaf] = getattr(getattr(s, part) if part else s, name)
+  return config
+
+
+# -------------------------------------------------------------- validation
+def _need(ok: bool, message: str) -> None:
+  if not ok:
+    raise UserError(message)
+
+
+def _one_of(key: str, value: Any, options) -> None:
+  _need(value in options, f"{key}={value!r} is unknown; use one of {tuple(options)}.")
+
+
+def _positive(key: str, value: float, *, zero_ok: bool = False) -> None:
+  ok = value >= 0 if zero_ok else value > 0
+  _need(ok, f"{key}={value!r} must be {'>= 0' if zero_ok else '> 0'}; fix --config.{key}.")
+
+
+def validate(s: Settings, *, check_files: bool = True) -> None:
+  """Every cross-field and range check, each failing with one sentence."""
+  m, t, smp, e, sch = s.model, s.task, s.sampling, s.engine, s.scheduler
+  adv, kl, loss, tr, opt = s.advantage, s.kl, s.loss, s.trainer, s.optimizer
+  _one_of("model.dtype", m.dtype, DTYPES)
+  if not m.path:
+    _one_of("model.tiny", m.tiny, TINY_MODELS)
+  _positive("warmstart.steps", s.warmstart.steps, zero_ok=True)
+  if s.warmstart.steps:
+    _positive("warmstart.batch_size", s.warmstart.batch_size)
+    _positive("warmstart.lr", s.warmstart.lr)
+    _positive("warmstart.num_examples", s.warmstart.num_examples)
+  _one_of("task.kind", t.kind, TASK_KINDS)
+  _positive("task.num_eval", t.num_eval, zero_ok=True)
+  if t.kind == "synthetic":
+    from streamrl.data import tasks  # pylint: disable=g-import-not-at-top
+    bad = [op for op in t.ops if op not in tasks.KNOWN_OPS]
+    _need(t.ops and not bad, f"task.ops={t.ops!r} has unknown ops {bad}; use some of "
+          f"{tuple(tasks.KNOWN_OPS)}.")
+    _positive("task.max_answer_len", t.max_answer_len)
+  from streamrl.data import rewards  # pylint: disable=g-import-not-at-top
+  _need(t.reward in rewards.known_reward_fns(),
+        f"task.reward={t.reward!r} is unknown; use one of {rewards.known_reward_fns()}.")
+
+  _need(smp.temperature >= 0, f"generation.temperature={smp.temperature} must be >= 0.")
+  _need(0 < smp.top_p <= 1, f"generation.top_p={smp.top_p} must be in (0, 1].")
+  _positive("generation.max_tokens", smp.max_tokens)
+  _positive("generation.max_model_len", e.max_model_len)
+  _need(smp.max_tokens < e.max_model_len,
+        f"generation.max_tokens={smp.max_tokens} must be below generation.max_model_len="
+        f"{e.max_model_len}; raise max_model_len or lower max_tokens.")
+  _positive("generation.max_num_seqs", e.max_num_seqs)
+  _positive("generation.kv_cache_gib", e.kv_cache_gib)
+  _need(e.num_instances >= 1,
+        f"generation.num_instances={e.num_instances} must be >= 1 (one vLLM engine at least).")
+  _need(e.num_instances == 1 or s.pipeline.mode != "colocated",
+        f"pipeline.mode='colocated' runs one engine in the trainer's process; set "
+        f"generation.num_instances=1 or use sync / stream / async for {e.num_instances}.")
+  _positive("generation.coalesce_s", e.coalesce_s, zero_ok=True)
+
+  _one_of("generation.scheduler", sch.kind, SCHEDULERS)
+  _need(0 <= sch.long_tail_alpha <= 1,
+        f"generation.long_tail_alpha={sch.long_tail_alpha} must be in [0, 1].")
+  _one_of("generation.dispatch_objective", sch.objective, DISPATCH_OBJECTIVES)
+  _one_of("generation.dispatch_latency_model", sch.latency_model, LATENCY_MODELS)
+  _positive("generation.length_history", sch.length_history)
+  if sch.kind == "oracle":
+    _need(t.kind == "synthetic", "generation.scheduler='oracle' needs the synthetic task's "
+          "known answer lengths; use 'skew' for task.kind='jsonl'.")
+
+  _one_of("algo.advantage", adv.estimator, ADVANTAGES)
+  _need(adv.group_size >= 1, f"algo.group_size={adv.group_size} must be >= 1.")
+  _need(adv.estimator != "gae" or adv.use_critic,
+        "algo.advantage='gae' needs a critic; set algo.use_critic=True or use 'grpo' / "
+        "'rloo' / 'reinforce_pp'.")
+  _need(adv.estimator not in ("grpo", "rloo") or adv.group_size >= 2,
+        f"algo.advantage={adv.estimator!r} compares samples of one prompt; set "
+        "algo.group_size >= 2.")
+  _need(0 <= adv.gamma <= 1 and 0 <= adv.lam <= 1, "algo.gamma and algo.lam must be in [0, 1].")
+  _one_of("algo.kl_estimator", kl.estimator, KL_ESTIMATORS)
+  _positive("algo.kl_coef", kl.coef, zero_ok=True)
+  _need(not kl.coef or kl.use_reference,
+        f"algo.kl_coef={kl.coef} needs the reference model; set algo.use_reference=True or "
+        "algo.kl_coef=0.")
+  _positive("algo.clip_low", loss.clip_low)
+  _positive("algo.clip_high", loss.clip_high)
+  _need(loss.dual_clip == 0 or loss.dual_clip > 1,
+        f"algo.dual_clip={loss.dual_clip} must be 0 (off) or > 1.")
+  _one_of("algo.loss_agg", loss.agg, LOSS_AGGS)
+  _positive("algo.entropy_coef", loss.entropy_coef, zero_ok=True)
+  _positive("algo.vf_clip", loss.vf_clip, zero_ok=True)
+  _one_of("algo.rollout_correction", loss.rollout_correction, ROLLOUT_CORRECTIONS)
+  _need(loss.is_cap >= 1, f"algo.is_cap={loss.is_cap} must be >= 1.")
+  _need(loss.mis_threshold > 1, f"algo.mis_threshold={loss.mis_threshold} must be > 1.")
+
+  for key in ("num_iterations", "prompts_per_iteration", "mini_batch_size",
+              "micro_batch_size", "ppo_epochs"):
+    _positive(f"trainer.{key}", getattr(tr, key))
+  n = s.samples_per_iteration
+  _need(n % tr.mini_batch_size == 0,
+        f"prompts_per_iteration * group_size = {n} is not a multiple of "
+        f"trainer.mini_batch_size={tr.mini_batch_size}; change one of them.")
+  _need(tr.mini_batch_size % tr.micro_batch_size == 0,
+        f"trainer.mini_batch_size={tr.mini_batch_size} is not a multiple of "
+        f"trainer.micro_batch_size={tr.micro_batch_size}; change one of them.")
+  if s.pipeline.mode == "stream":
+    _need(tr.mini_batch_size % adv.group_size == 0,
+          f"pipeline.mode='stream' trains whole groups as they finish, so "
+          f"trainer.mini_batch_size={tr.mini_batch_size} must be a multiple of "
+          f"algo.group_size={adv.group_size}.")
+  _positive("trainer.lr", opt.lr)
+  if adv.use_critic:
+    _positive("trainer.critic_lr", opt.critic_lr)
+  _positive("trainer.warmup_steps", opt.warmup_steps, zero_ok=True)
+  _positive("trainer.weight_decay", opt.weight_decay, zero_ok=True)
+  _positive("trainer.grad_clip", opt.grad_clip)
+
+  for axis, size in s.mesh.axes().items():
+    _need(size >= 1 or size == -1, f"mesh.{axis}={size} must be >= 1, or -1 for the rest.")
+  _need(sum(v == -1 for v in s.mesh.axes().values()) <= 1, "at most one mesh axis may be -1.")
+
+  _one_of("pipeline.mode", s.pipeline.mode, PIPELINE_MODES)
+  _need(s.pipeline.max_staleness >= 1,
+        f"pipeline.max_staleness={s.pipeline.max_staleness} must be >= 1 (async is one step "
+        "off-policy at least).")
+  _positive("pipeline.stall_timeout_s", s.pipeline.stall_timeout_s)
+  c = s.cluster
+  _positive("cluster.generator_cpus", c.generator_cpus)
+  _positive("cluster.trainer_cpus", c.trainer_cpus)
+  _positive("cluster.trainer_gpus", c.trainer_gpus, zero_ok=True)
+  _positive("cluster.connect_timeout_s", c.connect_timeout_s)
+  tf = s.transfer
+  _need(tf.chunk_bytes > 0 and tf.chunk_bytes % 8 == 0,
+        f"transfer.chunk_bytes={tf.chunk_bytes} must be a positive multiple of 8.")
+  _one_of("transfer.topology", tf.topology, ("tree", "direct"))
+  _positive("transfer.fanout", tf.fanout)
+  _need(not tf.enabled or s.pipeline.mode != "colocated",
+        "transfer.enabled=True sends weights to Ray generators; colocated mode has none, so "
+        "set transfer.enabled=False or use sync / stream / async.")
+  _positive("checkpoint.every", s.checkpoint.every)
+  _positive("checkpoint.keep", s.checkpoint.keep)
+  _positive("log.eval_every", s.log.eval_every, zero_ok=True)
+
+  if check_files:
+    _check_files(s)
+
+
+def _check_files(s: Settings) -> None:
+  m, t, sch = s.model, s.task, s.scheduler
+  if m.path:
+    _need(os.path.isfile(os.path.join(m.path, "config.json")),
+          f"model.path={m.path!r} is not a Hugging Face model directory (no config.json); "
+          "point it at a local checkpoint directory.")
+  if t.kind == "jsonl":
+    _need(bool(t.jsonl_path) and os.path.isfile(t.jsonl_path),
+          f"task.jsonl_path={t.jsonl_path!r} does not exist; point it at a JSONL file of "
+          '{"prompt": ..., "answer": ...} rows.')
+  if sch.kind != "fifo" and sch.latency_profile:
+    _need(os.path.isfile(sch.latency_profile),
+          f"generation.latency_profile={sch.latency_profile!r} does not exist; measure one "
+          "with streamrl.generator.profiler or leave it empty for the paper's curve.")
+  if sch.kind == "skew":
+    if sch.ranker_checkpoint:
+      from streamrl.ranker import train as ranker_train  # pylint: disable=g-import-not-at-top
+      ckpts = os.path.join(sch.ranker_checkpoint, ranker_train.CHECKPOINT_DIR)
+      _need(os.path.isdir(ckpts) and any(n.isdigit() for n in os.listdir(ckpts)),
+            f"generation.ranker_checkpoint={sch.ranker_checkpoint!r} holds no ranker "
+            "checkpoint; train one with launch/train_ranker.py --workdir=... or leave it "
+            "empty to learn online.")
+    else:
+      path = sch.ranker_config.split(":", 1)[0]
+      _need(os.path.isfile(path),
+            f"generation.ranker_config={sch.ranker_config!r}: no file {path!r}; use "
+            "configs/ranker.py:tiny or a path to a ranker config.")
