@@ -2,36 +2,41 @@ r"""Pipeline modes side by side: colocated, sync, stream, async on one workload.
 
   python experiments/bench_modes.py [--quick] [--blocks=2] [--iterations=8]
 
-What runs (everything real: vLLM engines, Ray actors, the JAX trainer):
+What runs (everything real: vLLM engines, Ray actors, the JAX trainer), each
+mode exactly as a real run (`streamrl.train.run`) runs it:
   * The tiny PPO policy of configs/ppo.py, warm-started once into
-    `--workdir` (`train.prepare_model_dir`); every mode starts from those
-    weights and a fresh optimizer state. One RLTrainer object serves all
-    arms, each swapping its own trainer state in (a new RLTrainer would
-    recompile its update step: the jit cache is keyed by its optimizer
-    objects). Before any arm, the trainer's jitted functions are compiled
-    for every padded length the workload can produce, so no arm pays a
+    `--workdir` (`warmstart.prepare_model_dir`); every mode starts from those
+    weights and a fresh optimizer state, in a trainer of its own
+    (`RLTrainer.from_settings`; trainers of equal settings share their
+    compiled update step). Before any arm, the jitted functions are compiled
+    for every padded length the workload can produce and for each mode's
+    loss config (async's rollout correction differs), so no arm pays a
     compile that another got for free.
-  * Each mode's pipeline comes from `make_pipeline(config, model_dir,
-    trainer)` with the real backend: `colocated` runs a vLLM engine in this
-    process and uses both cores; the others run one Ray generator actor
-    pinned to core 0 and pin this process (the trainer) to core 1. Same
-    prompts (PromptLoader seed) and sampling seeds (`sampling_for(config,
-    it)`) in every mode; the `it0 digest` column hashes iteration 0's samples
+  * Each mode's rollout is the real one: `colocated` runs a vLLM engine in
+    this process (`LocalRollout`) and uses both cores; the others run one
+    Ray generator actor (`StreamGenerationService` on a local Ray) pinned to
+    core 0 and pin this process (the trainer) to core 1. The mode comes
+    from `train.setup_mode` (generation scheduler + `pipeline.make_mode`)
+    with `rounds(it)` from `train.make_rounds`, and every iteration is
+    `train.train_iteration` + `train.iteration_scalars` on a `Timeline`.
+    Same prompts (PromptLoader seed) and sampling seeds (`local.sampling_for`)
+    in every mode; the `it0 digest` column hashes iteration 0's samples
     (same weights everywhere): equal digests, identical generations.
   * Blocks: in each of `--blocks` blocks every arm runs `--warmup` untimed +
-    `--iterations` timed iterations on a freshly built pipeline that first
-    loads the arm's current weights, as a resumed run does
-    (`push_weights(trainer.hf_tensors(), version=next iteration)`). The arm
-    order rotates from block to block, so the load of a shared machine falls
-    on all arms alike, and only one engine holds memory at a time. Start-up
-    and the untimed iterations (first generations on a fresh engine are
-    slow) stay outside the measurement. Throughput = samples / wall seconds
-    summed over an arm's timed iterations.
+    `--iterations` timed iterations on a freshly built rollout and mode that
+    first loads the arm's current weights, as a resumed run does
+    (`rollout.update(trainer.export_weights(), next iteration).wait()`). The
+    arm order rotates from block to block, so the load of a shared machine
+    falls on all arms alike, and only one engine holds memory at a time.
+    Start-up and the untimed iterations (first generations on a fresh engine
+    are slow) stay outside the measurement. Throughput = samples / wall
+    seconds summed over an arm's timed iterations.
   * Generation alone: one Ray generator instance on the generator core,
     generating the same batches with the same seeds, nothing else running.
-    Training alone: the trainer pinned to its core, training on those
-    samples (rewards, old/ref logprobs, values, advantages, PPO updates; the
-    Flax->HF weight export is reported apart). Both in every block too.
+    Training alone: the trainer pinned to its core, doing the loop's trainer
+    work on those samples (rewards, old/ref logprobs, values, advantages, PPO
+    updates: `modes_workload.train_alone`; the Flax->HF weight export is
+    reported apart). Both in every block too.
 
 Workload (defaults): 64 prompts per iteration, PPO (actor + critic +
 reference), mini-batches of 16, one PPO epoch, and the generator admitting
@@ -44,13 +49,13 @@ longest sample: sync/async/colocated cut the length-sorted batch into
 mini-batches, stream fills one mini-batch per length bucket as samples
 arrive (`stream.LengthBatcher`).
 
-The trainer runs in this process (make_pipeline is called directly, so
+The trainer runs in this process (the loop is called directly, so
 `cluster.trainer_actor` does not apply): one set of compiled functions then
 serves every arm. It is pinned to the trainer's core like a TrainerActor,
 except that XLA sized its thread pool before the pinning (two threads on one
 core; a check here: 0.64-0.69 CPU-s per training iteration either way).
 
-Columns: `gen s`, `train s`, `push s` are the pipelines' own
+Columns: `gen s`, `train s`, `push s` are the loop's own
 time/generation_s, time/training_s, time/weight_update_s means; `idle:*` the
 bubble fraction of each stage (`Timeline.busy_seconds` over the timed
 iterations); `cpu:this` / `cpu:gen` the cores' worth of CPU that this
@@ -60,7 +65,7 @@ means the machine's other load took its core.
 
 Writes under `--out` (default experiments/out/bench_modes): one
 timeline_<mode>.json per mode (`Timeline.to_json`; labels "gen k", "train k",
-"reward k" name iteration k), timeline_<mode>.png of each mode's last block,
+"epochs k" name iteration k), timeline_<mode>.png of each mode's last block,
 timeline_all.png (experiments/plot_timeline.py) and summary.json.
 
 Ends with
@@ -116,8 +121,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from absl import app, flags, logging as absl_logging  # noqa: E402
 
-from modes_workload import (ALL_CORES, Workload, make_config, now, precompile,  # noqa: E402
-                            set_engine_threads, unpin, with_mode)
+from modes_workload import (MODES, Workload, config_json, describe, make_settings,  # noqa: E402
+                            now, precompile, train_alone, with_mode)
 
 _QUICK = flags.DEFINE_bool("quick", False, "Tiny workload (16 prompts, 2 blocks), for development.")
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/streamrl_bench_modes", "Cache of the warm-started policy.")
@@ -169,36 +174,28 @@ def load_config():
   # One more iteration than run: async starts generating the next batch
   # during the last timed iteration, as in steady state. Same value in every
   # mode (it sets the lr decay horizon).
-  config = make_config(prompts=prompts, mini_batch=mini,
-                       num_iterations=blocks * (warm + iters) + 1,
-                       max_num_seqs=_MAX_NUM_SEQS.value, max_tokens=_MAX_TOKENS.value,
-                       extra={"trainer.ppo_epochs": _PPO_EPOCHS.value},
-                       overrides=_OVERRIDES.value)
-  return config, blocks, warm, iters
-
-
-def pin_trainer(config) -> None:
-  from streamrl import cluster  # pylint: disable=g-import-not-at-top
-  shares = cluster.plan_cpu_shares(config.cluster.generator_cpus, config.cluster.trainer_cpus,
-                                   ALL_CORES)
-  cluster.bound_trainer_threads(shares.trainer_cores)
+  s = make_settings(prompts=prompts, mini_batch=mini, num_iterations=blocks * (warm + iters) + 1,
+                    max_num_seqs=_MAX_NUM_SEQS.value, max_tokens=_MAX_TOKENS.value,
+                    extra={"trainer.ppo_epochs": _PPO_EPOCHS.value}, overrides=_OVERRIDES.value)
+  return s, blocks, warm, iters
 
 
 # ------------------------------------------------------------------ the arms
 class Arm:
-  """One mode: its trainer state, loader and measurements across blocks.
+  """One mode: its trainer, loader and measurements across blocks.
 
-  Each block builds the mode's pipeline (engine or Ray actor), loads the
-  arm's current weights into it the way a resumed run does
-  (`push_weights(trainer.hf_tensors(), version=next iteration)`), runs its
-  iterations and closes it, so only one engine holds memory at a time. All
-  arms share one RLTrainer object and swap their own state in.
+  Each block builds the mode's rollout (in-process engine or Ray actor),
+  loads the arm's current weights into it the way a resumed run does
+  (`rollout.update(trainer.export_weights(), next iteration).wait()`), sets
+  the mode up over it (`train.setup_mode`), runs its iterations through
+  `train.train_iteration` and closes everything, so only one engine holds
+  memory at a time. Every arm has a trainer of its own.
   """
 
   def __init__(self, work: Workload, mode: str):
     self.mode, self.work = mode, work
-    self.cfg = with_mode(work.config, mode)
-    self.state = work.trainer(self.cfg).state
+    self.s = with_mode(work.s, mode)
+    self.trainer = work.trainer(self.s)
     self.loader, self.rewarder = work.loader(), work.rewarder()
     self.next_it = 0
     self.windows: list[tuple[int, float, float]] = []  # every iteration
@@ -211,56 +208,66 @@ class Arm:
     self.loads: list[float] = []
 
   def run_block(self, n: int, untimed: int) -> None:
-    """n iterations in a row on a fresh pipeline; the first `untimed` are not timed."""
-    from streamrl.pipeline import make_pipeline  # pylint: disable=g-import-not-at-top
-    unpin()  # colocated uses both cores; the others split all cores afresh
-    trainer = self.work.trainer_object()
-    trainer.config, trainer.state = self.cfg, self.state
+    """n iterations in a row on a fresh rollout and mode; the first `untimed` are not timed."""
+    from streamrl import train  # pylint: disable=g-import-not-at-top
+    from streamrl.pipeline.timeline import Timeline  # pylint: disable=g-import-not-at-top
+    s, trainer = self.s, self.trainer
     t0 = now()
-    pipe = make_pipeline(self.cfg, self.work.model_dir, trainer)
+    rollout = self.work.rollout(s, engine_threads=_COLOC_THREADS.value)
+    first_it = self.next_it
     try:
       if self.next_it:
-        pipe.push_weights(trainer.hf_tensors(), self.next_it)
+        rollout.update(trainer.export_weights(), self.next_it).wait()
+      mode = self.work.mode(s, rollout, self.loader)
       self.startup_s.append(now() - t0)
-      print(f"  {self.mode:9s} pipeline up in {self.startup_s[-1]:.0f} s (untimed)", flush=True)
-      placement = getattr(pipe.backend, "placement", {})
-      gen_pid = placement[0]["pid"] if 0 in placement else None
+      print(f"  {self.mode:9s} rollout and mode up in {self.startup_s[-1]:.0f} s (untimed)",
+            flush=True)
+      gen_pid = rollout.placement[0]["pid"] if 0 in rollout.placement else None
       self.loads.append(os.getloadavg()[0])
-      first_it, last_out = self.next_it, None
-      for j in range(n):
-        it = self.next_it
-        c0 = (time.process_time(), proc_cpu_s(gen_pid) if gen_pid else float("nan"))
-        start = now()
-        out = pipe.iteration(it, self.loader, self.work.tokenizer, self.rewarder)
-        end = now()
-        c1 = (time.process_time(), proc_cpu_s(gen_pid) if gen_pid else float("nan"))
-        self.windows.append((it, start, end))
-        if it == 0:
-          self.digest_it0 = digest(out["samples"])
-        if j >= untimed:
-          self.timed.append((it, start, end))
-          self.outs.append(out)
-          self.cpu_this += c1[0] - c0[0]
-          self.cpu_gen += c1[1] - c0[1]
-        s = out["scalars"]
-        print(f"  {self.mode:9s} it {it:2d}{'  untimed' if j < untimed else '         '}"
-              f" {end - start:6.2f} s  gen {s.get('time/generation_s', 0):5.2f} s  "
-              f"train {s.get('time/training_s', 0):5.2f} s  "
-              f"push {s.get('time/weight_update_s', 0):4.2f} s  "
-              f"mean len {s['response_length/mean']:4.1f}  staleness {s['staleness/mean']:.0f}",
-              flush=True)
-        self.next_it += 1
-        last_out = out
-      if self.mode == "async":
+      timeline = Timeline()
+      last = None
+      try:
+        for j in range(n):
+          it = self.next_it
+          c0 = (time.process_time(), proc_cpu_s(gen_pid) if gen_pid else float("nan"))
+          start = now()
+          x = train.train_iteration(it, mode, trainer, self.rewarder, timeline,
+                                    ppo_epochs=s.trainer.ppo_epochs, seed=s.seed)
+          scalars = train.iteration_scalars(x, timeline, rollout)
+          end = now()
+          c1 = (time.process_time(), proc_cpu_s(gen_pid) if gen_pid else float("nan"))
+          out = {"samples": x.samples, "scalars": scalars,
+                 "lengths": [len(q.token_ids) for q in x.samples]}
+          self.windows.append((it, start, end))
+          if it == 0:
+            self.digest_it0 = digest(x.samples)
+          if j >= untimed:
+            self.timed.append((it, start, end))
+            self.outs.append(out)
+            self.cpu_this += c1[0] - c0[0]
+            self.cpu_gen += c1[1] - c0[1]
+          print(f"  {self.mode:9s} it {it:2d}{'  untimed' if j < untimed else '         '}"
+                f" {end - start:6.2f} s  gen {scalars.get('time/generation_s', 0):5.2f} s  "
+                f"train {scalars.get('time/training_s', 0):5.2f} s  "
+                f"push {scalars.get('time/weight_update_s', 0):4.2f} s  "
+                f"mean len {scalars['response_length/mean']:4.1f}  "
+                f"staleness {scalars['staleness/mean']:.0f}", flush=True)
+          self.next_it += 1
+          last = x
+      finally:
+        mode.close()  # async: waits for its read-ahead generation and the last push
+      if self.mode == "async" and last is not None:
         # Its read-ahead took the next batch from the loader; the next block
         # generates that batch again, so every mode sees the same prompts.
-        self.loader.set_state(last_out["loader_state"])
+        self.loader.set_state(last.generated.round.loader_state)
+      timeline.copy_generator_intervals(rollout.busy_intervals)
+      self.intervals += labelled_intervals(timeline.intervals,
+                                           [w for w in self.windows if w[0] >= first_it])
     finally:
-      pipe.close()  # colocated: shuts the in-process engine down, freeing its KV cache
-    pipe.sync_generator_intervals()
-    self.intervals += labelled_intervals(pipe.timeline.intervals,
-                                         [w for w in self.windows if w[0] >= first_it])
-    self.state = trainer.state
+      if self.mode == "colocated":
+        self.work.close_local()  # shuts the in-process engine down, freeing its KV cache
+      else:
+        rollout.close()
 
   def result(self) -> dict:
     from streamrl.pipeline.timeline import Timeline  # pylint: disable=g-import-not-at-top
@@ -301,8 +308,8 @@ def digest(samples) -> str:
 
 
 def labelled_intervals(intervals, windows) -> list:
-  """One pipeline's intervals, each labelled with its iteration ("gen k",
-  "train k", "reward k"); `windows` are that pipeline's iterations."""
+  """One block's intervals, each labelled with its iteration ("gen k",
+  "train k", "epochs k"); `windows` are that block's iterations."""
   out, gen_count, first = [], {}, windows[0][0]
   for stage, start, end, label in sorted(intervals, key=lambda x: x[1]):
     if stage.startswith("generator"):
@@ -323,14 +330,17 @@ class AloneArms:
 
   Generation: one Ray generator instance on the generator core (started per
   block, like the modes' instances), the same prompt batches and sampling
-  seeds as the modes, nothing else running. Training: the shared trainer (a
-  state of its own) pinned to the trainer core, training on those samples.
+  seeds as the modes (`local.sampling_for`), nothing else running.
+  Training: a trainer of its own, in this process pinned to the trainer
+  core, doing the trainer's side of `train.train_iteration` on those
+  samples (`modes_workload.train_alone`: rewards, snapshot, prepare, PPO
+  updates); the Flax->HF weight export is timed apart.
   """
 
   def __init__(self, work: Workload):
     self.work = work
-    self.cfg = with_mode(work.config, "sync")
-    self.state = work.trainer(self.cfg).state
+    self.s = with_mode(work.s, "sync")
+    self.trainer = work.trainer(self.s)
     self.rewarder = work.rewarder()
     self.loader = work.loader()
     self.next_it = 0
@@ -339,25 +349,18 @@ class AloneArms:
     self.digest_it0 = None
 
   def run_block(self, n: int, untimed: int) -> None:
-    import numpy as np  # pylint: disable=g-import-not-at-top
-    from streamrl import train  # pylint: disable=g-import-not-at-top
-    from streamrl.generator import local as backends
-    from streamrl import cluster  # pylint: disable=g-import-not-at-top
-    from streamrl.generator.service import StreamGenerationService  # pylint: disable=g-import-not-at-top
-    unpin()
-    info = cluster.init_ray_from_config(self.cfg)  # core shares planned over all cores
-    pin_trainer(self.cfg)  # this process stays off the generator's core
-    svc = StreamGenerationService(self.cfg, self.work.model_dir, cluster=info)
+    from streamrl.generator.local import sampling_for  # pylint: disable=g-import-not-at-top
+    s = self.s
+    svc = self.work.rollout(s)  # this process pinned to the trainer's core
     generated = []
     try:
       gen_pid = svc.placement[0]["pid"]
       for j in range(n):
         it = self.next_it
-        requests, by_id = train.make_requests(next(self.loader), self.work.tokenizer,
-                                              self.cfg.algo.group_size)
+        requests, by_id = self.work.requests(next(self.loader))
         c0, t0 = proc_cpu_s(gen_pid), now()
-        samples = sorted(svc.generate(requests, backends.sampling_for(self.cfg, it)),
-                         key=lambda s: s.prompt_id)
+        samples = sorted(svc.generate(requests, sampling_for(s.sampling, s.seed, it)),
+                         key=lambda q: q.prompt_id)
         t1, c1 = now(), proc_cpu_s(gen_pid)
         if it == 0:
           self.digest_it0 = digest(samples)
@@ -369,27 +372,22 @@ class AloneArms:
         self.next_it += 1
     finally:
       svc.close()
-    trainer = self.work.trainer_object()
-    trainer.config, trainer.state = self.cfg, self.state
     for j, (it, samples, by_id) in enumerate(generated):
       t0, c0 = now(), time.process_time()
-      scores, _ = self.rewarder(samples, by_id)
-      trainer.begin_iteration(snapshot=False)
-      minis, _ = trainer.prepare(samples, scores)
-      trainer.train(minis, np.random.default_rng([self.cfg.seed, it]))
+      train_alone(self.trainer, self.rewarder, [samples], by_id, it=it,
+                  ppo_epochs=s.trainer.ppo_epochs, seed=s.seed, copy=False)
       t1, c1 = now(), time.process_time()
-      trainer.hf_tensors()
+      self.trainer.export_weights()
       t2 = now()
       if j >= untimed:
         self.train["samples"] += len(samples)
         self.train["wall_s"] += t1 - t0
         self.train["cpu"] += c1 - c0
         self.train["export_s"] += t2 - t1
-    self.state = trainer.state
 
   def results(self) -> tuple[dict, dict]:
     g, t = self.gen, self.train
-    batch = self.cfg.trainer.prompts_per_iteration * self.cfg.algo.group_size
+    batch = self.s.samples_per_iteration
     gen = {"samples": g["samples"], "wall_s": g["wall_s"],
            "samples_per_s": g["samples"] / g["wall_s"], "cpu_gen": g["cpu"] / g["wall_s"],
            "cpu_s_per_iteration": g["cpu"] * batch / g["samples"],
@@ -420,32 +418,26 @@ def main(argv):
   absl_logging.set_verbosity(absl_logging.WARNING)
   import logging  # pylint: disable=g-import-not-at-top
   logging.getLogger("streamrl").setLevel(logging.WARNING)
-  config, blocks, warm, iters = load_config()
+  s, blocks, warm, iters = load_config()
   modes = list(_MODES.value)
   for m in modes:
-    if m not in ("colocated", "sync", "stream", "async"):
+    if m not in MODES:
       raise app.UsageError(f"--modes has {m!r}; use colocated, sync, stream, async.")
   os.makedirs(_OUT.value, exist_ok=True)
   os.makedirs(_WORKDIR.value, exist_ok=True)
   t_all = now()
   print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at start", flush=True)
-  tr, g = config.trainer, config.generation
-  print(f"workload: {tr.prompts_per_iteration} prompts x {config.algo.group_size} samples/iteration, "
-        f"{config.algo.name} (critic={config.algo.use_critic}, reference={config.algo.use_reference}), "
-        f"mini-batch {tr.mini_batch_size}, ppo_epochs {tr.ppo_epochs}, max_num_seqs "
-        f"{g.max_num_seqs}, max_tokens {g.max_tokens}; {blocks} blocks of {warm} untimed + "
-        f"{iters} timed iterations per arm", flush=True)
-  work = Workload(config, _WORKDIR.value)
-  precompile(work, blocks * (warm + iters) + 1)
+  print(f"workload: {describe(s)}; {blocks} blocks of {warm} untimed + {iters} timed iterations "
+        "per arm", flush=True)
+  work = Workload(s, _WORKDIR.value)
+  precompile(work, [with_mode(s, m) for m in modes + ["sync"]], blocks * (warm + iters) + 1)
+  arms = {m: Arm(work, m) for m in modes}
+  alone = AloneArms(work)
   if _LOG_COMPILES.value:
     import jax  # pylint: disable=g-import-not-at-top
     jax.config.update("jax_log_compiles", True)
     absl_logging.set_verbosity(absl_logging.INFO)
 
-  if "colocated" in modes:
-    set_engine_threads(_COLOC_THREADS.value)
-  arms = {m: Arm(work, m) for m in modes}
-  alone = AloneArms(work)
   for b in range(blocks):
     order = modes[b % len(modes):] + modes[:b % len(modes)]
     print(f"--- block {b + 1}/{blocks}: {', '.join(order)}, alone "
@@ -495,7 +487,7 @@ def main(argv):
   print(f"load average during the blocks: {min(loads):.1f}-{max(loads):.1f} (2 cores)")
 
   # Timelines: the whole run per mode; the pictures show the last block.
-  summary = {"config": json.loads(config.to_json()), "throughput": tput, "modes": {},
+  summary = {"config": config_json(s), "throughput": tput, "modes": {},
              "gen_alone": gen, "train_alone": trn}
   for m in modes:
     res = results[m]

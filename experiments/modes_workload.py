@@ -1,14 +1,19 @@
 """What bench_modes.py and calibrate_sim.py share: the tiny PPO workload.
 
-`Workload` holds the examples, the warm-started policy directory, the
-tokenizer, one RLTrainer reused by every arm (its state reset per arm: a new
-RLTrainer would recompile its update step, since the jit cache is keyed by
-the optimizer objects, and the compile would land in a timed window) and,
-for colocated and the profiler, one in-process engine.
+`Workload` holds the typed settings, the examples, the warm-started policy
+directory and the tokenizer, and builds everything else through the public
+API a real run uses (`streamrl/train.py`): a fresh `RLTrainer.from_settings`
+per arm (equal settings share the jitted update step, so a second trainer
+compiles nothing), the rollout of a mode (`LocalRollout` in this process for
+colocated, a `StreamGenerationService` on the local Ray otherwise), the mode
+itself (`train.setup_mode`: generation scheduler + `pipeline.make_mode`) and
+its `rounds(it)` (`train.make_rounds`). `train_alone` is the trainer's side
+of `train.train_iteration` on given samples, timed in parts.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import time
@@ -16,25 +21,48 @@ import time
 # The cores this process may use, before any pinning narrows its mask.
 ALL_CORES = tuple(sorted(os.sched_getaffinity(0)))
 
+MODES = ("colocated", "sync", "stream", "async")
+
 
 def now() -> float:
   return time.perf_counter()
 
 
-def with_mode(config, mode: str):
-  from streamrl import config_utils  # pylint: disable=g-import-not-at-top
-  return config_utils.apply_overrides(config, {"pipeline.mode": mode})
+def with_mode(s, mode: str):
+  """Settings `s` with `pipeline.mode=mode`, validated again (the effective
+  rollout correction, for one, depends on the mode)."""
+  from streamrl import settings as settings_lib  # pylint: disable=g-import-not-at-top
+  out = s.replace(pipeline=dataclasses.replace(s.pipeline, mode=mode))
+  settings_lib.validate(out, check_files=False)
+  return out
 
 
 def unpin() -> None:
   """Gives this process every core back, before each arm.
 
-  colocated must use both cores; and the disaggregated modes split "the
-  available cores" (cluster.plan_cpu_shares) as seen by this process, which
-  the previous mode's trainer pinning narrowed to the trainer's core.
+  colocated must use both cores, and a disaggregated arm pins this process
+  (the trainer) to the trainer's share anew.
   """
   from streamrl import cluster  # pylint: disable=g-import-not-at-top
   cluster.pin_process_threads(ALL_CORES)
+
+
+def pin_trainer(s) -> None:
+  """Keeps this process (the trainer) off the generators' cores, as
+  `streamrl.experiment.run` does for an in-process trainer on a local Ray.
+
+  XLA sized its thread pool before this pinning (the process is reused by
+  every arm), so only the mask changes.
+  """
+  from streamrl import cluster  # pylint: disable=g-import-not-at-top
+  shares = cluster.plan_cpu_shares(s.cluster.generator_cpus, s.cluster.trainer_cpus, ALL_CORES)
+  cluster.pin_process_threads(shares.trainer_cores)
+
+
+def generator_cores(s) -> tuple[int, ...]:
+  from streamrl import cluster  # pylint: disable=g-import-not-at-top
+  return cluster.plan_cpu_shares(s.cluster.generator_cpus, s.cluster.trainer_cpus,
+                                 ALL_CORES).generator_cores
 
 
 def set_engine_threads(n: int) -> None:
@@ -52,67 +80,70 @@ def set_engine_threads(n: int) -> None:
 
 
 class Workload:
-  """Examples, policy, tokenizer, one trainer (reset per arm), the in-process engine."""
+  """Settings, examples, policy directory, tokenizer; builds the run's parts."""
 
-  def __init__(self, config, workdir: str):
+  def __init__(self, s, workdir: str):
     from streamrl import train  # pylint: disable=g-import-not-at-top
-    self.config = config
-    self.train_examples, _ = train.load_examples(config)
+    from streamrl.data.tokenizer import Tokenizer  # pylint: disable=g-import-not-at-top
+    from streamrl.models import warmstart  # pylint: disable=g-import-not-at-top
+    self.s = s
+    self.workdir = workdir
+    self.train_examples, _ = train.load_examples(s)
     t0 = now()
-    self.model_dir = train.prepare_model_dir(config, workdir, self.train_examples)
+    self.model_dir = warmstart.prepare_model_dir(s.model, s.warmstart, s.task, seed=s.seed,
+                                                 workdir=workdir,
+                                                 train_examples=self.train_examples)
     print(f"policy: {self.model_dir} ({now() - t0:.0f} s)", flush=True)
-    self.tokenizer = train.Tokenizer(self.model_dir)
-    self._trainer = None
-    self._initial = None
+    self.tokenizer = Tokenizer(self.model_dir)
     self._local = None
+    self._cluster = None
 
+  # ------------------------------------------------------------------ data
   def loader(self):
     from streamrl.data.loader import PromptLoader  # pylint: disable=g-import-not-at-top
-    return PromptLoader(self.train_examples, self.config.trainer.prompts_per_iteration,
-                        seed=self.config.seed)
+    return PromptLoader(self.train_examples, self.s.trainer.prompts_per_iteration,
+                        seed=self.s.seed)
 
   def batches(self, n: int):
     """The first n prompt batches of the loader: what every mode generates."""
     loader = self.loader()
     return [next(loader) for _ in range(n)]
 
+  def requests(self, examples):
+    """(requests, {request id: Example}) of a prompt batch, as a Round holds them."""
+    from streamrl.data.loader import make_requests  # pylint: disable=g-import-not-at-top
+    return make_requests(examples, self.tokenizer, self.s.advantage.group_size)
+
   def rewarder(self):
-    from streamrl import train  # pylint: disable=g-import-not-at-top
-    from streamrl.data import rewards  # pylint: disable=g-import-not-at-top
-    return train.Rewarder(rewards.get_reward_fn(self.config.task.reward), self.tokenizer)
+    from streamrl.data.rewards import Rewarder, get_reward_fn  # pylint: disable=g-import-not-at-top
+    return Rewarder(get_reward_fn(self.s.task.reward), self.tokenizer)
 
-  def trainer(self, config):
-    """The shared trainer, reset to the warm-started policy and a fresh optimizer."""
-    import jax  # pylint: disable=g-import-not-at-top
-    import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-    if self._trainer is None:
-      from streamrl.models import hf  # pylint: disable=g-import-not-at-top
-      from streamrl.trainer.rl_trainer import RLTrainer  # pylint: disable=g-import-not-at-top
-      _, policy = hf.load_hf(self.model_dir)
-      self._trainer = RLTrainer(config, policy)
-      self._initial = jax.tree.map(jnp.copy, self._trainer.state)
-    t = self._trainer
-    t.config = config
-    t.state = jax.tree.map(jnp.copy, self._initial)
-    t.begin_iteration(snapshot=False)  # no snapshot left from a previous arm
-    return t
+  # --------------------------------------------------------------- trainer
+  def trainer(self, s):
+    """A new trainer on the warm-started policy with a fresh optimizer state."""
+    from streamrl.models import hf  # pylint: disable=g-import-not-at-top
+    from streamrl.trainer.rl_trainer import RLTrainer  # pylint: disable=g-import-not-at-top
+    _, policy = hf.load_hf(self.model_dir)
+    return RLTrainer.from_settings(policy, s)
 
-  def trainer_object(self):
-    """The shared trainer as it is (each arm swaps its own state in)."""
-    return self._trainer
+  # --------------------------------------------------------------- rollout
+  def cluster(self, s):
+    """The local Ray (started once; its core shares are planned over all cores)."""
+    if self._cluster is None:
+      from streamrl import cluster  # pylint: disable=g-import-not-at-top
+      self._cluster = cluster.init_ray_for(s.cluster)
+    return self._cluster
 
-  def initial_state(self):
-    return self._initial
-
-  def local_backend(self):
-    """The in-process engine (one torch thread): colocated's backend and the
-    instance the profiler measures. It lives only while no Ray generator
-    does (`close_local`): Ray's memory monitor kills actors when the shared
-    machine runs short."""
+  def local_rollout(self, threads: int = 1):
+    """The in-process engine (`threads` torch threads): colocated's rollout
+    and the instance the profiler measures. It lives only while no Ray
+    generator does (`close_local`): Ray's memory monitor kills actors when
+    the shared machine runs short."""
     if self._local is None:
-      set_engine_threads(1)
-      from streamrl.generator.local import LocalBackend  # pylint: disable=g-import-not-at-top
-      self._local = LocalBackend(with_mode(self.config, "colocated"), self.model_dir)
+      set_engine_threads(threads)
+      from streamrl.generator.local import LocalRollout  # pylint: disable=g-import-not-at-top
+      s = self.s
+      self._local = LocalRollout(self.model_dir, s.engine, dtype=s.model.dtype, seed=s.seed)
     return self._local
 
   def close_local(self) -> None:
@@ -121,23 +152,47 @@ class Workload:
       self._local = None
       gc.collect()
 
+  def ray_rollout(self, s):
+    """One Ray generator service as the settings describe it (local Ray)."""
+    from streamrl.generator.service import StreamGenerationService  # pylint: disable=g-import-not-at-top
+    return StreamGenerationService(self.model_dir, s.engine, dtype=s.model.dtype, seed=s.seed,
+                                   cluster=self.cluster(s),
+                                   stall_timeout_s=s.pipeline.stall_timeout_s,
+                                   transfer=s.transfer)
 
-def make_config(*, prompts: int, mini_batch: int, num_iterations: int, max_num_seqs: int,
-                max_tokens: int, extra: dict | None = None, overrides=()):
-  """configs/ppo.py with the benchmark workload's settings, validated.
+  def rollout(self, s, engine_threads: int = 1):
+    """The rollout a real run of `s` uses: the in-process engine for
+    colocated (this process then uses every core; `engine_threads` torch
+    threads), Ray actors otherwise (this process, the trainer, pinned to the
+    trainer's core)."""
+    unpin()
+    if s.pipeline.mode == "colocated":
+      return self.local_rollout(engine_threads)
+    self.cluster(s)  # Ray starts while this process may still use every core.
+    pin_trainer(s)
+    return self.ray_rollout(s)
+
+  def mode(self, s, rollout, loader):
+    """The mode of `s` over `rollout` (fifo/skew scheduler as configured),
+    taking its prompt batches from `loader`."""
+    from streamrl import train  # pylint: disable=g-import-not-at-top
+    return train.setup_mode(s, rollout, model_dir=self.model_dir, workdir=None,
+                            rounds=train.make_rounds(loader, self.tokenizer,
+                                                     s.advantage.group_size))
+
+
+def make_settings(*, prompts: int, mini_batch: int, num_iterations: int, max_num_seqs: int,
+                  max_tokens: int, extra: dict | None = None, overrides=()):
+  """configs/ppo.py with the benchmark workload's settings, as typed Settings.
 
   One generator core and one trainer core; `num_iterations` sets the lr
-  horizon and must be the same in every mode of a comparison.
+  horizon and must be the same in every mode of a comparison. `overrides`
+  are "key=value" strings of config keys.
   """
-  import importlib.util  # pylint: disable=g-import-not-at-top
-  from streamrl import config_utils  # pylint: disable=g-import-not-at-top
-  from streamrl.train import validate  # pylint: disable=g-import-not-at-top
+  from streamrl import config_utils, settings  # pylint: disable=g-import-not-at-top
   repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  spec = importlib.util.spec_from_file_location("workload_ppo",
-                                                os.path.join(repo, "configs", "ppo.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  settings = {
+  config = config_utils.load_config(os.path.join(repo, "configs", "ppo.py"))
+  values = {
       "trainer.prompts_per_iteration": prompts,
       "trainer.mini_batch_size": mini_batch,
       "trainer.micro_batch_size": mini_batch,
@@ -149,48 +204,103 @@ def make_config(*, prompts: int, mini_batch: int, num_iterations: int, max_num_s
       "log.progress": False,
       **(extra or {}),
   }
-  config = config_utils.apply_overrides(module.get_config(), settings)
+  config = config_utils.apply_overrides(config, values)
   config = config_utils.apply_overrides(config, list(overrides))
-  validate(config)
-  return config
+  return settings.from_config(config)
 
 
-def precompile(work: Workload, num_batches: int, streaming: bool = True) -> None:
-  """Fills the trainer's jit caches for every padded length the workload can produce.
+def config_json(s) -> dict:
+  """The settings as the nested config dict (for summary.json)."""
+  import json  # pylint: disable=g-import-not-at-top
+  from streamrl import settings  # pylint: disable=g-import-not-at-top
+  return json.loads(settings.to_config(s).to_json())
+
+
+def describe(s) -> str:
+  """One line on the algorithm of `s`."""
+  adv, tr, e = s.advantage, s.trainer, s.engine
+  return (f"{tr.prompts_per_iteration} prompts x {adv.group_size} samples/iteration, "
+          f"{adv.estimator} (critic={adv.use_critic}, reference={s.kl.use_reference}), "
+          f"mini-batch {tr.mini_batch_size}, ppo_epochs {tr.ppo_epochs}, max_num_seqs "
+          f"{e.max_num_seqs}, max_tokens {s.sampling.max_tokens}")
+
+
+def train_alone(trainer, rewarder, chunks, examples_by_id, *, it: int, ppo_epochs: int,
+                seed: int, copy: bool) -> tuple[float, float]:
+  """The trainer's side of `train.train_iteration` on given chunks of samples.
+
+  The same calls in the same order (snapshot, then per chunk: reward,
+  prepare, one update per mini-batch in the loop's shuffled order; then the
+  other PPO epochs), without a mode, a push or a timeline. `copy` is the
+  snapshot's (a mode that scores every sample before the first update
+  needs none). Returns (forward seconds: snapshot + rewards + prepare,
+  update seconds: every optimizer step, waited for).
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng([seed, it])
+  fwd = upd = 0.0
+  t0 = now()
+  old = trainer.snapshot(copy=copy)
+  jax.block_until_ready(jax.tree.leaves(old))
+  fwd += now() - t0
+  minis = []
+  for chunk in chunks:
+    t0 = now()
+    rewards, _ = rewarder(chunk, examples_by_id)
+    part, _ = trainer.prepare(chunk, rewards, old)
+    t1 = now()
+    out = [trainer.update(part[j]) for j in rng.permutation(len(part))]
+    jax.block_until_ready(out)
+    fwd, upd = fwd + t1 - t0, upd + now() - t1
+    minis.extend(part)
+  t0 = now()
+  out = []
+  for _ in range(ppo_epochs - 1):
+    out.extend(trainer.update(minis[j]) for j in rng.permutation(len(minis)))
+  jax.block_until_ready(out)
+  return fwd, upd + now() - t0
+
+
+def precompile(work: Workload, settings_list, num_batches: int, streaming: bool = True) -> None:
+  """Fills the jit caches for every padded length the workload can produce.
 
   Mini-batches are padded to multiples of 32 tokens, and jit caches are per
   process: a timed iteration that met a new length would pay a compile, and
-  whichever mode ran first would pay for the others. Synthetic samples of
-  each length go through prepare (sync / async / colocated: the whole batch;
-  stream: one mini-batch, on a snapshot) and two updates (the first step of
-  a fresh state and the later ones compile apart); the trainer's state is
-  then reset.
+  whichever mode ran first would pay for the others. For each distinct loss
+  config among `settings_list` (async's rollout correction differs) and
+  each length, a fresh trainer (what every arm starts with) scores synthetic
+  samples (the whole batch; with `streaming`, one mini-batch too, on a
+  copied snapshot as stream mode takes it) and runs two updates (the first
+  step of a fresh state and the later ones compile apart). Trainers of equal
+  settings share these compiled functions.
   """
-  import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
-  from streamrl.generator.vllm_engine import Sample  # pylint: disable=g-import-not-at-top
+  from streamrl.generator.rollout import Sample  # pylint: disable=g-import-not-at-top
   from streamrl.trainer import experience  # pylint: disable=g-import-not-at-top
-  cfg = work.config
+  from streamrl.trainer.rl_trainer import loss_config  # pylint: disable=g-import-not-at-top
+  s0 = work.s
   longest = max(len(work.tokenizer.encode_prompt(ex.prompt))
                 for batch in work.batches(num_batches) for ex in batch)
-  top = experience.bucket_length(longest + cfg.generation.max_tokens)
-  trainer = work.trainer(cfg)
-  mb = cfg.trainer.mini_batch_size
-  full = cfg.trainer.prompts_per_iteration * cfg.algo.group_size
+  top = experience.bucket_length(longest + s0.sampling.max_tokens)
+  distinct = {}
+  for s in settings_list:
+    distinct.setdefault(loss_config(s), s)
+  mb, full = s0.trainer.mini_batch_size, s0.samples_per_iteration
   t0 = now()
-  for length in range(32, top + 1, 32):
-    resp = max(1, length - 3)
-    for size in sorted({full, mb} if streaming else {full}):
-      samples = [Sample(prompt_id=i, prompt_token_ids=(1, 5), token_ids=(7,) * resp,
-                        logprobs=(-1.0,) * resp, finish_reason="length", weight_version=0,
-                        instance_id=0) for i in range(size)]
-      scores = np.linspace(0, 1, size, dtype=np.float32)
-      for snapshot in (True, False) if streaming else (False,):
-        trainer.begin_iteration(snapshot=snapshot)
-        minis, _ = trainer.prepare(samples, scores)
-    trainer.train_minibatch(minis[0])
-    trainer.train_minibatch(minis[0])
-    trainer.state = jax.tree.map(jnp.copy, work.initial_state())
-  trainer.hf_tensors()
-  print(f"precompiled the trainer for lengths 32..{top} ({now() - t0:.0f} s)", flush=True)
+  for s in distinct.values():
+    for length in range(32, top + 1, 32):
+      trainer = work.trainer(s)
+      resp = max(1, length - 3)
+      for size in sorted({full, mb} if streaming else {full}):
+        samples = [Sample(prompt_id=i, prompt_token_ids=(1, 5), token_ids=(7,) * resp,
+                          logprobs=(-1.0,) * resp, finish_reason="length", weight_version=0,
+                          instance_id=0) for i in range(size)]
+        rewards = np.linspace(0, 1, size, dtype=np.float32)
+        for copy in (True, False) if streaming else (False,):
+          minis, _ = trainer.prepare(samples, rewards, trainer.snapshot(copy=copy))
+      trainer.update(minis[0])
+      trainer.update(minis[0])
+    trainer.export_weights()
+  print(f"precompiled {len(distinct)} trainer config(s) for lengths 32..{top} "
+        f"({now() - t0:.0f} s)", flush=True)

@@ -33,9 +33,9 @@ def main(argv):
   # Checked before the heavy imports, so a wrong path fails at once.
   workdir = errors.check_workdir(_WORKDIR.value)
   from streamrl import metrics  # pylint: disable=g-import-not-at-top
-  metrics.configure_logging(workdir)  # Before train's imports, so JAX's and vLLM's lines go to the file.
-  from streamrl import train  # pylint: disable=g-import-not-at-top
-  final = train.run(_CONFIG.value, workdir)
+  metrics.configure_logging(workdir)  # Before the heavy imports, so JAX's and vLLM's lines go to the file.
+  from streamrl import experiment  # pylint: disable=g-import-not-at-top
+  final = experiment.run(_CONFIG.value, workdir)
   print({k: round(v, 4) for k, v in final.items() if "eval" in k})
 
 

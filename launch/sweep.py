@@ -44,7 +44,7 @@ _RUN_FN = flags.DEFINE_string("run_fn", None, "module:function called as fn(conf
 
 # The training entry point, found by name at run time so that planning
 # (--dry_run) works without importing JAX.
-_DEFAULT_RUN_FNS = ("streamrl.train:run", "streamrl.trainer.train:run")
+_DEFAULT_RUN_FNS = ("streamrl.experiment:run",)
 
 
 def _resolve_run_fn(spec: str | None):

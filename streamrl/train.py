@@ -108,6 +108,26 @@ def write_placement(workdir: str, placement: dict | None, rollout) -> None:
     json.dump(placement, f, indent=1, default=str)
 
 
+def make_rounds(loader: PromptLoader, tokenizer, group_size: int):
+  """`rounds(it)`: the next prompt batch of `loader` as iteration it's Round."""
+
+  def rounds(it: int) -> mode_base.Round:
+    examples = next(loader)
+    requests, by_id = make_requests(examples, tokenizer, group_size)
+    return mode_base.Round(it, requests, by_id, loader.get_state())
+
+  return rounds
+
+
+def setup_mode(s: settings_lib.Settings, rollout, *, model_dir: str, workdir: str | None,
+               rounds) -> mode_base.Mode:
+  """The configured mode over `rollout`, with its generation scheduler."""
+  scheduler = GenerationScheduler(s.scheduler, model_dir=model_dir, workdir=workdir,
+                                  num_instances=rollout.num_instances,
+                                  max_batch_size=s.engine.max_num_seqs)
+  return make_mode(s, rollout, scheduler, rounds)
+
+
 # --------------------------------------------------------------- iteration
 def _combine(parts: list[dict]) -> dict:
   """Per-chunk metrics -> one value each: max of maxima, mean of the rest."""
@@ -181,9 +201,7 @@ def train_iteration(it: int, mode: mode_base.Mode, trainer: RLTrainer, rewarder:
 
 def iteration_scalars(x: Iteration, timeline: Timeline, rollout) -> dict:
   """The scalars of one iteration (TensorBoard and metrics.jsonl)."""
-  for i, start, end, _ in rollout.busy_intervals[timeline.synced:]:
-    timeline.add(f"generator{i}", start, end)
-  timeline.synced = len(rollout.busy_intervals)
+  timeline.copy_generator_intervals(rollout.busy_intervals)
   lengths = np.array([len(s.token_ids) for s in x.samples], np.float64)
   wall = max(x.t1 - x.t0, 1e-9)
   staleness = np.array([x.it - s.weight_version for s in x.samples], np.float64)
@@ -239,17 +257,10 @@ def run(s: settings_lib.Settings, workdir: str, cluster=None,
     rewarder.errors = meta.get("reward_errors", 0)
     log.info("Resumed from iteration %d", start)
 
-  def rounds(it: int) -> mode_base.Round:
-    examples = next(loader)
-    requests, by_id = make_requests(examples, tokenizer, s.advantage.group_size)
-    return mode_base.Round(it, requests, by_id, loader.get_state())
-
   rollout = make_rollout(s, model_dir, cluster)
   try:
-    scheduler = GenerationScheduler(s.scheduler, model_dir=model_dir, workdir=workdir,
-                                    num_instances=rollout.num_instances,
-                                    max_batch_size=s.engine.max_num_seqs)
-    mode = make_mode(s, rollout, scheduler, rounds)
+    mode = setup_mode(s, rollout, model_dir=model_dir, workdir=workdir,
+                      rounds=make_rounds(loader, tokenizer, s.advantage.group_size))
   except BaseException:
     rollout.close()
     raise
@@ -263,7 +274,6 @@ def run(s: settings_lib.Settings, workdir: str, cluster=None,
   progress = metrics_lib.Progress(s.trainer.num_iterations, "RL", initial=start,
                                   file=None if s.log.progress else io.StringIO())
   timeline = Timeline()
-  timeline.synced = 0
   final: dict = {}
   num_it = s.trainer.num_iterations
   try:

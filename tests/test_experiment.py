@@ -1,4 +1,4 @@
-"""The trainer as a Ray actor: a disaggregated run end to end through train.run."""
+"""The trainer as a Ray actor: a disaggregated run end to end through experiment.run."""
 
 import glob
 import json
@@ -7,9 +7,10 @@ import os
 import pytest
 import ray
 
-from streamrl import config_utils, train
+from streamrl import config_utils, experiment
+from streamrl.errors import UserError
 
-CONFIGS = os.path.join(os.path.dirname(__file__), "..", "..", "configs")
+CONFIGS = os.path.join(os.path.dirname(__file__), "..", "configs")
 
 TINY = {
     "warmstart.steps": 4, "warmstart.batch_size": 16,
@@ -38,7 +39,7 @@ def fresh_ray():
 
 def test_async_run_trains_on_a_trainer_actor(tmp_path):
   workdir = str(tmp_path / "async")
-  final = train.run(load(**{"pipeline.mode": "async"}), workdir)
+  final = experiment.run(load(**{"pipeline.mode": "async"}), workdir)
   with open(os.path.join(workdir, "placement.json")) as f:
     placement = json.load(f)
   # The trainer ran in its own process (an actor), not in this one, and the
@@ -58,15 +59,17 @@ def test_async_run_trains_on_a_trainer_actor(tmp_path):
   # A workdir written by another config is refused here, before any actor starts.
   before = sorted((p, os.path.getmtime(p)) for p in glob.glob(f"{workdir}/**", recursive=True))
   with pytest.raises(ValueError, match="new --workdir"):
-    train.run(load(**{"pipeline.mode": "async", "model.tiny": "llama"}), workdir)
+    experiment.run(load(**{"pipeline.mode": "async", "model.tiny": "llama"}), workdir)
   after = sorted((p, os.path.getmtime(p)) for p in glob.glob(f"{workdir}/**", recursive=True))
   assert before == after
 
 
 def test_an_error_in_the_actor_keeps_its_type_and_message(tmp_path):
-  # The data file is read inside the actor; its error comes back as itself.
-  cfg = load(**{"pipeline.mode": "sync", "task.kind": "jsonl",
-                "task.jsonl_path": str(tmp_path / "missing.jsonl")})
-  with pytest.raises(FileNotFoundError, match="missing.jsonl") as info:
-    train.run(cfg, str(tmp_path / "bad"))
+  # The data file is read inside the actor (the settings only check that it
+  # exists); an empty one is refused there and comes back as itself.
+  data = tmp_path / "empty.jsonl"
+  data.write_text("")
+  cfg = load(**{"pipeline.mode": "sync", "task.kind": "jsonl", "task.jsonl_path": str(data)})
+  with pytest.raises(UserError, match="empty.jsonl") as info:
+    experiment.run(cfg, str(tmp_path / "bad"))
   assert isinstance(info.value, ray.exceptions.RayTaskError)  # it did come from the actor

@@ -54,6 +54,14 @@ def test_main_reports_input_errors_in_one_line(tmp_path):
   assert not (tmp_path / "wd").exists()
 
 
+def test_main_reports_a_bad_setting_in_one_line(tmp_path):
+  # streamrl.settings checks values when the config is read, before anything starts.
+  res = _run([MAIN, "--config=configs/ppo.py", f"--workdir={tmp_path}", "--config.trainer.lr=-1"])
+  _assert_one_line(res, "error: ")
+  assert "trainer.lr" in res.stderr
+  assert os.listdir(tmp_path) == ["libraries.log"]  # Nothing else was written.
+
+
 @pytest.mark.parametrize("how", ["env", "flag"])
 def test_debug_shows_the_traceback(tmp_path, how):
   a_file = tmp_path / "a_file"

@@ -112,7 +112,7 @@ class GeneratorActor:
       for n, sample in enumerate(stream, 1):
         # The engine's count of requests still running after this finish.
         self._peak_in_flight = max(self._peak_in_flight,
-                                   getattr(self._gen, "_in_flight", 0) + 1)
+                                   self._gen.in_flight + 1)
         if not pending:
           first_at = time.perf_counter()
         pending.append(sample)

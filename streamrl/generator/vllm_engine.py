@@ -129,7 +129,7 @@ class _ReloadLogFilter(logging.Filter):
 
 
 class _DropNextPrefixReset(logging.Filter):
-  """Drops the next "Successfully reset prefix cache" message, once per arm().
+  """Drops the next "Successfully reset prefix cache" message after arm().
 
   The reset follows every reload (update_weights) as a separate engine call,
   after the reload has returned, so this cannot be a scoped filter like
@@ -139,14 +139,14 @@ class _DropNextPrefixReset(logging.Filter):
 
   def __init__(self):
     super().__init__()
-    self.armed = 0
+    self.armed = False
 
   def arm(self) -> None:
-    self.armed += 1
+    self.armed = True
 
   def filter(self, record: logging.LogRecord) -> bool:
     if self.armed and record.msg == _PREFIX_RESET_MSG:
-      self.armed -= 1
+      self.armed = False
       return False
     return True
 
@@ -156,8 +156,8 @@ _PREFIX_RESET_FILTER = _DropNextPrefixReset()
 
 class WorkerExtension:
   """Mixed into every vLLM worker (`worker_extension_cls`), called by name over
-  `collective_rpc`: only a method name and bytes cross the process boundary,
-  never a pickled function or a tensor."""
+  `collective_rpc`: only a method name, a file path and a few names cross the
+  process boundary, never a pickled function or a tensor."""
 
   def streamrl_reload(self, path: str) -> list[str]:
     """A safetensors file (HF names) -> in-place reload of this worker's model.
@@ -188,8 +188,10 @@ class WorkerExtension:
     if getattr(getattr(model, "config", None), "tie_word_embeddings", False):
       model.lm_head.quant_method.process_weights_after_loading(model.lm_head)
     # The prefix-cache reset that follows runs in this process when the
-    # scheduler and this worker share one (single-process executor, the
-    # case here); with worker processes of their own it still prints.
+    # scheduler and this worker share one: the in-process engine
+    # (VLLM_ENABLE_V1_MULTIPROCESSING=0, StreamRL's default). In vLLM's
+    # multiprocess engine the scheduler has a process of its own and its
+    # one INFO line per update still shows.
     logging.getLogger(_BLOCK_POOL_LOGGER).addFilter(_PREFIX_RESET_FILTER)
     _PREFIX_RESET_FILTER.arm()
     return sorted(quiet.hidden)

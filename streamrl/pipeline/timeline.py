@@ -19,6 +19,14 @@ class Timeline:
   def __init__(self):
     self._lock = threading.Lock()
     self.intervals: list[tuple[str, float, float, str]] = []  # stage, start, end, label
+    self._copied = 0  # generator intervals already copied from the rollout
+
+  def copy_generator_intervals(self, busy_intervals) -> None:
+    """Adds a rollout's new (instance, start, end, n) stream segments as
+    stages generator0, generator1, ..."""
+    for i, start, end, _ in busy_intervals[self._copied:]:
+      self.add(f"generator{i}", start, end)
+    self._copied = len(busy_intervals)
 
   def add(self, stage: str, start: float, end: float, label: str = "") -> None:
     if end > start:

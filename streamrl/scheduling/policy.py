@@ -1,7 +1,10 @@
-"""`config.generation.scheduler` -> a DispatchPlan: "fifo" | "skew" | "oracle".
+"""A scheduler's name -> a DispatchPlan: "fifo" | "skew" | "oracle".
 
-One entry point for the generation service and the simulator, so that the
-three schedulers are chosen by name from the config.
+`plan_generation` is what `GenerationScheduler` (streamrl/scheduling/
+scheduler.py) calls each round with the run's `generation.scheduler`:
+"fifo" is `fifo_plan`; "skew" and "oracle" run `dispatch` (Algorithm 2 +
+LPT) on predicted or true lengths. The simulator calls `fifo_plan` and
+`dispatch` directly.
 """
 
 from __future__ import annotations

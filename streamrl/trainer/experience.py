@@ -1,10 +1,13 @@
 """From finished samples to a training batch.
 
 `pad_samples` lays samples out as right-padded [b, t] arrays aligned with the
-model's logprobs (column t describes token t + 1); `score_batch` adds the
-trainer-side per-sample work (old / reference logprobs, values) and
-`add_advantages` the estimator's output. Each step works on any subset of
-samples, so the stream pipeline can run them per sample on arrival.
+model's logprobs (column t describes token t + 1), with lengths rounded by
+`bucket_length` so few distinct shapes reach the jitted step. Once the
+trainer has scored them (`RLTrainer.score`: old / reference logprobs,
+values), `compute_advantages` turns rewards into token rewards (minus the KL
+penalty when it lives in the reward), advantages and returns. It normalises
+with the statistics of the batch it is given, so `RLTrainer.prepare` calls it
+once per released chunk of samples (whole groups, for group estimators).
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ class LossConfig:
       mini-batch into micro-batches gives the same loss and gradient in every
       mode (see `micro_batch_weights`).
     norm_constant: the fixed divisor of agg="token_sum_norm" (Dr. GRPO): the
-      loss is sum of token losses / (sequences · norm_constant). Use the
+      loss is sum of token losses / (rows · norm_constant). Use the
       maximum response length (generation.max_tokens); it must be > 0 in
       that mode and is ignored in the others.
     rollout_correction: "none", "tis" or "mis": per-token weights for the

@@ -115,7 +115,7 @@ def test_weight_update_is_quiet(engine):
            if any(m in r.getMessage() for m in ("Failed to load weights", "Reloading", "reset prefix cache"))]
   assert not noisy
   # Nothing stays armed: the next reset (e.g. one we did not cause) is shown again.
-  assert vllm_engine._PREFIX_RESET_FILTER.armed == 0
+  assert not vllm_engine._PREFIX_RESET_FILTER.armed
 
 
 def test_reload_filter_hides_only_the_expected_layers():

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from streamrl.generator.vllm_engine import Sample
+from streamrl.generator.rollout import Sample
 from streamrl.pipeline.stream import LengthBatcher
 from streamrl.trainer import experience
 
@@ -11,7 +11,7 @@ from streamrl.trainer import experience
 def item(rid, prompt_len, resp_len):
   s = Sample(prompt_id=rid, prompt_token_ids=(1,) * prompt_len, token_ids=(7,) * resp_len,
              logprobs=(-1.0,) * resp_len, finish_reason="stop", weight_version=0, instance_id=0)
-  return (s, float(rid))
+  return s
 
 
 def padded(batch):
@@ -23,7 +23,7 @@ def test_a_full_bucket_is_emitted_at_once_and_alone():
   assert b.add([item(0, 10, 5)]) == []          # bucket 32
   assert b.add([item(1, 10, 40)]) == []         # bucket 64: not mixed with the short one
   out = b.add([item(2, 5, 5)])                  # bucket 32 is full
-  assert [[x[0].prompt_id for x in m] for m in out] == [[0, 2]]
+  assert [[x.prompt_id for x in m] for m in out] == [[0, 2]]
   assert b.pending() == 1
 
 
@@ -39,7 +39,7 @@ def test_flush_sorts_what_is_left_and_keeps_every_item_once():
   rest = b.flush()
   assert b.pending() == 0
   assert all(len(m) == 4 for m in emitted + rest)
-  ids = sorted(x[0].prompt_id for m in emitted + rest for x in m)
+  ids = sorted(x.prompt_id for m in emitted + rest for x in m)
   assert ids == list(range(24))
   # Sorted by bucket: padded lengths never decrease along the flushed batches.
   assert [padded(m) for m in rest] == sorted(padded(m) for m in rest)
@@ -53,7 +53,7 @@ def test_groups_stay_whole():
     out += b.add([item(2 * g, 10, long), item(2 * g + 1, 10, 3)])
   out += b.flush()
   for m in out:
-    ids = sorted(x[0].prompt_id for x in m)
+    ids = sorted(x.prompt_id for x in m)
     assert all(ids[k] // 2 == ids[k + 1] // 2 for k in range(0, 4, 2)), ids
 
 
@@ -61,7 +61,7 @@ def test_add_sample_waits_for_whole_groups_in_id_order():
   b = LengthBatcher(size=2, group_size=2)
   assert b.add_sample(item(1, 5, 5)) == []
   out = b.add_sample(item(0, 5, 5))
-  assert [[x[0].prompt_id for x in m] for m in out] == [[0, 1]]
+  assert [[x.prompt_id for x in m] for m in out] == [[0, 1]]
   b.add_sample(item(3, 5, 5))  # its partner never arrives
   with pytest.raises(RuntimeError, match="incomplete groups"):
     b.flush()

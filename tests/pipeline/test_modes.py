@@ -1,7 +1,8 @@
-"""Semantics of the pipeline modes, on the real trainer, with a scripted backend.
+"""Semantics of the pipeline modes, on the real trainer and the real loop
+(`train.train_iteration`), with a scripted rollout.
 
-The backend here stands in for the vLLM engines (tested on their own in
-tests/generator and tests/pipeline/test_service.py): it answers each request
+The rollout here stands in for the vLLM engines (tested on their own in
+tests/generator): it answers each request
 with a fixed token sequence, yields them in a shuffled "finish" order, and
 stamps each sample with the weight version it holds, so the tests can count
 samples and check versions exactly.
@@ -16,17 +17,17 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from streamrl import config_utils
-from streamrl.data import tasks
+from streamrl import config_utils, settings, train
+from streamrl.data import rewards, tasks
 from streamrl.data.loader import PromptLoader
-from streamrl.generator.vllm_engine import Sample
+from streamrl.data.rewards import Rewarder
+from streamrl.data.tokenizer import Tokenizer
+from streamrl.generator.rollout import Sample, UpdateHandle
 from streamrl.models import config as model_config
-from streamrl.models.transformer import Transformer
-from streamrl.pipeline import make_pipeline
-from streamrl.trainer.rl_trainer import RLTrainer
-from streamrl.train import Rewarder, Tokenizer
-from streamrl.data import rewards
 from streamrl.models import tiny
+from streamrl.models.transformer import Transformer
+from streamrl.pipeline.timeline import Timeline
+from streamrl.trainer.rl_trainer import RLTrainer
 
 CONFIGS = os.path.join(os.path.dirname(__file__), "..", "..", "configs")
 
@@ -40,7 +41,7 @@ def load(name, **overrides):
   return config_utils.apply_overrides(module.get_config(), {**base, **overrides})
 
 
-class ScriptedBackend:
+class ScriptedRollout:
   """Deterministic answers, shuffled finish order, real weight versions."""
 
   def __init__(self, seed=0):
@@ -48,6 +49,8 @@ class ScriptedBackend:
     self.rng = np.random.default_rng(seed)
     self.busy_intervals = []
     self.dead_instances = []
+    self.live_instances = [0, 1]
+    self.placement = {}
     self.updates = []
     self.lock = threading.Lock()
     self.produced = []
@@ -75,18 +78,7 @@ class ScriptedBackend:
     with self.lock:
       self.version = version
       self.updates.append(version)
-    return {0: version}
-
-  def start_update(self, tensors, version):
-    self.update(tensors, version)
-
-    class Done:
-      def delivered(self, timeout_s=None):
-        return None
-
-      def wait(self, timeout_s=None):
-        return None
-    return Done()
+    return UpdateHandle.done(version, {0: version})
 
   def close(self):
     pass
@@ -98,18 +90,27 @@ def model_dir(tmp_path_factory):
 
 
 def run_mode(config, model_dir, iterations, workdir=None):
+  """`iterations` of the real loop; returns (trainer, rollout, per-iteration outputs)."""
+  s = settings.from_config(config)
   policy = Transformer(model_config.tiny_qwen2(64), rngs=nnx.Rngs(1))
-  trainer = RLTrainer(config, policy)
-  backend = ScriptedBackend()
-  pipe = make_pipeline(config, model_dir, trainer, backend=backend, workdir=workdir)
+  trainer = RLTrainer.from_settings(policy, s)
+  rollout = ScriptedRollout()
   examples = tasks.make_examples(64, 0)
-  loader = PromptLoader(examples, config.trainer.prompts_per_iteration, seed=0)
+  loader = PromptLoader(examples, s.trainer.prompts_per_iteration, seed=0)
   tok = Tokenizer(model_dir)
   rewarder = Rewarder(rewards.get_reward_fn("partial_match"), tok)
-  outs = [pipe.iteration(it, loader, tok, rewarder) for it in range(iterations)]
-  pipe.close()
-  run_mode.last_pipeline = pipe
-  return trainer, backend, outs
+  mode = train.setup_mode(s, rollout, model_dir=model_dir, workdir=workdir,
+                          rounds=train.make_rounds(loader, tok, s.advantage.group_size))
+  timeline = Timeline()
+  outs = []
+  for it in range(iterations):
+    x = train.train_iteration(it, mode, trainer, rewarder, timeline,
+                              ppo_epochs=s.trainer.ppo_epochs, seed=s.seed)
+    outs.append({"samples": x.samples, "scalars": train.iteration_scalars(x, timeline, rollout),
+                 "staleness": [it - q.weight_version for q in x.samples]})
+  mode.close()
+  run_mode.last_mode = mode
+  return trainer, rollout, outs
 
 
 def params_of(trainer):
@@ -130,12 +131,12 @@ def test_every_sample_trained_on_exactly_once(model_dir, mode):
   cfg = load("grpo", **{"pipeline.mode": mode, "algo.group_size": 2,
                         "trainer.prompts_per_iteration": 8, "trainer.mini_batch_size": 4,
                         "trainer.micro_batch_size": 2})
-  trainer, backend, outs = run_mode(cfg, model_dir, 3)
+  trainer, rollout, outs = run_mode(cfg, model_dir, 3)
   for it, out in enumerate(outs):
     ids = [s.prompt_id for s in out["samples"]]
     assert sorted(ids) == list(range(16)), (mode, it)
   # Three iterations were generated: every request once, nothing extra.
-  assert len(backend.produced) == 3 * 16
+  assert len(rollout.produced) == 3 * 16
   # 16 samples in mini-batches of 4, for every PPO epoch of each iteration.
   assert int(trainer.state.step) == 3 * (16 // 4) * cfg.trainer.ppo_epochs
 
@@ -143,10 +144,10 @@ def test_every_sample_trained_on_exactly_once(model_dir, mode):
 @pytest.mark.parametrize("max_staleness", [1, 2])
 def test_async_respects_the_staleness_bound(model_dir, max_staleness):
   cfg = load("ppo", **{"pipeline.mode": "async", "pipeline.max_staleness": max_staleness})
-  _, backend, outs = run_mode(cfg, model_dir, 3)
+  _, rollout, outs = run_mode(cfg, model_dir, 3)
   stale = [s for out in outs for s in out["staleness"]]
   assert max(stale) <= max_staleness
-  assert backend.updates == [1, 2, 3]
+  assert rollout.updates == [1, 2, 3]
   # Iteration 0 is generated by the initial weights, later ones may lag.
   assert all(s == 0 for s in outs[0]["staleness"])
 
@@ -160,25 +161,25 @@ def test_bubbles_are_reported(model_dir):
 
 def test_skew_scheduler_dispatches_learns_and_saves_pairs(model_dir, tmp_path):
   cfg = load("ppo", **{"pipeline.mode": "sync", "generation.scheduler": "skew"})
-  _, backend, outs = run_mode(cfg, model_dir, 2, workdir=str(tmp_path))
+  _, rollout, outs = run_mode(cfg, model_dir, 2, workdir=str(tmp_path))
   # Every round went out as per-instance assignments covering each request once.
-  assert len(backend.assignments) == 2
-  for plan in backend.assignments:
+  assert len(rollout.assignments) == 2
+  for plan in rollout.assignments:
     ids = sorted(r for part in plan for r, _ in part)
     assert ids == list(range(8)) and len(plan) == 2
   # The (prompt, length) pairs of both rounds were saved for the ranker.
   from streamrl.ranker.data import load_pairs
   assert len(load_pairs(str(tmp_path / "length_pairs.jsonl"))) == 16
-  assert run_mode.last_pipeline.scheduler.ranker.step > 0
+  assert run_mode.last_mode.scheduler.ranker.step > 0
 
 
 def test_oracle_scheduler_puts_the_longest_prompt_first(model_dir):
   cfg = load("ppo", **{"pipeline.mode": "sync", "generation.scheduler": "oracle"})
-  _, backend, _ = run_mode(cfg, model_dir, 1)
+  _, rollout, _ = run_mode(cfg, model_dir, 1)
   by_len = {}
   for e in tasks.make_examples(64, 0):
     by_len[e.prompt] = tasks.oracle_answer_length(e.prompt)
   from streamrl.data import tokenizer as char_tok
-  for part in backend.assignments[0]:
+  for part in rollout.assignments[0]:
     lengths = [by_len[char_tok.decode(ids[1:])] for _, ids in part]
     assert lengths == sorted(lengths, reverse=True)

@@ -8,7 +8,6 @@ exactly 1 before the update.
 """
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -225,13 +224,14 @@ def test_equal_models_and_configs_share_the_compiled_step():
   assert step.update_step._cache_size() == compiled
 
 
-def test_trainer_passes_the_sampling_temperature_to_the_loss():
-  # The loss must score tokens at the temperature the generator sampled with,
-  # or the PPO ratio is not 1 even before the first update.
-  from streamrl import config_utils  # pylint: disable=g-import-not-at-top
-  from streamrl.trainer.rl_trainer import RLTrainer  # pylint: disable=g-import-not-at-top
-  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-  config = config_utils.load_config(os.path.join(root, "configs", "ppo.py"))
-  config = config_utils.apply_overrides(config, {"generation.temperature": TEMPERATURE})
-  trainer = RLTrainer(config, make_model())
-  assert trainer.loss_cfg.temperature == TEMPERATURE
+def test_trainer_loss_config_scores_at_the_sampling_temperature():
+  # The loss must score tokens at the temperature the generators sampled
+  # with, or the PPO ratio is not 1 even before the first update.
+  from streamrl import settings  # pylint: disable=g-import-not-at-top
+  from streamrl.trainer import rl_trainer  # pylint: disable=g-import-not-at-top
+  s = settings.Settings().replace(
+      sampling=settings.Sampling(temperature=TEMPERATURE, max_tokens=40),
+      loss=settings.Loss(agg="token_sum_norm"))
+  cfg = rl_trainer.loss_config(s)
+  assert cfg.temperature == TEMPERATURE
+  assert cfg.norm_constant == 40.0
