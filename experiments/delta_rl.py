@@ -3,16 +3,18 @@ r"""Delta transfer on a real RL run: bytes a delta would put on the slow link vs
   python experiments/delta_rl.py [--iterations=8] [--workdir=/tmp/streamrl_delta_rl] [--quick]
 
 What runs: the tiny PPO policy of configs/ppo.py with its defaults (colocated
-mode: the real in-process vLLM engine generates, the JAX trainer trains with
-actor + critic + reference, weights are pushed to the engine every
-iteration), warm-started once into ``--workdir`` (``train.prepare_model_dir``
-reuses the cached warm start there). The lr schedule is the config's: its
+mode: the real in-process vLLM engine, ``LocalRollout``, generates, the JAX
+trainer trains with actor + critic + reference, weights are pushed to the
+engine every iteration; each iteration is ``train.train_iteration`` on the
+mode from ``train.setup_mode``, as in a real run), warm-started once into
+``--workdir`` (``warmstart.prepare_model_dir`` reuses the cached warm start
+there). The lr schedule is the config's: its
 horizon is ``trainer.num_iterations`` (250), not ``--iterations``, so the
 steps measured here see the lr a real run sees at its start.
 
 What is measured: version 0 is the warm start (what the generators hold when
 the run begins), version v the weights after iteration v
-(``trainer.hf_tensors()``). Every version is laid out exactly as the transfer
+(``trainer.export_weights()``). Every version is laid out exactly as the transfer
 service publishes it (``manifest.write_payload``: a safetensors payload cut
 into ``--chunk_mib`` chunks, crc32 each) in two dtypes: float32 as trained, and
 bfloat16 (``ml_dtypes.bfloat16``, round-to-nearest from the fp32 master: what a
@@ -37,6 +39,7 @@ delta_bytes_ratio_bf16_k4=<mean k=4>`` (means over the iterations measured).
 """
 
 import os
+import struct
 import sys
 import time
 
@@ -59,27 +62,23 @@ DTYPES = ("fp32", "bf16")
 
 
 def load_config(quick: bool):
-  from streamrl import config_utils
-  from streamrl.train import validate
+  """configs/ppo.py in colocated mode (``--quick``: 16 prompts), as typed settings."""
+  from streamrl import config_utils, settings
   config = config_utils.load_config(os.path.join(REPO, "configs", "ppo.py"))
   overrides = {"log.progress": False, "pipeline.mode": "colocated"}
   if quick:
     # 4 optimizer steps per iteration as in the default (2 mini-batches x 2 epochs).
     overrides.update({"trainer.prompts_per_iteration": 16, "trainer.mini_batch_size": 8,
                       "trainer.micro_batch_size": 8})
-  config = config_utils.apply_overrides(config, overrides)
-  validate(config)
-  return config
+  return settings.from_config(config_utils.apply_overrides(config, overrides))
 
 
-def lr_at(config, step: int) -> float:
-  """The actor's lr at optimizer step ``step``: the schedule of step_lib.make_optimizer, same inputs."""
+def lr_at(s, step: int) -> float:
+  """The actor's lr at optimizer step ``step``: the schedule of step_lib.make_optimizer
+  with the trainer's own optimizer config (``rl_trainer.optim_configs``)."""
   import optax
-  from streamrl.trainer import step as step_lib
-  tr, algo = config.trainer, config.algo
-  total = tr.num_iterations * tr.ppo_epochs * max(
-      1, tr.prompts_per_iteration * algo.group_size // tr.mini_batch_size)
-  o = step_lib.OptimConfig(lr=tr.lr, warmup_steps=tr.warmup_steps, decay_steps=total)
+  from streamrl.trainer.rl_trainer import optim_configs
+  o, _ = optim_configs(s)
   sched = optax.warmup_cosine_decay_schedule(
       init_value=0.0 if o.warmup_steps else o.lr, peak_value=o.lr, warmup_steps=o.warmup_steps,
       decay_steps=max(o.decay_steps, o.warmup_steps + 1), end_value=o.lr * o.min_lr_ratio)
@@ -100,10 +99,16 @@ class Version:
     return memoryview(self.buf)[a:b]
 
 
+# The wire format of a chunk frame, as streamrl/transfer/transports.py documents
+# it: kind (1 B) + body length (8 B), then index (4 B) + encoding (1 B) + crc32
+# (4 B) before the data. transports keeps these structs private.
+_FRAME_HEADER = struct.Struct("!cQ")
+_CHUNK_HEADER = struct.Struct("!IBI")
+
+
 def frame_bytes() -> int:
   """Header bytes TcpPlane.send writes before each chunk (frame + chunk index/encoding/crc)."""
-  from streamrl.transfer import transports
-  return transports._FRAME.size + transports._CHUNK.size  # pylint: disable=protected-access
+  return _FRAME_HEADER.size + _CHUNK_HEADER.size
 
 
 def delta_wire(new: Version, base: Version, level: int) -> dict:
@@ -161,39 +166,49 @@ def main(argv):
   del argv
   import numpy as np
   from streamrl import train
-  from streamrl.data import rewards as rewards_lib
   from streamrl.data.loader import PromptLoader
-  from streamrl.models import hf
-  from streamrl.pipeline import make_pipeline
+  from streamrl.data.rewards import Rewarder, get_reward_fn
+  from streamrl.data.tokenizer import Tokenizer
+  from streamrl.generator.local import LocalRollout
+  from streamrl.models import hf, warmstart
+  from streamrl.pipeline.timeline import Timeline
   from streamrl.trainer.rl_trainer import RLTrainer
 
   t_start = time.perf_counter()
   iterations = 5 if _QUICK.value else _ITERATIONS.value
   chunk = _CHUNK_MIB.value << 20
-  config = load_config(_QUICK.value)
+  s = load_config(_QUICK.value)
   workdir = _WORKDIR.value
   os.makedirs(workdir, exist_ok=True)
-  train_examples, _ = train.load_examples(config)
-  model_dir = train.prepare_model_dir(config, workdir, train_examples)
+  train_examples, _ = train.load_examples(s)
+  model_dir = warmstart.prepare_model_dir(s.model, s.warmstart, s.task, seed=s.seed,
+                                          workdir=workdir, train_examples=train_examples)
   _, policy = hf.load_hf(model_dir)
-  tokenizer = train.Tokenizer(model_dir)
-  rewarder = train.Rewarder(rewards_lib.get_reward_fn(config.task.reward), tokenizer)
-  trainer = RLTrainer(config, policy)
-  loader = PromptLoader(train_examples, config.trainer.prompts_per_iteration, seed=config.seed)
-  pipe = make_pipeline(config, model_dir, trainer, workdir=workdir)
+  tokenizer = Tokenizer(model_dir)
+  rewarder = Rewarder(get_reward_fn(s.task.reward), tokenizer)
+  trainer = RLTrainer.from_settings(policy, s)
+  loader = PromptLoader(train_examples, s.trainer.prompts_per_iteration, seed=s.seed)
+  rollout = LocalRollout(model_dir, s.engine, dtype=s.model.dtype, seed=s.seed)
+  try:
+    mode = train.setup_mode(s, rollout, model_dir=model_dir, workdir=workdir,
+                            rounds=train.make_rounds(loader, tokenizer, s.advantage.group_size))
+  except BaseException:
+    rollout.close()
+    raise
+  timeline = Timeline()
   print(f"policy {model_dir}; set-up {time.perf_counter() - t_start:.0f} s", flush=True)
 
-  first = trainer.hf_tensors()
+  first = trainer.export_weights()
   n_params = sum(t.size for t in first.values())
   history = {"fp32": [Version(first, 0, chunk)], "bf16": [Version(bf16_of(first), 0, chunk)]}
   for d in DTYPES:
     m = history[d][0].manifest
     print(f"{d}: {n_params / 1e6:.2f}M params, payload {m.total_bytes / 1e6:.2f} MB in "
           f"{m.num_chunks} chunk(s) of {_CHUNK_MIB.value} MiB, word {m.word_bytes} B")
-  tr = config.trainer
+  tr = s.trainer
   print(f"actor: AdamW lr={tr.lr} (warmup {tr.warmup_steps} steps, cosine over "
         f"{tr.num_iterations} iterations), weight_decay={tr.weight_decay}, grad_clip={tr.grad_clip}; "
-        f"{tr.ppo_epochs} epochs x {tr.prompts_per_iteration * config.algo.group_size // tr.mini_batch_size}"
+        f"{tr.ppo_epochs} epochs x {s.samples_per_iteration // tr.mini_batch_size}"
         f" mini-batches per iteration; zlib level {_LEVEL.value}", flush=True)
 
   ratios = {(d, k): [] for d in DTYPES for k in LAGS}
@@ -204,9 +219,10 @@ def main(argv):
             f"{'|dw|/|w|':>9}{'fp32 chg':>9}{'bf16 chg':>9}{'bf16 chg4':>10}{cols}{'enc':>6}")
   try:
     for it in range(iterations):
-      stats = pipe.iteration(it, loader, tokenizer, rewarder)
-      s = stats["scalars"]
-      tensors = trainer.hf_tensors()
+      x = train.train_iteration(it, mode, trainer, rewarder, timeline,
+                                ppo_epochs=tr.ppo_epochs, seed=s.seed)
+      sc = train.iteration_scalars(x, timeline, rollout)
+      tensors = trainer.export_weights()
       rel = median_relative_change(tensors, prev)
       prev = tensors
       new = {"fp32": Version(tensors, it + 1, chunk), "bf16": Version(bf16_of(tensors), it + 1, chunk)}
@@ -223,8 +239,8 @@ def main(argv):
       step = int(trainer.state.step)
       fmt = lambda d, k: f"{res[d, k]['delta'] / res[d, k]['full']:>10.3f}" if (d, k) in res else f"{'-':>10}"
       chg4 = f"{res['bf16', 4]['changed']:>10.3f}" if ("bf16", 4) in res else f"{'-':>10}"
-      row = (f"{it:>3}{it + 1:>4}{step:>5}{lr_at(config, step - 1):>9.2e}{s['reward/mean']:>8.3f}"
-             f"{s['time/generation_s']:>7.1f}{s['time/training_s']:>8.1f}{rel:>9.1e}"
+      row = (f"{it:>3}{it + 1:>4}{step:>5}{lr_at(s, step - 1):>9.2e}{sc['reward/mean']:>8.3f}"
+             f"{sc['time/generation_s']:>7.1f}{sc['time/training_s']:>8.1f}{rel:>9.1e}"
              f"{res['fp32', 1]['changed']:>9.3f}{res['bf16', 1]['changed']:>9.3f}{chg4}"
              + "".join(fmt(d, k) for d in DTYPES for k in LAGS)
              + f"{res['fp32', 1]['enc'] + '/' + res['bf16', 1]['enc']:>6}")
@@ -233,7 +249,10 @@ def main(argv):
         print("\n" + header)
       print(row, flush=True)
   finally:
-    pipe.close()
+    try:
+      mode.close()
+    finally:
+      rollout.close()
 
   print("\n" + header + "\n" + "\n".join(rows))  # again, without the engine's log lines in between
   print("\n|dw|/|w|: median relative change of a weight over the iteration (fp32). bf16 words are "

@@ -257,7 +257,7 @@ def run(s: settings_lib.Settings, workdir: str, cluster=None,
     rewarder.errors = meta.get("reward_errors", 0)
     log.info("Resumed from iteration %d", start)
 
-  rollout = make_rollout(s, model_dir, cluster)
+  rollout = make_rollout(s, model_dir, cluster, workdir)
   try:
     mode = setup_mode(s, rollout, model_dir=model_dir, workdir=workdir,
                       rounds=make_rounds(loader, tokenizer, s.advantage.group_size))

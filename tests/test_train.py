@@ -8,7 +8,8 @@ import jax
 import numpy as np
 import pytest
 
-from streamrl import config_utils, train
+from streamrl import config_utils, experiment, settings, train
+from streamrl.errors import UserError
 from streamrl.data import rewards as rewards_lib
 
 CONFIGS = os.path.join(os.path.dirname(__file__), "..", "configs")
@@ -44,7 +45,7 @@ def event_scalars(workdir):
 
 def test_ppo_two_iterations_log_and_checkpoint(tmp_path):
   workdir = str(tmp_path / "ppo")
-  final = train.run(load("ppo"), workdir)
+  final = experiment.run(load("ppo"), workdir)
   assert glob.glob(os.path.join(workdir, "events.out.tfevents.*"))
   tags, acc = event_scalars(workdir)
   for tag in ("reward/mean", "accuracy", "train/kl_ref", "train/entropy", "train/clip_frac",
@@ -69,7 +70,7 @@ def test_grpo_survives_a_raising_reward_function(tmp_path, monkeypatch):
                       lambda name, **kw: broken if name == "partial_match" else real(name, **kw))
   cfg = load("grpo", **{"algo.group_size": 2, "trainer.prompts_per_iteration": 4,
                         "trainer.num_iterations": 1})
-  final = train.run(cfg, str(tmp_path / "grpo"))
+  final = experiment.run(cfg, str(tmp_path / "grpo"))
   # Every sample scored 0 and was counted; the run finished.
   assert final["reward/errors_total"] == 8
   assert final["reward/mean"] == 0.0
@@ -80,8 +81,9 @@ def _actor_leaves(workdir, cfg):
   from streamrl.trainer.checkpoint import Checkpointer
   from streamrl.trainer.rl_trainer import RLTrainer
   _, policy = hf.load_hf(glob.glob(os.path.join(workdir, "warmstart-*"))[0])
-  template = RLTrainer(cfg, policy).checkpoint_arrays()
-  ck = Checkpointer(os.path.join(workdir, "checkpoints"), fingerprint=train.fingerprint(cfg))
+  s = settings.from_config(cfg)
+  template = RLTrainer.from_settings(policy, s).checkpoint_arrays()
+  ck = Checkpointer(os.path.join(workdir, "checkpoints"), fingerprint=train.fingerprint(s))
   step, arrays, meta = ck.restore(template)
   return step, [np.asarray(x) for x in jax.tree.leaves(arrays["state"].actor)], meta
 
@@ -89,22 +91,21 @@ def _actor_leaves(workdir, cfg):
 def test_resume_continues_where_it_stopped(tmp_path, monkeypatch):
   cfg = load("ppo", **{"algo.use_critic": True})
   straight = str(tmp_path / "straight")
-  train.run(cfg, straight)
+  experiment.run(cfg, straight)
 
   resumed = str(tmp_path / "resumed")
-  from streamrl.pipeline import sync
-  real_iteration = sync.SyncPipeline.iteration
+  real_iteration = train.train_iteration
 
-  def crash_on_second(self, it, *args):
+  def crash_on_second(it, *args, **kwargs):
     if it == 1:
       raise KeyboardInterrupt("simulated stop after iteration 1")
-    return real_iteration(self, it, *args)
+    return real_iteration(it, *args, **kwargs)
 
-  monkeypatch.setattr(sync.SyncPipeline, "iteration", crash_on_second)
+  monkeypatch.setattr(train, "train_iteration", crash_on_second)
   with pytest.raises(KeyboardInterrupt):
-    train.run(cfg, resumed)
-  monkeypatch.setattr(sync.SyncPipeline, "iteration", real_iteration)
-  train.run(cfg, resumed)
+    experiment.run(cfg, resumed)
+  monkeypatch.setattr(train, "train_iteration", real_iteration)
+  experiment.run(cfg, resumed)
 
   s1, a, meta_a = _actor_leaves(straight, cfg)
   s2, b, meta_b = _actor_leaves(resumed, cfg)
@@ -120,22 +121,41 @@ def test_resume_continues_where_it_stopped(tmp_path, monkeypatch):
 def test_incompatible_workdir_is_refused_untouched(tmp_path):
   workdir = tmp_path / "wd"
   cfg = load("ppo", **{"trainer.num_iterations": 1})
-  train.run(cfg, str(workdir))
+  experiment.run(cfg, str(workdir))
   before = sorted((p, os.path.getmtime(p)) for p in glob.glob(f"{workdir}/**", recursive=True))
   other = config_utils.apply_overrides(cfg, {"model.tiny": "llama"})
   with pytest.raises(ValueError, match="new --workdir"):
-    train.run(other, str(workdir))
+    experiment.run(other, str(workdir))
   after = sorted((p, os.path.getmtime(p)) for p in glob.glob(f"{workdir}/**", recursive=True))
   assert before == after
 
 
 def test_bad_configs_fail_before_any_engine_starts(tmp_path):
-  with pytest.raises(ValueError, match="mini_batch_size"):
-    train.validate(load("ppo", **{"trainer.mini_batch_size": 5}))
-  with pytest.raises(ValueError, match="needs a critic"):
-    train.validate(load("ppo", **{"algo.use_critic": False}))
-  with pytest.raises(ValueError, match="pipeline.mode"):
-    train.validate(load("ppo", **{"pipeline.mode": "turbo"}))
-  missing = load("ppo", **{"task.kind": "jsonl", "task.jsonl_path": str(tmp_path / "no.jsonl")})
-  with pytest.raises(FileNotFoundError):
-    train.load_examples(missing)
+  check = lambda **kw: settings.from_config(load("ppo", **kw))
+  with pytest.raises(UserError, match="mini_batch_size"):
+    check(**{"trainer.mini_batch_size": 5})
+  with pytest.raises(UserError, match="needs a critic"):
+    check(**{"algo.use_critic": False})
+  with pytest.raises(UserError, match="pipeline.mode"):
+    check(**{"pipeline.mode": "turbo"})
+  with pytest.raises(UserError, match="no.jsonl"):
+    check(**{"task.kind": "jsonl", "task.jsonl_path": str(tmp_path / "no.jsonl")})
+
+
+def test_ratio_is_one_before_the_update_at_any_temperature(tmp_path):
+  # One mini-batch per iteration and one PPO epoch: the policy has not moved
+  # when the ratio is taken, so it must be exactly 1 (it was 4-5 at T=0.7 when
+  # the loss computed log-probabilities at T=1). vLLM's sampled-token
+  # logprobs must agree with the trainer's recomputation on the same tokens.
+  workdir = str(tmp_path / "t07")
+  experiment.run(load("ppo", **{"generation.temperature": 0.7, "trainer.ppo_epochs": 1}),
+                 workdir)
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    rows = [json.loads(line) for line in f]
+  rows = [r for r in rows if "train/ratio_mean" in r]
+  assert len(rows) == 2
+  for r in rows:
+    assert abs(r["train/ratio_mean"] - 1.0) < 1e-4, r["train/ratio_mean"]
+    assert r["train/clip_frac"] == 0.0
+    assert r["mismatch/max_abs_logprob_diff"] < 1e-3
+    assert r["mismatch/k3_kl"] < 1e-6

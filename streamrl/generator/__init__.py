@@ -13,7 +13,7 @@ only in the processes that run an engine):
 from __future__ import annotations
 
 
-def make_rollout(s, model_dir: str, cluster=None):
+def make_rollout(s, model_dir: str, cluster=None, workdir: str | None = None):
   """The rollout of settings `s`: in this process for colocated, Ray actors
   otherwise (joining or starting Ray unless `cluster` is given)."""
   if s.pipeline.mode == "colocated":
@@ -24,4 +24,4 @@ def make_rollout(s, model_dir: str, cluster=None):
   info = cluster or cluster_lib.init_ray_for(s.cluster)
   return StreamGenerationService(model_dir, s.engine, dtype=s.model.dtype, seed=s.seed,
                                  cluster=info, stall_timeout_s=s.pipeline.stall_timeout_s,
-                                 transfer=s.transfer)
+                                 transfer=s.transfer, log_dir=workdir)

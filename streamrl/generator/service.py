@@ -48,7 +48,11 @@ class GeneratorActor:
   """
 
   def __init__(self, model_dir: str, *, instance_id: int, engine_kwargs: dict,
-               cores: Sequence[int] | None, num_threads: int, in_process: bool = True):
+               cores: Sequence[int] | None, num_threads: int, in_process: bool = True,
+               log_dir: str | None = None):
+    # First: vLLM's and other libraries' chatter goes to <log_dir>/libraries.log.
+    from streamrl import metrics  # pylint: disable=g-import-not-at-top
+    metrics.configure_actor_logging(log_dir)
     # Before torch loads: libgomp sizes its pool from OMP_NUM_THREADS.
     os.environ["OMP_NUM_THREADS"] = str(num_threads)
     os.environ["MKL_NUM_THREADS"] = str(num_threads)
@@ -219,12 +223,15 @@ class StreamGenerationService:
       hosts) instead of Ray's object store.
     num_instances: overrides `engine.num_instances`.
     start_timeout_s: longest wait for all engines to come up.
+    log_dir: the run's workdir: each actor's library log goes to
+      <log_dir>/libraries.log (None: Ray's worker logs).
   """
 
   def __init__(self, model_dir: str, engine: settings_lib.Engine, *, dtype: str, seed: int,
                cluster: cluster_lib.ClusterInfo, stall_timeout_s: float = 600.0,
                transfer: settings_lib.Transfer | None = None,
-               num_instances: int | None = None, start_timeout_s: float = 600.0):
+               num_instances: int | None = None, start_timeout_s: float = 600.0,
+               log_dir: str | None = None):
     num_instances = int(num_instances or engine.num_instances)
     if num_instances < 1:
       raise UserError(f"generation.num_instances={num_instances} must be >= 1.")
@@ -245,7 +252,8 @@ class StreamGenerationService:
           num_cpus=round(generator_cpus / num_instances, 4),
           resources={cluster_lib.GENERATION_POOL: 1},
           name=None).remote(model_dir, instance_id=i, engine_kwargs=kwargs,
-                            cores=cores, num_threads=threads, in_process=engine.in_process)
+                            cores=cores, num_threads=threads, in_process=engine.in_process,
+                            log_dir=log_dir)
     self._live = set(self._actors)
     self._dead: list[DeadInstance] = []
     # (instance_id, start, end, num_samples) per finished stream segment, in

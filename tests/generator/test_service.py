@@ -10,7 +10,6 @@ import subprocess
 import sys
 import textwrap
 
-import ml_collections
 import pytest
 import ray
 from flax import nnx
@@ -18,7 +17,7 @@ from flax import nnx
 from streamrl.generator.vllm_engine import SamplingConfig
 from streamrl.models import config as model_config
 from streamrl.models import hf, tiny, transformer
-from streamrl import cluster
+from streamrl import cluster, settings
 from streamrl.generator import service
 
 SAMPLING = SamplingConfig(temperature=1.0, max_tokens=8, seed=11)
@@ -29,12 +28,7 @@ def requests(n, start=0):
           for i in range(start, start + n)]
 
 
-def run_config():
-  return ml_collections.ConfigDict(dict(
-      seed=0, model=dict(dtype="float32"),
-      generation=dict(max_num_seqs=8, max_model_len=64, kv_cache_gib=1.0, num_instances=2),
-      pipeline=dict(stall_timeout_s=300.0),
-      cluster=dict(address="", generator_cpus=1, trainer_cpus=1)))
+ENGINE = settings.Engine(max_num_seqs=8, max_model_len=64, kv_cache_gib=1.0, num_instances=2)
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +36,8 @@ def svc(tmp_path_factory):
   cfg = model_config.tiny_qwen2(64)
   path = tiny.build_tiny_model_dir(str(tmp_path_factory.mktemp("tiny")), cfg, seed=3)
   info = cluster.init_ray(None, generator_cpus=1, trainer_cpus=1)
-  s = service.StreamGenerationService(run_config(), path, 2, cluster=info)
+  s = service.StreamGenerationService(path, ENGINE, dtype="float32", seed=0, cluster=info,
+                                      stall_timeout_s=300.0)
   s.model_cfg = cfg
   yield s
   s.close()
@@ -71,7 +66,7 @@ def test_bound_trainer_threads_pins_every_thread():
   # In a child process: pinning this test process would slow the others.
   code = textwrap.dedent("""
       import os, threading, time
-      from streamrl import cluster
+      from streamrl import cluster, settings
       core = min(os.sched_getaffinity(0))
       ev = threading.Event()
       t = threading.Thread(target=ev.wait); t.start()  # exists before the call
@@ -84,15 +79,6 @@ def test_bound_trainer_threads_pins_every_thread():
   """)
   res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
   assert res.returncode == 0 and "ok" in res.stdout, res.stderr[-2000:]
-
-
-def test_iter_groups_waits_for_complete_groups():
-  Fake = collections.namedtuple("Fake", "prompt_id")
-  groups = list(service.iter_groups([Fake(i) for i in (3, 0, 2, 1, 5, 4)], 2))
-  # Group 1 (ids 2, 3) completes first, so it comes first.
-  assert [[s.prompt_id for s in g] for g in groups] == [[2, 3], [0, 1], [4, 5]]
-  with pytest.raises(RuntimeError, match="incomplete"):
-    list(service.iter_groups([Fake(0)], 2))
 
 
 def test_unreachable_address_fails_with_one_sentence():
@@ -151,12 +137,12 @@ def test_update_reaches_every_instance_and_samples_carry_the_version(svc):
   reqs = requests(8)
   before = {s.prompt_id: s.token_ids for s in svc.generate(reqs, SAMPLING)}
   new = hf.to_hf_tensors(transformer.Transformer(svc.model_cfg, rngs=nnx.Rngs(99)))
-  assert svc.update(new, version=2) == {0: 2, 1: 2}
+  assert svc.update(new, version=2).wait() == {0: 2, 1: 2}
   assert svc.query_versions() == {0: 2, 1: 2}
   # Not waited for: the instances still load it before the next stream.
-  pending = svc.start_update(new, version=3)
+  pending = svc.update(new, version=3)
   after = list(svc.generate(reqs, SAMPLING))
-  assert pending.wait() == {0: 3, 1: 3} and pending.done()
+  assert pending.wait() == {0: 3, 1: 3}
   assert count_ids(after) == collections.Counter(range(8))
   assert all(s.weight_version == 3 for s in after)
   # Same sampling seeds, new weights: the tokens change.
