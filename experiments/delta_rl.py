@@ -206,8 +206,9 @@ def main(argv):
     print(f"{d}: {n_params / 1e6:.2f}M params, payload {m.total_bytes / 1e6:.2f} MB in "
           f"{m.num_chunks} chunk(s) of {_CHUNK_MIB.value} MiB, word {m.word_bytes} B")
   tr = s.trainer
-  print(f"actor: AdamW lr={tr.lr} (warmup {tr.warmup_steps} steps, cosine over "
-        f"{tr.num_iterations} iterations), weight_decay={tr.weight_decay}, grad_clip={tr.grad_clip}; "
+  opt = s.optimizer
+  print(f"actor: AdamW lr={opt.lr} (warmup {opt.warmup_steps} steps, cosine over "
+        f"{tr.num_iterations} iterations), weight_decay={opt.weight_decay}, grad_clip={opt.grad_clip}; "
         f"{tr.ppo_epochs} epochs x {s.samples_per_iteration // tr.mini_batch_size}"
         f" mini-batches per iteration; zlib level {_LEVEL.value}", flush=True)
 

@@ -99,16 +99,22 @@ def check_workdir(path: str, flag: str = "--workdir") -> str:
     if not os.access(path, os.W_OK | os.X_OK):
       raise UserError(f"{flag}={path} is not writable; pass a directory you can write to.")
     return path
-  parent = os.path.abspath(path)
-  while not os.path.exists(parent):
-    up = os.path.dirname(parent)
-    if up == parent:
-      break
-    parent = up
+  parent = nearest_existing(path)
   if not os.path.isdir(parent):
     raise UserError(f"{flag}={path} cannot be created because {parent} is a file; pass another "
                     "directory path.")
   if not os.access(parent, os.W_OK | os.X_OK):
     raise UserError(f"{flag}={path} cannot be created in {parent} (not writable); pass a directory "
                     "you can write to.")
+  return path
+
+
+def nearest_existing(path: str) -> str:
+  """`path` itself if it exists, else its nearest existing ancestor."""
+  path = os.path.abspath(path)
+  while not os.path.exists(path):
+    up = os.path.dirname(path)
+    if up == path:
+      break
+    path = up
   return path

@@ -66,7 +66,7 @@ def test_grpo_survives_a_raising_reward_function(tmp_path, monkeypatch):
     raise RuntimeError("verifier crashed")
 
   real = rewards_lib.get_reward_fn
-  monkeypatch.setattr(rewards_lib, "get_reward_fn",
+  monkeypatch.setattr(train, "get_reward_fn",
                       lambda name, **kw: broken if name == "partial_match" else real(name, **kw))
   cfg = load("grpo", **{"algo.group_size": 2, "trainer.prompts_per_iteration": 4,
                         "trainer.num_iterations": 1})

@@ -128,6 +128,7 @@ class AsyncMode(base.Mode):
     self._results: queue.Queue = queue.Queue()
     self._thread: threading.Thread | None = None
     self._pending = None  # the last UpdateHandle
+    self._started = False  # the first round's generation has begun
 
   # --------------------------------------------------------- generation side
   def _generate(self, rnd: base.Round) -> None:
@@ -165,9 +166,11 @@ class AsyncMode(base.Mode):
 
   # ------------------------------------------------------------ trainer side
   def chunks(self, it: int):
-    if self._pushed is None:  # first iteration of this process
+    if not self._started:  # first iteration of this process
+      self._started = True
       with self._cond:
-        self._pushed = it  # the generators hold version `it` (0, or the resumed one)
+        if self._pushed is None:  # nothing pushed yet: the generators hold version `it`
+          self._pushed = it
       self._start(it)
     t_wait = base.now()
     rnd, samples, generation_s, metrics = self._collect(it)

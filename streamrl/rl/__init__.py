@@ -11,4 +11,4 @@ from streamrl.rl.kl import KL_ESTIMATORS, get_kl_estimator, kl_k1, kl_k2, kl_k3
 from streamrl.rl.losses import (
     AGG_MODES, aggregate, explained_variance, kl_loss, ppo_policy_loss,
     value_loss)
-from streamrl.rl.masked import masked_mean, masked_sum, masked_var
+from streamrl.rl.masked import masked_mean, masked_var

@@ -37,12 +37,6 @@ def safe_count(count: Array) -> Array:
   return jnp.maximum(count, 1.0)
 
 
-def masked_sum(x: Array, mask: Array, axis=None) -> Array:
-  """sum(x * mask) over ``axis`` (all axes when None)."""
-  x = as_float(x)
-  return jnp.sum(x * as_mask(mask, x), axis=axis)
-
-
 def masked_mean(x: Array, mask: Array, axis=None) -> Array:
   """sum(x * mask) / max(sum(mask), 1) over ``axis``; 0 when mask is empty."""
   x = as_float(x)

@@ -33,7 +33,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from streamrl.errors import UserError
+from streamrl.errors import UserError, nearest_existing
 
 _log = logging.getLogger(__name__)
 
@@ -83,12 +83,7 @@ def _layout(tree: Any) -> dict[str, list[int]]:
 
 def _check_not_under_file(directory: str) -> None:
   """UserError if `directory`, or its nearest existing parent, is not a directory."""
-  path = directory
-  while not os.path.exists(path):
-    parent = os.path.dirname(path)
-    if parent == path:
-      return
-    path = parent
+  path = nearest_existing(directory)
   if not os.path.isdir(path):
     raise UserError(f"cannot keep checkpoints in {directory}: {path} is a file, not a directory; "
                     "pass a --workdir that is a directory (or a new path).")

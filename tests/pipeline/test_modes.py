@@ -89,7 +89,7 @@ def model_dir(tmp_path_factory):
   return tiny.build_tiny_model_dir(str(tmp_path_factory.mktemp("tiny")), seed=3)
 
 
-def run_mode(config, model_dir, iterations, workdir=None):
+def run_mode(config, model_dir, iterations, workdir=None, start=0):
   """`iterations` of the real loop; returns (trainer, rollout, per-iteration outputs)."""
   s = settings.from_config(config)
   policy = Transformer(model_config.tiny_qwen2(64), rngs=nnx.Rngs(1))
@@ -102,8 +102,10 @@ def run_mode(config, model_dir, iterations, workdir=None):
   mode = train.setup_mode(s, rollout, model_dir=model_dir, workdir=workdir,
                           rounds=train.make_rounds(loader, tok, s.advantage.group_size))
   timeline = Timeline()
+  if start:  # as train.run does on resume: the generators get the restored weights
+    mode.push(trainer.export_weights(), start)
   outs = []
-  for it in range(iterations):
+  for it in range(start, start + iterations):
     x = train.train_iteration(it, mode, trainer, rewarder, timeline,
                               ppo_epochs=s.trainer.ppo_epochs, seed=s.seed)
     outs.append({"samples": x.samples, "scalars": train.iteration_scalars(x, timeline, rollout),
@@ -183,3 +185,10 @@ def test_oracle_scheduler_puts_the_longest_prompt_first(model_dir):
   for part in rollout.assignments[0]:
     lengths = [by_len[char_tok.decode(ids[1:])] for _, ids in part]
     assert lengths == sorted(lengths, reverse=True)
+
+
+def test_async_resumes_after_the_restored_weights_are_pushed(model_dir):
+  cfg = load("ppo", **{"pipeline.mode": "async", "trainer.num_iterations": 6})
+  _, rollout, outs = run_mode(cfg, model_dir, 2, start=4)
+  assert rollout.updates == [4, 5, 6]
+  assert all(s.weight_version == 4 for s in outs[0]["samples"])
