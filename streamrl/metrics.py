@@ -23,6 +23,7 @@ the Python warnings they raise go to `<workdir>/libraries.log` instead.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -30,7 +31,7 @@ import os
 import sys
 import time
 import warnings
-from typing import Any, Mapping, Sequence, TextIO
+from typing import Any, Iterator, Mapping, Sequence, TextIO
 
 import numpy as np
 
@@ -56,6 +57,7 @@ _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 _OWN_DIRS = (_PACKAGE_DIR + os.sep, os.path.join(os.path.dirname(_PACKAGE_DIR), "launch") + os.sep)
 _configured = False
 _original_showwarning = None
+_library_log: str | None = None  # set by configure_logging
 
 
 class _StderrHandler(logging.StreamHandler):
@@ -177,8 +179,35 @@ def configure_logging(workdir: str | os.PathLike | None = None, level: int = log
     _original_showwarning = warnings.showwarning
   warnings.showwarning = _show_warning
   _configured = True
+  global _library_log
+  _library_log = log_path
   adopt_library_loggers()
   return log_path
+
+
+@contextlib.contextmanager
+def output_to_library_log() -> Iterator[None]:
+  """Sends this process's raw stdout/stderr (C++ warnings, tqdm bars, and the
+  inherited output of any process started meanwhile, e.g. vLLM's engine
+  core) to the library log while the block runs; a no-op without one."""
+  if _library_log is None:
+    yield
+    return
+  sys.stdout.flush()
+  sys.stderr.flush()
+  saved = os.dup(1), os.dup(2)
+  fd = os.open(_library_log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+  try:
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    yield
+  finally:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(saved[0], 1)
+    os.dup2(saved[1], 2)
+    for f in (fd, *saved):
+      os.close(f)
 
 
 def configure_actor_logging(workdir: str | os.PathLike | None, level: int = logging.INFO) -> str | None:

@@ -30,9 +30,13 @@ class LocalRollout:
   """One `GeneratorInstance` in this process."""
 
   def __init__(self, model_dir: str, engine: settings_lib.Engine, *, dtype: str, seed: int):
-    from streamrl.generator.vllm_engine import GeneratorInstance  # pylint: disable=g-import-not-at-top
-    self.engine = GeneratorInstance(model_dir, instance_id=0,
-                                    **engine_kwargs(engine, dtype=dtype, seed=seed))
+    from streamrl import metrics  # pylint: disable=g-import-not-at-top
+    # vLLM's start-up chatter (its engine-core process inherits this
+    # process's output as it is now) goes to <workdir>/libraries.log.
+    with metrics.output_to_library_log():
+      from streamrl.generator.vllm_engine import GeneratorInstance  # pylint: disable=g-import-not-at-top
+      self.engine = GeneratorInstance(model_dir, instance_id=0,
+                                      **engine_kwargs(engine, dtype=dtype, seed=seed))
     self.busy_intervals: list[tuple[int, float, float, int]] = []
     self.num_instances = 1
     self.placement: dict = {}
