@@ -34,5 +34,4 @@ def get_config() -> ml_collections.ConfigDict:
 
 def get_sweep():
   """`python launch/sweep.py --config=configs/ppo.py`: a small lr x KL grid."""
-  return [{"trainer.lr": lr, "algo.kl_coef": kl}
-          for lr in (1e-4, 3e-4) for kl in (0.0, 0.01)]
+  return [{"trainer.lr": lr, "algo.kl_coef": kl} for lr in (1e-4, 3e-4) for kl in (0.0, 0.01)]

@@ -41,7 +41,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.trainer.num_iterations = 200
   c.trainer.prompts_per_iteration = 256
   c.trainer.mini_batch_size = 64
-  c.trainer.micro_batch_size = 8   # per step: 8 sequences, 2 per fsdp shard... x accumulation 8
+  c.trainer.micro_batch_size = 8  # per step: 8 sequences, 2 per fsdp shard... x accumulation 8
   c.trainer.lr = 1e-6
   c.trainer.critic_lr = 1e-5
   c.mesh = dict(data=1, fsdp=4, tensor=2)

@@ -85,5 +85,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.data.num_train = 2000
     c.data.num_eval = 400
   elif arg:
-    raise ValueError(f"unknown config variant {arg!r}; use configs/ranker.py or configs/ranker.py:tiny.")
+    raise ValueError(
+        f"unknown config variant {arg!r}; use configs/ranker.py or configs/ranker.py:tiny."
+    )
   return c

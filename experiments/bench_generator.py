@@ -40,9 +40,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import app, flags  # noqa: E402
 
 _QUICK = flags.DEFINE_bool(
-    "quick", False, "Small workload, 1 rep, 1 update, a 2-layer big model (explicit flags win).")
+    "quick", False, "Small workload, 1 rep, 1 update, a 2-layer big model (explicit flags win)."
+)
 _IN_PROCESS = flags.DEFINE_bool(
-    "in_process", False, "Run the engines in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0).")
+    "in_process", False, "Run the engines in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)."
+)
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/streamrl_bench", "Where the model dirs are built.")
 _NUM_PROMPTS = flags.DEFINE_integer("num_prompts", 256, "Prompts per repetition.")
 _MAX_TOKENS = flags.DEFINE_integer("max_tokens", 64, "max_tokens of every request.")
@@ -51,7 +53,9 @@ _MAX_NUM_SEQS = flags.DEFINE_integer("max_num_seqs", 64, "Engine max_num_seqs (b
 _MAX_MODEL_LEN = flags.DEFINE_integer("max_model_len", 256, "Engine max_model_len (both engines).")
 _UPDATES = flags.DEFINE_integer("updates", 3, "Weight updates timed per model.")
 _SKIP_BIG = flags.DEFINE_bool("skip_0p5b", False, "Skip the 0.5B weight-update measurement.")
-_BIG_LAYERS = flags.DEFINE_integer("big_layers", 24, "Layers of the 0.5B-shaped model (--quick: 2).")
+_BIG_LAYERS = flags.DEFINE_integer(
+    "big_layers", 24, "Layers of the 0.5B-shaped model (--quick: 2)."
+)
 
 SEED = 0
 TEMPERATURE = 1.0
@@ -84,6 +88,7 @@ def _stop(closer) -> None:
 def _prompts(n: int, vocab_size: int) -> list[tuple[int, list[int]]]:
   """n prompts of 8..40 tokens: <bos> then ids of real characters (4..vocab)."""
   import numpy as np  # pylint: disable=g-import-not-at-top
+
   rng = np.random.default_rng(1234)
   out = []
   for pid in range(n):
@@ -95,9 +100,19 @@ def _prompts(n: int, vocab_size: int) -> list[tuple[int, list[int]]]:
 def _plain_params(eos: list[int], prompts, max_tokens: int):
   """The SamplingParams GeneratorInstance builds, one per prompt, for vllm.LLM."""
   from vllm import SamplingParams  # pylint: disable=g-import-not-at-top
-  return [SamplingParams(temperature=TEMPERATURE, top_p=1.0, max_tokens=max_tokens,
-                         logprobs=0, detokenize=False, stop_token_ids=eos, seed=SEED + pid)
-          for pid, _ in prompts]
+
+  return [
+      SamplingParams(
+          temperature=TEMPERATURE,
+          top_p=1.0,
+          max_tokens=max_tokens,
+          logprobs=0,
+          detokenize=False,
+          stop_token_ids=eos,
+          seed=SEED + pid,
+      )
+      for pid, _ in prompts
+  ]
 
 
 def _run_ours(gen, prompts, sampling):
@@ -131,8 +146,13 @@ def bench_throughput(model_dir: str, vocab_size: int):
   sampling = SamplingConfig(temperature=TEMPERATURE, top_p=1.0, max_tokens=max_tokens, seed=SEED)
 
   t0 = time.perf_counter()
-  gen = GeneratorInstance(model_dir, max_num_seqs=_MAX_NUM_SEQS.value,
-                          max_model_len=_MAX_MODEL_LEN.value, seed=SEED, kv_cache_gib=1.0)
+  gen = GeneratorInstance(
+      model_dir,
+      max_num_seqs=_MAX_NUM_SEQS.value,
+      max_model_len=_MAX_MODEL_LEN.value,
+      seed=SEED,
+      kv_cache_gib=1.0,
+  )
   _CLOSERS.append(gen.close)
   print(f"[bench] ours engine up in {time.perf_counter() - t0:.1f}s", flush=True)
   # GeneratorInstance has set VLLM_CPU_KVCACHE_SPACE=1 (GiB); the plain engine
@@ -140,21 +160,34 @@ def bench_throughput(model_dir: str, vocab_size: int):
   # (chunked prefill off on CPU, its token budget) are copied from it.
   sched = gen.scheduler_limits()
   t0 = time.perf_counter()
-  llm = LLM(model=model_dir, dtype="float32", seed=SEED, max_num_seqs=_MAX_NUM_SEQS.value,
-            max_model_len=_MAX_MODEL_LEN.value, enforce_eager=True, enable_prefix_caching=True,
-            enable_chunked_prefill=sched.chunked_prefill,
-            max_num_batched_tokens=sched.max_num_batched_tokens,
-            logprobs_mode="processed_logprobs", disable_log_stats=True)
+  llm = LLM(
+      model=model_dir,
+      dtype="float32",
+      seed=SEED,
+      max_num_seqs=_MAX_NUM_SEQS.value,
+      max_model_len=_MAX_MODEL_LEN.value,
+      enforce_eager=True,
+      enable_prefix_caching=True,
+      enable_chunked_prefill=sched.chunked_prefill,
+      max_num_batched_tokens=sched.max_num_batched_tokens,
+      logprobs_mode="processed_logprobs",
+      disable_log_stats=True,
+  )
   plain = llm.llm_engine.vllm_config.scheduler_config
   assert (plain.enable_chunked_prefill, plain.max_num_batched_tokens, plain.max_num_seqs) == (
-      sched.chunked_prefill, sched.max_num_batched_tokens, sched.max_num_seqs)
+      sched.chunked_prefill,
+      sched.max_num_batched_tokens,
+      sched.max_num_seqs,
+  )
   llm_closer = llm.llm_engine.engine_core.shutdown
   _CLOSERS.append(llm_closer)
   print(f"[bench] plain engine up in {time.perf_counter() - t0:.1f}s", flush=True)
   eos = list(gen.eos_token_ids)
 
-  arms = {"ours": lambda: _run_ours(gen, prompts, sampling),
-          "plain": lambda: _run_plain(llm, eos, prompts, max_tokens)}
+  arms = {
+      "ours": lambda: _run_ours(gen, prompts, sampling),
+      "plain": lambda: _run_plain(llm, eos, prompts, max_tokens),
+  }
 
   times = {k: [] for k in arms}
   cpus = {k: [] for k in arms}
@@ -177,10 +210,16 @@ def bench_throughput(model_dir: str, vocab_size: int):
   ntok = {k: sum(len(t) for t in v.values()) for k, v in tokens.items()}
   same = sum(tokens["ours"][p] == tokens["plain"][p] for p, _ in prompts)
   lengths = [len(t) for t in tokens["ours"].values()]
-  ratios = [(ntok["ours"] / o) / (ntok["plain"] / p)
-            for o, p in zip(times["ours"], times["plain"])]
-  rows = [(name, statistics.median(ts), ntok[name] / statistics.median(ts),
-           statistics.median(cpus[name])) for name, ts in times.items()]
+  ratios = [(ntok["ours"] / o) / (ntok["plain"] / p) for o, p in zip(times["ours"], times["plain"])]
+  rows = [
+      (
+          name,
+          statistics.median(ts),
+          ntok[name] / statistics.median(ts),
+          statistics.median(cpus[name]),
+      )
+      for name, ts in times.items()
+  ]
   info = {
       "ratio": statistics.median(ratios),
       # The least disturbed run of each arm: another view on a noisy machine.
@@ -190,7 +229,7 @@ def bench_throughput(model_dir: str, vocab_size: int):
       "mean_len": float(np.mean(lengths)),
       "tokens_per_rep": ntok["ours"],
       "sched": f"chunked_prefill={sched.chunked_prefill}, "
-               f"max_num_batched_tokens={sched.max_num_batched_tokens}",
+      f"max_num_batched_tokens={sched.max_num_batched_tokens}",
   }
   return rows, info, gen, llm_closer
 
@@ -198,6 +237,7 @@ def bench_throughput(model_dir: str, vocab_size: int):
 def time_updates(gen, models) -> list[tuple[float, float]]:
   """(conversion s, reload s) of gen.update_weights(to_hf_tensors(m)) per model."""
   from streamrl.models import hf  # pylint: disable=g-import-not-at-top
+
   out = []
   for model in models:
     t0 = time.perf_counter()
@@ -207,13 +247,17 @@ def time_updates(gen, models) -> list[tuple[float, float]]:
     t2 = time.perf_counter()
     del tensors
     out.append((t1 - t0, t2 - t1))
-    print(f"[bench] update -> v{gen.weight_version}: convert {t1 - t0:.3f}s "
-          f"reload {t2 - t1:.3f}s", flush=True)
+    print(
+        f"[bench] update -> v{gen.weight_version}: convert {t1 - t0:.3f}s "
+        f"reload {t2 - t1:.3f}s",
+        flush=True,
+    )
   return out
 
 
 def _available_gib() -> float:
   import psutil  # pylint: disable=g-import-not-at-top
+
   return psutil.virtual_memory().available / 2**30
 
 
@@ -227,6 +271,7 @@ class _PeakMemory:
 
   def _sample(self):
     import psutil  # pylint: disable=g-import-not-at-top
+
     me = psutil.Process()
     while not self._stop.is_set():
       total = 0
@@ -242,6 +287,7 @@ class _PeakMemory:
 
   def __enter__(self):
     import threading  # pylint: disable=g-import-not-at-top
+
     self._stop = threading.Event()
     self._thread = threading.Thread(target=self._sample, daemon=True)
     self._thread.start()
@@ -261,18 +307,32 @@ class _PeakMemory:
 def _check_generates(gen, vocab_size: int, max_tokens: int = 8) -> None:
   """The engine still serves after the updates, at the new weight version."""
   from streamrl.generator.vllm_engine import SamplingConfig  # pylint: disable=g-import-not-at-top
-  samples = list(gen.generate(_prompts(4, vocab_size),
-                              SamplingConfig(max_tokens=max_tokens, seed=SEED)))
+
+  samples = list(
+      gen.generate(_prompts(4, vocab_size), SamplingConfig(max_tokens=max_tokens, seed=SEED))
+  )
   assert len(samples) == 4 and all(s.weight_version == gen.weight_version for s in samples)
 
 
 def big_config(num_layers: int):
   """Qwen2-0.5B's shapes (tied embeddings, q/k/v bias, vocab 151936)."""
   from streamrl.models.config import ModelConfig  # pylint: disable=g-import-not-at-top
-  return ModelConfig(vocab_size=151936, hidden_size=896, intermediate_size=4864,
-                     num_layers=num_layers, num_heads=14, num_kv_heads=2, head_dim=64,
-                     rope_theta=1000000.0, rms_norm_eps=1e-6, tie_embeddings=True,
-                     qkv_bias=True, max_position_embeddings=512, family="qwen2")
+
+  return ModelConfig(
+      vocab_size=151936,
+      hidden_size=896,
+      intermediate_size=4864,
+      num_layers=num_layers,
+      num_heads=14,
+      num_kv_heads=2,
+      head_dim=64,
+      rope_theta=1000000.0,
+      rms_norm_eps=1e-6,
+      tie_embeddings=True,
+      qkv_bias=True,
+      max_position_embeddings=512,
+      family="qwen2",
+  )
 
 
 def random_model(cfg, seed: int):
@@ -284,6 +344,7 @@ def random_model(cfg, seed: int):
   from flax import nnx  # pylint: disable=g-import-not-at-top
 
   from streamrl.models.transformer import Transformer  # pylint: disable=g-import-not-at-top
+
   rng = np.random.default_rng(seed)
   abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
   graphdef, state = nnx.split(abstract)
@@ -308,6 +369,7 @@ def build_big_dir(path: str, cfg) -> str:
   import json  # pylint: disable=g-import-not-at-top
 
   from streamrl.models import hf, tiny  # pylint: disable=g-import-not-at-top
+
   cfg_path = os.path.join(path, "config.json")
   if os.path.isfile(cfg_path) and os.path.isfile(os.path.join(path, "model.safetensors")):
     with open(cfg_path) as f:
@@ -316,8 +378,11 @@ def build_big_dir(path: str, cfg) -> str:
   t0 = time.perf_counter()
   model = random_model(cfg, seed=1)
   tiny.build_tiny_model_dir(path, cfg, model=model)
-  print(f"[bench] built {path} ({cfg.num_params / 1e6:.0f}M params) in "
-        f"{time.perf_counter() - t0:.1f}s", flush=True)
+  print(
+      f"[bench] built {path} ({cfg.num_params / 1e6:.0f}M params) in "
+      f"{time.perf_counter() - t0:.1f}s",
+      flush=True,
+  )
   return path
 
 
@@ -331,8 +396,13 @@ def main(argv):
 def _main(argv):
   del argv
   if _QUICK.value:
-    for flag, value in (("num_prompts", 64), ("max_tokens", 32), ("reps", 1), ("updates", 1),
-                        ("big_layers", 2)):
+    for flag, value in (
+        ("num_prompts", 64),
+        ("max_tokens", 32),
+        ("reps", 1),
+        ("updates", 1),
+        ("big_layers", 2),
+    ):
       if not flags.FLAGS[flag].present:  # flags given explicitly win
         flags.FLAGS[flag].value = value
   if _IN_PROCESS.value:
@@ -347,8 +417,11 @@ def _main(argv):
   from streamrl.models import config, tiny  # pylint: disable=g-import-not-at-top
   from streamrl.models.transformer import Transformer  # pylint: disable=g-import-not-at-top
 
-  mode = "in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0)" if _IN_PROCESS.value else \
-      "multiprocess engine core (vLLM default)"
+  mode = (
+      "in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0)"
+      if _IN_PROCESS.value
+      else "multiprocess engine core (vLLM default)"
+  )
   print(f"[bench] engine mode: {mode}", flush=True)
   tiny_cfg = config.tiny_qwen2(tok.VOCAB_SIZE)
   tiny_dir = tiny.build_tiny_model_dir(os.path.join(_WORKDIR.value, "tiny"), tiny_cfg, seed=0)
@@ -371,11 +444,13 @@ def _main(argv):
   weights_gib = big_cfg.num_params * 4 / 2**30
   notes, peaks = [], {}
   if not _SKIP_BIG.value:
-    big_dir = build_big_dir(os.path.join(_WORKDIR.value, f"qwen2_0p5b_l{big_cfg.num_layers}"),
-                            big_cfg)
+    big_dir = build_big_dir(
+        os.path.join(_WORKDIR.value, f"qwen2_0p5b_l{big_cfg.num_layers}"), big_cfg
+    )
     t0 = time.perf_counter()
-    big_gen = GeneratorInstance(big_dir, max_num_seqs=8, max_model_len=_MAX_MODEL_LEN.value,
-                                seed=SEED, kv_cache_gib=1.0)
+    big_gen = GeneratorInstance(
+        big_dir, max_num_seqs=8, max_model_len=_MAX_MODEL_LEN.value, seed=SEED, kv_cache_gib=1.0
+    )
     _CLOSERS.append(big_gen.close)
     print(f"[bench] big engine up in {time.perf_counter() - t0:.1f}s", flush=True)
     big_model = random_model(big_cfg, seed=2)  # new values, same shapes
@@ -383,8 +458,10 @@ def _main(argv):
     copies = _COPIES_UPDATE["in_process" if _IN_PROCESS.value else "multiprocess"]
     need = copies * weights_gib
     if _available_gib() < need:
-      notes.append(f"{big_name}: skipped, needs ~{need:.0f} GiB free ({copies} copies of "
-                   f"{weights_gib:.1f} GiB of weights), {_available_gib():.0f} GiB available")
+      notes.append(
+          f"{big_name}: skipped, needs ~{need:.0f} GiB free ({copies} copies of "
+          f"{weights_gib:.1f} GiB of weights), {_available_gib():.0f} GiB available"
+      )
       print(f"[bench] {notes[-1]}", flush=True)
     else:
       with _PeakMemory() as mem:
@@ -401,13 +478,17 @@ def _main(argv):
     return statistics.median(a + b for a, b in xs)
 
   print()
-  print(f"engine: {mode}; tiny model {tiny_cfg.num_params / 1e6:.2f}M params, float32, "
-        f"enforce_eager, max_num_seqs={_MAX_NUM_SEQS.value}, max_model_len={_MAX_MODEL_LEN.value}, "
-        f"{info['sched']} (both engines)")
-  print(f"workload: {_NUM_PROMPTS.value} prompts (8..40 tokens) x max_tokens={_MAX_TOKENS.value}, "
-        f"T={TEMPERATURE}, per-prompt seeds; mean generated length {info['mean_len']:.1f} "
-        f"({info['tokens_per_rep']} tokens/rep); {info['same_tokens']}/{_NUM_PROMPTS.value} "
-        f"prompts gave identical tokens ours vs plain")
+  print(
+      f"engine: {mode}; tiny model {tiny_cfg.num_params / 1e6:.2f}M params, float32, "
+      f"enforce_eager, max_num_seqs={_MAX_NUM_SEQS.value}, max_model_len={_MAX_MODEL_LEN.value}, "
+      f"{info['sched']} (both engines)"
+  )
+  print(
+      f"workload: {_NUM_PROMPTS.value} prompts (8..40 tokens) x max_tokens={_MAX_TOKENS.value}, "
+      f"T={TEMPERATURE}, per-prompt seeds; mean generated length {info['mean_len']:.1f} "
+      f"({info['tokens_per_rep']} tokens/rep); {info['same_tokens']}/{_NUM_PROMPTS.value} "
+      f"prompts gave identical tokens ours vs plain"
+  )
   # In the multiprocess engine this process is only the front end (our loop or
   # LLM.generate's, output processing); its CPU time is the overhead a
   # streaming loop could add, and it is far less noisy than wall time.
@@ -415,27 +496,40 @@ def _main(argv):
   print(f"{'arm':20s} {'median s':>9s} {'tok/s':>9s} {cpu_label:>16s}")
   for name, dt, tps, cpu in rows:
     print(f"{name:20s} {dt:9.3f} {tps:9.1f} {cpu:16.3f}")
-  print(f"ratio ours/plain per pair: {' '.join(f'{r:.3f}' for r in info['ratios'])} "
-        f"-> median {info['ratio']:.3f} (goal >= 0.90); fastest ours / fastest plain "
-        f"{info['best_ratio']:.3f}")
+  print(
+      f"ratio ours/plain per pair: {' '.join(f'{r:.3f}' for r in info['ratios'])} "
+      f"-> median {info['ratio']:.3f} (goal >= 0.90); fastest ours / fastest plain "
+      f"{info['best_ratio']:.3f}"
+  )
   print()
-  print("weight update = hf.to_hf_tensors(model) [convert] + GeneratorInstance.update_weights "
-        "[reload: safetensors file in /dev/shm, RPC to the engine, in-place reload, prefix-cache reset]; "
-        f"median of {_UPDATES.value}")
-  print(f"{'model / path':32s} {'params':>8s} {'convert s':>10s} {'reload s':>9s} "
-        f"{'total s':>8s} {'extra RSS GiB':>14s}")
+  print(
+      "weight update = hf.to_hf_tensors(model) [convert] + GeneratorInstance.update_weights "
+      "[reload: safetensors file in /dev/shm, RPC to the engine, in-place reload, prefix-cache reset]; "
+      f"median of {_UPDATES.value}"
+  )
+  print(
+      f"{'model / path':32s} {'params':>8s} {'convert s':>10s} {'reload s':>9s} "
+      f"{'total s':>8s} {'extra RSS GiB':>14s}"
+  )
   for name, xs in upd.items():
     params = tiny_cfg.num_params if name.startswith("tiny") else big_cfg.num_params
     extra = f"{peaks[name]:14.1f}" if name in peaks else f"{'':14s}"
-    print(f"{name:32s} {params / 1e6:7.1f}M {med(xs, 0):10.3f} {med(xs, 1):9.3f} "
-          f"{tot(xs):8.3f} {extra}")
-  print("extra RSS = peak minus start of the summed RSS of this process and the engine "
-        f"processes ({weights_gib:.2f} GiB of float32 weights in the big model)")
+    print(
+        f"{name:32s} {params / 1e6:7.1f}M {med(xs, 0):10.3f} {med(xs, 1):9.3f} "
+        f"{tot(xs):8.3f} {extra}"
+    )
+  print(
+      "extra RSS = peak minus start of the summed RSS of this process and the engine "
+      f"processes ({weights_gib:.2f} GiB of float32 weights in the big model)"
+  )
   for note in notes:
     print(note)
   big_s = f"{tot(upd[big_name]):.3f}" if big_name in upd else "nan"
-  print(f"RESULT generator_overhead_ratio={info['ratio']:.3f} "
-        f"weight_update_s_tiny={tot(upd['tiny']):.3f} weight_update_s_0p5b={big_s}")
+  print(
+      f"RESULT generator_overhead_ratio={info['ratio']:.3f} "
+      f"weight_update_s_tiny={tot(upd['tiny']):.3f} weight_update_s_0p5b={big_s}"
+  )
+
 
 if __name__ == "__main__":
   app.run(main)

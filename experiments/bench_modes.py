@@ -121,31 +121,57 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from absl import app, flags, logging as absl_logging  # noqa: E402
 
-from modes_workload import (MODES, Workload, config_json, describe, make_settings,  # noqa: E402
-                            now, precompile, train_alone, with_mode)
+from modes_workload import (
+    MODES,
+    Workload,
+    config_json,
+    describe,
+    make_settings,  # noqa: E402
+    now,
+    precompile,
+    train_alone,
+    with_mode,
+)
 
 _QUICK = flags.DEFINE_bool("quick", False, "Tiny workload (16 prompts, 2 blocks), for development.")
-_WORKDIR = flags.DEFINE_string("workdir", "/tmp/streamrl_bench_modes", "Cache of the warm-started policy.")
-_OUT = flags.DEFINE_string("out", os.path.join(os.path.dirname(os.path.abspath(__file__)), "out", "bench_modes"),
-                           "Where timelines, PNGs and summary.json go.")
+_WORKDIR = flags.DEFINE_string(
+    "workdir", "/tmp/streamrl_bench_modes", "Cache of the warm-started policy."
+)
+_OUT = flags.DEFINE_string(
+    "out",
+    os.path.join(os.path.dirname(os.path.abspath(__file__)), "out", "bench_modes"),
+    "Where timelines, PNGs and summary.json go.",
+)
 _MODES = flags.DEFINE_list("modes", ["colocated", "sync", "stream", "async"], "Modes to run.")
-_BLOCKS = flags.DEFINE_integer("blocks", 2, "Blocks: every arm runs once per block, in rotating order.")
+_BLOCKS = flags.DEFINE_integer(
+    "blocks", 2, "Blocks: every arm runs once per block, in rotating order."
+)
 _WARMUP = flags.DEFINE_integer("warmup", 1, "Untimed iterations at the start of each arm's block.")
 _ITERATIONS = flags.DEFINE_integer("iterations", 8, "Timed iterations per arm and block.")
 _PROMPTS = flags.DEFINE_integer("prompts", 64, "trainer.prompts_per_iteration.")
 _MINI = flags.DEFINE_integer("mini_batch", 16, "trainer.mini_batch_size (= micro_batch_size).")
-_MAX_NUM_SEQS = flags.DEFINE_integer("max_num_seqs", 4, "generation.max_num_seqs: requests in flight per instance.")
+_MAX_NUM_SEQS = flags.DEFINE_integer(
+    "max_num_seqs", 4, "generation.max_num_seqs: requests in flight per instance."
+)
 _MAX_TOKENS = flags.DEFINE_integer("max_tokens", 56, "generation.max_tokens.")
 _PPO_EPOCHS = flags.DEFINE_integer(
-    "ppo_epochs", 1, "trainer.ppo_epochs. One: every optimizer step of stream can overlap "
-    "generation (further epochs replay the mini-batches after it).")
-_OVERRIDES = flags.DEFINE_multi_string("override", [], "Extra config overrides, key=value (configs/ppo.py keys).")
+    "ppo_epochs",
+    1,
+    "trainer.ppo_epochs. One: every optimizer step of stream can overlap "
+    "generation (further epochs replay the mini-batches after it).",
+)
+_OVERRIDES = flags.DEFINE_multi_string(
+    "override", [], "Extra config overrides, key=value (configs/ppo.py keys)."
+)
 _PLOT = flags.DEFINE_bool("plot", True, "Draw the timeline PNGs.")
-_LOG_COMPILES = flags.DEFINE_bool("log_compiles", False, "Log every JAX compile after the precompile step.")
+_LOG_COMPILES = flags.DEFINE_bool(
+    "log_compiles", False, "Log every JAX compile after the precompile step."
+)
 _COLOC_THREADS = flags.DEFINE_integer(
-    "colocated_engine_threads", 1,
-    "torch threads of colocated's in-process engine (its JAX trainer uses both cores either way).")
-
+    "colocated_engine_threads",
+    1,
+    "torch threads of colocated's in-process engine (its JAX trainer uses both cores either way).",
+)
 
 
 def proc_cpu_s(pid: int | None) -> float:
@@ -174,9 +200,15 @@ def load_config():
   # One more iteration than run: async starts generating the next batch
   # during the last timed iteration, as in steady state. Same value in every
   # mode (it sets the lr decay horizon).
-  s = make_settings(prompts=prompts, mini_batch=mini, num_iterations=blocks * (warm + iters) + 1,
-                    max_num_seqs=_MAX_NUM_SEQS.value, max_tokens=_MAX_TOKENS.value,
-                    extra={"trainer.ppo_epochs": _PPO_EPOCHS.value}, overrides=_OVERRIDES.value)
+  s = make_settings(
+      prompts=prompts,
+      mini_batch=mini,
+      num_iterations=blocks * (warm + iters) + 1,
+      max_num_seqs=_MAX_NUM_SEQS.value,
+      max_tokens=_MAX_TOKENS.value,
+      extra={"trainer.ppo_epochs": _PPO_EPOCHS.value},
+      overrides=_OVERRIDES.value,
+  )
   return s, blocks, warm, iters
 
 
@@ -211,6 +243,7 @@ class Arm:
     """n iterations in a row on a fresh rollout and mode; the first `untimed` are not timed."""
     from streamrl import train  # pylint: disable=g-import-not-at-top
     from streamrl.pipeline.timeline import Timeline  # pylint: disable=g-import-not-at-top
+
     s, trainer = self.s, self.trainer
     t0 = now()
     rollout = self.work.rollout(s, engine_threads=_COLOC_THREADS.value)
@@ -220,8 +253,10 @@ class Arm:
         rollout.update(trainer.export_weights(), self.next_it).wait()
       mode = self.work.mode(s, rollout, self.loader)
       self.startup_s.append(now() - t0)
-      print(f"  {self.mode:9s} rollout and mode up in {self.startup_s[-1]:.0f} s (untimed)",
-            flush=True)
+      print(
+          f"  {self.mode:9s} rollout and mode up in {self.startup_s[-1]:.0f} s (untimed)",
+          flush=True,
+      )
       gen_pid = rollout.placement[0]["pid"] if 0 in rollout.placement else None
       self.loads.append(os.getloadavg()[0])
       timeline = Timeline()
@@ -231,13 +266,23 @@ class Arm:
           it = self.next_it
           c0 = (time.process_time(), proc_cpu_s(gen_pid) if gen_pid else float("nan"))
           start = now()
-          x = train.train_iteration(it, mode, trainer, self.rewarder, timeline,
-                                    ppo_epochs=s.trainer.ppo_epochs, seed=s.seed)
+          x = train.train_iteration(
+              it,
+              mode,
+              trainer,
+              self.rewarder,
+              timeline,
+              ppo_epochs=s.trainer.ppo_epochs,
+              seed=s.seed,
+          )
           scalars = train.iteration_scalars(x, timeline, rollout)
           end = now()
           c1 = (time.process_time(), proc_cpu_s(gen_pid) if gen_pid else float("nan"))
-          out = {"samples": x.samples, "scalars": scalars,
-                 "lengths": [len(q.token_ids) for q in x.samples]}
+          out = {
+              "samples": x.samples,
+              "scalars": scalars,
+              "lengths": [len(q.token_ids) for q in x.samples],
+          }
           self.windows.append((it, start, end))
           if it == 0:
             self.digest_it0 = digest(x.samples)
@@ -246,12 +291,15 @@ class Arm:
             self.outs.append(out)
             self.cpu_this += c1[0] - c0[0]
             self.cpu_gen += c1[1] - c0[1]
-          print(f"  {self.mode:9s} it {it:2d}{'  untimed' if j < untimed else '         '}"
-                f" {end - start:6.2f} s  gen {scalars.get('time/generation_s', 0):5.2f} s  "
-                f"train {scalars.get('time/training_s', 0):5.2f} s  "
-                f"push {scalars.get('time/weight_update_s', 0):4.2f} s  "
-                f"mean len {scalars['response_length/mean']:4.1f}  "
-                f"staleness {scalars['staleness/mean']:.0f}", flush=True)
+          print(
+              f"  {self.mode:9s} it {it:2d}{'  untimed' if j < untimed else '         '}"
+              f" {end - start:6.2f} s  gen {scalars.get('time/generation_s', 0):5.2f} s  "
+              f"train {scalars.get('time/training_s', 0):5.2f} s  "
+              f"push {scalars.get('time/weight_update_s', 0):4.2f} s  "
+              f"mean len {scalars['response_length/mean']:4.1f}  "
+              f"staleness {scalars['staleness/mean']:.0f}",
+              flush=True,
+          )
           self.next_it += 1
           last = x
       finally:
@@ -261,8 +309,9 @@ class Arm:
         # generates that batch again, so every mode sees the same prompts.
         self.loader.set_state(last.generated.round.loader_state)
       timeline.copy_generator_intervals(rollout.busy_intervals)
-      self.intervals += labelled_intervals(timeline.intervals,
-                                           [w for w in self.windows if w[0] >= first_it])
+      self.intervals += labelled_intervals(
+          timeline.intervals, [w for w in self.windows if w[0] >= first_it]
+      )
     finally:
       if self.mode == "colocated":
         self.work.close_local()  # shuts the in-process engine down, freeing its KV cache
@@ -271,6 +320,7 @@ class Arm:
 
   def result(self) -> dict:
     from streamrl.pipeline.timeline import Timeline  # pylint: disable=g-import-not-at-top
+
     tl = Timeline()
     for iv in self.intervals:
       tl.add(*iv)
@@ -280,27 +330,36 @@ class Arm:
     mean = lambda k: statistics.fmean(o["scalars"].get(k, 0.0) for o in self.outs)
     per_iter = [len(o["samples"]) / (e - s) for o, (_, s, e) in zip(self.outs, self.timed)]
     return {
-        "mode": self.mode, "samples": n, "wall_s": wall, "samples_per_s": n / wall,
+        "mode": self.mode,
+        "samples": n,
+        "wall_s": wall,
+        "samples_per_s": n / wall,
         "samples_per_s_per_iteration": per_iter,
         "tokens_per_s": sum(sum(o["lengths"]) for o in self.outs) / wall,
-        "startup_s": self.startup_s, "digest_it0": self.digest_it0,
+        "startup_s": self.startup_s,
+        "digest_it0": self.digest_it0,
         # Over the timed iterations: idle share of each stage, and cores' worth
         # of CPU used by this process (the trainer; colocated: trainer +
         # engine) and by the generator actor.
         "bubbles": {st: 1.0 - b / wall for st, b in busy.items()},
-        "cpu_this": self.cpu_this / wall, "cpu_gen": self.cpu_gen / wall,
+        "cpu_this": self.cpu_this / wall,
+        "cpu_gen": self.cpu_gen / wall,
         "cpu_s_per_iteration": (self.cpu_this / len(self.timed), self.cpu_gen / len(self.timed)),
         "staleness_mean": mean("staleness/mean"),
-        "generation_s": mean("time/generation_s"), "training_s": mean("time/training_s"),
+        "generation_s": mean("time/generation_s"),
+        "training_s": mean("time/training_s"),
         "weight_update_s": mean("time/weight_update_s"),
         "load": (min(self.loads), max(self.loads)),
-        "windows": self.windows, "timed": self.timed, "timeline": self.intervals,
+        "windows": self.windows,
+        "timed": self.timed,
+        "timeline": self.intervals,
     }
 
 
 def digest(samples) -> str:
   """Short hash of (request id, tokens) of a batch: equal batches, equal digests."""
   import hashlib  # pylint: disable=g-import-not-at-top
+
   h = hashlib.sha256()
   for s in sorted(samples, key=lambda s: s.prompt_id):
     h.update(repr((s.prompt_id, tuple(s.token_ids))).encode())
@@ -350,6 +409,7 @@ class AloneArms:
 
   def run_block(self, n: int, untimed: int) -> None:
     from streamrl.generator.local import sampling_for  # pylint: disable=g-import-not-at-top
+
     s = self.s
     svc = self.work.rollout(s)  # this process pinned to the trainer's core
     generated = []
@@ -359,8 +419,9 @@ class AloneArms:
         it = self.next_it
         requests, by_id = self.work.requests(next(self.loader))
         c0, t0 = proc_cpu_s(gen_pid), now()
-        samples = sorted(svc.generate(requests, sampling_for(s.sampling, s.seed, it)),
-                         key=lambda q: q.prompt_id)
+        samples = sorted(
+            svc.generate(requests, sampling_for(s.sampling, s.seed, it)), key=lambda q: q.prompt_id
+        )
         t1, c1 = now(), proc_cpu_s(gen_pid)
         if it == 0:
           self.digest_it0 = digest(samples)
@@ -374,8 +435,16 @@ class AloneArms:
       svc.close()
     for j, (it, samples, by_id) in enumerate(generated):
       t0, c0 = now(), time.process_time()
-      train_alone(self.trainer, self.rewarder, [samples], by_id, it=it,
-                  ppo_epochs=s.trainer.ppo_epochs, seed=s.seed, copy=False)
+      train_alone(
+          self.trainer,
+          self.rewarder,
+          [samples],
+          by_id,
+          it=it,
+          ppo_epochs=s.trainer.ppo_epochs,
+          seed=s.seed,
+          copy=False,
+      )
       t1, c1 = now(), time.process_time()
       self.trainer.export_weights()
       t2 = now()
@@ -388,20 +457,29 @@ class AloneArms:
   def results(self) -> tuple[dict, dict]:
     g, t = self.gen, self.train
     batch = self.s.samples_per_iteration
-    gen = {"samples": g["samples"], "wall_s": g["wall_s"],
-           "samples_per_s": g["samples"] / g["wall_s"], "cpu_gen": g["cpu"] / g["wall_s"],
-           "cpu_s_per_iteration": g["cpu"] * batch / g["samples"],
-           "digest_it0": self.digest_it0}
-    trn = {"samples": t["samples"], "wall_s": t["wall_s"],
-           "samples_per_s": t["samples"] / t["wall_s"], "cpu_this": t["cpu"] / t["wall_s"],
-           "cpu_s_per_iteration": t["cpu"] * batch / t["samples"],
-           "samples_per_s_with_export": t["samples"] / (t["wall_s"] + t["export_s"])}
+    gen = {
+        "samples": g["samples"],
+        "wall_s": g["wall_s"],
+        "samples_per_s": g["samples"] / g["wall_s"],
+        "cpu_gen": g["cpu"] / g["wall_s"],
+        "cpu_s_per_iteration": g["cpu"] * batch / g["samples"],
+        "digest_it0": self.digest_it0,
+    }
+    trn = {
+        "samples": t["samples"],
+        "wall_s": t["wall_s"],
+        "samples_per_s": t["samples"] / t["wall_s"],
+        "cpu_this": t["cpu"] / t["wall_s"],
+        "cpu_s_per_iteration": t["cpu"] * batch / t["samples"],
+        "samples_per_s_with_export": t["samples"] / (t["wall_s"] + t["export_s"]),
+    }
     return gen, trn
 
 
 # ------------------------------------------------------------------- report
 def save_timeline(res: dict, out_dir: str) -> str:
   from streamrl.pipeline.timeline import Timeline  # pylint: disable=g-import-not-at-top
+
   tl = Timeline()
   for stage, start, end, label in res["timeline"]:
     tl.add(stage, start, end, label)
@@ -417,6 +495,7 @@ def main(argv):
   del argv
   absl_logging.set_verbosity(absl_logging.WARNING)
   import logging  # pylint: disable=g-import-not-at-top
+
   logging.getLogger("streamrl").setLevel(logging.WARNING)
   s, blocks, warm, iters = load_config()
   modes = list(_MODES.value)
@@ -426,22 +505,31 @@ def main(argv):
   os.makedirs(_OUT.value, exist_ok=True)
   os.makedirs(_WORKDIR.value, exist_ok=True)
   t_all = now()
-  print(f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at start", flush=True)
-  print(f"workload: {describe(s)}; {blocks} blocks of {warm} untimed + {iters} timed iterations "
-        "per arm", flush=True)
+  print(
+      f"machine: {os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f} at start", flush=True
+  )
+  print(
+      f"workload: {describe(s)}; {blocks} blocks of {warm} untimed + {iters} timed iterations "
+      "per arm",
+      flush=True,
+  )
   work = Workload(s, _WORKDIR.value)
   precompile(work, [with_mode(s, m) for m in modes + ["sync"]], blocks * (warm + iters) + 1)
   arms = {m: Arm(work, m) for m in modes}
   alone = AloneArms(work)
   if _LOG_COMPILES.value:
     import jax  # pylint: disable=g-import-not-at-top
+
     jax.config.update("jax_log_compiles", True)
     absl_logging.set_verbosity(absl_logging.INFO)
 
   for b in range(blocks):
-    order = modes[b % len(modes):] + modes[:b % len(modes)]
-    print(f"--- block {b + 1}/{blocks}: {', '.join(order)}, alone "
-          f"(load {os.getloadavg()[0]:.1f}, rss {rss_gib():.1f} GiB)", flush=True)
+    order = modes[b % len(modes) :] + modes[: b % len(modes)]
+    print(
+        f"--- block {b + 1}/{blocks}: {', '.join(order)}, alone "
+        f"(load {os.getloadavg()[0]:.1f}, rss {rss_gib():.1f} GiB)",
+        flush=True,
+    )
     for mode in order:
       arms[mode].run_block(warm + iters, warm)
     alone.run_block(warm + iters, warm)
@@ -455,40 +543,63 @@ def main(argv):
 
   # Table.
   stages = sorted({st for m in modes for st in results[m]["bubbles"]})
-  head = (f"{'mode':11s} {'samples/s':>9s} {'vs coloc':>8s} {'gen s':>6s} {'train s':>7s} "
-          f"{'push s':>6s} " + " ".join(f"{'idle:' + st:>15s}" for st in stages) +
-          f" {'staleness':>9s} {'cpu:this':>8s} {'cpu:gen':>7s} {'it0 digest':>10s}")
+  head = (
+      f"{'mode':11s} {'samples/s':>9s} {'vs coloc':>8s} {'gen s':>6s} {'train s':>7s} "
+      f"{'push s':>6s} "
+      + " ".join(f"{'idle:' + st:>15s}" for st in stages)
+      + f" {'staleness':>9s} {'cpu:this':>8s} {'cpu:gen':>7s} {'it0 digest':>10s}"
+  )
   print("\n" + head)
   print("-" * len(head))
   for m in modes:
     r = results[m]
     ratio = f"{tput[m] / base:8.2f}" if base else f"{'-':>8s}"
-    print(f"{m:11s} {tput[m]:9.2f} {ratio} {r['generation_s']:6.2f} {r['training_s']:7.2f} "
-          f"{r['weight_update_s']:6.2f} "
-          + " ".join(f"{r['bubbles'].get(st, 1.0):15.2f}" for st in stages) +
-          f" {r['staleness_mean']:9.2f} {r['cpu_this']:8.2f} {r['cpu_gen']:7.2f} "
-          f"{r['digest_it0']:>10s}")
-  for k, name, res, cpu_k in (("gen_alone", "gen alone", gen, "cpu_gen"),
-                              ("train_alone", "train alone", trn, "cpu_this")):
+    print(
+        f"{m:11s} {tput[m]:9.2f} {ratio} {r['generation_s']:6.2f} {r['training_s']:7.2f} "
+        f"{r['weight_update_s']:6.2f} "
+        + " ".join(f"{r['bubbles'].get(st, 1.0):15.2f}" for st in stages)
+        + f" {r['staleness_mean']:9.2f} {r['cpu_this']:8.2f} {r['cpu_gen']:7.2f} "
+        f"{r['digest_it0']:>10s}"
+    )
+  for k, name, res, cpu_k in (
+      ("gen_alone", "gen alone", gen, "cpu_gen"),
+      ("train_alone", "train alone", trn, "cpu_this"),
+  ):
     ratio = f"{tput[k] / base:8.2f}" if base else f"{'-':>8s}"
     extra = f"  it0 digest {gen['digest_it0']}" if k == "gen_alone" else ""
     print(f"{name:11s} {tput[k]:9.2f} {ratio}   {cpu_k}={res[cpu_k]:.2f}{extra}")
-  print(f"train alone with the Flax->HF weight export: {trn['samples_per_s_with_export']:.2f} samples/s")
+  print(
+      f"train alone with the Flax->HF weight export: {trn['samples_per_s_with_export']:.2f} samples/s"
+  )
   # CPU work per iteration does not depend on how much of a core the
   # machine's other load left us: it shows where work grew, not time.
-  print("CPU seconds per timed iteration (this process / generator actor): " + "; ".join(
-      f"{m} {results[m]['cpu_s_per_iteration'][0]:.2f}/{results[m]['cpu_s_per_iteration'][1]:.2f}"
-      for m in modes) + f"; gen alone -/{gen['cpu_s_per_iteration']:.2f}; "
-      f"train alone {trn['cpu_s_per_iteration']:.2f}/-")
-  print("per timed iteration samples/s (median, min-max): " + "; ".join(
-      f"{m} {statistics.median(v):.0f} ({min(v):.0f}-{max(v):.0f})"
-      for m, v in ((m, results[m]["samples_per_s_per_iteration"]) for m in modes)))
+  print(
+      "CPU seconds per timed iteration (this process / generator actor): "
+      + "; ".join(
+          f"{m} {results[m]['cpu_s_per_iteration'][0]:.2f}/{results[m]['cpu_s_per_iteration'][1]:.2f}"
+          for m in modes
+      )
+      + f"; gen alone -/{gen['cpu_s_per_iteration']:.2f}; "
+      f"train alone {trn['cpu_s_per_iteration']:.2f}/-"
+  )
+  print(
+      "per timed iteration samples/s (median, min-max): "
+      + "; ".join(
+          f"{m} {statistics.median(v):.0f} ({min(v):.0f}-{max(v):.0f})"
+          for m, v in ((m, results[m]["samples_per_s_per_iteration"]) for m in modes)
+      )
+  )
   loads = [x for m in modes for x in results[m]["load"]]
   print(f"load average during the blocks: {min(loads):.1f}-{max(loads):.1f} (2 cores)")
 
   # Timelines: the whole run per mode; the pictures show the last block.
-  summary = {"config": config_json(s), "throughput": tput, "modes": {},
-             "gen_alone": gen, "train_alone": trn}
+  summary = {
+      "config": config_json(s),
+      "throughput": tput,
+      "modes": {},
+      "gen_alone": gen,
+      "train_alone": trn,
+  }
   for m in modes:
     res = results[m]
     save_timeline(res, _OUT.value)
@@ -496,14 +607,19 @@ def main(argv):
     # engine, is slow and would squeeze the rest), with a margin before.
     last_timed = res["timed"][-iters:]
     span = last_timed[-1][2] - last_timed[0][1]
-    res["plot_window"] = (max(last_timed[0][1] - 0.15 * span, res["windows"][-(warm + iters)][1])
-                          - res["origin"], last_timed[-1][2] - res["origin"])
+    res["plot_window"] = (
+        max(last_timed[0][1] - 0.15 * span, res["windows"][-(warm + iters)][1]) - res["origin"],
+        last_timed[-1][2] - res["origin"],
+    )
     res["timed_windows"] = [(i, s - res["origin"], e - res["origin"]) for i, s, e in res["timed"]]
-    summary["modes"][m] = {k: v for k, v in res.items() if k not in ("timeline", "windows", "timed")}
+    summary["modes"][m] = {
+        k: v for k, v in res.items() if k not in ("timeline", "windows", "timed")
+    }
   with open(os.path.join(_OUT.value, "summary.json"), "w") as f:
     json.dump(summary, f, indent=1, default=str)
   if _PLOT.value:
     import plot_timeline  # pylint: disable=g-import-not-at-top  # experiments/ is on sys.path
+
     pngs = plot_timeline.plot_summary(_OUT.value)
     for p in pngs:
       print(f"timeline picture: {p}")
@@ -511,9 +627,12 @@ def main(argv):
 
   fmt = lambda m: f"{tput[m] / base:.2f}" if (base and m in tput) else "nan"
   eff = tput["async"] / limit if "async" in tput else float("nan")
-  print(f"RESULT colocated={fmt('colocated')} sync={fmt('sync')} stream={fmt('stream')} "
-        f"async={fmt('async')} pipeline_efficiency={eff:.2f}")
+  print(
+      f"RESULT colocated={fmt('colocated')} sync={fmt('sync')} stream={fmt('stream')} "
+      f"async={fmt('async')} pipeline_efficiency={eff:.2f}"
+  )
   import ray  # pylint: disable=g-import-not-at-top
+
   if ray.is_initialized():
     ray.shutdown()
 

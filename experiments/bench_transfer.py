@@ -49,188 +49,247 @@ from absl import app, flags  # noqa: E402
 
 _QUICK = flags.DEFINE_bool("quick", False, "~60M-parameter model instead of 494M, for development.")
 _REPS = flags.DEFINE_integer("reps", 3, "Timed publishes / memcpy rounds (best is reported).")
-_LINK_GBIT = flags.DEFINE_float("link_gbit", 1.0, "Rate of the emulated cross-datacenter link, Gbit/s.")
-_LR = flags.DEFINE_float("lr", 1e-6, "Learning rate of the AdamW-like step for the delta measurement.")
+_LINK_GBIT = flags.DEFINE_float(
+    "link_gbit", 1.0, "Rate of the emulated cross-datacenter link, Gbit/s."
+)
+_LR = flags.DEFINE_float(
+    "lr", 1e-6, "Learning rate of the AdamW-like step for the delta measurement."
+)
 _CHUNK_MIB = flags.DEFINE_integer("chunk_mib", 4, "Payload chunk size, MiB.")
-_SKIP_TCP = flags.DEFINE_bool("skip_tcp", False, "Skip the reference TCP bandwidth run (4 GB of staging).")
-_SKIP_LINK = flags.DEFINE_bool("skip_link", False, "Skip parts 2 and 3 (throttled link, delta); for development.")
+_SKIP_TCP = flags.DEFINE_bool(
+    "skip_tcp", False, "Skip the reference TCP bandwidth run (4 GB of staging)."
+)
+_SKIP_LINK = flags.DEFINE_bool(
+    "skip_link", False, "Skip parts 2 and 3 (throttled link, delta); for development."
+)
 
 N_RECEIVERS = 4
 
 
 def qwen2_like(quick: bool, seed: int = 0) -> dict:
-    """HF-named random bf16 tensors with Qwen2-0.5B shapes (tied embeddings, qkv bias)."""
-    import ml_dtypes
-    import numpy as np
-    vocab, hidden, inter, layers, kv = (32000, 512, 2048, 4, 128) if quick else (151936, 896, 4864, 24, 128)
-    shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        shapes.update({
-            p + "input_layernorm.weight": (hidden,), p + "post_attention_layernorm.weight": (hidden,),
-            p + "self_attn.q_proj.weight": (hidden, hidden), p + "self_attn.q_proj.bias": (hidden,),
-            p + "self_attn.k_proj.weight": (kv, hidden), p + "self_attn.k_proj.bias": (kv,),
-            p + "self_attn.v_proj.weight": (kv, hidden), p + "self_attn.v_proj.bias": (kv,),
+  """HF-named random bf16 tensors with Qwen2-0.5B shapes (tied embeddings, qkv bias)."""
+  import ml_dtypes
+  import numpy as np
+
+  vocab, hidden, inter, layers, kv = (
+      (32000, 512, 2048, 4, 128) if quick else (151936, 896, 4864, 24, 128)
+  )
+  shapes = {"model.embed_tokens.weight": (vocab, hidden), "model.norm.weight": (hidden,)}
+  for i in range(layers):
+    p = f"model.layers.{i}."
+    shapes.update(
+        {
+            p + "input_layernorm.weight": (hidden,),
+            p + "post_attention_layernorm.weight": (hidden,),
+            p + "self_attn.q_proj.weight": (hidden, hidden),
+            p + "self_attn.q_proj.bias": (hidden,),
+            p + "self_attn.k_proj.weight": (kv, hidden),
+            p + "self_attn.k_proj.bias": (kv,),
+            p + "self_attn.v_proj.weight": (kv, hidden),
+            p + "self_attn.v_proj.bias": (kv,),
             p + "self_attn.o_proj.weight": (hidden, hidden),
-            p + "mlp.gate_proj.weight": (inter, hidden), p + "mlp.up_proj.weight": (inter, hidden),
-            p + "mlp.down_proj.weight": (hidden, inter)})
-    rng = np.random.default_rng(seed)
-    out = {}
-    for name, shape in shapes.items():
-        if name.endswith("norm.weight"):
-            w = 1.0 + 0.1 * rng.standard_normal(shape, dtype=np.float32)
-        else:
-            w = 0.02 * rng.standard_normal(shape, dtype=np.float32)
-        out[name] = w.astype(ml_dtypes.bfloat16)
-    return out
+            p + "mlp.gate_proj.weight": (inter, hidden),
+            p + "mlp.up_proj.weight": (inter, hidden),
+            p + "mlp.down_proj.weight": (hidden, inter),
+        }
+    )
+  rng = np.random.default_rng(seed)
+  out = {}
+  for name, shape in shapes.items():
+    if name.endswith("norm.weight"):
+      w = 1.0 + 0.1 * rng.standard_normal(shape, dtype=np.float32)
+    else:
+      w = 0.02 * rng.standard_normal(shape, dtype=np.float32)
+    out[name] = w.astype(ml_dtypes.bfloat16)
+  return out
 
 
 def adamw_like_step(tensors: dict, lr: float, wd: float = 0.01, seed: int = 1) -> dict:
-    """One step on an fp32 master copy, re-rounded to bf16 (see the module docstring)."""
-    import numpy as np
-    rng = np.random.default_rng(seed)
-    out = {}
-    for name, w in tensors.items():
-        w32 = w.astype(np.float32)
-        sign = rng.integers(0, 2, w.shape, dtype=np.int8).astype(np.float32) * 2 - 1
-        w32 -= np.float32(lr) * (sign + np.float32(wd) * w32)
-        out[name] = w32.astype(w.dtype)
-    return out
+  """One step on an fp32 master copy, re-rounded to bf16 (see the module docstring)."""
+  import numpy as np
+
+  rng = np.random.default_rng(seed)
+  out = {}
+  for name, w in tensors.items():
+    w32 = w.astype(np.float32)
+    sign = rng.integers(0, 2, w.shape, dtype=np.int8).astype(np.float32) * 2 - 1
+    w32 -= np.float32(lr) * (sign + np.float32(wd) * w32)
+    out[name] = w32.astype(w.dtype)
+  return out
 
 
 def _receivers(pub, cfg, dc, host_of, schema):
-    from streamrl.transfer import spawn_receiver
-    from streamrl.transfer.service import relay_only
-    procs = [spawn_receiver(f"r{i}", dc, relay_only, pub.address, expected_schema=schema, config=cfg,
-                            host=host_of(i)) for i in range(N_RECEIVERS)]
-    if not pub.wait_receivers(N_RECEIVERS, timeout=120):
-        raise RuntimeError("receiver processes did not register within 120 s")
-    return procs
+  from streamrl.transfer import spawn_receiver
+  from streamrl.transfer.service import relay_only
+
+  procs = [
+      spawn_receiver(
+          f"r{i}", dc, relay_only, pub.address, expected_schema=schema, config=cfg, host=host_of(i)
+      )
+      for i in range(N_RECEIVERS)
+  ]
+  if not pub.wait_receivers(N_RECEIVERS, timeout=120):
+    raise RuntimeError("receiver processes did not register within 120 s")
+  return procs
 
 
 def _stop(procs):
-    for p in procs:
-        p.kill()
-    for p in procs:
-        p.join(10)
+  for p in procs:
+    p.kill()
+  for p in procs:
+    p.join(10)
 
 
 def _timed_publish(pub, tensors, timeout=600.0):
-    t0 = time.perf_counter()
-    v = pub.publish(tensors)
-    if not pub.wait_acks(v, timeout):
-        raise RuntimeError(f"version {v} not acknowledged by {pub.missing_acks(v)}: {pub.errors}")
-    return time.perf_counter() - t0, v
+  t0 = time.perf_counter()
+  v = pub.publish(tensors)
+  if not pub.wait_acks(v, timeout):
+    raise RuntimeError(f"version {v} not acknowledged by {pub.missing_acks(v)}: {pub.errors}")
+  return time.perf_counter() - t0, v
 
 
 def bench_bandwidth(tensors, chunk, reps, skip_tcp):
-    import numpy as np
-    from streamrl.transfer import Publisher, TransferConfig, schema_of
-    from streamrl.transfer.manifest import payload_size
-    model_bytes = sum(t.nbytes for t in tensors.values())
-    res = {"payload_bytes": payload_size(tensors), "model_bytes": model_bytes}
+  import numpy as np
+  from streamrl.transfer import Publisher, TransferConfig, schema_of
+  from streamrl.transfer.manifest import payload_size
 
-    dst = {k: np.empty_like(t) for k, t in tensors.items()}
-    for k, t in tensors.items():
-        np.copyto(dst[k], t)  # pre-fault the destination
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for _ in range(N_RECEIVERS):
-            for k, t in tensors.items():
-                np.copyto(dst[k], t)
-        best = min(best, time.perf_counter() - t0)
-    del dst
-    res["memcpy_s"] = best
+  model_bytes = sum(t.nbytes for t in tensors.values())
+  res = {"payload_bytes": payload_size(tensors), "model_bytes": model_bytes}
 
-    cfg = TransferConfig(chunk_bytes=chunk, use_shm=True)
+  dst = {k: np.empty_like(t) for k, t in tensors.items()}
+  for k, t in tensors.items():
+    np.copyto(dst[k], t)  # pre-fault the destination
+  best = float("inf")
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    for _ in range(N_RECEIVERS):
+      for k, t in tensors.items():
+        np.copyto(dst[k], t)
+    best = min(best, time.perf_counter() - t0)
+  del dst
+  res["memcpy_s"] = best
+
+  cfg = TransferConfig(chunk_bytes=chunk, use_shm=True)
+  pub = Publisher(cfg, dc="A", host="bench-host")
+  procs = _receivers(pub, cfg, "A", lambda i: "bench-host", schema_of(tensors))
+  try:
+    for _ in range(2):  # warm-up: first connections, and the segment pool fills (2 segments)
+      _timed_publish(pub, tensors)
+    res["shm_s"] = min(_timed_publish(pub, tensors)[0] for _ in range(reps))
+    assert pub.stats.get("served_tcp", 0) == 0, "same-host receivers should use shared memory"
+  finally:
+    _stop(procs)
+    pub.close()
+
+  if not skip_tcp:
+    cfg = TransferConfig(chunk_bytes=chunk, use_shm=False, fanout=2)
     pub = Publisher(cfg, dc="A", host="bench-host")
-    procs = _receivers(pub, cfg, "A", lambda i: "bench-host", schema_of(tensors))
+    procs = _receivers(pub, cfg, "A", lambda i: f"host{i}", schema_of(tensors))
     try:
-        for _ in range(2):  # warm-up: first connections, and the segment pool fills (2 segments)
-            _timed_publish(pub, tensors)
-        res["shm_s"] = min(_timed_publish(pub, tensors)[0] for _ in range(reps))
-        assert pub.stats.get("served_tcp", 0) == 0, "same-host receivers should use shared memory"
+      res["tcp_s"] = _timed_publish(pub, tensors)[
+          0
+      ]  # once: a second version doubles receiver memory
     finally:
-        _stop(procs)
-        pub.close()
-
-    if not skip_tcp:
-        cfg = TransferConfig(chunk_bytes=chunk, use_shm=False, fanout=2)
-        pub = Publisher(cfg, dc="A", host="bench-host")
-        procs = _receivers(pub, cfg, "A", lambda i: f"host{i}", schema_of(tensors))
-        try:
-            res["tcp_s"] = _timed_publish(pub, tensors)[0]  # once: a second version doubles receiver memory
-        finally:
-            _stop(procs)
-            pub.close()
-    return res
+      _stop(procs)
+      pub.close()
+  return res
 
 
 def bench_link(tensors, chunk, link_bytes_per_s, lr):
-    from streamrl.transfer import Publisher, TransferConfig, schema_of
-    res = {}
-    for topology in ("direct", "tree"):
-        cfg = TransferConfig(chunk_bytes=chunk, use_shm=False, topology=topology, fanout=2,
-                             cross_dc_bytes_per_s=link_bytes_per_s, delta_cross_dc=True)
-        pub = Publisher(cfg, dc="A", host="trainer")
-        procs = _receivers(pub, cfg, "B", lambda i: f"b-host{i}", schema_of(tensors))
-        try:
-            res[f"{topology}_s"], _ = _timed_publish(pub, tensors)
-            res[f"{topology}_wan_bytes"] = pub.stats["cross_dc_full_bytes"]
-            if topology == "tree":
-                relay = pub.plan().children[0].info.name
-                _stop([p for i, p in enumerate(procs) if f"r{i}" != relay])
-                step = adamw_like_step(tensors, lr)
-                t, v = _timed_publish(pub, step)
-                stats = pub.stats
-                res["delta_s"] = t
-                res["delta_wan_bytes"] = stats.get("cross_dc_delta_bytes", 0)
-                res["full_wan_bytes_v1"] = stats["cross_dc_full_bytes"]
-                if stats.get("cross_dc_full_bytes") != res["tree_wan_bytes"]:
-                    raise RuntimeError("version 2 did not travel as a delta")
-        finally:
-            _stop(procs)
-            pub.close()
-    return res
+  from streamrl.transfer import Publisher, TransferConfig, schema_of
+
+  res = {}
+  for topology in ("direct", "tree"):
+    cfg = TransferConfig(
+        chunk_bytes=chunk,
+        use_shm=False,
+        topology=topology,
+        fanout=2,
+        cross_dc_bytes_per_s=link_bytes_per_s,
+        delta_cross_dc=True,
+    )
+    pub = Publisher(cfg, dc="A", host="trainer")
+    procs = _receivers(pub, cfg, "B", lambda i: f"b-host{i}", schema_of(tensors))
+    try:
+      res[f"{topology}_s"], _ = _timed_publish(pub, tensors)
+      res[f"{topology}_wan_bytes"] = pub.stats["cross_dc_full_bytes"]
+      if topology == "tree":
+        relay = pub.plan().children[0].info.name
+        _stop([p for i, p in enumerate(procs) if f"r{i}" != relay])
+        step = adamw_like_step(tensors, lr)
+        t, v = _timed_publish(pub, step)
+        stats = pub.stats
+        res["delta_s"] = t
+        res["delta_wan_bytes"] = stats.get("cross_dc_delta_bytes", 0)
+        res["full_wan_bytes_v1"] = stats["cross_dc_full_bytes"]
+        if stats.get("cross_dc_full_bytes") != res["tree_wan_bytes"]:
+          raise RuntimeError("version 2 did not travel as a delta")
+    finally:
+      _stop(procs)
+      pub.close()
+  return res
 
 
 def main(argv):
-    del argv
-    chunk = _CHUNK_MIB.value << 20
-    t0 = time.perf_counter()
-    tensors = qwen2_like(_QUICK.value)
-    n_params = sum(t.size for t in tensors.values())
-    print(f"model: {n_params / 1e6:.0f}M params, {sum(t.nbytes for t in tensors.values()) / 1e9:.3f} GB bf16, "
-          f"{len(tensors)} tensors (built in {time.perf_counter() - t0:.1f}s); chunk {_CHUNK_MIB.value} MiB")
-    bw = bench_bandwidth(tensors, chunk, _REPS.value, _SKIP_TCP.value)
-    nan = float("nan")
-    link = (dict(direct_s=nan, tree_s=nan, delta_s=nan, direct_wan_bytes=nan, tree_wan_bytes=nan,
-                 delta_wan_bytes=nan, full_wan_bytes_v1=nan) if _SKIP_LINK.value
-            else bench_link(tensors, chunk, _LINK_GBIT.value * 1e9 / 8, _LR.value))
+  del argv
+  chunk = _CHUNK_MIB.value << 20
+  t0 = time.perf_counter()
+  tensors = qwen2_like(_QUICK.value)
+  n_params = sum(t.size for t in tensors.values())
+  print(
+      f"model: {n_params / 1e6:.0f}M params, {sum(t.nbytes for t in tensors.values()) / 1e9:.3f} GB bf16, "
+      f"{len(tensors)} tensors (built in {time.perf_counter() - t0:.1f}s); chunk {_CHUNK_MIB.value} MiB"
+  )
+  bw = bench_bandwidth(tensors, chunk, _REPS.value, _SKIP_TCP.value)
+  nan = float("nan")
+  link = (
+      dict(
+          direct_s=nan,
+          tree_s=nan,
+          delta_s=nan,
+          direct_wan_bytes=nan,
+          tree_wan_bytes=nan,
+          delta_wan_bytes=nan,
+          full_wan_bytes_v1=nan,
+      )
+      if _SKIP_LINK.value
+      else bench_link(tensors, chunk, _LINK_GBIT.value * 1e9 / 8, _LR.value)
+  )
 
-    gb = bw["model_bytes"] / 1e9
-    total = N_RECEIVERS * gb
-    rows = [("memcpy x4 (one process)", bw["memcpy_s"]), ("service, shared memory", bw["shm_s"])]
-    if "tcp_s" in bw:
-        rows.append(("service, TCP tree fanout 2", bw["tcp_s"]))
-    print(f"\n{'same host, 4 receivers':<38}{'time s':>9}{'GB/s':>9}")
-    for name, s in rows:
-        print(f"{name:<38}{s:>9.3f}{total / s:>9.2f}")
-    print(f"\n{'A->B link ' + str(_LINK_GBIT.value) + ' Gbit/s, 4 receivers in B':<38}{'time s':>9}"
-          f"{'WAN GB':>9}")
-    print(f"{'direct (sender -> 4)':<38}{link['direct_s']:>9.2f}{link['direct_wan_bytes'] / 1e9:>9.3f}")
-    print(f"{'relay (sender -> 1 -> tree)':<38}{link['tree_s']:>9.2f}{link['tree_wan_bytes'] / 1e9:>9.3f}")
-    print(f"{'relay, next version as delta':<38}{link['delta_s']:>9.2f}{link['delta_wan_bytes'] / 1e9:>9.3f}")
-    ratio = bw["memcpy_s"] / bw["shm_s"]
-    speedup = link["direct_s"] / link["tree_s"]
-    delta_ratio = link["delta_wan_bytes"] / link["full_wan_bytes_v1"]
-    extra = f" tcp_ratio={bw['memcpy_s'] / bw['tcp_s']:.3f}" if "tcp_s" in bw else ""
-    print(f"\nlr={_LR.value}: delta/full bytes on the link {delta_ratio:.3f}; "
-          f"memcpy {total / bw['memcpy_s']:.2f} GB/s{extra}; total {time.perf_counter() - t0:.0f}s")
-    print(f"RESULT bandwidth_ratio_vs_memcpy={ratio:.3f} relay_speedup={speedup:.2f} "
-          f"delta_bytes_ratio={delta_ratio:.3f}")
+  gb = bw["model_bytes"] / 1e9
+  total = N_RECEIVERS * gb
+  rows = [("memcpy x4 (one process)", bw["memcpy_s"]), ("service, shared memory", bw["shm_s"])]
+  if "tcp_s" in bw:
+    rows.append(("service, TCP tree fanout 2", bw["tcp_s"]))
+  print(f"\n{'same host, 4 receivers':<38}{'time s':>9}{'GB/s':>9}")
+  for name, s in rows:
+    print(f"{name:<38}{s:>9.3f}{total / s:>9.2f}")
+  print(
+      f"\n{'A->B link ' + str(_LINK_GBIT.value) + ' Gbit/s, 4 receivers in B':<38}{'time s':>9}"
+      f"{'WAN GB':>9}"
+  )
+  print(
+      f"{'direct (sender -> 4)':<38}{link['direct_s']:>9.2f}{link['direct_wan_bytes'] / 1e9:>9.3f}"
+  )
+  print(
+      f"{'relay (sender -> 1 -> tree)':<38}{link['tree_s']:>9.2f}{link['tree_wan_bytes'] / 1e9:>9.3f}"
+  )
+  print(
+      f"{'relay, next version as delta':<38}{link['delta_s']:>9.2f}{link['delta_wan_bytes'] / 1e9:>9.3f}"
+  )
+  ratio = bw["memcpy_s"] / bw["shm_s"]
+  speedup = link["direct_s"] / link["tree_s"]
+  delta_ratio = link["delta_wan_bytes"] / link["full_wan_bytes_v1"]
+  extra = f" tcp_ratio={bw['memcpy_s'] / bw['tcp_s']:.3f}" if "tcp_s" in bw else ""
+  print(
+      f"\nlr={_LR.value}: delta/full bytes on the link {delta_ratio:.3f}; "
+      f"memcpy {total / bw['memcpy_s']:.2f} GB/s{extra}; total {time.perf_counter() - t0:.0f}s"
+  )
+  print(
+      f"RESULT bandwidth_ratio_vs_memcpy={ratio:.3f} relay_speedup={speedup:.2f} "
+      f"delta_bytes_ratio={delta_ratio:.3f}"
+  )
 
 
 if __name__ == "__main__":
-    app.run(main)
+  app.run(main)

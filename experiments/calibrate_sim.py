@@ -95,32 +95,52 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from absl import app, flags, logging as absl_logging  # noqa: E402
 
-from modes_workload import (MODES, Workload, config_json, describe,  # noqa: E402
-                            generator_cores, make_settings, now, precompile, train_alone,
-                            with_mode)
+from modes_workload import (
+    MODES,
+    Workload,
+    config_json,
+    describe,  # noqa: E402
+    generator_cores,
+    make_settings,
+    now,
+    precompile,
+    train_alone,
+    with_mode,
+)
 
 # Modes whose generation and training run at the same time.
 OVERLAPPING = ("stream", "async")
 
-_QUICK = flags.DEFINE_bool("quick", False, "Small workload (16 prompts, colocated + sync, 1+2 iterations).")
-_WORKDIR = flags.DEFINE_string("workdir", "/tmp/streamrl_bench_modes",
-                               "Cache of the warm-started policy (shared with bench_modes.py).")
-_OUT = flags.DEFINE_string("out", os.path.join(os.path.dirname(os.path.abspath(__file__)), "out",
-                                               "calibrate_sim"), "Where the JSON files go.")
+_QUICK = flags.DEFINE_bool(
+    "quick", False, "Small workload (16 prompts, colocated + sync, 1+2 iterations)."
+)
+_WORKDIR = flags.DEFINE_string(
+    "workdir",
+    "/tmp/streamrl_bench_modes",
+    "Cache of the warm-started policy (shared with bench_modes.py).",
+)
+_OUT = flags.DEFINE_string(
+    "out",
+    os.path.join(os.path.dirname(os.path.abspath(__file__)), "out", "calibrate_sim"),
+    "Where the JSON files go.",
+)
 _MODES = flags.DEFINE_list("modes", list(MODES), "Modes to run (--quick: colocated,sync).")
 _WARMUP = flags.DEFINE_integer("warmup", 1, "Untimed iterations per mode.")
 _ITERATIONS = flags.DEFINE_integer("iterations", 8, "Timed iterations per mode.")
 _PROMPTS = flags.DEFINE_integer("prompts", 64, "trainer.prompts_per_iteration.")
 _MINI = flags.DEFINE_integer("mini_batch", 16, "trainer.mini_batch_size (= micro_batch_size).")
-_MAX_NUM_SEQS = flags.DEFINE_integer("max_num_seqs", 4, "generation.max_num_seqs: requests in flight.")
+_MAX_NUM_SEQS = flags.DEFINE_integer(
+    "max_num_seqs", 4, "generation.max_num_seqs: requests in flight."
+)
 _MAX_TOKENS = flags.DEFINE_integer("max_tokens", 56, "generation.max_tokens.")
 _PROFILE_REPS = flags.DEFINE_integer("profile_reps", 5, "Repetitions per PTL timing (median).")
-_SIM_ITERATIONS = flags.DEFINE_integer("sim_iterations", 40,
-                                       "Simulated iterations per prediction (lengths resampled each).")
+_SIM_ITERATIONS = flags.DEFINE_integer(
+    "sim_iterations", 40, "Simulated iterations per prediction (lengths resampled each)."
+)
 _OVERRIDES = flags.DEFINE_multi_string("override", [], "Extra config overrides, key=value.")
-_LOG_COMPILES = flags.DEFINE_bool("log_compiles", False,
-                                  "Log every JAX compile after the precompile step (none should appear).")
-
+_LOG_COMPILES = flags.DEFINE_bool(
+    "log_compiles", False, "Log every JAX compile after the precompile step (none should appear)."
+)
 
 
 def load() -> float:
@@ -134,9 +154,14 @@ def load_config():
     prompts, mini, iters, warm = 16, 8, 2, 1
   # One more iteration than run: async generates the next batch during the
   # last timed iteration, as in steady state. Same in every mode (lr horizon).
-  s = make_settings(prompts=prompts, mini_batch=mini, num_iterations=warm + iters + 1,
-                    max_num_seqs=_MAX_NUM_SEQS.value, max_tokens=_MAX_TOKENS.value,
-                    overrides=_OVERRIDES.value)
+  s = make_settings(
+      prompts=prompts,
+      mini_batch=mini,
+      num_iterations=warm + iters + 1,
+      max_num_seqs=_MAX_NUM_SEQS.value,
+      max_tokens=_MAX_TOKENS.value,
+      overrides=_OVERRIDES.value,
+  )
   return s, warm, iters
 
 
@@ -144,6 +169,7 @@ def load_config():
 @dataclasses.dataclass
 class Live:
   """One mode as it runs: its settings, rollout, mode and trainer."""
+
   s: object
   rollout: object
   mode: object
@@ -164,6 +190,7 @@ def run_pipeline(work: Workload, mode: str, warm: int, iters: int, between=None)
   """
   from streamrl import train  # pylint: disable=g-import-not-at-top
   from streamrl.pipeline.timeline import Timeline  # pylint: disable=g-import-not-at-top
+
   s = with_mode(work.s, mode)
   trainer = work.trainer(s)
   t_build = now()
@@ -175,15 +202,19 @@ def run_pipeline(work: Workload, mode: str, warm: int, iters: int, between=None)
   outs, walls, load0 = [], [], load()
   for it in range(warm + iters):
     t0 = now()
-    x = train.train_iteration(it, live.mode, trainer, rewarder, timeline,
-                              ppo_epochs=s.trainer.ppo_epochs, seed=s.seed)
+    x = train.train_iteration(
+        it, live.mode, trainer, rewarder, timeline, ppo_epochs=s.trainer.ppo_epochs, seed=s.seed
+    )
     scalars = train.iteration_scalars(x, timeline, rollout)
     t1 = now()
-    print(f"  {mode:9s} it {it}{' (warm-up)' if it < warm else ''}: {t1 - t0:5.2f} s  "
-          f"gen {scalars.get('time/generation_s', 0):5.2f}  "
-          f"train {scalars.get('time/training_s', 0):5.2f}  "
-          f"push {scalars.get('time/weight_update_s', 0):4.2f}  "
-          f"mean len {scalars['response_length/mean']:4.1f}  load {load():4.1f}", flush=True)
+    print(
+        f"  {mode:9s} it {it}{' (warm-up)' if it < warm else ''}: {t1 - t0:5.2f} s  "
+        f"gen {scalars.get('time/generation_s', 0):5.2f}  "
+        f"train {scalars.get('time/training_s', 0):5.2f}  "
+        f"push {scalars.get('time/weight_update_s', 0):4.2f}  "
+        f"mean len {scalars['response_length/mean']:4.1f}  load {load():4.1f}",
+        flush=True,
+    )
     if it >= warm:
       outs.append({"samples": x.samples, "scalars": scalars})
       walls.append(t1 - t0)
@@ -191,14 +222,21 @@ def run_pipeline(work: Workload, mode: str, warm: int, iters: int, between=None)
       between(live, it, it >= warm, x.samples)
   n = sum(len(o["samples"]) for o in outs)
   mean = lambda key: statistics.fmean(o["scalars"].get(key, 0.0) for o in outs)
-  res = {"mode": mode, "samples": n, "wall_s": sum(walls), "iteration_walls": walls,
-         "samples_per_s": n / sum(walls),
-         "samples_per_s_median": len(outs[0]["samples"]) / statistics.median(walls),
-         "startup_s": startup, "load": (load0, load()),
-         "generation_s": mean("time/generation_s"), "training_s": mean("time/training_s"),
-         "weight_update_s": mean("time/weight_update_s"),
-         "output_lens": [len(s.token_ids) for o in outs for s in o["samples"]],
-         "prompt_lens": [len(s.prompt_token_ids) for o in outs for s in o["samples"]]}
+  res = {
+      "mode": mode,
+      "samples": n,
+      "wall_s": sum(walls),
+      "iteration_walls": walls,
+      "samples_per_s": n / sum(walls),
+      "samples_per_s_median": len(outs[0]["samples"]) / statistics.median(walls),
+      "startup_s": startup,
+      "load": (load0, load()),
+      "generation_s": mean("time/generation_s"),
+      "training_s": mean("time/training_s"),
+      "weight_update_s": mean("time/weight_update_s"),
+      "output_lens": [len(s.token_ids) for o in outs for s in o["samples"]],
+      "prompt_lens": [len(s.prompt_token_ids) for o in outs for s in o["samples"]],
+  }
   res["_samples"] = {it: o["samples"] for it, o in zip(range(warm, warm + iters), outs)}
   return res, live
 
@@ -246,15 +284,21 @@ class Components:
 
   def __call__(self, live: Live, it: int, timed: bool, pipeline_samples) -> None:
     from streamrl.generator.local import sampling_for  # pylint: disable=g-import-not-at-top
+
     s = self.s
     requests, by_id = self.work.requests(self.batches[it])
     t0 = now()
     regenerated = list(live.rollout.generate(requests, sampling_for(s.sampling, s.seed, it)))
     gen_s = now() - t0
     fwd_s, upd_s = self._trainer(it, pipeline_samples, by_id)
-    rec = {"it": it, "gen_s": gen_s, "fwd_s": fwd_s, "upd_s": upd_s,
-           "tokens": sum(len(q.prompt_token_ids) + len(q.token_ids) for q in pipeline_samples),
-           **self._admission_lengths(requests, regenerated)}
+    rec = {
+        "it": it,
+        "gen_s": gen_s,
+        "fwd_s": fwd_s,
+        "upd_s": upd_s,
+        "tokens": sum(len(q.prompt_token_ids) + len(q.token_ids) for q in pipeline_samples),
+        **self._admission_lengths(requests, regenerated),
+    }
     if self.mode in OVERLAPPING:
       rec["contended"] = self._concurrent(live, it, requests, pipeline_samples, by_id)
     rec["load"] = load()
@@ -267,15 +311,25 @@ class Components:
       chunks, copy = self._stream_chunks(samples), True
     else:
       chunks, copy = [sorted(samples, key=lambda q: q.prompt_id)], False
-    return train_alone(self.trainer, self.rewarder, chunks, by_id, it=it,
-                       ppo_epochs=s.trainer.ppo_epochs, seed=s.seed, copy=copy)
+    return train_alone(
+        self.trainer,
+        self.rewarder,
+        chunks,
+        by_id,
+        it=it,
+        ppo_epochs=s.trainer.ppo_epochs,
+        seed=s.seed,
+        copy=copy,
+    )
 
   @staticmethod
   def _admission_lengths(requests, samples) -> dict:
     by_rid = {q.prompt_id: q for q in samples}
     order = [by_rid[rid] for rid, _ in requests]
-    return {"prompt_lens": [len(q.prompt_token_ids) for q in order],
-            "output_lens": [len(q.token_ids) for q in order]}
+    return {
+        "prompt_lens": [len(q.prompt_token_ids) for q in order],
+        "output_lens": [len(q.token_ids) for q in order],
+    }
 
   def _concurrent(self, live: Live, it, requests, samples, by_id) -> dict:
     """The same generation and trainer work again, at the same time.
@@ -288,6 +342,7 @@ class Components:
     """
     import threading  # pylint: disable=g-import-not-at-top
     from streamrl.generator.local import sampling_for  # pylint: disable=g-import-not-at-top
+
     s = self.s
     out = {}
 
@@ -300,8 +355,12 @@ class Components:
     thread.start()
     fwd_s, upd_s = self._trainer(it, samples, by_id)
     thread.join()
-    return {"gen_s": out["gen_s"], "fwd_s": fwd_s, "upd_s": upd_s,
-            **self._admission_lengths(requests, out["samples"])}
+    return {
+        "gen_s": out["gen_s"],
+        "fwd_s": fwd_s,
+        "upd_s": upd_s,
+        **self._admission_lengths(requests, out["samples"]),
+    }
 
   def _stream_chunks(self, samples) -> list[list]:
     """The chunks stream mode releases for these samples, in the order they
@@ -316,15 +375,26 @@ class Components:
     from streamrl.pipeline.stream import LengthBatcher  # pylint: disable=g-import-not-at-top
     from streamrl.sim.costs import GenCostModel  # pylint: disable=g-import-not-at-top
     from streamrl.sim.engine import simulate_generation  # pylint: disable=g-import-not-at-top
+
     s = self.s
     cap = s.engine.max_num_seqs
     ordered = sorted(samples, key=lambda q: q.prompt_id)
-    unit = GenCostModel(step_fixed_s=1.0, per_seq_s=0.0, per_ctx_token_s=0.0,
-                        prefill_s_per_token=0.0, kv_capacity_tokens=float("inf"),
-                        max_num_seqs=cap)
-    finish = simulate_generation(unit, 1, [len(q.prompt_token_ids) for q in ordered],
-                                 [len(q.token_ids) for q in ordered],
-                                 queues=[list(range(len(ordered)))], caps=[cap]).finish_times
+    unit = GenCostModel(
+        step_fixed_s=1.0,
+        per_seq_s=0.0,
+        per_ctx_token_s=0.0,
+        prefill_s_per_token=0.0,
+        kv_capacity_tokens=float("inf"),
+        max_num_seqs=cap,
+    )
+    finish = simulate_generation(
+        unit,
+        1,
+        [len(q.prompt_token_ids) for q in ordered],
+        [len(q.token_ids) for q in ordered],
+        queues=[list(range(len(ordered)))],
+        caps=[cap],
+    ).finish_times
     batcher = LengthBatcher(s.trainer.mini_batch_size, s.advantage.group_size)
     chunks = []
     for i in np.argsort(finish, kind="stable"):
@@ -345,6 +415,7 @@ def measure_transfer(live: Live, version: int, reps: int = 3) -> list[float]:
 def measure_generator(work: Workload, prompt_len: int, path: str):
   """PTL(BS) at 1..max_num_seqs and prefill cost of the in-process instance (1 thread)."""
   from streamrl.generator.profiler import profile_instance  # pylint: disable=g-import-not-at-top
+
   engine = work.local_rollout().engine
   e = work.s.engine
   sizes = sorted({1, 2, max(1, e.max_num_seqs // 2), e.max_num_seqs})
@@ -352,13 +423,29 @@ def measure_generator(work: Workload, prompt_len: int, path: str):
   l2 = min(48, e.max_model_len - prompt_len - 1)
   l1 = max(2, l2 // 6)
   pre_len = min(96, e.max_model_len - 2)
-  return profile_instance(engine, sizes, prompt_len=prompt_len, gen_lens=(l1, l2),
-                          prefill_prompt_len=pre_len, prefill_batch=e.max_num_seqs,
-                          reps=_PROFILE_REPS.value, name="tiny/vllm-cpu/1thread", path=path)
+  return profile_instance(
+      engine,
+      sizes,
+      prompt_len=prompt_len,
+      gen_lens=(l1, l2),
+      prefill_prompt_len=pre_len,
+      prefill_batch=e.max_num_seqs,
+      reps=_PROFILE_REPS.value,
+      name="tiny/vllm-cpu/1thread",
+      path=path,
+  )
 
 
-def cost_models(mode: str, profile, per_batch: list[dict], transfer: list[float], cap: int,
-                mean_prompt_len: float, stat: str, condition: str = "isolated") -> dict:
+def cost_models(
+    mode: str,
+    profile,
+    per_batch: list[dict],
+    transfer: list[float],
+    cap: int,
+    mean_prompt_len: float,
+    stat: str,
+    condition: str = "isolated",
+) -> dict:
   """The simulator's inputs from the measurements, with `stat` = "mean" or "median".
 
   condition: "isolated" uses the generator-alone and trainer-alone timings;
@@ -382,13 +469,23 @@ def cost_models(mode: str, profile, per_batch: list[dict], transfer: list[float]
   import dataclasses  # pylint: disable=g-import-not-at-top
   from streamrl.sim.calibrate import from_measured  # pylint: disable=g-import-not-at-top
   from streamrl.sim.engine import simulate_generation  # pylint: disable=g-import-not-at-top
-  gen_only, _ = from_measured(profile, {"fwd_s_per_token": 0.0, "upd_s_per_token": 0.0},
-                              max_num_seqs=cap)
+
+  gen_only, _ = from_measured(
+      profile, {"fwd_s_per_token": 0.0, "upd_s_per_token": 0.0}, max_num_seqs=cap
+  )
   if condition == "contended":
     per_batch = [{**b, **b["contended"]} for b in per_batch]
-  sim = [simulate_generation(gen_only, 1, b["prompt_lens"], b["output_lens"],
-                             queues=[list(range(len(b["output_lens"])))], caps=[cap]).makespan
-         for b in per_batch]
+  sim = [
+      simulate_generation(
+          gen_only,
+          1,
+          b["prompt_lens"],
+          b["output_lens"],
+          queues=[list(range(len(b["output_lens"])))],
+          caps=[cap],
+      ).makespan
+      for b in per_batch
+  ]
   n = [len(b["output_lens"]) for b in per_batch]
   gen = [b["gen_s"] for b in per_batch]
   fwd = [b["fwd_s"] / b["tokens"] for b in per_batch]
@@ -398,21 +495,43 @@ def cost_models(mode: str, profile, per_batch: list[dict], transfer: list[float]
     req = (sum(gen) - sum(sim)) / sum(n)
     fwd_t = sum(b["fwd_s"] for b in per_batch) / tok
     upd_t = sum(b["upd_s"] for b in per_batch) / tok
-    xfer, gen_alone, gen_sim = statistics.fmean(transfer), statistics.fmean(gen), statistics.fmean(sim)
+    xfer, gen_alone, gen_sim = (
+        statistics.fmean(transfer),
+        statistics.fmean(gen),
+        statistics.fmean(sim),
+    )
     train_alone = statistics.fmean(b["fwd_s"] + b["upd_s"] for b in per_batch)
   else:
     req = statistics.median((g - s) / k for g, s, k in zip(gen, sim, n))
     fwd_t, upd_t = statistics.median(fwd), statistics.median(upd)
-    xfer, gen_alone, gen_sim = statistics.median(transfer), statistics.median(gen), statistics.median(sim)
+    xfer, gen_alone, gen_sim = (
+        statistics.median(transfer),
+        statistics.median(gen),
+        statistics.median(sim),
+    )
     train_alone = statistics.median(b["fwd_s"] + b["upd_s"] for b in per_batch)
   with_req = dataclasses.replace(
-      profile, prefill_s_per_token=profile.prefill_s_per_token + max(req, 0.0) / mean_prompt_len,
-      name=f"{profile.name}+request")
-  trainer = {"name": f"tiny/jax-cpu/{mode}/{condition}/{stat}", "fwd_s_per_token": fwd_t,
-             "upd_s_per_token": upd_t, "fwd_overhead_s": 0.0, "update_overhead_s": 0.0}
-  return {"profile": with_req.to_dict(), "profile_ptl_only": profile.to_dict(), "trainer": trainer,
-          "transfer_s": xfer, "per_request_s_raw": req, "gen_alone_s": gen_alone,
-          "gen_alone_sim_s": gen_sim, "train_alone_s": train_alone}
+      profile,
+      prefill_s_per_token=profile.prefill_s_per_token + max(req, 0.0) / mean_prompt_len,
+      name=f"{profile.name}+request",
+  )
+  trainer = {
+      "name": f"tiny/jax-cpu/{mode}/{condition}/{stat}",
+      "fwd_s_per_token": fwd_t,
+      "upd_s_per_token": upd_t,
+      "fwd_overhead_s": 0.0,
+      "update_overhead_s": 0.0,
+  }
+  return {
+      "profile": with_req.to_dict(),
+      "profile_ptl_only": profile.to_dict(),
+      "trainer": trainer,
+      "transfer_s": xfer,
+      "per_request_s_raw": req,
+      "gen_alone_s": gen_alone,
+      "gen_alone_sim_s": gen_sim,
+      "train_alone_s": train_alone,
+  }
 
 
 def run_arm(work: Workload, mode: str, warm: int, iters: int, out_dir: str) -> dict:
@@ -445,19 +564,26 @@ def run_arm(work: Workload, mode: str, warm: int, iters: int, out_dir: str) -> d
   # cores) starts for the profile.
   if mode != "colocated":
     from streamrl import cluster  # pylint: disable=g-import-not-at-top
+
     cluster.pin_process_threads(generator_cores(s))
   t0 = now()
   mean_prompt = statistics.fmean(res["prompt_lens"])
-  profile = measure_generator(work, int(round(mean_prompt)),
-                              os.path.join(out_dir, f"profile_{mode}.json"))
+  profile = measure_generator(
+      work, int(round(mean_prompt)), os.path.join(out_dir, f"profile_{mode}.json")
+  )
   work.close_local()
   res["profile_s"] = now() - t0
   cap = s.engine.max_num_seqs
   conditions = ("isolated", "contended") if mode in OVERLAPPING else ("isolated",)
   res["costs"] = {
-      cond: {stat: cost_models(mode, profile, comp.per_batch, res["transfer_times"], cap,
-                               mean_prompt, stat, cond) for stat in ("mean", "median")}
-      for cond in conditions}
+      cond: {
+          stat: cost_models(
+              mode, profile, comp.per_batch, res["transfer_times"], cap, mean_prompt, stat, cond
+          )
+          for stat in ("mean", "median")
+      }
+      for cond in conditions
+  }
   # What the prediction uses: the two sides' speeds as they run in this mode.
   res["condition"] = conditions[-1]
   with open(os.path.join(out_dir, f"trainer_{mode}.json"), "w") as f:
@@ -467,17 +593,28 @@ def run_arm(work: Workload, mode: str, warm: int, iters: int, out_dir: str) -> d
 
 
 # ----------------------------------------------------------------- predict
-def predict(res: dict, s, stat: str = "mean", profile_key: str = "profile",
-            condition: str | None = None) -> dict:
+def predict(
+    res: dict, s, stat: str = "mean", profile_key: str = "profile", condition: str | None = None
+) -> dict:
   from streamrl.sim.calibrate import predict_local_throughput  # pylint: disable=g-import-not-at-top
+
   tr = s.trainer
   batch = s.samples_per_iteration
   c = res["costs"][condition or res["condition"]][stat]
   return predict_local_throughput(
-      c[profile_key], c["trainer"], res["mode"], output_lens=res["output_lens"],
-      prompt_lens=res["prompt_lens"], batch_size=batch, num_instances=1,
-      max_in_flight=s.engine.max_num_seqs, num_minibatches=batch // tr.mini_batch_size,
-      transfer_s=c["transfer_s"], iterations=_SIM_ITERATIONS.value, seed=s.seed)
+      c[profile_key],
+      c["trainer"],
+      res["mode"],
+      output_lens=res["output_lens"],
+      prompt_lens=res["prompt_lens"],
+      batch_size=batch,
+      num_instances=1,
+      max_in_flight=s.engine.max_num_seqs,
+      num_minibatches=batch // tr.mini_batch_size,
+      transfer_s=c["transfer_s"],
+      iterations=_SIM_ITERATIONS.value,
+      seed=s.seed,
+  )
 
 
 def report(runs: dict, s) -> list:
@@ -496,23 +633,27 @@ def report(runs: dict, s) -> list:
     res["rel_err_isolated"] = err(iso, res["samples_per_s"])
     rows.append(mode)
 
-  head = (f"{'mode':9s} {'costs':9s} {'measured':>8s} {'predicted':>9s} {'rel err':>7s} | "
-          f"{'median':>6s} {'pred':>6s} {'rel err':>7s} | {'isolated':>8s} {'PTL only':>8s} | "
-          f"{'gen: pipe':>9s} {'alone':>5s} {'sim':>5s} | {'train: pipe':>11s} {'alone':>5s} "
-          f"{'sim':>5s} | {'push':>5s} {'xfer':>5s} | {'req ms':>6s} {'out len':>7s} {'load':>9s}")
+  head = (
+      f"{'mode':9s} {'costs':9s} {'measured':>8s} {'predicted':>9s} {'rel err':>7s} | "
+      f"{'median':>6s} {'pred':>6s} {'rel err':>7s} | {'isolated':>8s} {'PTL only':>8s} | "
+      f"{'gen: pipe':>9s} {'alone':>5s} {'sim':>5s} | {'train: pipe':>11s} {'alone':>5s} "
+      f"{'sim':>5s} | {'push':>5s} {'xfer':>5s} | {'req ms':>6s} {'out len':>7s} {'load':>9s}"
+  )
   print("\n" + head)
   print("-" * len(head))
   for mode in rows:
     res = runs[mode]
     c, pred = res["costs"][res["condition"]]["mean"], res["predicted"]
-    print(f"{mode:9s} {res['condition']:9s} {res['samples_per_s']:8.2f} {pred['samples_per_s']:9.2f} "
-          f"{100 * res['rel_err']:+6.1f}% | {res['samples_per_s_median']:6.2f} "
-          f"{res['predicted_median']['samples_per_s']:6.2f} {100 * res['rel_err_median']:+6.1f}% | "
-          f"{100 * res['rel_err_isolated']:+7.1f}% {100 * res['rel_err_ptl_only']:+7.1f}% | "
-          f"{res['generation_s']:9.3f} {c['gen_alone_s']:5.3f} {pred['gen_s']:5.3f} | "
-          f"{res['training_s']:11.3f} {c['train_alone_s']:5.3f} {pred['train_s']:5.3f} | "
-          f"{res['weight_update_s']:5.3f} {c['transfer_s']:5.3f} | {1e3 * c['per_request_s_raw']:6.2f} "
-          f"{statistics.fmean(res['output_lens']):7.1f} {res['load'][0]:4.1f}-{res['load_after']:4.1f}")
+    print(
+        f"{mode:9s} {res['condition']:9s} {res['samples_per_s']:8.2f} {pred['samples_per_s']:9.2f} "
+        f"{100 * res['rel_err']:+6.1f}% | {res['samples_per_s_median']:6.2f} "
+        f"{res['predicted_median']['samples_per_s']:6.2f} {100 * res['rel_err_median']:+6.1f}% | "
+        f"{100 * res['rel_err_isolated']:+7.1f}% {100 * res['rel_err_ptl_only']:+7.1f}% | "
+        f"{res['generation_s']:9.3f} {c['gen_alone_s']:5.3f} {pred['gen_s']:5.3f} | "
+        f"{res['training_s']:11.3f} {c['train_alone_s']:5.3f} {pred['train_s']:5.3f} | "
+        f"{res['weight_update_s']:5.3f} {c['transfer_s']:5.3f} | {1e3 * c['per_request_s_raw']:6.2f} "
+        f"{statistics.fmean(res['output_lens']):7.1f} {res['load'][0]:4.1f}-{res['load_after']:4.1f}"
+    )
   print("""
 measured: samples / summed wall time of the timed iterations; predicted: the simulator
   (streamrl.sim.calibrate.predict_local_throughput) with the measured cost models, summed over
@@ -534,6 +675,7 @@ def main(argv):
   del argv
   absl_logging.set_verbosity(absl_logging.WARNING)
   import logging  # pylint: disable=g-import-not-at-top
+
   logging.getLogger("streamrl").setLevel(logging.WARNING)
   s, warm, iters = load_config()
   modes = list(_MODES.value)
@@ -546,13 +688,12 @@ def main(argv):
   os.makedirs(_WORKDIR.value, exist_ok=True)
   t_all = now()
   print(f"machine: {os.cpu_count()} cores, load average {load():.1f} at start", flush=True)
-  print(f"workload: {describe(s)}; {warm} warm-up + {iters} timed iterations per mode",
-        flush=True)
+  print(f"workload: {describe(s)}; {warm} warm-up + {iters} timed iterations per mode", flush=True)
   work = Workload(s, _WORKDIR.value)
-  precompile(work, [with_mode(s, m) for m in modes], warm + iters + 1,
-             streaming="stream" in modes)
+  precompile(work, [with_mode(s, m) for m in modes], warm + iters + 1, streaming="stream" in modes)
   if _LOG_COMPILES.value:
     import jax  # pylint: disable=g-import-not-at-top
+
     jax.config.update("jax_log_compiles", True)
     logging.getLogger("jax").setLevel(logging.WARNING)
 
@@ -563,31 +704,37 @@ def main(argv):
       runs[mode] = res
       c = res["costs"][res["condition"]]["mean"]
       p, t = c["profile_ptl_only"], c["trainer"]
-      print(f"  {mode}: {res['samples_per_s']:.2f} samples/s (start-up {res['startup_s']:.0f} s, "
-            f"measurements {res['components_s'] + res['profile_s']:.0f} s); PTL "
-            f"{', '.join(f'{b}:{1e3 * x:.2f}' for b, x in zip(p['batch_sizes'], p['ptl_s']))} ms, "
-            f"prefill {1e6 * p['prefill_s_per_token']:.1f} us/token, request "
-            f"{1e3 * c['per_request_s_raw']:.2f} ms; trainer fwd {1e6 * t['fwd_s_per_token']:.0f} + upd "
-            f"{1e6 * t['upd_s_per_token']:.0f} us/token ({res['condition']}); transfer "
-            f"{c['transfer_s']:.3f} s; load {load():.1f}", flush=True)
+      print(
+          f"  {mode}: {res['samples_per_s']:.2f} samples/s (start-up {res['startup_s']:.0f} s, "
+          f"measurements {res['components_s'] + res['profile_s']:.0f} s); PTL "
+          f"{', '.join(f'{b}:{1e3 * x:.2f}' for b, x in zip(p['batch_sizes'], p['ptl_s']))} ms, "
+          f"prefill {1e6 * p['prefill_s_per_token']:.1f} us/token, request "
+          f"{1e3 * c['per_request_s_raw']:.2f} ms; trainer fwd {1e6 * t['fwd_s_per_token']:.0f} + upd "
+          f"{1e6 * t['upd_s_per_token']:.0f} us/token ({res['condition']}); transfer "
+          f"{c['transfer_s']:.3f} s; load {load():.1f}",
+          flush=True,
+      )
   finally:
     work.close_local()
     import ray  # pylint: disable=g-import-not-at-top
+
     if ray.is_initialized():
       ray.shutdown()
 
   rows = report(runs, s)
-  summary = {"config": config_json(s), "modes": runs,
-             "load_end": load(), "total_s": now() - t_all}
+  summary = {"config": config_json(s), "modes": runs, "load_end": load(), "total_s": now() - t_all}
   with open(os.path.join(_OUT.value, "summary.json"), "w") as f:
     json.dump(summary, f, indent=1, default=str)
   print(f"total {now() - t_all:.0f} s, load average {load():.1f} at end", flush=True)
   worst = max(abs(runs[m]["rel_err"]) for m in rows)
   worst_med = max(abs(runs[m]["rel_err_median"]) for m in rows)
-  print("RESULT " + " ".join(f"calib_{m}_rel_err={runs[m]['rel_err']:+.3f}" for m in rows)
-        + f" calib_max_abs_rel_err={worst:.3f} "
-        + " ".join(f"calib_{m}_rel_err_median={runs[m]['rel_err_median']:+.3f}" for m in rows)
-        + f" calib_max_abs_rel_err_median={worst_med:.3f}")
+  print(
+      "RESULT "
+      + " ".join(f"calib_{m}_rel_err={runs[m]['rel_err']:+.3f}" for m in rows)
+      + f" calib_max_abs_rel_err={worst:.3f} "
+      + " ".join(f"calib_{m}_rel_err_median={runs[m]['rel_err_median']:+.3f}" for m in rows)
+      + f" calib_max_abs_rel_err_median={worst_med:.3f}"
+  )
 
 
 if __name__ == "__main__":

@@ -49,13 +49,25 @@ from absl import app, flags  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-_ITERATIONS = flags.DEFINE_integer("iterations", 8, "RL iterations to run (one weight version each).")
-_WORKDIR = flags.DEFINE_string("workdir", "/tmp/streamrl_delta_rl",
-                               "Where the warm start is cached (reused if its fingerprint matches).")
-_QUICK = flags.DEFINE_bool("quick", False, "5 iterations of 16 prompts (same optimizer steps per "
-                           "iteration), for development.")
-_CHUNK_MIB = flags.DEFINE_integer("chunk_mib", 4, "Payload chunk size, MiB (the service's default).")
-_LEVEL = flags.DEFINE_integer("level", 1, "zlib level of the delta encoder (TransferConfig.delta_level).")
+_ITERATIONS = flags.DEFINE_integer(
+    "iterations", 8, "RL iterations to run (one weight version each)."
+)
+_WORKDIR = flags.DEFINE_string(
+    "workdir",
+    "/tmp/streamrl_delta_rl",
+    "Where the warm start is cached (reused if its fingerprint matches).",
+)
+_QUICK = flags.DEFINE_bool(
+    "quick",
+    False,
+    "5 iterations of 16 prompts (same optimizer steps per " "iteration), for development.",
+)
+_CHUNK_MIB = flags.DEFINE_integer(
+    "chunk_mib", 4, "Payload chunk size, MiB (the service's default)."
+)
+_LEVEL = flags.DEFINE_integer(
+    "level", 1, "zlib level of the delta encoder (TransferConfig.delta_level)."
+)
 
 LAGS = (1, 2, 4)
 DTYPES = ("fp32", "bf16")
@@ -64,12 +76,18 @@ DTYPES = ("fp32", "bf16")
 def load_config(quick: bool):
   """configs/ppo.py in colocated mode (``--quick``: 16 prompts), as typed settings."""
   from streamrl import config_utils, settings
+
   config = config_utils.load_config(os.path.join(REPO, "configs", "ppo.py"))
   overrides = {"log.progress": False, "pipeline.mode": "colocated"}
   if quick:
     # 4 optimizer steps per iteration as in the default (2 mini-batches x 2 epochs).
-    overrides.update({"trainer.prompts_per_iteration": 16, "trainer.mini_batch_size": 8,
-                      "trainer.micro_batch_size": 8})
+    overrides.update(
+        {
+            "trainer.prompts_per_iteration": 16,
+            "trainer.mini_batch_size": 8,
+            "trainer.micro_batch_size": 8,
+        }
+    )
   return settings.from_config(config_utils.apply_overrides(config, overrides))
 
 
@@ -78,10 +96,15 @@ def lr_at(s, step: int) -> float:
   with the trainer's own optimizer config (``rl_trainer.optim_configs``)."""
   import optax
   from streamrl.trainer.rl_trainer import optim_configs
+
   o, _ = optim_configs(s)
   sched = optax.warmup_cosine_decay_schedule(
-      init_value=0.0 if o.warmup_steps else o.lr, peak_value=o.lr, warmup_steps=o.warmup_steps,
-      decay_steps=max(o.decay_steps, o.warmup_steps + 1), end_value=o.lr * o.min_lr_ratio)
+      init_value=0.0 if o.warmup_steps else o.lr,
+      peak_value=o.lr,
+      warmup_steps=o.warmup_steps,
+      decay_steps=max(o.decay_steps, o.warmup_steps + 1),
+      end_value=o.lr * o.min_lr_ratio,
+  )
   return float(sched(step))
 
 
@@ -91,6 +114,7 @@ class Version:
   def __init__(self, tensors: dict, version: int, chunk_bytes: int):
     import numpy as np
     from streamrl.transfer.manifest import payload_size, write_payload
+
     self.buf = np.empty(payload_size(tensors), np.uint8)
     self.manifest = write_payload(tensors, memoryview(self.buf), version, chunk_bytes)
 
@@ -122,9 +146,12 @@ def delta_wire(new: Version, base: Version, level: int) -> dict:
 
   import numpy as np
   from streamrl.transfer import delta as delta_lib
+
   m = new.manifest
   if m.layout != base.manifest.layout:
-    raise RuntimeError("versions have different layouts; a delta is impossible (the schema changed).")
+    raise RuntimeError(
+        "versions have different layouts; a delta is impossible (the schema changed)."
+    )
   head, word = frame_bytes(), m.word_bytes
   words = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[word]
   out = {"delta": 0, "full": 0, "changed": 0, "enc": "", "enc_s": 0.0}
@@ -149,6 +176,7 @@ def delta_wire(new: Version, base: Version, level: int) -> dict:
 def median_relative_change(new: dict, old: dict) -> float:
   """Median over all non-zero weights of |new - old| / |old| (fp32 tensors of two versions)."""
   import numpy as np
+
   rel = []
   for k, w in old.items():
     w = w.reshape(-1)
@@ -159,6 +187,7 @@ def median_relative_change(new: dict, old: dict) -> float:
 
 def bf16_of(tensors: dict) -> dict:
   import ml_dtypes
+
   return {k: v.astype(ml_dtypes.bfloat16) for k, v in tensors.items()}
 
 
@@ -181,8 +210,9 @@ def main(argv):
   workdir = _WORKDIR.value
   os.makedirs(workdir, exist_ok=True)
   train_examples, _ = train.load_examples(s)
-  model_dir = warmstart.prepare_model_dir(s.model, s.warmstart, s.task, seed=s.seed,
-                                          workdir=workdir, train_examples=train_examples)
+  model_dir = warmstart.prepare_model_dir(
+      s.model, s.warmstart, s.task, seed=s.seed, workdir=workdir, train_examples=train_examples
+  )
   _, policy = hf.load_hf(model_dir)
   tokenizer = Tokenizer(model_dir)
   rewarder = Rewarder(get_reward_fn(s.task.reward), tokenizer)
@@ -190,8 +220,13 @@ def main(argv):
   loader = PromptLoader(train_examples, s.trainer.prompts_per_iteration, seed=s.seed)
   rollout = LocalRollout(model_dir, s.engine, dtype=s.model.dtype, seed=s.seed)
   try:
-    mode = train.setup_mode(s, rollout, model_dir=model_dir, workdir=workdir,
-                            rounds=train.make_rounds(loader, tokenizer, s.advantage.group_size))
+    mode = train.setup_mode(
+        s,
+        rollout,
+        model_dir=model_dir,
+        workdir=workdir,
+        rounds=train.make_rounds(loader, tokenizer, s.advantage.group_size),
+    )
   except BaseException:
     rollout.close()
     raise
@@ -203,30 +238,41 @@ def main(argv):
   history = {"fp32": [Version(first, 0, chunk)], "bf16": [Version(bf16_of(first), 0, chunk)]}
   for d in DTYPES:
     m = history[d][0].manifest
-    print(f"{d}: {n_params / 1e6:.2f}M params, payload {m.total_bytes / 1e6:.2f} MB in "
-          f"{m.num_chunks} chunk(s) of {_CHUNK_MIB.value} MiB, word {m.word_bytes} B")
+    print(
+        f"{d}: {n_params / 1e6:.2f}M params, payload {m.total_bytes / 1e6:.2f} MB in "
+        f"{m.num_chunks} chunk(s) of {_CHUNK_MIB.value} MiB, word {m.word_bytes} B"
+    )
   tr = s.trainer
   opt = s.optimizer
-  print(f"actor: AdamW lr={opt.lr} (warmup {opt.warmup_steps} steps, cosine over "
-        f"{tr.num_iterations} iterations), weight_decay={opt.weight_decay}, grad_clip={opt.grad_clip}; "
-        f"{tr.ppo_epochs} epochs x {s.samples_per_iteration // tr.mini_batch_size}"
-        f" mini-batches per iteration; zlib level {_LEVEL.value}", flush=True)
+  print(
+      f"actor: AdamW lr={opt.lr} (warmup {opt.warmup_steps} steps, cosine over "
+      f"{tr.num_iterations} iterations), weight_decay={opt.weight_decay}, grad_clip={opt.grad_clip}; "
+      f"{tr.ppo_epochs} epochs x {s.samples_per_iteration // tr.mini_batch_size}"
+      f" mini-batches per iteration; zlib level {_LEVEL.value}",
+      flush=True,
+  )
 
   ratios = {(d, k): [] for d in DTYPES for k in LAGS}
   prev = first
   rows, enc_s, enc_bytes = [], 0.0, 0
   cols = "".join(f"{d + ' k' + str(k):>10}" for d in DTYPES for k in LAGS)
-  header = (f"{'it':>3}{'ver':>4}{'step':>5}{'lr':>9}{'reward':>8}{'gen s':>7}{'train s':>8}"
-            f"{'|dw|/|w|':>9}{'fp32 chg':>9}{'bf16 chg':>9}{'bf16 chg4':>10}{cols}{'enc':>6}")
+  header = (
+      f"{'it':>3}{'ver':>4}{'step':>5}{'lr':>9}{'reward':>8}{'gen s':>7}{'train s':>8}"
+      f"{'|dw|/|w|':>9}{'fp32 chg':>9}{'bf16 chg':>9}{'bf16 chg4':>10}{cols}{'enc':>6}"
+  )
   try:
     for it in range(iterations):
-      x = train.train_iteration(it, mode, trainer, rewarder, timeline,
-                                ppo_epochs=tr.ppo_epochs, seed=s.seed)
+      x = train.train_iteration(
+          it, mode, trainer, rewarder, timeline, ppo_epochs=tr.ppo_epochs, seed=s.seed
+      )
       sc = train.iteration_scalars(x, timeline, rollout)
       tensors = trainer.export_weights()
       rel = median_relative_change(tensors, prev)
       prev = tensors
-      new = {"fp32": Version(tensors, it + 1, chunk), "bf16": Version(bf16_of(tensors), it + 1, chunk)}
+      new = {
+          "fp32": Version(tensors, it + 1, chunk),
+          "bf16": Version(bf16_of(tensors), it + 1, chunk),
+      }
       res = {}
       for d in DTYPES:
         for k in LAGS:
@@ -236,15 +282,21 @@ def main(argv):
             ratios[d, k].append(r["delta"] / r["full"])
             enc_s += r["enc_s"]
             enc_bytes += r["full"]
-        history[d] = (history[d] + [new[d]])[-max(LAGS):]
+        history[d] = (history[d] + [new[d]])[-max(LAGS) :]
       step = int(trainer.state.step)
-      fmt = lambda d, k: f"{res[d, k]['delta'] / res[d, k]['full']:>10.3f}" if (d, k) in res else f"{'-':>10}"
+      fmt = (
+          lambda d, k: f"{res[d, k]['delta'] / res[d, k]['full']:>10.3f}"
+          if (d, k) in res
+          else f"{'-':>10}"
+      )
       chg4 = f"{res['bf16', 4]['changed']:>10.3f}" if ("bf16", 4) in res else f"{'-':>10}"
-      row = (f"{it:>3}{it + 1:>4}{step:>5}{lr_at(s, step - 1):>9.2e}{sc['reward/mean']:>8.3f}"
-             f"{sc['time/generation_s']:>7.1f}{sc['time/training_s']:>8.1f}{rel:>9.1e}"
-             f"{res['fp32', 1]['changed']:>9.3f}{res['bf16', 1]['changed']:>9.3f}{chg4}"
-             + "".join(fmt(d, k) for d in DTYPES for k in LAGS)
-             + f"{res['fp32', 1]['enc'] + '/' + res['bf16', 1]['enc']:>6}")
+      row = (
+          f"{it:>3}{it + 1:>4}{step:>5}{lr_at(s, step - 1):>9.2e}{sc['reward/mean']:>8.3f}"
+          f"{sc['time/generation_s']:>7.1f}{sc['time/training_s']:>8.1f}{rel:>9.1e}"
+          f"{res['fp32', 1]['changed']:>9.3f}{res['bf16', 1]['changed']:>9.3f}{chg4}"
+          + "".join(fmt(d, k) for d in DTYPES for k in LAGS)
+          + f"{res['fp32', 1]['enc'] + '/' + res['bf16', 1]['enc']:>6}"
+      )
       rows.append(row)
       if it == 0:
         print("\n" + header)
@@ -256,18 +308,27 @@ def main(argv):
       rollout.close()
 
   print("\n" + header + "\n" + "\n".join(rows))  # again, without the engine's log lines in between
-  print("\n|dw|/|w|: median relative change of a weight over the iteration (fp32). bf16 words are "
-        "2^-8..2^-7 of |w| apart\n(4e-3..8e-3), so a change of relative size r flips the rounded bf16 word "
-        "with probability ~ r / that spacing (1 once r exceeds it);\nchg: fraction of payload words (4 B fp32, 2 B bf16) that differ from the version 1 "
-        "(chg4: 4) back;\nkN: delta wire bytes / full wire bytes against the version N back; "
-        "enc: encoding per chunk for k=1 fp32/bf16 (R raw, Z xor+zlib, S xor sparse).")
+  print(
+      "\n|dw|/|w|: median relative change of a weight over the iteration (fp32). bf16 words are "
+      "2^-8..2^-7 of |w| apart\n(4e-3..8e-3), so a change of relative size r flips the rounded bf16 word "
+      "with probability ~ r / that spacing (1 once r exceeds it);\nchg: fraction of payload words (4 B fp32, 2 B bf16) that differ from the version 1 "
+      "(chg4: 4) back;\nkN: delta wire bytes / full wire bytes against the version N back; "
+      "enc: encoding per chunk for k=1 fp32/bf16 (R raw, Z xor+zlib, S xor sparse)."
+  )
   mean = lambda d, k: float(np.mean(ratios[d, k])) if ratios[d, k] else float("nan")
   for d in DTYPES:
-    print(f"{d}: mean ratio " + ", ".join(f"k={k} {mean(d, k):.3f} (n={len(ratios[d, k])})" for k in LAGS))
-  print(f"every delta chunk reconstructed bit-exactly (crc32 + byte compare); encoder "
-        f"{enc_bytes / max(enc_s, 1e-9) / 1e6:.0f} MB/s of full payload; total {time.perf_counter() - t_start:.0f} s")
-  print(f"RESULT delta_bytes_ratio_fp32={mean('fp32', 1):.3f} delta_bytes_ratio_bf16={mean('bf16', 1):.3f} "
-        f"delta_bytes_ratio_bf16_k4={mean('bf16', 4):.3f}")
+    print(
+        f"{d}: mean ratio "
+        + ", ".join(f"k={k} {mean(d, k):.3f} (n={len(ratios[d, k])})" for k in LAGS)
+    )
+  print(
+      f"every delta chunk reconstructed bit-exactly (crc32 + byte compare); encoder "
+      f"{enc_bytes / max(enc_s, 1e-9) / 1e6:.0f} MB/s of full payload; total {time.perf_counter() - t_start:.0f} s"
+  )
+  print(
+      f"RESULT delta_bytes_ratio_fp32={mean('fp32', 1):.3f} delta_bytes_ratio_bf16={mean('bf16', 1):.3f} "
+      f"delta_bytes_ratio_bf16_k4={mean('bf16', 4):.3f}"
+  )
 
 
 if __name__ == "__main__":

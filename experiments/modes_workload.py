@@ -32,6 +32,7 @@ def with_mode(s, mode: str):
   """Settings `s` with `pipeline.mode=mode`, validated again (the effective
   rollout correction, for one, depends on the mode)."""
   from streamrl import settings as settings_lib  # pylint: disable=g-import-not-at-top
+
   out = s.replace(pipeline=dataclasses.replace(s.pipeline, mode=mode))
   settings_lib.validate(out, check_files=False)
   return out
@@ -44,6 +45,7 @@ def unpin() -> None:
   (the trainer) to the trainer's share anew.
   """
   from streamrl import cluster  # pylint: disable=g-import-not-at-top
+
   cluster.pin_process_threads(ALL_CORES)
 
 
@@ -55,14 +57,17 @@ def pin_trainer(s) -> None:
   every arm), so only the mask changes.
   """
   from streamrl import cluster  # pylint: disable=g-import-not-at-top
+
   shares = cluster.plan_cpu_shares(s.cluster.generator_cpus, s.cluster.trainer_cpus, ALL_CORES)
   cluster.pin_process_threads(shares.trainer_cores)
 
 
 def generator_cores(s) -> tuple[int, ...]:
   from streamrl import cluster  # pylint: disable=g-import-not-at-top
-  return cluster.plan_cpu_shares(s.cluster.generator_cpus, s.cluster.trainer_cpus,
-                                 ALL_CORES).generator_cores
+
+  return cluster.plan_cpu_shares(
+      s.cluster.generator_cpus, s.cluster.trainer_cpus, ALL_CORES
+  ).generator_cores
 
 
 def set_engine_threads(n: int) -> None:
@@ -75,6 +80,7 @@ def set_engine_threads(n: int) -> None:
   once an engine exists.
   """
   import torch  # pylint: disable=g-import-not-at-top
+
   if torch.get_num_threads() != n:
     torch.set_num_threads(n)
 
@@ -86,13 +92,19 @@ class Workload:
     from streamrl import train  # pylint: disable=g-import-not-at-top
     from streamrl.data.tokenizer import Tokenizer  # pylint: disable=g-import-not-at-top
     from streamrl.models import warmstart  # pylint: disable=g-import-not-at-top
+
     self.s = s
     self.workdir = workdir
     self.train_examples, _ = train.load_examples(s)
     t0 = now()
-    self.model_dir = warmstart.prepare_model_dir(s.model, s.warmstart, s.task, seed=s.seed,
-                                                 workdir=workdir,
-                                                 train_examples=self.train_examples)
+    self.model_dir = warmstart.prepare_model_dir(
+        s.model,
+        s.warmstart,
+        s.task,
+        seed=s.seed,
+        workdir=workdir,
+        train_examples=self.train_examples,
+    )
     print(f"policy: {self.model_dir} ({now() - t0:.0f} s)", flush=True)
     self.tokenizer = Tokenizer(self.model_dir)
     self._local = None
@@ -101,8 +113,8 @@ class Workload:
   # ------------------------------------------------------------------ data
   def loader(self):
     from streamrl.data.loader import PromptLoader  # pylint: disable=g-import-not-at-top
-    return PromptLoader(self.train_examples, self.s.trainer.prompts_per_iteration,
-                        seed=self.s.seed)
+
+    return PromptLoader(self.train_examples, self.s.trainer.prompts_per_iteration, seed=self.s.seed)
 
   def batches(self, n: int):
     """The first n prompt batches of the loader: what every mode generates."""
@@ -112,10 +124,12 @@ class Workload:
   def requests(self, examples):
     """(requests, {request id: Example}) of a prompt batch, as a Round holds them."""
     from streamrl.data.loader import make_requests  # pylint: disable=g-import-not-at-top
+
     return make_requests(examples, self.tokenizer, self.s.advantage.group_size)
 
   def rewarder(self):
     from streamrl.data.rewards import Rewarder, get_reward_fn  # pylint: disable=g-import-not-at-top
+
     return Rewarder(get_reward_fn(self.s.task.reward), self.tokenizer)
 
   # --------------------------------------------------------------- trainer
@@ -123,6 +137,7 @@ class Workload:
     """A new trainer on the warm-started policy with a fresh optimizer state."""
     from streamrl.models import hf  # pylint: disable=g-import-not-at-top
     from streamrl.trainer.rl_trainer import RLTrainer  # pylint: disable=g-import-not-at-top
+
     _, policy = hf.load_hf(self.model_dir)
     return RLTrainer.from_settings(policy, s)
 
@@ -131,6 +146,7 @@ class Workload:
     """The local Ray (started once; its core shares are planned over all cores)."""
     if self._cluster is None:
       from streamrl import cluster  # pylint: disable=g-import-not-at-top
+
       self._cluster = cluster.init_ray_for(s.cluster)
     return self._cluster
 
@@ -142,6 +158,7 @@ class Workload:
     if self._local is None:
       set_engine_threads(threads)
       from streamrl.generator.local import LocalRollout  # pylint: disable=g-import-not-at-top
+
       s = self.s
       self._local = LocalRollout(self.model_dir, s.engine, dtype=s.model.dtype, seed=s.seed)
     return self._local
@@ -155,10 +172,16 @@ class Workload:
   def ray_rollout(self, s):
     """One Ray generator service as the settings describe it (local Ray)."""
     from streamrl.generator.service import StreamGenerationService  # pylint: disable=g-import-not-at-top
-    return StreamGenerationService(self.model_dir, s.engine, dtype=s.model.dtype, seed=s.seed,
-                                   cluster=self.cluster(s),
-                                   stall_timeout_s=s.pipeline.stall_timeout_s,
-                                   transfer=s.transfer)
+
+    return StreamGenerationService(
+        self.model_dir,
+        s.engine,
+        dtype=s.model.dtype,
+        seed=s.seed,
+        cluster=self.cluster(s),
+        stall_timeout_s=s.pipeline.stall_timeout_s,
+        transfer=s.transfer,
+    )
 
   def rollout(self, s, engine_threads: int = 1):
     """The rollout a real run of `s` uses: the in-process engine for
@@ -176,13 +199,26 @@ class Workload:
     """The mode of `s` over `rollout` (fifo/skew scheduler as configured),
     taking its prompt batches from `loader`."""
     from streamrl import train  # pylint: disable=g-import-not-at-top
-    return train.setup_mode(s, rollout, model_dir=self.model_dir, workdir=None,
-                            rounds=train.make_rounds(loader, self.tokenizer,
-                                                     s.advantage.group_size))
+
+    return train.setup_mode(
+        s,
+        rollout,
+        model_dir=self.model_dir,
+        workdir=None,
+        rounds=train.make_rounds(loader, self.tokenizer, s.advantage.group_size),
+    )
 
 
-def make_settings(*, prompts: int, mini_batch: int, num_iterations: int, max_num_seqs: int,
-                  max_tokens: int, extra: dict | None = None, overrides=()):
+def make_settings(
+    *,
+    prompts: int,
+    mini_batch: int,
+    num_iterations: int,
+    max_num_seqs: int,
+    max_tokens: int,
+    extra: dict | None = None,
+    overrides=(),
+):
   """configs/ppo.py with the benchmark workload's settings, as typed Settings.
 
   One generator core and one trainer core; `num_iterations` sets the lr
@@ -190,6 +226,7 @@ def make_settings(*, prompts: int, mini_batch: int, num_iterations: int, max_num
   are "key=value" strings of config keys.
   """
   from streamrl import config_utils, settings  # pylint: disable=g-import-not-at-top
+
   repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   config = config_utils.load_config(os.path.join(repo, "configs", "ppo.py"))
   values = {
@@ -213,20 +250,24 @@ def config_json(s) -> dict:
   """The settings as the nested config dict (for summary.json)."""
   import json  # pylint: disable=g-import-not-at-top
   from streamrl import settings  # pylint: disable=g-import-not-at-top
+
   return json.loads(settings.to_config(s).to_json())
 
 
 def describe(s) -> str:
   """One line on the algorithm of `s`."""
   adv, tr, e = s.advantage, s.trainer, s.engine
-  return (f"{tr.prompts_per_iteration} prompts x {adv.group_size} samples/iteration, "
-          f"{adv.estimator} (critic={adv.use_critic}, reference={s.kl.use_reference}), "
-          f"mini-batch {tr.mini_batch_size}, ppo_epochs {tr.ppo_epochs}, max_num_seqs "
-          f"{e.max_num_seqs}, max_tokens {s.sampling.max_tokens}")
+  return (
+      f"{tr.prompts_per_iteration} prompts x {adv.group_size} samples/iteration, "
+      f"{adv.estimator} (critic={adv.use_critic}, reference={s.kl.use_reference}), "
+      f"mini-batch {tr.mini_batch_size}, ppo_epochs {tr.ppo_epochs}, max_num_seqs "
+      f"{e.max_num_seqs}, max_tokens {s.sampling.max_tokens}"
+  )
 
 
-def train_alone(trainer, rewarder, chunks, examples_by_id, *, it: int, ppo_epochs: int,
-                seed: int, copy: bool) -> tuple[float, float]:
+def train_alone(
+    trainer, rewarder, chunks, examples_by_id, *, it: int, ppo_epochs: int, seed: int, copy: bool
+) -> tuple[float, float]:
   """The trainer's side of `train.train_iteration` on given chunks of samples.
 
   The same calls in the same order (snapshot, then per chunk: reward,
@@ -238,6 +279,7 @@ def train_alone(trainer, rewarder, chunks, examples_by_id, *, it: int, ppo_epoch
   """
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
+
   rng = np.random.default_rng([seed, it])
   fwd = upd = 0.0
   t0 = now()
@@ -279,9 +321,13 @@ def precompile(work: Workload, settings_list, num_batches: int, streaming: bool 
   from streamrl.generator.rollout import Sample  # pylint: disable=g-import-not-at-top
   from streamrl.trainer import experience  # pylint: disable=g-import-not-at-top
   from streamrl.trainer.rl_trainer import loss_config  # pylint: disable=g-import-not-at-top
+
   s0 = work.s
-  longest = max(len(work.tokenizer.encode_prompt(ex.prompt))
-                for batch in work.batches(num_batches) for ex in batch)
+  longest = max(
+      len(work.tokenizer.encode_prompt(ex.prompt))
+      for batch in work.batches(num_batches)
+      for ex in batch
+  )
   top = experience.bucket_length(longest + s0.sampling.max_tokens)
   distinct = {}
   for s in settings_list:
@@ -293,14 +339,26 @@ def precompile(work: Workload, settings_list, num_batches: int, streaming: bool 
       trainer = work.trainer(s)
       resp = max(1, length - 3)
       for size in sorted({full, mb} if streaming else {full}):
-        samples = [Sample(prompt_id=i, prompt_token_ids=(1, 5), token_ids=(7,) * resp,
-                          logprobs=(-1.0,) * resp, finish_reason="length", weight_version=0,
-                          instance_id=0) for i in range(size)]
+        samples = [
+            Sample(
+                prompt_id=i,
+                prompt_token_ids=(1, 5),
+                token_ids=(7,) * resp,
+                logprobs=(-1.0,) * resp,
+                finish_reason="length",
+                weight_version=0,
+                instance_id=0,
+            )
+            for i in range(size)
+        ]
         rewards = np.linspace(0, 1, size, dtype=np.float32)
         for copy in (True, False) if streaming else (False,):
           minis, _ = trainer.prepare(samples, rewards, trainer.snapshot(copy=copy))
       trainer.update(minis[0])
       trainer.update(minis[0])
     trainer.export_weights()
-  print(f"precompiled {len(distinct)} trainer config(s) for lengths 32..{top} "
-        f"({now() - t0:.0f} s)", flush=True)
+  print(
+      f"precompiled {len(distinct)} trainer config(s) for lengths 32..{top} "
+      f"({now() - t0:.0f} s)",
+      flush=True,
+  )

@@ -57,12 +57,21 @@ def _shifted(intervals: list[dict], window: tuple[float, float] | None) -> list[
   if window is None:
     return intervals
   x0, x1 = window
-  return [dict(iv, start=iv["start"] - x0, end=iv["end"] - x0) for iv in intervals
-          if iv["end"] > x0 and iv["start"] < x1]
+  return [
+      dict(iv, start=iv["start"] - x0, end=iv["end"] - x0)
+      for iv in intervals
+      if iv["end"] > x0 and iv["start"] < x1
+  ]
 
 
-def draw(ax, intervals: list[dict], *, title: str = "", xmax: float | None = None,
-         untimed: Sequence[tuple[float, float]] = ()) -> None:
+def draw(
+    ax,
+    intervals: list[dict],
+    *,
+    title: str = "",
+    xmax: float | None = None,
+    untimed: Sequence[tuple[float, float]] = (),
+) -> None:
   """Draws one pipeline timeline on `ax` (times in seconds, starting at 0)."""
   stages = _stage_order({iv["stage"] for iv in intervals})
   rows = {st: len(stages) - 1 - k for k, st in enumerate(stages)}  # trainer on top
@@ -75,12 +84,24 @@ def draw(ax, intervals: list[dict], *, title: str = "", xmax: float | None = Non
     # Per-sample trainer work (stream's "reward k") is short: draw it thinner.
     small = iv["label"].startswith("reward")
     h = 0.3 if small else 0.7
-    ax.broken_barh([(iv["start"], width)], (y - h / 2, h), facecolors=_colour(it),
-                   edgecolors="black" if not small else "none", linewidth=0.4)
+    ax.broken_barh(
+        [(iv["start"], width)],
+        (y - h / 2, h),
+        facecolors=_colour(it),
+        edgecolors="black" if not small else "none",
+        linewidth=0.4,
+    )
     if not small and width >= min_label_width and it is not None:
       kind = iv["label"].split()[0]
-      ax.text(iv["start"] + width / 2, y, f"{kind} {it}" if width >= 2.5 * min_label_width
-              else str(it), ha="center", va="center", fontsize=7, clip_on=True)
+      ax.text(
+          iv["start"] + width / 2,
+          y,
+          f"{kind} {it}" if width >= 2.5 * min_label_width else str(it),
+          ha="center",
+          va="center",
+          fontsize=7,
+          clip_on=True,
+      )
   for s, e in untimed:
     ax.axvspan(s, e, color="0.9", zorder=-1)
   ax.set_yticks(list(rows.values()), list(rows.keys()))
@@ -91,17 +112,23 @@ def draw(ax, intervals: list[dict], *, title: str = "", xmax: float | None = Non
 
 
 def _legend(fig, its: Sequence[int], shaded: bool) -> None:
-  handles = [Patch(facecolor=_colour(i), edgecolor="black", label=f"iteration {i}")
-             for i in sorted(its)]
+  handles = [
+      Patch(facecolor=_colour(i), edgecolor="black", label=f"iteration {i}") for i in sorted(its)
+  ]
   if shaded:
     handles.append(Patch(facecolor="0.9", label="untimed iteration"))
-  fig.legend(handles=handles, loc="lower center", ncol=min(len(handles), 8), fontsize=7,
-             frameon=False)
+  fig.legend(
+      handles=handles, loc="lower center", ncol=min(len(handles), 8), fontsize=7, frameon=False
+  )
 
 
-def plot_file(path: str, out_png: str | None = None, title: str = "",
-              window: tuple[float, float] | None = None,
-              untimed: Sequence[tuple[float, float]] = ()) -> str:
+def plot_file(
+    path: str,
+    out_png: str | None = None,
+    title: str = "",
+    window: tuple[float, float] | None = None,
+    untimed: Sequence[tuple[float, float]] = (),
+) -> str:
   """One PNG for one timeline JSON (only `window`, if given); returns its path."""
   intervals = _shifted(load_intervals(path), window)
   out_png = out_png or os.path.splitext(path)[0] + ".png"
@@ -110,8 +137,11 @@ def plot_file(path: str, out_png: str | None = None, title: str = "",
   xmax = window[1] - window[0] if window else None
   draw(ax, intervals, title=title or os.path.basename(path), xmax=xmax, untimed=untimed)
   ax.set_xlabel("seconds")
-  _legend(fig, {i for i in (_iteration(iv["label"]) for iv in intervals) if i is not None},
-          bool(untimed))
+  _legend(
+      fig,
+      {i for i in (_iteration(iv["label"]) for iv in intervals) if i is not None},
+      bool(untimed),
+  )
   fig.tight_layout(rect=(0, 0.1, 1, 1))
   fig.savefig(out_png, dpi=130)
   plt.close(fig)
@@ -146,17 +176,23 @@ def plot_summary(out_dir: str) -> list[str]:
     untimed = _untimed_spans(info)
     ratio = f" = {summary['throughput'][m] / base:.2f} x colocated" if base else ""
     bub = ", ".join(f"{st} {v:.0%}" for st, v in sorted(info["bubbles"].items()))
-    title = (f"{m}: {info['samples_per_s']:.1f} samples/s{ratio} (all timed iterations); "
-             f"idle: {bub}; mean staleness {info['staleness_mean']:.1f}")
+    title = (
+        f"{m}: {info['samples_per_s']:.1f} samples/s{ratio} (all timed iterations); "
+        f"idle: {bub}; mean staleness {info['staleness_mean']:.1f}"
+    )
     path = os.path.join(out_dir, f"timeline_{m}.json")
     data[m] = (_shifted(load_intervals(path), window), title, window, untimed)
-    pngs.append(plot_file(path, os.path.join(out_dir, f"timeline_{m}.png"), title, window,
-                          untimed))
+    pngs.append(plot_file(path, os.path.join(out_dir, f"timeline_{m}.png"), title, window, untimed))
   if modes:
     xmax = max(w[1] - w[0] for _, _, w, _ in data.values())
     rows = sum(len({iv["stage"] for iv in ivs}) for ivs, _, _, _ in data.values())
-    fig, axes = plt.subplots(len(modes), 1, figsize=(13, 1.2 + 0.75 * rows + 0.5 * len(modes)),
-                             sharex=True, squeeze=False)
+    fig, axes = plt.subplots(
+        len(modes),
+        1,
+        figsize=(13, 1.2 + 0.75 * rows + 0.5 * len(modes)),
+        sharex=True,
+        squeeze=False,
+    )
     its = set()
     for ax, m in zip(axes[:, 0], modes):
       ivs, title, _, untimed = data[m]

@@ -58,19 +58,33 @@ from streamrl.sim.lengths import paper_lengths  # noqa: E402
 from streamrl.sim.systems import SystemCalibration, disaggregated_config, gen_cost, system_config  # noqa: E402
 
 _OUT = flags.DEFINE_string("out_dir", "experiments/out/paper", "Where plots and report.md go.")
-_PAPER = flags.DEFINE_string("paper_json", None,
-                              "The paper's reference numbers (default: experiments/reference/streamrl_paper.json).")
+_PAPER = flags.DEFINE_string(
+    "paper_json",
+    None,
+    "The paper's reference numbers (default: experiments/reference/streamrl_paper.json).",
+)
 _SKIP_SCALE = flags.DEFINE_bool("skip_scale", False, "Skip the 1,024-GPU scale benchmark.")
 _ITERS = flags.DEFINE_integer("iterations", 4, "Iterations per simulation (first is warm-up).")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of every length draw.")
-_RESERVE = flags.DEFINE_bool("reserve_max_output", True,
-                             "Generator admission reserves KV for the maximum output (no preemption); "
-                             "False: vLLM-style admission on the prompt with preemption.")
-_LATENCY_MODEL = flags.DEFINE_enum("dispatch_latency_model", "paper", ["paper", "simulate"],
-                                   "Algorithm 2's latency estimate (streamrl.scheduling.dispatch).")
+_RESERVE = flags.DEFINE_bool(
+    "reserve_max_output",
+    True,
+    "Generator admission reserves KV for the maximum output (no preemption); "
+    "False: vLLM-style admission on the prompt with preemption.",
+)
+_LATENCY_MODEL = flags.DEFINE_enum(
+    "dispatch_latency_model",
+    "paper",
+    ["paper", "simulate"],
+    "Algorithm 2's latency estimate (streamrl.scheduling.dispatch).",
+)
 
-SYSTEM_LABEL = {"verl": "verl", "colocation": "colocation", "streamrl_sync": "StreamRL-sync",
-                "streamrl_async": "StreamRL-async"}
+SYSTEM_LABEL = {
+    "verl": "verl",
+    "colocation": "colocation",
+    "streamrl_sync": "StreamRL-sync",
+    "streamrl_async": "StreamRL-async",
+}
 
 
 class Report:
@@ -105,41 +119,98 @@ def calibrate(ref, rep, iters, seed):
   rep.h("Calibration")
   gen = costs.paper_calibration()
   sigma = paper.ranker_sigma_from_table4(ref)
-  rep.table(["parameter", "value", "source"], [
-      ["HBM bandwidth reachable", f"{gen.mem_bw_eff:.2f} x peak", "assumption (typical measured fraction)"],
-      ["context during Fig. 7 profiling", "1024 tokens/seq", "assumption (not stated in the paper)"],
-      ["per-layer decode step overhead", f"{gen.layer_overhead_s * 1e3:.4f} ms",
-       "fitted: Fig. 7 PTL(1) minus weight read time"],
-      ["decode/prefill GEMM efficiency", f"{gen.decode_compute_eff:.3f}",
-       "fitted: Fig. 7 slope minus KV read"],
-      ["TP all-reduce latency", f"{gen.tp_allreduce_s * 1e6:.0f} us x 2 per layer", "assumption"],
-      ["engine memory / max seqs", f"{gen.gpu_mem_util} / {gen.max_num_seqs}", "vLLM defaults"],
-      ["TP per model", "7B:1, 32B:4, 72B:8 (H800)", "rule: weights <= 25 % of instance HBM"],
-      ["ranker noise sigma (log-length)", f"{sigma:.3f}", "Table 4 ranker_7b top-20 % recall 0.87"],
-      ["PPO mini-batches", "4", "assumption (verl default 1024/256)"],
-      ["generator admission", "reserve KV for prompt + max output per sequence" if _RESERVE.value
-       else "vLLM: admit on prompt, preempt when full",
-       "assumption (engine policy, not stated in the paper); reserving reproduces Fig. 9's model-size ordering, "
-       "vLLM admission does not (both shown under Fig. 9)"],
-      ["Algorithm 2 latency model", _LATENCY_MODEL.value, "paper formula PTL(BS) * L_avg * ceil(M / BS)"
-       if _LATENCY_MODEL.value == "paper" else "continuous batching replayed per instance"],
-  ])
-  base = SystemCalibration(gen=gen, ranker_sigma=sigma, reserve_max_output=_RESERVE.value,
-                           dispatch_latency_model=_LATENCY_MODEL.value)
+  rep.table(
+      ["parameter", "value", "source"],
+      [
+          [
+              "HBM bandwidth reachable",
+              f"{gen.mem_bw_eff:.2f} x peak",
+              "assumption (typical measured fraction)",
+          ],
+          [
+              "context during Fig. 7 profiling",
+              "1024 tokens/seq",
+              "assumption (not stated in the paper)",
+          ],
+          [
+              "per-layer decode step overhead",
+              f"{gen.layer_overhead_s * 1e3:.4f} ms",
+              "fitted: Fig. 7 PTL(1) minus weight read time",
+          ],
+          [
+              "decode/prefill GEMM efficiency",
+              f"{gen.decode_compute_eff:.3f}",
+              "fitted: Fig. 7 slope minus KV read",
+          ],
+          [
+              "TP all-reduce latency",
+              f"{gen.tp_allreduce_s * 1e6:.0f} us x 2 per layer",
+              "assumption",
+          ],
+          ["engine memory / max seqs", f"{gen.gpu_mem_util} / {gen.max_num_seqs}", "vLLM defaults"],
+          ["TP per model", "7B:1, 32B:4, 72B:8 (H800)", "rule: weights <= 25 % of instance HBM"],
+          [
+              "ranker noise sigma (log-length)",
+              f"{sigma:.3f}",
+              "Table 4 ranker_7b top-20 % recall 0.87",
+          ],
+          ["PPO mini-batches", "4", "assumption (verl default 1024/256)"],
+          [
+              "generator admission",
+              "reserve KV for prompt + max output per sequence"
+              if _RESERVE.value
+              else "vLLM: admit on prompt, preempt when full",
+              "assumption (engine policy, not stated in the paper); reserving reproduces Fig. 9's model-size ordering, "
+              "vLLM admission does not (both shown under Fig. 9)",
+          ],
+          [
+              "Algorithm 2 latency model",
+              _LATENCY_MODEL.value,
+              "paper formula PTL(BS) * L_avg * ceil(M / BS)"
+              if _LATENCY_MODEL.value == "paper"
+              else "continuous batching replayed per instance",
+          ],
+      ],
+  )
+  base = SystemCalibration(
+      gen=gen,
+      ranker_sigma=sigma,
+      reserve_max_output=_RESERVE.value,
+      dispatch_latency_model=_LATENCY_MODEL.value,
+  )
   t0 = time.time()
-  cal, grid = paper.fit_stream_params(ref, base, mfus=np.round(np.arange(0.25, 0.601, 0.05), 2),
-                                      offloads=[None, 20, 10, 7, 5, 4, 3, 2.5, 2, 1.5, 1],
-                                      iterations=iters, seed=seed)
+  cal, grid = paper.fit_stream_params(
+      ref,
+      base,
+      mfus=np.round(np.arange(0.25, 0.601, 0.05), 2),
+      offloads=[None, 20, 10, 7, 5, 4, 3, 2.5, 2, 1.5, 1],
+      iterations=iters,
+      seed=seed,
+  )
   best_err = min(g[2] for g in grid)
-  cal, vgrid = paper.fit_verl(ref, cal, np.round(np.arange(0.0, 0.0301, 0.001), 4), iterations=iters, seed=seed)
+  cal, vgrid = paper.fit_verl(
+      ref, cal, np.round(np.arange(0.0, 0.0301, 0.001), 4), iterations=iters, seed=seed
+  )
   verr = min(g[1] for g in vgrid)
   rep.p("")
-  rep.table(["fitted on 7B cells only", "value", "grid", "7B max rel err at fit"], [
-      ["training MFU (H800)", f"{cal.mfu:.2f}", "0.25..0.60 step 0.05", f"{best_err:.3f}"],
-      ["colocation offload bandwidth", f"{cal.offload_gb_s} GB/s", "none, 20..1 GB/s", "(joint with MFU)"],
-      ["verl extra host time per decode step", f"{cal.verl_step_overhead_s * 1e3:.0f} ms", "0..30 ms step 1",
-       f"{verr:.3f}"],
-  ])
+  rep.table(
+      ["fitted on 7B cells only", "value", "grid", "7B max rel err at fit"],
+      [
+          ["training MFU (H800)", f"{cal.mfu:.2f}", "0.25..0.60 step 0.05", f"{best_err:.3f}"],
+          [
+              "colocation offload bandwidth",
+              f"{cal.offload_gb_s} GB/s",
+              "none, 20..1 GB/s",
+              "(joint with MFU)",
+          ],
+          [
+              "verl extra host time per decode step",
+              f"{cal.verl_step_overhead_s * 1e3:.0f} ms",
+              "0..30 ms step 1",
+              f"{verr:.3f}",
+          ],
+      ],
+  )
   rep.p(f"\n(fit took {time.time() - t0:.0f} s)")
   return cal
 
@@ -158,12 +229,25 @@ def fig8(ref, cal, rep, iters, seed, out):
       e = paper.fig8_errors(c, ref)
       (errs_fit if m == "qwen2.5-7b" else errs_held).extend(e.values())
       r = c.ratios()
-      rows.append([m, length, f"{c.gen_gpus}/{paper.MODEL_GPUS[m] - c.gen_gpus}"]
-                  + [f"{r[s]:.2f} / {pv[s] / pv['colocation']:.2f}" for s in cols]
-                  + [f"{c.samples_per_s['streamrl_async']:.2f} / {pv['streamrl_async']:.2f}",
-                     f"{max(e.values()):.3f}"])
-  rep.table(["model", "len", "gen/train", *[f"{SYSTEM_LABEL[s]} sim/paper" for s in cols],
-             "async samples/s sim/paper", "max rel err"], rows)
+      rows.append(
+          [m, length, f"{c.gen_gpus}/{paper.MODEL_GPUS[m] - c.gen_gpus}"]
+          + [f"{r[s]:.2f} / {pv[s] / pv['colocation']:.2f}" for s in cols]
+          + [
+              f"{c.samples_per_s['streamrl_async']:.2f} / {pv['streamrl_async']:.2f}",
+              f"{max(e.values()):.3f}",
+          ]
+      )
+  rep.table(
+      [
+          "model",
+          "len",
+          "gen/train",
+          *[f"{SYSTEM_LABEL[s]} sim/paper" for s in cols],
+          "async samples/s sim/paper",
+          "max rel err",
+      ],
+      rows,
+  )
   fit_err, held_err = max(errs_fit), max(errs_held)
   rep.p(f"\nmax relative error: 7B (fitted) {fit_err:.3f}; 32B+72B (held out) {held_err:.3f}")
   for s in cols:
@@ -175,15 +259,20 @@ def fig8(ref, cal, rep, iters, seed, out):
   # colocation almost uniformly across lengths; where the paper's own ratios
   # for one model spread more than that allows, say so with the numbers.
   for m in paper.MODEL_GPUS:
-    pr = [ref["fig8_throughput_samples_per_s"][m][l][0] / ref["fig8_throughput_samples_per_s"][m][l][1]
-          for l in paper.LENGTHS]
+    pr = [
+        ref["fig8_throughput_samples_per_s"][m][l][0]
+        / ref["fig8_throughput_samples_per_s"][m][l][1]
+        for l in paper.LENGTHS
+    ]
     sr = [cells[(m, l)].ratios()["verl"] for l in paper.LENGTHS]
     # Best max relative error any length-independent ratio r could reach: r = 2ab/(a+b).
     lo, hi = min(pr), max(pr)
     best = (hi - lo) / (hi + lo)
-    rep.p(f"  verl/colocation {m}: paper {', '.join(f'{x:.2f}' for x in pr)}; sim "
-          f"{', '.join(f'{x:.2f}' for x in sr)}; a length-independent ratio can reach at best "
-          f"{best:.3f} max rel err on this model")
+    rep.p(
+        f"  verl/colocation {m}: paper {', '.join(f'{x:.2f}' for x in pr)}; sim "
+        f"{', '.join(f'{x:.2f}' for x in sr)}; a length-independent ratio can reach at best "
+        f"{best:.3f} max rel err on this model"
+    )
   # Plot.
   fig, axes = plt.subplots(3, 3, figsize=(13, 10))
   for ax, ((m, length), c) in zip(axes.flat, cells.items()):
@@ -204,12 +293,22 @@ def fig8(ref, cal, rep, iters, seed, out):
 
 def table3(ref, cal, rep, iters, seed, out):
   rep.h("Table 3: ablation, 72B 20K (normalised to colocation)")
-  c = paper.run_cell("qwen2.5-72b", "20K", cal, iterations=iters, seed=seed,
-                     systems=("colocation", "colocation_skew", "streamrl_sync", "streamrl_async"))
+  c = paper.run_cell(
+      "qwen2.5-72b",
+      "20K",
+      cal,
+      iterations=iters,
+      seed=seed,
+      systems=("colocation", "colocation_skew", "streamrl_sync", "streamrl_async"),
+  )
   r = c.ratios()
   pt = ref["table3_ablation_72b_20k_normalized_throughput"]
-  pairs = [("colocation", "colocation"), ("colocation_skew", "+skewness_aware_scheduling"),
-           ("streamrl_sync", "+disaggregation_and_streaming"), ("streamrl_async", "+asynchronous")]
+  pairs = [
+      ("colocation", "colocation"),
+      ("colocation_skew", "+skewness_aware_scheduling"),
+      ("streamrl_sync", "+disaggregation_and_streaming"),
+      ("streamrl_async", "+asynchronous"),
+  ]
   rows, errs = [], []
   for s, k in pairs:
     errs.append(abs(r[s] - pt[k]))
@@ -217,33 +316,56 @@ def table3(ref, cal, rep, iters, seed, out):
   rep.table(["row", "simulated", "paper", "abs err"], rows)
   co, asy = c.results["colocation"].iterations[-1], c.results["streamrl_async"].iterations[-1]
   switch = c.results["colocation"].config.transfer_s
-  rep.p(f"\ncolocation iteration: generation {co.gen_time:.0f} s (128 GPUs) + training {co.train_busy:.0f} s + "
-        f"switch {switch:.0f} s; StreamRL-async: generation {asy.gen_time:.0f} s ({c.gen_gpus} GPUs), training "
-        f"{asy.train_busy:.0f} s ({paper.MODEL_GPUS['qwen2.5-72b'] - c.gen_gpus} GPUs). Generation is bound by "
-        "the longest samples on either GPU count, so async / colocation is about (T_gen + T_train(128) + switch) "
-        f"/ T_gen = {(co.gen_time + co.train_busy + switch) / asy.gen_time:.2f}; the paper's "
-        f"{pt['+asynchronous']} needs training + switch of {(pt['+asynchronous'] - 1):.2f} x T_gen on 128 GPUs "
-        f"(simulated {(co.train_busy + switch) / asy.gen_time:.2f} x, with the MFU fitted on 7B).")
+  rep.p(
+      f"\ncolocation iteration: generation {co.gen_time:.0f} s (128 GPUs) + training {co.train_busy:.0f} s + "
+      f"switch {switch:.0f} s; StreamRL-async: generation {asy.gen_time:.0f} s ({c.gen_gpus} GPUs), training "
+      f"{asy.train_busy:.0f} s ({paper.MODEL_GPUS['qwen2.5-72b'] - c.gen_gpus} GPUs). Generation is bound by "
+      "the longest samples on either GPU count, so async / colocation is about (T_gen + T_train(128) + switch) "
+      f"/ T_gen = {(co.gen_time + co.train_busy + switch) / asy.gen_time:.2f}; the paper's "
+      f"{pt['+asynchronous']} needs training + switch of {(pt['+asynchronous'] - 1):.2f} x T_gen on 128 GPUs "
+      f"(simulated {(co.train_busy + switch) / asy.gen_time:.2f} x, with the MFU fitted on 7B)."
+  )
   # Where the ratio gap sits: iteration seconds, simulated vs the paper's Fig. 8 cell (1024 / samples/s).
-  f8 = dict(zip(ref["fig8_throughput_samples_per_s"]["_columns"],
-                ref["fig8_throughput_samples_per_s"]["qwen2.5-72b"]["20K"]))
+  f8 = dict(
+      zip(
+          ref["fig8_throughput_samples_per_s"]["_columns"],
+          ref["fig8_throughput_samples_per_s"]["qwen2.5-72b"]["20K"],
+      )
+  )
   bs = c.results["colocation"].config.batch_size
-  rows3 = [[SYSTEM_LABEL[s], f"{bs / c.samples_per_s[s]:.0f} s", f"{bs / f8[s]:.0f} s",
-            f"{(bs / c.samples_per_s[s]) / (bs / f8[s]):.2f}"]
-           for s in ("colocation", "streamrl_sync", "streamrl_async")]
+  rows3 = [
+      [
+          SYSTEM_LABEL[s],
+          f"{bs / c.samples_per_s[s]:.0f} s",
+          f"{bs / f8[s]:.0f} s",
+          f"{(bs / c.samples_per_s[s]) / (bs / f8[s]):.2f}",
+      ]
+      for s in ("colocation", "streamrl_sync", "streamrl_async")
+  ]
   rep.p("")
-  rep.table(["system", "sim iteration", "paper iteration (1024 / Fig. 8 samples/s)", "sim / paper"], rows3)
+  rep.table(
+      ["system", "sim iteration", "paper iteration (1024 / Fig. 8 samples/s)", "sim / paper"], rows3
+  )
   # The paper's own split for this model (Fig. 10), instead of the planner's.
   split = ref["fig10_allocation"]["qwen2.5-72b_128gpus"]["chosen_gen_train"][0]
-  cp = paper.run_cell("qwen2.5-72b", "20K", cal, iterations=iters, seed=seed, gen_gpus=split,
-                      systems=("colocation", "streamrl_sync", "streamrl_async"))
+  cp = paper.run_cell(
+      "qwen2.5-72b",
+      "20K",
+      cal,
+      iterations=iters,
+      seed=seed,
+      gen_gpus=split,
+      systems=("colocation", "streamrl_sync", "streamrl_async"),
+  )
   rp = cp.ratios()
   ap = cp.results["streamrl_async"].iterations[-1]
-  rep.p(f"\nwith the paper's Fig. 10 split ({split}/{paper.MODEL_GPUS['qwen2.5-72b'] - split}) instead of the "
-        f"planner's ({c.gen_gpus}/{paper.MODEL_GPUS['qwen2.5-72b'] - c.gen_gpus}): +disaggregation_and_streaming "
-        f"{rp['streamrl_sync']:.3f}, +asynchronous {rp['streamrl_async']:.3f} (generation {ap.gen_time:.0f} s, "
-        f"training {ap.train_busy:.0f} s): training on {paper.MODEL_GPUS['qwen2.5-72b'] - split} GPUs becomes "
-        "the bottleneck, so the planner's split is the better one under the simulated costs.")
+  rep.p(
+      f"\nwith the paper's Fig. 10 split ({split}/{paper.MODEL_GPUS['qwen2.5-72b'] - split}) instead of the "
+      f"planner's ({c.gen_gpus}/{paper.MODEL_GPUS['qwen2.5-72b'] - c.gen_gpus}): +disaggregation_and_streaming "
+      f"{rp['streamrl_sync']:.3f}, +asynchronous {rp['streamrl_async']:.3f} (generation {ap.gen_time:.0f} s, "
+      f"training {ap.train_busy:.0f} s): training on {paper.MODEL_GPUS['qwen2.5-72b'] - split} GPUs becomes "
+      "the bottleneck, so the planner's split is the better one under the simulated costs."
+  )
   fig, ax = plt.subplots(figsize=(6, 3.5))
   x = np.arange(len(pairs))
   ax.bar(x - 0.2, [r[s] for s, _ in pairs], 0.4, label="simulated")
@@ -256,16 +378,18 @@ def table3(ref, cal, rep, iters, seed, out):
   # Training on 128 GPUs implied by the paper's split if its async iteration is balanced (linear in GPUs).
   n72 = paper.MODEL_GPUS["qwen2.5-72b"]
   tr_paper = (bs / f8["streamrl_async"]) * (n72 - split) / n72
-  note = ("Table 3: in absolute iteration time the disaggregated rows match the paper's Fig. 8 cell (sim / paper "
-          f"{rows3[1][3]} for StreamRL-sync, {rows3[2][3]} for StreamRL-async) but the colocation row is "
-          f"{rows3[0][3]} of the paper's: the ratio gap is in the colocated baseline. It is not the trainer: if "
-          f"the paper's {split}/{paper.MODEL_GPUS['qwen2.5-72b'] - split} split is balanced at its async iteration, "
-          f"its training on 128 GPUs takes about {tr_paper:.0f} s (simulated {co.train_busy:.0f} s). It is "
-          "generation under FIFO: the paper's colocated generation + switch would be about "
-          f"{bs / f8['colocation'] - tr_paper:.0f} s, simulated {co.gen_time + switch:.0f} s, which is the same "
-          "shortfall as Fig. 9 (simulated skew-aware scheduling gains less over FIFO than the paper's). The "
-          f"paper's own split does not help ({rp['streamrl_async']:.2f}: training on "
-          f"{paper.MODEL_GPUS['qwen2.5-72b'] - split} GPUs becomes the bottleneck).")
+  note = (
+      "Table 3: in absolute iteration time the disaggregated rows match the paper's Fig. 8 cell (sim / paper "
+      f"{rows3[1][3]} for StreamRL-sync, {rows3[2][3]} for StreamRL-async) but the colocation row is "
+      f"{rows3[0][3]} of the paper's: the ratio gap is in the colocated baseline. It is not the trainer: if "
+      f"the paper's {split}/{paper.MODEL_GPUS['qwen2.5-72b'] - split} split is balanced at its async iteration, "
+      f"its training on 128 GPUs takes about {tr_paper:.0f} s (simulated {co.train_busy:.0f} s). It is "
+      "generation under FIFO: the paper's colocated generation + switch would be about "
+      f"{bs / f8['colocation'] - tr_paper:.0f} s, simulated {co.gen_time + switch:.0f} s, which is the same "
+      "shortfall as Fig. 9 (simulated skew-aware scheduling gains less over FIFO than the paper's). The "
+      f"paper's own split does not help ({rp['streamrl_async']:.2f}: training on "
+      f"{paper.MODEL_GPUS['qwen2.5-72b'] - split} GPUs becomes the bottleneck)."
+  )
   return max(errs), note
 
 
@@ -277,36 +401,64 @@ def fig9(ref, cal, rep, cells, seed, out):
     x = cells[(m, "20K")].gen_gpus
     lat = paper.fig9_latencies(m, cal, x, seed=seed, best_split=True)
     alt = paper.fig9_latencies(m, dataclasses.replace(cal, dispatch_objective="sum"), x, seed=seed)
-    other = paper.fig9_latencies(m, dataclasses.replace(cal, reserve_max_output=not cal.reserve_max_output), x,
-                                 seed=seed)
+    other = paper.fig9_latencies(
+        m, dataclasses.replace(cal, reserve_max_output=not cal.reserve_max_output), x, seed=seed
+    )
     norm = {k: v / lat["fifo"] for k, v in lat.items()}
     sims[m] = norm
     for k in ("streamrl", "oracle"):
       errs.append(abs(norm[k] - p9[m][k]))
     gen = gen_cost(costs.MODELS[m], costs.GPUS["H800"], cal, paper_lengths(20480))
     kv_ms = gen.per_ctx_token_s * 15000 * 1e3
-    phys.append(f"{m}: one sequence at 15K context adds {kv_ms:.2f} ms of KV read per decode step "
-                f"(batch-1 step {gen.step_time(1, 15000) * 1e3:.1f} ms; Fig. 7-like per-sequence slope at 1K "
-                f"context {(gen.per_seq_s + gen.per_ctx_token_s * 1024) * 1e3:.3f} ms)")
-    rows.append([m, x, f"{norm['streamrl']:.3f} / {p9[m]['streamrl']:.2f}",
-                 f"{norm['oracle']:.3f} / {p9[m]['oracle']:.2f}", f"{norm['best_split']:.3f}",
-                 f"{norm['floor']:.3f}",
-                 f"{alt['streamrl'] / alt['fifo']:.3f}",
-                 f"{other['streamrl'] / other['fifo']:.3f} / {other['oracle'] / other['fifo']:.3f} / "
-                 f"{other['floor'] / other['fifo']:.3f}", f"{lat['fifo']:.0f} s"])
-  other_name = "vLLM admission (no reservation)" if cal.reserve_max_output else "max-output reservation"
-  rep.table(["model", "gen GPUs", "ranker sim/paper", "oracle sim/paper",
-             "oracle, best split in hindsight", "floor (longest alone) / FIFO",
-             "ranker, 'sum' objective", f"{other_name}: ranker / oracle / floor", "FIFO latency"], rows)
-  rep.p("\nfloor = the longest sample decoded alone at batch 1, over FIFO: no schedule can go below it. "
-        "Where the paper's oracle is below the simulated floor, no dispatcher can reach the paper's number "
-        "under this decode model; the remaining gap is then in the FIFO baseline, not in the scheduler.")
-  rep.p("\nbest split in hindsight = Algorithm 2 exactly as dispatched (true top 20 % on N_l instances, LPT "
-        "balancing, wave-optimal caps) with every N_l simulated and the fastest kept per draw: a lower bound on "
-        "the oracle column, i.e. the most any choice of split (any latency model or objective) can give. "
-        "It stays above the paper's oracle for every model, so the gap is not in how the split is chosen but in "
-        "what a long-tail instance costs: tens of 10-20K-token sequences share each long-tail instance "
-        "(about 10 % of outputs lie in the 12K-20K tail), and each reads its whole KV cache every step:")
+    phys.append(
+        f"{m}: one sequence at 15K context adds {kv_ms:.2f} ms of KV read per decode step "
+        f"(batch-1 step {gen.step_time(1, 15000) * 1e3:.1f} ms; Fig. 7-like per-sequence slope at 1K "
+        f"context {(gen.per_seq_s + gen.per_ctx_token_s * 1024) * 1e3:.3f} ms)"
+    )
+    rows.append(
+        [
+            m,
+            x,
+            f"{norm['streamrl']:.3f} / {p9[m]['streamrl']:.2f}",
+            f"{norm['oracle']:.3f} / {p9[m]['oracle']:.2f}",
+            f"{norm['best_split']:.3f}",
+            f"{norm['floor']:.3f}",
+            f"{alt['streamrl'] / alt['fifo']:.3f}",
+            f"{other['streamrl'] / other['fifo']:.3f} / {other['oracle'] / other['fifo']:.3f} / "
+            f"{other['floor'] / other['fifo']:.3f}",
+            f"{lat['fifo']:.0f} s",
+        ]
+    )
+  other_name = (
+      "vLLM admission (no reservation)" if cal.reserve_max_output else "max-output reservation"
+  )
+  rep.table(
+      [
+          "model",
+          "gen GPUs",
+          "ranker sim/paper",
+          "oracle sim/paper",
+          "oracle, best split in hindsight",
+          "floor (longest alone) / FIFO",
+          "ranker, 'sum' objective",
+          f"{other_name}: ranker / oracle / floor",
+          "FIFO latency",
+      ],
+      rows,
+  )
+  rep.p(
+      "\nfloor = the longest sample decoded alone at batch 1, over FIFO: no schedule can go below it. "
+      "Where the paper's oracle is below the simulated floor, no dispatcher can reach the paper's number "
+      "under this decode model; the remaining gap is then in the FIFO baseline, not in the scheduler."
+  )
+  rep.p(
+      "\nbest split in hindsight = Algorithm 2 exactly as dispatched (true top 20 % on N_l instances, LPT "
+      "balancing, wave-optimal caps) with every N_l simulated and the fastest kept per draw: a lower bound on "
+      "the oracle column, i.e. the most any choice of split (any latency model or objective) can give. "
+      "It stays above the paper's oracle for every model, so the gap is not in how the split is chosen but in "
+      "what a long-tail instance costs: tens of 10-20K-token sequences share each long-tail instance "
+      "(about 10 % of outputs lie in the 12K-20K tail), and each reads its whole KV cache every step:"
+  )
   for line in phys:
     rep.p(f"  {line}")
   fig, ax = plt.subplots(figsize=(7, 3.5))
@@ -323,17 +475,19 @@ def fig9(ref, cal, rep, cells, seed, out):
   fig.savefig(os.path.join(out, "fig9_skewness.png"), dpi=110)
   plt.close(fig)
   gap = " / ".join(f"{sims[m]['best_split'] - p9[m]['oracle']:+.2f}" for m in ms)
-  note = ("Fig. 9: the ranker column is within "
-          f"{max(abs(sims[m]['streamrl'] - p9[m]['streamrl']) for m in ms):.2f} of the paper; the oracle column "
-          "is not, and cannot be under this decode model: even the best long/regular split in hindsight "
-          f"(Algorithm 2 with true lengths, every N_l simulated) differs from the paper's oracle by {gap} "
-          "(7B / 32B / 72B). The limit is physical: about 10 % of outputs are 12-20K tokens, so every long-tail "
-          "instance holds tens of long sequences, each reading its KV cache (0.2-0.4 ms per step at 15K "
-          "context, 4-7x Fig. 7's per-sequence slope) every step; the longest sample therefore decodes well "
-          "above PTL(1). The paper's oracle being so close to the floor suggests its long-tail instances "
-          "decode near PTL(1), which these KV reads do not allow with bf16 KV at this tail weight. "
-          "Algorithm 2's text minimises the sum of the two group latencies; the project dispatcher's "
-          "'makespan' objective is used (the 'sum' column shows the paper's objective is not closer).")
+  note = (
+      "Fig. 9: the ranker column is within "
+      f"{max(abs(sims[m]['streamrl'] - p9[m]['streamrl']) for m in ms):.2f} of the paper; the oracle column "
+      "is not, and cannot be under this decode model: even the best long/regular split in hindsight "
+      f"(Algorithm 2 with true lengths, every N_l simulated) differs from the paper's oracle by {gap} "
+      "(7B / 32B / 72B). The limit is physical: about 10 % of outputs are 12-20K tokens, so every long-tail "
+      "instance holds tens of long sequences, each reading its KV cache (0.2-0.4 ms per step at 15K "
+      "context, 4-7x Fig. 7's per-sequence slope) every step; the longest sample therefore decodes well "
+      "above PTL(1). The paper's oracle being so close to the floor suggests its long-tail instances "
+      "decode near PTL(1), which these KV reads do not allow with bf16 KV at this tail weight. "
+      "Algorithm 2's text minimises the sum of the two group latencies; the project dispatcher's "
+      "'makespan' objective is used (the 'sum' column shows the paper's objective is not closer)."
+  )
   return max(errs), note
 
 
@@ -349,12 +503,29 @@ def fig10(ref, cal, rep, iters, seed, out):
       model, gpu = costs.MODELS[m], costs.GPUS["H800"]
       thr = {}
       for name, g in (("chosen", x), ("even", n // 2)):
-        thr[name] = simulate(system_config("streamrl_async", model, gpu, n, lengths, cal, gen_gpus=g,
-                                           iterations=iters, seed=seed)).samples_per_s
+        thr[name] = simulate(
+            system_config(
+                "streamrl_async",
+                model,
+                gpu,
+                n,
+                lengths,
+                cal,
+                gen_gpus=g,
+                iterations=iters,
+                seed=seed,
+            )
+        ).samples_per_s
       speed[(m, length)] = thr["chosen"] / thr["even"]
-      rows.append([m, length, f"{x}/{n - x}", str(pf[key]["chosen_gen_train"]), f"{speed[(m, length)]:.3f}"])
-  rep.table(["model", "len", "chosen gen/train (sim)", "paper chosen", "speedup vs even (sim)"], rows)
-  rep.p(f"\npaper: max speedup vs even {pf['max_speedup_vs_even']}; simulated max {max(speed.values()):.3f}")
+      rows.append(
+          [m, length, f"{x}/{n - x}", str(pf[key]["chosen_gen_train"]), f"{speed[(m, length)]:.3f}"]
+      )
+  rep.table(
+      ["model", "len", "chosen gen/train (sim)", "paper chosen", "speedup vs even (sim)"], rows
+  )
+  rep.p(
+      f"\npaper: max speedup vs even {pf['max_speedup_vs_even']}; simulated max {max(speed.values()):.3f}"
+  )
   fig, ax = plt.subplots(figsize=(6, 3.5))
   ax.bar(range(len(speed)), list(speed.values()))
   ax.set_xticks(range(len(speed)), [f"{m.split('-')[-1]} {l}" for m, l in speed], fontsize=7)
@@ -369,30 +540,62 @@ def _elastic_run(model_name, num_gpus, cal, seed, iters=30, max_units=6):
   model, gpu = costs.MODELS[model_name], costs.GPUS["H800"]
   dists = tuple(paper_lengths(int(round(10240 + 10240 * j / (iters - 1)))) for j in range(iters))
   x0 = paper.planned_gen_gpus(model_name, num_gpus, dists[0], cal, seed=seed)
-  cfg = disaggregated_config("async", model, gpu, x0, gpu, num_gpus - x0, dists[0], cal, iterations=iters,
-                             seed=seed)
+  cfg = disaggregated_config(
+      "async", model, gpu, x0, gpu, num_gpus - x0, dists[0], cal, iterations=iters, seed=seed
+  )
   cfg = dataclasses.replace(cfg, lengths=dists)
   unit = 8 // cfg.gen.gpus
-  ctl = ElasticController(cfg.gen, cfg.num_instances, unit, cfg.num_instances + max_units * unit,
-                          ranker_sigma=cal.ranker_sigma, objective=cal.dispatch_objective, seed=seed)
+  ctl = ElasticController(
+      cfg.gen,
+      cfg.num_instances,
+      unit,
+      cfg.num_instances + max_units * unit,
+      ranker_sigma=cal.ranker_sigma,
+      objective=cal.dispatch_objective,
+      seed=seed,
+  )
   return x0, cfg, run_elastic(cfg, ctl)
 
 
 def fig11(ref, cal, rep, seed, out):
-  rep.h("Fig. 11: elastic generation scale-up as output lengths grow (10K -> 20K over 30 iterations)")
-  rep.p("policy: add one 8-GPU generation unit when Delta = T_gen - T_train (last iteration at the current "
-        "size) exceeds the simulated saving of one more unit on that iteration's lengths; training GPUs fixed")
+  rep.h(
+      "Fig. 11: elastic generation scale-up as output lengths grow (10K -> 20K over 30 iterations)"
+  )
+  rep.p(
+      "policy: add one 8-GPU generation unit when Delta = T_gen - T_train (last iteration at the current "
+      "size) exceeds the simulated saving of one more unit on that iteration's lengths; training GPUs fixed"
+  )
   fig, ax = plt.subplots(2, 2, figsize=(11, 6))
   for row, (m, n) in enumerate((("qwen2.5-7b", 32), ("qwen2.5-32b", 64))):
     x0, cfg, run = _elastic_run(m, n, cal, seed)
     adds = run.additions
-    rep.p(f"\n{m} on {n} GPUs: start {x0} gen + {n - x0} train (Algorithm 1 at 10K)"
-          + (" — the paper's setup" if m == "qwen2.5-7b" else " — a larger-batch-per-instance setup"))
-    rep.table(["added at iteration", "judged on iteration", "gen GPUs before", "Delta (s)", "saving of one unit (s)"],
-              [[s.iteration, s.observed_iteration, s.instances * cfg.gen.gpus, f"{s.gap_s:.1f}",
-                f"{s.saving_s:.1f}"] for s in adds])
-    rep.p(f"additions at iterations {[s.iteration for s in adds]}; Delta per iteration "
-          f"{[round(g) for g in run.gaps]}")
+    rep.p(
+        f"\n{m} on {n} GPUs: start {x0} gen + {n - x0} train (Algorithm 1 at 10K)"
+        + (" — the paper's setup" if m == "qwen2.5-7b" else " — a larger-batch-per-instance setup")
+    )
+    rep.table(
+        [
+            "added at iteration",
+            "judged on iteration",
+            "gen GPUs before",
+            "Delta (s)",
+            "saving of one unit (s)",
+        ],
+        [
+            [
+                s.iteration,
+                s.observed_iteration,
+                s.instances * cfg.gen.gpus,
+                f"{s.gap_s:.1f}",
+                f"{s.saving_s:.1f}",
+            ]
+            for s in adds
+        ],
+    )
+    rep.p(
+        f"additions at iterations {[s.iteration for s in adds]}; Delta per iteration "
+        f"{[round(g) for g in run.gaps]}"
+    )
     it = np.arange(len(run.gaps))
     ax[row, 0].plot(it, run.instances * cfg.gen.gpus, drawstyle="steps-post")
     ax[row, 0].set_ylabel(f"{m.split('-')[-1]}: generation GPUs")
@@ -419,11 +622,29 @@ def fig12(ref, cal, rep, iters, seed, out):
     errs.append(abs(r / pr - 1))
     sim_r.append(r)
     pap_r.append(pr)
-    rows.append([length, f"{h['hetero_sps']:.2f}", f"{h['homog_sps']:.2f} ({h['homog_gen_gpus']} gen)",
-                 f"{h['hetero_cost']:.2f} / {h['homog_cost']:.2f}", f"{r:.3f} / {pr:.3f}", f"{errs[-1]:.3f}",
-                 f"{h['hetero_transfer_s']:.1f} s"])
-  rep.table(["len", "hetero samples/s", "homog samples/s", "cost hetero/homog", "per-cost ratio sim/paper",
-             "rel err", "cross-DC transfer"], rows)
+    rows.append(
+        [
+            length,
+            f"{h['hetero_sps']:.2f}",
+            f"{h['homog_sps']:.2f} ({h['homog_gen_gpus']} gen)",
+            f"{h['hetero_cost']:.2f} / {h['homog_cost']:.2f}",
+            f"{r:.3f} / {pr:.3f}",
+            f"{errs[-1]:.3f}",
+            f"{h['hetero_transfer_s']:.1f} s",
+        ]
+    )
+  rep.table(
+      [
+          "len",
+          "hetero samples/s",
+          "homog samples/s",
+          "cost hetero/homog",
+          "per-cost ratio sim/paper",
+          "rel err",
+          "cross-DC transfer",
+      ],
+      rows,
+  )
   fig, ax = plt.subplots(figsize=(5, 3.5))
   x = np.arange(3)
   ax.bar(x - 0.2, sim_r, 0.4, label="simulated")
@@ -442,15 +663,20 @@ def fig2_check(ref, cal, rep, seed):
   model = costs.MODELS["qwen2.5-7b"]
   w = Workload(model=model, lengths=paper_lengths(20480), calib=cal, seed=seed)
   from streamrl.planner.allocation import StageEstimator
+
   est = StageEstimator(w)
   g = est.gen_time("H800", 32) / est.gen_time("H800", 8)
   t = est.train_time("H800", 32) / est.train_time("H800", 8)
-  rep.p(f"generation time x{g:.2f} (paper x0.69), training time x{t:.2f} (paper x0.19: the paper's trainer "
-        "scales super-linearly, ours is linear in GPUs)")
+  rep.p(
+      f"generation time x{g:.2f} (paper x0.69), training time x{t:.2f} (paper x0.19: the paper's trainer "
+      "scales super-linearly, ours is linear in GPUs)"
+  )
 
 
 def scale_benchmark(cal, rep):
-  rep.h("Scale: simulator cost vs events (7B, async, 5K lengths, half the GPUs generate, 2 iterations)")
+  rep.h(
+      "Scale: simulator cost vs events (7B, async, 5K lengths, half the GPUs generate, 2 iterations)"
+  )
   model, gpu = costs.MODELS["qwen2.5-7b"], costs.GPUS["H800"]
   # Algorithm 2's closed-form latency model: the "simulate" model replays every
   # candidate split, too slow for hundreds of instances.
@@ -470,19 +696,51 @@ def scale_benchmark(cal, rep):
   try:
     for gpus, samples in ((128, 8192), (256, 16384), (512, 32768), (1024, 65536)):
       for sched in ("fifo", "skew"):
-        cfg = disaggregated_config("async", model, gpu, gpus // 2, gpu, gpus // 2, paper_lengths(5120), cal,
-                                   batch_size=samples, iterations=2, scheduler=sched)
+        cfg = disaggregated_config(
+            "async",
+            model,
+            gpu,
+            gpus // 2,
+            gpu,
+            gpus // 2,
+            paper_lengths(5120),
+            cal,
+            batch_size=samples,
+            iterations=2,
+            scheduler=sched,
+        )
         spent[0] = 0.0
         t0 = time.perf_counter()
         r = simulate(cfg)
         wall = time.perf_counter() - t0
         loop = wall - spent[0]
-        rows.append([gpus, samples, sched, r.events, f"{wall:.1f}", f"{spent[0]:.1f}",
-                     f"{r.events / loop:.0f}", f"{loop / r.events * 1e6:.1f}"])
+        rows.append(
+            [
+                gpus,
+                samples,
+                sched,
+                r.events,
+                f"{wall:.1f}",
+                f"{spent[0]:.1f}",
+                f"{r.events / loop:.0f}",
+                f"{loop / r.events * 1e6:.1f}",
+            ]
+        )
   finally:
     engine.dispatch = real_dispatch
-  rep.table(["GPUs", "samples/iter", "scheduler", "events", "wall s", "of which dispatch s",
-             "events/s (loop)", "us/event (loop)"], rows)
+  rep.table(
+      [
+          "GPUs",
+          "samples/iter",
+          "scheduler",
+          "events",
+          "wall s",
+          "of which dispatch s",
+          "events/s (loop)",
+          "us/event (loop)",
+      ],
+      rows,
+  )
   return rows
 
 
@@ -505,16 +763,20 @@ def main(argv):
   if not _SKIP_SCALE.value:
     scale_benchmark(cal, rep)
   rep.h("Summary")
-  rep.p(f"fig8_max_rel_err={fig8_err:.3f} (goal 0.15), table3_max_abs_err={t3_err:.3f} (goal 0.08), "
-        f"fig9_max_abs_err={f9_err:.3f} (goal 0.08), fig12_max_rel_err={f12_err:.3f} (goal 0.15); "
-        f"total {time.time() - t0:.0f} s")
+  rep.p(
+      f"fig8_max_rel_err={fig8_err:.3f} (goal 0.15), table3_max_abs_err={t3_err:.3f} (goal 0.08), "
+      f"fig9_max_abs_err={f9_err:.3f} (goal 0.08), fig12_max_rel_err={f12_err:.3f} (goal 0.15); "
+      f"total {time.time() - t0:.0f} s"
+  )
   notes = []
   if fig8_err > 0.15:
-    notes.append("Fig. 8: the largest errors are verl on 32B 10K/20K (the paper's verl/colocation ratios 0.69, "
-                 "1.00, 0.95 for 32B cannot all be met by one per-system parameter: see the consistency line "
-                 "under Fig. 8) and StreamRL-async on 32B 5K (the paper's async gain at 5K is 1.64 for 7B, "
-                 "1.26 for 32B, 1.78 for 72B: not monotone in model size, which one MFU and one decode model "
-                 "cannot follow).")
+    notes.append(
+        "Fig. 8: the largest errors are verl on 32B 10K/20K (the paper's verl/colocation ratios 0.69, "
+        "1.00, 0.95 for 32B cannot all be met by one per-system parameter: see the consistency line "
+        "under Fig. 8) and StreamRL-async on 32B 5K (the paper's async gain at 5K is 1.64 for 7B, "
+        "1.26 for 32B, 1.78 for 72B: not monotone in model size, which one MFU and one decode model "
+        "cannot follow)."
+    )
   if t3_err > 0.08:
     notes.append(t3_note)
   if f9_err > 0.08:
@@ -527,8 +789,10 @@ def main(argv):
       rep.p(f"- {n}")
   rep.save(os.path.join(out, "report.md"))
   print(f"wrote {out}/report.md and plots")
-  print(f"RESULT fig8_max_rel_err={fig8_err:.4f} table3_max_abs_err={t3_err:.4f} "
-        f"fig9_max_abs_err={f9_err:.4f} fig12_max_rel_err={f12_err:.4f}")
+  print(
+      f"RESULT fig8_max_rel_err={fig8_err:.4f} table3_max_abs_err={t3_err:.4f} "
+      f"fig9_max_abs_err={f9_err:.4f} fig12_max_rel_err={f12_err:.4f}"
+  )
 
 
 if __name__ == "__main__":

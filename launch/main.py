@@ -22,8 +22,9 @@ from absl import app, flags  # pylint: disable=g-import-not-at-top,wrong-import-
 
 from streamrl import config_utils, errors  # pylint: disable=g-import-not-at-top,wrong-import-position
 
-_CONFIG = config_utils.define_config_file("config", None, "Experiment config file.",
-                                          lock_config=True)
+_CONFIG = config_utils.define_config_file(
+    "config", None, "Experiment config file.", lock_config=True
+)
 _WORKDIR = flags.DEFINE_string("workdir", "workdirs/default", "Logs and checkpoints go here.")
 
 
@@ -33,8 +34,12 @@ def main(argv):
   # Checked before the heavy imports, so a wrong path fails at once.
   workdir = errors.check_workdir(_WORKDIR.value)
   from streamrl import metrics  # pylint: disable=g-import-not-at-top
-  metrics.configure_logging(workdir)  # Before the heavy imports, so JAX's and vLLM's lines go to the file.
+
+  metrics.configure_logging(
+      workdir
+  )  # Before the heavy imports, so JAX's and vLLM's lines go to the file.
   from streamrl import experiment  # pylint: disable=g-import-not-at-top
+
   final = experiment.run(_CONFIG.value, workdir)
   print({k: round(v, 4) for k, v in final.items() if "eval" in k})
 

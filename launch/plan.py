@@ -15,7 +15,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from streamrl import config_utils, errors  # pylint: disable=wrong-import-position
 from streamrl.planner.run import run_plan  # pylint: disable=wrong-import-position
 
-_CONFIG = config_utils.define_config_file("config", "configs/plan/qwen7b_single_dc.py", "Plan config file.")
+_CONFIG = config_utils.define_config_file(
+    "config", "configs/plan/qwen7b_single_dc.py", "Plan config file."
+)
 
 
 def main(argv):
@@ -26,8 +28,10 @@ def main(argv):
     # The planner checks its config with these; report them as input errors.
     raise errors.UserError(f"plan: {e}") from e
   print(report.text)
-  print(f"RESULT mode={report.mode} gen_gpus={report.result.best.gen_gpus} "
-        f"train_gpus={report.result.best.train_gpus} samples_per_s={report.predicted[report.mode]:.4f}")
+  print(
+      f"RESULT mode={report.mode} gen_gpus={report.result.best.gen_gpus} "
+      f"train_gpus={report.result.best.train_gpus} samples_per_s={report.predicted[report.mode]:.4f}"
+  )
 
 
 if __name__ == "__main__":

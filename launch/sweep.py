@@ -34,13 +34,25 @@ from ml_collections import config_flags
 
 from streamrl import config_utils, errors, metrics
 
-_CONFIG = config_utils.define_config_file("config", None, "Config file defining get_config() and get_sweep().")
+_CONFIG = config_utils.define_config_file(
+    "config", None, "Config file defining get_config() and get_sweep()."
+)
 flags.mark_flag_as_required("config")
-_WORKDIR = flags.DEFINE_string("workdir", None, "Each point runs in <workdir>/<run name>.", required=True)
-_DRY_RUN = flags.DEFINE_bool("dry_run", False, "Print the planned run directories and overrides; run nothing.")
-_KEEP_GOING = flags.DEFINE_bool("keep_going", False, "After a failed point, go on with the next one.")
-_RUN_FN = flags.DEFINE_string("run_fn", None, "module:function called as fn(config, workdir) for each point; "
-                              "default: streamrl's training entry point.")
+_WORKDIR = flags.DEFINE_string(
+    "workdir", None, "Each point runs in <workdir>/<run name>.", required=True
+)
+_DRY_RUN = flags.DEFINE_bool(
+    "dry_run", False, "Print the planned run directories and overrides; run nothing."
+)
+_KEEP_GOING = flags.DEFINE_bool(
+    "keep_going", False, "After a failed point, go on with the next one."
+)
+_RUN_FN = flags.DEFINE_string(
+    "run_fn",
+    None,
+    "module:function called as fn(config, workdir) for each point; "
+    "default: streamrl's training entry point.",
+)
 
 # The training entry point, found by name at run time so that planning
 # (--dry_run) works without importing JAX.
@@ -62,15 +74,18 @@ def _resolve_run_fn(spec: str | None):
       if not (e.name and module_name.startswith(e.name)):
         raise
       if spec:
-        raise errors.UserError(f"--run_fn: no module named {module_name!r}; check the name and "
-                               "PYTHONPATH.") from e
+        raise errors.UserError(
+            f"--run_fn: no module named {module_name!r}; check the name and " "PYTHONPATH."
+        ) from e
       continue
     fn = getattr(module, fn_name, None)
     if callable(fn):
       return fn
     if spec:
       raise errors.UserError(f"--run_fn: module {module_name} has no function {fn_name!r}.")
-  raise errors.UserError(f"no training entry point found (tried {', '.join(candidates)}); pass --run_fn=module:function.")
+  raise errors.UserError(
+      f"no training entry point found (tried {', '.join(candidates)}); pass --run_fn=module:function."
+  )
 
 
 def _plan():
@@ -81,9 +96,15 @@ def _plan():
   cli = config_flags.get_override_values(flag)
   plan = []
   for name, point in zip(names, points):
-    clash = [k for k in point if k in cli or any(k.startswith(c + ".") or c.startswith(k + ".") for c in cli)]
+    clash = [
+        k
+        for k in point
+        if k in cli or any(k.startswith(c + ".") or c.startswith(k + ".") for c in cli)
+    ]
     if clash:
-      raise errors.UserError(f"--config.{clash[0]} is set both on the command line and by the sweep; drop one of them.")
+      raise errors.UserError(
+          f"--config.{clash[0]} is set both on the command line and by the sweep; drop one of them."
+      )
     plan.append((name, point, config_utils.apply_overrides(_CONFIG.value, point)))
   return plan
 
@@ -135,10 +156,14 @@ def main(argv):
         failed.append(name)
   finally:
     if results:
-      print(f"sweep: results (best {metrics.SUMMARY_METRICS[0]} first)\n{_summary(plan, workdir, results)}",
-            flush=True)
+      print(
+          f"sweep: results (best {metrics.SUMMARY_METRICS[0]} first)\n{_summary(plan, workdir, results)}",
+          flush=True,
+      )
   if failed:
-    sys.stderr.write(f"error: {len(failed)} of {len(plan)} sweep runs failed: {', '.join(failed)}\n")
+    sys.stderr.write(
+        f"error: {len(failed)} of {len(plan)} sweep runs failed: {', '.join(failed)}\n"
+    )
     return 1
   return 0
 

@@ -18,7 +18,9 @@ from absl import flags  # pylint: disable=wrong-import-position
 from streamrl import config_utils, errors, metrics  # pylint: disable=wrong-import-position
 
 _CONFIG = config_utils.define_config_file("config", "configs/ranker.py", "Ranker config file.")
-_WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoints and TensorBoard logs go here.", required=True)
+_WORKDIR = flags.DEFINE_string(
+    "workdir", None, "Checkpoints and TensorBoard logs go here.", required=True
+)
 
 
 def main(argv):
@@ -26,6 +28,7 @@ def main(argv):
   workdir = errors.check_workdir(_WORKDIR.value)
   metrics.configure_logging(workdir)
   from streamrl.ranker.train import train_and_evaluate  # pylint: disable=g-import-not-at-top
+
   results = train_and_evaluate(_CONFIG.value, workdir)
   print("RESULT " + " ".join(f"{k}={v:.4f}" for k, v in results.items()))
 

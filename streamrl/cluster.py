@@ -66,6 +66,7 @@ _DEFAULT_GCS_PORT = 6379
 @dataclasses.dataclass(frozen=True)
 class CpuShares:
   """Core ids of this machine given to each side of the pipeline."""
+
   generator_cores: tuple[int, ...]
   trainer_cores: tuple[int, ...]
 
@@ -79,7 +80,7 @@ class CpuShares:
     if num_instances <= len(cores):
       per, extra = divmod(len(cores), num_instances)
       start = instance_id * per + min(instance_id, extra)
-      return cores[start:start + per + (instance_id < extra)]
+      return cores[start : start + per + (instance_id < extra)]
     return (cores[instance_id % len(cores)],)
 
 
@@ -103,25 +104,34 @@ def available_cores() -> tuple[int, ...]:
   return _CORES_AT_START
 
 
-def plan_cpu_shares(generator_cpus: int, trainer_cpus: int,
-                    cores: Sequence[int] | None = None) -> CpuShares:
+def plan_cpu_shares(
+    generator_cpus: int, trainer_cpus: int, cores: Sequence[int] | None = None
+) -> CpuShares:
   """Generators take the first `generator_cpus` cores, the trainer the last
   `trainer_cpus`; they are disjoint when the machine has enough cores, and
   overlap (with a warning) when it hasn't."""
   if generator_cpus < 1 or trainer_cpus < 1:
-    raise UserError(f"cluster.generator_cpus and cluster.trainer_cpus must be >= 1, got "
-                     f"{generator_cpus} and {trainer_cpus}.")
+    raise UserError(
+        f"cluster.generator_cpus and cluster.trainer_cpus must be >= 1, got "
+        f"{generator_cpus} and {trainer_cpus}."
+    )
   cores = tuple(cores) if cores is not None else available_cores()
   n = len(cores)
   gen = tuple(cores[i % n] for i in range(generator_cpus))
   trainer = tuple(cores[(n - trainer_cpus + i) % n] for i in range(trainer_cpus))
   shared = sorted(set(gen) & set(trainer))
   if shared:
-    log.warning("generator_cpus=%d + trainer_cpus=%d exceed the %d cores available: cores "
-                "%s are shared by both sides, so they are not disaggregated.",
-                generator_cpus, trainer_cpus, n, shared)
-  return CpuShares(generator_cores=tuple(sorted(set(gen))),
-                   trainer_cores=tuple(sorted(set(trainer))))
+    log.warning(
+        "generator_cpus=%d + trainer_cpus=%d exceed the %d cores available: cores "
+        "%s are shared by both sides, so they are not disaggregated.",
+        generator_cpus,
+        trainer_cpus,
+        n,
+        shared,
+    )
+  return CpuShares(
+      generator_cores=tuple(sorted(set(gen))), trainer_cores=tuple(sorted(set(trainer)))
+  )
 
 
 def pin_process_threads(cores: Sequence[int], *, children: bool = False) -> None:
@@ -178,8 +188,11 @@ def bound_trainer_threads(cores: Sequence[int]) -> dict:
     return {"cores": cores, "num_threads": len(cores), "already_bound": True}
   jax_started = _jax_backend_started()
   if jax_started:
-    log.warning("bound_trainer_threads called after JAX created its CPU client: threads are "
-                "pinned to %s, but XLA's pool keeps its size.", cores)
+    log.warning(
+        "bound_trainer_threads called after JAX created its CPU client: threads are "
+        "pinned to %s, but XLA's pool keeps its size.",
+        cores,
+    )
   pin_process_threads(cores)
   return {"cores": cores, "num_threads": len(cores), "jax_already_started": jax_started}
 
@@ -189,6 +202,7 @@ def _jax_backend_started() -> bool:
     return False
   try:
     from jax._src import xla_bridge  # pylint: disable=g-import-not-at-top
+
     return bool(getattr(xla_bridge, "_backends", {}))
   except ImportError:
     return False
@@ -197,7 +211,7 @@ def _jax_backend_started() -> bool:
 def _strip_scheme(address: str) -> str:
   for prefix in ("ray://", "http://", "https://"):
     if address.startswith(prefix):
-      return address[len(prefix):]
+      return address[len(prefix) :]
   return address
 
 
@@ -207,8 +221,10 @@ def _parse_address(address: str) -> tuple[str, int]:
   if not sep:
     host, port = addr, str(10001 if address.startswith("ray://") else _DEFAULT_GCS_PORT)
   if not host or not port.isdigit():
-    raise UserError(f"cluster.address={address!r} is not of the form host:port "
-                     "(e.g. 10.0.0.1:6379); fix --config.cluster.address.")
+    raise UserError(
+        f"cluster.address={address!r} is not of the form host:port "
+        "(e.g. 10.0.0.1:6379); fix --config.cluster.address."
+    )
   return host, int(port)
 
 
@@ -223,13 +239,21 @@ def check_reachable(address: str, timeout_s: float) -> tuple[str, int]:
     raise UnreachableClusterError(
         f"Cannot reach the Ray cluster at {address!r} ({e.__class__.__name__}: {e}); start "
         "it with `ray start --head` there or fix --config.cluster.address (empty starts a "
-        "local Ray).") from None
+        "local Ray)."
+    ) from None
   return host, port
 
 
-def init_ray(address: str | None = None, *, num_cpus: int | None = None,
-             generator_cpus: int = 1, trainer_cpus: int = 1, generation_slots: int = 64,
-             timeout_s: float = 30.0, log_to_driver: bool = False) -> ClusterInfo:
+def init_ray(
+    address: str | None = None,
+    *,
+    num_cpus: int | None = None,
+    generator_cpus: int = 1,
+    trainer_cpus: int = 1,
+    generation_slots: int = 64,
+    timeout_s: float = 30.0,
+    log_to_driver: bool = False,
+) -> ClusterInfo:
   """Starts a local Ray (address None or empty) or joins the cluster at
   `address`, and returns where things may run.
 
@@ -249,6 +273,7 @@ def init_ray(address: str | None = None, *, num_cpus: int | None = None,
   """
   import ray  # pylint: disable=g-import-not-at-top
   from streamrl import metrics  # pylint: disable=g-import-not-at-top
+
   metrics.adopt_library_loggers()  # Importing ray attached its console handler to "ray".
   if address and address != "auto":
     host, port = check_reachable(address, min(timeout_s, 10.0))
@@ -261,27 +286,37 @@ def init_ray(address: str | None = None, *, num_cpus: int | None = None,
     if address:
       kwargs = dict(address=address, log_to_driver=log_to_driver)
     else:
-      kwargs = dict(num_cpus=num_cpus or generator_cpus + trainer_cpus,
-                    resources={GENERATION_POOL: generation_slots, TRAINING_POOL: 1},
-                    include_dashboard=False, log_to_driver=log_to_driver)
+      kwargs = dict(
+          num_cpus=num_cpus or generator_cpus + trainer_cpus,
+          resources={GENERATION_POOL: generation_slots, TRAINING_POOL: 1},
+          include_dashboard=False,
+          log_to_driver=log_to_driver,
+      )
     try:
       ray.init(**kwargs)
     except (ConnectionError, RuntimeError) as e:
       if address:
         raise UnreachableClusterError(
             f"Could not join the Ray cluster at {address!r} ({' '.join(str(e).split())[:300]}); check it "
-            "with `ray status --address=...` or fix --config.cluster.address.") from e
+            "with `ray status --address=...` or fix --config.cluster.address."
+        ) from e
       raise ConnectionError(f"Could not start a local Ray: {e}") from e
     started_locally = not address
   resources = ray.cluster_resources()
   if GENERATION_POOL not in resources:
     raise UserError(
         f"No node of the Ray cluster at {address!r} offers {GENERATION_POOL!r}; start the "
-        f"generation nodes with `ray start --resources='{{\"{GENERATION_POOL}\": 8}}'`.")
+        f"generation nodes with `ray start --resources='{{\"{GENERATION_POOL}\": 8}}'`."
+    )
   shares = plan_cpu_shares(generator_cpus, trainer_cpus) if started_locally else None
-  return ClusterInfo(address=address or None, started_locally=started_locally, shares=shares,
-                     generator_cpus=generator_cpus, trainer_cpus=trainer_cpus,
-                     resources=dict(resources))
+  return ClusterInfo(
+      address=address or None,
+      started_locally=started_locally,
+      shares=shares,
+      generator_cpus=generator_cpus,
+      trainer_cpus=trainer_cpus,
+      resources=dict(resources),
+  )
 
 
 def _probe_gcs(address: str, timeout_s: float) -> None:
@@ -289,6 +324,7 @@ def _probe_gcs(address: str, timeout_s: float) -> None:
   but isn't a Ray head would otherwise keep ray.init retrying for minutes,
   and an abandoned ray.init would leave this process's Ray state half set."""
   from ray._raylet import GcsClient  # pylint: disable=g-import-not-at-top
+
   result: dict = {}
 
   def target():
@@ -301,14 +337,22 @@ def _probe_gcs(address: str, timeout_s: float) -> None:
   t.start()
   t.join(timeout_s)
   if t.is_alive() or "error" in result:
-    why = (f"no answer within {timeout_s:.0f} s" if t.is_alive()
-           else f"{result['error'].__class__.__name__}: {str(result['error'])[:200]}")
+    why = (
+        f"no answer within {timeout_s:.0f} s"
+        if t.is_alive()
+        else f"{result['error'].__class__.__name__}: {str(result['error'])[:200]}"
+    )
     raise UnreachableClusterError(
         f"{address!r} answers but is not a reachable Ray head ({why}); check it with "
-        "`ray status --address=...` or fix --config.cluster.address.")
+        "`ray status --address=...` or fix --config.cluster.address."
+    )
 
 
 def init_ray_for(c) -> ClusterInfo:
   """Starts or joins Ray as `c` (a `streamrl.settings.Cluster`) says."""
-  return init_ray(c.address or None, generator_cpus=c.generator_cpus,
-                  trainer_cpus=c.trainer_cpus, timeout_s=c.connect_timeout_s)
+  return init_ray(
+      c.address or None,
+      generator_cpus=c.generator_cpus,
+      trainer_cpus=c.trainer_cpus,
+      timeout_s=c.connect_timeout_s,
+  )

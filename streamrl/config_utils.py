@@ -43,8 +43,13 @@ from streamrl.errors import MissingFileError, UserError, debug_requested, user_m
 # ----------------------------------------------------------------- overrides
 
 _NoneType = type(None)
-_TYPE_NAMES = {int: "an int", float: "a float", bool: "a bool (true/false)", str: "a string",
-               tuple: "a tuple like '(1, 8)'"}
+_TYPE_NAMES = {
+    int: "an int",
+    float: "a float",
+    bool: "a bool (true/false)",
+    str: "a string",
+    tuple: "a tuple like '(1, 8)'",
+}
 
 
 def _is_node(x: Any) -> bool:
@@ -65,17 +70,24 @@ def _all_keys(node: Any, prefix: str = "") -> list[str]:
 def _unknown_key(config: Any, key: str) -> UserError:
   parts = key.split(".")
   node, depth = config, 0  # Deepest existing ancestor of the key.
-  while depth < len(parts) - 1 and _is_node(node) and parts[depth] in node and _is_node(node[parts[depth]]):
+  while (
+      depth < len(parts) - 1
+      and _is_node(node)
+      and parts[depth] in node
+      and _is_node(node[parts[depth]])
+  ):
     node, depth = node[parts[depth]], depth + 1
   prefix = ".".join(parts[:depth])
   if depth < len(parts) - 1 and _is_node(node) and parts[depth] in node:
-    leaf = ".".join(parts[:depth + 1])
+    leaf = ".".join(parts[: depth + 1])
     return UserError(f"unknown config key {key!r}; {leaf} is a value, not a group of keys.")
   # Siblings first: a shared "trainer." prefix would make any trainer.* key look close.
   close = []
   if depth == len(parts) - 1:
-    close = [f"{prefix}.{m}" if prefix else m
-             for m in difflib.get_close_matches(parts[-1], list(node.keys()), n=3, cutoff=0.6)]
+    close = [
+        f"{prefix}.{m}" if prefix else m
+        for m in difflib.get_close_matches(parts[-1], list(node.keys()), n=3, cutoff=0.6)
+    ]
   if not close:  # A misplaced or misspelled parent: match the last component anywhere.
     by_last: dict[str, list[str]] = {}
     for k in _all_keys(config):
@@ -178,8 +190,9 @@ def _split_override(item: str) -> tuple[str, str]:
   return key.strip(), raw
 
 
-def apply_overrides(config: ml_collections.ConfigDict,
-                    overrides: Sequence[str] | Mapping[str, Any]) -> ml_collections.ConfigDict:
+def apply_overrides(
+    config: ml_collections.ConfigDict, overrides: Sequence[str] | Mapping[str, Any]
+) -> ml_collections.ConfigDict:
   """A copy of `config` with overrides applied; `config` itself is untouched.
 
   Args:
@@ -279,14 +292,20 @@ def _explain_config_file_error(text: str, path: str) -> str:
   return f"config {path} failed to build: {last.rstrip('.')}{at}."
 
 
-def _explain(error: BaseException, argv: Sequence[str], specs: Sequence[tuple[str, Any]]) -> str | None:
+def _explain(
+    error: BaseException, argv: Sequence[str], specs: Sequence[tuple[str, Any]]
+) -> str | None:
   text = str(error)
   unsupported = re.search(r"Type (.+?) of field (\S+) is not supported for overriding", text)
   if unsupported:
-    type_name = re.sub(r"<class '(?:\w+\.)*(\w+)'>", r"\1", unsupported.group(1)).replace("NoneType", "None")
-    return (f"--{unsupported.group(2)} cannot be set from the command line because its default has type "
-            f"{type_name}; give it a typed default in the config file (e.g. "
-            "ml_collections.FieldReference(None, field_type=str)).")
+    type_name = re.sub(r"<class '(?:\w+\.)*(\w+)'>", r"\1", unsupported.group(1)).replace(
+        "NoneType", "None"
+    )
+    return (
+        f"--{unsupported.group(2)} cannot be set from the command line because its default has type "
+        f"{type_name}; give it a typed default in the config file (e.g. "
+        "ml_collections.FieldReference(None, field_type=str))."
+    )
   for name, default in specs:
     path = _config_arg(argv, name, default)
     if not path:
@@ -309,8 +328,9 @@ def _explain(error: BaseException, argv: Sequence[str], specs: Sequence[tuple[st
   return None
 
 
-def explain_flag_error(error: BaseException, argv: Sequence[str],
-                       flag_values: flags.FlagValues = flags.FLAGS) -> str | None:
+def explain_flag_error(
+    error: BaseException, argv: Sequence[str], flag_values: flags.FlagValues = flags.FLAGS
+) -> str | None:
   """One sentence for a flag-parsing error caused by the user, or None if it is not one.
 
   Re-reads each config file named in argv and replays its --config.key=value
@@ -330,8 +350,12 @@ def _exit_with(message: str) -> NoReturn:
   sys.exit(USER_ERROR_EXIT_CODE)
 
 
-def define_config_file(name: str = "config", default: str | None = None, help_string: str = "Config file.",
-                       **kwargs: Any):
+def define_config_file(
+    name: str = "config",
+    default: str | None = None,
+    help_string: str = "Config file.",
+    **kwargs: Any,
+):
   """`config_flags.DEFINE_config_file`, with user errors as one line instead of a traceback.
 
   Needed besides `parse_flags_or_exit` because a config flag with a default
@@ -354,7 +378,9 @@ def _check_configs_loaded(flag_values: flags.FlagValues) -> None:
       raise OSError(f"config for --{flag.name} could not be loaded")
 
 
-def parse_flags_or_exit(argv: Sequence[str], flag_values: flags.FlagValues = flags.FLAGS) -> list[str]:
+def parse_flags_or_exit(
+    argv: Sequence[str], flag_values: flags.FlagValues = flags.FLAGS
+) -> list[str]:
   """`app.run(main, flags_parser=parse_flags_or_exit)`: absl parsing, user errors as one line.
 
   On a user error (unknown or mistyped --config.key, missing or failing
@@ -397,8 +423,12 @@ def run_main(main: Callable[[list[str]], Any], argv: Sequence[str] | None = None
     argv: the command line; default sys.argv.
   """
   if DEBUG_FLAG not in flags.FLAGS:
-    flags.DEFINE_bool(DEBUG_FLAG, False, "Show the traceback of errors caused by the input (bad config "
-                      "value, missing file, ...) instead of one line; same as STREAMRL_DEBUG=1.")
+    flags.DEFINE_bool(
+        DEBUG_FLAG,
+        False,
+        "Show the traceback of errors caused by the input (bad config "
+        "value, missing file, ...) instead of one line; same as STREAMRL_DEBUG=1.",
+    )
 
   def guarded_main(args: list[str]) -> Any:
     try:
@@ -409,7 +439,9 @@ def run_main(main: Callable[[list[str]], Any], argv: Sequence[str] | None = None
         raise
       _exit_with(user_message(e))
 
-  app.run(guarded_main, argv=list(argv) if argv is not None else None, flags_parser=parse_flags_or_exit)
+  app.run(
+      guarded_main, argv=list(argv) if argv is not None else None, flags_parser=parse_flags_or_exit
+  )
   raise AssertionError("app.run returned")  # It always exits.
 
 
@@ -429,8 +461,10 @@ def expand_sweep(sweep: Sequence[Mapping[str, Any]] | Mapping[str, Any]) -> list
   if isinstance(sweep, Mapping):
     sweep = [sweep]
   if not isinstance(sweep, (list, tuple)) or not sweep:
-    raise UserError(f"a sweep is a non-empty list of override dicts like [{{'trainer.lr': [1e-6, 3e-6]}}], "
-                     f"got {sweep!r}.")
+    raise UserError(
+        f"a sweep is a non-empty list of override dicts like [{{'trainer.lr': [1e-6, 3e-6]}}], "
+        f"got {sweep!r}."
+    )
   points = []
   for grid in sweep:
     if not isinstance(grid, Mapping):
@@ -475,7 +509,9 @@ def run_name(overrides: Mapping[str, Any], max_len: int = 120) -> str:
   safe = re.sub(r"[^A-Za-z0-9._,=+\-]", "_", raw)
   if safe == raw and len(safe) <= max_len:
     return safe
-  digest = hashlib.sha1(json.dumps([[k, repr(v)] for k, v in overrides.items()]).encode()).hexdigest()[:8]
+  digest = hashlib.sha1(
+      json.dumps([[k, repr(v)] for k, v in overrides.items()]).encode()
+  ).hexdigest()[:8]
   return f"{safe[:max(1, max_len - 9)]}-{digest}"
 
 
@@ -486,8 +522,10 @@ def check_run_names(points: Iterable[Mapping[str, Any]]) -> list[str]:
   for p in points:
     name = run_name(p)
     if name in names:
-      raise UserError(f"the sweep has the same point twice ({dict(p)!r} and {dict(names[name])!r}); "
-                       "remove the duplicate.")
+      raise UserError(
+          f"the sweep has the same point twice ({dict(p)!r} and {dict(names[name])!r}); "
+          "remove the duplicate."
+      )
     names[name] = p
     out.append(name)
   return out
@@ -508,36 +546,45 @@ def load_sweep(config_spec: str) -> list[dict[str, Any]]:
 
   path, sep, arg = config_spec.partition(":")
   if not os.path.isfile(path):
-    raise MissingFileError(f"config file {path!r} does not exist; pass the path of a config .py file.")
+    raise MissingFileError(
+        f"config file {path!r} does not exist; pass the path of a config .py file."
+    )
   name = "streamrl_sweep_config_" + hashlib.sha1(os.path.abspath(path).encode()).hexdigest()[:8]
   spec = importlib.util.spec_from_file_location(name, path)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   get_sweep = getattr(module, "get_sweep", None)
   if not callable(get_sweep):
-    raise UserError(f"{path} defines no get_sweep(); add one returning a list of override dicts, e.g. "
-                     "[{'trainer.lr': [1e-6, 3e-6]}].")
-  takes_arg = any(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)
-                  for p in inspect.signature(get_sweep).parameters.values())
+    raise UserError(
+        f"{path} defines no get_sweep(); add one returning a list of override dicts, e.g. "
+        "[{'trainer.lr': [1e-6, 3e-6]}]."
+    )
+  takes_arg = any(
+      p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)
+      for p in inspect.signature(get_sweep).parameters.values()
+  )
   sweep = get_sweep(arg if sep else None) if takes_arg else get_sweep()
   return expand_sweep(sweep)
 
 
 def load_config(spec: str) -> ml_collections.ConfigDict:
-  """"path/to/config.py[:arg]" -> its get_config(arg). A relative path is
+  """ "path/to/config.py[:arg]" -> its get_config(arg). A relative path is
   looked up from the working directory, then from the repository root, so
   config files can build on each other (configs/grpo.py on configs/ppo.py)."""
   import importlib.util  # pylint: disable=g-import-not-at-top
   import os  # pylint: disable=g-import-not-at-top
+
   path, _, arg = spec.partition(":")
   if not os.path.isabs(path) and not os.path.exists(path):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     path = os.path.join(root, path)
   if not os.path.isfile(path):
-    raise MissingFileError(f"Config file {spec!r} not found; give a path like "
-                            "configs/ranker.py:tiny.")
+    raise MissingFileError(
+        f"Config file {spec!r} not found; give a path like " "configs/ranker.py:tiny."
+    )
   module_spec = importlib.util.spec_from_file_location(
-      "streamrl_config_" + os.path.basename(path)[:-3], path)
+      "streamrl_config_" + os.path.basename(path)[:-3], path
+  )
   module = importlib.util.module_from_spec(module_spec)
   module_spec.loader.exec_module(module)
   return module.get_config(arg) if arg else module.get_config()

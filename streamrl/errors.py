@@ -94,18 +94,24 @@ def check_workdir(path: str, flag: str = "--workdir") -> str:
     return path
   if os.path.exists(path):
     if not os.path.isdir(path):
-      raise UserError(f"{flag}={path} is a file, not a directory; pass a directory path "
-                      "(a missing one is created).")
+      raise UserError(
+          f"{flag}={path} is a file, not a directory; pass a directory path "
+          "(a missing one is created)."
+      )
     if not os.access(path, os.W_OK | os.X_OK):
       raise UserError(f"{flag}={path} is not writable; pass a directory you can write to.")
     return path
   parent = nearest_existing(path)
   if not os.path.isdir(parent):
-    raise UserError(f"{flag}={path} cannot be created because {parent} is a file; pass another "
-                    "directory path.")
+    raise UserError(
+        f"{flag}={path} cannot be created because {parent} is a file; pass another "
+        "directory path."
+    )
   if not os.access(parent, os.W_OK | os.X_OK):
-    raise UserError(f"{flag}={path} cannot be created in {parent} (not writable); pass a directory "
-                    "you can write to.")
+    raise UserError(
+        f"{flag}={path} cannot be created in {parent} (not writable); pass a directory "
+        "you can write to."
+    )
   return path
 
 

@@ -65,10 +65,16 @@ class TrainerActor:
     os.makedirs(workdir, exist_ok=True)
     _redirect_output(os.path.join(workdir, LOG_NAME))
     from streamrl import metrics  # pylint: disable=g-import-not-at-top
+
     metrics.configure_actor_logging(workdir)
-    placement = {"trainer": {"pid": os.getpid(), "host": socket.gethostname(),
-                             "cores": list(self._cores),
-                             "node_id": ray.get_runtime_context().get_node_id()}}
+    placement = {
+        "trainer": {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "cores": list(self._cores),
+            "node_id": ray.get_runtime_context().get_node_id(),
+        }
+    }
     return train.run(s, workdir, cluster=info, placement=placement)
 
 
@@ -95,11 +101,14 @@ def run_on_actor(s: settings_lib.Settings, workdir: str) -> dict:
   cpus = s.cluster.trainer_cpus
   actor_cls = ray.remote(TrainerActor)
   actor = actor_cls.options(
-      num_cpus=cpus, num_gpus=float(s.cluster.trainer_gpus),
+      num_cpus=cpus,
+      num_gpus=float(s.cluster.trainer_gpus),
       resources={cluster_lib.TRAINING_POOL: 1},
       # Never restarted: a second copy would resume from the checkpoint
       # while the first one's generator actors may still be alive.
-      max_restarts=0, name=None).remote(cores, cpus)
+      max_restarts=0,
+      name=None,
+  ).remote(cores, cpus)
   os.makedirs(workdir, exist_ok=True)
   log_path = os.path.join(workdir, LOG_NAME)
   ref = actor.run.remote(s, workdir, info)
@@ -114,9 +123,11 @@ def run_on_actor(s: settings_lib.Settings, workdir: str) -> dict:
   except ray.exceptions.RayTaskError as e:
     raise e.as_instanceof_cause() from None
   except ray.exceptions.RayActorError as e:
-    raise RuntimeError(f"The trainer actor died ({_last_line(e)}); its output is in "
-                       f"{log_path}, and rerunning with the same --workdir resumes from "
-                       "the last checkpoint.") from None
+    raise RuntimeError(
+        f"The trainer actor died ({_last_line(e)}); its output is in "
+        f"{log_path}, and rerunning with the same --workdir resumes from "
+        "the last checkpoint."
+    ) from None
   finally:
     follower.copy_new(sys.stderr)
     ray.kill(actor, no_restart=True)
@@ -145,4 +156,3 @@ class _LogFollower:
 def _last_line(e: Exception) -> str:
   msg = str(getattr(e, "error_msg", None) or e).strip().splitlines()
   return msg[-1] if msg else e.__class__.__name__
-

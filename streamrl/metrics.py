@@ -105,8 +105,12 @@ def _show_warning(message, category, filename, lineno, file=None, line=None) -> 
   logging.getLogger("streamrl.warnings" if ours else "py.warnings").warning("%s", text)
 
 
-def configure_logging(workdir: str | os.PathLike | None = None, level: int = logging.INFO, *,
-                      console: TextIO | None = None) -> str | None:
+def configure_logging(
+    workdir: str | os.PathLike | None = None,
+    level: int = logging.INFO,
+    *,
+    console: TextIO | None = None,
+) -> str | None:
   """Sends StreamRL's log lines to the console and every other library's to a file.
 
   With a `workdir`:
@@ -147,8 +151,9 @@ def configure_logging(workdir: str | os.PathLike | None = None, level: int = log
     try:
       os.makedirs(workdir, exist_ok=True)
     except OSError as e:
-      raise errors.UserError(f"cannot create the run directory {workdir} ({e.strerror}); pass another "
-                             "--workdir.") from e
+      raise errors.UserError(
+          f"cannot create the run directory {workdir} ({e.strerror}); pass another " "--workdir."
+      ) from e
     log_path = os.path.join(workdir, LIBRARY_LOG_NAME)
 
   def console_handler(level_: int = logging.NOTSET) -> logging.Handler:
@@ -210,7 +215,9 @@ def output_to_library_log() -> Iterator[None]:
       os.close(f)
 
 
-def configure_actor_logging(workdir: str | os.PathLike | None, level: int = logging.INFO) -> str | None:
+def configure_actor_logging(
+    workdir: str | os.PathLike | None, level: int = logging.INFO
+) -> str | None:
   """`configure_logging` for a Ray actor (or any worker process), called first thing in it.
 
   Call it before the actor imports vLLM. The library log is the same
@@ -237,8 +244,11 @@ def configure_actor_logging(workdir: str | os.PathLike | None, level: int = logg
     return configure_logging(workdir, level)
   except (ValueError, OSError) as e:  # UserError is a ValueError.
     configure_logging(None, level)
-    logging.getLogger(__name__).warning("No library log on this node (%s); other libraries' warnings go to "
-                                        "this process's stderr.", e)
+    logging.getLogger(__name__).warning(
+        "No library log on this node (%s); other libraries' warnings go to "
+        "this process's stderr.",
+        e,
+    )
     return None
 
 
@@ -261,9 +271,13 @@ def adopt_library_loggers() -> list[str]:
   for name, logger in list(logging.root.manager.loggerDict.items()):
     if not isinstance(logger, logging.Logger) or _is_own(name):
       continue
-    console = [h for h in logger.handlers
-               if not getattr(h, _MARK, False) and not isinstance(h, logging.FileHandler)
-               and (isinstance(h, logging.StreamHandler) or type(h).__name__ == "PlainRayHandler")]
+    console = [
+        h
+        for h in logger.handlers
+        if not getattr(h, _MARK, False)
+        and not isinstance(h, logging.FileHandler)
+        and (isinstance(h, logging.StreamHandler) or type(h).__name__ == "PlainRayHandler")
+    ]
     if not console:
       continue
     for handler in console:
@@ -302,8 +316,9 @@ class MetricsWriter:
     # tensorboardX names files by the second: a restart within the same second
     # would reopen (and truncate) the previous file. The ns suffix keeps names
     # unique and in write order, which TensorBoard's reader relies on.
-    self._writer = SummaryWriter(self.logdir, purge_step=purge_step, flush_secs=30,
-                                 filename_suffix=f".{time.time_ns():020d}")
+    self._writer = SummaryWriter(
+        self.logdir, purge_step=purge_step, flush_secs=30, filename_suffix=f".{time.time_ns():020d}"
+    )
     self._jsonl = open(jsonl_path, "a", encoding="utf-8")
 
   def scalars(self, step: int, values: Mapping[str, Any]) -> None:
@@ -399,8 +414,12 @@ def percentiles(values: Sequence[float] | np.ndarray, prefix: str = "") -> dict[
   if arr.size == 0:
     return {f"{prefix}{k}": float("nan") for k in ("mean", "p50", "p90", "max")}
   p50, p90 = np.percentile(arr, [50, 90])
-  return {f"{prefix}mean": float(arr.mean()), f"{prefix}p50": float(p50), f"{prefix}p90": float(p90),
-          f"{prefix}max": float(arr.max())}
+  return {
+      f"{prefix}mean": float(arr.mean()),
+      f"{prefix}p50": float(p50),
+      f"{prefix}p90": float(p90),
+      f"{prefix}max": float(arr.max()),
+  }
 
 
 def _fmt_duration(seconds: float) -> str:
@@ -433,8 +452,15 @@ class Progress:
       seconds (the last update always prints).
   """
 
-  def __init__(self, total: int, desc: str = "", *, initial: int = 0, file: TextIO | None = None,
-               min_interval_s: float = 0.0):
+  def __init__(
+      self,
+      total: int,
+      desc: str = "",
+      *,
+      initial: int = 0,
+      file: TextIO | None = None,
+      min_interval_s: float = 0.0,
+  ):
     self.total = int(total)
     self.desc = desc
     self.n = int(initial)
@@ -452,7 +478,9 @@ class Progress:
       except ImportError:
         tqdm = None
       if tqdm is not None:
-        self._bar = tqdm(total=self.total, desc=desc, initial=self.n, file=self._file, dynamic_ncols=True)
+        self._bar = tqdm(
+            total=self.total, desc=desc, initial=self.n, file=self._file, dynamic_ncols=True
+        )
 
   def update(self, n: int = 1, **postfix: Any) -> None:
     """Advances by `n` units and shows `postfix` (e.g. reward=0.41) next to the bar."""
@@ -476,8 +504,10 @@ class Progress:
     done = self.n - self._initial
     pct = 100.0 * self.n / self.total if self.total else 100.0
     eta = _fmt_duration(elapsed / done * (self.total - self.n)) if done > 0 else "?"
-    text = f"{self.desc + ' ' if self.desc else ''}{self.n}/{self.total} ({pct:.0f}%) " \
-           f"elapsed {_fmt_duration(elapsed)} eta {eta}"
+    text = (
+        f"{self.desc + ' ' if self.desc else ''}{self.n}/{self.total} ({pct:.0f}%) "
+        f"elapsed {_fmt_duration(elapsed)} eta {eta}"
+    )
     if postfix:
       text += " | " + _fmt_postfix(postfix)
     return text
@@ -529,8 +559,11 @@ def _metric(values: Mapping[str, Any] | None, key: str) -> float | None:
   return x if math.isfinite(x) else None
 
 
-def results_table(runs: Sequence[tuple[str, Mapping[str, Any] | None]],
-                  columns: Sequence[str] = SUMMARY_METRICS, sort_by: str | None = None) -> str:
+def results_table(
+    runs: Sequence[tuple[str, Mapping[str, Any] | None]],
+    columns: Sequence[str] = SUMMARY_METRICS,
+    sort_by: str | None = None,
+) -> str:
   """A plain-text table of runs and their final metrics, best first.
 
     rank  run                       eval/accuracy  eval/accuracy_greedy  reward/mean
@@ -564,6 +597,10 @@ def results_table(runs: Sequence[tuple[str, Mapping[str, Any] | None]],
       cells.append("-" if x is None else f"{x:.4f}")
     body.append(cells)
   widths = [max(len(row[j]) for row in [header, *body]) for j in range(len(header))]
+
   def fmt(row):  # Names left-aligned, numbers right-aligned.
-    return "  ".join(c.ljust(w) if j == 1 else c.rjust(w) for j, (c, w) in enumerate(zip(row, widths))).rstrip()
+    return "  ".join(
+        c.ljust(w) if j == 1 else c.rjust(w) for j, (c, w) in enumerate(zip(row, widths))
+    ).rstrip()
+
   return "\n".join(fmt(row) for row in [header, *body])

@@ -48,6 +48,7 @@ def _key(key: str, default: Any):
 @dataclasses.dataclass(frozen=True)
 class Model:
   """The policy: a local HF directory, or (empty path) the tiny default."""
+
   path: str = _key("model.path", "")
   tiny: str = _key("model.tiny", "qwen2")
   dtype: str = _key("model.dtype", "float32")
@@ -56,6 +57,7 @@ class Model:
 @dataclasses.dataclass(frozen=True)
 class Warmstart:
   """Supervised warm-up of the tiny policy (cached in the workdir)."""
+
   steps: int = _key("warmstart.steps", 150)
   batch_size: int = _key("warmstart.batch_size", 64)
   lr: float = _key("warmstart.lr", 3e-3)
@@ -65,6 +67,7 @@ class Warmstart:
 @dataclasses.dataclass(frozen=True)
 class Task:
   """Prompts and their verifier: synthetic string tasks or a JSONL file."""
+
   kind: str = _key("task.kind", "synthetic")
   ops: tuple = _key("task.ops", ("cpy", "rev", "dbl"))
   max_answer_len: int = _key("task.max_answer_len", 48)
@@ -76,6 +79,7 @@ class Task:
 @dataclasses.dataclass(frozen=True)
 class Sampling:
   """How the generators sample (the trainer scores at the same temperature)."""
+
   temperature: float = _key("generation.temperature", 1.0)
   top_p: float = _key("generation.top_p", 1.0)
   max_tokens: int = _key("generation.max_tokens", 56)
@@ -84,6 +88,7 @@ class Sampling:
 @dataclasses.dataclass(frozen=True)
 class Engine:
   """One vLLM engine (generator instance) and how many of them run."""
+
   max_num_seqs: int = _key("generation.max_num_seqs", 128)
   max_model_len: int = _key("generation.max_model_len", 128)
   kv_cache_gib: float = _key("generation.kv_cache_gib", 1.0)
@@ -104,6 +109,7 @@ class Scheduler:
   lengths, synthetic tasks). latency_model: "paper" (PTL(BS) * L_avg *
   ceil(M/BS)) or "simulate" (replays continuous batching through the profile).
   """
+
   kind: str = _key("generation.scheduler", "fifo")
   long_tail_alpha: float = _key("generation.long_tail_alpha", 0.2)
   objective: str = _key("generation.dispatch_objective", "makespan")
@@ -117,6 +123,7 @@ class Scheduler:
 @dataclasses.dataclass(frozen=True)
 class Advantage:
   """Advantage estimator; `group_size` samples per prompt."""
+
   estimator: str = _key("algo.advantage", "gae")
   gamma: float = _key("algo.gamma", 1.0)
   lam: float = _key("algo.lam", 0.95)
@@ -128,6 +135,7 @@ class Advantage:
 @dataclasses.dataclass(frozen=True)
 class Kl:
   """KL to a frozen reference: a reward penalty (PPO) or a loss term (GRPO)."""
+
   coef: float = _key("algo.kl_coef", 0.01)
   estimator: str = _key("algo.kl_estimator", "k1")
   in_reward: bool = _key("algo.kl_in_reward", True)
@@ -143,6 +151,7 @@ class Loss:
   geometric-mean ratio leaves [1/mis_threshold, mis_threshold]) | auto (tis
   in async mode, where samples come from older weights; none otherwise).
   """
+
   clip_low: float = _key("algo.clip_low", 0.2)
   clip_high: float = _key("algo.clip_high", 0.2)
   dual_clip: float = _key("algo.dual_clip", 0.0)
@@ -157,6 +166,7 @@ class Loss:
 @dataclasses.dataclass(frozen=True)
 class Trainer:
   """Iterations and batch sizes (in samples)."""
+
   num_iterations: int = _key("trainer.num_iterations", 250)
   prompts_per_iteration: int = _key("trainer.prompts_per_iteration", 64)
   mini_batch_size: int = _key("trainer.mini_batch_size", 32)
@@ -167,6 +177,7 @@ class Trainer:
 @dataclasses.dataclass(frozen=True)
 class Optimizer:
   """AdamW, warm-up then cosine decay, global-norm clipping."""
+
   lr: float = _key("trainer.lr", 3e-4)
   critic_lr: float = _key("trainer.critic_lr", 1e-3)
   warmup_steps: int = _key("trainer.warmup_steps", 5)
@@ -177,6 +188,7 @@ class Optimizer:
 @dataclasses.dataclass(frozen=True)
 class Mesh:
   """The trainer's device mesh (-1: all remaining devices)."""
+
   data: int = _key("mesh.data", 1)
   fsdp: int = _key("mesh.fsdp", -1)
   tensor: int = _key("mesh.tensor", 1)
@@ -188,6 +200,7 @@ class Mesh:
 @dataclasses.dataclass(frozen=True)
 class Pipeline:
   """How generation and training overlap (streamrl/pipeline)."""
+
   mode: str = _key("pipeline.mode", "colocated")
   max_staleness: int = _key("pipeline.max_staleness", 1)
   stall_timeout_s: float = _key("pipeline.stall_timeout_s", 600.0)
@@ -198,6 +211,7 @@ class Cluster:
   """Ray: an empty address starts a local Ray where each side gets its own
   cores; the trainer runs as a Ray actor on the `training_pool` unless
   trainer_actor is False (handy under a debugger)."""
+
   address: str = _key("cluster.address", "")
   generator_cpus: int = _key("cluster.generator_cpus", 1)
   trainer_cpus: int = _key("cluster.trainer_cpus", 1)
@@ -210,6 +224,7 @@ class Cluster:
 class Transfer:
   """Weights to Ray generators through the checkpoint-transfer service
   (streamrl/transfer) instead of Ray's object store."""
+
   enabled: bool = _key("transfer.enabled", False)
   chunk_bytes: int = _key("transfer.chunk_bytes", 4 << 20)
   topology: str = _key("transfer.topology", "tree")
@@ -237,6 +252,7 @@ class Log:
 @dataclasses.dataclass(frozen=True)
 class Settings:
   """Everything a run reads, by part."""
+
   seed: int = _key("seed", 0)
   model: Model = Model()
   warmstart: Warmstart = Warmstart()
@@ -321,8 +337,10 @@ def _coerce(key: str, value: Any, want: Any) -> Any:
   if want is tuple and isinstance(value, list):
     return tuple(value)
   if want is int and isinstance(value, bool) or not isinstance(value, want):
-    raise UserError(f"{key}={value!r} must be {want.__name__}; fix it in the config or "
-                    f"with --config.{key}=...")
+    raise UserError(
+        f"{key}={value!r} must be {want.__name__}; fix it in the config or "
+        f"with --config.{key}=..."
+    )
   return value
 
 
@@ -337,8 +355,10 @@ def from_config(config, *, check_files: bool = True) -> Settings:
   known = set(config_keys())
   unknown = sorted(set(given) - known)
   if unknown:
-    raise UserError(f"config key {unknown[0]!r} is not a StreamRL setting; remove it or "
-                    "rename it to one listed in streamrl/settings.py.")
+    raise UserError(
+        f"config key {unknown[0]!r} is not a StreamRL setting; remove it or "
+        "rename it to one listed in streamrl/settings.py."
+    )
   parts: dict[str, dict] = {p.name: {} for p in _PARTS}
   top: dict = {}
   for part, name, f in _leaves():
@@ -394,58 +414,83 @@ def validate(s: Settings, *, check_files: bool = True) -> None:
   _positive("task.num_eval", t.num_eval, zero_ok=True)
   if t.kind == "synthetic":
     from streamrl.data import tasks  # pylint: disable=g-import-not-at-top
+
     bad = [op for op in t.ops if op not in tasks.KNOWN_OPS]
-    _need(t.ops and not bad, f"task.ops={t.ops!r} has unknown ops {bad}; use some of "
-          f"{tuple(tasks.KNOWN_OPS)}.")
+    _need(
+        t.ops and not bad,
+        f"task.ops={t.ops!r} has unknown ops {bad}; use some of " f"{tuple(tasks.KNOWN_OPS)}.",
+    )
     _positive("task.max_answer_len", t.max_answer_len)
   from streamrl.data import rewards  # pylint: disable=g-import-not-at-top
-  _need(t.reward in rewards.known_reward_fns(),
-        f"task.reward={t.reward!r} is unknown; use one of {rewards.known_reward_fns()}.")
+
+  _need(
+      t.reward in rewards.known_reward_fns(),
+      f"task.reward={t.reward!r} is unknown; use one of {rewards.known_reward_fns()}.",
+  )
 
   _need(smp.temperature >= 0, f"generation.temperature={smp.temperature} must be >= 0.")
   _need(0 < smp.top_p <= 1, f"generation.top_p={smp.top_p} must be in (0, 1].")
   _positive("generation.max_tokens", smp.max_tokens)
   _positive("generation.max_model_len", e.max_model_len)
-  _need(smp.max_tokens < e.max_model_len,
-        f"generation.max_tokens={smp.max_tokens} must be below generation.max_model_len="
-        f"{e.max_model_len}; raise max_model_len or lower max_tokens.")
+  _need(
+      smp.max_tokens < e.max_model_len,
+      f"generation.max_tokens={smp.max_tokens} must be below generation.max_model_len="
+      f"{e.max_model_len}; raise max_model_len or lower max_tokens.",
+  )
   _positive("generation.max_num_seqs", e.max_num_seqs)
   _positive("generation.kv_cache_gib", e.kv_cache_gib)
-  _need(e.num_instances >= 1,
-        f"generation.num_instances={e.num_instances} must be >= 1 (one vLLM engine at least).")
-  _need(e.num_instances == 1 or s.pipeline.mode != "colocated",
-        f"pipeline.mode='colocated' runs one engine in the trainer's process; set "
-        f"generation.num_instances=1 or use sync / stream / async for {e.num_instances}.")
+  _need(
+      e.num_instances >= 1,
+      f"generation.num_instances={e.num_instances} must be >= 1 (one vLLM engine at least).",
+  )
+  _need(
+      e.num_instances == 1 or s.pipeline.mode != "colocated",
+      f"pipeline.mode='colocated' runs one engine in the trainer's process; set "
+      f"generation.num_instances=1 or use sync / stream / async for {e.num_instances}.",
+  )
   _positive("generation.coalesce_s", e.coalesce_s, zero_ok=True)
 
   _one_of("generation.scheduler", sch.kind, SCHEDULERS)
-  _need(0 <= sch.long_tail_alpha <= 1,
-        f"generation.long_tail_alpha={sch.long_tail_alpha} must be in [0, 1].")
+  _need(
+      0 <= sch.long_tail_alpha <= 1,
+      f"generation.long_tail_alpha={sch.long_tail_alpha} must be in [0, 1].",
+  )
   _one_of("generation.dispatch_objective", sch.objective, DISPATCH_OBJECTIVES)
   _one_of("generation.dispatch_latency_model", sch.latency_model, LATENCY_MODELS)
   _positive("generation.length_history", sch.length_history)
   if sch.kind == "oracle":
-    _need(t.kind == "synthetic", "generation.scheduler='oracle' needs the synthetic task's "
-          "known answer lengths; use 'skew' for task.kind='jsonl'.")
+    _need(
+        t.kind == "synthetic",
+        "generation.scheduler='oracle' needs the synthetic task's "
+        "known answer lengths; use 'skew' for task.kind='jsonl'.",
+    )
 
   _one_of("algo.advantage", adv.estimator, ADVANTAGES)
   _need(adv.group_size >= 1, f"algo.group_size={adv.group_size} must be >= 1.")
-  _need(adv.estimator != "gae" or adv.use_critic,
-        "algo.advantage='gae' needs a critic; set algo.use_critic=True or use 'grpo' / "
-        "'rloo' / 'reinforce_pp'.")
-  _need(adv.estimator not in ("grpo", "rloo") or adv.group_size >= 2,
-        f"algo.advantage={adv.estimator!r} compares samples of one prompt; set "
-        "algo.group_size >= 2.")
+  _need(
+      adv.estimator != "gae" or adv.use_critic,
+      "algo.advantage='gae' needs a critic; set algo.use_critic=True or use 'grpo' / "
+      "'rloo' / 'reinforce_pp'.",
+  )
+  _need(
+      adv.estimator not in ("grpo", "rloo") or adv.group_size >= 2,
+      f"algo.advantage={adv.estimator!r} compares samples of one prompt; set "
+      "algo.group_size >= 2.",
+  )
   _need(0 <= adv.gamma <= 1 and 0 <= adv.lam <= 1, "algo.gamma and algo.lam must be in [0, 1].")
   _one_of("algo.kl_estimator", kl.estimator, KL_ESTIMATORS)
   _positive("algo.kl_coef", kl.coef, zero_ok=True)
-  _need(not kl.coef or kl.use_reference,
-        f"algo.kl_coef={kl.coef} needs the reference model; set algo.use_reference=True or "
-        "algo.kl_coef=0.")
+  _need(
+      not kl.coef or kl.use_reference,
+      f"algo.kl_coef={kl.coef} needs the reference model; set algo.use_reference=True or "
+      "algo.kl_coef=0.",
+  )
   _positive("algo.clip_low", loss.clip_low)
   _positive("algo.clip_high", loss.clip_high)
-  _need(loss.dual_clip == 0 or loss.dual_clip > 1,
-        f"algo.dual_clip={loss.dual_clip} must be 0 (off) or > 1.")
+  _need(
+      loss.dual_clip == 0 or loss.dual_clip > 1,
+      f"algo.dual_clip={loss.dual_clip} must be 0 (off) or > 1.",
+  )
   _one_of("algo.loss_agg", loss.agg, LOSS_AGGS)
   _positive("algo.entropy_coef", loss.entropy_coef, zero_ok=True)
   _positive("algo.vf_clip", loss.vf_clip, zero_ok=True)
@@ -453,21 +498,32 @@ def validate(s: Settings, *, check_files: bool = True) -> None:
   _need(loss.is_cap >= 1, f"algo.is_cap={loss.is_cap} must be >= 1.")
   _need(loss.mis_threshold > 1, f"algo.mis_threshold={loss.mis_threshold} must be > 1.")
 
-  for key in ("num_iterations", "prompts_per_iteration", "mini_batch_size",
-              "micro_batch_size", "ppo_epochs"):
+  for key in (
+      "num_iterations",
+      "prompts_per_iteration",
+      "mini_batch_size",
+      "micro_batch_size",
+      "ppo_epochs",
+  ):
     _positive(f"trainer.{key}", getattr(tr, key))
   n = s.samples_per_iteration
-  _need(n % tr.mini_batch_size == 0,
-        f"prompts_per_iteration * group_size = {n} is not a multiple of "
-        f"trainer.mini_batch_size={tr.mini_batch_size}; change one of them.")
-  _need(tr.mini_batch_size % tr.micro_batch_size == 0,
-        f"trainer.mini_batch_size={tr.mini_batch_size} is not a multiple of "
-        f"trainer.micro_batch_size={tr.micro_batch_size}; change one of them.")
+  _need(
+      n % tr.mini_batch_size == 0,
+      f"prompts_per_iteration * group_size = {n} is not a multiple of "
+      f"trainer.mini_batch_size={tr.mini_batch_size}; change one of them.",
+  )
+  _need(
+      tr.mini_batch_size % tr.micro_batch_size == 0,
+      f"trainer.mini_batch_size={tr.mini_batch_size} is not a multiple of "
+      f"trainer.micro_batch_size={tr.micro_batch_size}; change one of them.",
+  )
   if s.pipeline.mode == "stream":
-    _need(tr.mini_batch_size % adv.group_size == 0,
-          f"pipeline.mode='stream' trains whole groups as they finish, so "
-          f"trainer.mini_batch_size={tr.mini_batch_size} must be a multiple of "
-          f"algo.group_size={adv.group_size}.")
+    _need(
+        tr.mini_batch_size % adv.group_size == 0,
+        f"pipeline.mode='stream' trains whole groups as they finish, so "
+        f"trainer.mini_batch_size={tr.mini_batch_size} must be a multiple of "
+        f"algo.group_size={adv.group_size}.",
+    )
   _positive("trainer.lr", opt.lr)
   if adv.use_critic:
     _positive("trainer.critic_lr", opt.critic_lr)
@@ -480,9 +536,11 @@ def validate(s: Settings, *, check_files: bool = True) -> None:
   _need(sum(v == -1 for v in s.mesh.axes().values()) <= 1, "at most one mesh axis may be -1.")
 
   _one_of("pipeline.mode", s.pipeline.mode, PIPELINE_MODES)
-  _need(s.pipeline.max_staleness >= 1,
-        f"pipeline.max_staleness={s.pipeline.max_staleness} must be >= 1 (async is one step "
-        "off-policy at least).")
+  _need(
+      s.pipeline.max_staleness >= 1,
+      f"pipeline.max_staleness={s.pipeline.max_staleness} must be >= 1 (async is one step "
+      "off-policy at least).",
+  )
   _positive("pipeline.stall_timeout_s", s.pipeline.stall_timeout_s)
   c = s.cluster
   _positive("cluster.generator_cpus", c.generator_cpus)
@@ -490,13 +548,17 @@ def validate(s: Settings, *, check_files: bool = True) -> None:
   _positive("cluster.trainer_gpus", c.trainer_gpus, zero_ok=True)
   _positive("cluster.connect_timeout_s", c.connect_timeout_s)
   tf = s.transfer
-  _need(tf.chunk_bytes > 0 and tf.chunk_bytes % 8 == 0,
-        f"transfer.chunk_bytes={tf.chunk_bytes} must be a positive multiple of 8.")
+  _need(
+      tf.chunk_bytes > 0 and tf.chunk_bytes % 8 == 0,
+      f"transfer.chunk_bytes={tf.chunk_bytes} must be a positive multiple of 8.",
+  )
   _one_of("transfer.topology", tf.topology, ("tree", "direct"))
   _positive("transfer.fanout", tf.fanout)
-  _need(not tf.enabled or s.pipeline.mode != "colocated",
-        "transfer.enabled=True sends weights to Ray generators; colocated mode has none, so "
-        "set transfer.enabled=False or use sync / stream / async.")
+  _need(
+      not tf.enabled or s.pipeline.mode != "colocated",
+      "transfer.enabled=True sends weights to Ray generators; colocated mode has none, so "
+      "set transfer.enabled=False or use sync / stream / async.",
+  )
   _positive("checkpoint.every", s.checkpoint.every)
   _positive("checkpoint.keep", s.checkpoint.keep)
   _positive("log.eval_every", s.log.eval_every, zero_ok=True)
@@ -508,27 +570,38 @@ def validate(s: Settings, *, check_files: bool = True) -> None:
 def _check_files(s: Settings) -> None:
   m, t, sch = s.model, s.task, s.scheduler
   if m.path:
-    _need(os.path.isfile(os.path.join(m.path, "config.json")),
-          f"model.path={m.path!r} is not a Hugging Face model directory (no config.json); "
-          "point it at a local checkpoint directory.")
+    _need(
+        os.path.isfile(os.path.join(m.path, "config.json")),
+        f"model.path={m.path!r} is not a Hugging Face model directory (no config.json); "
+        "point it at a local checkpoint directory.",
+    )
   if t.kind == "jsonl":
-    _need(bool(t.jsonl_path) and os.path.isfile(t.jsonl_path),
-          f"task.jsonl_path={t.jsonl_path!r} does not exist; point it at a JSONL file of "
-          '{"prompt": ..., "answer": ...} rows.')
+    _need(
+        bool(t.jsonl_path) and os.path.isfile(t.jsonl_path),
+        f"task.jsonl_path={t.jsonl_path!r} does not exist; point it at a JSONL file of "
+        '{"prompt": ..., "answer": ...} rows.',
+    )
   if sch.kind != "fifo" and sch.latency_profile:
-    _need(os.path.isfile(sch.latency_profile),
-          f"generation.latency_profile={sch.latency_profile!r} does not exist; measure one "
-          "with streamrl.generator.profiler or leave it empty for the paper's curve.")
+    _need(
+        os.path.isfile(sch.latency_profile),
+        f"generation.latency_profile={sch.latency_profile!r} does not exist; measure one "
+        "with streamrl.generator.profiler or leave it empty for the paper's curve.",
+    )
   if sch.kind == "skew":
     if sch.ranker_checkpoint:
       from streamrl.ranker import train as ranker_train  # pylint: disable=g-import-not-at-top
+
       ckpts = os.path.join(sch.ranker_checkpoint, ranker_train.CHECKPOINT_DIR)
-      _need(os.path.isdir(ckpts) and any(n.isdigit() for n in os.listdir(ckpts)),
-            f"generation.ranker_checkpoint={sch.ranker_checkpoint!r} holds no ranker "
-            "checkpoint; train one with launch/train_ranker.py --workdir=... or leave it "
-            "empty to learn online.")
+      _need(
+          os.path.isdir(ckpts) and any(n.isdigit() for n in os.listdir(ckpts)),
+          f"generation.ranker_checkpoint={sch.ranker_checkpoint!r} holds no ranker "
+          "checkpoint; train one with launch/train_ranker.py --workdir=... or leave it "
+          "empty to learn online.",
+      )
     else:
       path = sch.ranker_config.split(":", 1)[0]
-      _need(os.path.isfile(path),
-            f"generation.ranker_config={sch.ranker_config!r}: no file {path!r}; use "
-            "configs/ranker.py:tiny or a path to a ranker config.")
+      _need(
+          os.path.isfile(path),
+          f"generation.ranker_config={sch.ranker_config!r}: no file {path!r}; use "
+          "configs/ranker.py:tiny or a path to a ranker config.",
+      )

@@ -70,17 +70,24 @@ def load_examples(s: settings_lib.Settings) -> tuple[list, list]:
 def fingerprint(s: settings_lib.Settings) -> dict:
   """What must match for a workdir's checkpoints to be resumed."""
   asdict = dataclasses.asdict
-  return {"model": {"path": s.model.path, "tiny": s.model.tiny},
-          "warmstart": asdict(s.warmstart), "task": asdict(s.task),
-          "advantage": asdict(s.advantage), "kl": asdict(s.kl), "loss": asdict(s.loss),
-          "mesh": asdict(s.mesh), "prompts_per_iteration": s.trainer.prompts_per_iteration,
-          "seed": s.seed}
+  return {
+      "model": {"path": s.model.path, "tiny": s.model.tiny},
+      "warmstart": asdict(s.warmstart),
+      "task": asdict(s.task),
+      "advantage": asdict(s.advantage),
+      "kl": asdict(s.kl),
+      "loss": asdict(s.loss),
+      "mesh": asdict(s.mesh),
+      "prompts_per_iteration": s.trainer.prompts_per_iteration,
+      "seed": s.seed,
+  }
 
 
 def open_checkpoints(s: settings_lib.Settings, workdir: str) -> Checkpointer:
   """The workdir's checkpoints; refuses one written by an incompatible config."""
-  return Checkpointer(os.path.join(workdir, "checkpoints"), keep=s.checkpoint.keep,
-                      fingerprint=fingerprint(s))
+  return Checkpointer(
+      os.path.join(workdir, "checkpoints"), keep=s.checkpoint.keep, fingerprint=fingerprint(s)
+  )
 
 
 def evaluate(rollout, examples, tokenizer, s: settings_lib.Settings) -> dict:
@@ -89,19 +96,30 @@ def evaluate(rollout, examples, tokenizer, s: settings_lib.Settings) -> dict:
   out = {}
   for name, temp in (("accuracy", s.sampling.temperature), ("accuracy_greedy", 0.0)):
     sampling = SamplingConfig(temperature=temp, max_tokens=s.sampling.max_tokens, seed=s.seed)
-    hits = [float(tokenizer.decode(x.token_ids).strip() == by_id[x.prompt_id].answer.strip())
-            for x in rollout.generate(requests, sampling)]
+    hits = [
+        float(tokenizer.decode(x.token_ids).strip() == by_id[x.prompt_id].answer.strip())
+        for x in rollout.generate(requests, sampling)
+    ]
     out[name] = float(np.mean(hits))
   return out
 
 
 def write_placement(workdir: str, placement: dict | None, rollout) -> None:
   """Where the trainer and each generator instance run: <workdir>/placement.json."""
-  placement = dict(placement or {"trainer": {"pid": os.getpid(), "host": socket.gethostname(),
-                                             "cores": sorted(os.sched_getaffinity(0))}})
+  placement = dict(
+      placement
+      or {
+          "trainer": {
+              "pid": os.getpid(),
+              "host": socket.gethostname(),
+              "cores": sorted(os.sched_getaffinity(0)),
+          }
+      }
+  )
   placement["generators"] = {
       str(i): {k: v for k, v in info.items() if k in ("pid", "cores", "torch_threads")}
-      for i, info in rollout.placement.items()}
+      for i, info in rollout.placement.items()
+  }
   if not placement["generators"]:
     placement["generators"] = {"0": {"in_trainer_process": True}}
   with open(os.path.join(workdir, "placement.json"), "w") as f:
@@ -119,12 +137,17 @@ def make_rounds(loader: PromptLoader, tokenizer, group_size: int):
   return rounds
 
 
-def setup_mode(s: settings_lib.Settings, rollout, *, model_dir: str, workdir: str | None,
-               rounds) -> mode_base.Mode:
+def setup_mode(
+    s: settings_lib.Settings, rollout, *, model_dir: str, workdir: str | None, rounds
+) -> mode_base.Mode:
   """The configured mode over `rollout`, with its generation scheduler."""
-  scheduler = GenerationScheduler(s.scheduler, model_dir=model_dir, workdir=workdir,
-                                  num_instances=rollout.num_instances,
-                                  max_batch_size=s.engine.max_num_seqs)
+  scheduler = GenerationScheduler(
+      s.scheduler,
+      model_dir=model_dir,
+      workdir=workdir,
+      num_instances=rollout.num_instances,
+      max_batch_size=s.engine.max_num_seqs,
+  )
   return make_mode(s, rollout, scheduler, rounds)
 
 
@@ -143,6 +166,7 @@ def _combine(parts: list[dict]) -> dict:
 @dataclasses.dataclass
 class Iteration:
   """What one iteration did, for its scalars."""
+
   it: int
   samples: list
   rewards: np.ndarray
@@ -156,8 +180,16 @@ class Iteration:
   weight_update_s: float
 
 
-def train_iteration(it: int, mode: mode_base.Mode, trainer: RLTrainer, rewarder: Rewarder,
-                    timeline: Timeline, *, ppo_epochs: int, seed: int) -> Iteration:
+def train_iteration(
+    it: int,
+    mode: mode_base.Mode,
+    trainer: RLTrainer,
+    rewarder: Rewarder,
+    timeline: Timeline,
+    *,
+    ppo_epochs: int,
+    seed: int,
+) -> Iteration:
   """Runs one iteration of the loop above; returns what it did."""
   t0 = mode_base.now()
   rng = np.random.default_rng([seed, it])
@@ -191,12 +223,18 @@ def train_iteration(it: int, mode: mode_base.Mode, trainer: RLTrainer, rewarder:
   t1 = mode_base.now()
   order = np.argsort([x.prompt_id for x in samples], kind="stable")
   return Iteration(
-      it=it, samples=[samples[i] for i in order],
+      it=it,
+      samples=[samples[i] for i in order],
       rewards=np.asarray(rewards, np.float32)[order],
       correct=np.asarray(correct, np.float32)[order],
-      prepare=_combine(prep), updates=_combine(jax.device_get(updates)),
-      generated=mode.generated, t0=t0, t1=t1, training_s=training_s,
-      weight_update_s=t1 - t_push)
+      prepare=_combine(prep),
+      updates=_combine(jax.device_get(updates)),
+      generated=mode.generated,
+      t0=t0,
+      t1=t1,
+      training_s=training_s,
+      weight_update_s=t1 - t_push,
+  )
 
 
 def iteration_scalars(x: Iteration, timeline: Timeline, rollout) -> dict:
@@ -205,18 +243,24 @@ def iteration_scalars(x: Iteration, timeline: Timeline, rollout) -> dict:
   lengths = np.array([len(s.token_ids) for s in x.samples], np.float64)
   wall = max(x.t1 - x.t0, 1e-9)
   staleness = np.array([x.it - s.weight_version for s in x.samples], np.float64)
-  out = {"reward/mean": float(np.mean(x.rewards)), "accuracy": float(np.mean(x.correct)),
-         "response_length/mean": lengths.mean(),
-         "response_length/p50": float(np.percentile(lengths, 50)),
-         "response_length/p90": float(np.percentile(lengths, 90)),
-         "response_length/max": lengths.max(),
-         "throughput/samples_per_s": len(x.samples) / wall,
-         "throughput/tokens_per_s": float(lengths.sum()) / wall,
-         "time/iteration_s": wall, "time/generation_s": x.generated.generation_s,
-         "time/training_s": x.training_s, "time/weight_update_s": x.weight_update_s,
-         "staleness/mean": staleness.mean(), "staleness/max": staleness.max(),
-         "generators/live": len(rollout.live_instances),
-         "generators/dead": len(rollout.dead_instances)}
+  out = {
+      "reward/mean": float(np.mean(x.rewards)),
+      "accuracy": float(np.mean(x.correct)),
+      "response_length/mean": lengths.mean(),
+      "response_length/p50": float(np.percentile(lengths, 50)),
+      "response_length/p90": float(np.percentile(lengths, 90)),
+      "response_length/max": lengths.max(),
+      "throughput/samples_per_s": len(x.samples) / wall,
+      "throughput/tokens_per_s": float(lengths.sum()) / wall,
+      "time/iteration_s": wall,
+      "time/generation_s": x.generated.generation_s,
+      "time/training_s": x.training_s,
+      "time/weight_update_s": x.weight_update_s,
+      "staleness/mean": staleness.mean(),
+      "staleness/max": staleness.max(),
+      "generators/live": len(rollout.live_instances),
+      "generators/dead": len(rollout.dead_instances),
+  }
   if x.generated.wait_s:
     out["time/generation_wait_s"] = x.generated.wait_s
   for k, v in {**x.prepare, **x.updates}.items():
@@ -228,8 +272,9 @@ def iteration_scalars(x: Iteration, timeline: Timeline, rollout) -> dict:
 
 
 # --------------------------------------------------------------------- run
-def run(s: settings_lib.Settings, workdir: str, cluster=None,
-        placement: dict | None = None) -> dict:
+def run(
+    s: settings_lib.Settings, workdir: str, cluster=None, placement: dict | None = None
+) -> dict:
   """Runs (or resumes) the experiment in `workdir` with the trainer in this
   process; returns the final metrics.
 
@@ -242,8 +287,9 @@ def run(s: settings_lib.Settings, workdir: str, cluster=None,
   # Refuse an incompatible workdir before anything is written into it.
   ckpt = open_checkpoints(s, workdir)
   train_examples, eval_examples = load_examples(s)
-  model_dir = warmstart.prepare_model_dir(s.model, s.warmstart, s.task, seed=s.seed,
-                                          workdir=workdir, train_examples=train_examples)
+  model_dir = warmstart.prepare_model_dir(
+      s.model, s.warmstart, s.task, seed=s.seed, workdir=workdir, train_examples=train_examples
+  )
   _, policy = hf.load_hf(model_dir)
   tokenizer = Tokenizer(model_dir)
   rewarder = Rewarder(get_reward_fn(s.task.reward), tokenizer)
@@ -259,8 +305,13 @@ def run(s: settings_lib.Settings, workdir: str, cluster=None,
 
   rollout = make_rollout(s, model_dir, cluster, workdir)
   try:
-    mode = setup_mode(s, rollout, model_dir=model_dir, workdir=workdir,
-                      rounds=make_rounds(loader, tokenizer, s.advantage.group_size))
+    mode = setup_mode(
+        s,
+        rollout,
+        model_dir=model_dir,
+        workdir=workdir,
+        rounds=make_rounds(loader, tokenizer, s.advantage.group_size),
+    )
   except BaseException:
     rollout.close()
     raise
@@ -271,8 +322,9 @@ def run(s: settings_lib.Settings, workdir: str, cluster=None,
   writer = metrics_lib.MetricsWriter(workdir, purge_step=start + 1 if start else None)
   metrics_lib.save_config(settings_lib.to_config(s), workdir)
   # log.progress=False: no bar (the scalars still go to metrics.jsonl).
-  progress = metrics_lib.Progress(s.trainer.num_iterations, "RL", initial=start,
-                                  file=None if s.log.progress else io.StringIO())
+  progress = metrics_lib.Progress(
+      s.trainer.num_iterations, "RL", initial=start, file=None if s.log.progress else io.StringIO()
+  )
   timeline = Timeline()
   final: dict = {}
   num_it = s.trainer.num_iterations
@@ -283,8 +335,9 @@ def run(s: settings_lib.Settings, workdir: str, cluster=None,
       final.update({f"initial_eval/{k}": v for k, v in initial.items()})
       log.info("Warm-start eval: %s", initial)
     for it in range(start, num_it):
-      x = train_iteration(it, mode, trainer, rewarder, timeline,
-                          ppo_epochs=s.trainer.ppo_epochs, seed=s.seed)
+      x = train_iteration(
+          it, mode, trainer, rewarder, timeline, ppo_epochs=s.trainer.ppo_epochs, seed=s.seed
+      )
       scalars = iteration_scalars(x, timeline, rollout)
       scalars["reward/errors_total"] = rewarder.errors
       if s.log.eval_every and (it + 1) % s.log.eval_every == 0 or it + 1 == num_it:
@@ -295,12 +348,17 @@ def run(s: settings_lib.Settings, workdir: str, cluster=None,
       writer.scalars(it + 1, scalars)
       writer.histogram(it + 1, "response_length", [len(q.token_ids) for q in x.samples])
       writer.histogram(it + 1, "staleness", [it - q.weight_version for q in x.samples])
-      progress.update(1, reward=f"{scalars['reward/mean']:.3f}",
-                      acc=f"{scalars['accuracy']:.3f}")
+      progress.update(1, reward=f"{scalars['reward/mean']:.3f}", acc=f"{scalars['accuracy']:.3f}")
       if (it + 1) % s.checkpoint.every == 0 or it + 1 == num_it:
-        ckpt.save(it + 1, trainer.checkpoint_arrays(),
-                  {"loader": x.generated.round.loader_state, "reward_errors": rewarder.errors,
-                   "weight_version": it + 1})
+        ckpt.save(
+            it + 1,
+            trainer.checkpoint_arrays(),
+            {
+                "loader": x.generated.round.loader_state,
+                "reward_errors": rewarder.errors,
+                "weight_version": it + 1,
+            },
+        )
       final.update({k: v for k, v in scalars.items() if not k.startswith("eval/")})
   finally:
     progress.close()

@@ -52,8 +52,18 @@ def _config():
 def test_apply_overrides_parses_by_field_type_and_copies():
   base = _config()
   base.lock()
-  c = apply_overrides(base, ["trainer.lr=3e-6", "trainer.num_iterations=4", "trainer.mesh=(2, 4)",
-                             "algo.use_critic=false", "algo.name=grpo", "data.path=/tmp/x.jsonl", "seed=7"])
+  c = apply_overrides(
+      base,
+      [
+          "trainer.lr=3e-6",
+          "trainer.num_iterations=4",
+          "trainer.mesh=(2, 4)",
+          "algo.use_critic=false",
+          "algo.name=grpo",
+          "data.path=/tmp/x.jsonl",
+          "seed=7",
+      ],
+  )
   assert (c.trainer.lr, c.trainer.num_iterations, c.trainer.mesh) == (3e-6, 4, (2, 4))
   assert (c.algo.use_critic, c.algo.name, c.data.path, c.seed) == (False, "grpo", "/tmp/x.jsonl", 7)
   assert isinstance(c.trainer.lr, float)
@@ -65,17 +75,32 @@ def test_apply_overrides_parses_by_field_type_and_copies():
   assert (c.trainer.lr, c.trainer.mesh, c.algo.kl_coef) == (2e-6, (4, 2), 0.05)
 
 
-@pytest.mark.parametrize("override, message", [
-    ("trainer.lrr=1", "unknown config key 'trainer.lrr'; did you mean trainer.lr?"),
-    ("traner.lr=1", "unknown config key 'traner.lr'; did you mean trainer.lr?"),
-    ("num_iterations=1", "unknown config key 'num_iterations'; did you mean trainer.num_iterations?"),
-    ("trainer.zzz=1", "unknown config key 'trainer.zzz'; the keys under trainer are: lr, mesh, num_iterations."),
-    ("trainer.lr.x=1", "unknown config key 'trainer.lr.x'; trainer.lr is a value, not a group of keys."),
-    ("trainer.lr=abc", "cannot set trainer.lr to 'abc': it expects a float (currently 1e-06)."),
-    ("trainer.num_iterations=1.5", "cannot set trainer.num_iterations to '1.5': it expects an int (currently 10)."),
-    ("algo.use_critic=maybe", "cannot set algo.use_critic to 'maybe': it expects a bool"),
-    ("trainer.lr", "override 'trainer.lr' must look like key=value"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("trainer.lrr=1", "unknown config key 'trainer.lrr'; did you mean trainer.lr?"),
+        ("traner.lr=1", "unknown config key 'traner.lr'; did you mean trainer.lr?"),
+        (
+            "num_iterations=1",
+            "unknown config key 'num_iterations'; did you mean trainer.num_iterations?",
+        ),
+        (
+            "trainer.zzz=1",
+            "unknown config key 'trainer.zzz'; the keys under trainer are: lr, mesh, num_iterations.",
+        ),
+        (
+            "trainer.lr.x=1",
+            "unknown config key 'trainer.lr.x'; trainer.lr is a value, not a group of keys.",
+        ),
+        ("trainer.lr=abc", "cannot set trainer.lr to 'abc': it expects a float (currently 1e-06)."),
+        (
+            "trainer.num_iterations=1.5",
+            "cannot set trainer.num_iterations to '1.5': it expects an int (currently 10).",
+        ),
+        ("algo.use_critic=maybe", "cannot set algo.use_critic to 'maybe': it expects a bool"),
+        ("trainer.lr", "override 'trainer.lr' must look like key=value"),
+    ],
+)
 def test_apply_overrides_rejects_with_one_sentence(override, message):
   with pytest.raises(UserError) as e:
     apply_overrides(_config(), [override])
@@ -83,13 +108,16 @@ def test_apply_overrides_rejects_with_one_sentence(override, message):
   assert "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("overrides, message", [
-    ({"trainer.num_iterations": 1.5}, "it expects an int"),
-    ({"trainer.lr": True}, "it expects a float"),
-    ({"algo.use_critic": 1}, "it expects a bool"),
-    ({"algo.name": 3}, "it expects a string"),
-    ({"trainer.mesh": 3}, "it expects a tuple"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"trainer.num_iterations": 1.5}, "it expects an int"),
+        ({"trainer.lr": True}, "it expects a float"),
+        ({"algo.use_critic": 1}, "it expects a bool"),
+        ({"algo.name": 3}, "it expects a string"),
+        ({"trainer.mesh": 3}, "it expects a tuple"),
+    ],
+)
 def test_typed_overrides_are_strict(overrides, message):
   with pytest.raises(UserError, match=message):
     apply_overrides(_config(), overrides)
@@ -100,18 +128,32 @@ def test_typed_overrides_are_strict(overrides, message):
 
 def test_expand_sweep_grid_order_and_fixed_values():
   points = expand_sweep([{"a": [1, 2], "b": ["x", "y"], "mesh": (2, 4)}, {"a": 3}])
-  assert points == [{"a": 1, "b": "x", "mesh": (2, 4)}, {"a": 1, "b": "y", "mesh": (2, 4)},
-                    {"a": 2, "b": "x", "mesh": (2, 4)}, {"a": 2, "b": "y", "mesh": (2, 4)}, {"a": 3}]
+  assert points == [
+      {"a": 1, "b": "x", "mesh": (2, 4)},
+      {"a": 1, "b": "y", "mesh": (2, 4)},
+      {"a": 2, "b": "x", "mesh": (2, 4)},
+      {"a": 2, "b": "y", "mesh": (2, 4)},
+      {"a": 3},
+  ]
   assert expand_sweep({"a": [1, 2]}) == [{"a": 1}, {"a": 2}]
-  for bad, message in [([], "non-empty list"), ([{"a": []}], "empty list"), ([3], "must be a dict"),
-                       ([{1: 2}], "dotted config names")]:
+  for bad, message in [
+      ([], "non-empty list"),
+      ([{"a": []}], "empty list"),
+      ([3], "must be a dict"),
+      ([{1: 2}], "dotted config names"),
+  ]:
     with pytest.raises(UserError, match=message):
       expand_sweep(bad)
 
 
 def test_run_name_is_readable_safe_and_deterministic():
-  assert run_name({"trainer.lr": 3e-6, "algo.kl_coef": 0.01}) == "trainer.lr=3e-06,algo.kl_coef=0.01"
-  assert run_name({"trainer.mesh": (2, 4), "algo.use_critic": False}) == "trainer.mesh=2_4,algo.use_critic=False"
+  assert (
+      run_name({"trainer.lr": 3e-6, "algo.kl_coef": 0.01}) == "trainer.lr=3e-06,algo.kl_coef=0.01"
+  )
+  assert (
+      run_name({"trainer.mesh": (2, 4), "algo.use_critic": False})
+      == "trainer.mesh=2_4,algo.use_critic=False"
+  )
   assert run_name({}) == "base"
   # Unsafe characters are replaced, and a hash keeps the names distinct.
   a, b = run_name({"data.path": "/a/b c"}), run_name({"data.path": "_a_b_c"})
@@ -135,7 +177,9 @@ def test_load_sweep_from_file(tmp_path):
     load_sweep(str(tmp_path / "nosweep.py"))
   with pytest.raises(MissingFileError, match="does not exist") as e:
     load_sweep(str(tmp_path / "missing.py"))
-  assert isinstance(e.value, FileNotFoundError)  # Still caught by callers that expect the built-in type.
+  assert isinstance(
+      e.value, FileNotFoundError
+  )  # Still caught by callers that expect the built-in type.
 
 
 # -------------------------------------------------------- launch scripts
@@ -158,7 +202,9 @@ app.run(main, flags_parser=parse_flags_or_exit)
 
 def _run(args, cwd, extra_path=()):
   env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, *extra_path]), JAX_PLATFORMS="cpu")
-  return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+  return subprocess.run(
+      [sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=120
+  )
 
 
 @pytest.mark.parametrize("default", [None, "cfg.py"])
@@ -166,19 +212,41 @@ def test_launcher_reports_bad_overrides_in_one_line(tmp_path, default):
   (tmp_path / "cfg.py").write_text(CONFIG_PY)
   (tmp_path / "launch.py").write_text(LAUNCHER_PY.format(default=default))
   cfg = [] if default else ["--config=cfg.py"]
-  ok = _run(["launch.py", *cfg, "--config.trainer.lr=3e-6", "--config.trainer.mesh=(2, 4)",
-             "--noconfig.algo.use_critic"], tmp_path)
+  ok = _run(
+      [
+          "launch.py",
+          *cfg,
+          "--config.trainer.lr=3e-6",
+          "--config.trainer.mesh=(2, 4)",
+          "--noconfig.algo.use_critic",
+      ],
+      tmp_path,
+  )
   assert ok.returncode == 0, ok.stderr
   assert json.loads(ok.stdout) == {"lr": 3e-6, "mesh": [2, 4], "critic": False}
   cases = [
-      ([*cfg, "--config.trainer.nope=1"], "error: --config: unknown config key 'trainer.nope'; the keys under "
-                                          "trainer are: lr, mesh, num_iterations."),
-      ([*cfg, "--config.traner.lr=1"], "error: --config: unknown config key 'traner.lr'; did you mean trainer.lr?"),
-      ([*cfg, "--config.trainer.lr=abc"], "error: --config: cannot set trainer.lr to 'abc': it expects a float"),
-      ([*cfg, "--config.trainer.num_iterations=1.5"], "error: --config: cannot set trainer.num_iterations to "
-                                                      "'1.5': it expects an int"),
+      (
+          [*cfg, "--config.trainer.nope=1"],
+          "error: --config: unknown config key 'trainer.nope'; the keys under "
+          "trainer are: lr, mesh, num_iterations.",
+      ),
+      (
+          [*cfg, "--config.traner.lr=1"],
+          "error: --config: unknown config key 'traner.lr'; did you mean trainer.lr?",
+      ),
+      (
+          [*cfg, "--config.trainer.lr=abc"],
+          "error: --config: cannot set trainer.lr to 'abc': it expects a float",
+      ),
+      (
+          [*cfg, "--config.trainer.num_iterations=1.5"],
+          "error: --config: cannot set trainer.num_iterations to " "'1.5': it expects an int",
+      ),
       (["--config=missing.py"], "error: config file 'missing.py' (--config) does not exist"),
-      (["--config=cfg.py:huge"], "error: config cfg.py:huge failed to build: ValueError: unknown variant 'huge'"),
+      (
+          ["--config=cfg.py:huge"],
+          "error: config cfg.py:huge failed to build: ValueError: unknown variant 'huge'",
+      ),
   ]
   for args, message in cases:
     res = _run(["launch.py", *args], tmp_path)
@@ -188,19 +256,30 @@ def test_launcher_reports_bad_overrides_in_one_line(tmp_path, default):
 
 
 def _sweep(tmp_path, *args):
-  return _run([os.path.join(REPO, "launch", "sweep.py"), *args], tmp_path, extra_path=[str(tmp_path)])
+  return _run(
+      [os.path.join(REPO, "launch", "sweep.py"), *args], tmp_path, extra_path=[str(tmp_path)]
+  )
 
 
 def test_sweep_dry_run_plans_run_dirs(tmp_path):
   (tmp_path / "cfg.py").write_text(CONFIG_PY + SWEEP_PY)
   wd = tmp_path / "wd"
-  res = _sweep(tmp_path, "--config=cfg.py", f"--workdir={wd}", "--dry_run", "--config.trainer.num_iterations=2")
+  res = _sweep(
+      tmp_path,
+      "--config=cfg.py",
+      f"--workdir={wd}",
+      "--dry_run",
+      "--config.trainer.num_iterations=2",
+  )
   assert res.returncode == 0, res.stderr
   planned = [l.split()[1:] for l in res.stdout.splitlines() if l.startswith("  [")]
   assert [os.path.relpath(d, wd) for d, *_ in planned] == [
-      "trainer.lr=1e-06,algo.kl_coef=0.0", "trainer.lr=1e-06,algo.kl_coef=0.01",
-      "trainer.lr=3e-06,algo.kl_coef=0.0", "trainer.lr=3e-06,algo.kl_coef=0.01",
-      "algo.name=grpo,trainer.mesh=2_4"]
+      "trainer.lr=1e-06,algo.kl_coef=0.0",
+      "trainer.lr=1e-06,algo.kl_coef=0.01",
+      "trainer.lr=3e-06,algo.kl_coef=0.0",
+      "trainer.lr=3e-06,algo.kl_coef=0.01",
+      "algo.name=grpo,trainer.mesh=2_4",
+  ]
   assert json.loads(" ".join(planned[1][1:])) == {"trainer.lr": 1e-6, "algo.kl_coef": 0.01}
   assert not wd.exists()  # A dry run writes nothing.
 
@@ -221,8 +300,13 @@ def test_sweep_runs_each_point_in_its_dir(tmp_path):
   (tmp_path / "cfg.py").write_text(CONFIG_PY + SWEEP_PY)
   (tmp_path / "fake_train.py").write_text(RUN_FN_PY)
   wd = tmp_path / "wd"
-  res = _sweep(tmp_path, "--config=cfg.py:tiny", f"--workdir={wd}", "--run_fn=fake_train:run",
-               "--config.seed=3")
+  res = _sweep(
+      tmp_path,
+      "--config=cfg.py:tiny",
+      f"--workdir={wd}",
+      "--run_fn=fake_train:run",
+      "--config.seed=3",
+  )
   assert res.returncode == 0, res.stderr
   order = (wd / "order.txt").read_text().split()
   assert order == [p["run"] for p in json.loads((wd / "sweep.json").read_text())]
@@ -236,15 +320,18 @@ def test_sweep_runs_each_point_in_its_dir(tmp_path):
 def test_sweep_refuses_bad_sweeps_before_running_anything(tmp_path):
   (tmp_path / "fake_train.py").write_text(RUN_FN_PY)
   (tmp_path / "nosweep.py").write_text(CONFIG_PY)
-  (tmp_path / "badkey.py").write_text(CONFIG_PY + "\ndef get_sweep():\n  return [{'trainer.lr': [1e-6]}, "
-                                      "{'trainer.lrr': 1.0}]\n")
+  (tmp_path / "badkey.py").write_text(
+      CONFIG_PY + "\ndef get_sweep():\n  return [{'trainer.lr': [1e-6]}, " "{'trainer.lrr': 1.0}]\n"
+  )
   (tmp_path / "cfg.py").write_text(CONFIG_PY + SWEEP_PY)
   wd = tmp_path / "wd"
   for args, message in [
       (["--config=nosweep.py"], "defines no get_sweep()"),
       (["--config=badkey.py"], "unknown config key 'trainer.lrr'; did you mean trainer.lr?"),
-      (["--config=cfg.py", "--config.trainer.lr=1e-5"], "--config.trainer.lr is set both on the command line "
-                                                         "and by the sweep"),
+      (
+          ["--config=cfg.py", "--config.trainer.lr=1e-5"],
+          "--config.trainer.lr is set both on the command line " "and by the sweep",
+      ),
   ]:
     res = _sweep(tmp_path, *args, f"--workdir={wd}", "--run_fn=fake_train:run")
     assert res.returncode == 2, (args, res.stdout, res.stderr)

@@ -23,8 +23,9 @@ SWEEP = os.path.join(REPO, "launch", "sweep.py")
 def _run(args, cwd=REPO, extra_path=(), **env):
   full_env = {k: v for k, v in os.environ.items() if k != errors.DEBUG_ENV}
   full_env.update(PYTHONPATH=os.pathsep.join([REPO, *extra_path]), JAX_PLATFORMS="cpu", **env)
-  return subprocess.run([sys.executable, *args], cwd=cwd, env=full_env, capture_output=True, text=True,
-                        timeout=120)
+  return subprocess.run(
+      [sys.executable, *args], cwd=cwd, env=full_env, capture_output=True, text=True, timeout=120
+  )
 
 
 def _assert_one_line(res, prefix):
@@ -42,12 +43,22 @@ def test_main_reports_input_errors_in_one_line(tmp_path):
   a_file.write_text("not a directory")
   wd = f"--workdir={tmp_path / 'wd'}"
   cases = [
-      (["--config=configs/ppo.py", "--config.trainer.lrr=1", wd],
-       "error: --config: unknown config key 'trainer.lrr'; did you mean trainer.lr?"),
-      (["--config=configs/nope.py", wd], "error: config file 'configs/nope.py' (--config) does not exist"),
-      (["--config=configs/ppo.py", f"--workdir={a_file}"], f"error: --workdir={a_file} is a file, not a directory"),
-      (["--config=configs/ppo.py", f"--workdir={a_file}/run"],
-       f"error: --workdir={a_file}/run cannot be created because {a_file} is a file"),
+      (
+          ["--config=configs/ppo.py", "--config.trainer.lrr=1", wd],
+          "error: --config: unknown config key 'trainer.lrr'; did you mean trainer.lr?",
+      ),
+      (
+          ["--config=configs/nope.py", wd],
+          "error: config file 'configs/nope.py' (--config) does not exist",
+      ),
+      (
+          ["--config=configs/ppo.py", f"--workdir={a_file}"],
+          f"error: --workdir={a_file} is a file, not a directory",
+      ),
+      (
+          ["--config=configs/ppo.py", f"--workdir={a_file}/run"],
+          f"error: --workdir={a_file}/run cannot be created because {a_file} is a file",
+      ),
   ]
   for args, prefix in cases:
     _assert_one_line(_run([MAIN, *args]), prefix)
@@ -96,7 +107,9 @@ def test_run_main_reports_a_user_error_from_a_ray_actor_in_one_line(tmp_path):
   script = tmp_path / "launch.py"
   script.write_text(RUN_MAIN_PY)
   res = _run([str(script), "user"], cwd=tmp_path)
-  _assert_one_line(res, "error: trainer.lr=-1 must be positive; set --config.trainer.lr to a value > 0.")
+  _assert_one_line(
+      res, "error: trainer.lr=-1 must be positive; set --config.trainer.lr to a value > 0."
+  )
   assert res.stderr.strip().endswith("> 0.")  # The sentence only, not Ray's remote traceback.
   bug = _run([str(script), "bug"], cwd=tmp_path)
   assert bug.returncode == 1 and "Traceback" in bug.stderr and "RuntimeError" in bug.stderr
@@ -136,7 +149,7 @@ def run(config, workdir):
 def _table(stdout):
   lines = stdout.splitlines()
   start = next(i for i, l in enumerate(lines) if l.startswith("sweep: results"))
-  return [l.split() for l in lines[start + 2:]]
+  return [l.split() for l in lines[start + 2 :]]
 
 
 @pytest.mark.parametrize("keep_going", [False, True])
@@ -145,7 +158,9 @@ def test_sweep_ends_with_a_table_best_first(tmp_path, keep_going):
   (tmp_path / "fake_train.py").write_text(FAKE_TRAIN_PY)
   wd = tmp_path / "wd"
   args = [SWEEP, "--config=cfg.py", f"--workdir={wd}", "--run_fn=fake_train:run"]
-  res = _run(args + (["--keep_going"] if keep_going else []), cwd=tmp_path, extra_path=[str(tmp_path)])
+  res = _run(
+      args + (["--keep_going"] if keep_going else []), cwd=tmp_path, extra_path=[str(tmp_path)]
+  )
   assert _table(res.stdout) == [
       ["1", "trainer.lr=3e-06", "0.6000", "0.7000", "0.3000"],
       ["2", "trainer.lr=1e-05", "0.4500", "0.5500", "0.2250"],
@@ -155,8 +170,10 @@ def test_sweep_ends_with_a_table_best_first(tmp_path, keep_going):
   message = "trainer.lr=0.01 is too large; use at most 1e-3."
   if keep_going:
     assert res.returncode == 1
-    assert res.stderr.splitlines() == [f"error: trainer.lr=0.01: {message}",
-                                       "error: 1 of 4 sweep runs failed: trainer.lr=0.01"]
+    assert res.stderr.splitlines() == [
+        f"error: trainer.lr=0.01: {message}",
+        "error: 1 of 4 sweep runs failed: trainer.lr=0.01",
+    ]
   else:
     _assert_one_line(res, f"error: {message}")
   # absl's (Orbax's) INFO lines went to each run's library log, not the console.
@@ -178,8 +195,11 @@ def test_check_workdir(tmp_path):
   assert errors.check_workdir(str(tmp_path / "new" / "run")) == str(tmp_path / "new" / "run")
   assert errors.check_workdir("gs://bucket/run") == "gs://bucket/run"
   (tmp_path / "f").write_text("")
-  for path, match in [(str(tmp_path / "f"), "is a file"), (str(tmp_path / "f" / "x"), "because .* is a file"),
-                      ("", "is empty")]:
+  for path, match in [
+      (str(tmp_path / "f"), "is a file"),
+      (str(tmp_path / "f" / "x"), "because .* is a file"),
+      ("", "is empty"),
+  ]:
     with pytest.raises(errors.UserError, match=match):
       errors.check_workdir(path)
   assert not (tmp_path / "new").exists()  # Checking creates nothing.
@@ -187,9 +207,11 @@ def test_check_workdir(tmp_path):
 
 def test_user_message_unwraps_and_folds_lines():
   class Wrapped(errors.UserError):  # Shaped like Ray's RayTaskError(UserError).
+
     def __init__(self, cause):
       super().__init__("ray::Actor.run()\nTraceback ...\nUserError: fix it.")
       self.cause = cause
+
   assert errors.user_message(Wrapped(errors.UserError("fix\n it."))) == "fix it."
   assert errors.find_user_error(RuntimeError("bug")) is None
 
@@ -205,6 +227,7 @@ def test_debug_requested(monkeypatch):
 
 def test_unreachable_cluster_is_a_user_error():
   from streamrl import cluster  # pylint: disable=g-import-not-at-top
+
   with socket.socket() as s:  # A port that was free a moment ago: nothing listens.
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
@@ -217,6 +240,7 @@ def test_unreachable_cluster_is_a_user_error():
 
 def test_jsonl_file_errors_are_user_errors(tmp_path):
   from streamrl.data import jsonl  # pylint: disable=g-import-not-at-top
+
   with pytest.raises(errors.MissingFileError):
     jsonl.load_jsonl(tmp_path / "missing.jsonl")
   with pytest.raises(errors.UserError, match="is a directory"):
@@ -231,6 +255,7 @@ def test_jsonl_file_errors_are_user_errors(tmp_path):
 
 def test_model_path_errors_are_user_errors(tmp_path):
   from streamrl.models import hf  # pylint: disable=g-import-not-at-top
+
   with pytest.raises(errors.MissingFileError, match="does not exist"):
     hf.read_config(str(tmp_path / "nope"))
   with pytest.raises(errors.MissingFileError, match="no config.json"):
@@ -245,6 +270,7 @@ def test_model_path_errors_are_user_errors(tmp_path):
 
 def test_checkpoint_dir_under_a_file_is_a_user_error(tmp_path):
   from streamrl.trainer.checkpoint import Checkpointer  # pylint: disable=g-import-not-at-top
+
   (tmp_path / "wd").write_text("")
   with pytest.raises(errors.UserError, match="is a file"):
     Checkpointer(str(tmp_path / "wd" / "checkpoints"), fingerprint={"a": 1})

@@ -14,14 +14,22 @@ import numpy as np
 import pytest
 from tensorboard.backend.event_processing import event_accumulator
 
-from streamrl.metrics import (MetricsWriter, Progress, percentiles, read_final_metrics, results_table,
-                              save_config)
+from streamrl.metrics import (
+    MetricsWriter,
+    Progress,
+    percentiles,
+    read_final_metrics,
+    results_table,
+    save_config,
+)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _accumulator(logdir):
-  acc = event_accumulator.EventAccumulator(logdir, size_guidance={"scalars": 0, "histograms": 0, "tensors": 0})
+  acc = event_accumulator.EventAccumulator(
+      logdir, size_guidance={"scalars": 0, "histograms": 0, "tensors": 0}
+  )
   acc.Reload()
   return acc
 
@@ -66,9 +74,21 @@ def test_jsonl_mirrors_scalars_and_purge_on_resume(tmp_path):
     for step in (3, 4):
       w.scalars(step, {"loss": 10.0 + step})
   rows = [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-  assert [(r["step"], r["loss"]) for r in rows] == [(0, 0.0), (1, 1.0), (2, 2.0), (3, 13.0), (4, 14.0)]
+  assert [(r["step"], r["loss"]) for r in rows] == [
+      (0, 0.0),
+      (1, 1.0),
+      (2, 2.0),
+      (3, 13.0),
+      (4, 14.0),
+  ]
   acc = _accumulator(str(tmp_path))
-  assert [(e.step, e.value) for e in acc.Scalars("loss")] == [(0, 0.0), (1, 1.0), (2, 2.0), (3, 13.0), (4, 14.0)]
+  assert [(e.step, e.value) for e in acc.Scalars("loss")] == [
+      (0, 0.0),
+      (1, 1.0),
+      (2, 2.0),
+      (3, 13.0),
+      (4, 14.0),
+  ]
 
 
 def test_scalars_reject_arrays_and_disabled_writer_writes_nothing(tmp_path):
@@ -113,6 +133,7 @@ def test_progress_plain_lines_with_eta():
 
 def test_progress_uses_tqdm_on_a_tty():
   class Tty(io.StringIO):
+
     def isatty(self):
       return True
 
@@ -128,7 +149,10 @@ def test_progress_uses_tqdm_on_a_tty():
 
 def test_results_table_ranks_by_eval_accuracy_and_keeps_missing_runs_last():
   runs = [
-      ("lr=1e-06", {"eval/accuracy": 0.40, "eval/accuracy_greedy": 0.45, "reward/mean": 0.31, "loss": 1.0}),
+      (
+          "lr=1e-06",
+          {"eval/accuracy": 0.40, "eval/accuracy_greedy": 0.45, "reward/mean": 0.31, "loss": 1.0},
+      ),
       ("lr=3e-06", {"eval/accuracy": 0.55, "eval/accuracy_greedy": 0.60, "reward/mean": 0.42}),
       ("lr=1e-05 (failed)", None),
       ("lr=1e-07", {"eval/accuracy": float("nan"), "reward/mean": 0.1}),  # No usable accuracy.
@@ -151,8 +175,13 @@ def test_results_table_ranks_by_eval_accuracy_and_keeps_missing_runs_last():
 
 def test_results_table_other_columns_and_sort_key():
   runs = [("a", {"x": 1.0, "y": 3.0}), ("b", {"x": 2.0, "y": 1.0})]
-  assert [l.split()[1] for l in results_table(runs, columns=("x", "y")).splitlines()[1:]] == ["b", "a"]
-  assert [l.split()[1] for l in results_table(runs, columns=("x", "y"), sort_by="y").splitlines()[1:]] == ["a", "b"]
+  assert [l.split()[1] for l in results_table(runs, columns=("x", "y")).splitlines()[1:]] == [
+      "b",
+      "a",
+  ]
+  assert [
+      l.split()[1] for l in results_table(runs, columns=("x", "y"), sort_by="y").splitlines()[1:]
+  ] == ["a", "b"]
 
 
 def test_read_final_metrics(tmp_path):
@@ -193,15 +222,25 @@ late.warning("late library warning")
 print("PATH", path, os.environ["VLLM_CONFIGURE_LOGGING"])
 """
 
-_LIBRARY_LINES = ("orbax-like info", "early library warning", "Failed to load weights", "library warning",
-                  "late library warning")
+_LIBRARY_LINES = (
+    "orbax-like info",
+    "early library warning",
+    "Failed to load weights",
+    "library warning",
+    "late library warning",
+)
 
 
 def _run_logging_script(workdir):
   env = dict(os.environ, PYTHONPATH=REPO)
   env.pop("VLLM_CONFIGURE_LOGGING", None)
-  return subprocess.run([sys.executable, "-c", LOGGING_SCRIPT, workdir], env=env, capture_output=True,
-                        text=True, timeout=120)
+  return subprocess.run(
+      [sys.executable, "-c", LOGGING_SCRIPT, workdir],
+      env=env,
+      capture_output=True,
+      text=True,
+      timeout=120,
+  )
 
 
 def test_configure_logging_keeps_the_console_to_our_lines(tmp_path):
@@ -223,9 +262,17 @@ def test_configure_logging_keeps_the_console_to_our_lines(tmp_path):
 def test_configure_logging_without_workdir_shows_only_library_warnings(tmp_path):
   res = _run_logging_script("")  # An empty path is a mistake, not "no workdir".
   assert res.returncode != 0 and "UserError: --workdir is empty" in res.stderr
-  script = LOGGING_SCRIPT.replace("metrics.configure_logging(sys.argv[1])", "metrics.configure_logging(None)")
-  res = subprocess.run([sys.executable, "-c", script], env=dict(os.environ, PYTHONPATH=REPO),
-                       capture_output=True, text=True, timeout=120, cwd=tmp_path)
+  script = LOGGING_SCRIPT.replace(
+      "metrics.configure_logging(sys.argv[1])", "metrics.configure_logging(None)"
+  )
+  res = subprocess.run(
+      [sys.executable, "-c", script],
+      env=dict(os.environ, PYTHONPATH=REPO),
+      capture_output=True,
+      text=True,
+      timeout=120,
+      cwd=tmp_path,
+  )
   assert res.returncode == 0, res.stderr
   assert "PATH None" in res.stdout
   assert "our line" in res.stderr and "early library warning" in res.stderr

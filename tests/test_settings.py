@@ -68,24 +68,27 @@ def test_an_unknown_key_is_refused_with_its_name():
     settings.from_config(cfg)
 
 
-@pytest.mark.parametrize("key,value,match", [
-    ("trainer.lr", -1.0, "trainer.lr"),
-    ("generation.num_instances", 0, "num_instances"),
-    ("generation.temperature", -0.5, "temperature"),
-    ("generation.top_p", 0.0, "top_p"),
-    ("generation.max_tokens", 200, "max_model_len"),
-    ("trainer.micro_batch_size", 5, "micro_batch_size"),
-    ("algo.loss_agg", "mean", "loss_agg"),
-    ("algo.rollout_correction", "yes", "rollout_correction"),
-    ("algo.advantage", "grpo", "group_size"),
-    ("pipeline.mode", "turbo", "pipeline.mode"),
-    ("pipeline.max_staleness", 0, "max_staleness"),
-    ("task.reward", "nope", "task.reward"),
-    ("model.dtype", "int8", "model.dtype"),
-    ("model.path", "/nonexistent/model", "config.json"),
-    ("generation.latency_profile", "/nonexistent.json", "latency_profile"),
-    ("transfer.enabled", True, "colocated"),
-])
+@pytest.mark.parametrize(
+    "key,value,match",
+    [
+        ("trainer.lr", -1.0, "trainer.lr"),
+        ("generation.num_instances", 0, "num_instances"),
+        ("generation.temperature", -0.5, "temperature"),
+        ("generation.top_p", 0.0, "top_p"),
+        ("generation.max_tokens", 200, "max_model_len"),
+        ("trainer.micro_batch_size", 5, "micro_batch_size"),
+        ("algo.loss_agg", "mean", "loss_agg"),
+        ("algo.rollout_correction", "yes", "rollout_correction"),
+        ("algo.advantage", "grpo", "group_size"),
+        ("pipeline.mode", "turbo", "pipeline.mode"),
+        ("pipeline.max_staleness", 0, "max_staleness"),
+        ("task.reward", "nope", "task.reward"),
+        ("model.dtype", "int8", "model.dtype"),
+        ("model.path", "/nonexistent/model", "config.json"),
+        ("generation.latency_profile", "/nonexistent.json", "latency_profile"),
+        ("transfer.enabled", True, "colocated"),
+    ],
+)
 def test_bad_values_fail_with_one_sentence_naming_the_key(key, value, match):
   cfg = settings.default_config()
   group, leaf = key.split(".")
@@ -121,8 +124,20 @@ def test_rollout_correction_auto_follows_the_mode():
   assert s.rollout_correction == "mis"
 
 
-_GROUPS = {"model", "warmstart", "task", "generation", "algo", "trainer", "mesh", "pipeline",
-           "cluster", "transfer", "checkpoint", "log"}
+_GROUPS = {
+    "model",
+    "warmstart",
+    "task",
+    "generation",
+    "algo",
+    "trainer",
+    "mesh",
+    "pipeline",
+    "cluster",
+    "transfer",
+    "checkpoint",
+    "log",
+}
 
 
 def test_lower_modules_never_read_the_config_dict():
@@ -132,11 +147,16 @@ def test_lower_modules_never_read_the_config_dict():
   offenders = []
   for path in glob.glob(os.path.join(ROOT, "streamrl", "**", "*.py"), recursive=True):
     if os.path.basename(path) == "settings.py" or any(
-        f"/{pkg}/" in path for pkg in ("ranker", "transfer", "planner")):
+        f"/{pkg}/" in path for pkg in ("ranker", "transfer", "planner")
+    ):
       continue
     for node in ast.walk(ast.parse(open(path).read())):
-      if (isinstance(node, ast.Attribute) and node.attr in _GROUPS
-          and isinstance(node.value, ast.Name) and node.value.id in ("config", "cfg", "c")):
+      if (
+          isinstance(node, ast.Attribute)
+          and node.attr in _GROUPS
+          and isinstance(node.value, ast.Name)
+          and node.value.id in ("config", "cfg", "c")
+      ):
         offenders.append(f"{os.path.relpath(path, ROOT)}:{node.lineno}")
   assert offenders == []
 
@@ -163,7 +183,7 @@ def test_no_import_cycles_in_streamrl_counting_function_level_imports():
   modules = {}
   for path in glob.glob(os.path.join(base, "**", "*.py"), recursive=True):
     rel = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".")
-    modules[rel[:-len(".__init__")] if rel.endswith(".__init__") else rel] = path
+    modules[rel[: -len(".__init__")] if rel.endswith(".__init__") else rel] = path
   graph = {m: _imports(p, modules) - {m} for m, p in modules.items()}
   # A package's __init__ importing its own submodules is not a cycle with them
   # when they import siblings: count edges between real modules only.
@@ -174,7 +194,7 @@ def test_no_import_cycles_in_streamrl_counting_function_level_imports():
     stack.append(m)
     for n in sorted(graph[m]):
       if state.get(n) == "open":
-        cycles.append(stack[stack.index(n):] + [n])
+        cycles.append(stack[stack.index(n) :] + [n])
       elif n not in state:
         visit(n, stack)
     stack.pop()

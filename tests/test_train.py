@@ -15,11 +15,17 @@ from streamrl.data import rewards as rewards_lib
 CONFIGS = os.path.join(os.path.dirname(__file__), "..", "configs")
 
 TINY = {
-    "warmstart.steps": 4, "warmstart.batch_size": 16,
-    "trainer.num_iterations": 2, "trainer.prompts_per_iteration": 8,
-    "trainer.mini_batch_size": 8, "trainer.micro_batch_size": 4,
-    "generation.max_tokens": 24, "generation.max_num_seqs": 16,
-    "task.num_eval": 8, "log.eval_every": 0, "checkpoint.every": 1,
+    "warmstart.steps": 4,
+    "warmstart.batch_size": 16,
+    "trainer.num_iterations": 2,
+    "trainer.prompts_per_iteration": 8,
+    "trainer.mini_batch_size": 8,
+    "trainer.micro_batch_size": 4,
+    "generation.max_tokens": 24,
+    "generation.max_num_seqs": 16,
+    "task.num_eval": 8,
+    "log.eval_every": 0,
+    "checkpoint.every": 1,
 }
 
 
@@ -30,6 +36,7 @@ def load(name, **overrides):
 
 def _load(name):
   import importlib.util
+
   spec = importlib.util.spec_from_file_location(f"cfg_{name}", os.path.join(CONFIGS, f"{name}.py"))
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
@@ -38,6 +45,7 @@ def _load(name):
 
 def event_scalars(workdir):
   from tensorboard.backend.event_processing import event_accumulator
+
   acc = event_accumulator.EventAccumulator(workdir, size_guidance={"scalars": 0})
   acc.Reload()
   return set(acc.Tags()["scalars"]), acc
@@ -48,10 +56,22 @@ def test_ppo_two_iterations_log_and_checkpoint(tmp_path):
   final = experiment.run(load("ppo"), workdir)
   assert glob.glob(os.path.join(workdir, "events.out.tfevents.*"))
   tags, acc = event_scalars(workdir)
-  for tag in ("reward/mean", "accuracy", "train/kl_ref", "train/entropy", "train/clip_frac",
-              "train/value_loss", "train/explained_variance", "response_length/p90",
-              "time/generation_s", "time/training_s", "time/weight_update_s",
-              "throughput/samples_per_s", "throughput/tokens_per_s", "eval/accuracy"):
+  for tag in (
+      "reward/mean",
+      "accuracy",
+      "train/kl_ref",
+      "train/entropy",
+      "train/clip_frac",
+      "train/value_loss",
+      "train/explained_variance",
+      "response_length/p90",
+      "time/generation_s",
+      "time/training_s",
+      "time/weight_update_s",
+      "throughput/samples_per_s",
+      "throughput/tokens_per_s",
+      "eval/accuracy",
+  ):
     assert tag in tags, tag
   assert [e.step for e in acc.Scalars("reward/mean")] == [1, 2]
   assert os.path.isfile(os.path.join(workdir, "config.json"))
@@ -66,10 +86,15 @@ def test_grpo_survives_a_raising_reward_function(tmp_path, monkeypatch):
     raise RuntimeError("verifier crashed")
 
   real = rewards_lib.get_reward_fn
-  monkeypatch.setattr(train, "get_reward_fn",
-                      lambda name, **kw: broken if name == "partial_match" else real(name, **kw))
-  cfg = load("grpo", **{"algo.group_size": 2, "trainer.prompts_per_iteration": 4,
-                        "trainer.num_iterations": 1})
+  monkeypatch.setattr(
+      train,
+      "get_reward_fn",
+      lambda name, **kw: broken if name == "partial_match" else real(name, **kw),
+  )
+  cfg = load(
+      "grpo",
+      **{"algo.group_size": 2, "trainer.prompts_per_iteration": 4, "trainer.num_iterations": 1},
+  )
   final = experiment.run(cfg, str(tmp_path / "grpo"))
   # Every sample scored 0 and was counted; the run finished.
   assert final["reward/errors_total"] == 8
@@ -80,6 +105,7 @@ def _actor_leaves(workdir, cfg):
   from streamrl.models import hf
   from streamrl.trainer.checkpoint import Checkpointer
   from streamrl.trainer.rl_trainer import RLTrainer
+
   _, policy = hf.load_hf(glob.glob(os.path.join(workdir, "warmstart-*"))[0])
   s = settings.from_config(cfg)
   template = RLTrainer.from_settings(policy, s).checkpoint_arrays()
@@ -148,8 +174,7 @@ def test_ratio_is_one_before_the_update_at_any_temperature(tmp_path):
   # the loss computed log-probabilities at T=1). vLLM's sampled-token
   # logprobs must agree with the trainer's recomputation on the same tokens.
   workdir = str(tmp_path / "t07")
-  experiment.run(load("ppo", **{"generation.temperature": 0.7, "trainer.ppo_epochs": 1}),
-                 workdir)
+  experiment.run(load("ppo", **{"generation.temperature": 0.7, "trainer.ppo_epochs": 1}), workdir)
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     rows = [json.loads(line) for line in f]
   rows = [r for r in rows if "train/ratio_mean" in r]

@@ -25,6 +25,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.allow_async = True
   c.simulate_iterations = 3
   c.top_k = 5
-  c.calibration = ml_collections.ConfigDict(dict(mfu=0.45, ranker_recall=0.87, num_minibatches=4,
-                                                 dispatch_objective="makespan"))
+  c.calibration = ml_collections.ConfigDict(
+      dict(mfu=0.45, ranker_recall=0.87, num_minibatches=4, dispatch_objective="makespan")
+  )
   return c

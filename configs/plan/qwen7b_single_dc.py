@@ -30,6 +30,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.top_k = 5
   # Fitted by experiments/reproduce_paper.py on the paper's 7B cells (MFU) and
   # Table 4 (ranker recall); see its report.
-  c.calibration = ml_collections.ConfigDict(dict(mfu=0.45, ranker_recall=0.87, num_minibatches=4,
-                                                 dispatch_objective="makespan"))
+  c.calibration = ml_collections.ConfigDict(
+      dict(mfu=0.45, ranker_recall=0.87, num_minibatches=4, dispatch_objective="makespan")
+  )
   return c

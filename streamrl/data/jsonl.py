@@ -72,16 +72,18 @@ def load_jsonl(
   """
   path = os.fspath(path)
   if os.path.isdir(path):
-    raise UserError(f"Dataset path {path!r} is a directory; point the dataset path config key at a "
-                    "JSONL file.")
+    raise UserError(
+        f"Dataset path {path!r} is a directory; point the dataset path config key at a "
+        "JSONL file."
+    )
   if not os.path.isfile(path):
     raise MissingFileError(
         f"Dataset file {path!r} does not exist; point the dataset path "
-        "config key at a JSONL file with one {\"prompt\": ..., \"answer\": "
-        "...} object per line.")
+        'config key at a JSONL file with one {"prompt": ..., "answer": '
+        "...} object per line."
+    )
   if not 0.0 <= max_bad_fraction < 1.0:
-    raise ValueError(
-        f"max_bad_fraction={max_bad_fraction} must be in [0, 1).")
+    raise ValueError(f"max_bad_fraction={max_bad_fraction} must be in [0, 1).")
   examples: list[Example] = []
   bad: list[tuple[int, str]] = []
   lineno = 0
@@ -95,28 +97,32 @@ def load_jsonl(
         except ValueError as err:
           bad.append((lineno, str(err)))
           if len(bad) <= _MAX_LINE_WARNINGS:
-            _log.warning("Skipping malformed row at %s line %d: %s.",
-                         path, lineno, err)
+            _log.warning("Skipping malformed row at %s line %d: %s.", path, lineno, err)
           continue
-        examples.append(Example(prompt_id=first_id + len(examples),
-                                prompt=prompt, answer=answer, task="jsonl"))
+        examples.append(
+            Example(prompt_id=first_id + len(examples), prompt=prompt, answer=answer, task="jsonl")
+        )
   except UnicodeDecodeError:
     raise UserError(
-        f"Dataset file {path!r} is not UTF-8 text (after line {lineno}); "
-        "save it as UTF-8 JSONL.") from None
+        f"Dataset file {path!r} is not UTF-8 text (after line {lineno}); " "save it as UTF-8 JSONL."
+    ) from None
   total = len(examples) + len(bad)
   if total == 0:
-    raise UserError(
-        f"Dataset file {path!r} has no rows; add one JSON object per line.")
+    raise UserError(f"Dataset file {path!r} has no rows; add one JSON object per line.")
   if bad:
     if len(bad) > _MAX_LINE_WARNINGS:
-      _log.warning("Skipped %d malformed rows in %s in all (lines %s, ...).",
-                   len(bad), path, [n for n, _ in bad[:20]])
+      _log.warning(
+          "Skipped %d malformed rows in %s in all (lines %s, ...).",
+          len(bad),
+          path,
+          [n for n, _ in bad[:20]],
+      )
     if not examples or len(bad) / total > max_bad_fraction:
       lineno, reason = bad[0]
       raise UserError(
           f"Dataset file {path!r} has {len(bad)} malformed rows out of "
           f"{total} (more than {max_bad_fraction:.0%}; first at line "
           f"{lineno}: {reason}); fix the file so each line is a JSON object "
-          f"with string {prompt_key!r} and {answer_key!r} fields.")
+          f"with string {prompt_key!r} and {answer_key!r} fields."
+      )
   return examples

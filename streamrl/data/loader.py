@@ -45,18 +45,25 @@ class PromptLoader(Iterator[list[Example]]):
     drop_remainder: drop the last partial batch of each epoch.
   """
 
-  def __init__(self, examples: Sequence[Example], batch_size: int, seed: int,
-               num_epochs: int | None = None, *, shuffle: bool = True,
-               drop_remainder: bool = True):
+  def __init__(
+      self,
+      examples: Sequence[Example],
+      batch_size: int,
+      seed: int,
+      num_epochs: int | None = None,
+      *,
+      shuffle: bool = True,
+      drop_remainder: bool = True,
+  ):
     if not examples:
-      raise ValueError("PromptLoader got an empty dataset; check the data "
-                       "source config.")
+      raise ValueError("PromptLoader got an empty dataset; check the data " "source config.")
     if batch_size < 1:
       raise ValueError(f"batch_size={batch_size} must be at least 1.")
     if drop_remainder and batch_size > len(examples):
       raise ValueError(
           f"batch_size={batch_size} is larger than the dataset "
-          f"({len(examples)} prompts); use more prompts or a smaller batch.")
+          f"({len(examples)} prompts); use more prompts or a smaller batch."
+      )
     if num_epochs is not None and num_epochs < 1:
       raise ValueError(f"num_epochs={num_epochs} must be >= 1 or None.")
     self._examples = list(examples)
@@ -76,11 +83,12 @@ class PromptLoader(Iterator[list[Example]]):
     ds = ds.repeat(num_epochs)
     # No reader threads: indices are cheap, and threads would compete for
     # the few CPU cores the generator and trainer need.
-    self._iter = iter(ds.to_iter_dataset(
-        grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)))
+    self._iter = iter(ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)))
     self.batches_per_epoch = (
-        len(self._examples) // batch_size if drop_remainder
-        else -(-len(self._examples) // batch_size))
+        len(self._examples) // batch_size
+        if drop_remainder
+        else -(-len(self._examples) // batch_size)
+    )
 
   def __iter__(self) -> "PromptLoader":
     return self
@@ -105,12 +113,12 @@ class PromptLoader(Iterator[list[Example]]):
       raise ValueError(
           f"The saved data-iterator state does not match this loader "
           f"(differs in {diff}); resume with the same data config or start a "
-          "new workdir.")
+          "new workdir."
+      )
     self._iter.set_state(dict(state["grain"]))
 
 
-def make_prompts(batch: Sequence[Example],
-                 tokenizer: Any = None) -> list[tuple[int, list[int]]]:
+def make_prompts(batch: Sequence[Example], tokenizer: Any = None) -> list[tuple[int, list[int]]]:
   """Token ids for the generator: `[(prompt_id, token_ids), ...]`.
 
   Args:

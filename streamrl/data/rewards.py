@@ -41,8 +41,7 @@ def exact_match(response: str, answer: str) -> float:
   return float(response.strip() == answer.strip())
 
 
-def partial_match(response: str, answer: str, *,
-                  partial_weight: float = 0.5) -> float:
+def partial_match(response: str, answer: str, *, partial_weight: float = 0.5) -> float:
   """Exact match, else `partial_weight` times the positional character overlap.
 
   The overlap is the number of positions i with response[i] == answer[i],
@@ -112,8 +111,7 @@ def normalize_answer(ans: str) -> str:
   wrappers, thousands separators or trailing period; `\\dfrac` -> `\\frac`."""
   s = ans.strip()
   s = _TEXT_RE.sub(r"\1", s)
-  for junk in ("$", "\\left", "\\right", "\\!", "\\,", "\\;", "^\\circ",
-               "^{\\circ}", "\\%", "%"):
+  for junk in ("$", "\\left", "\\right", "\\!", "\\,", "\\;", "^\\circ", "^{\\circ}", "\\%", "%"):
     s = s.replace(junk, "")
   s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
   s = re.sub(r"\s+", "", s)
@@ -185,8 +183,8 @@ def get_reward_fn(name: str, **kwargs: Any) -> RewardFn:
   """
   if name not in _REGISTRY:
     raise ValueError(
-        f"Unknown reward function {name!r}; set the reward name to one of "
-        f"{known_reward_fns()}.")
+        f"Unknown reward function {name!r}; set the reward name to one of " f"{known_reward_fns()}."
+    )
   fn = _REGISTRY[name]
   return functools.partial(fn, **kwargs) if kwargs else fn
 
@@ -216,8 +214,12 @@ def safe_reward(fn: RewardFn, response: str, example: Any) -> tuple[float, bool]
       _log.warning(
           "Reward function %s raised %s: %s (sample %s gets reward 0; further "
           "%s errors are counted, not logged).",
-          getattr(fn, "__name__", repr(fn)), kind, err,
-          getattr(example, "prompt_id", "?"), kind)
+          getattr(fn, "__name__", repr(fn)),
+          kind,
+          err,
+          getattr(example, "prompt_id", "?"),
+          kind,
+      )
     return 0.0, True
 
 

@@ -86,19 +86,20 @@ class TaskConfig:
     if not self.ops or unknown:
       raise ValueError(
           f"Unknown task ops {unknown or list(self.ops)}; choose a non-empty "
-          f"subset of {list(KNOWN_OPS)}.")
+          f"subset of {list(KNOWN_OPS)}."
+      )
     worst = max(_OPS[op][1] for op in self.ops)
     if self.max_answer_len < worst:
       raise ValueError(
           f"max_answer_len={self.max_answer_len} leaves no room for an input "
-          f"string with ops {list(self.ops)}; set it to at least {worst}.")
+          f"string with ops {list(self.ops)}; set it to at least {worst}."
+      )
     if self.median_len <= 0 or self.sigma <= 0:
       raise ValueError(
-          f"median_len={self.median_len} and sigma={self.sigma} must both be "
-          "positive.")
+          f"median_len={self.median_len} and sigma={self.sigma} must both be " "positive."
+      )
     if not 1 <= self.alphabet_size <= 26:
-      raise ValueError(
-          f"alphabet_size={self.alphabet_size} must be between 1 and 26.")
+      raise ValueError(f"alphabet_size={self.alphabet_size} must be between 1 and 26.")
 
   def max_input_len(self, op: str) -> int:
     """Longest input string for `op` whose answer fits `max_answer_len`."""
@@ -114,10 +115,8 @@ def solve(op: str, s: str) -> str:
 
 def parse_prompt(prompt: str) -> tuple[str, str]:
   """Splits `op:string=` into `(op, string)`; ValueError if it is not one."""
-  if (len(prompt) < 5 or prompt[3] != _SEP or not prompt.endswith(_END)
-      or prompt[:3] not in _OPS):
-    raise ValueError(
-        f"{prompt!r} is not a synthetic task prompt of the form 'op:string='.")
+  if len(prompt) < 5 or prompt[3] != _SEP or not prompt.endswith(_END) or prompt[:3] not in _OPS:
+    raise ValueError(f"{prompt!r} is not a synthetic task prompt of the form 'op:string='.")
   return prompt[:3], prompt[4:-1]
 
 
@@ -193,11 +192,15 @@ def make_examples(
   """
   if n < 0:
     raise ValueError(f"n={n} must be non-negative.")
-  config = TaskConfig(ops=tuple(ops), max_answer_len=max_answer_len,
-                      median_len=median_len, sigma=sigma,
-                      alphabet_size=alphabet_size)
+  config = TaskConfig(
+      ops=tuple(ops),
+      max_answer_len=max_answer_len,
+      median_len=median_len,
+      sigma=sigma,
+      alphabet_size=alphabet_size,
+  )
   rng = np.random.default_rng(seed)
-  alphabet = np.array(list(string.ascii_lowercase[:config.alphabet_size]))
+  alphabet = np.array(list(string.ascii_lowercase[: config.alphabet_size]))
   pmfs = {op: input_length_pmf(config, op) for op in config.ops}
   op_idx = rng.integers(len(config.ops), size=n)
   examples = []
@@ -205,8 +208,9 @@ def make_examples(
     op = config.ops[op_idx[i]]
     length = int(rng.choice(len(pmfs[op]), p=pmfs[op]))
     s = "".join(rng.choice(alphabet, size=length))
-    examples.append(Example(prompt_id=first_id + i, prompt=f"{op}{_SEP}{s}{_END}",
-                            answer=solve(op, s), task=op))
+    examples.append(
+        Example(prompt_id=first_id + i, prompt=f"{op}{_SEP}{s}{_END}", answer=solve(op, s), task=op)
+    )
   return examples
 
 

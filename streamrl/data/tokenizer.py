@@ -55,12 +55,12 @@ def build_tokenizer() -> tokenizers.Tokenizer:
   tok = tokenizers.Tokenizer(models.WordLevel(vocab(), unk_token=UNK_TOKEN))
   # Every character is its own word; Split with an always-matching regex
   # keeps spaces as tokens (Whitespace pre-tokenizers would drop them).
-  tok.pre_tokenizer = pre_tokenizers.Split(
-      tokenizers.Regex("."), behavior="isolated")
+  tok.pre_tokenizer = pre_tokenizers.Split(tokenizers.Regex("."), behavior="isolated")
   # Fuse joins tokens without the space WordLevel would put between them.
   tok.decoder = decoders.Fuse()
-  special = [tokenizers.AddedToken(t, special=True, normalized=False)
-             for t in vocab() if t.startswith("<")]
+  special = [
+      tokenizers.AddedToken(t, special=True, normalized=False) for t in vocab() if t.startswith("<")
+  ]
   tok.add_special_tokens(special)
   tok.post_processor = processors.TemplateProcessing(
       single=f"{BOS_TOKEN} $A",
@@ -115,8 +115,7 @@ def decode(ids: Iterable[int]) -> str:
   return "".join(out)
 
 
-def save_hf_tokenizer(directory: str | os.PathLike, *,
-                      model_max_length: int = 4096) -> str:
+def save_hf_tokenizer(directory: str | os.PathLike, *, model_max_length: int = 4096) -> str:
   """Writes tokenizer.json, tokenizer_config.json, special_tokens_map.json.
 
   `transformers.AutoTokenizer.from_pretrained(directory)` then loads a fast

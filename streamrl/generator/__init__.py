@@ -18,10 +18,19 @@ def make_rollout(s, model_dir: str, cluster=None, workdir: str | None = None):
   otherwise (joining or starting Ray unless `cluster` is given)."""
   if s.pipeline.mode == "colocated":
     from streamrl.generator.local import LocalRollout  # pylint: disable=g-import-not-at-top
+
     return LocalRollout(model_dir, s.engine, dtype=s.model.dtype, seed=s.seed)
   from streamrl import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
   from streamrl.generator.service import StreamGenerationService  # pylint: disable=g-import-not-at-top
+
   info = cluster or cluster_lib.init_ray_for(s.cluster)
-  return StreamGenerationService(model_dir, s.engine, dtype=s.model.dtype, seed=s.seed,
-                                 cluster=info, stall_timeout_s=s.pipeline.stall_timeout_s,
-                                 transfer=s.transfer, log_dir=workdir)
+  return StreamGenerationService(
+      model_dir,
+      s.engine,
+      dtype=s.model.dtype,
+      seed=s.seed,
+      cluster=info,
+      stall_timeout_s=s.pipeline.stall_timeout_s,
+      transfer=s.transfer,
+      log_dir=workdir,
+  )

@@ -14,16 +14,24 @@ from streamrl.generator.rollout import SamplingConfig, UpdateHandle
 
 def engine_kwargs(engine: settings_lib.Engine, *, dtype: str, seed: int) -> dict:
   """`GeneratorInstance` keyword arguments for one engine."""
-  return dict(max_num_seqs=engine.max_num_seqs, max_model_len=engine.max_model_len,
-              seed=seed, kv_cache_gib=engine.kv_cache_gib, dtype=dtype)
+  return dict(
+      max_num_seqs=engine.max_num_seqs,
+      max_model_len=engine.max_model_len,
+      seed=seed,
+      kv_cache_gib=engine.kv_cache_gib,
+      dtype=dtype,
+  )
 
 
 def sampling_for(sampling: settings_lib.Sampling, seed: int, iteration: int) -> SamplingConfig:
   """The sampling of one training round: a fresh seed per iteration (each
   request adds its id to it), so a resumed run samples what it would have."""
-  return SamplingConfig(temperature=sampling.temperature, top_p=sampling.top_p,
-                        max_tokens=sampling.max_tokens,
-                        seed=seed * 1_000_003 + iteration * 100_003)
+  return SamplingConfig(
+      temperature=sampling.temperature,
+      top_p=sampling.top_p,
+      max_tokens=sampling.max_tokens,
+      seed=seed * 1_000_003 + iteration * 100_003,
+  )
 
 
 class LocalRollout:
@@ -35,8 +43,10 @@ class LocalRollout:
     # process's output as it is now) goes to <workdir>/libraries.log.
     with metrics.output_to_library_log():
       from streamrl.generator.vllm_engine import GeneratorInstance  # pylint: disable=g-import-not-at-top
-      self.engine = GeneratorInstance(model_dir, instance_id=0,
-                                      **engine_kwargs(engine, dtype=dtype, seed=seed))
+
+      self.engine = GeneratorInstance(
+          model_dir, instance_id=0, **engine_kwargs(engine, dtype=dtype, seed=seed)
+      )
     self.busy_intervals: list[tuple[int, float, float, int]] = []
     self.num_instances = 1
     self.placement: dict = {}

@@ -30,8 +30,9 @@ from streamrl.scheduling.latency import LatencyProfile
 _log = logging.getLogger(__name__)
 
 
-def _random_prompts(rng: np.random.Generator, n: int, length: int, vocab_lo: int, vocab_hi: int,
-                    first_id: int) -> list[tuple[int, list[int]]]:
+def _random_prompts(
+    rng: np.random.Generator, n: int, length: int, vocab_lo: int, vocab_hi: int, first_id: int
+) -> list[tuple[int, list[int]]]:
   # Distinct random prompts so the prefix cache never turns prefill into a hit.
   return [(first_id + i, rng.integers(vocab_lo, vocab_hi, size=length).tolist()) for i in range(n)]
 
@@ -44,11 +45,21 @@ def _time_batch(instance, prompts, max_tokens: int, seed: int, clock) -> tuple[f
   return dt, sum(len(s.token_ids) for s in samples)
 
 
-def profile_instance(instance: GeneratorInstance, batch_sizes: Sequence[int], *, prompt_len: int = 16,
-                     gen_lens: tuple[int, int] = (8, 40), prefill_prompt_len: int = 128,
-                     prefill_batch: int = 8, reps: int = 3, seed: int = 0, token_range: tuple[int, int] | None = None,
-                     clock: Callable[[], float] = time.perf_counter, name: str = "",
-                     path: str | None = None) -> LatencyProfile:
+def profile_instance(
+    instance: GeneratorInstance,
+    batch_sizes: Sequence[int],
+    *,
+    prompt_len: int = 16,
+    gen_lens: tuple[int, int] = (8, 40),
+    prefill_prompt_len: int = 128,
+    prefill_batch: int = 8,
+    reps: int = 3,
+    seed: int = 0,
+    token_range: tuple[int, int] | None = None,
+    clock: Callable[[], float] = time.perf_counter,
+    name: str = "",
+    path: str | None = None,
+) -> LatencyProfile:
   """Measures PTL(BS) at each batch size and the prefill cost; optionally saves JSON.
 
   Args:
@@ -74,11 +85,15 @@ def profile_instance(instance: GeneratorInstance, batch_sizes: Sequence[int], *,
     raise ValueError(f"gen_lens must be two increasing positive lengths, got {gen_lens}.")
   sizes = sorted({int(b) for b in batch_sizes})
   if not sizes or sizes[0] < 1 or sizes[-1] > instance.max_num_seqs:
-    raise ValueError(f"batch sizes {list(batch_sizes)} must lie in [1, max_num_seqs="
-                     f"{instance.max_num_seqs}]; raise max_num_seqs or measure fewer.")
+    raise ValueError(
+        f"batch sizes {list(batch_sizes)} must lie in [1, max_num_seqs="
+        f"{instance.max_num_seqs}]; raise max_num_seqs or measure fewer."
+    )
   if max(prompt_len + l2, prefill_prompt_len + 1) > instance.max_model_len:
-    raise ValueError(f"prompt_len + gen_lens[1] and prefill_prompt_len + 1 must fit max_model_len="
-                     f"{instance.max_model_len}; shorten them.")
+    raise ValueError(
+        f"prompt_len + gen_lens[1] and prefill_prompt_len + 1 must fit max_model_len="
+        f"{instance.max_model_len}; shorten them."
+    )
   lo, hi = token_range or (4, instance.model_config.vocab_size)
   rng = np.random.default_rng(seed)
   next_id = [10_000_000]
@@ -96,8 +111,10 @@ def profile_instance(instance: GeneratorInstance, batch_sizes: Sequence[int], *,
       for length in (l1, l2):  # Interleaved, so drifting load hits both.
         dt, ntok = _time_batch(instance, prompts(bs, prompt_len), length, seed, clock)
         if ntok != bs * length:
-          raise RuntimeError(f"expected {bs * length} tokens at BS={bs}, got {ntok}: the engine "
-                             "stopped early, so fixed-length decoding is not in effect.")
+          raise RuntimeError(
+              f"expected {bs * length} tokens at BS={bs}, got {ntok}: the engine "
+              "stopped early, so fixed-length decoding is not in effect."
+          )
         t[length].append(dt)
     slope = (statistics.median(t[l2]) - statistics.median(t[l1])) / (l2 - l1)
     # On a busy machine the difference can come out <= 0; floor it at a tiny
@@ -112,8 +129,12 @@ def profile_instance(instance: GeneratorInstance, batch_sizes: Sequence[int], *,
     dt_long, _ = _time_batch(instance, prompts(prefill_batch, prefill_prompt_len), 1, seed, clock)
     dt_short, _ = _time_batch(instance, prompts(prefill_batch, 1), 1, seed, clock)
     pre.append(max(0.0, dt_long - dt_short) / (prefill_batch * (prefill_prompt_len - 1)))
-  profile = LatencyProfile(batch_sizes=tuple(sizes), ptl_s=tuple(ptl),
-                           prefill_s_per_token=statistics.median(pre), name=name)
+  profile = LatencyProfile(
+      batch_sizes=tuple(sizes),
+      ptl_s=tuple(ptl),
+      prefill_s_per_token=statistics.median(pre),
+      name=name,
+  )
   if path:
     profile.to_json(path)
   return profile

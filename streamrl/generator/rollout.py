@@ -39,6 +39,7 @@ class Sample:
   distribution it was sampled from (after temperature), as the importance
   ratios of the trainer need.
   """
+
   prompt_id: int
   prompt_token_ids: tuple[int, ...]
   token_ids: tuple[int, ...]
@@ -65,10 +66,14 @@ class UpdateHandle:
   instance has loaded it. Both take an optional timeout in seconds.
   """
 
-  def __init__(self, version: int, *,
-               delivered: Callable[[float | None], None] | None = None,
-               loaded: Callable[[float | None], Mapping[int, int]] | None = None,
-               versions: Mapping[int, int] | None = None):
+  def __init__(
+      self,
+      version: int,
+      *,
+      delivered: Callable[[float | None], None] | None = None,
+      loaded: Callable[[float | None], Mapping[int, int]] | None = None,
+      versions: Mapping[int, int] | None = None,
+  ):
     self.version = int(version)
     self._delivered_fn = delivered
     self._loaded_fn = loaded
@@ -102,9 +107,14 @@ class Rollout(Protocol):
   # (instance_id, start, end, num_samples) per stream segment, perf_counter s.
   busy_intervals: list
 
-  def generate(self, requests: Sequence[Request] | None, sampling: SamplingConfig, *,
-               assignments: Sequence[Sequence[Request]] | None = None,
-               caps: Sequence[int | None] | None = None) -> Iterator[Sample]:
+  def generate(
+      self,
+      requests: Sequence[Request] | None,
+      sampling: SamplingConfig,
+      *,
+      assignments: Sequence[Sequence[Request]] | None = None,
+      caps: Sequence[int | None] | None = None,
+  ) -> Iterator[Sample]:
     """Yields one Sample per request as soon as an instance finishes it.
 
     `assignments` (one list per instance, run in order) replaces the

@@ -47,11 +47,20 @@ class GeneratorActor:
   finished sample, aborts what is still running and frees the engine first.
   """
 
-  def __init__(self, model_dir: str, *, instance_id: int, engine_kwargs: dict,
-               cores: Sequence[int] | None, num_threads: int, in_process: bool = True,
-               log_dir: str | None = None):
+  def __init__(
+      self,
+      model_dir: str,
+      *,
+      instance_id: int,
+      engine_kwargs: dict,
+      cores: Sequence[int] | None,
+      num_threads: int,
+      in_process: bool = True,
+      log_dir: str | None = None,
+  ):
     # First: vLLM's and other libraries' chatter goes to <log_dir>/libraries.log.
     from streamrl import metrics  # pylint: disable=g-import-not-at-top
+
     metrics.configure_actor_logging(log_dir)
     # Before torch loads: libgomp sizes its pool from OMP_NUM_THREADS.
     os.environ["OMP_NUM_THREADS"] = str(num_threads)
@@ -62,13 +71,13 @@ class GeneratorActor:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
     # Read only by vLLM's multiprocess executor (in_process=False): it binds
     # the worker's OpenMP threads to these cores.
-    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = (
-        ",".join(map(str, cores)) if cores else "nobind")
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cores)) if cores else "nobind"
     t0 = time.perf_counter()
     import torch  # pylint: disable=g-import-not-at-top
     # Must precede the engine: vLLM's CPU worker disables set_num_threads.
     torch.set_num_threads(num_threads)
     from streamrl.generator.vllm_engine import GeneratorInstance  # pylint: disable=g-import-not-at-top
+
     self._gen = GeneratorInstance(model_dir, instance_id=instance_id, **engine_kwargs)
     # Pinned only now, so that imports and engine start-up may use any core;
     # this pins every thread that exists, and threads made later inherit it.
@@ -81,21 +90,30 @@ class GeneratorActor:
 
   def info(self) -> dict:
     import torch  # pylint: disable=g-import-not-at-top
-    return {"instance_id": self._instance_id, "pid": os.getpid(),
-            "weight_version": self._gen.weight_version,
-            "cores": tuple(sorted(os.sched_getaffinity(0))),
-            "torch_threads": torch.get_num_threads(),
-            "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
-            "engine_in_process": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0",
-            "startup_s": self._startup_s}
+
+    return {
+        "instance_id": self._instance_id,
+        "pid": os.getpid(),
+        "weight_version": self._gen.weight_version,
+        "cores": tuple(sorted(os.sched_getaffinity(0))),
+        "torch_threads": torch.get_num_threads(),
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        "engine_in_process": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0",
+        "startup_s": self._startup_s,
+    }
 
   def last_stream_stats(self) -> dict:
     """The last stream's sample count and the largest number of requests seen
     running at once (sampled at each finish: checks that a cap arrived)."""
     return {"num_samples": self._num_yielded, "peak_in_flight": self._peak_in_flight}
 
-  def generate(self, requests: Sequence[Request], sampling, max_in_flight: int | None = None,
-               coalesce_s: float = 0.0):
+  def generate(
+      self,
+      requests: Sequence[Request],
+      sampling,
+      max_in_flight: int | None = None,
+      coalesce_s: float = 0.0,
+  ):
     """Ray streaming generator: yields lists of finished Samples.
 
     Samples that finish within `coalesce_s` of the first one not yet sent
@@ -115,8 +133,7 @@ class GeneratorActor:
     try:
       for n, sample in enumerate(stream, 1):
         # The engine's count of requests still running after this finish.
-        self._peak_in_flight = max(self._peak_in_flight,
-                                   self._gen.in_flight + 1)
+        self._peak_in_flight = max(self._peak_in_flight, self._gen.in_flight + 1)
         if not pending:
           first_at = time.perf_counter()
         pending.append(sample)
@@ -150,12 +167,17 @@ class GeneratorActor:
     in-place load itself and never mixes two versions.
     """
     from streamrl.transfer import Receiver, TransferConfig  # pylint: disable=g-import-not-at-top
+
     self._stage_lock = threading.Lock()
     self._staged = None
-    self._receiver = Receiver(f"generator{self._instance_id}", dc, self._stage,
-                              expected_schema=schema,
-                              config=TransferConfig.from_mapping(transfer_config),
-                              initial_version=self._gen.weight_version)
+    self._receiver = Receiver(
+        f"generator{self._instance_id}",
+        dc,
+        self._stage,
+        expected_schema=schema,
+        config=TransferConfig.from_mapping(transfer_config),
+        initial_version=self._gen.weight_version,
+    )
     return self._receiver.join(tuple(address))
 
   def _stage(self, tensors: Mapping[str, np.ndarray], version: int) -> None:
@@ -199,6 +221,7 @@ class GeneratorActor:
 @dataclasses.dataclass
 class _Stream:
   """One generate call running on one instance."""
+
   instance_id: int
   requests: list
   started: float
@@ -227,11 +250,20 @@ class StreamGenerationService:
       <log_dir>/libraries.log (None: Ray's worker logs).
   """
 
-  def __init__(self, model_dir: str, engine: settings_lib.Engine, *, dtype: str, seed: int,
-               cluster: cluster_lib.ClusterInfo, stall_timeout_s: float = 600.0,
-               transfer: settings_lib.Transfer | None = None,
-               num_instances: int | None = None, start_timeout_s: float = 600.0,
-               log_dir: str | None = None):
+  def __init__(
+      self,
+      model_dir: str,
+      engine: settings_lib.Engine,
+      *,
+      dtype: str,
+      seed: int,
+      cluster: cluster_lib.ClusterInfo,
+      stall_timeout_s: float = 600.0,
+      transfer: settings_lib.Transfer | None = None,
+      num_instances: int | None = None,
+      start_timeout_s: float = 600.0,
+      log_dir: str | None = None,
+  ):
     num_instances = int(num_instances or engine.num_instances)
     if num_instances < 1:
       raise UserError(f"generation.num_instances={num_instances} must be >= 1.")
@@ -245,15 +277,23 @@ class StreamGenerationService:
     self.placement: dict[int, dict] = {}
     self._actors = {}
     for i in range(num_instances):
-      cores = (cluster.shares.instance_cores(i, num_instances)
-               if cluster.shares is not None else None)
+      cores = (
+          cluster.shares.instance_cores(i, num_instances) if cluster.shares is not None else None
+      )
       threads = len(cores) if cores else max(1, generator_cpus // num_instances)
       self._actors[i] = GeneratorActor.options(
           num_cpus=round(generator_cpus / num_instances, 4),
           resources={cluster_lib.GENERATION_POOL: 1},
-          name=None).remote(model_dir, instance_id=i, engine_kwargs=kwargs,
-                            cores=cores, num_threads=threads, in_process=engine.in_process,
-                            log_dir=log_dir)
+          name=None,
+      ).remote(
+          model_dir,
+          instance_id=i,
+          engine_kwargs=kwargs,
+          cores=cores,
+          num_threads=threads,
+          in_process=engine.in_process,
+          log_dir=log_dir,
+      )
     self._live = set(self._actors)
     self._dead: list[DeadInstance] = []
     # (instance_id, start, end, num_samples) per finished stream segment, in
@@ -265,9 +305,13 @@ class StreamGenerationService:
     self._transfer_joined = False
     if transfer is not None and transfer.enabled:
       from streamrl.transfer import Publisher, TransferConfig  # pylint: disable=g-import-not-at-top
+
       self._transfer_config = transfer.service_options()
-      self.publisher = Publisher(TransferConfig.from_mapping(self._transfer_config), dc="dc0",
-                                 start_version=min(self._versions.values(), default=0))
+      self.publisher = Publisher(
+          TransferConfig.from_mapping(self._transfer_config),
+          dc="dc0",
+          start_version=min(self._versions.values(), default=0),
+      )
 
   # -- lifecycle --------------------------------------------------------------
 
@@ -280,12 +324,14 @@ class StreamGenerationService:
       raise TimeoutError(
           f"The generator instances did not start within {timeout_s:.0f} s; check that the "
           f"cluster offers {self.num_instances} x {cluster_lib.GENERATION_POOL!r} and enough "
-          "CPUs (ray status).") from None
+          "CPUs (ray status)."
+      ) from None
     except ray.exceptions.RayActorError as e:
       bad = next((i for i, r in refs.items() if _failed(r)), "?")
       self.close()
-      raise RuntimeError(f"Generator instance {bad} failed to start: "
-                         f"{_last_line(e.error_msg)}") from None
+      raise RuntimeError(
+          f"Generator instance {bad} failed to start: " f"{_last_line(e.error_msg)}"
+      ) from None
     for info in infos:
       self.placement[info["instance_id"]] = info
       self._versions[info["instance_id"]] = info["weight_version"]
@@ -327,26 +373,36 @@ class StreamGenerationService:
     if self.publisher is not None:
       if not self._transfer_joined:
         from streamrl.transfer import schema_of  # pylint: disable=g-import-not-at-top
+
         schema = schema_of(tensors)
-        ray.get([self._actors[i].join_transfer.remote(self.publisher.address, "dc0", schema,
-                                                       self._transfer_config)
-                 for i in self._live])
+        ray.get(
+            [
+                self._actors[i].join_transfer.remote(
+                    self.publisher.address, "dc0", schema, self._transfer_config
+                )
+                for i in self._live
+            ]
+        )
         self._transfer_joined = True
       self.publisher.publish(tensors, version)
-      return UpdateHandle(version, delivered=lambda t: self._await_acks(version, t),
-                          loaded=self._apply_staged)
+      return UpdateHandle(
+          version, delivered=lambda t: self._await_acks(version, t), loaded=self._apply_staged
+      )
     ref = ray.put({k: np.asarray(v) for k, v in tensors.items()})
     calls = {i: self._actors[i].update_weights.remote(ref, version) for i in self._live}
     # Ray runs the load before any later stream on each actor: nothing to deliver.
-    return UpdateHandle(version, delivered=lambda t: None,
-                        loaded=lambda t: self._finish_update(calls, t))
+    return UpdateHandle(
+        version, delivered=lambda t: None, loaded=lambda t: self._finish_update(calls, t)
+    )
 
   def _await_acks(self, version: int, timeout_s: float | None) -> None:
     """Every live instance has verified and staged `version`."""
     pub = self.publisher
     if not pub.wait_acks(version, timeout=timeout_s or self.stall_timeout_s):
-      raise TimeoutError(f"Weight version {version} not delivered to "
-                         f"{pub.missing_acks(version)}; errors: {pub.errors}.")
+      raise TimeoutError(
+          f"Weight version {version} not delivered to "
+          f"{pub.missing_acks(version)}; errors: {pub.errors}."
+      )
 
   def _apply_staged(self, timeout_s: float | None) -> dict[int, int]:
     calls = {i: self._actors[i].apply_staged.remote() for i in self._live}
@@ -361,8 +417,9 @@ class StreamGenerationService:
       try:
         self._versions[i] = ray.get(call, timeout=0 if timeout_s is not None else None)
       except ray.exceptions.GetTimeoutError:
-        raise TimeoutError(f"Generator instance {i} did not load the weights within "
-                           f"{timeout_s:.0f} s.") from None
+        raise TimeoutError(
+            f"Generator instance {i} did not load the weights within " f"{timeout_s:.0f} s."
+        ) from None
       except ray.exceptions.RayActorError as e:
         self._mark_dead(i, f"died during a weight update: {_last_line(e.error_msg)}", 0)
       except ray.exceptions.RayTaskError as e:
@@ -384,10 +441,15 @@ class StreamGenerationService:
 
   # -- generation -------------------------------------------------------------
 
-  def generate(self, requests: Sequence[Request] | None, sampling, *,
-               assignments: Sequence[Sequence[Request]] | None = None,
-               caps: Sequence[int | None] | None = None,
-               stall_timeout_s: float | None = None) -> Iterator:
+  def generate(
+      self,
+      requests: Sequence[Request] | None,
+      sampling,
+      *,
+      assignments: Sequence[Sequence[Request]] | None = None,
+      caps: Sequence[int | None] | None = None,
+      stall_timeout_s: float | None = None,
+  ) -> Iterator:
     """Yields one Sample per request, each as soon as an instance finishes it.
 
     Args:
@@ -424,8 +486,10 @@ class StreamGenerationService:
         plan[live[k % len(live)]].append(req)
     else:
       if len(assignments) != self.num_instances:
-        raise ValueError(f"assignments has {len(assignments)} lists for "
-                         f"{self.num_instances} instances; give one (maybe empty) per instance.")
+        raise ValueError(
+            f"assignments has {len(assignments)} lists for "
+            f"{self.num_instances} instances; give one (maybe empty) per instance."
+        )
       plan = {i: [(int(rid), ids) for rid, ids in a] for i, a in enumerate(assignments)}
       reqs = [r for i in range(self.num_instances) for r in plan[i]]
     ids = [rid for rid, _ in reqs]
@@ -465,8 +529,11 @@ class StreamGenerationService:
     def start(i: int) -> None:
       if i in self._live and queued[i] and not any(s.instance_id == i for s in active.values()):
         reqs = queued[i].popleft()
-        gen = self._actors[i].generate.options(num_returns="streaming").remote(
-            reqs, sampling, caps[i], self.coalesce_s)
+        gen = (
+            self._actors[i]
+            .generate.options(num_returns="streaming")
+            .remote(reqs, sampling, caps[i], self.coalesce_s)
+        )
         active[gen] = _Stream(i, reqs, time.perf_counter())
 
     def end(gen) -> None:
@@ -507,7 +574,8 @@ class StreamGenerationService:
               f"Generator instance{'s' if len(stalled) > 1 else ''} "
               f"{', '.join(map(str, stalled))} produced no sample for {stall_timeout_s:.0f} s "
               f"while still having work ({counts}); raise pipeline.stall_timeout_s if "
-              "samples are just slow, or check the instance's log.")
+              "samples are just slow, or check the instance's log."
+          )
         for gen in ready:
           st = active[gen]
           i = st.instance_id
@@ -517,8 +585,12 @@ class StreamGenerationService:
             end(gen)
             if not queued[i] and undelivered.get(i):
               # Can't happen with a healthy engine; never lose a request.
-              log.warning("Instance %d ended its stream with %d requests undelivered; "
-                          "running them again.", i, len(undelivered[i]))
+              log.warning(
+                  "Instance %d ended its stream with %d requests undelivered; "
+                  "running them again.",
+                  i,
+                  len(undelivered[i]),
+              )
               queued[i].append(list(undelivered[i].values()))
             start(i)
             continue
@@ -558,14 +630,21 @@ class StreamGenerationService:
     # that were already re-run elsewhere: make sure it is gone.
     ray.kill(self._actors[i], no_restart=True)
     self._dead.append(DeadInstance(i, reason, requeued, time.perf_counter()))
-    log.warning("Generator instance %d died (%s); %d unfinished requests re-run on instances "
-                "%s.", i, reason, requeued, sorted(self._live))
+    log.warning(
+        "Generator instance %d died (%s); %d unfinished requests re-run on instances " "%s.",
+        i,
+        reason,
+        requeued,
+        sorted(self._live),
+    )
 
   def _all_dead_message(self, unfinished: int) -> str:
     dead = ", ".join(f"{d.instance_id} ({d.reason})" for d in self._dead)
-    return (f"All {self.num_instances} generator instances are dead ({dead}); {unfinished} "
-            "requests could not be finished. Check the instances' logs (ray logs) and "
-            "restart the run.")
+    return (
+        f"All {self.num_instances} generator instances are dead ({dead}); {unfinished} "
+        "requests could not be finished. Check the instances' logs (ray logs) and "
+        "restart the run."
+    )
 
 
 def _failed(ref) -> bool:

@@ -33,12 +33,14 @@ def check_model_dir(model_dir: str, *, on_cpu: bool) -> hf_lib.ModelConfig:
   if on_cpu and cfg.head_dim not in CPU_SUPPORTED_HEAD_DIMS:
     raise ValueError(
         f"head_dim={cfg.head_dim} of {model_dir!r} is not supported by vLLM's CPU "
-        f"attention; use one of {CPU_SUPPORTED_HEAD_DIMS} (or run on a GPU).")
+        f"attention; use one of {CPU_SUPPORTED_HEAD_DIMS} (or run on a GPU)."
+    )
   tok_path = os.path.join(model_dir, "tokenizer.json")
   if not os.path.isfile(tok_path):
     raise FileNotFoundError(
         f"{model_dir!r} has no tokenizer.json; save the tokenizer next to the "
-        "weights (tokenizer.save_pretrained(model_dir)).")
+        "weights (tokenizer.save_pretrained(model_dir))."
+    )
   with open(tok_path) as f:
     tok = json.load(f)
   ids = list(tok.get("model", {}).get("vocab", {}).values())
@@ -47,7 +49,8 @@ def check_model_dir(model_dir: str, *, on_cpu: bool) -> hf_lib.ModelConfig:
   if top >= cfg.vocab_size:
     raise ValueError(
         f"The tokenizer in {model_dir!r} has token id {top}, beyond the model's "
-        f"vocab_size={cfg.vocab_size}; use the tokenizer the model was trained with.")
+        f"vocab_size={cfg.vocab_size}; use the tokenizer the model was trained with."
+    )
   return cfg
 
 
@@ -60,6 +63,7 @@ class SchedulerLimits:
     max_num_batched_tokens: most tokens (prefill + decode) in one step.
     chunked_prefill: whether a long prompt may be prefilled over several steps.
   """
+
   max_num_seqs: int
   max_num_batched_tokens: int
   chunked_prefill: bool
@@ -72,8 +76,9 @@ _LAYERWISE_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
 _INPLACE_LOGGER = "vllm.model_executor.model_loader.reload.inplace"
 _BLOCK_POOL_LOGGER = "vllm.v1.core.block_pool"
 _NOT_LOADED_MSG = "%s: Failed to load weights"
-_RELOAD_INFO_MSGS = frozenset({"Reloading weights inplace...",
-                               "Reloading and processing weights took %.2f seconds"})
+_RELOAD_INFO_MSGS = frozenset(
+    {"Reloading weights inplace...", "Reloading and processing weights took %.2f seconds"}
+)
 _PREFIX_RESET_MSG = "Successfully reset prefix cache"
 
 
@@ -171,6 +176,7 @@ class WorkerExtension:
     explain once.
     """
     from safetensors import safe_open  # pylint: disable=g-import-not-at-top
+
     model = self.model_runner.get_model()
     quiet = _ReloadLogFilter(layers_without_checkpoint_weights(model))
     loggers = [logging.getLogger(n) for n in (_LAYERWISE_LOGGER, _INPLACE_LOGGER)]
@@ -210,21 +216,36 @@ class GeneratorInstance:
   and `set_step_callback()`.
   """
 
-  def __init__(self, model_dir: str, *, instance_id: int = 0, max_num_seqs: int = 64,
-               max_model_len: int = 256, seed: int = 0, kv_cache_gib: float = 1.0,
-               dtype: str = "float32", enforce_eager: bool = True,
-               enable_prefix_caching: bool = True):
+  def __init__(
+      self,
+      model_dir: str,
+      *,
+      instance_id: int = 0,
+      max_num_seqs: int = 64,
+      max_model_len: int = 256,
+      seed: int = 0,
+      kv_cache_gib: float = 1.0,
+      dtype: str = "float32",
+      enforce_eager: bool = True,
+      enable_prefix_caching: bool = True,
+  ):
     from vllm.platforms import current_platform  # pylint: disable=g-import-not-at-top
+
     self.model_config = check_model_dir(model_dir, on_cpu=current_platform.is_cpu())
     # Read by the CPU backend when the engine starts; without it the engine
     # reserves a fraction of all RAM.
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, int(np.ceil(kv_cache_gib))))
     from vllm import EngineArgs  # pylint: disable=g-import-not-at-top
     from vllm.v1.engine.llm_engine import LLMEngine  # pylint: disable=g-import-not-at-top
+
     on_cpu = current_platform.is_cpu()
     args = EngineArgs(
-        model=model_dir, dtype=dtype, seed=seed, max_num_seqs=max_num_seqs,
-        max_model_len=max_model_len, enforce_eager=enforce_eager,
+        model=model_dir,
+        dtype=dtype,
+        seed=seed,
+        max_num_seqs=max_num_seqs,
+        max_model_len=max_model_len,
+        enforce_eager=enforce_eager,
         enable_prefix_caching=enable_prefix_caching,
         # A partially prefilled request rewinds its seeded sampler with
         # Generator.set_offset, which CPU generators lack (the engine dies
@@ -235,7 +256,8 @@ class GeneratorInstance:
         # from (after temperature / top-p), not the raw model distribution.
         logprobs_mode="processed_logprobs",
         disable_log_stats=True,
-        worker_extension_cls=f"{__name__}.WorkerExtension")
+        worker_extension_cls=f"{__name__}.WorkerExtension",
+    )
     self._engine = LLMEngine.from_engine_args(args)
     self.instance_id = instance_id
     self.max_num_seqs = max_num_seqs
@@ -265,9 +287,11 @@ class GeneratorInstance:
     """
     self._check_open()
     sched = self._engine.vllm_config.scheduler_config
-    return SchedulerLimits(max_num_seqs=int(sched.max_num_seqs),
-                           max_num_batched_tokens=int(sched.max_num_batched_tokens),
-                           chunked_prefill=bool(sched.enable_chunked_prefill))
+    return SchedulerLimits(
+        max_num_seqs=int(sched.max_num_seqs),
+        max_num_batched_tokens=int(sched.max_num_batched_tokens),
+        chunked_prefill=bool(sched.enable_chunked_prefill),
+    )
 
   def set_step_callback(self, callback: Callable[[int], None] | None) -> None:
     """Calls `callback(n)` right before each engine step of generate().
@@ -289,15 +313,26 @@ class GeneratorInstance:
 
   def _params(self, sampling: SamplingConfig, prompt_id: int, ignore_eos: bool = False):
     from vllm import SamplingParams  # pylint: disable=g-import-not-at-top
-    return SamplingParams(
-        temperature=sampling.temperature, top_p=sampling.top_p,
-        max_tokens=sampling.max_tokens, logprobs=0, detokenize=False,
-        stop_token_ids=[] if ignore_eos else self._eos, ignore_eos=ignore_eos,
-        seed=None if sampling.seed is None else sampling.seed + prompt_id)
 
-  def generate(self, prompts: Sequence[tuple[int, Sequence[int]]],
-               sampling: SamplingConfig, *,
-               max_in_flight: int | None = None, ignore_eos: bool = False) -> Iterator[Sample]:
+    return SamplingParams(
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        max_tokens=sampling.max_tokens,
+        logprobs=0,
+        detokenize=False,
+        stop_token_ids=[] if ignore_eos else self._eos,
+        ignore_eos=ignore_eos,
+        seed=None if sampling.seed is None else sampling.seed + prompt_id,
+    )
+
+  def generate(
+      self,
+      prompts: Sequence[tuple[int, Sequence[int]]],
+      sampling: SamplingConfig,
+      *,
+      max_in_flight: int | None = None,
+      ignore_eos: bool = False,
+  ) -> Iterator[Sample]:
     """Streams one Sample per prompt as each finishes.
 
     Prompts are admitted in the given order; at most `max_in_flight` run at
@@ -322,10 +357,12 @@ class GeneratorInstance:
             raise ValueError(
                 f"Prompt {prompt_id} has {len(ids)} tokens; with max_tokens="
                 f"{sampling.max_tokens} it exceeds max_model_len={self.max_model_len}; "
-                "raise max_model_len or shorten the prompt.")
+                "raise max_model_len or shorten the prompt."
+            )
           rid = f"{self.instance_id}-{next(self._request_ids)}"
-          self._engine.add_request(rid, {"prompt_token_ids": list(ids)},
-                                   self._params(sampling, prompt_id, ignore_eos))
+          self._engine.add_request(
+              rid, {"prompt_token_ids": list(ids)}, self._params(sampling, prompt_id, ignore_eos)
+          )
           running[rid] = (prompt_id, ids)
         self._in_flight = len(running)
         if self._step_callback is not None:
@@ -337,11 +374,18 @@ class GeneratorInstance:
           self._in_flight = len(running)
           completion = out.outputs[0]
           tokens = tuple(completion.token_ids)
-          logprobs = tuple(float(step[tok].logprob)
-                           for tok, step in zip(tokens, completion.logprobs))
-          yield Sample(prompt_id=prompt_id, prompt_token_ids=ids, token_ids=tokens,
-                       logprobs=logprobs, finish_reason=str(completion.finish_reason),
-                       weight_version=self.weight_version, instance_id=self.instance_id)
+          logprobs = tuple(
+              float(step[tok].logprob) for tok, step in zip(tokens, completion.logprobs)
+          )
+          yield Sample(
+              prompt_id=prompt_id,
+              prompt_token_ids=ids,
+              token_ids=tokens,
+              logprobs=logprobs,
+              finish_reason=str(completion.finish_reason),
+              weight_version=self.weight_version,
+              instance_id=self.instance_id,
+          )
     finally:
       if running:
         self._engine.abort_request(list(running))
@@ -352,8 +396,10 @@ class GeneratorInstance:
 
   def _check_open(self) -> None:
     if self._engine is None:
-      raise RuntimeError(f"Generator instance {self.instance_id} was closed; create a new "
-                         "GeneratorInstance to generate again.")
+      raise RuntimeError(
+          f"Generator instance {self.instance_id} was closed; create a new "
+          "GeneratorInstance to generate again."
+      )
 
   def close(self) -> None:
     """Shuts the engine down and frees its KV cache; the instance is unusable after.
@@ -369,21 +415,24 @@ class GeneratorInstance:
     if core is not None and hasattr(core, "shutdown"):
       core.shutdown()
 
-  def update_weights(self, hf_tensors: Mapping[str, np.ndarray],
-                     version: int | None = None) -> int:
+  def update_weights(self, hf_tensors: Mapping[str, np.ndarray], version: int | None = None) -> int:
     """Loads new weights in place, drops the prefix cache, bumps the version.
 
     Only between generations: a sample is produced by exactly one version.
     """
     self._check_open()
     if self._in_flight:
-      raise RuntimeError("update_weights called while requests are running; "
-                         "finish or close the generate() stream first.")
+      raise RuntimeError(
+          "update_weights called while requests are running; "
+          "finish or close the generate() stream first."
+      )
     from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
+
     new_version = self.weight_version + 1 if version is None else int(version)
     if new_version <= self.weight_version:
-      raise ValueError(f"Weight version must increase: have {self.weight_version}, "
-                       f"got {new_version}.")
+      raise ValueError(
+          f"Weight version must increase: have {self.weight_version}, " f"got {new_version}."
+      )
     # A path, not tensors: torch tensors don't survive the RPC to worker
     # processes, and bytes would be copied once per process on the way. The
     # engine's workers are always on this host; /dev/shm keeps it in memory.
@@ -404,8 +453,11 @@ def _explain_hidden_reload_warnings(hidden: Sequence[str]) -> None:
   if not hidden or _explained_hidden_reload_warnings:
     return
   _explained_hidden_reload_warnings = True
-  log.info("Weight reload: vLLM reports %s as 'Failed to load weights' on every in-place reload. "
-           "That is expected: these modules hold no checkpoint tensors (a rotary embedding's cos/sin "
-           "cache is computed from the config; a tied LM head uses the embedding's weight, which is "
-           "reloaded) and keep their current values. Those warnings and vLLM's reload progress lines "
-           "are not shown; any other module that fails to load still warns.", ", ".join(hidden))
+  log.info(
+      "Weight reload: vLLM reports %s as 'Failed to load weights' on every in-place reload. "
+      "That is expected: these modules hold no checkpoint tensors (a rotary embedding's cos/sin "
+      "cache is computed from the config; a tied LM head uses the embedding's weight, which is "
+      "reloaded) and keep their current values. Those warnings and vLLM's reload progress lines "
+      "are not shown; any other module that fails to load still warns.",
+      ", ".join(hidden),
+  )

@@ -45,8 +45,7 @@ def _layout(cfg: ModelConfig) -> Iterator[_Entry]:
   d, h, k, n = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
 
   def split_heads(heads):  # HF [heads*n, d] <-> ours [d, heads, n]
-    return (lambda w: w.reshape(d, heads * n).T,
-            lambda w: w.T.reshape(d, heads, n))
+    return (lambda w: w.reshape(d, heads * n).T, lambda w: w.T.reshape(d, heads, n))
 
   def split_bias(heads):
     return (lambda b: b.reshape(heads * n), lambda b: b.reshape(heads, n))
@@ -56,17 +55,29 @@ def _layout(cfg: ModelConfig) -> Iterator[_Entry]:
   for i in range(cfg.num_layers):
     p, hf = ("trunk", "blocks", i), f"model.layers.{i}."
     yield _Entry(p + ("attn_norm", "scale"), hf + "input_layernorm.weight", _identity, _identity)
-    yield _Entry(p + ("mlp_norm", "scale"), hf + "post_attention_layernorm.weight", _identity, _identity)
+    yield _Entry(
+        p + ("mlp_norm", "scale"), hf + "post_attention_layernorm.weight", _identity, _identity
+    )
     for ours, theirs, heads in (("q", "q", h), ("k", "k", k), ("v", "v", k)):
       suffix = "dhn" if ours == "q" else "dkn"
-      yield _Entry(p + ("attn", f"w_{ours}_{suffix}"), hf + f"self_attn.{theirs}_proj.weight",
-                   *split_heads(heads))
+      yield _Entry(
+          p + ("attn", f"w_{ours}_{suffix}"),
+          hf + f"self_attn.{theirs}_proj.weight",
+          *split_heads(heads),
+      )
       if cfg.qkv_bias:
         bsuffix = "hn" if ours == "q" else "kn"
-        yield _Entry(p + ("attn", f"b_{ours}_{bsuffix}"), hf + f"self_attn.{theirs}_proj.bias",
-                     *split_bias(heads))
-    yield _Entry(p + ("attn", "w_o_hnd"), hf + "self_attn.o_proj.weight",
-                 lambda w: w.reshape(h * n, d).T, lambda w: w.T.reshape(h, n, d))
+        yield _Entry(
+            p + ("attn", f"b_{ours}_{bsuffix}"),
+            hf + f"self_attn.{theirs}_proj.bias",
+            *split_bias(heads),
+        )
+    yield _Entry(
+        p + ("attn", "w_o_hnd"),
+        hf + "self_attn.o_proj.weight",
+        lambda w: w.reshape(h * n, d).T,
+        lambda w: w.T.reshape(h, n, d),
+    )
     yield _Entry(p + ("mlp", "w_gate_df"), hf + "mlp.gate_proj.weight", *transpose)
     yield _Entry(p + ("mlp", "w_up_df"), hf + "mlp.up_proj.weight", *transpose)
     yield _Entry(p + ("mlp", "w_down_fd"), hf + "mlp.down_proj.weight", *transpose)
@@ -92,8 +103,10 @@ def to_hf_tensors(model: Transformer, dtype=np.float32) -> dict[str, np.ndarray]
   pure = nnx.to_pure_dict(nnx.state(model, nnx.Param))
   pure = jax.device_get(pure)
   # One copy per tensor: transpose and cast in a single contiguous write.
-  return {e.hf_name: np.ascontiguousarray(e.to_hf(np.asarray(_get(pure, e.path))), dtype=dtype)
-          for e in _layout(model.cfg)}
+  return {
+      e.hf_name: np.ascontiguousarray(e.to_hf(np.asarray(_get(pure, e.path))), dtype=dtype)
+      for e in _layout(model.cfg)
+  }
 
 
 def from_hf_tensors(cfg: ModelConfig, tensors: Mapping[str, np.ndarray]) -> Transformer:
@@ -106,21 +119,24 @@ def from_hf_tensors(cfg: ModelConfig, tensors: Mapping[str, np.ndarray]) -> Tran
     if e.hf_name not in tensors:
       raise UserError(
           f"Checkpoint is missing {e.hf_name!r}; it does not look like a "
-          f"{cfg.family} checkpoint with this config.json.")
+          f"{cfg.family} checkpoint with this config.json."
+      )
     value = np.asarray(e.from_hf(np.asarray(tensors[e.hf_name])), dtype=np.float32)
     want = _get(expected, e.path).shape
     if value.shape != want:
       raise UserError(
           f"Parameter {e.hf_name!r} has shape {tensors[e.hf_name].shape}, which "
           f"does not match config.json (expected {want} after conversion); "
-          "check that config.json belongs to these weights.")
+          "check that config.json belongs to these weights."
+      )
     _set(pure, e.path, value)
   nnx.replace_by_pure_dict(state, pure)
   return nnx.merge(graphdef, state)
 
 
-def hf_config_dict(cfg: ModelConfig, *, bos_token_id: int = 1,
-                   eos_token_id: int = 2, pad_token_id: int = 0) -> dict:
+def hf_config_dict(
+    cfg: ModelConfig, *, bos_token_id: int = 1, eos_token_id: int = 2, pad_token_id: int = 0
+) -> dict:
   arch = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}[cfg.family]
   out = {
       "architectures": [arch],
@@ -155,14 +171,19 @@ def config_from_hf(hf: Mapping) -> ModelConfig:
   if family is None:
     raise UserError(
         f"Unsupported architecture {archs or hf.get('model_type')!r}; StreamRL "
-        f"runs {sorted(SUPPORTED_ARCHITECTURES)} — convert the model or pick one of those.")
+        f"runs {sorted(SUPPORTED_ARCHITECTURES)} — convert the model or pick one of those."
+    )
   if family == "llama" and (hf.get("attention_bias") or hf.get("mlp_bias")):
-    raise UserError("Llama checkpoints with attention_bias/mlp_bias are not supported; "
-                     "use a checkpoint without biases.")
+    raise UserError(
+        "Llama checkpoints with attention_bias/mlp_bias are not supported; "
+        "use a checkpoint without biases."
+    )
   rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
   if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
-    raise UserError(f"RoPE scaling {rope.get('rope_type')!r} is not supported; "
-                     "use a checkpoint with default RoPE.")
+    raise UserError(
+        f"RoPE scaling {rope.get('rope_type')!r} is not supported; "
+        "use a checkpoint with default RoPE."
+    )
   theta = hf.get("rope_theta", rope.get("rope_theta", 10000.0))
   heads = hf["num_attention_heads"]
   return ModelConfig(
@@ -194,23 +215,40 @@ def read_config(model_dir: str) -> ModelConfig:
   if not os.path.isdir(model_dir):
     raise MissingFileError(
         f"Model directory {model_dir!r} does not exist; pass a local HF checkpoint "
-        "directory (config.json + *.safetensors) or leave it empty for the tiny default.")
+        "directory (config.json + *.safetensors) or leave it empty for the tiny default."
+    )
   if not os.path.isfile(path):
     raise MissingFileError(
-        f"{model_dir!r} has no config.json; point to an HF checkpoint directory.")
+        f"{model_dir!r} has no config.json; point to an HF checkpoint directory."
+    )
   try:
     with open(path) as f:
       hf_config = json.load(f)
   except json.JSONDecodeError as e:
-    raise UserError(f"{path} is not valid JSON ({e.msg} at line {e.lineno}); point to an HF checkpoint "
-                    "directory with an intact config.json.") from None
+    raise UserError(
+        f"{path} is not valid JSON ({e.msg} at line {e.lineno}); point to an HF checkpoint "
+        "directory with an intact config.json."
+    ) from None
   if not isinstance(hf_config, dict):
-    raise UserError(f"{path} holds a {type(hf_config).__name__}, not a JSON object; point to an HF "
-                    "checkpoint directory.")
-  missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                         "num_attention_heads") if k not in hf_config]
+    raise UserError(
+        f"{path} holds a {type(hf_config).__name__}, not a JSON object; point to an HF "
+        "checkpoint directory."
+    )
+  missing = [
+      k
+      for k in (
+          "vocab_size",
+          "hidden_size",
+          "intermediate_size",
+          "num_hidden_layers",
+          "num_attention_heads",
+      )
+      if k not in hf_config
+  ]
   if missing and any(a in SUPPORTED_ARCHITECTURES for a in hf_config.get("architectures") or []):
-    raise UserError(f"{path} lacks {', '.join(missing)}; point to a complete HF checkpoint directory.")
+    raise UserError(
+        f"{path} lacks {', '.join(missing)}; point to a complete HF checkpoint directory."
+    )
   return config_from_hf(hf_config)
 
 
@@ -219,7 +257,8 @@ def load_hf_tensors(model_dir: str) -> dict[str, np.ndarray]:
   if not files:
     raise MissingFileError(
         f"{model_dir!r} has no *.safetensors files; save the checkpoint with "
-        "safe_serialization=True.")
+        "safe_serialization=True."
+    )
   tensors: dict[str, np.ndarray] = {}
   for f in files:
     tensors.update(load_file(f))
@@ -230,10 +269,15 @@ def load_hf(model_dir: str) -> tuple[ModelConfig, Transformer]:
   """Loads any local Qwen2 / Llama HF checkpoint directory into Flax."""
   cfg = read_config(model_dir)
   tensors = load_hf_tensors(model_dir)
-  if cfg.tie_embeddings and "lm_head.weight" in tensors and not np.array_equal(
-      tensors["lm_head.weight"], tensors["model.embed_tokens.weight"]):
-    raise UserError(f"{model_dir!r} says tie_word_embeddings but has a separate "
-                     "lm_head.weight; fix config.json.")
+  if (
+      cfg.tie_embeddings
+      and "lm_head.weight" in tensors
+      and not np.array_equal(tensors["lm_head.weight"], tensors["model.embed_tokens.weight"])
+  ):
+    raise UserError(
+        f"{model_dir!r} says tie_word_embeddings but has a separate "
+        "lm_head.weight; fix config.json."
+    )
   return cfg, from_hf_tensors(cfg, tensors)
 
 
@@ -242,6 +286,7 @@ def save_hf(model: Transformer, model_dir: str, **config_kwargs) -> str:
   os.makedirs(model_dir, exist_ok=True)
   with open(os.path.join(model_dir, "config.json"), "w") as f:
     json.dump(hf_config_dict(model.cfg, **config_kwargs), f, indent=2)
-  save_file(to_hf_tensors(model), os.path.join(model_dir, "model.safetensors"),
-            metadata={"format": "pt"})
+  save_file(
+      to_hf_tensors(model), os.path.join(model_dir, "model.safetensors"), metadata={"format": "pt"}
+  )
   return model_dir

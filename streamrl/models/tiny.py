@@ -14,12 +14,15 @@ from streamrl.models import hf
 from streamrl.models.transformer import Transformer
 
 
-def build_tiny_model_dir(path: str, cfg: config_lib.ModelConfig | None = None,
-                         seed: int = 0, model: Transformer | None = None) -> str:
+def build_tiny_model_dir(
+    path: str,
+    cfg: config_lib.ModelConfig | None = None,
+    seed: int = 0,
+    model: Transformer | None = None,
+) -> str:
   """Writes a tiny model (random init unless `model` is given) to `path`."""
   cfg = cfg or config_lib.tiny_qwen2(tok.VOCAB_SIZE)
   model = model or Transformer(cfg, rngs=nnx.Rngs(seed))
-  hf.save_hf(model, path, bos_token_id=tok.BOS_ID, eos_token_id=tok.EOS_ID,
-             pad_token_id=tok.PAD_ID)
+  hf.save_hf(model, path, bos_token_id=tok.BOS_ID, eos_token_id=tok.EOS_ID, pad_token_id=tok.PAD_ID)
   tok.save_hf_tokenizer(path, model_max_length=cfg.max_position_embeddings)
   return os.fspath(path)

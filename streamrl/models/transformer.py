@@ -118,8 +118,7 @@ class Trunk(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     self.cfg = cfg
-    self.embedding_vd = _param(rngs, _normal, (cfg.vocab_size, cfg.hidden_size),
-                               ("vocab", "embed"))
+    self.embedding_vd = _param(rngs, _normal, (cfg.vocab_size, cfg.hidden_size), ("vocab", "embed"))
     self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
     self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, rngs=rngs)
 
@@ -139,8 +138,7 @@ class Transformer(nnx.Module):
     self.cfg = cfg
     self.trunk = Trunk(cfg, rngs=rngs)
     if not cfg.tie_embeddings:
-      self.w_head_dv = _param(rngs, _normal, (cfg.hidden_size, cfg.vocab_size),
-                              ("embed", "vocab"))
+      self.w_head_dv = _param(rngs, _normal, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"))
 
   def __call__(self, tokens_bt: jax.Array, positions_bt: jax.Array | None = None):
     """Returns float32 logits [b, t, v]."""
@@ -168,8 +166,9 @@ class Critic(nnx.Module):
     return values.astype(jnp.float32)
 
 
-def token_logprobs(logits_btv: jax.Array, targets_bt: jax.Array,
-                   temperature: float = 1.0) -> tuple[jax.Array, jax.Array]:
+def token_logprobs(
+    logits_btv: jax.Array, targets_bt: jax.Array, temperature: float = 1.0
+) -> tuple[jax.Array, jax.Array]:
   """Log-probabilities of `targets_bt` and the entropy at each position.
 
   `temperature` divides the logits first, so the result is the distribution
@@ -182,8 +181,9 @@ def token_logprobs(logits_btv: jax.Array, targets_bt: jax.Array,
 
 
 @nnx.jit(static_argnames=("temperature",))
-def sequence_logprobs(model: Transformer, tokens_bt: jax.Array,
-                      temperature: float = 1.0) -> tuple[jax.Array, jax.Array]:
+def sequence_logprobs(
+    model: Transformer, tokens_bt: jax.Array, temperature: float = 1.0
+) -> tuple[jax.Array, jax.Array]:
   """Per-token logprobs of a right-padded token batch under `model`.
 
   Position t of the outputs scores token t + 1 given tokens [0, t]; the last

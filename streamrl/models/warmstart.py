@@ -31,17 +31,29 @@ def fingerprint(obj) -> str:
   return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
-def prepare_model_dir(model: settings_lib.Model, warm: settings_lib.Warmstart,
-                      task: settings_lib.Task, *, seed: int, workdir: str,
-                      train_examples: Sequence) -> str:
+def prepare_model_dir(
+    model: settings_lib.Model,
+    warm: settings_lib.Warmstart,
+    task: settings_lib.Task,
+    *,
+    seed: int,
+    workdir: str,
+    train_examples: Sequence,
+) -> str:
   """The policy's HF directory: `model.path`, or the warm-started tiny one."""
   if model.path:
     hf.read_config(model.path)  # clear error for a bad path / arch
     return model.path
   # Only what changes the warm-started weights (not, say, the eval set size).
-  key = fingerprint({"tiny": model.tiny, "warm": dataclasses.asdict(warm),
-                     "ops": list(task.ops), "max_answer_len": task.max_answer_len,
-                     "seed": seed})
+  key = fingerprint(
+      {
+          "tiny": model.tiny,
+          "warm": dataclasses.asdict(warm),
+          "ops": list(task.ops),
+          "max_answer_len": task.max_answer_len,
+          "seed": seed,
+      }
+  )
   path = os.path.join(workdir, f"warmstart-{key}")
   if os.path.isfile(os.path.join(path, "model.safetensors")):
     log.info("Reusing warm-started policy %s", path)
@@ -50,15 +62,28 @@ def prepare_model_dir(model: settings_lib.Model, warm: settings_lib.Warmstart,
   from flax import nnx  # pylint: disable=g-import-not-at-top
   from streamrl.models.transformer import Transformer  # pylint: disable=g-import-not-at-top
   from streamrl.trainer import sft  # pylint: disable=g-import-not-at-top
+
   policy = Transformer(cfg, rngs=nnx.Rngs(seed))
   if warm.steps:
-    pairs = [([char_tok.BOS_ID] + char_tok.encode(e.prompt),
-              char_tok.encode(e.answer) + [char_tok.EOS_ID]) for e in train_examples]
+    pairs = [
+        (
+            [char_tok.BOS_ID] + char_tok.encode(e.prompt),
+            char_tok.encode(e.answer) + [char_tok.EOS_ID],
+        )
+        for e in train_examples
+    ]
     seq_len = max(len(p) + len(a) for p, a in pairs)
     t0 = time.time()
-    policy, loss = sft.warm_start(policy, pairs, steps=warm.steps, batch_size=warm.batch_size,
-                                  lr=warm.lr, seq_len=seq_len + 1, seed=seed,
-                                  log_every=max(warm.steps // 5, 1))
+    policy, loss = sft.warm_start(
+        policy,
+        pairs,
+        steps=warm.steps,
+        batch_size=warm.batch_size,
+        lr=warm.lr,
+        seq_len=seq_len + 1,
+        seed=seed,
+        log_every=max(warm.steps // 5, 1),
+    )
     log.info("Warm-up: %d steps, final loss %.3f, %.0f s", warm.steps, loss, time.time() - t0)
   tmp = f"{path}.tmp{os.getpid()}"
   tiny.build_tiny_model_dir(tmp, cfg, model=policy)

@@ -15,12 +15,22 @@ from streamrl.pipeline import base, stream, sync
 
 def make_mode(s, rollout, scheduler, rounds) -> base.Mode:
   """The mode of settings `s` over `rollout`; `rounds(it)` gives iteration it's Round."""
-  kw = dict(sampling=s.sampling, seed=s.seed, group_size=s.advantage.group_size,
-            mini_batch_size=s.trainer.mini_batch_size)
+  kw = dict(
+      sampling=s.sampling,
+      seed=s.seed,
+      group_size=s.advantage.group_size,
+      mini_batch_size=s.trainer.mini_batch_size,
+  )
   mode = s.pipeline.mode
   if mode in ("colocated", "sync"):
     return sync.SyncMode(rollout, scheduler, rounds, **kw)
   if mode == "stream":
     return stream.StreamMode(rollout, scheduler, rounds, **kw)
-  return stream.AsyncMode(rollout, scheduler, rounds, max_staleness=s.pipeline.max_staleness,
-                          num_iterations=s.trainer.num_iterations, **kw)
+  return stream.AsyncMode(
+      rollout,
+      scheduler,
+      rounds,
+      max_staleness=s.pipeline.max_staleness,
+      num_iterations=s.trainer.num_iterations,
+      **kw,
+  )

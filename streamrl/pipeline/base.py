@@ -20,18 +20,20 @@ from streamrl.generator.rollout import Rollout, Sample, UpdateHandle
 @dataclasses.dataclass
 class Round:
   """One iteration's prompts, as generator requests."""
+
   it: int
-  requests: list           # (request id, prompt token ids)
-  examples_by_id: dict     # request id -> Example
-  loader_state: dict       # the loader position a checkpoint after this round holds
+  requests: list  # (request id, prompt token ids)
+  examples_by_id: dict  # request id -> Example
+  loader_state: dict  # the loader position a checkpoint after this round holds
 
 
 @dataclasses.dataclass
 class Generated:
   """What the mode measured of one round's generation."""
+
   round: Round
-  generation_s: float = 0.0   # first request sent -> last sample received
-  wait_s: float = 0.0         # how long the trainer waited for the round (async)
+  generation_s: float = 0.0  # first request sent -> last sample received
+  wait_s: float = 0.0  # how long the trainer waited for the round (async)
   scheduler_metrics: dict = dataclasses.field(default_factory=dict)
 
 
@@ -47,11 +49,20 @@ class Mode:
   sample of an iteration is scored before the first update (the trainer
   then need not copy its parameters to keep the old policy).
   """
+
   scores_up_front = True
 
-  def __init__(self, rollout: Rollout, scheduler, rounds: Callable[[int], Round], *,
-               sampling: settings_lib.Sampling, seed: int, group_size: int,
-               mini_batch_size: int):
+  def __init__(
+      self,
+      rollout: Rollout,
+      scheduler,
+      rounds: Callable[[int], Round],
+      *,
+      sampling: settings_lib.Sampling,
+      seed: int,
+      group_size: int,
+      mini_batch_size: int,
+  ):
     self.rollout = rollout
     self.scheduler = scheduler
     self.rounds = rounds
@@ -67,11 +78,15 @@ class Mode:
 
   def generate_round(self, rnd: Round) -> Iterator[Sample]:
     """Streams one round's samples, dispatched by the generation scheduler."""
-    assignments, caps = self.scheduler.plan(rnd.requests, rnd.examples_by_id,
-                                            seed=self.seed + rnd.it)
-    return self.rollout.generate(None if assignments else rnd.requests,
-                                 local.sampling_for(self.sampling, self.seed, rnd.it),
-                                 assignments=assignments, caps=caps)
+    assignments, caps = self.scheduler.plan(
+        rnd.requests, rnd.examples_by_id, seed=self.seed + rnd.it
+    )
+    return self.rollout.generate(
+        None if assignments else rnd.requests,
+        local.sampling_for(self.sampling, self.seed, rnd.it),
+        assignments=assignments,
+        caps=caps,
+    )
 
   def push(self, tensors, version: int) -> UpdateHandle:
     """Sends new weights; on-policy modes wait until every instance loaded them."""

@@ -67,8 +67,8 @@ class LengthBatcher:
     bucket.extend(group)
     out = []
     while len(bucket) >= self.size:
-      out.append(bucket[:self.size])
-      del bucket[:self.size]
+      out.append(bucket[: self.size])
+      del bucket[: self.size]
     return out
 
   def add_sample(self, sample) -> list[list]:
@@ -87,19 +87,24 @@ class LengthBatcher:
   def flush(self) -> list[list]:
     """What the buckets still hold, as length-sorted mini-batches."""
     if self._groups:
-      raise RuntimeError(f"The stream ended with {len(self._groups)} incomplete groups; "
-                         "a generator returned fewer samples than requested.")
+      raise RuntimeError(
+          f"The stream ended with {len(self._groups)} incomplete groups; "
+          "a generator returned fewer samples than requested."
+      )
     left = [x for key in sorted(self._buckets) for x in self._buckets[key]]
     self._buckets.clear()
     if len(left) % self.size:
-      raise RuntimeError(f"{len(left)} samples are left outside a full mini-batch of "
-                         f"{self.size}; prompts_per_iteration * group_size must be a multiple "
-                         "of mini_batch_size.")
-    return [left[i:i + self.size] for i in range(0, len(left), self.size)]
+      raise RuntimeError(
+          f"{len(left)} samples are left outside a full mini-batch of "
+          f"{self.size}; prompts_per_iteration * group_size must be a multiple "
+          "of mini_batch_size."
+      )
+    return [left[i : i + self.size] for i in range(0, len(left), self.size)]
 
 
 class StreamMode(base.Mode):
   """Trains each full length bucket while generation goes on."""
+
   scores_up_front = False  # scored as chunks arrive, some after updates
 
   def chunks(self, it: int):
@@ -111,8 +116,9 @@ class StreamMode(base.Mode):
       t_last = base.now()
       samples.append(s)
       yield from batcher.add_sample(s)
-    self.generated = base.Generated(rnd, generation_s=t_last - t0,
-                                    scheduler_metrics=self.scheduler.observe(samples))
+    self.generated = base.Generated(
+        rnd, generation_s=t_last - t0, scheduler_metrics=self.scheduler.observe(samples)
+    )
     yield from batcher.flush()
 
 
@@ -151,8 +157,9 @@ class AsyncMode(base.Mode):
 
   def _start(self, it: int) -> None:
     rnd = self.rounds(it)
-    self._thread = threading.Thread(target=self._generate, args=(rnd,),
-                                    name=f"generate-{it}", daemon=True)
+    self._thread = threading.Thread(
+        target=self._generate, args=(rnd,), name=f"generate-{it}", daemon=True
+    )
     self._thread.start()
 
   def _collect(self, it: int):
@@ -179,13 +186,16 @@ class AsyncMode(base.Mode):
     samples.sort(key=lambda s: s.prompt_id)
     stale = max(it - s.weight_version for s in samples)
     if stale > self.max_staleness:
-      raise RuntimeError(f"A sample of iteration {it} is {stale} versions old, beyond "
-                         f"max_staleness={self.max_staleness}; this is a bug.")
+      raise RuntimeError(
+          f"A sample of iteration {it} is {stale} versions old, beyond "
+          f"max_staleness={self.max_staleness}; this is a bug."
+      )
     # The next batch starts now, generated while this one trains.
     if it + 1 < self.num_iterations:
       self._start(it + 1)
-    self.generated = base.Generated(rnd, generation_s=generation_s, wait_s=wait_s,
-                                    scheduler_metrics=metrics)
+    self.generated = base.Generated(
+        rnd, generation_s=generation_s, wait_s=wait_s, scheduler_metrics=metrics
+    )
     yield samples
 
   def push(self, tensors, version: int):

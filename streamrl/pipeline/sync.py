@@ -18,6 +18,7 @@ class SyncMode(base.Mode):
     t0 = base.now()
     samples = sorted(self.generate_round(rnd), key=lambda s: s.prompt_id)
     generation_s = base.now() - t0
-    self.generated = base.Generated(rnd, generation_s=generation_s,
-                                    scheduler_metrics=self.scheduler.observe(samples))
+    self.generated = base.Generated(
+        rnd, generation_s=generation_s, scheduler_metrics=self.scheduler.observe(samples)
+    )
     yield samples

@@ -24,7 +24,7 @@ class Timeline:
   def copy_generator_intervals(self, busy_intervals) -> None:
     """Adds a rollout's new (instance, start, end, n) stream segments as
     stages generator0, generator1, ..."""
-    for i, start, end, _ in busy_intervals[self._copied:]:
+    for i, start, end, _ in busy_intervals[self._copied :]:
       self.add(f"generator{i}", start, end)
     self._copied = len(busy_intervals)
 
@@ -43,8 +43,11 @@ class Timeline:
 
   def busy_seconds(self, stage: str, t0: float, t1: float) -> float:
     """Union of the stage's intervals clipped to [t0, t1] (overlaps count once)."""
-    spans = sorted((max(s, t0), min(e, t1)) for st, s, e, _ in self.intervals
-                   if st == stage and e > t0 and s < t1)
+    spans = sorted(
+        (max(s, t0), min(e, t1))
+        for st, s, e, _ in self.intervals
+        if st == stage and e > t0 and s < t1
+    )
     total, cur_s, cur_e = 0.0, None, None
     for s, e in spans:
       if cur_e is None or s > cur_e:
@@ -68,5 +71,10 @@ class Timeline:
   def to_json(self, path: str, origin: float | None = None) -> None:
     origin = min((s for _, s, _, _ in self.intervals), default=0.0) if origin is None else origin
     with open(path, "w") as f:
-      json.dump([{"stage": st, "start": s - origin, "end": e - origin, "label": lb}
-                 for st, s, e, lb in self.intervals], f)
+      json.dump(
+          [
+              {"stage": st, "start": s - origin, "end": e - origin, "label": lb}
+              for st, s, e, lb in self.intervals
+          ],
+          f,
+      )

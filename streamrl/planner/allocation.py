@@ -93,10 +93,12 @@ class Allocation:
 
   def describe(self) -> str:
     where = "cross-DC" if self.cross_dc else "one DC"
-    return (f"gen {self.gen_gpus} x {self.gen_gpu} ({self.gen_pool}) + train {self.train_gpus} x "
-            f"{self.train_gpu} ({self.train_pool}), {where}: T_gen {self.t_gen:.1f} s, "
-            f"T_train {self.t_train:.1f} s, stage model {self.samples_per_s:.2f} samples/s, "
-            f"cost {self.cost:.2f}")
+    return (
+        f"gen {self.gen_gpus} x {self.gen_gpu} ({self.gen_pool}) + train {self.train_gpus} x "
+        f"{self.train_gpu} ({self.train_pool}), {where}: T_gen {self.t_gen:.1f} s, "
+        f"T_train {self.t_train:.1f} s, stage model {self.samples_per_s:.2f} samples/s, "
+        f"cost {self.cost:.2f}"
+    )
 
 
 class StageEstimator:
@@ -110,7 +112,9 @@ class StageEstimator:
     rng = np.random.default_rng([workload.seed, 7])
     # The same draws for every candidate (common random numbers), plus a
     # "recent history" draw for the dispatcher.
-    self._draws = [workload.lengths.sample(rng, workload.batch_size) for _ in range(workload.num_draws)]
+    self._draws = [
+        workload.lengths.sample(rng, workload.batch_size) for _ in range(workload.num_draws)
+    ]
     self._recent = workload.lengths.sample(rng, workload.batch_size)[1]
     for p, o in self._draws:
       if p.size == 0 or np.any(o <= 0):
@@ -123,7 +127,9 @@ class StageEstimator:
     return costs.default_tp(self.w.model, self.gpu(gpu_name))
 
   def gen_cost(self, gpu_name: str) -> GenCostModel:
-    return gen_cost(self.w.model, self.gpu(gpu_name), self.w.calib, self.w.lengths, tp=self.tp(gpu_name))
+    return gen_cost(
+        self.w.model, self.gpu(gpu_name), self.w.calib, self.w.lengths, tp=self.tp(gpu_name)
+    )
 
   def gen_time(self, gpu_name: str, num_gpus: int) -> float:
     key = (gpu_name, num_gpus)
@@ -134,11 +140,21 @@ class StageEstimator:
         self._gen[key] = math.inf
       else:
         gen = self.gen_cost(gpu_name)
-        times = [simulate_generation(gen, n_inst, p, o, scheduler=self.w.scheduler,
-                                     ranker_sigma=self.w.calib.ranker_sigma, recent_lengths=self._recent,
-                                     objective=self.w.calib.dispatch_objective, seed=self.w.seed + i,
-                                     latency_model=self.w.calib.dispatch_latency_model).makespan
-                 for i, (p, o) in enumerate(self._draws)]
+        times = [
+            simulate_generation(
+                gen,
+                n_inst,
+                p,
+                o,
+                scheduler=self.w.scheduler,
+                ranker_sigma=self.w.calib.ranker_sigma,
+                recent_lengths=self._recent,
+                objective=self.w.calib.dispatch_objective,
+                seed=self.w.seed + i,
+                latency_model=self.w.calib.dispatch_latency_model,
+            ).makespan
+            for i, (p, o) in enumerate(self._draws)
+        ]
         self._gen[key] = float(np.mean(times))
     return self._gen[key]
 
@@ -148,23 +164,45 @@ class StageEstimator:
       if num_gpus < 1:
         self._train[key] = math.inf
       else:
-        train = TrainCostModel.for_gpu(self.w.model, self.gpu(gpu_name), self.w.calib.mfu,
-                                       critic=self.w.calib.critic)
-        self._train[key] = float(np.mean([
-            train.iteration_seconds((p + o).astype(np.float64), num_gpus, self.w.calib.num_minibatches)
-            for p, o in self._draws]))
+        train = TrainCostModel.for_gpu(
+            self.w.model, self.gpu(gpu_name), self.w.calib.mfu, critic=self.w.calib.critic
+        )
+        self._train[key] = float(
+            np.mean(
+                [
+                    train.iteration_seconds(
+                        (p + o).astype(np.float64), num_gpus, self.w.calib.num_minibatches
+                    )
+                    for p, o in self._draws
+                ]
+            )
+        )
     return self._train[key]
 
   def allocation(self, gen_pool: Pool, x: int, train_pool: Pool, y: int) -> Allocation:
     cross = gen_pool.datacenter != train_pool.datacenter
     gen_gpu = self.gpu(gen_pool.gpu)
-    transfer = costs.weight_transfer_seconds(self.w.model, x, gen_gpu.gpus_per_machine,
-                                             inter_dc_link=costs.INTER_DC_LINK if cross else None)
+    transfer = costs.weight_transfer_seconds(
+        self.w.model,
+        x,
+        gen_gpu.gpus_per_machine,
+        inter_dc_link=costs.INTER_DC_LINK if cross else None,
+    )
     cost = x * gen_gpu.cost_per_gpu + y * self.gpu(train_pool.gpu).cost_per_gpu
-    return Allocation(gen_pool=gen_pool.name, gen_gpu=gen_pool.gpu, gen_gpus=x, train_pool=train_pool.name,
-                      train_gpu=train_pool.gpu, train_gpus=y, t_gen=self.gen_time(gen_pool.gpu, x),
-                      t_train=self.train_time(train_pool.gpu, y), transfer_s=transfer, cross_dc=cross,
-                      cost=cost, batch_size=self.w.batch_size)
+    return Allocation(
+        gen_pool=gen_pool.name,
+        gen_gpu=gen_pool.gpu,
+        gen_gpus=x,
+        train_pool=train_pool.name,
+        train_gpu=train_pool.gpu,
+        train_gpus=y,
+        t_gen=self.gen_time(gen_pool.gpu, x),
+        t_train=self.train_time(train_pool.gpu, y),
+        transfer_s=transfer,
+        cross_dc=cross,
+        cost=cost,
+        batch_size=self.w.batch_size,
+    )
 
 
 def _sizes(total: int, unit: int) -> list[int]:
@@ -176,13 +214,21 @@ def _key(a: Allocation, objective: str):
   return (-a.objective(objective), a.gen_gpus + a.train_gpus, -a.gen_gpus)
 
 
-def single_dc(pool: Pool, est: StageEstimator, *, unit: int = 8, objective: str = "throughput",
-              budget: int | None = None) -> list[Allocation]:
+def single_dc(
+    pool: Pool,
+    est: StageEstimator,
+    *,
+    unit: int = 8,
+    objective: str = "throughput",
+    budget: int | None = None,
+) -> list[Allocation]:
   """Algorithm 1, one DC: every x + y <= budget (multiples of unit), best first."""
   n = pool.num_gpus if budget is None else budget
   if n < 2 * unit:
-    raise ValueError(f"pool {pool.name!r} has {n} GPUs; a disaggregated plan needs at least "
-                     f"{2 * unit} (one {unit}-GPU unit per stage).")
+    raise ValueError(
+        f"pool {pool.name!r} has {n} GPUs; a disaggregated plan needs at least "
+        f"{2 * unit} (one {unit}-GPU unit per stage)."
+    )
   tp = est.tp(pool.gpu)
   options = []
   for x in _sizes(n - unit, unit):
@@ -195,8 +241,15 @@ def single_dc(pool: Pool, est: StageEstimator, *, unit: int = 8, objective: str 
   return sorted(options, key=lambda a: _key(a, objective))
 
 
-def shrink_faster(gen_pool: Pool, train_pool: Pool, est: StageEstimator, *, unit: int = 8,
-                  gen_budget: int | None = None, train_budget: int | None = None) -> list[Allocation]:
+def shrink_faster(
+    gen_pool: Pool,
+    train_pool: Pool,
+    est: StageEstimator,
+    *,
+    unit: int = 8,
+    gen_budget: int | None = None,
+    train_budget: int | None = None,
+) -> list[Allocation]:
   """Algorithm 1, two pools: full allocation, then shrink the faster stage.
 
   The faster stage shrinks to the size k minimising |T_faster(k) - T_slower|
@@ -209,11 +262,16 @@ def shrink_faster(gen_pool: Pool, train_pool: Pool, est: StageEstimator, *, unit
   n = train_pool.num_gpus if train_budget is None else train_budget
   full = est.allocation(gen_pool, m, train_pool, n)
   if not (math.isfinite(full.t_gen) and math.isfinite(full.t_train)):
-    raise ValueError(f"pools {gen_pool.name!r}/{train_pool.name!r} cannot hold one generator instance "
-                     "and one trainer GPU; add GPUs.")
+    raise ValueError(
+        f"pools {gen_pool.name!r}/{train_pool.name!r} cannot hold one generator instance "
+        "and one trainer GPU; add GPUs."
+    )
   if full.t_gen <= full.t_train:
-    cands = [est.allocation(gen_pool, k, train_pool, n) for k in _sizes(m, unit)
-             if k >= est.tp(gen_pool.gpu)]
+    cands = [
+        est.allocation(gen_pool, k, train_pool, n)
+        for k in _sizes(m, unit)
+        if k >= est.tp(gen_pool.gpu)
+    ]
     slower = full.t_train
     shrunk = lambda a: a.t_gen
   else:
@@ -223,8 +281,10 @@ def shrink_faster(gen_pool: Pool, train_pool: Pool, est: StageEstimator, *, unit
   ok = [a for a in cands if shrunk(a) <= slower] or [full]
   # Ties: the smaller allocation (releases more).
   chosen = min(ok, key=lambda a: (abs(shrunk(a) - slower), a.gen_gpus + a.train_gpus))
-  rest = sorted((a for a in cands if a is not chosen and a != full),
-                key=lambda a: (abs(shrunk(a) - slower), a.gen_gpus + a.train_gpus))
+  rest = sorted(
+      (a for a in cands if a is not chosen and a != full),
+      key=lambda a: (abs(shrunk(a) - slower), a.gen_gpus + a.train_gpus),
+  )
   return [chosen] + ([full] if full != chosen else []) + rest
 
 
@@ -235,8 +295,15 @@ class PlanResult:
   objective: str
 
 
-def plan(pools: Sequence[Pool], workload: Workload, *, objective: str = "throughput", unit: int = 8,
-         budgets: Mapping[str, int] | None = None, gpus: Mapping[str, GpuSpec] | None = None) -> PlanResult:
+def plan(
+    pools: Sequence[Pool],
+    workload: Workload,
+    *,
+    objective: str = "throughput",
+    unit: int = 8,
+    budgets: Mapping[str, int] | None = None,
+    gpus: Mapping[str, GpuSpec] | None = None,
+) -> PlanResult:
   """Best allocation over the given pools.
 
   One pool: Algorithm 1 (single DC). Several pools: every (gen pool, train
@@ -251,8 +318,10 @@ def plan(pools: Sequence[Pool], workload: Workload, *, objective: str = "through
   for p in pools:
     b = budgets.get(p.name, p.num_gpus)
     if b > p.num_gpus:
-      raise ValueError(f"the plan asks for {b} GPUs in pool {p.name!r}, but only {p.num_gpus} exist; "
-                       "lower the request or add GPUs to the pool.")
+      raise ValueError(
+          f"the plan asks for {b} GPUs in pool {p.name!r}, but only {p.num_gpus} exist; "
+          "lower the request or add GPUs to the pool."
+      )
   est = StageEstimator(workload, gpus)
   for p in pools:
     est.gpu(p.gpu)  # Unknown GPU types fail here, with one sentence.
@@ -265,8 +334,14 @@ def plan(pools: Sequence[Pool], workload: Workload, *, objective: str = "through
     for tp_ in pools:
       if gp is tp_:
         continue
-      options += shrink_faster(gp, tp_, est, unit=unit, gen_budget=budgets.get(gp.name, gp.num_gpus),
-                               train_budget=budgets.get(tp_.name, tp_.num_gpus))
+      options += shrink_faster(
+          gp,
+          tp_,
+          est,
+          unit=unit,
+          gen_budget=budgets.get(gp.name, gp.num_gpus),
+          train_budget=budgets.get(tp_.name, tp_.num_gpus),
+      )
   if not options:
     raise ValueError("no allocation is possible with these pools; add GPUs.")
   # Two-pool candidates are ranked by the rule above, the rest by objective.

@@ -43,8 +43,18 @@ class ElasticController:
     scheduler, ranker_sigma, objective, seed: as in simulate_generation.
   """
 
-  def __init__(self, gen: GenCostModel, start_instances: int, unit_instances: int, max_instances: int, *,
-               scheduler: str = "skew", ranker_sigma: float = 0.0, objective: str = "makespan", seed: int = 0):
+  def __init__(
+      self,
+      gen: GenCostModel,
+      start_instances: int,
+      unit_instances: int,
+      max_instances: int,
+      *,
+      scheduler: str = "skew",
+      ranker_sigma: float = 0.0,
+      objective: str = "makespan",
+      seed: int = 0,
+  ):
     if unit_instances < 1 or start_instances < 1:
       raise ValueError("start_instances and unit_instances must be >= 1.")
     self.gen = gen
@@ -59,10 +69,17 @@ class ElasticController:
     self._seen: set[int] = set()
 
   def estimate_gen(self, instances: int, stats: IterationStats) -> float:
-    return simulate_generation(self.gen, instances, stats.prompt_lens, stats.output_lens,
-                               scheduler=self.scheduler, ranker_sigma=self.sigma,
-                               recent_lengths=stats.output_lens, objective=self.objective,
-                               seed=self.seed + stats.index).makespan
+    return simulate_generation(
+        self.gen,
+        instances,
+        stats.prompt_lens,
+        stats.output_lens,
+        scheduler=self.scheduler,
+        ranker_sigma=self.sigma,
+        recent_lengths=stats.output_lens,
+        objective=self.objective,
+        seed=self.seed + stats.index,
+    ).makespan
 
   def __call__(self, j: int, finished: Sequence[IterationStats]) -> int:
     current = [s for s in finished if s.num_instances == self.x and s.index not in self._seen]
@@ -73,8 +90,16 @@ class ElasticController:
       gap = last.stage_gap
       # A unit that saves nothing (the stage is long-tail bound) is never added.
       added = gap > saving > 0
-      self.steps.append(ElasticStep(iteration=j, observed_iteration=last.index, instances=self.x, gap_s=gap,
-                                    saving_s=saving, added=added))
+      self.steps.append(
+          ElasticStep(
+              iteration=j,
+              observed_iteration=last.index,
+              instances=self.x,
+              gap_s=gap,
+              saving_s=saving,
+              added=added,
+          )
+      )
       if added:
         self.x += self.unit
     return self.x

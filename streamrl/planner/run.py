@@ -27,7 +27,9 @@ def lengths_from_config(cfg: Any):
   if kind == "paper":
     return PaperLengths(max_output=int(_get(cfg, "max_output", 20480)))
   if kind == "fixed":
-    return FixedLengths(prompt_len=int(_get(cfg, "prompt_len", 512)), output_len=int(_get(cfg, "output_len", 0)))
+    return FixedLengths(
+        prompt_len=int(_get(cfg, "prompt_len", 512)), output_len=int(_get(cfg, "output_len", 0))
+    )
   if kind == "empirical":
     outs = list(_get(cfg, "output_lens", ()) or ())
     prompts = _get(cfg, "prompt_lens", ()) or ()
@@ -41,17 +43,27 @@ def lengths_from_config(cfg: Any):
 def pools_from_config(cfg: Any) -> list[Pool]:
   pools = []
   for p in _get(cfg, "pools", ()) or ():
-    pools.append(Pool(name=str(_get(p, "name")), gpu=str(_get(p, "gpu")), num_gpus=int(_get(p, "num_gpus")),
-                      datacenter=str(_get(p, "datacenter", "dc0"))))
+    pools.append(
+        Pool(
+            name=str(_get(p, "name")),
+            gpu=str(_get(p, "gpu")),
+            num_gpus=int(_get(p, "num_gpus")),
+            datacenter=str(_get(p, "datacenter", "dc0")),
+        )
+    )
   return pools
 
 
 def calibration_from_config(cfg: Any, lengths) -> SystemCalibration:
   recall = _get(cfg, "ranker_recall", 0.87)
   sigma = sigma_for_recall(recall, lengths) if recall < 1 else 0.0
-  return SystemCalibration(gen=costs.paper_calibration(), mfu=float(_get(cfg, "mfu", 0.45)),
-                           ranker_sigma=sigma, num_minibatches=int(_get(cfg, "num_minibatches", 4)),
-                           dispatch_objective=str(_get(cfg, "dispatch_objective", "makespan")))
+  return SystemCalibration(
+      gen=costs.paper_calibration(),
+      mfu=float(_get(cfg, "mfu", 0.45)),
+      ranker_sigma=sigma,
+      num_minibatches=int(_get(cfg, "num_minibatches", 4)),
+      dispatch_objective=str(_get(cfg, "dispatch_objective", "makespan")),
+  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,14 +85,25 @@ def run_plan(config: Any) -> PlanReport:
   budgets = dict(_get(config, "request", {}) or {})
   unknown = sorted(set(budgets) - {p.name for p in pools})
   if unknown:
-    raise ValueError(f"the request names pools {unknown} that are not in cluster.pools; fix the pool names.")
-  w = Workload(model=model, lengths=lengths, calib=calib, batch_size=int(config.batch_size),
-               seed=int(_get(config, "seed", 0)))
+    raise ValueError(
+        f"the request names pools {unknown} that are not in cluster.pools; fix the pool names."
+    )
+  w = Workload(
+      model=model,
+      lengths=lengths,
+      calib=calib,
+      batch_size=int(config.batch_size),
+      seed=int(_get(config, "seed", 0)),
+  )
   res = plan(pools, w, objective=str(config.objective), unit=int(config.unit), budgets=budgets)
   best = res.best
   modes = ("stream", "async") if _get(config, "allow_async", True) else ("stream",)
-  predicted = {m: simulate_allocation(best, w, m, iterations=int(_get(config, "simulate_iterations", 3))).samples_per_s
-               for m in modes}
+  predicted = {
+      m: simulate_allocation(
+          best, w, m, iterations=int(_get(config, "simulate_iterations", 3))
+      ).samples_per_s
+      for m in modes
+  }
   mode = max(predicted, key=predicted.get)
   text = format_report(res, mode, predicted, top_k=int(_get(config, "top_k", 5)))
   return PlanReport(result=res, mode=mode, predicted=predicted, text=text)
@@ -88,19 +111,35 @@ def run_plan(config: Any) -> PlanReport:
 
 def simulate_allocation(a: Allocation, w: Workload, mode: str, *, iterations: int = 3):
   gen_gpu, train_gpu = costs.get_gpu(a.gen_gpu), costs.get_gpu(a.train_gpu)
-  cfg = disaggregated_config(mode, w.model, gen_gpu, a.gen_gpus, train_gpu, a.train_gpus, w.lengths, w.calib,
-                             cross_dc=a.cross_dc, batch_size=w.batch_size, iterations=iterations, seed=w.seed)
+  cfg = disaggregated_config(
+      mode,
+      w.model,
+      gen_gpu,
+      a.gen_gpus,
+      train_gpu,
+      a.train_gpus,
+      w.lengths,
+      w.calib,
+      cross_dc=a.cross_dc,
+      batch_size=w.batch_size,
+      iterations=iterations,
+      seed=w.seed,
+  )
   return simulate(cfg)
 
 
-def format_report(res: PlanResult, mode: str, predicted: Mapping[str, float], top_k: int = 5) -> str:
+def format_report(
+    res: PlanResult, mode: str, predicted: Mapping[str, float], top_k: int = 5
+) -> str:
   b = res.best
-  lines = [f"objective: {res.objective}",
-           f"chosen: {b.describe()}",
-           f"mode: {mode}  predicted (simulated) samples/s: "
-           + ", ".join(f"{m} {v:.3f}" for m, v in predicted.items()),
-           f"weight transfer per update: {b.transfer_s:.2f} s",
-           "runner-up options:"]
-  for a in res.options[1:1 + top_k]:
+  lines = [
+      f"objective: {res.objective}",
+      f"chosen: {b.describe()}",
+      f"mode: {mode}  predicted (simulated) samples/s: "
+      + ", ".join(f"{m} {v:.3f}" for m, v in predicted.items()),
+      f"weight transfer per update: {b.transfer_s:.2f} s",
+      "runner-up options:",
+  ]
+  for a in res.options[1 : 1 + top_k]:
     lines.append(f"  {a.describe()}  [{res.objective} {a.objective(res.objective):.4g}]")
   return "\n".join(lines)

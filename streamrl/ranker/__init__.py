@@ -4,6 +4,11 @@ from streamrl.ranker.data import append_pairs, char_tokenizer_fingerprint, finge
 from streamrl.ranker.metrics import ranking_metrics, recall_at_top, spearman
 
 __all__ = [
-    "append_pairs", "char_tokenizer_fingerprint", "fingerprint_tokenizer_dir", "load_pairs",
-    "ranking_metrics", "recall_at_top", "spearman",
+    "append_pairs",
+    "char_tokenizer_fingerprint",
+    "fingerprint_tokenizer_dir",
+    "load_pairs",
+    "ranking_metrics",
+    "recall_at_top",
+    "spearman",
 ]

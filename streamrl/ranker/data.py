@@ -18,10 +18,16 @@ Pair = tuple[tuple[int, ...], int]  # (prompt token ids, output length)
 
 
 def _check_pair(prompt_ids, length, where: str) -> Pair:
-  if not isinstance(prompt_ids, (list, tuple)) or not all(isinstance(t, int) and t >= 0 for t in prompt_ids):
-    raise ValueError(f"{where}: prompt_ids must be a list of non-negative ints; fix or drop that pair.")
+  if not isinstance(prompt_ids, (list, tuple)) or not all(
+      isinstance(t, int) and t >= 0 for t in prompt_ids
+  ):
+    raise ValueError(
+        f"{where}: prompt_ids must be a list of non-negative ints; fix or drop that pair."
+    )
   if isinstance(length, bool) or not isinstance(length, int) or length < 0:
-    raise ValueError(f"{where}: length must be a non-negative int, got {length!r}; fix or drop that pair.")
+    raise ValueError(
+        f"{where}: length must be a non-negative int, got {length!r}; fix or drop that pair."
+    )
   return tuple(prompt_ids), int(length)
 
 
@@ -48,8 +54,10 @@ def load_pairs(path: str | os.PathLike, *, last: int | None = None) -> list[Pair
   """Reads pairs from a JSONL file; `last` keeps only the most recent lines."""
   path = os.fspath(path)
   if not os.path.exists(path):
-    raise FileNotFoundError(f"pairs file {path} does not exist; generate pairs first (the RL loop "
-                            "appends them) or set config.data.pairs_path=None for synthetic pairs.")
+    raise FileNotFoundError(
+        f"pairs file {path} does not exist; generate pairs first (the RL loop "
+        "appends them) or set config.data.pairs_path=None for synthetic pairs."
+    )
   with open(path) as f:
     lines = collections.deque(f, maxlen=last) if last else f.readlines()
   out = []
@@ -102,7 +110,9 @@ def fingerprint_tokenizer_dir(model_dir: str | os.PathLike) -> tuple[int, str]:
   for added in tok.get("added_tokens", []):
     vocab[added["content"]] = added["id"]
   if not vocab:
-    raise ValueError(f"{path} has no model.vocab; only word-level/BPE tokenizer.json files are supported.")
+    raise ValueError(
+        f"{path} has no model.vocab; only word-level/BPE tokenizer.json files are supported."
+    )
   return max(vocab.values()) + 1, fingerprint_vocab(vocab)
 
 
@@ -113,7 +123,9 @@ def char_tokenizer_fingerprint() -> tuple[int, str]:
   return tokenizer.VOCAB_SIZE, fingerprint_vocab(tokenizer.vocab())
 
 
-def split_pairs(pairs: Sequence[Pair], eval_fraction: float, seed: int) -> tuple[list[Pair], list[Pair]]:
+def split_pairs(
+    pairs: Sequence[Pair], eval_fraction: float, seed: int
+) -> tuple[list[Pair], list[Pair]]:
   """Random (train, eval) split of pairs; eval gets round(eval_fraction * n)."""
   import numpy as np
 

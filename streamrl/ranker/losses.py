@@ -24,7 +24,9 @@ def log_mse_loss(score_b: jax.Array, length_b: jax.Array, weight_b: jax.Array) -
   return jnp.sum(weight_b * err_b**2) / jnp.maximum(jnp.sum(weight_b), 1.0)
 
 
-def pairwise_logistic_loss(score_b: jax.Array, length_b: jax.Array, weight_b: jax.Array) -> jax.Array:
+def pairwise_logistic_loss(
+    score_b: jax.Array, length_b: jax.Array, weight_b: jax.Array
+) -> jax.Array:
   """RankNet loss over all ordered pairs in the batch with different lengths.
 
   mean over {(i, j): len_i > len_j} of log(1 + exp(-(s_i - s_j))). Pairs of
@@ -36,13 +38,20 @@ def pairwise_logistic_loss(score_b: jax.Array, length_b: jax.Array, weight_b: ja
     scalar.
   """
   diff_bb = score_b[:, None] - score_b[None, :]
-  valid_bb = (length_b[:, None] > length_b[None, :]) & (weight_b[:, None] > 0) & (weight_b[None, :] > 0)
+  valid_bb = (
+      (length_b[:, None] > length_b[None, :]) & (weight_b[:, None] > 0) & (weight_b[None, :] > 0)
+  )
   valid_bb = valid_bb.astype(score_b.dtype)
   return jnp.sum(valid_bb * jax.nn.softplus(-diff_bb)) / jnp.maximum(jnp.sum(valid_bb), 1.0)
 
 
-def ranker_loss(score_b: jax.Array, length_b: jax.Array, weight_b: jax.Array, kind: str,
-                pair_weight: float = 1.0) -> tuple[jax.Array, dict[str, jax.Array]]:
+def ranker_loss(
+    score_b: jax.Array,
+    length_b: jax.Array,
+    weight_b: jax.Array,
+    kind: str,
+    pair_weight: float = 1.0,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
   """The configured loss: "mse", "pairwise" or "both" (mse + pair_weight * pairwise).
 
   Returns (loss, {"mse": ..., "pairwise": ...}) — both terms are always

@@ -30,7 +30,9 @@ def recall_at_top(predicted: Sequence[float], true: Sequence[float], fraction: f
   pred = np.asarray(predicted, dtype=np.float64).reshape(-1)
   true = np.asarray(true, dtype=np.float64).reshape(-1)
   if pred.shape != true.shape or pred.size == 0:
-    raise ValueError(f"need equally many predictions and lengths (> 0), got {pred.size} and {true.size}.")
+    raise ValueError(
+        f"need equally many predictions and lengths (> 0), got {pred.size} and {true.size}."
+    )
   if not 0 < fraction <= 1:
     raise ValueError(f"fraction must be in (0, 1], got {fraction}.")
   k = max(1, int(round(fraction * pred.size)))

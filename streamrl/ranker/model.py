@@ -22,8 +22,14 @@ class _Block(nnx.Module):
 
   def __init__(self, d_model: int, num_heads: int, mlp_dim: int, *, rngs: nnx.Rngs):
     self.ln1 = nnx.LayerNorm(d_model, rngs=rngs)
-    self.attn = nnx.MultiHeadAttention(num_heads=num_heads, in_features=d_model, decode=False,
-                                       deterministic=True, keep_rngs=False, rngs=rngs)
+    self.attn = nnx.MultiHeadAttention(
+        num_heads=num_heads,
+        in_features=d_model,
+        decode=False,
+        deterministic=True,
+        keep_rngs=False,
+        rngs=rngs,
+    )
     self.ln2 = nnx.LayerNorm(d_model, rngs=rngs)
     self.mlp_in = nnx.Linear(d_model, mlp_dim, rngs=rngs)
     self.mlp_out = nnx.Linear(mlp_dim, d_model, rngs=rngs)
@@ -42,13 +48,24 @@ class LengthRanker(nnx.Module):
     d_model, num_layers, num_heads, mlp_dim: size of the encoder.
   """
 
-  def __init__(self, vocab_size: int, max_len: int, *, d_model: int = 64, num_layers: int = 2,
-               num_heads: int = 4, mlp_dim: int = 128, rngs: nnx.Rngs):
+  def __init__(
+      self,
+      vocab_size: int,
+      max_len: int,
+      *,
+      d_model: int = 64,
+      num_layers: int = 2,
+      num_heads: int = 4,
+      mlp_dim: int = 128,
+      rngs: nnx.Rngs,
+  ):
     self.vocab_size = vocab_size
     self.max_len = max_len
     self.embed = nnx.Embed(vocab_size, d_model, rngs=rngs)
     self.pos = nnx.Embed(max_len, d_model, rngs=rngs)
-    self.blocks = nnx.List([_Block(d_model, num_heads, mlp_dim, rngs=rngs) for _ in range(num_layers)])
+    self.blocks = nnx.List(
+        [_Block(d_model, num_heads, mlp_dim, rngs=rngs) for _ in range(num_layers)]
+    )
     self.ln_f = nnx.LayerNorm(d_model, rngs=rngs)
     self.pool_query = nnx.Linear(d_model, 1, rngs=rngs)
     self.head_in = nnx.Linear(2 * d_model + 1, mlp_dim, rngs=rngs)

@@ -51,15 +51,23 @@ def _make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransfor
   # Constant after warmup (no decay): the ranker keeps learning online during
   # RL, and a schedule that decays to zero would freeze it.
   lr = optax.warmup_constant_schedule(0.0, config.optim.lr, max(1, config.optim.warmup_steps))
-  return optax.chain(optax.clip_by_global_norm(config.optim.clip),
-                     optax.adamw(lr, weight_decay=config.optim.weight_decay))
+  return optax.chain(
+      optax.clip_by_global_norm(config.optim.clip),
+      optax.adamw(lr, weight_decay=config.optim.weight_decay),
+  )
 
 
 class RankerTrainer:
   """Length ranker + optimizer + bookkeeping. See the module docstring."""
 
-  def __init__(self, config: ml_collections.ConfigDict, *, vocab_size: int, tokenizer_fingerprint: str,
-               workdir: str | None = None):
+  def __init__(
+      self,
+      config: ml_collections.ConfigDict,
+      *,
+      vocab_size: int,
+      tokenizer_fingerprint: str,
+      workdir: str | None = None,
+  ):
     if config.loss not in LOSSES:
       raise ValueError(f"config.loss must be one of {LOSSES}, got {config.loss!r}.")
     self.config = config
@@ -69,13 +77,22 @@ class RankerTrainer:
     self.step = 0
     self._buckets = _buckets(config)
     m = config.model
-    model = LengthRanker(self.vocab_size, int(m.max_len), d_model=m.d_model, num_layers=m.num_layers,
-                         num_heads=m.num_heads, mlp_dim=m.mlp_dim, rngs=nnx.Rngs(config.seed))
+    model = LengthRanker(
+        self.vocab_size,
+        int(m.max_len),
+        d_model=m.d_model,
+        num_layers=m.num_layers,
+        num_heads=m.num_heads,
+        mlp_dim=m.mlp_dim,
+        rngs=nnx.Rngs(config.seed),
+    )
     self._graphdef, self.params = nnx.split(model)
     self._tx = _make_optimizer(config)
     self.opt_state = self._tx.init(self.params)
     self._train_step = self._build_train_step()
-    self._score = jax.jit(lambda params, tokens_bt, mask_bt: nnx.merge(self._graphdef, params)(tokens_bt, mask_bt))
+    self._score = jax.jit(
+        lambda params, tokens_bt, mask_bt: nnx.merge(self._graphdef, params)(tokens_bt, mask_bt)
+    )
     self._writer = None
     self._ckpt = None
 
@@ -99,7 +116,9 @@ class RankerTrainer:
 
     return jax.jit(train_step, donate_argnums=(0, 1))
 
-  def _pad(self, prompts: Sequence[Sequence[int]], rows: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+  def _pad(
+      self, prompts: Sequence[Sequence[int]], rows: int | None = None
+  ) -> tuple[np.ndarray, np.ndarray]:
     """[rows, bucket] int32 tokens and bool mask; prompts longer than max_len keep their head."""
     max_len = self._buckets[-1]
     lens = [min(len(p), max_len) for p in prompts]
@@ -111,8 +130,10 @@ class RankerTrainer:
     for i, (p, n) in enumerate(zip(prompts, lens)):
       arr = np.asarray(p[:n], dtype=np.int64)
       if arr.size and (arr.min() < 0 or arr.max() >= self.vocab_size):
-        raise ValueError(f"prompt {i} has token ids outside [0, {self.vocab_size}); the ranker was built for "
-                         f"a vocabulary of {self.vocab_size} — use a ranker trained with the policy's tokenizer.")
+        raise ValueError(
+            f"prompt {i} has token ids outside [0, {self.vocab_size}); the ranker was built for "
+            f"a vocabulary of {self.vocab_size} — use a ranker trained with the policy's tokenizer."
+        )
       tokens[i, :n] = arr
       mask[i, :n] = True
     return tokens, mask
@@ -136,8 +157,16 @@ class RankerTrainer:
 
   # ------------------------------------------------------------------ public
 
-  def fit(self, pairs: Sequence[ranker_data.Pair], steps: int, *, eval_pairs: Sequence[ranker_data.Pair] = (),
-          log_every: int | None = None, eval_every: int | None = None, prefix: str = "train") -> dict[str, float]:
+  def fit(
+      self,
+      pairs: Sequence[ranker_data.Pair],
+      steps: int,
+      *,
+      eval_pairs: Sequence[ranker_data.Pair] = (),
+      log_every: int | None = None,
+      eval_every: int | None = None,
+      prefix: str = "train",
+  ) -> dict[str, float]:
     """Trains `steps` steps on minibatches drawn uniformly from `pairs`.
 
     Returns the mean training metrics over the last `log_every` steps, plus
@@ -159,8 +188,9 @@ class RankerTrainer:
     for _ in range(steps):
       idx = rng.integers(len(pairs), size=bsz)
       tokens, mask = self._pad([prompts[i] for i in idx])
-      self.params, self.opt_state, m = self._train_step(self.params, self.opt_state, tokens, mask,
-                                                        lengths[idx], weight)
+      self.params, self.opt_state, m = self._train_step(
+          self.params, self.opt_state, tokens, mask, lengths[idx], weight
+      )
       self.step += 1
       window.append(m)
       if self.step % log_every == 0 or _ == steps - 1:
@@ -182,11 +212,11 @@ class RankerTrainer:
     were not seen yet, so this is an honest held-out measure of how well the
     ranker tracked the drifting policy.
     """
-    recent = list(pairs)[-int(self.config.online.window):]
+    recent = list(pairs)[-int(self.config.online.window) :]
     if not recent:
       return {}
     out = {}
-    newest = recent[-int(self.config.online.eval_newest):]
+    newest = recent[-int(self.config.online.eval_newest) :]
     if len(newest) >= 20:
       out.update({f"pre_{k}": v for k, v in self.evaluate(newest).items()})
       self.log_scalars("online", {k: v for k, v in out.items()})
@@ -205,9 +235,9 @@ class RankerTrainer:
     chunk = int(self.config.predict_batch)
     scores = np.zeros((n,), np.float64)
     for s in range(0, n, chunk):
-      part = prompt_ids_list[s:s + chunk]
+      part = prompt_ids_list[s : s + chunk]
       tokens, mask = self._pad(part, rows=chunk)  # Fixed rows: one program per bucket.
-      scores[s:s + len(part)] = np.asarray(self._score(self.params, tokens, mask))[:len(part)]
+      scores[s : s + len(part)] = np.asarray(self._score(self.params, tokens, mask))[: len(part)]
     return np.expm1(scores)
 
   def evaluate(self, pairs: Sequence[ranker_data.Pair]) -> dict[str, float]:
@@ -216,8 +246,11 @@ class RankerTrainer:
     true = np.asarray([n for _, n in pairs], np.float64)
     out = ranking_metrics(pred, true)
     # Pairwise-trained scores are not lengths, so their log-error means nothing.
-    out["log_mse"] = (math.nan if self.config.loss == "pairwise"
-                      else float(np.mean((np.log1p(pred) - np.log1p(true)) ** 2)))
+    out["log_mse"] = (
+        math.nan
+        if self.config.loss == "pairwise"
+        else float(np.mean((np.log1p(pred) - np.log1p(true)) ** 2))
+    )
     return out
 
   # ------------------------------------------------------------- checkpoints
@@ -228,24 +261,36 @@ class RankerTrainer:
     if self._ckpt is None:
       self._ckpt = ocp.CheckpointManager(
           os.path.abspath(os.path.join(self.workdir, CHECKPOINT_DIR)),
-          options=ocp.CheckpointManagerOptions(max_to_keep=int(self.config.max_to_keep), create=True))
+          options=ocp.CheckpointManagerOptions(
+              max_to_keep=int(self.config.max_to_keep), create=True
+          ),
+      )
     return self._ckpt
 
   def save(self) -> str:
     """Saves params, optimizer state, step, config and tokenizer identity; returns the path."""
     mngr = self._manager()
-    meta = {"step": self.step, "vocab_size": self.vocab_size,
-            "tokenizer_fingerprint": self.tokenizer_fingerprint,
-            "config": json.loads(self.config.to_json())}
+    meta = {
+        "step": self.step,
+        "vocab_size": self.vocab_size,
+        "tokenizer_fingerprint": self.tokenizer_fingerprint,
+        "config": json.loads(self.config.to_json()),
+    }
     state = {"params": self.params, "opt_state": self.opt_state}
-    mngr.save(self.step, args=ocp.args.Composite(state=ocp.args.StandardSave(_np_tree(state)),
-                                                  meta=ocp.args.JsonSave(meta)), force=True)
+    mngr.save(
+        self.step,
+        args=ocp.args.Composite(
+            state=ocp.args.StandardSave(_np_tree(state)), meta=ocp.args.JsonSave(meta)
+        ),
+        force=True,
+    )
     mngr.wait_until_finished()
     return os.path.join(mngr.directory, str(self.step))
 
   @classmethod
-  def restore(cls, workdir: str, *, vocab_size: int, tokenizer_fingerprint: str,
-              step: int | None = None) -> "RankerTrainer":
+  def restore(
+      cls, workdir: str, *, vocab_size: int, tokenizer_fingerprint: str, step: int | None = None
+  ) -> "RankerTrainer":
     """Rebuilds a trainer from `workdir`'s latest (or given) checkpoint.
 
     Refuses (ValueError) a checkpoint trained for a different tokenizer or
@@ -254,23 +299,35 @@ class RankerTrainer:
     """
     ckpt_dir = os.path.abspath(os.path.join(workdir, CHECKPOINT_DIR))
     if not os.path.isdir(ckpt_dir):
-      raise FileNotFoundError(f"no ranker checkpoints under {ckpt_dir}; train one with "
-                              "launch/train_ranker.py --workdir=... first.")
+      raise FileNotFoundError(
+          f"no ranker checkpoints under {ckpt_dir}; train one with "
+          "launch/train_ranker.py --workdir=... first."
+      )
     with ocp.CheckpointManager(ckpt_dir) as mngr:
       step = mngr.latest_step() if step is None else step
       if step is None:
         raise FileNotFoundError(f"no ranker checkpoints under {ckpt_dir}; train one first.")
       meta = mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-      if int(meta["vocab_size"]) != int(vocab_size) or meta["tokenizer_fingerprint"] != tokenizer_fingerprint:
+      if (
+          int(meta["vocab_size"]) != int(vocab_size)
+          or meta["tokenizer_fingerprint"] != tokenizer_fingerprint
+      ):
         raise ValueError(
             f"ranker checkpoint {ckpt_dir}/{step} was trained for a tokenizer with vocab size "
             f"{meta['vocab_size']} (fingerprint {meta['tokenizer_fingerprint']}), but the policy's has "
             f"{vocab_size} ({tokenizer_fingerprint}); retrain the ranker on this policy's tokenizer "
-            "(launch/train_ranker.py) or point at the matching checkpoint.")
-      trainer = cls(ml_collections.ConfigDict(meta["config"]), vocab_size=vocab_size,
-                    tokenizer_fingerprint=tokenizer_fingerprint, workdir=workdir)
+            "(launch/train_ranker.py) or point at the matching checkpoint."
+        )
+      trainer = cls(
+          ml_collections.ConfigDict(meta["config"]),
+          vocab_size=vocab_size,
+          tokenizer_fingerprint=tokenizer_fingerprint,
+          workdir=workdir,
+      )
       target = _np_tree({"params": trainer.params, "opt_state": trainer.opt_state})
-      state = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))["state"]
+      state = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(target)))[
+          "state"
+      ]
     trainer.params = jax.tree.map(jnp.asarray, state["params"])
     trainer.opt_state = jax.tree.map(jnp.asarray, state["opt_state"])
     trainer.step = int(meta["step"])
@@ -309,7 +366,9 @@ def load_dataset(config: ml_collections.ConfigDict) -> tuple[list, list]:
   return train, evals
 
 
-def baseline_metrics(eval_pairs: Sequence[ranker_data.Pair], seed: int = 0) -> dict[str, dict[str, float]]:
+def baseline_metrics(
+    eval_pairs: Sequence[ranker_data.Pair], seed: int = 0
+) -> dict[str, dict[str, float]]:
   """Reference points: a random ranker and "longer prompt, longer answer"."""
   true = np.asarray([n for _, n in eval_pairs], np.float64)
   rand = np.random.default_rng(seed).random(len(eval_pairs))
@@ -326,10 +385,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
   train, evals = load_dataset(config)
   ckpt_dir = os.path.join(workdir, CHECKPOINT_DIR)
   if os.path.isdir(ckpt_dir) and os.listdir(ckpt_dir):
-    trainer = RankerTrainer.restore(workdir, vocab_size=vocab_size, tokenizer_fingerprint=fingerprint)
+    trainer = RankerTrainer.restore(
+        workdir, vocab_size=vocab_size, tokenizer_fingerprint=fingerprint
+    )
     _log.info("resumed ranker from step %d", trainer.step)
   else:
-    trainer = RankerTrainer(config, vocab_size=vocab_size, tokenizer_fingerprint=fingerprint, workdir=workdir)
+    trainer = RankerTrainer(
+        config, vocab_size=vocab_size, tokenizer_fingerprint=fingerprint, workdir=workdir
+    )
   for name, m in baseline_metrics(evals, config.seed).items():
     trainer.log_scalars(f"baseline_{name}", m, step=0)
     _log.info("baseline %s: %s", name, _fmt(m))

@@ -87,9 +87,7 @@ def sequence_to_tokens(values_b: Array, mask_bt: Array) -> Array:
   return values_b[:, None] * as_mask(mask_bt, values_b)
 
 
-def _reverse_gae_scan(
-    rewards_bt: Array, values_bt: Array, mask_bt: Array, gamma, lam
-) -> Array:
+def _reverse_gae_scan(rewards_bt: Array, values_bt: Array, mask_bt: Array, gamma, lam) -> Array:
   """Backward recursion shared by GAE and discounted returns.
 
   For valid tokens, with t' the next *valid* token after t (none → V = A = 0):
@@ -110,12 +108,10 @@ def _reverse_gae_scan(
     r_b, v_b, valid_b = xs
     delta_b = r_b + gamma * next_value_b - v_b
     adv_b = delta_b + gamma * lam * next_adv_b
-    carry = (jnp.where(valid_b, v_b, next_value_b),
-             jnp.where(valid_b, adv_b, next_adv_b))
+    carry = (jnp.where(valid_b, v_b, next_value_b), jnp.where(valid_b, adv_b, next_adv_b))
     return carry, jnp.where(valid_b, adv_b, 0.0)
 
-  _, adv_tb = jax.lax.scan(step, (zeros_b, zeros_b), (r_tb, v_tb, valid_tb),
-                           reverse=True)
+  _, adv_tb = jax.lax.scan(step, (zeros_b, zeros_b), (r_tb, v_tb, valid_tb), reverse=True)
   return adv_tb.T
 
 
@@ -155,9 +151,7 @@ def gae(
   return adv_bt, returns_bt
 
 
-def discounted_returns(
-    rewards_bt: Array, mask_bt: Array, gamma: float | Array = 1.0
-) -> Array:
+def discounted_returns(rewards_bt: Array, mask_bt: Array, gamma: float | Array = 1.0) -> Array:
   """Return-to-go over valid tokens: G_t = r_t + gamma · G_{t'}.
 
   t' is the next valid token (none → 0), so for right-padded masks this is the
@@ -167,13 +161,10 @@ def discounted_returns(
   the mask).
   """
   rewards_bt = as_float(rewards_bt)
-  return _reverse_gae_scan(rewards_bt, jnp.zeros_like(rewards_bt), mask_bt,
-                           gamma, 1.0)
+  return _reverse_gae_scan(rewards_bt, jnp.zeros_like(rewards_bt), mask_bt, gamma, 1.0)
 
 
-def whiten(
-    x_bt: Array, mask_bt: Array, *, shift_mean: bool = True, eps: float = 1e-8
-) -> Array:
+def whiten(x_bt: Array, mask_bt: Array, *, shift_mean: bool = True, eps: float = 1e-8) -> Array:
   """Normalises ``x`` over its valid entries (all of them, batch-wide).
 
     y = (x - mean) / sqrt(var + eps)          (shift_mean=True)
@@ -204,13 +195,15 @@ def _check_groups(rewards_b: Array, group_size: int) -> int:
     raise ValueError(
         f"group_size must be a positive integer known at trace time, got "
         f"{group_size!r}; pass the number of samples per prompt "
-        "(config: rl.group_size) as a static argument.")
+        "(config: rl.group_size) as a static argument."
+    )
   group_size = k
   if rewards_b.ndim != 1 or rewards_b.shape[0] % group_size:
     raise ValueError(
         f"rewards_b has shape {rewards_b.shape}, which is not a flat batch of "
         f"whole groups of {group_size}; lay the batch out as [G * K] with the "
-        "K samples of each prompt next to each other.")
+        "K samples of each prompt next to each other."
+    )
   return k
 
 
@@ -249,8 +242,7 @@ def grpo_advantages(
   centered_gk = jnp.where(same_g1, 0.0, centered_gk)
   if normalize_std:
     denom = max(group_size - std_ddof, 1)
-    std_g1 = jnp.sqrt(jnp.sum(jnp.square(centered_gk), -1, keepdims=True)
-                      / denom)
+    std_g1 = jnp.sqrt(jnp.sum(jnp.square(centered_gk), -1, keepdims=True) / denom)
     centered_gk = centered_gk / (std_g1 + eps)
   return centered_gk.reshape(-1)
 
@@ -273,7 +265,8 @@ def rloo_advantages(rewards_b: Array, group_size: int) -> Array:
   if group_size < 2:
     raise ValueError(
         "RLOO needs at least 2 samples per prompt for its leave-one-out "
-        f"baseline, got group_size={group_size}; raise rl.group_size.")
+        f"baseline, got group_size={group_size}; raise rl.group_size."
+    )
   r_gk = rewards_b.reshape(-1, group_size)
   baseline_gk = (jnp.sum(r_gk, -1, keepdims=True) - r_gk) / (group_size - 1)
   adv_gk = r_gk - baseline_gk
@@ -327,21 +320,39 @@ class AdvantageEstimator(Protocol):
     the sequence reward broadcast to tokens for "grpo"/"rloo".
   """
 
-  def __call__(self, rewards_bt: Array, mask_bt: Array, *,
-               values_bt: Array | None = None, group_size: int = 1,
-               gamma: float | Array = 1.0, lam: float | Array = 1.0,
-               eps: float = 1e-6, normalize_std: bool = True
-               ) -> tuple[Array, Array]:
+  def __call__(
+      self,
+      rewards_bt: Array,
+      mask_bt: Array,
+      *,
+      values_bt: Array | None = None,
+      group_size: int = 1,
+      gamma: float | Array = 1.0,
+      lam: float | Array = 1.0,
+      eps: float = 1e-6,
+      normalize_std: bool = True,
+  ) -> tuple[Array, Array]:
     ...
 
 
-def _gae_estimator(rewards_bt, mask_bt, *, values_bt=None, group_size=1,
-                   gamma=1.0, lam=1.0, eps=1e-6, normalize_std=True):
+def _gae_estimator(
+    rewards_bt,
+    mask_bt,
+    *,
+    values_bt=None,
+    group_size=1,
+    gamma=1.0,
+    lam=1.0,
+    eps=1e-6,
+    normalize_std=True,
+):
   del group_size, eps, normalize_std
   if values_bt is None:
-    raise ValueError("The 'gae' advantage estimator needs critic values "
-                     "(values_bt); enable the critic or pick 'grpo', 'rloo' "
-                     "or 'reinforce_pp'.")
+    raise ValueError(
+        "The 'gae' advantage estimator needs critic values "
+        "(values_bt); enable the critic or pick 'grpo', 'rloo' "
+        "or 'reinforce_pp'."
+    )
   return gae(rewards_bt, values_bt, mask_bt, gamma, lam)
 
 
@@ -350,29 +361,54 @@ def _outcome(fn, rewards_bt, mask_bt):
   rewards_bt = as_float(rewards_bt)
   rewards_b = jnp.sum(rewards_bt * as_mask(mask_bt, rewards_bt), axis=-1)
   adv_b = fn(rewards_b)
-  return (sequence_to_tokens(adv_b, mask_bt),
-          sequence_to_tokens(rewards_b, mask_bt))
+  return (sequence_to_tokens(adv_b, mask_bt), sequence_to_tokens(rewards_b, mask_bt))
 
 
-def _grpo_estimator(rewards_bt, mask_bt, *, values_bt=None, group_size=1,
-                    gamma=1.0, lam=1.0, eps=1e-6, normalize_std=True):
+def _grpo_estimator(
+    rewards_bt,
+    mask_bt,
+    *,
+    values_bt=None,
+    group_size=1,
+    gamma=1.0,
+    lam=1.0,
+    eps=1e-6,
+    normalize_std=True,
+):
   del values_bt, gamma, lam
   return _outcome(
-      lambda r: grpo_advantages(r, group_size, eps=eps,
-                                normalize_std=normalize_std),
-      rewards_bt, mask_bt)
+      lambda r: grpo_advantages(r, group_size, eps=eps, normalize_std=normalize_std),
+      rewards_bt,
+      mask_bt,
+  )
 
 
-def _rloo_estimator(rewards_bt, mask_bt, *, values_bt=None, group_size=1,
-                    gamma=1.0, lam=1.0, eps=1e-6, normalize_std=True):
+def _rloo_estimator(
+    rewards_bt,
+    mask_bt,
+    *,
+    values_bt=None,
+    group_size=1,
+    gamma=1.0,
+    lam=1.0,
+    eps=1e-6,
+    normalize_std=True,
+):
   del values_bt, gamma, lam, eps, normalize_std
-  return _outcome(lambda r: rloo_advantages(r, group_size), rewards_bt,
-                  mask_bt)
+  return _outcome(lambda r: rloo_advantages(r, group_size), rewards_bt, mask_bt)
 
 
-def _reinforce_pp_estimator(rewards_bt, mask_bt, *, values_bt=None,
-                            group_size=1, gamma=1.0, lam=1.0, eps=1e-6,
-                            normalize_std=True):
+def _reinforce_pp_estimator(
+    rewards_bt,
+    mask_bt,
+    *,
+    values_bt=None,
+    group_size=1,
+    gamma=1.0,
+    lam=1.0,
+    eps=1e-6,
+    normalize_std=True,
+):
   del values_bt, group_size, lam, eps, normalize_std
   return reinforce_pp_advantages(rewards_bt, mask_bt, gamma)
 
@@ -392,4 +428,5 @@ def get_advantage_estimator(name: str) -> AdvantageEstimator:
   except KeyError:
     raise ValueError(
         f"Unknown advantage estimator {name!r}; set it to one of "
-        f"{sorted(ADVANTAGE_ESTIMATORS)}.") from None
+        f"{sorted(ADVANTAGE_ESTIMATORS)}."
+    ) from None

@@ -78,16 +78,16 @@ def truncated_is_weights(
     weights_bt: [B, T].
   """
   if level not in IS_LEVELS:
-    raise ValueError(f"Unknown importance-weight level {level!r}; set it to "
-                     f"one of {list(IS_LEVELS)}.")
+    raise ValueError(
+        f"Unknown importance-weight level {level!r}; set it to " f"one of {list(IS_LEVELS)}."
+    )
   log_ratio_bt, m = _log_ratio(trainer_logp_bt, generator_logp_bt, mask_bt)
   log_cap = jnp.log(jnp.asarray(cap, log_ratio_bt.dtype))
   if level == "token":
     w_bt = jnp.exp(jnp.minimum(log_ratio_bt, log_cap))
   else:
     log_ratio_b = jnp.sum(log_ratio_bt, axis=-1, keepdims=True)
-    w_bt = jnp.broadcast_to(jnp.exp(jnp.minimum(log_ratio_b, log_cap)),
-                            log_ratio_bt.shape)
+    w_bt = jnp.broadcast_to(jnp.exp(jnp.minimum(log_ratio_b, log_cap)), log_ratio_bt.shape)
   return jax.lax.stop_gradient(w_bt * m)
 
 
@@ -129,11 +129,11 @@ def rollout_correction_weights(
     weights_bt: [B, T].
   """
   if mode not in ROLLOUT_CORRECTIONS:
-    raise ValueError(f"Unknown rollout correction {mode!r}; set it to one of "
-                     f"{list(ROLLOUT_CORRECTIONS)}.")
+    raise ValueError(
+        f"Unknown rollout correction {mode!r}; set it to one of " f"{list(ROLLOUT_CORRECTIONS)}."
+    )
   if mode == "tis":
-    return truncated_is_weights(old_logp_bt, gen_logp_bt, mask_bt, is_cap,
-                                level)
+    return truncated_is_weights(old_logp_bt, gen_logp_bt, mask_bt, is_cap, level)
   log_ratio_bt, m = _log_ratio(old_logp_bt, gen_logp_bt, mask_bt)
   if mode == "none":
     return m
@@ -145,8 +145,9 @@ def rollout_correction_weights(
   return jax.lax.stop_gradient(m * keep_b[:, None])
 
 
-def mismatch_metrics(trainer_logp_bt: Array, gen_logp_bt: Array,
-                     mask_bt: Array) -> dict[str, Array]:
+def mismatch_metrics(
+    trainer_logp_bt: Array, gen_logp_bt: Array, mask_bt: Array
+) -> dict[str, Array]:
   """How far the generator's logprobs are from the trainer's, for logging.
 
   With r = exp(trainer - gen) on valid tokens:

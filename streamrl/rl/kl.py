@@ -58,5 +58,6 @@ def get_kl_estimator(name: str) -> Callable[[Array, Array], Array]:
   try:
     return KL_ESTIMATORS[name]
   except KeyError:
-    raise ValueError(f"Unknown KL estimator {name!r}; set it to one of "
-                     f"{sorted(KL_ESTIMATORS)}.") from None
+    raise ValueError(
+        f"Unknown KL estimator {name!r}; set it to one of " f"{sorted(KL_ESTIMATORS)}."
+    ) from None

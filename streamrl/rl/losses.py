@@ -22,13 +22,11 @@ Array = jax.Array
 # any clip range, and an inf ratio would turn a zero gradient into 0 * inf = NaN.
 MAX_LOG_RATIO = 20.0
 
-AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum",
-             "token_sum_norm")
+AGG_MODES = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "token_sum_norm")
 
 
 def aggregate(
-    x_bt: Array, mask_bt: Array, mode: str = "token_mean",
-    norm_constant: float | None = None
+    x_bt: Array, mask_bt: Array, mode: str = "token_mean", norm_constant: float | None = None
 ) -> Array:
   """Reduces a per-token quantity to a scalar.
 
@@ -73,11 +71,11 @@ def aggregate(
     b, t = x_bt.shape
     const = t if norm_constant is None else norm_constant
     if isinstance(const, (int, float)) and const <= 0:
-      raise ValueError(f"norm_constant must be > 0, got {const}; set it to the "
-                       "maximum response length.")
+      raise ValueError(
+          f"norm_constant must be > 0, got {const}; set it to the " "maximum response length."
+      )
     return jnp.sum(x_bt * m) / (b * const)
-  raise ValueError(f"Unknown loss aggregation {mode!r}; set it to one of "
-                   f"{list(AGG_MODES)}.")
+  raise ValueError(f"Unknown loss aggregation {mode!r}; set it to one of " f"{list(AGG_MODES)}.")
 
 
 def ppo_policy_loss(
@@ -118,8 +116,10 @@ def ppo_policy_loss(
     ratio_mean, ratio_max, and dual_clip_frac when dual_clip is set.
   """
   if dual_clip is not None and dual_clip <= 1.0:
-    raise ValueError(f"dual_clip must be > 1 (Ye et al. use 3), got "
-                     f"{dual_clip}; or set it to None to disable it.")
+    raise ValueError(
+        f"dual_clip must be > 1 (Ye et al. use 3), got "
+        f"{dual_clip}; or set it to None to disable it."
+    )
   logp = as_float(logp_bt)
   old = jax.lax.stop_gradient(as_float(old_logp_bt)).astype(logp.dtype)
   adv = jax.lax.stop_gradient(as_float(advantages_bt)).astype(logp.dtype)
@@ -151,8 +151,7 @@ def ppo_policy_loss(
   return loss, jax.lax.stop_gradient(metrics)
 
 
-def explained_variance(values_bt: Array, returns_bt: Array,
-                       mask_bt: Array) -> Array:
+def explained_variance(values_bt: Array, returns_bt: Array, mask_bt: Array) -> Array:
   """1 - Var[returns - values] / Var[returns] over valid tokens (0 if Var[returns] = 0).
 
   1 means the critic predicts the returns perfectly, 0 no better than a

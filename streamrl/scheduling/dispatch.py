@@ -125,8 +125,9 @@ def choose_batch_size(profile: LatencyProfile, num_prompts: int, max_batch_size:
   return best_b
 
 
-def estimate_latency(profile: LatencyProfile, num_prompts: int, avg_len: float,
-                     num_instances: int, batch_size: int) -> float:
+def estimate_latency(
+    profile: LatencyProfile, num_prompts: int, avg_len: float, num_instances: int, batch_size: int
+) -> float:
   """Per-instance generation time of a group: PTL(BS) * L_avg * ceil(M / BS).
 
   Args:
@@ -176,7 +177,9 @@ def _balance(prompts: Sequence[int], lengths: np.ndarray, num_instances: int) ->
   return buckets
 
 
-def continuous_batching_time(lengths: Sequence[float], max_in_flight: int, profile: LatencyProfile) -> float:
+def continuous_batching_time(
+    lengths: Sequence[float], max_in_flight: int, profile: LatencyProfile
+) -> float:
   """Decode time of one instance doing continuous batching, in seconds.
 
   Requests are admitted in the given order, at most `max_in_flight` at once,
@@ -206,7 +209,9 @@ def continuous_batching_time(lengths: Sequence[float], max_in_flight: int, profi
   return now_s
 
 
-def calibrated_lengths(predicted_lengths: Sequence[float], recent_lengths: Sequence[float]) -> np.ndarray:
+def calibrated_lengths(
+    predicted_lengths: Sequence[float], recent_lengths: Sequence[float]
+) -> np.ndarray:
   """[P] length estimates: the recent distribution's quantile at each prompt's predicted rank.
 
   The prompt predicted longest gets the recent length at quantile
@@ -222,8 +227,9 @@ def calibrated_lengths(predicted_lengths: Sequence[float], recent_lengths: Seque
   return out
 
 
-def fifo_plan(num_prompts: int, num_instances: int, max_batch_size: int, *,
-              seed: int | None = None) -> DispatchPlan:
+def fifo_plan(
+    num_prompts: int, num_instances: int, max_batch_size: int, *, seed: int | None = None
+) -> DispatchPlan:
   """Baseline: round-robin in arrival order, no length information.
 
   Prompt k goes to instance k mod N and each instance admits its prompts in
@@ -240,14 +246,26 @@ def fifo_plan(num_prompts: int, num_instances: int, max_batch_size: int, *,
     order = np.random.default_rng(seed).permutation(num_prompts)
   assignments = tuple(tuple(int(p) for p in order[i::num_instances]) for i in range(num_instances))
   batch_sizes = tuple(max(1, min(int(max_batch_size), len(a))) for a in assignments)
-  return DispatchPlan(assignments=assignments, batch_sizes=batch_sizes, n_long_instances=0,
-                      predicted_time=math.nan, objective="fifo")
+  return DispatchPlan(
+      assignments=assignments,
+      batch_sizes=batch_sizes,
+      n_long_instances=0,
+      predicted_time=math.nan,
+      objective="fifo",
+  )
 
 
-def dispatch(predicted_lengths: Sequence[float], num_instances: int, profile: LatencyProfile,
-             recent_lengths: Sequence[float] | None, *, alpha: float = 0.2,
-             objective: str = "makespan", max_batch_size: int = 256,
-             latency_model: str = "paper") -> DispatchPlan:
+def dispatch(
+    predicted_lengths: Sequence[float],
+    num_instances: int,
+    profile: LatencyProfile,
+    recent_lengths: Sequence[float] | None,
+    *,
+    alpha: float = 0.2,
+    objective: str = "makespan",
+    max_batch_size: int = 256,
+    latency_model: str = "paper",
+) -> DispatchPlan:
   """Algorithm 2: split instances between long-tail and regular prompts.
 
   Args:
@@ -282,11 +300,15 @@ def dispatch(predicted_lengths: Sequence[float], num_instances: int, profile: La
     raise ValueError("predicted lengths must be finite; check the ranker's output.")
   num_prompts = pred.shape[0]
 
-  recent = None if recent_lengths is None else np.asarray(recent_lengths, dtype=np.float64).reshape(-1)
+  recent = (
+      None if recent_lengths is None else np.asarray(recent_lengths, dtype=np.float64).reshape(-1)
+  )
   if recent is None or recent.size == 0:
     if not _warned_no_history:
-      _log.warning("No output-length history yet (first iteration): dispatching FIFO "
-                   "round-robin until lengths have been observed.")
+      _log.warning(
+          "No output-length history yet (first iteration): dispatching FIFO "
+          "round-robin until lengths have been observed."
+      )
       _warned_no_history = True
     return fifo_plan(num_prompts, num_instances, max_batch_size)
 
@@ -306,9 +328,15 @@ def dispatch(predicted_lengths: Sequence[float], num_instances: int, profile: La
     else:
       l_avg = (n_long * l_long + len(reg_ids) * l_reg) / num_prompts if num_prompts else 0.0
       t = _group_time(profile, num_prompts, l_avg, 1, max_batch_size)
-    return DispatchPlan(assignments=(tuple(order),), batch_sizes=(bs,), n_long_instances=0,
-                        predicted_time=t, objective=objective, objective_value=t,
-                        group_times=(0.0, t))
+    return DispatchPlan(
+        assignments=(tuple(order),),
+        batch_sizes=(bs,),
+        n_long_instances=0,
+        predicted_time=t,
+        objective=objective,
+        objective_value=t,
+        group_times=(0.0, t),
+    )
 
   if long_ids and reg_ids:
     candidates = range(1, num_instances)
@@ -326,7 +354,9 @@ def dispatch(predicted_lengths: Sequence[float], num_instances: int, profile: La
     if not simulate:
       return wave_cap, math.nan
     options = {wave_cap, max(1, min(max_batch_size, len(bucket)))}
-    return min(((continuous_batching_time(est[bucket], c, profile), c) for c in sorted(options)))[::-1]
+    return min(((continuous_batching_time(est[bucket], c, profile), c) for c in sorted(options)))[
+        ::-1
+    ]
 
   def split(n_l):
     buckets = _balance(long_ids, est, n_l) + _balance(reg_ids, est, num_instances - n_l)

@@ -52,17 +52,24 @@ class LatencyProfile:
     object.__setattr__(self, "ptl_s", tuple(float(p) for p in self.ptl_s))
     bs, ptl = self.batch_sizes, self.ptl_s
     if not bs:
-      raise ValueError("LatencyProfile needs at least one (batch_size, ptl) point; "
-                       "profile the instance at one or more batch sizes.")
+      raise ValueError(
+          "LatencyProfile needs at least one (batch_size, ptl) point; "
+          "profile the instance at one or more batch sizes."
+      )
     if len(bs) != len(ptl):
-      raise ValueError(f"LatencyProfile has {len(bs)} batch sizes but {len(ptl)} latencies; "
-                       "give one latency per batch size.")
+      raise ValueError(
+          f"LatencyProfile has {len(bs)} batch sizes but {len(ptl)} latencies; "
+          "give one latency per batch size."
+      )
     if any(b < 1 for b in bs) or any(b2 <= b1 for b1, b2 in zip(bs, bs[1:])):
-      raise ValueError(f"LatencyProfile batch sizes {bs} must be >= 1 and strictly increasing; "
-                       "sort them and drop duplicates.")
+      raise ValueError(
+          f"LatencyProfile batch sizes {bs} must be >= 1 and strictly increasing; "
+          "sort them and drop duplicates."
+      )
     if any(not (p > 0 and math.isfinite(p)) for p in ptl):
-      raise ValueError(f"LatencyProfile latencies {ptl} must be positive and finite; "
-                       "re-run the profiler.")
+      raise ValueError(
+          f"LatencyProfile latencies {ptl} must be positive and finite; " "re-run the profiler."
+      )
     if not (self.prefill_s_per_token >= 0 and math.isfinite(self.prefill_s_per_token)):
       raise ValueError("LatencyProfile.prefill_s_per_token must be >= 0; re-run the profiler.")
 
@@ -101,11 +108,16 @@ class LatencyProfile:
   def from_dict(cls, d: dict[str, Any]) -> "LatencyProfile":
     missing = [k for k in ("batch_sizes", "ptl_s") if k not in d]
     if missing:
-      raise ValueError(f"latency profile is missing {missing}; expected keys "
-                       "batch_sizes, ptl_s (and optionally prefill_s_per_token, name).")
-    return cls(batch_sizes=tuple(d["batch_sizes"]), ptl_s=tuple(d["ptl_s"]),
-               prefill_s_per_token=float(d.get("prefill_s_per_token", 0.0)),
-               name=str(d.get("name", "")))
+      raise ValueError(
+          f"latency profile is missing {missing}; expected keys "
+          "batch_sizes, ptl_s (and optionally prefill_s_per_token, name)."
+      )
+    return cls(
+        batch_sizes=tuple(d["batch_sizes"]),
+        ptl_s=tuple(d["ptl_s"]),
+        prefill_s_per_token=float(d.get("prefill_s_per_token", 0.0)),
+        name=str(d.get("name", "")),
+    )
 
   def to_json(self, path: str | os.PathLike) -> None:
     """Writes the profile as JSON (seconds), creating parent directories."""
@@ -121,14 +133,18 @@ class LatencyProfile:
   def from_json(cls, path: str | os.PathLike) -> "LatencyProfile":
     path = os.fspath(path)
     if not os.path.exists(path):
-      raise FileNotFoundError(f"latency profile {path} does not exist; create it with "
-                              "streamrl.generator.profiler.profile_instance or use "
-                              "LatencyProfile.from_paper().")
+      raise FileNotFoundError(
+          f"latency profile {path} does not exist; create it with "
+          "streamrl.generator.profiler.profile_instance or use "
+          "LatencyProfile.from_paper()."
+      )
     with open(path) as f:
       try:
         d = json.load(f)
       except json.JSONDecodeError as e:
-        raise ValueError(f"latency profile {path} is not valid JSON ({e}); re-run the profiler.") from None
+        raise ValueError(
+            f"latency profile {path} is not valid JSON ({e}); re-run the profiler."
+        ) from None
     return cls.from_dict(d)
 
   @classmethod
@@ -142,16 +158,20 @@ class LatencyProfile:
     """
     if reference_json:
       if not os.path.exists(reference_json):
-        raise FileNotFoundError(f"{reference_json} does not exist; pass the path to "
-                                "streamrl_paper.json or omit it to use the embedded curve.")
+        raise FileNotFoundError(
+            f"{reference_json} does not exist; pass the path to "
+            "streamrl_paper.json or omit it to use the embedded curve."
+        )
       with open(reference_json) as f:
         points = json.load(f)[_PAPER_KEY]
     else:
       points = _PAPER_PTL_MS
     items = sorted((int(k), float(v)) for k, v in points.items() if not k.startswith("_"))
-    return cls(batch_sizes=tuple(b for b, _ in items),
-               ptl_s=tuple(v / 1000.0 for _, v in items),
-               name="paper-fig7-qwen2.5-7b-h800")
+    return cls(
+        batch_sizes=tuple(b for b, _ in items),
+        ptl_s=tuple(v / 1000.0 for _, v in items),
+        name="paper-fig7-qwen2.5-7b-h800",
+    )
 
 
 # The paper's Fig. 7 curve, the same numbers as ptl_ms_vs_batch_size_7b_h800_fig7

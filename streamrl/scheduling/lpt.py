@@ -41,8 +41,9 @@ class AdmissionQueue:
 
   def __init__(self, order: Iterable[Hashable], max_in_flight: int):
     if max_in_flight < 1:
-      raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}; "
-                       "pass the instance's batch size.")
+      raise ValueError(
+          f"max_in_flight must be >= 1, got {max_in_flight}; " "pass the instance's batch size."
+      )
     self._pending = collections.deque(order)
     if len(set(self._pending)) != len(self._pending):
       raise ValueError("admission order contains duplicate ids; each request must appear once.")
@@ -82,7 +83,9 @@ class AdmissionQueue:
   def finish(self, request_id: Hashable) -> None:
     """Marks a running request as finished, freeing its slot."""
     if request_id not in self._in_flight:
-      raise ValueError(f"request {request_id!r} is not in flight; only admitted, unfinished "
-                       "requests can finish.")
+      raise ValueError(
+          f"request {request_id!r} is not in flight; only admitted, unfinished "
+          "requests can finish."
+      )
     self._in_flight.remove(request_id)
     self._finished.append(request_id)

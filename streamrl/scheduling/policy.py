@@ -17,13 +17,21 @@ from streamrl.scheduling.latency import LatencyProfile
 SCHEDULERS = ("fifo", "skew", "oracle")
 
 
-def plan_generation(scheduler: str, *, num_prompts: int, num_instances: int, max_batch_size: int,
-                    profile: LatencyProfile | None = None,
-                    predicted_lengths: Sequence[float] | None = None,
-                    true_lengths: Sequence[float] | None = None,
-                    recent_lengths: Sequence[float] | None = None, alpha: float = 0.2,
-                    objective: str = "makespan", latency_model: str = "paper",
-                    seed: int | None = None) -> DispatchPlan:
+def plan_generation(
+    scheduler: str,
+    *,
+    num_prompts: int,
+    num_instances: int,
+    max_batch_size: int,
+    profile: LatencyProfile | None = None,
+    predicted_lengths: Sequence[float] | None = None,
+    true_lengths: Sequence[float] | None = None,
+    recent_lengths: Sequence[float] | None = None,
+    alpha: float = 0.2,
+    objective: str = "makespan",
+    latency_model: str = "paper",
+    seed: int | None = None,
+) -> DispatchPlan:
   """Builds the plan for one generation round.
 
   Args:
@@ -38,8 +46,10 @@ def plan_generation(scheduler: str, *, num_prompts: int, num_instances: int, max
     profile, alpha, objective, max_batch_size, latency_model: see `dispatch`.
   """
   if scheduler not in SCHEDULERS:
-    raise ValueError(f"generation scheduler must be one of {SCHEDULERS}, got {scheduler!r}; "
-                     "set config.generation.scheduler.")
+    raise ValueError(
+        f"generation scheduler must be one of {SCHEDULERS}, got {scheduler!r}; "
+        "set config.generation.scheduler."
+    )
   if scheduler == "fifo":
     return fifo_plan(num_prompts, num_instances, max_batch_size, seed=seed)
   lengths = predicted_lengths if scheduler == "skew" else true_lengths
@@ -47,9 +57,19 @@ def plan_generation(scheduler: str, *, num_prompts: int, num_instances: int, max
   if lengths is None or len(lengths) != num_prompts:
     raise ValueError(f"scheduler {scheduler!r} needs {what} for all {num_prompts} prompts.")
   if profile is None:
-    raise ValueError(f"scheduler {scheduler!r} needs a LatencyProfile; profile the generator "
-                     "(streamrl.generator.profiler) or use LatencyProfile.from_paper().")
+    raise ValueError(
+        f"scheduler {scheduler!r} needs a LatencyProfile; profile the generator "
+        "(streamrl.generator.profiler) or use LatencyProfile.from_paper()."
+    )
   if scheduler == "oracle" and not (recent_lengths is not None and len(recent_lengths)):
     recent_lengths = true_lengths  # The oracle knows this round's distribution too.
-  return dispatch(lengths, num_instances, profile, recent_lengths, alpha=alpha, objective=objective,
-                  max_batch_size=max_batch_size, latency_model=latency_model)
+  return dispatch(
+      lengths,
+      num_instances,
+      profile,
+      recent_lengths,
+      alpha=alpha,
+      objective=objective,
+      max_batch_size=max_batch_size,
+      latency_model=latency_model,
+  )

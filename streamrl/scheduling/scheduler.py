@@ -32,8 +32,15 @@ log = logging.getLogger(__name__)
 class GenerationScheduler:
   """Plans each generation round and learns from its results."""
 
-  def __init__(self, sched: settings_lib.Scheduler, *, model_dir: str, workdir: str | None,
-               num_instances: int, max_batch_size: int):
+  def __init__(
+      self,
+      sched: settings_lib.Scheduler,
+      *,
+      model_dir: str,
+      workdir: str | None,
+      num_instances: int,
+      max_batch_size: int,
+  ):
     self.kind = sched.kind
     if self.kind not in SCHEDULERS:
       raise UserError(f"generation.scheduler={self.kind!r} is unknown; use one of {SCHEDULERS}.")
@@ -60,10 +67,12 @@ class GenerationScheduler:
     if self.kind == "skew":
       from streamrl.ranker import data as ranker_data  # pylint: disable=g-import-not-at-top
       from streamrl.ranker.train import RankerTrainer  # pylint: disable=g-import-not-at-top
+
       vocab, fp = ranker_data.fingerprint_tokenizer_dir(model_dir)
       if sched.ranker_checkpoint:
-        self.ranker = RankerTrainer.restore(sched.ranker_checkpoint, vocab_size=vocab,
-                                            tokenizer_fingerprint=fp)
+        self.ranker = RankerTrainer.restore(
+            sched.ranker_checkpoint, vocab_size=vocab, tokenizer_fingerprint=fp
+        )
       else:
         rcfg = config_utils.load_config(sched.ranker_config)
         self.ranker = RankerTrainer(rcfg, vocab_size=vocab, tokenizer_fingerprint=fp)
@@ -82,15 +91,25 @@ class GenerationScheduler:
     else:
       exs = [examples_by_id[rid] for rid, _ in requests]
       if any(e.task == "jsonl" for e in exs):
-        raise ValueError("generation.scheduler='oracle' needs a synthetic task with known "
-                         "answer lengths; use 'skew' for real data.")
+        raise ValueError(
+            "generation.scheduler='oracle' needs a synthetic task with known "
+            "answer lengths; use 'skew' for real data."
+        )
       true = [tasks.oracle_answer_length(e.prompt) + 1 for e in exs]  # + eos
-    plan = plan_generation(self.kind, num_prompts=len(requests), num_instances=self.num_instances,
-                           max_batch_size=self.max_batch_size, profile=self.profile,
-                           predicted_lengths=predicted, true_lengths=true,
-                           recent_lengths=list(self.recent) or None, alpha=self.alpha,
-                           objective=self.objective, latency_model=self.latency_model,
-                           seed=seed)
+    plan = plan_generation(
+        self.kind,
+        num_prompts=len(requests),
+        num_instances=self.num_instances,
+        max_batch_size=self.max_batch_size,
+        profile=self.profile,
+        predicted_lengths=predicted,
+        true_lengths=true,
+        recent_lengths=list(self.recent) or None,
+        alpha=self.alpha,
+        objective=self.objective,
+        latency_model=self.latency_model,
+        seed=seed,
+    )
     assignments = [[requests[i] for i in part] for part in plan.assignments]
     return assignments, list(plan.batch_sizes)
 
@@ -101,6 +120,7 @@ class GenerationScheduler:
     self.pairs.extend(new)
     if self.pairs_path:
       from streamrl.ranker import data as ranker_data  # pylint: disable=g-import-not-at-top
+
       ranker_data.append_pairs(self.pairs_path, new)
     if self.ranker is None:
       return {}

@@ -15,8 +15,9 @@ from streamrl.scheduling.lpt import lpt_order
 from streamrl.sim.engine import dispatch_inputs, simulate_generation
 
 
-def best_split_makespan(gen, num_instances: int, prompt_lens, output_lens, recent_lengths, *,
-                        alpha: float = 0.2) -> tuple[float, int, list]:
+def best_split_makespan(
+    gen, num_instances: int, prompt_lens, output_lens, recent_lengths, *, alpha: float = 0.2
+) -> tuple[float, int, list]:
   """Algorithm 2 with true lengths and the long/regular split chosen in hindsight.
 
   Builds every split N_l = 1 .. N-1 exactly as `streamrl.scheduling.dispatch`
@@ -44,7 +45,9 @@ def best_split_makespan(gen, num_instances: int, prompt_lens, output_lens, recen
   if num_instances < 2:
     raise ValueError(f"a long/regular split needs at least two instances, got {num_instances}.")
   max_bs, profile = dispatch_inputs(gen, prompt, recent)
-  pred = np.exp(np.log(out.astype(np.float64)))  # What the simulated oracle ranker hands to dispatch.
+  pred = np.exp(
+      np.log(out.astype(np.float64))
+  )  # What the simulated oracle ranker hands to dispatch.
   order = lpt_order(pred)
   est = calibrated_lengths(pred, recent)
   n_long = min(len(out), math.ceil(alpha * len(out) - 1e-9))

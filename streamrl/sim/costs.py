@@ -82,10 +82,12 @@ class GpuSpec:
 
 # Table 1 of the paper (hardware specs and relative machine cost).
 GPUS: dict[str, GpuSpec] = {
-    "H800": GpuSpec("H800", bf16_tflops=989.5, hbm_gb=80, hbm_tb_s=3.35, nvlink_gb_s=400,
-                    cost_per_machine=2.85),
-    "H20": GpuSpec("H20", bf16_tflops=148, hbm_gb=96, hbm_tb_s=4.0, nvlink_gb_s=900,
-                   cost_per_machine=1.00),
+    "H800": GpuSpec(
+        "H800", bf16_tflops=989.5, hbm_gb=80, hbm_tb_s=3.35, nvlink_gb_s=400, cost_per_machine=2.85
+    ),
+    "H20": GpuSpec(
+        "H20", bf16_tflops=148, hbm_gb=96, hbm_tb_s=4.0, nvlink_gb_s=900, cost_per_machine=1.00
+    ),
 }
 
 
@@ -93,8 +95,10 @@ def get_gpu(name: str, gpus: Mapping[str, GpuSpec] | None = None) -> GpuSpec:
   """Looks up a GPU type; unknown names raise a one-sentence ValueError."""
   table = GPUS if gpus is None else gpus
   if name not in table:
-    raise ValueError(f"GPU type {name!r} has no cost model; use one of {sorted(table)} "
-                     "or add a GpuSpec for it.")
+    raise ValueError(
+        f"GPU type {name!r} has no cost model; use one of {sorted(table)} "
+        "or add a GpuSpec for it."
+    )
   return table[name]
 
 
@@ -137,8 +141,13 @@ class ModelSpec:
 
   @property
   def num_params(self) -> int:
-    d, i, h, k, hd = (self.hidden_size, self.intermediate_size, self.num_heads,
-                      self.num_kv_heads, self.head_dim)
+    d, i, h, k, hd = (
+        self.hidden_size,
+        self.intermediate_size,
+        self.num_heads,
+        self.num_kv_heads,
+        self.head_dim,
+    )
     attn = d * h * hd + 2 * d * k * hd + h * hd * d + h * hd + 2 * k * hd
     layer = attn + 3 * d * i + 2 * d
     emb = self.vocab_size * d * (1 if self.tie_embeddings else 2)
@@ -176,28 +185,59 @@ class ModelSpec:
   @classmethod
   def from_model_config(cls, config: Any, name: str = "model") -> "ModelSpec":
     """From a `streamrl.models.ModelConfig` (or anything with its fields)."""
-    return cls(name=name, num_layers=config.num_layers, hidden_size=config.hidden_size,
-               intermediate_size=config.intermediate_size, num_heads=config.num_heads,
-               num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
-               vocab_size=config.vocab_size, tie_embeddings=bool(config.tie_embeddings))
+    return cls(
+        name=name,
+        num_layers=config.num_layers,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_heads=config.num_heads,
+        num_kv_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        vocab_size=config.vocab_size,
+        tie_embeddings=bool(config.tie_embeddings),
+    )
 
 
 # Public Qwen2.5 configs (config.json of each checkpoint).
 MODELS: dict[str, ModelSpec] = {
-    "qwen2.5-7b": ModelSpec("qwen2.5-7b", num_layers=28, hidden_size=3584, intermediate_size=18944,
-                            num_heads=28, num_kv_heads=4, head_dim=128, vocab_size=152064),
-    "qwen2.5-32b": ModelSpec("qwen2.5-32b", num_layers=64, hidden_size=5120,
-                             intermediate_size=27648, num_heads=40, num_kv_heads=8, head_dim=128,
-                             vocab_size=152064),
-    "qwen2.5-72b": ModelSpec("qwen2.5-72b", num_layers=80, hidden_size=8192,
-                             intermediate_size=29568, num_heads=64, num_kv_heads=8, head_dim=128,
-                             vocab_size=152064),
+    "qwen2.5-7b": ModelSpec(
+        "qwen2.5-7b",
+        num_layers=28,
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_heads=28,
+        num_kv_heads=4,
+        head_dim=128,
+        vocab_size=152064,
+    ),
+    "qwen2.5-32b": ModelSpec(
+        "qwen2.5-32b",
+        num_layers=64,
+        hidden_size=5120,
+        intermediate_size=27648,
+        num_heads=40,
+        num_kv_heads=8,
+        head_dim=128,
+        vocab_size=152064,
+    ),
+    "qwen2.5-72b": ModelSpec(
+        "qwen2.5-72b",
+        num_layers=80,
+        hidden_size=8192,
+        intermediate_size=29568,
+        num_heads=64,
+        num_kv_heads=8,
+        head_dim=128,
+        vocab_size=152064,
+    ),
 }
 
 
 def get_model(name: str) -> ModelSpec:
   if name not in MODELS:
-    raise ValueError(f"model {name!r} is unknown; use one of {sorted(MODELS)} or build a ModelSpec.")
+    raise ValueError(
+        f"model {name!r} is unknown; use one of {sorted(MODELS)} or build a ModelSpec."
+    )
   return MODELS[name]
 
 
@@ -245,9 +285,15 @@ class GenCalibration:
   extra_step_s: float = 0.0
 
 
-def calibrate_from_ptl_curve(profile: LatencyProfile, model: ModelSpec, gpu: GpuSpec, *,
-                             tp: int = 1, context_tokens: float = 1024.0,
-                             mem_bw_eff: float = 0.8) -> GenCalibration:
+def calibrate_from_ptl_curve(
+    profile: LatencyProfile,
+    model: ModelSpec,
+    gpu: GpuSpec,
+    *,
+    tp: int = 1,
+    context_tokens: float = 1024.0,
+    mem_bw_eff: float = 0.8,
+) -> GenCalibration:
   """Fits (layer_overhead_s, decode_compute_eff) to a measured PTL(BS) curve.
 
   Fits PTL(B) = a + b * B by least squares in relative error, then splits
@@ -269,11 +315,14 @@ def calibrate_from_ptl_curve(profile: LatencyProfile, model: ModelSpec, gpu: Gpu
   kv_s = context_tokens * model.kv_bytes_per_token / bw
   compute_s = b - kv_s
   if o <= 0 or compute_s <= 0:
-    raise ValueError("the PTL curve is faster than the memory-bandwidth bound of this model and "
-                     "GPU; check that profile, model and GPU match.")
+    raise ValueError(
+        "the PTL curve is faster than the memory-bandwidth bound of this model and "
+        "GPU; check that profile, model and GPU match."
+    )
   eta = 2.0 * model.compute_params / (tp * gpu.flops * compute_s)
-  return GenCalibration(layer_overhead_s=float(o), decode_compute_eff=float(eta),
-                        mem_bw_eff=mem_bw_eff)
+  return GenCalibration(
+      layer_overhead_s=float(o), decode_compute_eff=float(eta), mem_bw_eff=mem_bw_eff
+  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -315,13 +364,21 @@ class GenCostModel:
 
   def __post_init__(self):
     if not (self.reserve_output_tokens >= 0 and math.isfinite(self.reserve_output_tokens)):
-      raise ValueError(f"reserve_output_tokens must be a finite number >= 0, got {self.reserve_output_tokens}.")
-    if not (self.step_fixed_s > 0 and self.per_seq_s >= 0 and self.per_ctx_token_s >= 0
-            and self.prefill_s_per_token >= 0):
+      raise ValueError(
+          f"reserve_output_tokens must be a finite number >= 0, got {self.reserve_output_tokens}."
+      )
+    if not (
+        self.step_fixed_s > 0
+        and self.per_seq_s >= 0
+        and self.per_ctx_token_s >= 0
+        and self.prefill_s_per_token >= 0
+    ):
       raise ValueError("generation cost terms must be >= 0 (and the fixed step cost > 0).")
     if not self.kv_capacity_tokens > 0:
-      raise ValueError(f"{self.name or 'instance'}: the weights leave no memory for the KV cache; "
-                       "use a larger tensor-parallel degree.")
+      raise ValueError(
+          f"{self.name or 'instance'}: the weights leave no memory for the KV cache; "
+          "use a larger tensor-parallel degree."
+      )
 
   def max_concurrent(self, prompt_tokens: float) -> int:
     """Sequences of `prompt_tokens` that can run at once (engine cap and KV reservations)."""
@@ -336,19 +393,33 @@ class GenCostModel:
   def decode_time(self, batch: int, context_sum: float, steps: int) -> float:
     """Seconds for `steps` decode steps with constant batch (context grows by batch per step)."""
     n = steps
-    return (n * (self.step_fixed_s + self.per_seq_s * batch + self.per_ctx_token_s * context_sum)
-            + self.per_ctx_token_s * batch * n * (n - 1) / 2.0)
+    return (
+        n * (self.step_fixed_s + self.per_seq_s * batch + self.per_ctx_token_s * context_sum)
+        + self.per_ctx_token_s * batch * n * (n - 1) / 2.0
+    )
 
-  def latency_profile(self, context_tokens: float,
-                      batch_sizes: Sequence[int] = (1, 8, 16, 32, 64, 128, 256, 512)) -> LatencyProfile:
+  def latency_profile(
+      self, context_tokens: float, batch_sizes: Sequence[int] = (1, 8, 16, 32, 64, 128, 256, 512)
+  ) -> LatencyProfile:
     """PTL(BS) at a fixed per-sequence context, for the Algorithm 2 dispatcher."""
     ptl = tuple(self.step_time(b, b * context_tokens) for b in batch_sizes)
-    return LatencyProfile(batch_sizes=tuple(batch_sizes), ptl_s=ptl,
-                          prefill_s_per_token=self.prefill_s_per_token, name=self.name)
+    return LatencyProfile(
+        batch_sizes=tuple(batch_sizes),
+        ptl_s=ptl,
+        prefill_s_per_token=self.prefill_s_per_token,
+        name=self.name,
+    )
 
   @classmethod
-  def for_deployment(cls, model: ModelSpec, gpu: GpuSpec, calib: GenCalibration, *,
-                     tp: int | None = None, reserved_bytes_per_gpu: float = 0.0) -> "GenCostModel":
+  def for_deployment(
+      cls,
+      model: ModelSpec,
+      gpu: GpuSpec,
+      calib: GenCalibration,
+      *,
+      tp: int | None = None,
+      reserved_bytes_per_gpu: float = 0.0,
+  ) -> "GenCostModel":
     """Scales the calibrated decode model to `model` on `gpu` with `tp` GPUs.
 
     reserved_bytes_per_gpu: memory held by something else during generation
@@ -359,19 +430,41 @@ class GenCostModel:
       raise ValueError(f"tensor-parallel degree must be >= 1, got {tp}.")
     bw = tp * gpu.hbm_bytes_s * calib.mem_bw_eff
     comm = 2 * model.num_layers * calib.tp_allreduce_s if tp > 1 else 0.0
-    a = model.num_layers * calib.layer_overhead_s + calib.extra_step_s + comm + model.weight_bytes / bw
+    a = (
+        model.num_layers * calib.layer_overhead_s
+        + calib.extra_step_s
+        + comm
+        + model.weight_bytes / bw
+    )
     b = 2.0 * model.compute_params / (tp * gpu.flops * calib.decode_compute_eff)
     c = model.kv_bytes_per_token / bw
-    kv_bytes = tp * (gpu.hbm_bytes * calib.gpu_mem_util - reserved_bytes_per_gpu) - model.weight_bytes
-    return cls(step_fixed_s=a, per_seq_s=b, per_ctx_token_s=c, prefill_s_per_token=b,
-               kv_capacity_tokens=kv_bytes / model.kv_bytes_per_token,
-               max_num_seqs=calib.max_num_seqs, gpus=tp, gpu=gpu.name,
-               name=f"{model.name}/{gpu.name}/tp{tp}")
+    kv_bytes = (
+        tp * (gpu.hbm_bytes * calib.gpu_mem_util - reserved_bytes_per_gpu) - model.weight_bytes
+    )
+    return cls(
+        step_fixed_s=a,
+        per_seq_s=b,
+        per_ctx_token_s=c,
+        prefill_s_per_token=b,
+        kv_capacity_tokens=kv_bytes / model.kv_bytes_per_token,
+        max_num_seqs=calib.max_num_seqs,
+        gpus=tp,
+        gpu=gpu.name,
+        name=f"{model.name}/{gpu.name}/tp{tp}",
+    )
 
   @classmethod
-  def from_profile(cls, profile: LatencyProfile, *, kv_capacity_tokens: float = math.inf,
-                   max_num_seqs: int = 256, gpus: int = 1, per_ctx_token_s: float = 0.0,
-                   context_tokens: float = 0.0, name: str = "") -> "GenCostModel":
+  def from_profile(
+      cls,
+      profile: LatencyProfile,
+      *,
+      kv_capacity_tokens: float = math.inf,
+      max_num_seqs: int = 256,
+      gpus: int = 1,
+      per_ctx_token_s: float = 0.0,
+      context_tokens: float = 0.0,
+      name: str = "",
+  ) -> "GenCostModel":
     """Fits step_time = a + b * B to a measured LatencyProfile (the `from_measured` path).
 
     If `per_ctx_token_s` is known, the measured points (taken at
@@ -387,9 +480,16 @@ class GenCostModel:
       (a, b), *_ = np.linalg.lstsq(design, y * w, rcond=None)
       if b < 0:  # A noisy, flat profile: keep the mean as a constant cost.
         a, b = float(np.mean(y)), 0.0
-    return cls(step_fixed_s=float(a), per_seq_s=float(max(b, 0.0)), per_ctx_token_s=per_ctx_token_s,
-               prefill_s_per_token=profile.prefill_s_per_token, kv_capacity_tokens=kv_capacity_tokens,
-               max_num_seqs=max_num_seqs, gpus=gpus, name=name or profile.name)
+    return cls(
+        step_fixed_s=float(a),
+        per_seq_s=float(max(b, 0.0)),
+        per_ctx_token_s=per_ctx_token_s,
+        prefill_s_per_token=profile.prefill_s_per_token,
+        kv_capacity_tokens=kv_capacity_tokens,
+        max_num_seqs=max_num_seqs,
+        gpus=gpus,
+        name=name or profile.name,
+    )
 
 
 def paper_calibration() -> GenCalibration:
@@ -431,7 +531,9 @@ class TrainCostModel:
 
   def __post_init__(self):
     if self.model is None and (self.fwd_s_per_token is None or self.upd_s_per_token is None):
-      raise ValueError("a TrainCostModel needs a model shape (FLOPs) or measured seconds per token.")
+      raise ValueError(
+          "a TrainCostModel needs a model shape (FLOPs) or measured seconds per token."
+      )
 
   def forward_seconds(self, tokens: np.ndarray) -> np.ndarray:
     """[n] one-GPU seconds of per-sample forward-only work (divide by GPUs)."""
@@ -445,7 +547,12 @@ class TrainCostModel:
     t = np.asarray(tokens, dtype=np.float64)
     if self.upd_s_per_token is not None:
       return self.upd_s_per_token * t
-    return self.update_passes * 3.0 * np.asarray(self.model.forward_flops(t)) / self.flops_per_s_per_gpu
+    return (
+        self.update_passes
+        * 3.0
+        * np.asarray(self.model.forward_flops(t))
+        / self.flops_per_s_per_gpu
+    )
 
   def iteration_seconds(self, tokens: np.ndarray, num_gpus: int, num_minibatches: int = 1) -> float:
     """Time to train on a whole batch on `num_gpus` GPUs (no overlap with generation)."""
@@ -453,24 +560,48 @@ class TrainCostModel:
     return work / num_gpus + self.fwd_overhead_s + self.update_overhead_s * num_minibatches
 
   @classmethod
-  def for_gpu(cls, model: ModelSpec, gpu: GpuSpec, mfu: float, *, critic: bool = True) -> "TrainCostModel":
+  def for_gpu(
+      cls, model: ModelSpec, gpu: GpuSpec, mfu: float, *, critic: bool = True
+  ) -> "TrainCostModel":
     if not 0 < mfu <= 1:
       raise ValueError(f"MFU must be in (0, 1], got {mfu}.")
-    return cls(model=model, flops_per_s_per_gpu=gpu.flops * mfu, fwd_passes=3 if critic else 2,
-               update_passes=2 if critic else 1, name=f"{model.name}/{gpu.name}/mfu{mfu:.2f}")
+    return cls(
+        model=model,
+        flops_per_s_per_gpu=gpu.flops * mfu,
+        fwd_passes=3 if critic else 2,
+        update_passes=2 if critic else 1,
+        name=f"{model.name}/{gpu.name}/mfu{mfu:.2f}",
+    )
 
   @classmethod
-  def from_measured(cls, *, fwd_s_per_token: float, upd_s_per_token: float, fwd_overhead_s: float = 0.0,
-                    update_overhead_s: float = 0.0, name: str = "measured") -> "TrainCostModel":
+  def from_measured(
+      cls,
+      *,
+      fwd_s_per_token: float,
+      upd_s_per_token: float,
+      fwd_overhead_s: float = 0.0,
+      update_overhead_s: float = 0.0,
+      name: str = "measured",
+  ) -> "TrainCostModel":
     """From trainer measurements (seconds per token of all forward-only passes / of one update)."""
     for k, v in (("fwd_s_per_token", fwd_s_per_token), ("upd_s_per_token", upd_s_per_token)):
       if not (v >= 0 and math.isfinite(v)):
-        raise ValueError(f"measured {k} must be a finite number >= 0, got {v}; re-run the trainer profile.")
+        raise ValueError(
+            f"measured {k} must be a finite number >= 0, got {v}; re-run the trainer profile."
+        )
     for k, v in (("fwd_overhead_s", fwd_overhead_s), ("update_overhead_s", update_overhead_s)):
       if not (v >= 0 and math.isfinite(v)):
-        raise ValueError(f"measured {k} must be a finite number >= 0, got {v}; re-run the trainer profile.")
-    return cls(model=None, fwd_s_per_token=float(fwd_s_per_token), upd_s_per_token=float(upd_s_per_token),
-               fwd_overhead_s=float(fwd_overhead_s), update_overhead_s=float(update_overhead_s), name=name)
+        raise ValueError(
+            f"measured {k} must be a finite number >= 0, got {v}; re-run the trainer profile."
+        )
+    return cls(
+        model=None,
+        fwd_s_per_token=float(fwd_s_per_token),
+        upd_s_per_token=float(upd_s_per_token),
+        fwd_overhead_s=float(fwd_overhead_s),
+        update_overhead_s=float(update_overhead_s),
+        name=name,
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -488,10 +619,15 @@ def broadcast_seconds(nbytes: float, num_receivers: int, link: LinkSpec) -> floa
   return nbytes / (link.bandwidth_gb_s * 1e9) + depth * link.latency_s
 
 
-def weight_transfer_seconds(model: ModelSpec, num_gen_gpus: int, gpus_per_node: int = 8, *,
-                            local_link: LinkSpec = MAIN_NODE_LINK,
-                            inter_dc_link: LinkSpec | None = None,
-                            remote_link: LinkSpec = CLOUD_NODE_LINK) -> float:
+def weight_transfer_seconds(
+    model: ModelSpec,
+    num_gen_gpus: int,
+    gpus_per_node: int = 8,
+    *,
+    local_link: LinkSpec = MAIN_NODE_LINK,
+    inter_dc_link: LinkSpec | None = None,
+    remote_link: LinkSpec = CLOUD_NODE_LINK,
+) -> float:
   """Trainer -> all generator GPUs.
 
   In one DC: the trainer's shards feed several broadcast trees in parallel
@@ -504,8 +640,11 @@ def weight_transfer_seconds(model: ModelSpec, num_gen_gpus: int, gpus_per_node: 
   w = model.weight_bytes
   if inter_dc_link is None:
     return broadcast_seconds(w, nodes, local_link)
-  return (w / (inter_dc_link.bandwidth_gb_s * 1e9) + inter_dc_link.latency_s
-          + broadcast_seconds(w, nodes - 1, remote_link))
+  return (
+      w / (inter_dc_link.bandwidth_gb_s * 1e9)
+      + inter_dc_link.latency_s
+      + broadcast_seconds(w, nodes - 1, remote_link)
+  )
 
 
 def colocated_state_bytes_per_gpu(model: ModelSpec, num_gpus: int, *, critic: bool = True) -> float:
@@ -518,8 +657,15 @@ def colocated_state_bytes_per_gpu(model: ModelSpec, num_gpus: int, *, critic: bo
   return per_param * model.num_params / num_gpus
 
 
-def colocated_switch_seconds(model: ModelSpec, gpu: GpuSpec, tp: int, num_gpus: int, *,
-                             offload_gb_s: float | None, critic: bool = True) -> float:
+def colocated_switch_seconds(
+    model: ModelSpec,
+    gpu: GpuSpec,
+    tp: int,
+    num_gpus: int,
+    *,
+    offload_gb_s: float | None,
+    critic: bool = True,
+) -> float:
   """Per-iteration cost of time-multiplexing one set of GPUs between the stages.
 
   The inference weights are resharded from the training layout over NVLink;
@@ -533,5 +679,7 @@ def colocated_switch_seconds(model: ModelSpec, gpu: GpuSpec, tp: int, num_gpus: 
     return reshard
   if not offload_gb_s > 0:
     raise ValueError(f"offload bandwidth must be > 0 GB/s, got {offload_gb_s}.")
-  moved = 2 * colocated_state_bytes_per_gpu(model, num_gpus, critic=critic) + model.weight_bytes / tp
+  moved = (
+      2 * colocated_state_bytes_per_gpu(model, num_gpus, critic=critic) + model.weight_bytes / tp
+  )
   return reshard + moved / (offload_gb_s * 1e9)

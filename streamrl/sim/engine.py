@@ -114,8 +114,10 @@ class SimConfig:
     if self.batch_size < 1 or self.iterations < 1 or self.num_minibatches < 1:
       raise ValueError("batch_size, iterations and num_minibatches must be >= 1.")
     if isinstance(self.lengths, (tuple, list)) and len(self.lengths) < self.iterations:
-      raise ValueError(f"got {len(self.lengths)} length distributions for {self.iterations} iterations; "
-                       "give one per iteration.")
+      raise ValueError(
+          f"got {len(self.lengths)} length distributions for {self.iterations} iterations; "
+          "give one per iteration."
+      )
 
   def lengths_at(self, j: int) -> LengthDistribution:
     return self.lengths[j] if isinstance(self.lengths, (tuple, list)) else self.lengths
@@ -182,16 +184,35 @@ class SimResult:
 
   def summary(self) -> dict:
     return {
-        "mode": self.config.mode, "scheduler": self.config.scheduler,
-        "samples_per_s": self.samples_per_s, "iteration_s": self.mean_iteration_s,
-        "gen_bubble": self.gen_bubble, "train_bubble": self.train_bubble,
-        "skew_bubble": self.skew_bubble, "preemptions": self.preemptions, "events": self.events,
+        "mode": self.config.mode,
+        "scheduler": self.config.scheduler,
+        "samples_per_s": self.samples_per_s,
+        "iteration_s": self.mean_iteration_s,
+        "gen_bubble": self.gen_bubble,
+        "train_bubble": self.train_bubble,
+        "skew_bubble": self.skew_bubble,
+        "preemptions": self.preemptions,
+        "events": self.events,
     }
 
 
 class _Instance:
-  __slots__ = ("idx", "t", "k", "S", "B", "R", "heap", "stack", "queue", "cap", "version", "active",
-               "start_t", "done_t")
+  __slots__ = (
+      "idx",
+      "t",
+      "k",
+      "S",
+      "B",
+      "R",
+      "heap",
+      "stack",
+      "queue",
+      "cap",
+      "version",
+      "active",
+      "start_t",
+      "done_t",
+  )
 
   def __init__(self, idx: int):
     self.idx = idx
@@ -212,13 +233,19 @@ class _GenPhase:
     self.kv_limit = gen.kv_capacity_tokens * (1.0 - _KV_WATERMARK)
     self.reserve = float(gen.reserve_output_tokens)
 
-  def start(self, t: float, prompt_lens: Sequence[int], output_lens: Sequence[int],
-            queues: Sequence[Sequence[int]], caps: Sequence[int]) -> None:
+  def start(
+      self,
+      t: float,
+      prompt_lens: Sequence[int],
+      output_lens: Sequence[int],
+      queues: Sequence[Sequence[int]],
+      caps: Sequence[int],
+  ) -> None:
     n = len(queues)
     while len(self.instances) < n:
       self.instances.append(_Instance(len(self.instances)))
     # Per-sample state of this iteration.
-    self.ctx0 = [int(p) for p in prompt_lens]      # context to prefill on (re)admission
+    self.ctx0 = [int(p) for p in prompt_lens]  # context to prefill on (re)admission
     self.remaining = [int(o) for o in output_lens]  # tokens still to generate
     self.admit_k = [0] * len(self.ctx0)
     self.finish_k = [-1] * len(self.ctx0)
@@ -251,12 +278,18 @@ class _GenPhase:
       need = ctx0[sid] + 1
       if inst.B > 0 and inst.S + need > self.kv_limit:
         break  # Wait for a finish to free KV blocks (head-of-line, like vLLM).
-      if self.reserve > 0 and inst.B > 0 and inst.R + need + self.reserve > self.gen.kv_capacity_tokens:
+      if (
+          self.reserve > 0
+          and inst.B > 0
+          and inst.R + need + self.reserve > self.gen.kv_capacity_tokens
+      ):
         break  # Reserving engine: wait until a finish releases a reservation.
       if need + rem[sid] > self.gen.kv_capacity_tokens:
-        raise ValueError(f"a sequence of {need + rem[sid]} tokens does not fit in the KV cache of "
-                         f"{self.gen.name or 'an instance'} ({self.gen.kv_capacity_tokens:.0f} tokens); "
-                         "use a larger tensor-parallel degree or shorter outputs.")
+        raise ValueError(
+            f"a sequence of {need + rem[sid]} tokens does not fit in the KV cache of "
+            f"{self.gen.name or 'an instance'} ({self.gen.kv_capacity_tokens:.0f} tokens); "
+            "use a larger tensor-parallel degree or shorter outputs."
+        )
       inst.queue.popleft()
       self.admit_k[sid] = inst.k
       self.running[sid] = True
@@ -327,8 +360,10 @@ class _GenPhase:
       inst.queue.appendleft(sid)
       self.preemptions += 1
       if inst.B == 0:
-        raise ValueError(f"one sequence alone overflows the KV cache of {self.gen.name or 'an instance'}; "
-                         "use a larger tensor-parallel degree or shorter outputs.")
+        raise ValueError(
+            f"one sequence alone overflows the KV cache of {self.gen.name or 'an instance'}; "
+            "use a larger tensor-parallel degree or shorter outputs."
+        )
     if finished:
       # Compact the admission stack now and then so preemption stays O(1) amortised.
       if len(inst.stack) > 4 * inst.B + 64:
@@ -349,7 +384,7 @@ class _GenPhase:
     self._schedule(inst)
 
   def busy_time(self) -> float:
-    return sum(inst.done_t - inst.start_t for inst in self.instances[:self.num_used])
+    return sum(inst.done_t - inst.start_t for inst in self.instances[: self.num_used])
 
 
 def dispatch_inputs(gen: GenCostModel, prompt: np.ndarray, recent: np.ndarray):
@@ -364,8 +399,9 @@ def dispatch_inputs(gen: GenCostModel, prompt: np.ndarray, recent: np.ndarray):
   return max_bs, gen.latency_profile(ctx)
 
 
-def _plan_queues(config: SimConfig, j: int, n_inst: int, prompt: np.ndarray, out: np.ndarray,
-                 recent: np.ndarray) -> tuple[tuple, tuple]:
+def _plan_queues(
+    config: SimConfig, j: int, n_inst: int, prompt: np.ndarray, out: np.ndarray, recent: np.ndarray
+) -> tuple[tuple, tuple]:
   """Prompt queues per instance via the project's scheduler."""
   max_bs, profile = dispatch_inputs(config.gen, prompt, recent)
   if config.scheduler == "fifo":
@@ -373,9 +409,16 @@ def _plan_queues(config: SimConfig, j: int, n_inst: int, prompt: np.ndarray, out
   else:
     rng = np.random.default_rng([config.seed, j, 1])
     scores = noisy_scores(out, config.ranker_sigma, rng)
-    plan = dispatch(np.exp(scores), n_inst, profile, recent, alpha=config.alpha,
-                    objective=config.dispatch_objective, max_batch_size=max_bs,
-                    latency_model=config.dispatch_latency_model)
+    plan = dispatch(
+        np.exp(scores),
+        n_inst,
+        profile,
+        recent,
+        alpha=config.alpha,
+        objective=config.dispatch_objective,
+        max_batch_size=max_bs,
+        latency_model=config.dispatch_latency_model,
+    )
   return plan.assignments, plan.batch_sizes
 
 
@@ -460,7 +503,9 @@ class _Simulation:
     self.gen_scheduled = False
     self.gen_running = True
     self.next_gen = g + 1
-    n_inst = c.num_instances if self.controller is None else int(self.controller(g, tuple(self.stats)))
+    n_inst = (
+        c.num_instances if self.controller is None else int(self.controller(g, tuple(self.stats)))
+    )
     if n_inst < 1:
       raise ValueError(f"the controller asked for {n_inst} generator instances; it must be >= 1.")
     self.n_inst[g] = n_inst
@@ -510,11 +555,11 @@ class _Simulation:
     u = self.upd_done
     mb_end = min((u + 1) * mb, p)
     if self.fwd_done >= mb_end:
-      ids = arrived[u * mb:mb_end]
+      ids = arrived[u * mb : mb_end]
       work = sum(self.upd_s[j][s] for s in ids)
       kind = ("upd", mb_end)
     elif len(arrived) > self.fwd_done:
-      ids = arrived[self.fwd_done:]
+      ids = arrived[self.fwd_done :]
       work = sum(self.fwd_s[j][s] for s in ids)
       kind = ("fwd", len(arrived))
     else:
@@ -538,10 +583,19 @@ class _Simulation:
         j = self.tj
         self.train_end[j] = t
         prompt, out = self.samples[j]
-        self.stats.append(IterationStats(
-            index=j, num_instances=self.n_inst[j], gen_start=self.gen_start[j], gen_end=self.gen_end[j],
-            train_start=self.train_start[j], train_end=t, train_busy=self.train_busy[j],
-            output_lens=out, prompt_lens=prompt))
+        self.stats.append(
+            IterationStats(
+                index=j,
+                num_instances=self.n_inst[j],
+                gen_start=self.gen_start[j],
+                gen_end=self.gen_end[j],
+                train_start=self.train_start[j],
+                train_end=t,
+                train_busy=self.train_busy[j],
+                output_lens=out,
+                prompt_lens=prompt,
+            )
+        )
         # Free per-iteration buffers that are no longer needed.
         self.fwd_s.pop(j, None)
         self.upd_s.pop(j, None)
@@ -586,10 +640,18 @@ def simulate(config: SimConfig, controller: Controller | None = None) -> SimResu
     train_util = gen_util
   phase = [(sim.gen_end[j] - sim.gen_start[j]) * sim.n_inst[j] for j in range(w, c.iterations)]
   skew = 1.0 - gen_busy / sum(phase) if sum(phase) > 0 else 0.0
-  return SimResult(config=c, samples_per_s=float(thr), iterations=tuple(sim.stats),
-                   iteration_times=iter_times, gen_util=float(gen_util), train_util=float(train_util),
-                   skew_bubble=float(skew), preemptions=sim.gen.preemptions, events=sim.events,
-                   wall_s=wall)
+  return SimResult(
+      config=c,
+      samples_per_s=float(thr),
+      iterations=tuple(sim.stats),
+      iteration_times=iter_times,
+      gen_util=float(gen_util),
+      train_util=float(train_util),
+      skew_bubble=float(skew),
+      preemptions=sim.gen.preemptions,
+      events=sim.events,
+      wall_s=wall,
+  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -603,13 +665,22 @@ class GenResult:
   events: int
 
 
-def simulate_generation(gen: GenCostModel, num_instances: int, prompt_lens: Sequence[int],
-                        output_lens: Sequence[int], *, scheduler: str = "fifo",
-                        ranker_sigma: float = 0.0, recent_lengths: Sequence[int] | None = None,
-                        alpha: float = 0.2, objective: str = "sum", seed: int = 0,
-                        latency_model: str = "paper",
-                        queues: Sequence[Sequence[int]] | None = None,
-                        caps: Sequence[int] | None = None) -> GenResult:
+def simulate_generation(
+    gen: GenCostModel,
+    num_instances: int,
+    prompt_lens: Sequence[int],
+    output_lens: Sequence[int],
+    *,
+    scheduler: str = "fifo",
+    ranker_sigma: float = 0.0,
+    recent_lengths: Sequence[int] | None = None,
+    alpha: float = 0.2,
+    objective: str = "sum",
+    seed: int = 0,
+    latency_model: str = "paper",
+    queues: Sequence[Sequence[int]] | None = None,
+    caps: Sequence[int] | None = None,
+) -> GenResult:
   """Generation of one batch on `num_instances` instances (no trainer).
 
   `queues`/`caps` bypass the scheduler (explicit per-instance admission order
@@ -622,8 +693,15 @@ def simulate_generation(gen: GenCostModel, num_instances: int, prompt_lens: Sequ
   if np.any(out <= 0) or np.any(prompt <= 0):
     raise ValueError("prompt and output lengths must be positive.")
   if queues is None:
-    cfg_like = _GenOnly(gen=gen, scheduler=scheduler, ranker_sigma=ranker_sigma, alpha=alpha,
-                        dispatch_objective=objective, seed=seed, dispatch_latency_model=latency_model)
+    cfg_like = _GenOnly(
+        gen=gen,
+        scheduler=scheduler,
+        ranker_sigma=ranker_sigma,
+        alpha=alpha,
+        dispatch_objective=objective,
+        seed=seed,
+        dispatch_latency_model=latency_model,
+    )
     recent = out if recent_lengths is None else np.asarray(recent_lengths)
     queues, caps = _plan_queues(cfg_like, 0, num_instances, prompt, out, recent)
   elif caps is None:
@@ -650,9 +728,14 @@ def simulate_generation(gen: GenCostModel, num_instances: int, prompt_lens: Sequ
     t, _, _, a, b = heapq.heappop(heap)
     events += 1
     phase.handle(t, a, b)
-  inst_done = np.asarray([i.done_t for i in phase.instances[:phase.num_used]])
-  return GenResult(makespan=float(done[0]), finish_times=finish, instance_done=inst_done,
-                   preemptions=phase.preemptions, events=events)
+  inst_done = np.asarray([i.done_t for i in phase.instances[: phase.num_used]])
+  return GenResult(
+      makespan=float(done[0]),
+      finish_times=finish,
+      instance_done=inst_done,
+      preemptions=phase.preemptions,
+      events=events,
+  )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -25,8 +25,10 @@ def _check_positive_ints(name: str, values: np.ndarray) -> np.ndarray:
   if values.size == 0:
     raise ValueError(f"the {name} length distribution is empty; give at least one length.")
   if not np.all(np.isfinite(values)) or np.any(values <= 0):
-    raise ValueError(f"{name} lengths must be positive (smallest given: {np.min(values)}); "
-                     "drop zero or negative lengths.")
+    raise ValueError(
+        f"{name} lengths must be positive (smallest given: {np.min(values)}); "
+        "drop zero or negative lengths."
+    )
   return values
 
 
@@ -51,7 +53,7 @@ class PaperLengths:
 
   def sample(self, rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray]:
     mode = self.body_mode_frac * self.max_output
-    mu = np.log(mode) + self.body_sigma ** 2  # lognormal mode = exp(mu - sigma^2)
+    mu = np.log(mode) + self.body_sigma**2  # lognormal mode = exp(mu - sigma^2)
     body = rng.lognormal(mu, self.body_sigma, size=n)
     tail = rng.uniform(self.tail_start_frac * self.max_output, self.max_output, size=n)
     is_tail = rng.random(n) < self.tail_weight
@@ -79,7 +81,10 @@ class FixedLengths:
 
   def sample(self, rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray]:
     del rng
-    return (np.full(n, self.prompt_len, dtype=np.int64), np.full(n, self.output_len, dtype=np.int64))
+    return (
+        np.full(n, self.prompt_len, dtype=np.int64),
+        np.full(n, self.output_len, dtype=np.int64),
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +98,9 @@ class EmpiricalLengths:
     p = _check_positive_ints("prompt", np.asarray(self.prompt_lens, dtype=np.float64).reshape(-1))
     o = _check_positive_ints("output", np.asarray(self.output_lens, dtype=np.float64).reshape(-1))
     if p.size != o.size:
-      raise ValueError(f"got {p.size} prompt lengths but {o.size} output lengths; give one pair per sample.")
+      raise ValueError(
+          f"got {p.size} prompt lengths but {o.size} output lengths; give one pair per sample."
+      )
     object.__setattr__(self, "prompt_lens", tuple(int(x) for x in p))
     object.__setattr__(self, "output_lens", tuple(int(x) for x in o))
 
@@ -103,11 +110,15 @@ class EmpiricalLengths:
 
   def sample(self, rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray]:
     idx = rng.integers(0, len(self.output_lens), size=n)
-    return (np.asarray(self.prompt_lens, dtype=np.int64)[idx],
-            np.asarray(self.output_lens, dtype=np.int64)[idx])
+    return (
+        np.asarray(self.prompt_lens, dtype=np.int64)[idx],
+        np.asarray(self.output_lens, dtype=np.int64)[idx],
+    )
 
 
-def from_lengths(output_lens: Sequence[int], prompt_lens: Sequence[int] | int = 256) -> EmpiricalLengths:
+def from_lengths(
+    output_lens: Sequence[int], prompt_lens: Sequence[int] | int = 256
+) -> EmpiricalLengths:
   """EmpiricalLengths from lists (a scalar prompt length is broadcast)."""
   o = tuple(int(x) for x in np.asarray(output_lens).reshape(-1))
   if np.isscalar(prompt_lens):

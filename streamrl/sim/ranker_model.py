@@ -35,8 +35,14 @@ def tail_recall(true_lens: np.ndarray, scores: np.ndarray, frac: float) -> float
   return len(true_top & pred_top) / k
 
 
-def sigma_for_recall(target_recall: float, lengths: LengthDistribution, *, frac: float = 0.2,
-                     n: int = 20000, seed: int = 0) -> float:
+def sigma_for_recall(
+    target_recall: float,
+    lengths: LengthDistribution,
+    *,
+    frac: float = 0.2,
+    n: int = 20000,
+    seed: int = 0,
+) -> float:
   """Noise level whose tail recall equals `target_recall` (bisection, common random numbers)."""
   if not 0 < target_recall <= 1:
     raise ValueError(f"target recall must be in (0, 1], got {target_recall}.")

@@ -19,7 +19,14 @@ from streamrl.sim import costs
 from streamrl.sim.costs import GenCalibration, GenCostModel, GpuSpec, ModelSpec, TrainCostModel
 from streamrl.sim.engine import SimConfig
 
-SYSTEMS = ("verl", "colocation", "colocation_skew", "streamrl_sync", "streamrl_async", "disagg_sync")
+SYSTEMS = (
+    "verl",
+    "colocation",
+    "colocation_skew",
+    "streamrl_sync",
+    "streamrl_async",
+    "disagg_sync",
+)
 _DISAGG_MODE = {"streamrl_sync": "stream", "streamrl_async": "async", "disagg_sync": "sync"}
 
 
@@ -65,18 +72,38 @@ def max_output_of(lengths) -> int:
   return int(lengths.max_output)
 
 
-def gen_cost(model: ModelSpec, gpu: GpuSpec, calib: SystemCalibration, lengths, *, tp: int | None = None,
-             reserved_bytes_per_gpu: float = 0.0) -> GenCostModel:
+def gen_cost(
+    model: ModelSpec,
+    gpu: GpuSpec,
+    calib: SystemCalibration,
+    lengths,
+    *,
+    tp: int | None = None,
+    reserved_bytes_per_gpu: float = 0.0,
+) -> GenCostModel:
   """One generator instance under `calib` (decode model and admission policy) for `lengths`."""
-  gen = GenCostModel.for_deployment(model, gpu, calib.gen, tp=tp, reserved_bytes_per_gpu=reserved_bytes_per_gpu)
+  gen = GenCostModel.for_deployment(
+      model, gpu, calib.gen, tp=tp, reserved_bytes_per_gpu=reserved_bytes_per_gpu
+  )
   if calib.reserve_max_output:
     gen = dataclasses.replace(gen, reserve_output_tokens=float(max_output_of(lengths)))
   return gen
 
 
-def colocated_config(model: ModelSpec, gpu: GpuSpec, num_gpus: int, lengths, calib: SystemCalibration, *,
-                     scheduler: str = "fifo", verl: bool = False, tp: int | None = None,
-                     batch_size: int = 1024, iterations: int = 4, seed: int = 0) -> SimConfig:
+def colocated_config(
+    model: ModelSpec,
+    gpu: GpuSpec,
+    num_gpus: int,
+    lengths,
+    calib: SystemCalibration,
+    *,
+    scheduler: str = "fifo",
+    verl: bool = False,
+    tp: int | None = None,
+    batch_size: int = 1024,
+    iterations: int = 4,
+    seed: int = 0,
+) -> SimConfig:
   """All `num_gpus` GPUs generate, then all train (the colocated baselines)."""
   tp = costs.default_tp(model, gpu) if tp is None else tp
   gcal = calib.gen
@@ -84,24 +111,59 @@ def colocated_config(model: ModelSpec, gpu: GpuSpec, num_gpus: int, lengths, cal
     gcal = dataclasses.replace(gcal, extra_step_s=calib.verl_step_overhead_s)
   # With offloading the rollout has the whole GPU; without it the training
   # state stays resident and shrinks the KV cache.
-  reserved = 0.0 if calib.offload_gb_s else costs.colocated_state_bytes_per_gpu(
-      model, num_gpus, critic=calib.critic)
-  gen = gen_cost(model, gpu, dataclasses.replace(calib, gen=gcal), lengths, tp=tp,
-                 reserved_bytes_per_gpu=reserved)
+  reserved = (
+      0.0
+      if calib.offload_gb_s
+      else costs.colocated_state_bytes_per_gpu(model, num_gpus, critic=calib.critic)
+  )
+  gen = gen_cost(
+      model,
+      gpu,
+      dataclasses.replace(calib, gen=gcal),
+      lengths,
+      tp=tp,
+      reserved_bytes_per_gpu=reserved,
+  )
   train = TrainCostModel.for_gpu(model, gpu, calib.mfu, critic=calib.critic)
-  switch = costs.colocated_switch_seconds(model, gpu, tp, num_gpus, offload_gb_s=calib.offload_gb_s,
-                                          critic=calib.critic)
-  return SimConfig(mode="verl" if verl else "colocated", gen=gen, num_instances=max(1, num_gpus // tp),
-                   train=train, num_train_gpus=num_gpus, lengths=lengths, batch_size=batch_size,
-                   num_minibatches=calib.num_minibatches, iterations=iterations, scheduler=scheduler,
-                   ranker_sigma=calib.ranker_sigma, dispatch_objective=calib.dispatch_objective,
-                   dispatch_latency_model=calib.dispatch_latency_model, transfer_s=switch, seed=seed)
+  switch = costs.colocated_switch_seconds(
+      model, gpu, tp, num_gpus, offload_gb_s=calib.offload_gb_s, critic=calib.critic
+  )
+  return SimConfig(
+      mode="verl" if verl else "colocated",
+      gen=gen,
+      num_instances=max(1, num_gpus // tp),
+      train=train,
+      num_train_gpus=num_gpus,
+      lengths=lengths,
+      batch_size=batch_size,
+      num_minibatches=calib.num_minibatches,
+      iterations=iterations,
+      scheduler=scheduler,
+      ranker_sigma=calib.ranker_sigma,
+      dispatch_objective=calib.dispatch_objective,
+      dispatch_latency_model=calib.dispatch_latency_model,
+      transfer_s=switch,
+      seed=seed,
+  )
 
 
-def disaggregated_config(mode: str, model: ModelSpec, gen_gpu: GpuSpec, gen_gpus: int, train_gpu: GpuSpec,
-                         train_gpus: int, lengths, calib: SystemCalibration, *, cross_dc: bool = False,
-                         scheduler: str = "skew", tp: int | None = None, batch_size: int = 1024,
-                         iterations: int = 4, seed: int = 0) -> SimConfig:
+def disaggregated_config(
+    mode: str,
+    model: ModelSpec,
+    gen_gpu: GpuSpec,
+    gen_gpus: int,
+    train_gpu: GpuSpec,
+    train_gpus: int,
+    lengths,
+    calib: SystemCalibration,
+    *,
+    cross_dc: bool = False,
+    scheduler: str = "skew",
+    tp: int | None = None,
+    batch_size: int = 1024,
+    iterations: int = 4,
+    seed: int = 0,
+) -> SimConfig:
   """Generation on `gen_gpus` of `gen_gpu`, training on `train_gpus` of `train_gpu`."""
   tp = costs.default_tp(model, gen_gpu) if tp is None else tp
   if gen_gpus < tp:
@@ -109,24 +171,57 @@ def disaggregated_config(mode: str, model: ModelSpec, gen_gpu: GpuSpec, gen_gpus
   gen = gen_cost(model, gen_gpu, calib, lengths, tp=tp)
   train = TrainCostModel.for_gpu(model, train_gpu, calib.mfu, critic=calib.critic)
   transfer = costs.weight_transfer_seconds(
-      model, gen_gpus, gen_gpu.gpus_per_machine,
-      inter_dc_link=costs.INTER_DC_LINK if cross_dc else None)
-  return SimConfig(mode=mode, gen=gen, num_instances=gen_gpus // tp, train=train, num_train_gpus=train_gpus,
-                   lengths=lengths, batch_size=batch_size, num_minibatches=calib.num_minibatches,
-                   iterations=iterations, scheduler=scheduler, ranker_sigma=calib.ranker_sigma,
-                   dispatch_objective=calib.dispatch_objective,
-                   dispatch_latency_model=calib.dispatch_latency_model, transfer_s=transfer, seed=seed)
+      model,
+      gen_gpus,
+      gen_gpu.gpus_per_machine,
+      inter_dc_link=costs.INTER_DC_LINK if cross_dc else None,
+  )
+  return SimConfig(
+      mode=mode,
+      gen=gen,
+      num_instances=gen_gpus // tp,
+      train=train,
+      num_train_gpus=train_gpus,
+      lengths=lengths,
+      batch_size=batch_size,
+      num_minibatches=calib.num_minibatches,
+      iterations=iterations,
+      scheduler=scheduler,
+      ranker_sigma=calib.ranker_sigma,
+      dispatch_objective=calib.dispatch_objective,
+      dispatch_latency_model=calib.dispatch_latency_model,
+      transfer_s=transfer,
+      seed=seed,
+  )
 
 
-def system_config(system: str, model: ModelSpec, gpu: GpuSpec, num_gpus: int, lengths,
-                  calib: SystemCalibration, *, gen_gpus: int | None = None, **kw) -> SimConfig:
+def system_config(
+    system: str,
+    model: ModelSpec,
+    gpu: GpuSpec,
+    num_gpus: int,
+    lengths,
+    calib: SystemCalibration,
+    *,
+    gen_gpus: int | None = None,
+    **kw,
+) -> SimConfig:
   """One of SYSTEMS on `num_gpus` GPUs of one type (gen_gpus: disaggregated split)."""
   if system not in SYSTEMS:
     raise ValueError(f"system must be one of {SYSTEMS}, got {system!r}.")
   if system in ("verl", "colocation", "colocation_skew"):
-    return colocated_config(model, gpu, num_gpus, lengths, calib, verl=system == "verl",
-                            scheduler="skew" if system == "colocation_skew" else "fifo", **kw)
+    return colocated_config(
+        model,
+        gpu,
+        num_gpus,
+        lengths,
+        calib,
+        verl=system == "verl",
+        scheduler="skew" if system == "colocation_skew" else "fifo",
+        **kw,
+    )
   if gen_gpus is None or not 0 < gen_gpus < num_gpus:
     raise ValueError(f"{system} needs a split: 0 < gen_gpus < {num_gpus} (use the planner).")
-  return disaggregated_config(_DISAGG_MODE[system], model, gpu, gen_gpus, gpu, num_gpus - gen_gpus, lengths,
-                              calib, **kw)
+  return disaggregated_config(
+      _DISAGG_MODE[system], model, gpu, gen_gpus, gpu, num_gpus - gen_gpus, lengths, calib, **kw
+  )

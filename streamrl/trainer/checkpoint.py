@@ -54,8 +54,10 @@ def _to_json(value: Any, what: str) -> Any:
   try:
     return json.loads(json.dumps(value, default=_json_default))
   except (TypeError, ValueError) as e:
-    raise ValueError(f"the checkpoint {what} must be JSON-serialisable ({e}); pass plain "
-                     "dicts/lists of str, int, float, bool or None.") from None
+    raise ValueError(
+        f"the checkpoint {what} must be JSON-serialisable ({e}); pass plain "
+        "dicts/lists of str, int, float, bool or None."
+    ) from None
 
 
 def _first_difference(saved: Any, given: Any, path: str = "") -> tuple[str, Any, Any] | None:
@@ -85,8 +87,10 @@ def _check_not_under_file(directory: str) -> None:
   """UserError if `directory`, or its nearest existing parent, is not a directory."""
   path = nearest_existing(directory)
   if not os.path.isdir(path):
-    raise UserError(f"cannot keep checkpoints in {directory}: {path} is a file, not a directory; "
-                    "pass a --workdir that is a directory (or a new path).")
+    raise UserError(
+        f"cannot keep checkpoints in {directory}: {path} is a file, not a directory; "
+        "pass a --workdir that is a directory (or a new path)."
+    )
 
 
 def _abstract(leaf: Any) -> Any:
@@ -130,15 +134,19 @@ class Checkpointer:
     self._check_compatible()
     self._manager = ocp.CheckpointManager(
         self.directory,
-        options=ocp.CheckpointManagerOptions(max_to_keep=self.keep, create=True,
-                                             enable_async_checkpointing=False))
+        options=ocp.CheckpointManagerOptions(
+            max_to_keep=self.keep, create=True, enable_async_checkpointing=False
+        ),
+    )
 
   # ------------------------------------------------------------------ queries
 
   def _readonly_steps(self) -> list[int]:
     if not epath.Path(self.directory).is_dir():
       return []
-    with ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(read_only=True)) as m:
+    with ocp.CheckpointManager(
+        self.directory, options=ocp.CheckpointManagerOptions(read_only=True)
+    ) as m:
       return sorted(m.all_steps())
 
   def _read_info(self, manager: ocp.CheckpointManager, step: int) -> dict | None:
@@ -150,18 +158,24 @@ class Checkpointer:
     steps = self._readonly_steps()
     if not steps:
       return
-    with ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(read_only=True)) as m:
+    with ocp.CheckpointManager(
+        self.directory, options=ocp.CheckpointManagerOptions(read_only=True)
+    ) as m:
       for step in reversed(steps):
         info = self._read_info(m, step)
         if info is None:
-          raise UserError(f"{self.directory} holds a checkpoint (step {step}) that was not written by "
-                           "streamrl's Checkpointer; use a new --workdir.")
+          raise UserError(
+              f"{self.directory} holds a checkpoint (step {step}) that was not written by "
+              "streamrl's Checkpointer; use a new --workdir."
+          )
         diff = _first_difference(info.get("fingerprint"), self.fingerprint)
         if diff is not None:
           key, was, now = diff
-          raise UserError(f"{self.directory} holds checkpoints of an incompatible run (step {step}): "
-                           f"{key!s} is {json.dumps(was)} there but {json.dumps(now)} now; use a new "
-                           "--workdir (or the config that wrote them) — nothing there was changed.")
+          raise UserError(
+              f"{self.directory} holds checkpoints of an incompatible run (step {step}): "
+              f"{key!s} is {json.dumps(was)} there but {json.dumps(now)} now; use a new "
+              "--workdir (or the config that wrote them) — nothing there was changed."
+          )
 
   def all_steps(self) -> list[int]:
     """Steps on disk, ascending."""
@@ -197,12 +211,20 @@ class Checkpointer:
       _log.info("checkpoint step %d already in %s; not saving it again", step, self.directory)
       return False
     if steps and step < steps[-1]:
-      raise UserError(f"cannot save step {step} into {self.directory}: it already holds the newer step "
-                       f"{steps[-1]}; resume from it or use a new --workdir.")
+      raise UserError(
+          f"cannot save step {step} into {self.directory}: it already holds the newer step "
+          f"{steps[-1]}; resume from it or use a new --workdir."
+      )
     info = {"format": _FORMAT, "fingerprint": self.fingerprint, "layout": _layout(arrays)}
-    self._manager.save(step, args=ocp.args.Composite(arrays=ocp.args.StandardSave(arrays),
-                                                     meta=ocp.args.JsonSave(meta_json),
-                                                     info=ocp.args.JsonSave(info)), force=True)
+    self._manager.save(
+        step,
+        args=ocp.args.Composite(
+            arrays=ocp.args.StandardSave(arrays),
+            meta=ocp.args.JsonSave(meta_json),
+            info=ocp.args.JsonSave(info),
+        ),
+        force=True,
+    )
     # Synchronous by construction (async disabled), and waited on anyway: a
     # crash right after save() must never lose this checkpoint.
     self._manager.wait_until_finished()
@@ -227,26 +249,40 @@ class Checkpointer:
     steps = self.all_steps()
     if step is None:
       if not steps:
-        raise FileNotFoundError(f"no checkpoint in {self.directory}; check latest_step() before restoring.")
+        raise FileNotFoundError(
+            f"no checkpoint in {self.directory}; check latest_step() before restoring."
+        )
       step = steps[-1]
     elif int(step) not in steps:
-      raise FileNotFoundError(f"no checkpoint for step {step} in {self.directory} (steps there: {steps}).")
+      raise FileNotFoundError(
+          f"no checkpoint for step {step} in {self.directory} (steps there: {steps})."
+      )
     step = int(step)
     info = self._read_info(self._manager, step)
     if info is None:
-      raise UserError(f"checkpoint step {step} in {self.directory} was not written by streamrl's "
-                       "Checkpointer; use a new --workdir.")
+      raise UserError(
+          f"checkpoint step {step} in {self.directory} was not written by streamrl's "
+          "Checkpointer; use a new --workdir."
+      )
     diff = _first_difference(info["fingerprint"], self.fingerprint)
     if diff is not None:  # Only reachable if files changed since __init__.
-      raise UserError(f"checkpoint step {step} in {self.directory} has another fingerprint at {diff[0]}; "
-                       "use a new --workdir.")
+      raise UserError(
+          f"checkpoint step {step} in {self.directory} has another fingerprint at {diff[0]}; "
+          "use a new --workdir."
+      )
     self._check_layout(info["layout"], _layout(abstract_arrays), step)
     target = jax.tree.map(_abstract, abstract_arrays)
-    out = self._manager.restore(step, args=ocp.args.Composite(arrays=ocp.args.StandardRestore(target),
-                                                              meta=ocp.args.JsonRestore()))
+    out = self._manager.restore(
+        step,
+        args=ocp.args.Composite(
+            arrays=ocp.args.StandardRestore(target), meta=ocp.args.JsonRestore()
+        ),
+    )
     return step, out["arrays"], out["meta"]
 
-  def _check_layout(self, saved: dict[str, list[int]], wanted: dict[str, list[int]], step: int) -> None:
+  def _check_layout(
+      self, saved: dict[str, list[int]], wanted: dict[str, list[int]], step: int
+  ) -> None:
     for key in list(wanted) + [k for k in saved if k not in wanted]:
       if key not in saved:
         problem = "is not in the checkpoint"
@@ -256,8 +292,10 @@ class Checkpointer:
         problem = f"has shape {tuple(saved[key])} in the checkpoint but {tuple(wanted[key])} in the template"
       else:
         continue
-      raise UserError(f"cannot restore step {step} from {self.directory}: array {key} {problem}; the model "
-                       "or optimizer changed since it was saved — use a new --workdir.")
+      raise UserError(
+          f"cannot restore step {step} from {self.directory}: array {key} {problem}; the model "
+          "or optimizer changed since it was saved — use a new --workdir."
+      )
 
   def close(self) -> None:
     self._manager.close()

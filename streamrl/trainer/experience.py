@@ -40,10 +40,10 @@ def pad_samples(samples: Sequence, seq_len: int | None = None, pad_id: int = 0) 
   for i, s in enumerate(samples):
     p, r = len(s.prompt_token_ids), len(s.token_ids)
     tokens[i, :p] = s.prompt_token_ids
-    tokens[i, p:p + r] = s.token_ids
+    tokens[i, p : p + r] = s.token_ids
     # Column t predicts token t + 1: response tokens p..p+r-1 sit at p-1..p+r-2.
-    mask[i, p - 1:p + r - 1] = 1.0
-    gen_logp[i, p - 1:p + r - 1] = s.logprobs
+    mask[i, p - 1 : p + r - 1] = 1.0
+    gen_logp[i, p - 1 : p + r - 1] = s.logprobs
   return {"tokens_bt": tokens, "mask_bt": mask, "gen_logp_bt": gen_logp}
 
 
@@ -73,9 +73,15 @@ def compute_advantages(batch: dict, scores_b: jax.Array, *, cfg: AdvantageConfig
     kl = rl.get_kl_estimator(cfg.kl_estimator)(batch["old_logp_bt"], batch["ref_logp_bt"]) * mask
   rewards = rl.token_level_rewards(scores_b, mask, kl, cfg.kl_coef)
   estimator = rl.get_advantage_estimator(cfg.estimator)
-  adv, returns = estimator(rewards, mask, values_bt=batch.get("old_values_bt"),
-                           group_size=cfg.group_size, gamma=cfg.gamma, lam=cfg.lam,
-                           normalize_std=cfg.normalize_std)
+  adv, returns = estimator(
+      rewards,
+      mask,
+      values_bt=batch.get("old_values_bt"),
+      group_size=cfg.group_size,
+      gamma=cfg.gamma,
+      lam=cfg.lam,
+      normalize_std=cfg.normalize_std,
+  )
   if cfg.whiten and cfg.estimator in ("gae",):
     adv = rl.whiten(adv, mask)
   out = {"advantages_bt": adv * mask, "returns_bt": returns * mask}

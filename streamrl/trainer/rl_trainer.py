@@ -35,35 +35,54 @@ def loss_config(s: settings_lib.Settings) -> step_lib.LossConfig:
   """The jitted step's loss options (temperature: the generators')."""
   loss, kl = s.loss, s.kl
   return step_lib.LossConfig(
-      clip_low=loss.clip_low, clip_high=loss.clip_high, dual_clip=loss.dual_clip or None,
-      agg=loss.agg, norm_constant=float(s.sampling.max_tokens),
-      entropy_coef=loss.entropy_coef, kl_coef=kl.coef if kl.use_reference else 0.0,
-      kl_estimator=kl.estimator, kl_in_loss=not kl.in_reward, vf_clip=loss.vf_clip,
-      rollout_correction=s.rollout_correction, is_cap=loss.is_cap,
-      mis_threshold=loss.mis_threshold, temperature=s.sampling.temperature)
+      clip_low=loss.clip_low,
+      clip_high=loss.clip_high,
+      dual_clip=loss.dual_clip or None,
+      agg=loss.agg,
+      norm_constant=float(s.sampling.max_tokens),
+      entropy_coef=loss.entropy_coef,
+      kl_coef=kl.coef if kl.use_reference else 0.0,
+      kl_estimator=kl.estimator,
+      kl_in_loss=not kl.in_reward,
+      vf_clip=loss.vf_clip,
+      rollout_correction=s.rollout_correction,
+      is_cap=loss.is_cap,
+      mis_threshold=loss.mis_threshold,
+      temperature=s.sampling.temperature,
+  )
 
 
 def advantage_config(s: settings_lib.Settings) -> experience.AdvantageConfig:
   adv, kl = s.advantage, s.kl
   return experience.AdvantageConfig(
-      estimator=adv.estimator, gamma=adv.gamma, lam=adv.lam, group_size=adv.group_size,
-      kl_coef=kl.coef if kl.use_reference else 0.0, kl_estimator=kl.estimator,
-      kl_in_reward=kl.in_reward, whiten=adv.whiten)
+      estimator=adv.estimator,
+      gamma=adv.gamma,
+      lam=adv.lam,
+      group_size=adv.group_size,
+      kl_coef=kl.coef if kl.use_reference else 0.0,
+      kl_estimator=kl.estimator,
+      kl_in_reward=kl.in_reward,
+      whiten=adv.whiten,
+  )
 
 
 def optim_configs(s: settings_lib.Settings) -> tuple[step_lib.OptimConfig, step_lib.OptimConfig]:
   """(actor, critic) optimizer configs, decaying over the run's optimizer steps."""
   o, tr = s.optimizer, s.trainer
   total = tr.num_iterations * tr.ppo_epochs * max(1, s.samples_per_iteration // tr.mini_batch_size)
-  common = dict(warmup_steps=o.warmup_steps, decay_steps=total, weight_decay=o.weight_decay,
-                grad_clip=o.grad_clip)
-  return (step_lib.OptimConfig(lr=o.lr, **common),
-          step_lib.OptimConfig(lr=o.critic_lr, **common))
+  common = dict(
+      warmup_steps=o.warmup_steps,
+      decay_steps=total,
+      weight_decay=o.weight_decay,
+      grad_clip=o.grad_clip,
+  )
+  return (step_lib.OptimConfig(lr=o.lr, **common), step_lib.OptimConfig(lr=o.critic_lr, **common))
 
 
 @dataclasses.dataclass(frozen=True)
 class Snapshot:
   """The parameters that score an iteration's samples as "old" (PPO ratio)."""
+
   actor: object
   critic: object
 
@@ -88,11 +107,21 @@ class RLTrainer:
     mesh: the device mesh (default: `mesh_axes` over all devices).
   """
 
-  def __init__(self, policy: Transformer, *, loss: step_lib.LossConfig,
-               advantage: experience.AdvantageConfig, actor_optim: step_lib.OptimConfig,
-               critic_optim: step_lib.OptimConfig | None, mini_batch_size: int,
-               micro_batch_size: int, use_reference: bool, seed: int = 0,
-               mesh: jax.sharding.Mesh | None = None, mesh_axes: dict | None = None):
+  def __init__(
+      self,
+      policy: Transformer,
+      *,
+      loss: step_lib.LossConfig,
+      advantage: experience.AdvantageConfig,
+      actor_optim: step_lib.OptimConfig,
+      critic_optim: step_lib.OptimConfig | None,
+      mini_batch_size: int,
+      micro_batch_size: int,
+      use_reference: bool,
+      seed: int = 0,
+      mesh: jax.sharding.Mesh | None = None,
+      mesh_axes: dict | None = None,
+  ):
     self.mesh = mesh or sharding.make_mesh(dict(mesh_axes or {"fsdp": -1}))
     self.loss_cfg = loss
     self.adv_cfg = advantage
@@ -108,21 +137,31 @@ class RLTrainer:
     # the mesh so a restored (committed) state has one consistent device set.
     replicated = NamedSharding(self.mesh, P())
     self.state = jax.tree.map(
-        lambda x: x if isinstance(getattr(x, "sharding", None), NamedSharding)
-        else jax.device_put(x, replicated), state)
+        lambda x: x
+        if isinstance(getattr(x, "sharding", None), NamedSharding)
+        else jax.device_put(x, replicated),
+        state,
+    )
     self.ref = jax.tree.map(jnp.copy, self.state.actor) if use_reference else None
 
   @classmethod
-  def from_settings(cls, policy: Transformer, s: settings_lib.Settings,
-                    mesh: jax.sharding.Mesh | None = None) -> "RLTrainer":
+  def from_settings(
+      cls, policy: Transformer, s: settings_lib.Settings, mesh: jax.sharding.Mesh | None = None
+  ) -> "RLTrainer":
     actor_optim, critic_optim = optim_configs(s)
-    return cls(policy, loss=loss_config(s), advantage=advantage_config(s),
-               actor_optim=actor_optim,
-               critic_optim=critic_optim if s.advantage.use_critic else None,
-               mini_batch_size=s.trainer.mini_batch_size,
-               micro_batch_size=s.trainer.micro_batch_size,
-               use_reference=s.kl.use_reference, seed=s.seed, mesh=mesh,
-               mesh_axes=s.mesh.axes())
+    return cls(
+        policy,
+        loss=loss_config(s),
+        advantage=advantage_config(s),
+        actor_optim=actor_optim,
+        critic_optim=critic_optim if s.advantage.use_critic else None,
+        mini_batch_size=s.trainer.mini_batch_size,
+        micro_batch_size=s.trainer.micro_batch_size,
+        use_reference=s.kl.use_reference,
+        seed=s.seed,
+        mesh=mesh,
+        mesh_axes=s.mesh.axes(),
+    )
 
   # ------------------------------------------------------------ per-sample work
   def _put(self, x: np.ndarray) -> jax.Array:
@@ -144,29 +183,35 @@ class RLTrainer:
     """Old / reference logprobs and values of samples (one padded batch)."""
     batch = experience.pad_samples(samples)
     tokens = self._put(batch["tokens_bt"])
-    logp, _ = step_lib.policy_logprobs(old.actor, tokens, graphdef=self.models.actor_def,
-                                       temperature=self.temperature)
+    logp, _ = step_lib.policy_logprobs(
+        old.actor, tokens, graphdef=self.models.actor_def, temperature=self.temperature
+    )
     batch["old_logp_bt"] = np.asarray(logp)
     if self.ref is not None:
-      ref, _ = step_lib.policy_logprobs(self.ref, tokens, graphdef=self.models.actor_def,
-                                        temperature=self.temperature)
+      ref, _ = step_lib.policy_logprobs(
+          self.ref, tokens, graphdef=self.models.actor_def, temperature=self.temperature
+      )
       batch["ref_logp_bt"] = np.asarray(ref)
     else:
       batch["ref_logp_bt"] = np.zeros_like(batch["old_logp_bt"])
     if self.models.critic_def is not None:
-      batch["old_values_bt"] = np.asarray(step_lib.critic_values(
-          old.critic, tokens, graphdef=self.models.critic_def))
+      batch["old_values_bt"] = np.asarray(
+          step_lib.critic_values(old.critic, tokens, graphdef=self.models.critic_def)
+      )
     return batch
 
   def length_chunks(self, samples: Sequence) -> list[list[int]]:
     """Indices grouped into mini-batches of similar total length."""
-    order = sorted(range(len(samples)),
-                   key=lambda i: len(samples[i].prompt_token_ids) + len(samples[i].token_ids))
+    order = sorted(
+        range(len(samples)),
+        key=lambda i: len(samples[i].prompt_token_ids) + len(samples[i].token_ids),
+    )
     m = self.mini_batch_size
-    return [order[i:i + m] for i in range(0, len(order), m)]
+    return [order[i : i + m] for i in range(0, len(order), m)]
 
-  def prepare(self, samples: Sequence, rewards: Sequence[float],
-              old: Snapshot) -> tuple[list[dict], dict]:
+  def prepare(
+      self, samples: Sequence, rewards: Sequence[float], old: Snapshot
+  ) -> tuple[list[dict], dict]:
     """Scores samples with `old`, computes advantages over all of them.
 
     Returns the mini-batches (numpy dicts, each padded to its own length) and
@@ -174,15 +219,16 @@ class RLTrainer:
     trainer/generator mismatch on the sampled tokens (`mismatch/*`).
     """
     if len(samples) % self.mini_batch_size:
-      raise ValueError(f"{len(samples)} samples don't split into mini-batches of "
-                       f"{self.mini_batch_size}.")
+      raise ValueError(
+          f"{len(samples)} samples don't split into mini-batches of " f"{self.mini_batch_size}."
+      )
     chunks = self.length_chunks(samples)
     parts = [self.score([samples[i] for i in c], old) for c in chunks]
     full_len = max(p["tokens_bt"].shape[1] for p in parts)
     full = {k: np.zeros((len(samples), full_len), v.dtype) for k, v in parts[0].items()}
     for c, p in zip(chunks, parts):
       for k, v in p.items():
-        full[k][c, :v.shape[1]] = v
+        full[k][c, : v.shape[1]] = v
     adv = experience.compute_advantages(full, np.asarray(rewards, np.float32), cfg=self.adv_cfg)
     for k, v in adv.items():
       full[k] = np.asarray(v)
@@ -192,8 +238,10 @@ class RLTrainer:
       minis.append({k: v[c, :length] for k, v in full.items() if k != "kl_bt"})
     mask = full["mask_bt"]
     ntok = max(mask.sum(), 1.0)
-    metrics = {"kl_ref": float(((full["old_logp_bt"] - full["ref_logp_bt"]) * mask).sum() / ntok),
-               "advantage_mean": float((full["advantages_bt"] * mask).sum() / ntok)}
+    metrics = {
+        "kl_ref": float(((full["old_logp_bt"] - full["ref_logp_bt"]) * mask).sum() / ntok),
+        "advantage_mean": float((full["advantages_bt"] * mask).sum() / ntok),
+    }
     if "old_values_bt" in full:
       metrics["value_mean"] = float((full["old_values_bt"] * mask).sum() / ntok)
     mismatch = rl.mismatch_metrics(full["old_logp_bt"], full["gen_logp_bt"], mask)
@@ -205,7 +253,8 @@ class RLTrainer:
     """One optimizer step on a mini-batch; returns its metrics (device arrays)."""
     batch = {k: self._put(v) for k, v in mini.items()}
     self.state, metrics = step_lib.update_step(
-        self.state, batch, models=self.models, cfg=self.loss_cfg, num_micro=self.num_micro)
+        self.state, batch, models=self.models, cfg=self.loss_cfg, num_micro=self.num_micro
+    )
     return metrics
 
   # ------------------------------------------------------------------ export

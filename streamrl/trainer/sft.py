@@ -25,8 +25,8 @@ def sft_arrays(pairs: Sequence[tuple[Sequence[int], Sequence[int]]], seq_len: in
   mask = np.zeros((len(pairs), seq_len), np.float32)
   for i, (p, a) in enumerate(pairs):
     ids = list(p) + list(a)
-    tokens[i, :len(ids)] = ids[:seq_len]
-    mask[i, len(p) - 1:len(ids) - 1] = 1.0
+    tokens[i, : len(ids)] = ids[:seq_len]
+    mask[i, len(p) - 1 : len(ids) - 1] = 1.0
   return {"tokens_bt": tokens, "mask_bt": mask}
 
 
@@ -43,8 +43,17 @@ def sft_step(params, opt_state, batch, *, graphdef, tx):
   return optax.apply_updates(params, updates), opt_state, loss
 
 
-def warm_start(model: Transformer, pairs, *, steps: int, batch_size: int, lr: float,
-               seq_len: int, seed: int = 0, log_every: int = 0) -> tuple[Transformer, float]:
+def warm_start(
+    model: Transformer,
+    pairs,
+    *,
+    steps: int,
+    batch_size: int,
+    lr: float,
+    seq_len: int,
+    seed: int = 0,
+    log_every: int = 0,
+) -> tuple[Transformer, float]:
   """Trains `model` on random batches of `pairs`; returns it and the last loss.
 
   Each batch is drawn from one length bucket (examples padded to 32, 64, ...
@@ -52,9 +61,14 @@ def warm_start(model: Transformer, pairs, *, steps: int, batch_size: int, lr: fl
   synthetic data is short and this is several times faster on a CPU.
   """
   graphdef, params = nnx.split(model, nnx.Param)
-  tx = optax.chain(optax.clip_by_global_norm(1.0),
-                   optax.adamw(optax.warmup_cosine_decay_schedule(
-                       0.0, lr, min(50, steps // 10 + 1), max(steps, 2), lr * 0.1)))
+  tx = optax.chain(
+      optax.clip_by_global_norm(1.0),
+      optax.adamw(
+          optax.warmup_cosine_decay_schedule(
+              0.0, lr, min(50, steps // 10 + 1), max(steps, 2), lr * 0.1
+          )
+      ),
+  )
   opt_state = tx.init(params)
   rng = np.random.default_rng(seed)
   buckets: dict[int, list[int]] = {}

@@ -48,12 +48,14 @@ def make_mesh(axis_sizes: Mapping[str, int], devices: Sequence | None = None) ->
     raise ValueError(
         f"Mesh {dict(zip(MESH_AXES, sizes))} needs {int(np.prod(sizes))} devices but "
         f"{len(devices)} are available; change config.mesh so the sizes multiply to "
-        f"{len(devices)}.")
+        f"{len(devices)}."
+    )
   return Mesh(np.asarray(devices).reshape(sizes), MESH_AXES)
 
 
-def logical_to_spec(axes: Sequence[str | None], rules, mesh: Mesh,
-                    shape: Sequence[int] | None = None) -> P:
+def logical_to_spec(
+    axes: Sequence[str | None], rules, mesh: Mesh, shape: Sequence[int] | None = None
+) -> P:
   """Maps logical axis names to a PartitionSpec.
 
   A mesh axis is used at most once per array, and a dimension that does not
@@ -96,8 +98,9 @@ def shard_module(module: nnx.Module, mesh: Mesh, rules=DEFAULT_RULES) -> nnx.Mod
   return nnx.merge(graphdef, state)
 
 
-def batch_sharding(mesh: Mesh, ndim: int, rules=DEFAULT_RULES,
-                   shape: Sequence[int] | None = None) -> NamedSharding:
+def batch_sharding(
+    mesh: Mesh, ndim: int, rules=DEFAULT_RULES, shape: Sequence[int] | None = None
+) -> NamedSharding:
   """Shards the leading (batch) dimension over the data-parallel axes
   (replicated when `shape` says the batch doesn't divide evenly)."""
   spec = logical_to_spec(("batch",) + (None,) * (ndim - 1), rules, mesh, shape)

@@ -48,6 +48,7 @@ class LossConfig:
     temperature: the generator's sampling temperature; the logits are
       divided by it, as in `policy_logprobs`.
   """
+
   clip_low: float = 0.2
   clip_high: float = 0.2
   dual_clip: float | None = None
@@ -66,14 +67,20 @@ class LossConfig:
 
   def __post_init__(self):
     if self.agg not in rl.AGG_MODES:
-      raise ValueError(f"Unknown loss aggregation {self.agg!r}; set algo.loss_agg to "
-                       f"one of {list(rl.AGG_MODES)}.")
+      raise ValueError(
+          f"Unknown loss aggregation {self.agg!r}; set algo.loss_agg to "
+          f"one of {list(rl.AGG_MODES)}."
+      )
     if self.agg == "token_sum_norm" and not self.norm_constant > 0:
-      raise ValueError("agg='token_sum_norm' divides by a fixed norm_constant, got "
-                       f"{self.norm_constant}; set it to the maximum response length.")
+      raise ValueError(
+          "agg='token_sum_norm' divides by a fixed norm_constant, got "
+          f"{self.norm_constant}; set it to the maximum response length."
+      )
     if self.rollout_correction not in rl.ROLLOUT_CORRECTIONS:
-      raise ValueError(f"Unknown rollout correction {self.rollout_correction!r}; use "
-                       f"one of {list(rl.ROLLOUT_CORRECTIONS)}.")
+      raise ValueError(
+          f"Unknown rollout correction {self.rollout_correction!r}; use "
+          f"one of {list(rl.ROLLOUT_CORRECTIONS)}."
+      )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,13 +98,16 @@ class OptimConfig:
 def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
   """AdamW with linear warmup, cosine decay and global-norm clipping."""
   schedule = optax.warmup_cosine_decay_schedule(
-      init_value=0.0 if cfg.warmup_steps else cfg.lr, peak_value=cfg.lr,
+      init_value=0.0 if cfg.warmup_steps else cfg.lr,
+      peak_value=cfg.lr,
       warmup_steps=cfg.warmup_steps,
       decay_steps=max(cfg.decay_steps, cfg.warmup_steps + 1),
-      end_value=cfg.lr * cfg.min_lr_ratio)
+      end_value=cfg.lr * cfg.min_lr_ratio,
+  )
   return optax.chain(
       optax.clip_by_global_norm(cfg.grad_clip),
-      optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay))
+      optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay),
+  )
 
 
 @flax.struct.dataclass
@@ -117,27 +127,35 @@ class Models:
   configs), so two trainers with equal models and configs share the
   compiled `update_step`.
   """
+
   actor_def: nnx.GraphDef
   actor_optim: OptimConfig
   critic_def: nnx.GraphDef | None = None
   critic_optim: OptimConfig | None = None
 
 
-def init_state(actor: nnx.Module, actor_optim: OptimConfig,
-               critic: nnx.Module | None = None,
-               critic_optim: OptimConfig | None = None) -> tuple[Models, TrainState]:
+def init_state(
+    actor: nnx.Module,
+    actor_optim: OptimConfig,
+    critic: nnx.Module | None = None,
+    critic_optim: OptimConfig | None = None,
+) -> tuple[Models, TrainState]:
   """Splits the models into (static Models, TrainState with fresh optimizer state)."""
   actor_def, actor_params = nnx.split(actor, nnx.Param)
   models = Models(actor_def, actor_optim)
-  state = TrainState(step=jnp.zeros((), jnp.int32), actor=actor_params,
-                     actor_opt=jax.jit(make_optimizer(actor_optim).init)(actor_params))
+  state = TrainState(
+      step=jnp.zeros((), jnp.int32),
+      actor=actor_params,
+      actor_opt=jax.jit(make_optimizer(actor_optim).init)(actor_params),
+  )
   if critic is not None:
     if critic_optim is None:
       raise ValueError("init_state got a critic but no critic_optim; pass its OptimConfig.")
     critic_def, critic_params = nnx.split(critic, nnx.Param)
     models = dataclasses.replace(models, critic_def=critic_def, critic_optim=critic_optim)
-    state = state.replace(critic=critic_params,
-                          critic_opt=jax.jit(make_optimizer(critic_optim).init)(critic_params))
+    state = state.replace(
+        critic=critic_params, critic_opt=jax.jit(make_optimizer(critic_optim).init)(critic_params)
+    )
   return models, state
 
 
@@ -149,19 +167,31 @@ def _actor_loss(params, graphdef, batch, cfg: LossConfig):
   mask = batch["mask_bt"][:, :-1]
   old_logp = batch["old_logp_bt"][:, :-1]
   is_w = rl.rollout_correction_weights(
-      old_logp, batch["gen_logp_bt"][:, :-1], mask, cfg.rollout_correction,
-      is_cap=cfg.is_cap, mis_threshold=cfg.mis_threshold, level=cfg.is_level)
+      old_logp,
+      batch["gen_logp_bt"][:, :-1],
+      mask,
+      cfg.rollout_correction,
+      is_cap=cfg.is_cap,
+      mis_threshold=cfg.mis_threshold,
+      level=cfg.is_level,
+  )
   agg = dict(agg=cfg.agg, norm_constant=cfg.norm_constant)
   loss, metrics = rl.ppo_policy_loss(
-      logp, old_logp, batch["advantages_bt"][:, :-1], mask,
-      clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip,
-      is_weights_bt=is_w, **agg)
+      logp,
+      old_logp,
+      batch["advantages_bt"][:, :-1],
+      mask,
+      clip_low=cfg.clip_low,
+      clip_high=cfg.clip_high,
+      dual_clip=cfg.dual_clip,
+      is_weights_bt=is_w,
+      **agg,
+  )
   ent = rl.aggregate(entropy, mask, mode=cfg.agg, norm_constant=cfg.norm_constant)
   loss = loss - cfg.entropy_coef * ent
   metrics["entropy"] = ent
   if cfg.kl_in_loss and cfg.kl_coef:
-    kl, _ = rl.kl_loss(logp, batch["ref_logp_bt"][:, :-1], mask,
-                       estimator=cfg.kl_estimator, **agg)
+    kl, _ = rl.kl_loss(logp, batch["ref_logp_bt"][:, :-1], mask, estimator=cfg.kl_estimator, **agg)
     loss = loss + cfg.kl_coef * kl
     metrics["kl_loss"] = kl
   return loss, metrics
@@ -170,9 +200,15 @@ def _actor_loss(params, graphdef, batch, cfg: LossConfig):
 def _critic_loss(params, graphdef, batch, cfg: LossConfig):
   model = nnx.merge(graphdef, params)
   values = model(batch["tokens_bt"])[:, :-1]
-  return rl.value_loss(values, batch["old_values_bt"][:, :-1], batch["returns_bt"][:, :-1],
-                       batch["mask_bt"][:, :-1], clip=cfg.vf_clip, agg=cfg.agg,
-                       norm_constant=cfg.norm_constant)
+  return rl.value_loss(
+      values,
+      batch["old_values_bt"][:, :-1],
+      batch["returns_bt"][:, :-1],
+      batch["mask_bt"][:, :-1],
+      clip=cfg.vf_clip,
+      agg=cfg.agg,
+      norm_constant=cfg.norm_constant,
+  )
 
 
 def micro_batch_weights(mask_bt: jax.Array, num_micro: int, agg: str) -> jax.Array:
@@ -207,8 +243,7 @@ def micro_batch_weights(mask_bt: jax.Array, num_micro: int, agg: str) -> jax.Arr
 
 def combine_micro_metrics(metrics: dict, weights_k: jax.Array) -> dict:
   """[num_micro] metrics -> scalars: the max for "*_max" keys, else sum_k w_k · x_k."""
-  return {k: v.max() if k.endswith("_max") else jnp.sum(weights_k * v)
-          for k, v in metrics.items()}
+  return {k: v.max() if k.endswith("_max") else jnp.sum(weights_k * v) for k, v in metrics.items()}
 
 
 def _accumulate(loss_fn, params, graphdef, batch, num_micro, cfg):
@@ -237,23 +272,25 @@ def _accumulate(loss_fn, params, graphdef, batch, num_micro, cfg):
 
 
 @functools.partial(jax.jit, static_argnames=("models", "cfg", "num_micro"), donate_argnums=(0,))
-def update_step(state: TrainState, batch: dict, *, models: Models, cfg: LossConfig,
-                num_micro: int = 1) -> tuple[TrainState, dict]:
+def update_step(
+    state: TrainState, batch: dict, *, models: Models, cfg: LossConfig, num_micro: int = 1
+) -> tuple[TrainState, dict]:
   """One optimizer step of the actor (and critic) on one mini-batch."""
-  loss, grads, metrics = _accumulate(_actor_loss, state.actor, models.actor_def, batch,
-                                     num_micro, cfg)
+  loss, grads, metrics = _accumulate(
+      _actor_loss, state.actor, models.actor_def, batch, num_micro, cfg
+  )
   actor_tx = make_optimizer(models.actor_optim)
   updates, actor_opt = actor_tx.update(grads, state.actor_opt, state.actor)
   actor = optax.apply_updates(state.actor, updates)
   metrics = dict(metrics, actor_loss=loss, actor_grad_norm=optax.global_norm(grads))
   state = state.replace(step=state.step + 1, actor=actor, actor_opt=actor_opt)
   if models.critic_def is not None:
-    vloss, vgrads, vmetrics = _accumulate(_critic_loss, state.critic, models.critic_def,
-                                          batch, num_micro, cfg)
+    vloss, vgrads, vmetrics = _accumulate(
+        _critic_loss, state.critic, models.critic_def, batch, num_micro, cfg
+    )
     critic_tx = make_optimizer(models.critic_optim)
     updates, critic_opt = critic_tx.update(vgrads, state.critic_opt, state.critic)
-    state = state.replace(critic=optax.apply_updates(state.critic, updates),
-                          critic_opt=critic_opt)
+    state = state.replace(critic=optax.apply_updates(state.critic, updates), critic_opt=critic_opt)
     metrics.update(vmetrics, critic_loss=vloss, critic_grad_norm=optax.global_norm(vgrads))
   return state, metrics
 

@@ -66,32 +66,32 @@ MAX_HEADER_BYTES = 100 << 20  # same bound the safetensors library applies
 
 
 class TransferError(RuntimeError):
-    """A transfer failed (bad bytes, broken stream); the receiver keeps its old version."""
+  """A transfer failed (bad bytes, broken stream); the receiver keeps its old version."""
 
 
 class ChecksumError(TransferError):
-    """A chunk's bytes do not match the manifest's checksum."""
+  """A chunk's bytes do not match the manifest's checksum."""
 
 
 class SchemaMismatch(ValueError):
-    """A version's tensor names/shapes/dtypes do not match the model."""
+  """A version's tensor names/shapes/dtypes do not match the model."""
 
 
 @dataclasses.dataclass(frozen=True)
 class TensorSpec:
-    """Name, shape and safetensors dtype code (e.g. ``"BF16"``) of one tensor."""
+  """Name, shape and safetensors dtype code (e.g. ``"BF16"``) of one tensor."""
 
-    name: str
-    shape: tuple[int, ...]
-    dtype: str
+  name: str
+  shape: tuple[int, ...]
+  dtype: str
 
-    @property
-    def itemsize(self) -> int:
-        return _DTYPES[self.dtype].itemsize
+  @property
+  def itemsize(self) -> int:
+    return _DTYPES[self.dtype].itemsize
 
-    @property
-    def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * self.itemsize
+  @property
+  def nbytes(self) -> int:
+    return int(np.prod(self.shape, dtype=np.int64)) * self.itemsize
 
 
 Schema = tuple[TensorSpec, ...]
@@ -99,272 +99,311 @@ SchemaLike = Union[Sequence[TensorSpec], Mapping[str, Any]]
 
 
 def dtype_code(dtype: Any) -> str:
-    """safetensors code of a numpy dtype; ValueError naming the supported ones."""
-    dt = np.dtype(dtype)
-    if dt.byteorder == ">":
-        dt = dt.newbyteorder("<")
-    code = _CODES.get(dt)
-    if code is None:
-        raise ValueError(f"dtype {dt} cannot be transferred; convert the tensor to one of "
-                         f"{sorted(_DTYPES)} (numpy names or ml_dtypes.bfloat16).")
-    return code
+  """safetensors code of a numpy dtype; ValueError naming the supported ones."""
+  dt = np.dtype(dtype)
+  if dt.byteorder == ">":
+    dt = dt.newbyteorder("<")
+  code = _CODES.get(dt)
+  if code is None:
+    raise ValueError(
+        f"dtype {dt} cannot be transferred; convert the tensor to one of "
+        f"{sorted(_DTYPES)} (numpy names or ml_dtypes.bfloat16)."
+    )
+  return code
 
 
 def numpy_dtype(code: str) -> np.dtype:
-    """numpy dtype of a safetensors code."""
-    try:
-        return _DTYPES[code]
-    except KeyError:
-        raise TransferError(f"unknown safetensors dtype code {code!r}") from None
+  """numpy dtype of a safetensors code."""
+  try:
+    return _DTYPES[code]
+  except KeyError:
+    raise TransferError(f"unknown safetensors dtype code {code!r}") from None
 
 
 def schema_of(tensors: Mapping[str, np.ndarray]) -> Schema:
-    """Specs of a dict of arrays, sorted by name."""
-    return tuple(TensorSpec(name, tuple(int(d) for d in np.shape(t)), dtype_code(np.asarray(t).dtype))
-                 for name, t in sorted(tensors.items()))
+  """Specs of a dict of arrays, sorted by name."""
+  return tuple(
+      TensorSpec(name, tuple(int(d) for d in np.shape(t)), dtype_code(np.asarray(t).dtype))
+      for name, t in sorted(tensors.items())
+  )
 
 
 def as_schema(schema: SchemaLike) -> Schema:
-    """Accepts TensorSpecs or ``{name: (shape, dtype)}`` / ``{name: array}``; returns sorted specs."""
-    if isinstance(schema, Mapping):
-        specs = []
-        for name, value in schema.items():
-            if isinstance(value, TensorSpec):
-                specs.append(value)
-            elif hasattr(value, "shape") and hasattr(value, "dtype"):
-                specs.append(TensorSpec(name, tuple(int(d) for d in value.shape), dtype_code(value.dtype)))
-            else:
-                shape, dtype = value
-                code = dtype if isinstance(dtype, str) and dtype in _DTYPES else dtype_code(dtype)
-                specs.append(TensorSpec(name, tuple(int(d) for d in shape), code))
-        return tuple(sorted(specs, key=lambda s: s.name))
-    return tuple(sorted(schema, key=lambda s: s.name))
+  """Accepts TensorSpecs or ``{name: (shape, dtype)}`` / ``{name: array}``; returns sorted specs."""
+  if isinstance(schema, Mapping):
+    specs = []
+    for name, value in schema.items():
+      if isinstance(value, TensorSpec):
+        specs.append(value)
+      elif hasattr(value, "shape") and hasattr(value, "dtype"):
+        specs.append(TensorSpec(name, tuple(int(d) for d in value.shape), dtype_code(value.dtype)))
+      else:
+        shape, dtype = value
+        code = dtype if isinstance(dtype, str) and dtype in _DTYPES else dtype_code(dtype)
+        specs.append(TensorSpec(name, tuple(int(d) for d in shape), code))
+    return tuple(sorted(specs, key=lambda s: s.name))
+  return tuple(sorted(schema, key=lambda s: s.name))
 
 
 def check_schema(got: Sequence[TensorSpec], expected: SchemaLike, version: int) -> None:
-    """Raises SchemaMismatch naming the first (by name) parameter that differs.
+  """Raises SchemaMismatch naming the first (by name) parameter that differs.
 
-    got: the specs a version carries. expected: the model's specs.
-    """
-    have = {s.name: s for s in got}
-    want = as_schema(expected)
-    fix = "publish tensors converted for this model's configuration."
-    for spec in want:
-        g = have.get(spec.name)
-        if g is None:
-            raise SchemaMismatch(f"Refusing weight version {version}: parameter {spec.name!r} is missing; {fix}")
-        if g.shape != spec.shape:
-            raise SchemaMismatch(f"Refusing weight version {version}: parameter {spec.name!r} has shape "
-                                 f"{g.shape} but the model expects {spec.shape}; {fix}")
-        if g.dtype != spec.dtype:
-            raise SchemaMismatch(f"Refusing weight version {version}: parameter {spec.name!r} has dtype "
-                                 f"{g.dtype} but the model expects {spec.dtype}; {fix}")
-    extra = sorted(set(have) - {s.name for s in want})
-    if extra:
-        raise SchemaMismatch(f"Refusing weight version {version}: parameter {extra[0]!r} is not a "
-                             f"parameter of this model; {fix}")
+  got: the specs a version carries. expected: the model's specs.
+  """
+  have = {s.name: s for s in got}
+  want = as_schema(expected)
+  fix = "publish tensors converted for this model's configuration."
+  for spec in want:
+    g = have.get(spec.name)
+    if g is None:
+      raise SchemaMismatch(
+          f"Refusing weight version {version}: parameter {spec.name!r} is missing; {fix}"
+      )
+    if g.shape != spec.shape:
+      raise SchemaMismatch(
+          f"Refusing weight version {version}: parameter {spec.name!r} has shape "
+          f"{g.shape} but the model expects {spec.shape}; {fix}"
+      )
+    if g.dtype != spec.dtype:
+      raise SchemaMismatch(
+          f"Refusing weight version {version}: parameter {spec.name!r} has dtype "
+          f"{g.dtype} but the model expects {spec.dtype}; {fix}"
+      )
+  extra = sorted(set(have) - {s.name for s in want})
+  if extra:
+    raise SchemaMismatch(
+        f"Refusing weight version {version}: parameter {extra[0]!r} is not a "
+        f"parameter of this model; {fix}"
+    )
 
 
 @dataclasses.dataclass(frozen=True)
 class Manifest:
-    """Describes one version's payload.
+  """Describes one version's payload.
 
-    tensors: specs in layout order. crcs[i]: crc32 of bytes
-    [i * chunk_bytes, min((i + 1) * chunk_bytes, total_bytes)); empty while
-    the payload is still being written (the crcs then come with the chunks).
-    """
+  tensors: specs in layout order. crcs[i]: crc32 of bytes
+  [i * chunk_bytes, min((i + 1) * chunk_bytes, total_bytes)); empty while
+  the payload is still being written (the crcs then come with the chunks).
+  """
 
-    version: int
-    tensors: Schema
-    total_bytes: int
-    chunk_bytes: int
-    crcs: tuple[int, ...] = ()
+  version: int
+  tensors: Schema
+  total_bytes: int
+  chunk_bytes: int
+  crcs: tuple[int, ...] = ()
 
-    @property
-    def num_chunks(self) -> int:
-        return -(-self.total_bytes // self.chunk_bytes)
+  @property
+  def num_chunks(self) -> int:
+    return -(-self.total_bytes // self.chunk_bytes)
 
-    def without_crcs(self) -> "Manifest":
-        return dataclasses.replace(self, crcs=())
+  def without_crcs(self) -> "Manifest":
+    return dataclasses.replace(self, crcs=())
 
-    def chunk_range(self, i: int) -> tuple[int, int]:
-        start = i * self.chunk_bytes
-        return start, min(start + self.chunk_bytes, self.total_bytes)
+  def chunk_range(self, i: int) -> tuple[int, int]:
+    start = i * self.chunk_bytes
+    return start, min(start + self.chunk_bytes, self.total_bytes)
 
-    @property
-    def layout(self) -> tuple:
-        """Equal layouts <=> chunk i of both versions holds the same bytes' roles (delta-compatible)."""
-        return (self.tensors, self.total_bytes, self.chunk_bytes)
+  @property
+  def layout(self) -> tuple:
+    """Equal layouts <=> chunk i of both versions holds the same bytes' roles (delta-compatible)."""
+    return (self.tensors, self.total_bytes, self.chunk_bytes)
 
-    @property
-    def word_bytes(self) -> int:
-        """Smallest itemsize: every chunk is a whole number of such words (delta byte-shuffle unit)."""
-        return min((s.itemsize for s in self.tensors), default=1)
+  @property
+  def word_bytes(self) -> int:
+    """Smallest itemsize: every chunk is a whole number of such words (delta byte-shuffle unit)."""
+    return min((s.itemsize for s in self.tensors), default=1)
 
-    def to_json(self) -> dict:
-        d = {"version": self.version, "total_bytes": self.total_bytes, "chunk_bytes": self.chunk_bytes,
-             "tensors": [[s.name, list(s.shape), s.dtype] for s in self.tensors]}
-        if self.crcs:
-            d["crcs"] = list(self.crcs)
-        return d
+  def to_json(self) -> dict:
+    d = {
+        "version": self.version,
+        "total_bytes": self.total_bytes,
+        "chunk_bytes": self.chunk_bytes,
+        "tensors": [[s.name, list(s.shape), s.dtype] for s in self.tensors],
+    }
+    if self.crcs:
+      d["crcs"] = list(self.crcs)
+    return d
 
-    @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> "Manifest":
-        """Validates a manifest that came from the network; TransferError if malformed."""
-        try:
-            tensors = tuple(TensorSpec(str(n), tuple(int(x) for x in shape), str(dt)) for n, shape, dt in d["tensors"])
-            chunk_bytes = int(d["chunk_bytes"])
-            if chunk_bytes <= 0 or chunk_bytes % 8:
-                raise ValueError("chunk size must be a positive multiple of 8")
-            m = cls(int(d["version"]), tensors, int(d["total_bytes"]), chunk_bytes,
-                    tuple(int(c) for c in d.get("crcs", ())))
-        except (KeyError, TypeError, ValueError) as e:
-            raise TransferError(f"malformed manifest: {e!r}") from None
-        for s in m.tensors:
-            numpy_dtype(s.dtype)
-            if any(x < 0 for x in s.shape):
-                raise TransferError(f"malformed manifest: negative shape for {s.name!r}")
-        if m.crcs and len(m.crcs) != m.num_chunks:
-            raise TransferError("malformed manifest: chunk table does not cover the payload")
-        data = sum(t.nbytes for t in m.tensors)
-        if not 8 + data <= m.total_bytes <= 8 + data + MAX_HEADER_BYTES:  # also bounds what we allocate
-            raise TransferError("malformed manifest: payload size does not match its tensors")
-        return m
+  @classmethod
+  def from_json(cls, d: Mapping[str, Any]) -> "Manifest":
+    """Validates a manifest that came from the network; TransferError if malformed."""
+    try:
+      tensors = tuple(
+          TensorSpec(str(n), tuple(int(x) for x in shape), str(dt)) for n, shape, dt in d["tensors"]
+      )
+      chunk_bytes = int(d["chunk_bytes"])
+      if chunk_bytes <= 0 or chunk_bytes % 8:
+        raise ValueError("chunk size must be a positive multiple of 8")
+      m = cls(
+          int(d["version"]),
+          tensors,
+          int(d["total_bytes"]),
+          chunk_bytes,
+          tuple(int(c) for c in d.get("crcs", ())),
+      )
+    except (KeyError, TypeError, ValueError) as e:
+      raise TransferError(f"malformed manifest: {e!r}") from None
+    for s in m.tensors:
+      numpy_dtype(s.dtype)
+      if any(x < 0 for x in s.shape):
+        raise TransferError(f"malformed manifest: negative shape for {s.name!r}")
+    if m.crcs and len(m.crcs) != m.num_chunks:
+      raise TransferError("malformed manifest: chunk table does not cover the payload")
+    data = sum(t.nbytes for t in m.tensors)
+    if not 8 + data <= m.total_bytes <= 8 + data + MAX_HEADER_BYTES:  # also bounds what we allocate
+      raise TransferError("malformed manifest: payload size does not match its tensors")
+    return m
 
 
 def _header(specs: Sequence[TensorSpec]) -> bytes:
-    pos, entries = 0, {}
-    for s in specs:
-        entries[s.name] = {"dtype": s.dtype, "shape": list(s.shape), "data_offsets": [pos, pos + s.nbytes]}
-        pos += s.nbytes
-    raw = json.dumps(entries, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # like safetensors: data starts 8-byte aligned
-    return _U64.pack(len(raw)) + raw
+  pos, entries = 0, {}
+  for s in specs:
+    entries[s.name] = {
+        "dtype": s.dtype,
+        "shape": list(s.shape),
+        "data_offsets": [pos, pos + s.nbytes],
+    }
+    pos += s.nbytes
+  raw = json.dumps(entries, separators=(",", ":")).encode()
+  raw += b" " * (-len(raw) % 8)  # like safetensors: data starts 8-byte aligned
+  return _U64.pack(len(raw)) + raw
 
 
 def layout_order(tensors: Mapping[str, np.ndarray]) -> Schema:
-    """Specs in payload order: itemsize descending, then name."""
-    return tuple(sorted(schema_of(tensors), key=lambda s: (-s.itemsize, s.name)))
+  """Specs in payload order: itemsize descending, then name."""
+  return tuple(sorted(schema_of(tensors), key=lambda s: (-s.itemsize, s.name)))
 
 
 def payload_nbytes(schema: SchemaLike) -> int:
-    """Bytes of the payload of a version with this schema (what a receiver must hold)."""
-    specs = tuple(sorted(as_schema(schema), key=lambda s: (-s.itemsize, s.name)))
-    return len(_header(specs)) + sum(s.nbytes for s in specs)
+  """Bytes of the payload of a version with this schema (what a receiver must hold)."""
+  specs = tuple(sorted(as_schema(schema), key=lambda s: (-s.itemsize, s.name)))
+  return len(_header(specs)) + sum(s.nbytes for s in specs)
 
 
 def payload_size(tensors: Mapping[str, np.ndarray]) -> int:
-    """Bytes of the safetensors payload of these tensors."""
-    specs = layout_order(tensors)
-    return len(_header(specs)) + sum(s.nbytes for s in specs)
+  """Bytes of the safetensors payload of these tensors."""
+  specs = layout_order(tensors)
+  return len(_header(specs)) + sum(s.nbytes for s in specs)
 
 
 def plan_payload(tensors: Mapping[str, np.ndarray], version: int, chunk_bytes: int) -> Manifest:
-    """Manifest (without crcs) of the payload these tensors make; validates dtypes."""
-    if chunk_bytes <= 0 or chunk_bytes % 8:
-        raise ValueError(f"chunk_bytes={chunk_bytes} must be a positive multiple of 8.")
-    specs = layout_order(tensors)
-    return Manifest(version, specs, len(_header(specs)) + sum(s.nbytes for s in specs), chunk_bytes)
+  """Manifest (without crcs) of the payload these tensors make; validates dtypes."""
+  if chunk_bytes <= 0 or chunk_bytes % 8:
+    raise ValueError(f"chunk_bytes={chunk_bytes} must be a positive multiple of 8.")
+  specs = layout_order(tensors)
+  return Manifest(version, specs, len(_header(specs)) + sum(s.nbytes for s in specs), chunk_bytes)
 
 
-def fill_payload(tensors: Mapping[str, np.ndarray], manifest: Manifest, out: memoryview) -> Iterator[int]:
-    """Writes the safetensors payload into ``out`` chunk by chunk; yields each chunk's crc32 once written.
+def fill_payload(
+    tensors: Mapping[str, np.ndarray], manifest: Manifest, out: memoryview
+) -> Iterator[int]:
+  """Writes the safetensors payload into ``out`` chunk by chunk; yields each chunk's crc32 once written.
 
-    Each chunk is checksummed right after it is filled, while still in cache.
-    The tensors are only read; once the generator is exhausted the caller may
-    change them (the payload is a snapshot).
-    """
-    specs = manifest.tensors
-    header = _header(specs)
-    segments: list[tuple[int, np.ndarray]] = [(0, np.frombuffer(header, np.uint8))]
-    pos = len(header)
-    for s in specs:
-        arr = np.ascontiguousarray(tensors[s.name], dtype=_DTYPES[s.dtype])
-        if arr.shape != s.shape:
-            raise ValueError(f"tensor {s.name!r} changed shape while being published.")
-        segments.append((pos, arr.reshape(-1).view(np.uint8)))
-        pos += s.nbytes
-    if len(out) != pos or pos != manifest.total_bytes:
-        raise ValueError(f"output buffer has {len(out)} bytes, payload needs {pos}.")
-    dst = np.frombuffer(out, np.uint8)
-    seg = 0
-    for i in range(manifest.num_chunks):
-        start, end = manifest.chunk_range(i)
-        while seg < len(segments) and segments[seg][0] + segments[seg][1].size <= start:
-            seg += 1
-        j = seg
-        while j < len(segments) and segments[j][0] < end:
-            s0, data = segments[j]
-            a, b = max(start, s0), min(end, s0 + data.size)
-            if b > a:
-                np.copyto(dst[a:b], data[a - s0:b - s0])
-            j += 1
-        yield zlib.crc32(out[start:end])
+  Each chunk is checksummed right after it is filled, while still in cache.
+  The tensors are only read; once the generator is exhausted the caller may
+  change them (the payload is a snapshot).
+  """
+  specs = manifest.tensors
+  header = _header(specs)
+  segments: list[tuple[int, np.ndarray]] = [(0, np.frombuffer(header, np.uint8))]
+  pos = len(header)
+  for s in specs:
+    arr = np.ascontiguousarray(tensors[s.name], dtype=_DTYPES[s.dtype])
+    if arr.shape != s.shape:
+      raise ValueError(f"tensor {s.name!r} changed shape while being published.")
+    segments.append((pos, arr.reshape(-1).view(np.uint8)))
+    pos += s.nbytes
+  if len(out) != pos or pos != manifest.total_bytes:
+    raise ValueError(f"output buffer has {len(out)} bytes, payload needs {pos}.")
+  dst = np.frombuffer(out, np.uint8)
+  seg = 0
+  for i in range(manifest.num_chunks):
+    start, end = manifest.chunk_range(i)
+    while seg < len(segments) and segments[seg][0] + segments[seg][1].size <= start:
+      seg += 1
+    j = seg
+    while j < len(segments) and segments[j][0] < end:
+      s0, data = segments[j]
+      a, b = max(start, s0), min(end, s0 + data.size)
+      if b > a:
+        np.copyto(dst[a:b], data[a - s0 : b - s0])
+      j += 1
+    yield zlib.crc32(out[start:end])
 
 
-def write_payload(tensors: Mapping[str, np.ndarray], out: memoryview, version: int, chunk_bytes: int) -> Manifest:
-    """Writes the whole payload into ``out`` (exactly ``payload_size`` bytes); returns the manifest with crcs."""
-    m = plan_payload(tensors, version, chunk_bytes)
-    return dataclasses.replace(m, crcs=tuple(fill_payload(tensors, m, out)))
+def write_payload(
+    tensors: Mapping[str, np.ndarray], out: memoryview, version: int, chunk_bytes: int
+) -> Manifest:
+  """Writes the whole payload into ``out`` (exactly ``payload_size`` bytes); returns the manifest with crcs."""
+  m = plan_payload(tensors, version, chunk_bytes)
+  return dataclasses.replace(m, crcs=tuple(fill_payload(tensors, m, out)))
 
 
 def verify_chunk(buf: memoryview, manifest: Manifest, i: int, crc: Optional[int] = None) -> int:
-    """Checks chunk i of ``buf`` against ``crc`` (default: the manifest's); ChecksumError if it differs."""
-    expected = manifest.crcs[i] if crc is None else crc
-    a, b = manifest.chunk_range(i)
-    got = zlib.crc32(buf[a:b])
-    if got != expected:
-        raise ChecksumError(f"chunk {i} of version {manifest.version} is corrupted "
-                            f"(crc32 {got:#010x}, expected {expected:#010x})")
-    return got
+  """Checks chunk i of ``buf`` against ``crc`` (default: the manifest's); ChecksumError if it differs."""
+  expected = manifest.crcs[i] if crc is None else crc
+  a, b = manifest.chunk_range(i)
+  got = zlib.crc32(buf[a:b])
+  if got != expected:
+    raise ChecksumError(
+        f"chunk {i} of version {manifest.version} is corrupted "
+        f"(crc32 {got:#010x}, expected {expected:#010x})"
+    )
+  return got
 
 
 def read_payload(buf: memoryview, manifest: Manifest) -> dict[str, np.ndarray]:
-    """Zero-copy read-only views of the tensors of a verified payload.
+  """Zero-copy read-only views of the tensors of a verified payload.
 
-    Checks that the embedded safetensors header agrees with the manifest (names,
-    shapes, dtypes, contiguous in-bounds offsets); TransferError otherwise.
-    """
-    if len(buf) != manifest.total_bytes or len(buf) < 8:
-        raise TransferError("payload size does not match its manifest")
-    (n,) = _U64.unpack(buf[:8])
-    if n > min(MAX_HEADER_BYTES, len(buf) - 8):
-        raise TransferError("safetensors header length is out of bounds")
-    try:
-        header = json.loads(bytes(buf[8:8 + n]))
-    except ValueError:
-        raise TransferError("safetensors header is not valid JSON") from None
-    header.pop("__metadata__", None)
-    base = 8 + n
-    out, pos = {}, 0
-    if set(header) != {s.name for s in manifest.tensors}:
-        raise TransferError("safetensors header names differ from the manifest")
-    for s in manifest.tensors:
-        e = header[s.name]
-        if not isinstance(e, dict) or e.get("dtype") != s.dtype or tuple(e.get("shape", ())) != s.shape or \
-                list(e.get("data_offsets", ())) != [pos, pos + s.nbytes]:
-            raise TransferError(f"safetensors header entry {s.name!r} differs from the manifest")
-        dt = _DTYPES[s.dtype]
-        if s.nbytes:
-            arr = np.frombuffer(buf, dtype=dt, count=s.nbytes // dt.itemsize, offset=base + pos).reshape(s.shape)
-        else:
-            arr = np.empty(s.shape, dt)
-        arr.flags.writeable = False
-        out[s.name] = arr
-        pos += s.nbytes
-    if base + pos != len(buf):
-        raise TransferError("safetensors data does not fill the payload exactly")
-    return out
+  Checks that the embedded safetensors header agrees with the manifest (names,
+  shapes, dtypes, contiguous in-bounds offsets); TransferError otherwise.
+  """
+  if len(buf) != manifest.total_bytes or len(buf) < 8:
+    raise TransferError("payload size does not match its manifest")
+  (n,) = _U64.unpack(buf[:8])
+  if n > min(MAX_HEADER_BYTES, len(buf) - 8):
+    raise TransferError("safetensors header length is out of bounds")
+  try:
+    header = json.loads(bytes(buf[8 : 8 + n]))
+  except ValueError:
+    raise TransferError("safetensors header is not valid JSON") from None
+  header.pop("__metadata__", None)
+  base = 8 + n
+  out, pos = {}, 0
+  if set(header) != {s.name for s in manifest.tensors}:
+    raise TransferError("safetensors header names differ from the manifest")
+  for s in manifest.tensors:
+    e = header[s.name]
+    if (
+        not isinstance(e, dict)
+        or e.get("dtype") != s.dtype
+        or tuple(e.get("shape", ())) != s.shape
+        or list(e.get("data_offsets", ())) != [pos, pos + s.nbytes]
+    ):
+      raise TransferError(f"safetensors header entry {s.name!r} differs from the manifest")
+    dt = _DTYPES[s.dtype]
+    if s.nbytes:
+      arr = np.frombuffer(buf, dtype=dt, count=s.nbytes // dt.itemsize, offset=base + pos).reshape(
+          s.shape
+      )
+    else:
+      arr = np.empty(s.shape, dt)
+    arr.flags.writeable = False
+    out[s.name] = arr
+    pos += s.nbytes
+  if base + pos != len(buf):
+    raise TransferError("safetensors data does not fill the payload exactly")
+  return out
 
 
 def describe_payload(buf: memoryview, version: int, chunk_bytes: int) -> Manifest:
-    """Manifest of an existing safetensors file (e.g. one written by the safetensors library)."""
-    (n,) = _U64.unpack(buf[:8])
-    header = json.loads(bytes(buf[8:8 + n]))
-    header.pop("__metadata__", None)
-    entries = sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0])
-    specs = tuple(TensorSpec(k, tuple(e["shape"]), e["dtype"]) for k, e in entries)
-    crcs = tuple(zlib.crc32(buf[i:i + chunk_bytes]) for i in range(0, len(buf), chunk_bytes))
-    m = Manifest(version, specs, len(buf), chunk_bytes, crcs)
-    read_payload(buf, m)  # validates offsets
-    return m
+  """Manifest of an existing safetensors file (e.g. one written by the safetensors library)."""
+  (n,) = _U64.unpack(buf[:8])
+  header = json.loads(bytes(buf[8 : 8 + n]))
+  header.pop("__metadata__", None)
+  entries = sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0])
+  specs = tuple(TensorSpec(k, tuple(e["shape"]), e["dtype"]) for k, e in entries)
+  crcs = tuple(zlib.crc32(buf[i : i + chunk_bytes]) for i in range(0, len(buf), chunk_bytes))
+  m = Manifest(version, specs, len(buf), chunk_bytes, crcs)
+  read_payload(buf, m)  # validates offsets
+  return m

@@ -62,13 +62,31 @@ from typing import Any, Optional
 import ml_collections
 import numpy as np
 
-from streamrl.transfer.manifest import (Manifest, SchemaLike, SchemaMismatch, TensorSpec, TransferError,
-                                        as_schema, check_schema, fill_payload, payload_nbytes, plan_payload,
-                                        schema_of)
+from streamrl.transfer.manifest import (
+    Manifest,
+    SchemaLike,
+    SchemaMismatch,
+    TensorSpec,
+    TransferError,
+    as_schema,
+    check_schema,
+    fill_payload,
+    payload_nbytes,
+    plan_payload,
+    schema_of,
+)
 from streamrl.transfer.payload import Payload, SegmentPool, shm_available
 from streamrl.transfer.topology import Address, ReceiverInfo, TreeNode, plan_direct, plan_topology
-from streamrl.transfer.transports import (PLANES, Link, RateLimiter, choose_plane, connect, recv_json,
-                                          send_error, send_json)
+from streamrl.transfer.transports import (
+    PLANES,
+    Link,
+    RateLimiter,
+    choose_plane,
+    connect,
+    recv_json,
+    send_error,
+    send_json,
+)
 
 log = logging.getLogger(__name__)
 LoadFn = Callable[[Mapping[str, np.ndarray], int], Any]
@@ -76,790 +94,932 @@ LoadFn = Callable[[Mapping[str, np.ndarray], int], Any]
 
 @dataclasses.dataclass(frozen=True)
 class TransferConfig:
-    """Service settings (plain data; ``from_mapping`` accepts an ml_collections ConfigDict).
+  """Service settings (plain data; ``from_mapping`` accepts an ml_collections ConfigDict).
 
-    chunk_bytes: payload chunk size (multiple of 8). topology: "tree" or "direct".
-    fanout: children per node inside a datacenter. use_shm: same-host shared-memory path.
-    delta_cross_dc: send deltas over cross-datacenter links when the far side's base matches.
-    uplink_bytes_per_s / cross_dc_bytes_per_s: emulated link rates per node (0 = unlimited).
-    keep_versions: versions the publisher keeps (>= 2: the latest and a delta base).
-    max_retries: extra attempts per version after a failed one.
-    io_timeout_s: a stream with no progress for this long is dead.
-    repair_interval_s: how often the publisher re-announces to receivers that have not acked.
-    """
+  chunk_bytes: payload chunk size (multiple of 8). topology: "tree" or "direct".
+  fanout: children per node inside a datacenter. use_shm: same-host shared-memory path.
+  delta_cross_dc: send deltas over cross-datacenter links when the far side's base matches.
+  uplink_bytes_per_s / cross_dc_bytes_per_s: emulated link rates per node (0 = unlimited).
+  keep_versions: versions the publisher keeps (>= 2: the latest and a delta base).
+  max_retries: extra attempts per version after a failed one.
+  io_timeout_s: a stream with no progress for this long is dead.
+  repair_interval_s: how often the publisher re-announces to receivers that have not acked.
+  """
 
-    chunk_bytes: int = 4 << 20
-    topology: str = "tree"
-    fanout: int = 2
-    use_shm: bool = True
-    delta_cross_dc: bool = False
-    delta_level: int = 1
-    delta_threads: int = 2
-    uplink_bytes_per_s: float = 0.0
-    cross_dc_bytes_per_s: float = 0.0
-    keep_versions: int = 2
-    max_retries: int = 3
-    connect_timeout_s: float = 2.0
-    io_timeout_s: float = 30.0
-    repair_interval_s: float = 2.0
+  chunk_bytes: int = 4 << 20
+  topology: str = "tree"
+  fanout: int = 2
+  use_shm: bool = True
+  delta_cross_dc: bool = False
+  delta_level: int = 1
+  delta_threads: int = 2
+  uplink_bytes_per_s: float = 0.0
+  cross_dc_bytes_per_s: float = 0.0
+  keep_versions: int = 2
+  max_retries: int = 3
+  connect_timeout_s: float = 2.0
+  io_timeout_s: float = 30.0
+  repair_interval_s: float = 2.0
 
-    def __post_init__(self):
-        if self.chunk_bytes <= 0 or self.chunk_bytes % 8:
-            raise ValueError(f"transfer.chunk_bytes={self.chunk_bytes} must be a positive multiple of 8.")
-        if self.topology not in ("tree", "direct"):
-            raise ValueError(f"transfer.topology={self.topology!r} must be 'tree' or 'direct'.")
-        if self.fanout < 1:
-            raise ValueError(f"transfer.fanout={self.fanout} must be at least 1.")
-        if self.keep_versions < 1 or self.max_retries < 0:
-            raise ValueError("transfer.keep_versions must be >= 1 and transfer.max_retries >= 0.")
+  def __post_init__(self):
+    if self.chunk_bytes <= 0 or self.chunk_bytes % 8:
+      raise ValueError(f"transfer.chunk_bytes={self.chunk_bytes} must be a positive multiple of 8.")
+    if self.topology not in ("tree", "direct"):
+      raise ValueError(f"transfer.topology={self.topology!r} must be 'tree' or 'direct'.")
+    if self.fanout < 1:
+      raise ValueError(f"transfer.fanout={self.fanout} must be at least 1.")
+    if self.keep_versions < 1 or self.max_retries < 0:
+      raise ValueError("transfer.keep_versions must be >= 1 and transfer.max_retries >= 0.")
 
-    @classmethod
-    def from_mapping(cls, cfg: Mapping[str, Any] | ml_collections.ConfigDict) -> "TransferConfig":
-        d = dict(cfg.to_dict() if isinstance(cfg, ml_collections.ConfigDict) else cfg)
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"unknown transfer setting {unknown[0]!r}; valid ones are {sorted(known)}.")
-        return cls(**d)
+  @classmethod
+  def from_mapping(cls, cfg: Mapping[str, Any] | ml_collections.ConfigDict) -> "TransferConfig":
+    d = dict(cfg.to_dict() if isinstance(cfg, ml_collections.ConfigDict) else cfg)
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - known)
+    if unknown:
+      raise ValueError(f"unknown transfer setting {unknown[0]!r}; valid ones are {sorted(known)}.")
+    return cls(**d)
 
 
 def default_config() -> ml_collections.ConfigDict:
-    """The defaults as a ConfigDict, to nest as ``config.transfer``."""
-    return ml_collections.ConfigDict(dataclasses.asdict(TransferConfig()))
+  """The defaults as a ConfigDict, to nest as ``config.transfer``."""
+  return ml_collections.ConfigDict(dataclasses.asdict(TransferConfig()))
 
 
 class _Node:
-    """Listening socket, per-connection threads and link limiters shared by Publisher and Receiver."""
+  """Listening socket, per-connection threads and link limiters shared by Publisher and Receiver."""
 
-    def __init__(self, name: str, dc: str, host: Optional[str], config: TransferConfig, bind: str, port: int):
-        self.name, self.dc, self.config = name, dc, config
-        self.host = host if host is not None else socket.gethostname()
-        self._listener = socket.create_server((bind, port))
-        self._listener.settimeout(0.25)
-        advertised = bind if bind not in ("", "0.0.0.0", "::") else socket.gethostname()
-        self.address: Address = (advertised, self._listener.getsockname()[1])
-        self._closed = threading.Event()
-        self._conns: set[socket.socket] = set()
-        self._conns_lock = threading.Lock()
-        self._stats: collections.Counter = collections.Counter()
-        self._stats_lock = threading.Lock()
-        # burst: 10 ms of link time (at most 256 KiB), so pacing holds even for small payloads
-        self._uplink, self._wan = (RateLimiter(r, burst=int(min(256 << 10, r * 0.01))) if r > 0 else None
-                                   for r in (config.uplink_bytes_per_s, config.cross_dc_bytes_per_s))
-        self._executor = ThreadPoolExecutor(config.delta_threads, thread_name_prefix=f"{name}-delta")
-        self._accept_thread = threading.Thread(target=self._accept_loop, name=f"{name}-accept", daemon=True)
+  def __init__(
+      self, name: str, dc: str, host: Optional[str], config: TransferConfig, bind: str, port: int
+  ):
+    self.name, self.dc, self.config = name, dc, config
+    self.host = host if host is not None else socket.gethostname()
+    self._listener = socket.create_server((bind, port))
+    self._listener.settimeout(0.25)
+    advertised = bind if bind not in ("", "0.0.0.0", "::") else socket.gethostname()
+    self.address: Address = (advertised, self._listener.getsockname()[1])
+    self._closed = threading.Event()
+    self._conns: set[socket.socket] = set()
+    self._conns_lock = threading.Lock()
+    self._stats: collections.Counter = collections.Counter()
+    self._stats_lock = threading.Lock()
+    # burst: 10 ms of link time (at most 256 KiB), so pacing holds even for small payloads
+    self._uplink, self._wan = (
+        RateLimiter(r, burst=int(min(256 << 10, r * 0.01))) if r > 0 else None
+        for r in (config.uplink_bytes_per_s, config.cross_dc_bytes_per_s)
+    )
+    self._executor = ThreadPoolExecutor(config.delta_threads, thread_name_prefix=f"{name}-delta")
+    self._accept_thread = threading.Thread(
+        target=self._accept_loop, name=f"{name}-accept", daemon=True
+    )
 
-    # -- plumbing
-    @property
-    def closed(self) -> bool:
-        return self._closed.is_set()
+  # -- plumbing
+  @property
+  def closed(self) -> bool:
+    return self._closed.is_set()
 
-    @property
-    def stats(self) -> dict[str, int]:
-        with self._stats_lock:
-            return dict(self._stats)
+  @property
+  def stats(self) -> dict[str, int]:
+    with self._stats_lock:
+      return dict(self._stats)
 
-    def _count(self, key: str, n: int = 1) -> None:
-        with self._stats_lock:
-            self._stats[key] += n
+  def _count(self, key: str, n: int = 1) -> None:
+    with self._stats_lock:
+      self._stats[key] += n
 
-    def _track(self, sock: socket.socket) -> None:
-        with self._conns_lock:
-            if self.closed:
-                sock.close()
-                raise TransferError(f"{self.name} is closed")
-            self._conns.add(sock)
-
-    def _untrack(self, sock: socket.socket) -> None:
-        with self._conns_lock:
-            self._conns.discard(sock)
+  def _track(self, sock: socket.socket) -> None:
+    with self._conns_lock:
+      if self.closed:
         sock.close()
+        raise TransferError(f"{self.name} is closed")
+      self._conns.add(sock)
 
-    def _accept_loop(self) -> None:
-        while not self.closed:
-            try:
-                conn, _ = self._listener.accept()
-            except socket.timeout:
-                continue
-            except OSError:
-                return
-            threading.Thread(target=self._handle_conn, args=(conn,), daemon=True).start()
+  def _untrack(self, sock: socket.socket) -> None:
+    with self._conns_lock:
+      self._conns.discard(sock)
+    sock.close()
 
-    def _handle_conn(self, conn: socket.socket) -> None:
-        try:
-            self._track(conn)
-            conn.settimeout(self.config.io_timeout_s)
-            req = recv_json(conn)
-            self._dispatch(conn, req)
-        except (OSError, TransferError, ValueError, KeyError, TypeError) as e:
-            log.debug("%s: connection ended: %r", self.name, e)  # peers come and go; they retry
-        except Exception:  # a bug must not take the server down with it
-            if not self.closed:  # (while closing, the delta executor refuses work: expected)
-                log.exception("%s: unexpected error while serving a connection", self.name)
-        finally:
-            self._untrack(conn)
+  def _accept_loop(self) -> None:
+    while not self.closed:
+      try:
+        conn, _ = self._listener.accept()
+      except socket.timeout:
+        continue
+      except OSError:
+        return
+      threading.Thread(target=self._handle_conn, args=(conn,), daemon=True).start()
 
-    def _dispatch(self, conn: socket.socket, req: dict) -> None:
-        raise NotImplementedError
+  def _handle_conn(self, conn: socket.socket) -> None:
+    try:
+      self._track(conn)
+      conn.settimeout(self.config.io_timeout_s)
+      req = recv_json(conn)
+      self._dispatch(conn, req)
+    except (OSError, TransferError, ValueError, KeyError, TypeError) as e:
+      log.debug("%s: connection ended: %r", self.name, e)  # peers come and go; they retry
+    except Exception:  # a bug must not take the server down with it
+      if not self.closed:  # (while closing, the delta executor refuses work: expected)
+        log.exception("%s: unexpected error while serving a connection", self.name)
+    finally:
+      self._untrack(conn)
 
-    def close(self) -> None:
-        """Stops serving and cuts every open connection (peers see the connection drop)."""
-        self._closed.set()
-        try:
-            self._listener.close()
-        except OSError:
-            pass
-        with self._conns_lock:
-            conns = list(self._conns)
-        for c in conns:
-            try:
-                c.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-        self._executor.shutdown(wait=False, cancel_futures=True)
+  def _dispatch(self, conn: socket.socket, req: dict) -> None:
+    raise NotImplementedError
 
-    # -- serving and announcing
-    def _limiters(self, client_dc: Any) -> tuple[RateLimiter, ...]:
-        lims = [self._uplink] if self._uplink else []
-        if self._wan and client_dc != self.dc:
-            lims.append(self._wan)
-        return tuple(lims)
+  def close(self) -> None:
+    """Stops serving and cuts every open connection (peers see the connection drop)."""
+    self._closed.set()
+    try:
+      self._listener.close()
+    except OSError:
+      pass
+    with self._conns_lock:
+      conns = list(self._conns)
+    for c in conns:
+      try:
+        c.shutdown(socket.SHUT_RDWR)
+      except OSError:
+        pass
+    self._executor.shutdown(wait=False, cancel_futures=True)
 
-    def _serve(self, conn: socket.socket, payload: Payload, req: dict, delta_base: Optional[Payload]) -> None:
-        """Streams ``payload`` to a client (after a get request)."""
-        plane, fields = choose_plane(payload, req, self.host, self.config.use_shm)
-        if plane.name != "tcp":
-            delta_base = None
-        link = Link(self._limiters(req.get("dc")), delta_base, self.config.delta_level, self._executor,
-                    self.config.io_timeout_s)
-        where = "local" if req.get("dc") == self.dc else "cross_dc"
-        self._count(f"served_{plane.name}")  # streams started (bytes are counted when a stream ends)
-        self._count(f"served_{where}")
-        payload.open_stream()  # before the header: the payload's buffer must not be recycled under us
-        try:
-            send_json(conn, {"status": "ok", "plane": plane.name,
-                             "manifest": payload.manifest.without_crcs().to_json(),
-                             "base": delta_base.version if delta_base is not None else None, **fields})
-            n = plane.send(conn, payload, link)
-        except TransferError as e:
-            send_error(conn, str(e))
-            raise
-        finally:
-            payload.close_stream()
-        self._count(f"{where}_{'delta' if delta_base is not None else 'full'}_bytes", n)
+  # -- serving and announcing
+  def _limiters(self, client_dc: Any) -> tuple[RateLimiter, ...]:
+    lims = [self._uplink] if self._uplink else []
+    if self._wan and client_dc != self.dc:
+      lims.append(self._wan)
+    return tuple(lims)
 
-    def _announce_subtree(self, child: TreeNode, version: int, publisher: Address) -> None:
-        """Announces ``version`` to ``child`` (with this node as source); adopts its subtree if unreachable."""
-        msg = {"op": "announce", "version": version, "source": list(self.address), "publisher": list(publisher),
-               "children": [c.to_json() for c in child.children]}
-        try:
-            with connect(child.info.address, self.config.connect_timeout_s) as sock:
-                send_json(sock, msg)
-                recv_json(sock)
-        except (OSError, TransferError) as e:
-            log.info("%s: receiver %s unreachable (%r); announcing to its children directly",
-                     self.name, child.info.name, e)
-            self._on_unreachable(child.info)
-            for grandchild in child.children:
-                self._announce_subtree(grandchild, version, publisher)
+  def _serve(
+      self, conn: socket.socket, payload: Payload, req: dict, delta_base: Optional[Payload]
+  ) -> None:
+    """Streams ``payload`` to a client (after a get request)."""
+    plane, fields = choose_plane(payload, req, self.host, self.config.use_shm)
+    if plane.name != "tcp":
+      delta_base = None
+    link = Link(
+        self._limiters(req.get("dc")),
+        delta_base,
+        self.config.delta_level,
+        self._executor,
+        self.config.io_timeout_s,
+    )
+    where = "local" if req.get("dc") == self.dc else "cross_dc"
+    self._count(f"served_{plane.name}")  # streams started (bytes are counted when a stream ends)
+    self._count(f"served_{where}")
+    payload.open_stream()  # before the header: the payload's buffer must not be recycled under us
+    try:
+      send_json(
+          conn,
+          {
+              "status": "ok",
+              "plane": plane.name,
+              "manifest": payload.manifest.without_crcs().to_json(),
+              "base": delta_base.version if delta_base is not None else None,
+              **fields,
+          },
+      )
+      n = plane.send(conn, payload, link)
+    except TransferError as e:
+      send_error(conn, str(e))
+      raise
+    finally:
+      payload.close_stream()
+    self._count(f"{where}_{'delta' if delta_base is not None else 'full'}_bytes", n)
 
-    def _announce_all(self, children: tuple[TreeNode, ...], version: int, publisher: Address) -> None:
-        threads = [threading.Thread(target=self._announce_subtree, args=(c, version, publisher), daemon=True)
-                   for c in children]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+  def _announce_subtree(self, child: TreeNode, version: int, publisher: Address) -> None:
+    """Announces ``version`` to ``child`` (with this node as source); adopts its subtree if unreachable."""
+    msg = {
+        "op": "announce",
+        "version": version,
+        "source": list(self.address),
+        "publisher": list(publisher),
+        "children": [c.to_json() for c in child.children],
+    }
+    try:
+      with connect(child.info.address, self.config.connect_timeout_s) as sock:
+        send_json(sock, msg)
+        recv_json(sock)
+    except (OSError, TransferError) as e:
+      log.info(
+          "%s: receiver %s unreachable (%r); announcing to its children directly",
+          self.name,
+          child.info.name,
+          e,
+      )
+      self._on_unreachable(child.info)
+      for grandchild in child.children:
+        self._announce_subtree(grandchild, version, publisher)
 
-    def _on_unreachable(self, info: ReceiverInfo) -> None:
-        raise NotImplementedError
+  def _announce_all(self, children: tuple[TreeNode, ...], version: int, publisher: Address) -> None:
+    threads = [
+        threading.Thread(target=self._announce_subtree, args=(c, version, publisher), daemon=True)
+        for c in children
+    ]
+    for t in threads:
+      t.start()
+    for t in threads:
+      t.join()
+
+  def _on_unreachable(self, info: ReceiverInfo) -> None:
+    raise NotImplementedError
 
 
 @dataclasses.dataclass
 class _Peer:
-    info: ReceiverInfo
-    alive: bool = True
-    acked: int = -1
-    refused: int = -1  # newest version this receiver refused for good (schema mismatch)
-    error: Optional[str] = None
-    announced_at: float = 0.0
+  info: ReceiverInfo
+  alive: bool = True
+  acked: int = -1
+  refused: int = -1  # newest version this receiver refused for good (schema mismatch)
+  error: Optional[str] = None
+  announced_at: float = 0.0
 
 
 class Publisher(_Node):
-    """The trainer side: publishes versions and tracks who has loaded what.
+  """The trainer side: publishes versions and tracks who has loaded what.
 
-    dc/host: this node's datacenter and host labels. start_version: the
-    version the generators start with (a publish gets start_version + 1, ...).
-    expected_schema: if given, publish refuses tensors that do not match it.
+  dc/host: this node's datacenter and host labels. start_version: the
+  version the generators start with (a publish gets start_version + 1, ...).
+  expected_schema: if given, publish refuses tensors that do not match it.
+  """
+
+  def __init__(
+      self,
+      config: Optional[TransferConfig] = None,
+      *,
+      dc: str = "dc0",
+      host: Optional[str] = None,
+      name: str = "publisher",
+      bind: str = "127.0.0.1",
+      port: int = 0,
+      start_version: int = 0,
+      expected_schema: Optional[SchemaLike] = None,
+  ):
+    super().__init__(name, dc, host, config or TransferConfig(), bind, port)
+    self._cond = threading.Condition()
+    self._versions: dict[int, Payload] = {}
+    self._accepted = self._next = start_version  # highest version number a publish has claimed
+    self._start_version = start_version
+    keep = max(self.config.keep_versions, 1)
+    self._pool = SegmentPool(keep, keep + 2, shared=self.config.use_shm and shm_available())
+    self._peers: dict[str, _Peer] = {}
+    self._expected = as_schema(expected_schema) if expected_schema is not None else None
+    self._repair_thread = threading.Thread(
+        target=self._repair_loop, name=f"{name}-repair", daemon=True
+    )
+    self._accept_thread.start()
+    self._repair_thread.start()
+
+  # -- public API
+  @property
+  def latest_version(self) -> int:
+    """The newest version being served (start_version before the first publish)."""
+    with self._cond:
+      return max(self._versions, default=self._start_version)
+
+  def _newest(self) -> Optional[Payload]:
+    with self._cond:
+      return self._versions[max(self._versions)] if self._versions else None
+
+  def add_receiver(self, info: ReceiverInfo) -> None:
+    """Registers a receiver known from the config (receivers can also register themselves via join)."""
+    with self._cond:
+      self._peers[info.name] = _Peer(info)
+      self._cond.notify_all()
+
+  def receivers(self, alive_only: bool = True) -> list[ReceiverInfo]:
+    with self._cond:
+      return [p.info for p in self._peers.values() if p.alive or not alive_only]
+
+  def wait_receivers(self, n: int, timeout: float) -> bool:
+    """Blocks until at least n receivers are registered and alive."""
+    with self._cond:
+      return self._cond.wait_for(lambda: sum(p.alive for p in self._peers.values()) >= n, timeout)
+
+  def plan(self) -> TreeNode:
+    """The broadcast tree over the receivers alive now."""
+    alive = self.receivers()
+    if self.config.topology == "direct":
+      return plan_direct(alive)
+    return plan_topology(
+        alive,
+        self.dc,
+        self.config.fanout,
+        self.host if self.config.use_shm and shm_available() else None,
+    )
+
+  def publish(self, tensors: Mapping[str, np.ndarray], version: Optional[int] = None) -> int:
+    """Snapshots ``tensors`` (HF name -> array) as a new version and announces it.
+
+    Returns the version, once the snapshot is complete (the caller may then
+    modify its arrays) and the top-level receivers have been told. Chunks
+    are served while they are being written, so receivers verify and
+    forward in parallel with the copy; ``wait_acks`` tells when they have
+    loaded it. A version not newer than one already claimed is ignored.
+    Raises SchemaMismatch (a ValueError) if ``expected_schema`` was given
+    and the tensors do not match it.
     """
-
-    def __init__(self, config: Optional[TransferConfig] = None, *, dc: str = "dc0", host: Optional[str] = None,
-                 name: str = "publisher", bind: str = "127.0.0.1", port: int = 0, start_version: int = 0,
-                 expected_schema: Optional[SchemaLike] = None):
-        super().__init__(name, dc, host, config or TransferConfig(), bind, port)
-        self._cond = threading.Condition()
-        self._versions: dict[int, Payload] = {}
-        self._accepted = self._next = start_version  # highest version number a publish has claimed
-        self._start_version = start_version
-        keep = max(self.config.keep_versions, 1)
-        self._pool = SegmentPool(keep, keep + 2, shared=self.config.use_shm and shm_available())
-        self._peers: dict[str, _Peer] = {}
-        self._expected = as_schema(expected_schema) if expected_schema is not None else None
-        self._repair_thread = threading.Thread(target=self._repair_loop, name=f"{name}-repair", daemon=True)
-        self._accept_thread.start()
-        self._repair_thread.start()
-
-    # -- public API
-    @property
-    def latest_version(self) -> int:
-        """The newest version being served (start_version before the first publish)."""
-        with self._cond:
-            return max(self._versions, default=self._start_version)
-
-    def _newest(self) -> Optional[Payload]:
-        with self._cond:
-            return self._versions[max(self._versions)] if self._versions else None
-
-    def add_receiver(self, info: ReceiverInfo) -> None:
-        """Registers a receiver known from the config (receivers can also register themselves via join)."""
-        with self._cond:
-            self._peers[info.name] = _Peer(info)
-            self._cond.notify_all()
-
-    def receivers(self, alive_only: bool = True) -> list[ReceiverInfo]:
-        with self._cond:
-            return [p.info for p in self._peers.values() if p.alive or not alive_only]
-
-    def wait_receivers(self, n: int, timeout: float) -> bool:
-        """Blocks until at least n receivers are registered and alive."""
-        with self._cond:
-            return self._cond.wait_for(lambda: sum(p.alive for p in self._peers.values()) >= n, timeout)
-
-    def plan(self) -> TreeNode:
-        """The broadcast tree over the receivers alive now."""
-        alive = self.receivers()
-        if self.config.topology == "direct":
-            return plan_direct(alive)
-        return plan_topology(alive, self.dc, self.config.fanout,
-                             self.host if self.config.use_shm and shm_available() else None)
-
-    def publish(self, tensors: Mapping[str, np.ndarray], version: Optional[int] = None) -> int:
-        """Snapshots ``tensors`` (HF name -> array) as a new version and announces it.
-
-        Returns the version, once the snapshot is complete (the caller may then
-        modify its arrays) and the top-level receivers have been told. Chunks
-        are served while they are being written, so receivers verify and
-        forward in parallel with the copy; ``wait_acks`` tells when they have
-        loaded it. A version not newer than one already claimed is ignored.
-        Raises SchemaMismatch (a ValueError) if ``expected_schema`` was given
-        and the tensors do not match it.
-        """
-        if self.closed:
-            raise RuntimeError("publisher is closed; create a new Publisher.")
-        with self._cond:
-            if version is None:
-                self._next += 1
-                v = self._next
-            else:
-                v = int(version)
-                self._next = max(self._next, v)
-            if v <= self._accepted:
-                log.warning("publish of version %d ignored: version %d is already published", v, self._accepted)
-                return v
-            self._accepted = v
-        if self._expected is not None:
-            check_schema(schema_of(tensors), self._expected, v)
-        t0 = time.perf_counter()
-        manifest = plan_payload(tensors, v, self.config.chunk_bytes)
-        payload = self._allocate(manifest)
-        t1 = time.perf_counter()
-        with self._cond:
-            if v < self._accepted:  # a concurrent publish claimed a newer version: newest wins
-                payload.fail("superseded")
-                return v
-            self._versions[v] = payload
-            while len(self._versions) > max(self.config.keep_versions, 1):
-                self._versions.pop(min(self._versions))
-            now = time.monotonic()
-            for p in self._peers.values():
-                p.announced_at = now
-            self._cond.notify_all()
-        announcer = threading.Thread(target=self._announce_all, args=(self.plan().children, v, self.address),
-                                     daemon=True)
-        announcer.start()
-        try:
-            for i, crc in enumerate(fill_payload(tensors, manifest, payload.buf)):
-                payload.add_written(i, crc)
-        except BaseException as e:
-            payload.fail(f"publisher failed while writing version {v}: {e!r}")
-            with self._cond:
-                if self._versions.get(v) is payload:
-                    del self._versions[v]
-            raise
-        finally:
-            t2 = time.perf_counter()
-            announcer.join()
-        log.debug("%s: version %d: allocate %.3fs, write+crc %.3fs, announce wait %.3fs", self.name, v,
-                  t1 - t0, t2 - t1, time.perf_counter() - t2)
-        self._count("published")
+    if self.closed:
+      raise RuntimeError("publisher is closed; create a new Publisher.")
+    with self._cond:
+      if version is None:
+        self._next += 1
+        v = self._next
+      else:
+        v = int(version)
+        self._next = max(self._next, v)
+      if v <= self._accepted:
+        log.warning(
+            "publish of version %d ignored: version %d is already published", v, self._accepted
+        )
         return v
+      self._accepted = v
+    if self._expected is not None:
+      check_schema(schema_of(tensors), self._expected, v)
+    t0 = time.perf_counter()
+    manifest = plan_payload(tensors, v, self.config.chunk_bytes)
+    payload = self._allocate(manifest)
+    t1 = time.perf_counter()
+    with self._cond:
+      if v < self._accepted:  # a concurrent publish claimed a newer version: newest wins
+        payload.fail("superseded")
+        return v
+      self._versions[v] = payload
+      while len(self._versions) > max(self.config.keep_versions, 1):
+        self._versions.pop(min(self._versions))
+      now = time.monotonic()
+      for p in self._peers.values():
+        p.announced_at = now
+      self._cond.notify_all()
+    announcer = threading.Thread(
+        target=self._announce_all, args=(self.plan().children, v, self.address), daemon=True
+    )
+    announcer.start()
+    try:
+      for i, crc in enumerate(fill_payload(tensors, manifest, payload.buf)):
+        payload.add_written(i, crc)
+    except BaseException as e:
+      payload.fail(f"publisher failed while writing version {v}: {e!r}")
+      with self._cond:
+        if self._versions.get(v) is payload:
+          del self._versions[v]
+      raise
+    finally:
+      t2 = time.perf_counter()
+      announcer.join()
+    log.debug(
+        "%s: version %d: allocate %.3fs, write+crc %.3fs, announce wait %.3fs",
+        self.name,
+        v,
+        t1 - t0,
+        t2 - t1,
+        time.perf_counter() - t2,
+    )
+    self._count("published")
+    return v
 
-    def wait_acks(self, version: int, timeout: float = 60.0) -> bool:
-        """True once every live receiver has loaded ``version`` (or newer); False on timeout or refusal."""
-        def settled():
-            return all(p.acked >= version or not p.alive or p.refused >= version for p in self._peers.values())
-        with self._cond:
-            self._cond.wait_for(settled, timeout)
-            return all(p.acked >= version for p in self._peers.values() if p.alive)
+  def wait_acks(self, version: int, timeout: float = 60.0) -> bool:
+    """True once every live receiver has loaded ``version`` (or newer); False on timeout or refusal."""
 
-    def missing_acks(self, version: int) -> list[str]:
-        """Live receivers that have not loaded ``version`` yet."""
-        with self._cond:
-            return sorted(n for n, p in self._peers.items() if p.alive and p.acked < version)
+    def settled():
+      return all(
+          p.acked >= version or not p.alive or p.refused >= version for p in self._peers.values()
+      )
 
-    def acked_versions(self) -> dict[str, int]:
-        with self._cond:
-            return {n: p.acked for n, p in self._peers.items()}
+    with self._cond:
+      self._cond.wait_for(settled, timeout)
+      return all(p.acked >= version for p in self._peers.values() if p.alive)
 
-    @property
-    def errors(self) -> dict[str, str]:
-        """Last error each receiver reported (e.g. a schema refusal)."""
-        with self._cond:
-            return {n: p.error for n, p in self._peers.items() if p.error}
+  def missing_acks(self, version: int) -> list[str]:
+    """Live receivers that have not loaded ``version`` yet."""
+    with self._cond:
+      return sorted(n for n, p in self._peers.items() if p.alive and p.acked < version)
 
-    def close(self) -> None:
-        super().close()
-        with self._cond:
-            self._versions.clear()
-            self._cond.notify_all()
-        self._pool.close()
+  def acked_versions(self) -> dict[str, int]:
+    with self._cond:
+      return {n: p.acked for n, p in self._peers.items()}
 
-    # -- internals
-    def _allocate(self, manifest: Manifest) -> Payload:
-        seg, old = self._pool.acquire(manifest.total_bytes, self._recyclable)
-        if old is not None:
-            with self._cond:
-                if self._versions.get(old.version) is old:
-                    del self._versions[old.version]
-        payload = Payload(manifest, seg.buf, shm_name=seg.name, keepalive=seg.keepalive)
-        seg.payload = payload
-        return payload
+  @property
+  def errors(self) -> dict[str, str]:
+    """Last error each receiver reported (e.g. a schema refusal)."""
+    with self._cond:
+      return {n: p.error for n, p in self._peers.items() if p.error}
 
-    def _recyclable(self, old: Payload) -> bool:
-        """May the segment holding ``old`` be rewritten now? (see payload.py)"""
-        with self._cond:
-            keep = sorted(self._versions)[len(self._versions) - max(self.config.keep_versions - 1, 0):]
-            if old.version in keep or old.streams or not (old.complete or old.failed):
-                return False  # still served, being read, or still being written by another publish
-            if old.shm_name is None:
-                return True  # private: nobody else can hold a view of it
-            return all(p.acked > old.version or p.refused >= old.version or not p.alive
-                       for p in self._peers.values())
+  def close(self) -> None:
+    super().close()
+    with self._cond:
+      self._versions.clear()
+      self._cond.notify_all()
+    self._pool.close()
 
-    def _dispatch(self, conn, req):
-        op = req.get("op")
-        if op == "get":
-            self._handle_get(conn, req)
-        elif op == "register":
-            info = ReceiverInfo.from_json(req["info"])
-            with self._cond:
-                self._peers[info.name] = _Peer(info, acked=int(req.get("version", -1)))
-                self._cond.notify_all()
-                latest = max(self._versions, default=-1)
-            send_json(conn, {"latest": latest})
-        elif op == "ack":
-            with self._cond:
-                p = self._peers.get(req["name"])
-                if p is not None:
-                    p.acked, p.alive = max(p.acked, int(req["version"])), True
-                    p.error = None
-                    self._cond.notify_all()
-        elif op == "nack":
-            with self._cond:
-                p = self._peers.get(req["name"])
-                if p is not None:
-                    p.error = str(req.get("reason"))
-                    if req.get("permanent"):
-                        p.refused = max(p.refused, int(req["version"]))
-                    self._cond.notify_all()
-        elif op == "suspect":
-            with self._cond:
-                p = self._peers.get(req["name"])
-            if p is not None and not self._ping(p.info.address):
-                self._on_unreachable(p.info)
-        elif op == "ping":
-            send_json(conn, {"ok": True, "version": self.latest_version, "host": self.host,
-                             "shm": self.config.use_shm and shm_available()})
+  # -- internals
+  def _allocate(self, manifest: Manifest) -> Payload:
+    seg, old = self._pool.acquire(manifest.total_bytes, self._recyclable)
+    if old is not None:
+      with self._cond:
+        if self._versions.get(old.version) is old:
+          del self._versions[old.version]
+    payload = Payload(manifest, seg.buf, shm_name=seg.name, keepalive=seg.keepalive)
+    seg.payload = payload
+    return payload
 
-    def _handle_get(self, conn, req):
-        want = int(req.get("want", 0))
-        with self._cond:
-            payload = self._newest()
-            base = self._versions.get(req.get("base")) if isinstance(req.get("base"), int) else None
-        if payload is None or payload.version < want:
-            send_json(conn, {"status": "notfound", "latest": self.latest_version})
-            return
-        use_delta = (self.config.delta_cross_dc and req.get("dc") != self.dc and base is not None
-                     and base.complete and base.version < payload.version
-                     and base.manifest.layout == payload.manifest.layout)
-        self._serve(conn, payload, req, base if use_delta else None)
+  def _recyclable(self, old: Payload) -> bool:
+    """May the segment holding ``old`` be rewritten now? (see payload.py)"""
+    with self._cond:
+      keep = sorted(self._versions)[len(self._versions) - max(self.config.keep_versions - 1, 0) :]
+      if old.version in keep or old.streams or not (old.complete or old.failed):
+        return False  # still served, being read, or still being written by another publish
+      if old.shm_name is None:
+        return True  # private: nobody else can hold a view of it
+      return all(
+          p.acked > old.version or p.refused >= old.version or not p.alive
+          for p in self._peers.values()
+      )
 
-    def _ping(self, address: Address) -> bool:
-        try:
-            with connect(address, self.config.connect_timeout_s) as sock:
-                send_json(sock, {"op": "ping"})
-                recv_json(sock)
-            return True
-        except (OSError, TransferError):
-            return False
+  def _dispatch(self, conn, req):
+    op = req.get("op")
+    if op == "get":
+      self._handle_get(conn, req)
+    elif op == "register":
+      info = ReceiverInfo.from_json(req["info"])
+      with self._cond:
+        self._peers[info.name] = _Peer(info, acked=int(req.get("version", -1)))
+        self._cond.notify_all()
+        latest = max(self._versions, default=-1)
+      send_json(conn, {"latest": latest})
+    elif op == "ack":
+      with self._cond:
+        p = self._peers.get(req["name"])
+        if p is not None:
+          p.acked, p.alive = max(p.acked, int(req["version"])), True
+          p.error = None
+          self._cond.notify_all()
+    elif op == "nack":
+      with self._cond:
+        p = self._peers.get(req["name"])
+        if p is not None:
+          p.error = str(req.get("reason"))
+          if req.get("permanent"):
+            p.refused = max(p.refused, int(req["version"]))
+          self._cond.notify_all()
+    elif op == "suspect":
+      with self._cond:
+        p = self._peers.get(req["name"])
+      if p is not None and not self._ping(p.info.address):
+        self._on_unreachable(p.info)
+    elif op == "ping":
+      send_json(
+          conn,
+          {
+              "ok": True,
+              "version": self.latest_version,
+              "host": self.host,
+              "shm": self.config.use_shm and shm_available(),
+          },
+      )
 
-    def _on_unreachable(self, info: ReceiverInfo) -> None:
-        with self._cond:
-            p = self._peers.get(info.name)
-            if p is not None and p.info.address == info.address:
-                p.alive = False
-                self._cond.notify_all()
+  def _handle_get(self, conn, req):
+    want = int(req.get("want", 0))
+    with self._cond:
+      payload = self._newest()
+      base = self._versions.get(req.get("base")) if isinstance(req.get("base"), int) else None
+    if payload is None or payload.version < want:
+      send_json(conn, {"status": "notfound", "latest": self.latest_version})
+      return
+    use_delta = (
+        self.config.delta_cross_dc
+        and req.get("dc") != self.dc
+        and base is not None
+        and base.complete
+        and base.version < payload.version
+        and base.manifest.layout == payload.manifest.layout
+    )
+    self._serve(conn, payload, req, base if use_delta else None)
 
-    def _repair_loop(self) -> None:
-        interval = self.config.repair_interval_s
-        while not self._closed.wait(interval):
-            now = time.monotonic()
-            with self._cond:
-                v = max(self._versions, default=-1)
-                late = [p for p in self._peers.values() if p.alive and p.acked < v and p.refused < v
-                        and now - p.announced_at >= interval and v in self._versions]
-                for p in late:
-                    p.announced_at = now
-            for p in late:
-                self._announce_subtree(TreeNode(p.info), v, self.address)
+  def _ping(self, address: Address) -> bool:
+    try:
+      with connect(address, self.config.connect_timeout_s) as sock:
+        send_json(sock, {"op": "ping"})
+        recv_json(sock)
+      return True
+    except (OSError, TransferError):
+      return False
+
+  def _on_unreachable(self, info: ReceiverInfo) -> None:
+    with self._cond:
+      p = self._peers.get(info.name)
+      if p is not None and p.info.address == info.address:
+        p.alive = False
+        self._cond.notify_all()
+
+  def _repair_loop(self) -> None:
+    interval = self.config.repair_interval_s
+    while not self._closed.wait(interval):
+      now = time.monotonic()
+      with self._cond:
+        v = max(self._versions, default=-1)
+        late = [
+            p
+            for p in self._peers.values()
+            if p.alive
+            and p.acked < v
+            and p.refused < v
+            and now - p.announced_at >= interval
+            and v in self._versions
+        ]
+        for p in late:
+          p.announced_at = now
+      for p in late:
+        self._announce_subtree(TreeNode(p.info), v, self.address)
 
 
 class Receiver(_Node):
-    """One generator's end: receives, verifies, then calls ``load_fn(tensors, version)``.
+  """One generator's end: receives, verifies, then calls ``load_fn(tensors, version)``.
 
-    load_fn gets read-only zero-copy arrays (HF name -> array) of a complete,
-    verified version and should copy them into the model; calls never overlap.
-    The arrays stay valid at least until load_fn has returned for the next
-    version (their buffer is then recycled), so copy whatever you keep.
-    expected_schema: the model's tensor specs (TensorSpecs or {name: (shape, dtype)});
-    a version that differs is refused. initial_version: what the generator serves now.
-    host: host label (same label as the publisher -> shared memory).
-    The server starts at construction; call ``join`` before serving prompts.
+  load_fn gets read-only zero-copy arrays (HF name -> array) of a complete,
+  verified version and should copy them into the model; calls never overlap.
+  The arrays stay valid at least until load_fn has returned for the next
+  version (their buffer is then recycled), so copy whatever you keep.
+  expected_schema: the model's tensor specs (TensorSpecs or {name: (shape, dtype)});
+  a version that differs is refused. initial_version: what the generator serves now.
+  host: host label (same label as the publisher -> shared memory).
+  The server starts at construction; call ``join`` before serving prompts.
+  """
+
+  def __init__(
+      self,
+      name: str,
+      dc: str,
+      load_fn: LoadFn,
+      expected_schema: Optional[SchemaLike] = None,
+      *,
+      config: Optional[TransferConfig] = None,
+      host: Optional[str] = None,
+      initial_version: int = 0,
+      bind: str = "127.0.0.1",
+      port: int = 0,
+  ):
+    super().__init__(name, dc, host, config or TransferConfig(), bind, port)
+    self.load_fn = load_fn
+    self._expected = as_schema(expected_schema) if expected_schema is not None else None
+    self._cond = threading.Condition()
+    self._load_lock = threading.Lock()
+    self._version = initial_version
+    self._current: Optional[Payload] = None
+    self._inflight: Optional[Payload] = None
+    self._target = initial_version
+    self._source: Optional[Address] = None
+    self._publisher: Optional[Address] = None
+    self._gave_up: dict[int, bool] = {}  # version -> permanent?
+    self._fetching = False
+    self._retired: Optional[Payload] = None  # a private buffer to reuse as the next staging buffer
+    self._spare_buf: Optional[np.ndarray] = None  # staging memory faulted in at join
+    self.last_error: Optional[str] = None
+    self._last_exc: Optional[Exception] = None
+    self._fetch_thread = threading.Thread(
+        target=self._fetch_loop, name=f"{name}-fetch", daemon=True
+    )
+    self._accept_thread.start()
+    self._fetch_thread.start()
+
+  # -- public API
+  @property
+  def version(self) -> int:
+    """The version load_fn last loaded (the one the generator serves)."""
+    return self._version
+
+  @property
+  def info(self) -> ReceiverInfo:
+    return ReceiverInfo(self.name, self.dc, self.host, self.address)
+
+  def join(self, publisher: Address, timeout: float = 60.0) -> int:
+    """Registers with the publisher and loads its latest version before returning it.
+
+    Raises TimeoutError if that takes longer than ``timeout``, SchemaMismatch
+    if the latest version does not fit the model, TransferError if it could
+    not be delivered.
     """
+    self._publisher = tuple(publisher)
+    with connect(self._publisher, self.config.connect_timeout_s) as sock:
+      sock.settimeout(self.config.io_timeout_s)
+      send_json(sock, {"op": "ping"})
+      hello = recv_json(sock)
+    shm = self.config.use_shm and hello.get("shm") and hello.get("host") == self.host
+    if self._expected is not None and not shm and self._spare_buf is None:
+      # Versions will land in private staging memory: fault it in now, before we serve, rather
+      # than while the first version streams in (first-touching 1 GB costs seconds on a busy VM).
+      self._spare_buf = np.empty(payload_nbytes(self._expected), np.uint8)
+      self._spare_buf.fill(0)
+    with connect(self._publisher, self.config.connect_timeout_s) as sock:
+      sock.settimeout(self.config.io_timeout_s)
+      send_json(sock, {"op": "register", "info": self.info.to_json(), "version": self._version})
+      latest = int(recv_json(sock)["latest"])
+    with self._cond:
+      if latest > self._target:
+        self._target, self._source = latest, self._publisher
+        self._gave_up.pop(latest, None)
+        self._cond.notify_all()
+      ok = self._cond.wait_for(
+          lambda: self._version >= latest or latest in self._gave_up or self.closed, timeout
+      )
+    if self._version >= latest:
+      return self._version
+    if not ok:
+      raise TimeoutError(
+          f"receiver {self.name} did not load version {latest} within {timeout}s "
+          f"(last error: {self.last_error}); check the publisher and the network."
+      )
+    if isinstance(self._last_exc, SchemaMismatch):
+      raise SchemaMismatch(str(self._last_exc))
+    raise TransferError(f"receiver {self.name} could not load version {latest}: {self.last_error}")
 
-    def __init__(self, name: str, dc: str, load_fn: LoadFn, expected_schema: Optional[SchemaLike] = None, *,
-                 config: Optional[TransferConfig] = None, host: Optional[str] = None, initial_version: int = 0,
-                 bind: str = "127.0.0.1", port: int = 0):
-        super().__init__(name, dc, host, config or TransferConfig(), bind, port)
-        self.load_fn = load_fn
-        self._expected = as_schema(expected_schema) if expected_schema is not None else None
-        self._cond = threading.Condition()
-        self._load_lock = threading.Lock()
-        self._version = initial_version
-        self._current: Optional[Payload] = None
-        self._inflight: Optional[Payload] = None
-        self._target = initial_version
-        self._source: Optional[Address] = None
-        self._publisher: Optional[Address] = None
-        self._gave_up: dict[int, bool] = {}  # version -> permanent?
-        self._fetching = False
-        self._retired: Optional[Payload] = None  # a private buffer to reuse as the next staging buffer
-        self._spare_buf: Optional[np.ndarray] = None  # staging memory faulted in at join
-        self.last_error: Optional[str] = None
-        self._last_exc: Optional[Exception] = None
-        self._fetch_thread = threading.Thread(target=self._fetch_loop, name=f"{name}-fetch", daemon=True)
-        self._accept_thread.start()
-        self._fetch_thread.start()
+  def wait_version(self, version: int, timeout: float) -> bool:
+    """True once ``version`` (or newer) is loaded."""
+    with self._cond:
+      return self._cond.wait_for(lambda: self._version >= version, timeout)
 
-    # -- public API
-    @property
-    def version(self) -> int:
-        """The version load_fn last loaded (the one the generator serves)."""
+  def close(self) -> None:
+    with self._cond:
+      self._closed.set()
+      self._cond.notify_all()
+    super().close()
+
+  # -- server side
+  def _dispatch(self, conn, req):
+    op = req.get("op")
+    if op == "announce":
+      self._handle_announce(conn, req)
+    elif op == "get":
+      self._handle_get(conn, req)
+    elif op == "ping":
+      send_json(conn, {"ok": True, "version": self._version})
+
+  def _handle_announce(self, conn, req):
+    v = int(req["version"])
+    source, publisher = tuple(req["source"]), tuple(req["publisher"])
+    children = tuple(TreeNode.from_json(c) for c in req.get("children", ()))
+    with self._cond:
+      self._publisher = publisher
+      retry = v == self._target and not self._fetching and self._gave_up.get(v) is False
+      if v > self._target or (retry and v > self._version):
+        self._target, self._source = v, source
+        self._gave_up.pop(v, None)
+        self._cond.notify_all()
+    send_json(conn, {"ok": True})
+    if children:
+      self._announce_all(children, v, publisher)
+
+  def _handle_get(self, conn, req):
+    want = int(req.get("want", 0))
+    deadline = time.monotonic() + self.config.io_timeout_s
+    with self._cond:
+      while True:
+        cands = [p for p in (self._current, self._inflight) if p is not None and p.version >= want]
+        if (
+            cands
+            or self.closed
+            or want > self._target
+            or (not self._fetching and self._target in self._gave_up)
+        ):
+          break
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+          break
+        self._cond.wait(remaining)
+    if not cands:
+      send_json(conn, {"status": "notfound", "latest": self._version})
+      return
+    self._serve(conn, max(cands, key=lambda p: p.version), req, delta_base=None)
+
+  def _on_unreachable(self, info: ReceiverInfo) -> None:
+    self._tell_publisher({"op": "suspect", "name": info.name})
+
+  # -- client side
+  def _tell_publisher(self, msg: dict) -> None:
+    if self._publisher is None:
+      return
+    try:
+      with connect(self._publisher, self.config.connect_timeout_s) as sock:
+        send_json(sock, msg)
+    except OSError:
+      pass
+
+  def _fetch_loop(self) -> None:
+    while True:
+      with self._cond:
+        self._cond.wait_for(
+            lambda: self.closed
+            or (self._target > self._version and self._target not in self._gave_up)
+        )
+        if self.closed:
+          return
+        v, first = self._target, self._source
+        self._fetching = True
+      try:
+        self._fetch_version(v, first)
+      except Exception as e:  # never let the loop die: record and give up on this version
+        log.exception("%s: unexpected error fetching version %d", self.name, v)
+        self._give_up(v, f"unexpected error: {e!r}", permanent=False, exc=e)
+      finally:
+        with self._cond:
+          self._fetching = False
+          self._cond.notify_all()
+
+  def _give_up(self, v: int, reason: str, permanent: bool, exc: Optional[Exception] = None) -> None:
+    with self._cond:
+      self.last_error, self._last_exc = reason, exc
+      self._gave_up[v] = permanent
+      self._cond.notify_all()
+    self._tell_publisher(
+        {"op": "nack", "name": self.name, "version": v, "reason": reason, "permanent": permanent}
+    )
+
+  def _fetch_version(self, v: int, first: Optional[Address]) -> None:
+    """Up to 1 + max_retries attempts: the announced source first, then the publisher."""
+    pub = self._publisher
+    sources = [first] if first is not None and first != pub else []
+    sources += [pub if pub is not None else first] * (1 + self.config.max_retries)
+    sources = sources[: 1 + self.config.max_retries]
+    use_shm, reason = self.config.use_shm, "no source"
+    for k, src in enumerate(sources):
+      if self.closed or self._version >= v:
+        return
+      try:
+        if self._fetch_from(src, v, use_shm) >= v:
+          return
+        reason = f"{src} has no version >= {v}"
+      except SchemaMismatch as e:
+        self._give_up(v, str(e), permanent=True, exc=e)
+        return
+      except (TransferError, OSError) as e:
+        reason = f"attempt {k + 1} from {src}: {e}"
+        use_shm = False  # if the segment was the problem, TCP still works
+      log.info("%s: %s", self.name, reason)
+      self._count("failed_attempts")
+      with self._cond:
+        self.last_error = reason
+        if self._cond.wait_for(lambda: self.closed or self._target > v, min(0.05 * 2**k, 1.0)):
+          return  # closing, or a newer version was announced: go for that one (newest wins)
+    self._give_up(v, reason, permanent=False)
+
+  def _fetch_from(self, src: Address, want: int, use_shm: bool) -> int:
+    """One attempt; returns the version loaded afterwards. Raises on any damage."""
+    sock = connect(src, self.config.connect_timeout_s)
+    self._track(sock)
+    payload = None
+    try:
+      sock.settimeout(self.config.io_timeout_s)
+      base = self._current
+      send_json(
+          sock,
+          {
+              "op": "get",
+              "want": want,
+              "name": self.name,
+              "dc": self.dc,
+              "host": self.host,
+              "shm": use_shm,
+              "base": base.version if base is not None else None,
+          },
+      )
+      header = recv_json(sock)
+      if header.get("status") != "ok":
         return self._version
-
-    @property
-    def info(self) -> ReceiverInfo:
-        return ReceiverInfo(self.name, self.dc, self.host, self.address)
-
-    def join(self, publisher: Address, timeout: float = 60.0) -> int:
-        """Registers with the publisher and loads its latest version before returning it.
-
-        Raises TimeoutError if that takes longer than ``timeout``, SchemaMismatch
-        if the latest version does not fit the model, TransferError if it could
-        not be delivered.
-        """
-        self._publisher = tuple(publisher)
-        with connect(self._publisher, self.config.connect_timeout_s) as sock:
-            sock.settimeout(self.config.io_timeout_s)
-            send_json(sock, {"op": "ping"})
-            hello = recv_json(sock)
-        shm = self.config.use_shm and hello.get("shm") and hello.get("host") == self.host
-        if self._expected is not None and not shm and self._spare_buf is None:
-            # Versions will land in private staging memory: fault it in now, before we serve, rather
-            # than while the first version streams in (first-touching 1 GB costs seconds on a busy VM).
-            self._spare_buf = np.empty(payload_nbytes(self._expected), np.uint8)
-            self._spare_buf.fill(0)
-        with connect(self._publisher, self.config.connect_timeout_s) as sock:
-            sock.settimeout(self.config.io_timeout_s)
-            send_json(sock, {"op": "register", "info": self.info.to_json(), "version": self._version})
-            latest = int(recv_json(sock)["latest"])
-        with self._cond:
-            if latest > self._target:
-                self._target, self._source = latest, self._publisher
-                self._gave_up.pop(latest, None)
-                self._cond.notify_all()
-            ok = self._cond.wait_for(lambda: self._version >= latest or latest in self._gave_up or self.closed,
-                                     timeout)
-        if self._version >= latest:
-            return self._version
-        if not ok:
-            raise TimeoutError(f"receiver {self.name} did not load version {latest} within {timeout}s "
-                               f"(last error: {self.last_error}); check the publisher and the network.")
-        if isinstance(self._last_exc, SchemaMismatch):
-            raise SchemaMismatch(str(self._last_exc))
-        raise TransferError(f"receiver {self.name} could not load version {latest}: {self.last_error}")
-
-    def wait_version(self, version: int, timeout: float) -> bool:
-        """True once ``version`` (or newer) is loaded."""
-        with self._cond:
-            return self._cond.wait_for(lambda: self._version >= version, timeout)
-
-    def close(self) -> None:
-        with self._cond:
-            self._closed.set()
-            self._cond.notify_all()
-        super().close()
-
-    # -- server side
-    def _dispatch(self, conn, req):
-        op = req.get("op")
-        if op == "announce":
-            self._handle_announce(conn, req)
-        elif op == "get":
-            self._handle_get(conn, req)
-        elif op == "ping":
-            send_json(conn, {"ok": True, "version": self._version})
-
-    def _handle_announce(self, conn, req):
-        v = int(req["version"])
-        source, publisher = tuple(req["source"]), tuple(req["publisher"])
-        children = tuple(TreeNode.from_json(c) for c in req.get("children", ()))
-        with self._cond:
-            self._publisher = publisher
-            retry = v == self._target and not self._fetching and self._gave_up.get(v) is False
-            if v > self._target or (retry and v > self._version):
-                self._target, self._source = v, source
-                self._gave_up.pop(v, None)
-                self._cond.notify_all()
-        send_json(conn, {"ok": True})
-        if children:
-            self._announce_all(children, v, publisher)
-
-    def _handle_get(self, conn, req):
-        want = int(req.get("want", 0))
-        deadline = time.monotonic() + self.config.io_timeout_s
-        with self._cond:
-            while True:
-                cands = [p for p in (self._current, self._inflight) if p is not None and p.version >= want]
-                if cands or self.closed or want > self._target or (
-                        not self._fetching and self._target in self._gave_up):
-                    break
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    break
-                self._cond.wait(remaining)
-        if not cands:
-            send_json(conn, {"status": "notfound", "latest": self._version})
-            return
-        self._serve(conn, max(cands, key=lambda p: p.version), req, delta_base=None)
-
-    def _on_unreachable(self, info: ReceiverInfo) -> None:
-        self._tell_publisher({"op": "suspect", "name": info.name})
-
-    # -- client side
-    def _tell_publisher(self, msg: dict) -> None:
-        if self._publisher is None:
-            return
-        try:
-            with connect(self._publisher, self.config.connect_timeout_s) as sock:
-                send_json(sock, msg)
-        except OSError:
-            pass
-
-    def _fetch_loop(self) -> None:
-        while True:
-            with self._cond:
-                self._cond.wait_for(lambda: self.closed or (self._target > self._version
-                                                            and self._target not in self._gave_up))
-                if self.closed:
-                    return
-                v, first = self._target, self._source
-                self._fetching = True
-            try:
-                self._fetch_version(v, first)
-            except Exception as e:  # never let the loop die: record and give up on this version
-                log.exception("%s: unexpected error fetching version %d", self.name, v)
-                self._give_up(v, f"unexpected error: {e!r}", permanent=False, exc=e)
-            finally:
-                with self._cond:
-                    self._fetching = False
-                    self._cond.notify_all()
-
-    def _give_up(self, v: int, reason: str, permanent: bool, exc: Optional[Exception] = None) -> None:
-        with self._cond:
-            self.last_error, self._last_exc = reason, exc
-            self._gave_up[v] = permanent
-            self._cond.notify_all()
-        self._tell_publisher({"op": "nack", "name": self.name, "version": v, "reason": reason,
-                              "permanent": permanent})
-
-    def _fetch_version(self, v: int, first: Optional[Address]) -> None:
-        """Up to 1 + max_retries attempts: the announced source first, then the publisher."""
-        pub = self._publisher
-        sources = [first] if first is not None and first != pub else []
-        sources += [pub if pub is not None else first] * (1 + self.config.max_retries)
-        sources = sources[:1 + self.config.max_retries]
-        use_shm, reason = self.config.use_shm, "no source"
-        for k, src in enumerate(sources):
-            if self.closed or self._version >= v:
-                return
-            try:
-                if self._fetch_from(src, v, use_shm) >= v:
-                    return
-                reason = f"{src} has no version >= {v}"
-            except SchemaMismatch as e:
-                self._give_up(v, str(e), permanent=True, exc=e)
-                return
-            except (TransferError, OSError) as e:
-                reason = f"attempt {k + 1} from {src}: {e}"
-                use_shm = False  # if the segment was the problem, TCP still works
-            log.info("%s: %s", self.name, reason)
-            self._count("failed_attempts")
-            with self._cond:
-                self.last_error = reason
-                if self._cond.wait_for(lambda: self.closed or self._target > v, min(0.05 * 2 ** k, 1.0)):
-                    return  # closing, or a newer version was announced: go for that one (newest wins)
-        self._give_up(v, reason, permanent=False)
-
-    def _fetch_from(self, src: Address, want: int, use_shm: bool) -> int:
-        """One attempt; returns the version loaded afterwards. Raises on any damage."""
-        sock = connect(src, self.config.connect_timeout_s)
-        self._track(sock)
-        payload = None
-        try:
-            sock.settimeout(self.config.io_timeout_s)
-            base = self._current
-            send_json(sock, {"op": "get", "want": want, "name": self.name, "dc": self.dc, "host": self.host,
-                             "shm": use_shm, "base": base.version if base is not None else None})
-            header = recv_json(sock)
-            if header.get("status") != "ok":
-                return self._version
-            manifest = Manifest.from_json(header["manifest"])
-            if manifest.version <= self._version:
-                return self._version
-            if self._expected is not None:
-                check_schema(manifest.tensors, self._expected, manifest.version)
-            plane = PLANES.get(header.get("plane"))
-            if plane is None:
-                raise TransferError(f"unknown data plane {header.get('plane')!r}")
-            if header.get("base") is not None and (base is None or header["base"] != base.version
-                                                   or base.manifest.layout != manifest.layout):
-                raise TransferError("sender chose a delta base this receiver does not hold")
-            payload = plane.open(header, manifest, self._take_recycled(manifest.total_bytes))
-            with self._cond:
-                self._inflight = payload
-                self._cond.notify_all()
-            n = plane.fill(sock, header, payload, base if header.get("base") is not None else None,
-                           self.config.io_timeout_s)
-            self._count("bytes_received", n)
-            tensors = payload.tensors()
-        except BaseException as e:
-            if payload is not None:
-                payload.fail(str(e))
-                with self._cond:
-                    if self._inflight is payload:
-                        self._inflight = None
-                        self._cond.notify_all()
-                    self._retire(payload)
-            raise
-        finally:
-            self._untrack(sock)
-        self._load(payload, tensors)
+      manifest = Manifest.from_json(header["manifest"])
+      if manifest.version <= self._version:
         return self._version
-
-    def _retire(self, payload: Payload) -> None:
-        """Keeps a private buffer this receiver no longer serves, to be the next staging buffer."""
-        if payload.shm_name is None and isinstance(payload.keepalive, np.ndarray):
-            self._retired = payload
-
-    def _take_recycled(self, nbytes: int) -> Optional[np.ndarray]:
+      if self._expected is not None:
+        check_schema(manifest.tensors, self._expected, manifest.version)
+      plane = PLANES.get(header.get("plane"))
+      if plane is None:
+        raise TransferError(f"unknown data plane {header.get('plane')!r}")
+      if header.get("base") is not None and (
+          base is None or header["base"] != base.version or base.manifest.layout != manifest.layout
+      ):
+        raise TransferError("sender chose a delta base this receiver does not hold")
+      payload = plane.open(header, manifest, self._take_recycled(manifest.total_bytes))
+      with self._cond:
+        self._inflight = payload
+        self._cond.notify_all()
+      n = plane.fill(
+          sock,
+          header,
+          payload,
+          base if header.get("base") is not None else None,
+          self.config.io_timeout_s,
+      )
+      self._count("bytes_received", n)
+      tensors = payload.tensors()
+    except BaseException as e:
+      if payload is not None:
+        payload.fail(str(e))
         with self._cond:
-            if self._spare_buf is not None and self._spare_buf.size == nbytes:
-                spare, self._spare_buf = self._spare_buf, None
-                return spare
-            old = self._retired
-            if old is None or old.streams or old.keepalive.size != nbytes or old is self._current:
-                return None
-            self._retired = None
-            return old.keepalive
+          if self._inflight is payload:
+            self._inflight = None
+            self._cond.notify_all()
+          self._retire(payload)
+      raise
+    finally:
+      self._untrack(sock)
+    self._load(payload, tensors)
+    return self._version
 
-    def _load(self, payload: Payload, tensors: dict[str, np.ndarray]) -> None:
-        with self._load_lock:
-            if payload.version <= self._version:
-                return
-            try:
-                self.load_fn(tensors, payload.version)
-            except Exception as e:
-                with self._cond:
-                    if self._inflight is payload:
-                        self._inflight = None
-                payload.fail(f"load_fn failed: {e!r}")
-                raise TransferError(f"load_fn failed on version {payload.version}: {e!r}") from e
-            with self._cond:
-                if self._current is not None:
-                    self._retire(self._current)
-                self._version, self._current = payload.version, payload
-                if self._inflight is payload:
-                    self._inflight = None
-                self.last_error = None
-                self._cond.notify_all()
-        self._count("loads")
-        self._tell_publisher({"op": "ack", "name": self.name, "version": payload.version})
+  def _retire(self, payload: Payload) -> None:
+    """Keeps a private buffer this receiver no longer serves, to be the next staging buffer."""
+    if payload.shm_name is None and isinstance(payload.keepalive, np.ndarray):
+      self._retired = payload
+
+  def _take_recycled(self, nbytes: int) -> Optional[np.ndarray]:
+    with self._cond:
+      if self._spare_buf is not None and self._spare_buf.size == nbytes:
+        spare, self._spare_buf = self._spare_buf, None
+        return spare
+      old = self._retired
+      if old is None or old.streams or old.keepalive.size != nbytes or old is self._current:
+        return None
+      self._retired = None
+      return old.keepalive
+
+  def _load(self, payload: Payload, tensors: dict[str, np.ndarray]) -> None:
+    with self._load_lock:
+      if payload.version <= self._version:
+        return
+      try:
+        self.load_fn(tensors, payload.version)
+      except Exception as e:
+        with self._cond:
+          if self._inflight is payload:
+            self._inflight = None
+        payload.fail(f"load_fn failed: {e!r}")
+        raise TransferError(f"load_fn failed on version {payload.version}: {e!r}") from e
+      with self._cond:
+        if self._current is not None:
+          self._retire(self._current)
+        self._version, self._current = payload.version, payload
+        if self._inflight is payload:
+          self._inflight = None
+        self.last_error = None
+        self._cond.notify_all()
+    self._count("loads")
+    self._tell_publisher({"op": "ack", "name": self.name, "version": payload.version})
 
 
 # ---------------------------------------------------------------- process mode
 
+
 def relay_only(tensors: Mapping[str, np.ndarray], version: int) -> None:
-    """load_fn of a node that only verifies and forwards (a pure relay, or a benchmark receiver)."""
+  """load_fn of a node that only verifies and forwards (a pure relay, or a benchmark receiver)."""
 
 
-def spawn_receiver(name: str, dc: str, load_fn: LoadFn, publisher: Address, *,
-                   expected_schema: Optional[SchemaLike] = None, config: Optional[TransferConfig] = None,
-                   host: Optional[str] = None, initial_version: int = 0) -> multiprocessing.Process:
-    """Starts a Receiver in a fresh ``spawn`` process that joins ``publisher`` and serves until killed.
+def spawn_receiver(
+    name: str,
+    dc: str,
+    load_fn: LoadFn,
+    publisher: Address,
+    *,
+    expected_schema: Optional[SchemaLike] = None,
+    config: Optional[TransferConfig] = None,
+    host: Optional[str] = None,
+    initial_version: int = 0,
+) -> multiprocessing.Process:
+  """Starts a Receiver in a fresh ``spawn`` process that joins ``publisher`` and serves until killed.
 
-    load_fn must be a module-level function (the child imports it by name);
-    the schema and config travel as plain lists/dicts. The child exits when
-    its parent dies.
-    """
-    schema = None if expected_schema is None else [[s.name, list(s.shape), s.dtype]
-                                                   for s in as_schema(expected_schema)]
-    cfg = dataclasses.asdict(config or TransferConfig())
-    proc = multiprocessing.get_context("spawn").Process(
-        target=_receiver_main, name=f"receiver-{name}", daemon=True,
-        args=(name, dc, load_fn, list(publisher), schema, cfg, host, initial_version, os.getpid()))
-    proc.start()
-    return proc
+  load_fn must be a module-level function (the child imports it by name);
+  the schema and config travel as plain lists/dicts. The child exits when
+  its parent dies.
+  """
+  schema = (
+      None
+      if expected_schema is None
+      else [[s.name, list(s.shape), s.dtype] for s in as_schema(expected_schema)]
+  )
+  cfg = dataclasses.asdict(config or TransferConfig())
+  proc = multiprocessing.get_context("spawn").Process(
+      target=_receiver_main,
+      name=f"receiver-{name}",
+      daemon=True,
+      args=(name, dc, load_fn, list(publisher), schema, cfg, host, initial_version, os.getpid()),
+  )
+  proc.start()
+  return proc
 
 
-def _receiver_main(name, dc, load_fn, publisher, schema, cfg, host, initial_version, parent_pid) -> None:
-    logging.basicConfig(level=logging.WARNING)
-    expected = None if schema is None else [TensorSpec(n, tuple(s), d) for n, s, d in schema]
-    r = Receiver(name, dc, load_fn, expected, config=TransferConfig(**cfg), host=host,
-                 initial_version=initial_version)
-    try:
-        r.join(tuple(publisher))
-        while not r.closed and os.getppid() == parent_pid:
-            time.sleep(0.5)
-    finally:
-        r.close()
+def _receiver_main(
+    name, dc, load_fn, publisher, schema, cfg, host, initial_version, parent_pid
+) -> None:
+  logging.basicConfig(level=logging.WARNING)
+  expected = None if schema is None else [TensorSpec(n, tuple(s), d) for n, s, d in schema]
+  r = Receiver(
+      name,
+      dc,
+      load_fn,
+      expected,
+      config=TransferConfig(**cfg),
+      host=host,
+      initial_version=initial_version,
+  )
+  try:
+    r.join(tuple(publisher))
+    while not r.closed and os.getppid() == parent_pid:
+      time.sleep(0.5)
+  finally:
+    r.close()

@@ -29,94 +29,102 @@ Address = tuple[str, int]
 
 @dataclasses.dataclass(frozen=True)
 class ReceiverInfo:
-    """A receiver as the planner sees it.
+  """A receiver as the planner sees it.
 
-    dc: datacenter label (from the config). host: host label; equal labels mean
-    the same machine (shared-memory eligible). address: where its server listens.
-    """
+  dc: datacenter label (from the config). host: host label; equal labels mean
+  the same machine (shared-memory eligible). address: where its server listens.
+  """
 
-    name: str
-    dc: str
-    host: str = ""
-    address: Address = ("", 0)
+  name: str
+  dc: str
+  host: str = ""
+  address: Address = ("", 0)
 
-    def to_json(self) -> dict:
-        return {"name": self.name, "dc": self.dc, "host": self.host, "address": list(self.address)}
+  def to_json(self) -> dict:
+    return {"name": self.name, "dc": self.dc, "host": self.host, "address": list(self.address)}
 
-    @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> "ReceiverInfo":
-        host, port = d["address"]
-        return cls(str(d["name"]), str(d["dc"]), str(d.get("host", "")), (str(host), int(port)))
+  @classmethod
+  def from_json(cls, d: Mapping[str, Any]) -> "ReceiverInfo":
+    host, port = d["address"]
+    return cls(str(d["name"]), str(d["dc"]), str(d.get("host", "")), (str(host), int(port)))
 
 
 @dataclasses.dataclass(frozen=True)
 class TreeNode:
-    """A node of a plan; ``info`` is None for the sender (the root)."""
+  """A node of a plan; ``info`` is None for the sender (the root)."""
 
-    info: Optional[ReceiverInfo]
-    children: tuple["TreeNode", ...] = ()
+  info: Optional[ReceiverInfo]
+  children: tuple["TreeNode", ...] = ()
 
-    def to_json(self) -> dict:
-        return {"info": None if self.info is None else self.info.to_json(),
-                "children": [c.to_json() for c in self.children]}
+  def to_json(self) -> dict:
+    return {
+        "info": None if self.info is None else self.info.to_json(),
+        "children": [c.to_json() for c in self.children],
+    }
 
-    @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> "TreeNode":
-        info = None if d.get("info") is None else ReceiverInfo.from_json(d["info"])
-        return cls(info, tuple(cls.from_json(c) for c in d.get("children", ())))
+  @classmethod
+  def from_json(cls, d: Mapping[str, Any]) -> "TreeNode":
+    info = None if d.get("info") is None else ReceiverInfo.from_json(d["info"])
+    return cls(info, tuple(cls.from_json(c) for c in d.get("children", ())))
 
 
-def _kary(root: Optional[ReceiverInfo], nodes: Sequence[ReceiverInfo], fanout: int) -> list[TreeNode]:
-    """Children of ``root`` when root + nodes are laid out as a breadth-first fanout-ary heap."""
-    order = [root, *nodes]
+def _kary(
+    root: Optional[ReceiverInfo], nodes: Sequence[ReceiverInfo], fanout: int
+) -> list[TreeNode]:
+  """Children of ``root`` when root + nodes are laid out as a breadth-first fanout-ary heap."""
+  order = [root, *nodes]
 
-    def build(j: int) -> TreeNode:
-        kids = range(j * fanout + 1, min(j * fanout + fanout, len(order) - 1) + 1)
-        return TreeNode(order[j], tuple(build(k) for k in kids))
+  def build(j: int) -> TreeNode:
+    kids = range(j * fanout + 1, min(j * fanout + fanout, len(order) - 1) + 1)
+    return TreeNode(order[j], tuple(build(k) for k in kids))
 
-    return list(build(0).children)
+  return list(build(0).children)
 
 
 def _check(receivers: Sequence[ReceiverInfo], fanout: int) -> None:
-    if fanout < 1:
-        raise ValueError(f"fanout={fanout} must be at least 1.")
-    names = [r.name for r in receivers]
-    dup = sorted({n for n in names if names.count(n) > 1})
-    if dup:
-        raise ValueError(f"receiver name {dup[0]!r} appears twice; give every receiver a unique name.")
+  if fanout < 1:
+    raise ValueError(f"fanout={fanout} must be at least 1.")
+  names = [r.name for r in receivers]
+  dup = sorted({n for n in names if names.count(n) > 1})
+  if dup:
+    raise ValueError(f"receiver name {dup[0]!r} appears twice; give every receiver a unique name.")
 
 
-def plan_topology(receivers: Sequence[ReceiverInfo], sender_dc: str, fanout: int,
-                  sender_host: Optional[str] = None) -> TreeNode:
-    """Broadcast plan: trees inside datacenters, one relay edge per far datacenter.
+def plan_topology(
+    receivers: Sequence[ReceiverInfo],
+    sender_dc: str,
+    fanout: int,
+    sender_host: Optional[str] = None,
+) -> TreeNode:
+  """Broadcast plan: trees inside datacenters, one relay edge per far datacenter.
 
-    receivers: everyone to deliver to (any order; the plan sorts by name).
-    sender_host: the sender's host label when the shared-memory path is on,
-    else None. Returns the root (the sender) of a tree that contains every
-    receiver exactly once.
-    """
-    _check(receivers, fanout)
-    by_dc: dict[str, list[ReceiverInfo]] = {}
-    for r in sorted(receivers, key=lambda r: r.name):
-        by_dc.setdefault(r.dc, []).append(r)
-    local = by_dc.pop(sender_dc, [])
-    shm = [r for r in local if sender_host is not None and r.host == sender_host]
-    rest = [r for r in local if not (sender_host is not None and r.host == sender_host)]
-    children = [TreeNode(r) for r in shm] + _kary(None, rest, fanout)
-    for dc in sorted(by_dc):
-        relay, *others = by_dc[dc]
-        children.append(TreeNode(relay, tuple(_kary(relay, others, fanout))))
-    return TreeNode(None, tuple(children))
+  receivers: everyone to deliver to (any order; the plan sorts by name).
+  sender_host: the sender's host label when the shared-memory path is on,
+  else None. Returns the root (the sender) of a tree that contains every
+  receiver exactly once.
+  """
+  _check(receivers, fanout)
+  by_dc: dict[str, list[ReceiverInfo]] = {}
+  for r in sorted(receivers, key=lambda r: r.name):
+    by_dc.setdefault(r.dc, []).append(r)
+  local = by_dc.pop(sender_dc, [])
+  shm = [r for r in local if sender_host is not None and r.host == sender_host]
+  rest = [r for r in local if not (sender_host is not None and r.host == sender_host)]
+  children = [TreeNode(r) for r in shm] + _kary(None, rest, fanout)
+  for dc in sorted(by_dc):
+    relay, *others = by_dc[dc]
+    children.append(TreeNode(relay, tuple(_kary(relay, others, fanout))))
+  return TreeNode(None, tuple(children))
 
 
 def plan_direct(receivers: Sequence[ReceiverInfo]) -> TreeNode:
-    """Baseline plan: the sender sends to every receiver itself."""
-    _check(receivers, 1)
-    return TreeNode(None, tuple(TreeNode(r) for r in sorted(receivers, key=lambda r: r.name)))
+  """Baseline plan: the sender sends to every receiver itself."""
+  _check(receivers, 1)
+  return TreeNode(None, tuple(TreeNode(r) for r in sorted(receivers, key=lambda r: r.name)))
 
 
 def iter_edges(node: TreeNode) -> Iterator[tuple[Optional[ReceiverInfo], ReceiverInfo]]:
-    """(parent, child) pairs; parent None is the sender."""
-    for c in node.children:
-        yield node.info, c.info
-        yield from iter_edges(c)
+  """(parent, child) pairs; parent None is the sender."""
+  for c in node.children:
+    yield node.info, c.info
+    yield from iter_edges(c)

@@ -69,278 +69,303 @@ _SEND_PIECE = 256 << 10  # rate-limited sends go out in pieces this big
 
 # ---------------------------------------------------------------- framing
 
+
 def connect(address: Address, timeout: float) -> socket.socket:
-    """TCP connection with Nagle off (control frames are small and latency-bound)."""
-    sock = socket.create_connection(tuple(address), timeout=timeout)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    return sock
+  """TCP connection with Nagle off (control frames are small and latency-bound)."""
+  sock = socket.create_connection(tuple(address), timeout=timeout)
+  sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+  return sock
 
 
 def send_json(sock: socket.socket, obj: Any, kind: bytes = b"J") -> None:
-    body = json.dumps(obj, separators=(",", ":")).encode()
-    sock.sendall(_FRAME.pack(kind, len(body)) + body)
+  body = json.dumps(obj, separators=(",", ":")).encode()
+  sock.sendall(_FRAME.pack(kind, len(body)) + body)
 
 
 def recv_exact_into(sock: socket.socket, view: memoryview) -> None:
-    while len(view):
-        n = sock.recv_into(view)
-        if n == 0:
-            raise TransferError("connection closed mid-transfer")
-        view = view[n:]
+  while len(view):
+    n = sock.recv_into(view)
+    if n == 0:
+      raise TransferError("connection closed mid-transfer")
+    view = view[n:]
 
 
 def recv_exact(sock: socket.socket, n: int) -> bytearray:
-    buf = bytearray(n)
-    recv_exact_into(sock, memoryview(buf))
-    return buf
+  buf = bytearray(n)
+  recv_exact_into(sock, memoryview(buf))
+  return buf
 
 
 def recv_frame_header(sock: socket.socket) -> tuple[bytes, int]:
-    kind, n = _FRAME.unpack(recv_exact(sock, _FRAME.size))
-    return kind, n
+  kind, n = _FRAME.unpack(recv_exact(sock, _FRAME.size))
+  return kind, n
 
 
 def _read_json_body(sock: socket.socket, n: int) -> dict:
-    if n > MAX_JSON_BYTES:
-        raise TransferError(f"control frame of {n} bytes is too large")
-    try:
-        obj = json.loads(bytes(recv_exact(sock, n)))
-    except ValueError:
-        raise TransferError("control frame is not valid JSON") from None
-    if not isinstance(obj, dict):
-        raise TransferError("control frame is not a JSON object")
-    return obj
+  if n > MAX_JSON_BYTES:
+    raise TransferError(f"control frame of {n} bytes is too large")
+  try:
+    obj = json.loads(bytes(recv_exact(sock, n)))
+  except ValueError:
+    raise TransferError("control frame is not valid JSON") from None
+  if not isinstance(obj, dict):
+    raise TransferError("control frame is not a JSON object")
+  return obj
 
 
 def recv_json(sock: socket.socket) -> dict:
-    """Next frame as JSON; TransferError if the peer sent an error frame or something else."""
-    kind, n = recv_frame_header(sock)
-    if kind == b"X":
-        raise TransferError(f"peer error: {_read_json_body(sock, n).get('reason')}")
-    if kind != b"J":
-        raise TransferError(f"expected a control frame, got {kind!r}")
-    return _read_json_body(sock, n)
+  """Next frame as JSON; TransferError if the peer sent an error frame or something else."""
+  kind, n = recv_frame_header(sock)
+  if kind == b"X":
+    raise TransferError(f"peer error: {_read_json_body(sock, n).get('reason')}")
+  if kind != b"J":
+    raise TransferError(f"expected a control frame, got {kind!r}")
+  return _read_json_body(sock, n)
 
 
 def send_error(sock: socket.socket, reason: str) -> None:
-    """Best effort: tell the peer why we abort (it may already be gone)."""
-    try:
-        send_json(sock, {"reason": reason}, kind=b"X")
-    except OSError:
-        pass
+  """Best effort: tell the peer why we abort (it may already be gone)."""
+  try:
+    send_json(sock, {"reason": reason}, kind=b"X")
+  except OSError:
+    pass
 
 
 # ---------------------------------------------------------------- rate limiting
 
+
 class RateLimiter:
-    """Token bucket (GCRA form) shared by every stream that crosses one emulated link.
+  """Token bucket (GCRA form) shared by every stream that crosses one emulated link.
 
-    rate: bytes/s; burst: bytes that may go out back to back before pacing.
-    clock/sleep are injectable so the pacing is testable without wall time.
-    """
+  rate: bytes/s; burst: bytes that may go out back to back before pacing.
+  clock/sleep are injectable so the pacing is testable without wall time.
+  """
 
-    def __init__(self, rate: float, burst: int = 1 << 20, clock: Callable[[], float] = time.monotonic,
-                 sleep: Callable[[float], None] = time.sleep):
-        if rate <= 0:
-            raise ValueError(f"rate={rate} bytes/s must be positive.")
-        self.rate, self.burst_s = float(rate), burst / float(rate)
-        self._clock, self._sleep = clock, sleep
-        self._tat = clock()  # theoretical arrival time of the next byte
-        self._lock = threading.Lock()
+  def __init__(
+      self,
+      rate: float,
+      burst: int = 1 << 20,
+      clock: Callable[[], float] = time.monotonic,
+      sleep: Callable[[float], None] = time.sleep,
+  ):
+    if rate <= 0:
+      raise ValueError(f"rate={rate} bytes/s must be positive.")
+    self.rate, self.burst_s = float(rate), burst / float(rate)
+    self._clock, self._sleep = clock, sleep
+    self._tat = clock()  # theoretical arrival time of the next byte
+    self._lock = threading.Lock()
 
-    def consume(self, n: int) -> float:
-        """Reserves n bytes of link time and sleeps until they may be sent; returns the delay."""
-        with self._lock:
-            now = self._clock()
-            self._tat = max(self._tat, now) + n / self.rate
-            delay = self._tat - now - self.burst_s
-        if delay > 0:
-            self._sleep(delay)
-        return max(delay, 0.0)
+  def consume(self, n: int) -> float:
+    """Reserves n bytes of link time and sleeps until they may be sent; returns the delay."""
+    with self._lock:
+      now = self._clock()
+      self._tat = max(self._tat, now) + n / self.rate
+      delay = self._tat - now - self.burst_s
+    if delay > 0:
+      self._sleep(delay)
+    return max(delay, 0.0)
 
 
 def send_limited(sock: socket.socket, data: memoryview, limiters: Sequence[RateLimiter]) -> None:
-    if not limiters:
-        sock.sendall(data)
-        return
-    for start in range(0, len(data), _SEND_PIECE):
-        piece = data[start:start + _SEND_PIECE]
-        for lim in limiters:
-            lim.consume(len(piece))
-        sock.sendall(piece)
+  if not limiters:
+    sock.sendall(data)
+    return
+  for start in range(0, len(data), _SEND_PIECE):
+    piece = data[start : start + _SEND_PIECE]
+    for lim in limiters:
+      lim.consume(len(piece))
+    sock.sendall(piece)
 
 
 # ---------------------------------------------------------------- data planes
 
+
 @dataclasses.dataclass(frozen=True)
 class Link:
-    """How one server->client edge is driven.
+  """How one server->client edge is driven.
 
-    limiters: token buckets this edge shares (uplink, cross-datacenter link).
-    delta_base: the client's current version, held by the server, when deltas are on for this edge.
-    """
+  limiters: token buckets this edge shares (uplink, cross-datacenter link).
+  delta_base: the client's current version, held by the server, when deltas are on for this edge.
+  """
 
-    limiters: tuple[RateLimiter, ...] = ()
-    delta_base: Optional[Payload] = None
-    delta_level: int = 1
-    executor: Optional[Executor] = None
-    timeout: float = 30.0
+  limiters: tuple[RateLimiter, ...] = ()
+  delta_base: Optional[Payload] = None
+  delta_level: int = 1
+  executor: Optional[Executor] = None
+  timeout: float = 30.0
 
 
 class DataPlane(abc.ABC):
-    """Moves one payload over one edge; the control plane (service.py) is the same for all planes."""
+  """Moves one payload over one edge; the control plane (service.py) is the same for all planes."""
 
-    name: ClassVar[str]
+  name: ClassVar[str]
 
-    @abc.abstractmethod
-    def offer(self, payload: Payload, request: dict, server_host: str, use_shm: bool) -> Optional[dict]:
-        """Server side: header fields if this plane can carry ``payload`` to the requester, else None."""
+  @abc.abstractmethod
+  def offer(
+      self, payload: Payload, request: dict, server_host: str, use_shm: bool
+  ) -> Optional[dict]:
+    """Server side: header fields if this plane can carry ``payload`` to the requester, else None."""
 
-    @abc.abstractmethod
-    def send(self, sock: socket.socket, payload: Payload, link: Link) -> int:
-        """Server side, after the header: streams the payload; returns bytes put on the wire."""
+  @abc.abstractmethod
+  def send(self, sock: socket.socket, payload: Payload, link: Link) -> int:
+    """Server side, after the header: streams the payload; returns bytes put on the wire."""
 
-    @abc.abstractmethod
-    def open(self, header: dict, manifest: Manifest, recycle: Optional[np.ndarray] = None) -> Payload:
-        """Client side: the staging payload the data will land in (``recycle``: a free buffer to reuse)."""
+  @abc.abstractmethod
+  def open(self, header: dict, manifest: Manifest, recycle: Optional[np.ndarray] = None) -> Payload:
+    """Client side: the staging payload the data will land in (``recycle``: a free buffer to reuse)."""
 
-    @abc.abstractmethod
-    def fill(self, sock: socket.socket, header: dict, payload: Payload, base: Optional[Payload],
-             timeout: float) -> int:
-        """Client side: receives and commits (verifies) every chunk in order; returns wire bytes."""
+  @abc.abstractmethod
+  def fill(
+      self,
+      sock: socket.socket,
+      header: dict,
+      payload: Payload,
+      base: Optional[Payload],
+      timeout: float,
+  ) -> int:
+    """Client side: receives and commits (verifies) every chunk in order; returns wire bytes."""
 
 
 def _encoded_chunks(payload: Payload, link: Link, lookahead: int = 4):
-    """Yields (encoding, bytes|None) per chunk, encoding ahead on the executor; cached per base."""
-    base = link.delta_base
-    n = payload.manifest.num_chunks
-    cache = payload.delta_cache.setdefault(base.version, [None] * n)
-    word = payload.manifest.word_bytes
+  """Yields (encoding, bytes|None) per chunk, encoding ahead on the executor; cached per base."""
+  base = link.delta_base
+  n = payload.manifest.num_chunks
+  cache = payload.delta_cache.setdefault(base.version, [None] * n)
+  word = payload.manifest.word_bytes
 
-    def encode(i: int):
-        if cache[i] is None:
-            cache[i] = delta_lib.encode_chunk(payload.chunk(i), base.chunk(i), word, link.delta_level)
-        return cache[i]
+  def encode(i: int):
+    if cache[i] is None:
+      cache[i] = delta_lib.encode_chunk(payload.chunk(i), base.chunk(i), word, link.delta_level)
+    return cache[i]
 
-    pending: deque = deque()
-    nxt = 0
-    for i in range(n):
-        while nxt < n and nxt < i + lookahead:
-            payload.wait_ready(nxt + 1, link.timeout)
-            pending.append(link.executor.submit(encode, nxt) if link.executor else None)
-            nxt += 1
-        fut = pending.popleft()
-        yield fut.result() if fut is not None else encode(i)
+  pending: deque = deque()
+  nxt = 0
+  for i in range(n):
+    while nxt < n and nxt < i + lookahead:
+      payload.wait_ready(nxt + 1, link.timeout)
+      pending.append(link.executor.submit(encode, nxt) if link.executor else None)
+      nxt += 1
+    fut = pending.popleft()
+    yield fut.result() if fut is not None else encode(i)
 
 
 class TcpPlane(DataPlane):
-    """Chunks as frames on the socket, optionally delta-encoded, paced by the edge's limiters."""
+  """Chunks as frames on the socket, optionally delta-encoded, paced by the edge's limiters."""
 
-    name = "tcp"
+  name = "tcp"
 
-    def offer(self, payload, request, server_host, use_shm):
-        return {}
+  def offer(self, payload, request, server_host, use_shm):
+    return {}
 
-    def send(self, sock, payload, link):
-        m = payload.manifest
-        sent = 0
-        encoded = _encoded_chunks(payload, link) if link.delta_base is not None else None
-        for i in range(m.num_chunks):
-            payload.wait_ready(i + 1, link.timeout)
-            enc, blob = next(encoded) if encoded is not None else (delta_lib.RAW, None)
-            data = payload.chunk(i) if blob is None else memoryview(blob)
-            head = _FRAME.pack(b"C", _CHUNK.size + len(data)) + _CHUNK.pack(i, enc, payload.crcs[i])
-            sock.sendall(head)
-            send_limited(sock, data, link.limiters)
-            sent += len(head) + len(data)
-        sock.sendall(_FRAME.pack(b"E", 0))
-        return sent + _FRAME.size
+  def send(self, sock, payload, link):
+    m = payload.manifest
+    sent = 0
+    encoded = _encoded_chunks(payload, link) if link.delta_base is not None else None
+    for i in range(m.num_chunks):
+      payload.wait_ready(i + 1, link.timeout)
+      enc, blob = next(encoded) if encoded is not None else (delta_lib.RAW, None)
+      data = payload.chunk(i) if blob is None else memoryview(blob)
+      head = _FRAME.pack(b"C", _CHUNK.size + len(data)) + _CHUNK.pack(i, enc, payload.crcs[i])
+      sock.sendall(head)
+      send_limited(sock, data, link.limiters)
+      sent += len(head) + len(data)
+    sock.sendall(_FRAME.pack(b"E", 0))
+    return sent + _FRAME.size
 
-    def open(self, header, manifest, recycle=None):
-        return private_payload(manifest, recycle)
+  def open(self, header, manifest, recycle=None):
+    return private_payload(manifest, recycle)
 
-    def fill(self, sock, header, payload, base, timeout):
-        m = payload.manifest
-        received = 0
-        for i in range(m.num_chunks):
-            kind, n = recv_frame_header(sock)
-            if kind == b"X":
-                raise TransferError(f"sender aborted: {_read_json_body(sock, n).get('reason')}")
-            if kind != b"C" or n < _CHUNK.size:
-                raise TransferError(f"expected chunk {i}, got frame {kind!r}")
-            idx, enc, crc = _CHUNK.unpack(recv_exact(sock, _CHUNK.size))
-            a, b = m.chunk_range(i)
-            size = n - _CHUNK.size
-            if idx != i:
-                raise TransferError(f"expected chunk {i}, got chunk {idx}")
-            if enc == delta_lib.RAW:
-                if size != b - a:
-                    raise TransferError(f"chunk {i} has {size} bytes, manifest says {b - a}")
-                recv_exact_into(sock, payload.buf[a:b])
-            elif enc in (delta_lib.XOR_ZLIB, delta_lib.XOR_SPARSE):
-                if base is None or size > 2 * (b - a) + 1024:
-                    raise TransferError(f"unexpected or oversized delta chunk {i}")
-                blob = recv_exact(sock, size)
-                delta_lib.decode_chunk(enc, bytes(blob), base.chunk(i), payload.buf[a:b], m.word_bytes)
-            else:
-                raise TransferError(f"unknown chunk encoding {enc}")
-            payload.commit(i, crc)  # crc32 of the (reconstructed) chunk
-            received += _FRAME.size + n
-        kind, _ = recv_frame_header(sock)
-        if kind != b"E":
-            raise TransferError(f"expected end of payload, got frame {kind!r}")
-        return received + _FRAME.size
+  def fill(self, sock, header, payload, base, timeout):
+    m = payload.manifest
+    received = 0
+    for i in range(m.num_chunks):
+      kind, n = recv_frame_header(sock)
+      if kind == b"X":
+        raise TransferError(f"sender aborted: {_read_json_body(sock, n).get('reason')}")
+      if kind != b"C" or n < _CHUNK.size:
+        raise TransferError(f"expected chunk {i}, got frame {kind!r}")
+      idx, enc, crc = _CHUNK.unpack(recv_exact(sock, _CHUNK.size))
+      a, b = m.chunk_range(i)
+      size = n - _CHUNK.size
+      if idx != i:
+        raise TransferError(f"expected chunk {i}, got chunk {idx}")
+      if enc == delta_lib.RAW:
+        if size != b - a:
+          raise TransferError(f"chunk {i} has {size} bytes, manifest says {b - a}")
+        recv_exact_into(sock, payload.buf[a:b])
+      elif enc in (delta_lib.XOR_ZLIB, delta_lib.XOR_SPARSE):
+        if base is None or size > 2 * (b - a) + 1024:
+          raise TransferError(f"unexpected or oversized delta chunk {i}")
+        blob = recv_exact(sock, size)
+        delta_lib.decode_chunk(enc, bytes(blob), base.chunk(i), payload.buf[a:b], m.word_bytes)
+      else:
+        raise TransferError(f"unknown chunk encoding {enc}")
+      payload.commit(i, crc)  # crc32 of the (reconstructed) chunk
+      received += _FRAME.size + n
+    kind, _ = recv_frame_header(sock)
+    if kind != b"E":
+      raise TransferError(f"expected end of payload, got frame {kind!r}")
+    return received + _FRAME.size
 
 
 class ShmPlane(DataPlane):
-    """Same host: the data is in the sender's segment; the socket only carries the header and the end."""
+  """Same host: the data is in the sender's segment; the socket only carries the header and the end."""
 
-    name = "shm"
+  name = "shm"
 
-    def offer(self, payload, request, server_host, use_shm):
-        if use_shm and payload.shm_name and request.get("shm", False) and request.get("host") == server_host:
-            return {"shm": payload.shm_name}
-        return None
+  def offer(self, payload, request, server_host, use_shm):
+    if (
+        use_shm
+        and payload.shm_name
+        and request.get("shm", False)
+        and request.get("host") == server_host
+    ):
+      return {"shm": payload.shm_name}
+    return None
 
-    def send(self, sock, payload, link):
-        n, sent, wire = payload.manifest.num_chunks, 0, 0
-        while sent < n:  # report newly written chunks in batches
-            payload.wait_ready(sent + 1, link.timeout)
-            ready = payload.ready
-            frames = b"".join(_FRAME.pack(b"R", _READY.size) + _READY.pack(i, payload.crcs[i])
-                              for i in range(sent, ready))
-            sock.sendall(frames)
-            wire += len(frames)
-            sent = ready
-        sock.sendall(_FRAME.pack(b"E", 0))
-        return wire + _FRAME.size
+  def send(self, sock, payload, link):
+    n, sent, wire = payload.manifest.num_chunks, 0, 0
+    while sent < n:  # report newly written chunks in batches
+      payload.wait_ready(sent + 1, link.timeout)
+      ready = payload.ready
+      frames = b"".join(
+          _FRAME.pack(b"R", _READY.size) + _READY.pack(i, payload.crcs[i])
+          for i in range(sent, ready)
+      )
+      sock.sendall(frames)
+      wire += len(frames)
+      sent = ready
+    sock.sendall(_FRAME.pack(b"E", 0))
+    return wire + _FRAME.size
 
-    def open(self, header, manifest, recycle=None):
-        return map_shared(str(header.get("shm", "")), manifest)
+  def open(self, header, manifest, recycle=None):
+    return map_shared(str(header.get("shm", "")), manifest)
 
-    def fill(self, sock, header, payload, base, timeout):
-        for i in range(payload.manifest.num_chunks):
-            kind, n = recv_frame_header(sock)
-            if kind == b"X":
-                raise TransferError(f"sender aborted: {_read_json_body(sock, n).get('reason')}")
-            if kind != b"R" or n != _READY.size:
-                raise TransferError(f"expected chunk {i} ready, got frame {kind!r}")
-            idx, crc = _READY.unpack(recv_exact(sock, n))
-            if idx != i:
-                raise TransferError(f"expected chunk {i}, got chunk {idx}")
-            payload.commit(i, crc)
-        kind, _ = recv_frame_header(sock)
-        if kind != b"E":
-            raise TransferError(f"expected end of payload, got frame {kind!r}")
-        return (_FRAME.size + _READY.size) * payload.manifest.num_chunks + _FRAME.size
+  def fill(self, sock, header, payload, base, timeout):
+    for i in range(payload.manifest.num_chunks):
+      kind, n = recv_frame_header(sock)
+      if kind == b"X":
+        raise TransferError(f"sender aborted: {_read_json_body(sock, n).get('reason')}")
+      if kind != b"R" or n != _READY.size:
+        raise TransferError(f"expected chunk {i} ready, got frame {kind!r}")
+      idx, crc = _READY.unpack(recv_exact(sock, n))
+      if idx != i:
+        raise TransferError(f"expected chunk {i}, got chunk {idx}")
+      payload.commit(i, crc)
+    kind, _ = recv_frame_header(sock)
+    if kind != b"E":
+      raise TransferError(f"expected end of payload, got frame {kind!r}")
+    return (_FRAME.size + _READY.size) * payload.manifest.num_chunks + _FRAME.size
 
 
 PLANES: dict[str, DataPlane] = {p.name: p for p in (ShmPlane(), TcpPlane())}  # preference order
 
 
-def choose_plane(payload: Payload, request: dict, server_host: str, use_shm: bool) -> tuple[DataPlane, dict]:
-    for plane in PLANES.values():
-        fields = plane.offer(payload, request, server_host, use_shm)
-        if fields is not None:
-            return plane, fields
-    raise TransferError("no data plane can reach this client")
+def choose_plane(
+    payload: Payload, request: dict, server_host: str, use_shm: bool
+) -> tuple[DataPlane, dict]:
+  for plane in PLANES.values():
+    fields = plane.offer(payload, request, server_host, use_shm)
+    if fields is not None:
+      return plane, fields
+  raise TransferError("no data plane can reach this client")

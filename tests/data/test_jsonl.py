@@ -14,9 +14,11 @@ def _write(path, lines):
 
 
 def test_good_file(tmp_path):
-  rows = [{"prompt": "What is 2+2?", "answer": "4"},
-          {"prompt": "Half of 3?", "answer": 1.5},
-          {"prompt": "Seven", "answer": 7, "extra": "ignored"}]
+  rows = [
+      {"prompt": "What is 2+2?", "answer": "4"},
+      {"prompt": "Half of 3?", "answer": 1.5},
+      {"prompt": "Seven", "answer": 7, "extra": "ignored"},
+  ]
   path = _write(tmp_path / "d.jsonl", [json.dumps(r) for r in rows] + [""])
   examples = jsonl.load_jsonl(path, first_id=10)
   assert [ex.prompt_id for ex in examples] == [10, 11, 12]
@@ -26,8 +28,7 @@ def test_good_file(tmp_path):
 
 
 def test_custom_keys(tmp_path):
-  path = _write(tmp_path / "g.jsonl",
-                [json.dumps({"question": "q?", "answer": "#### 3"})])
+  path = _write(tmp_path / "g.jsonl", [json.dumps({"question": "q?", "answer": "#### 3"})])
   examples = jsonl.load_jsonl(path, prompt_key="question")
   assert examples[0].prompt == "q?" and examples[0].answer == "#### 3"
 

@@ -41,8 +41,7 @@ def test_same_seed_same_order_other_seed_differs(examples):
 
 
 def test_finite_epochs_and_remainder(examples):
-  pl = loader.PromptLoader(examples, 5, seed=0, num_epochs=2,
-                           drop_remainder=False)
+  pl = loader.PromptLoader(examples, 5, seed=0, num_epochs=2, drop_remainder=False)
   batches = list(pl)
   assert [len(b) for b in batches] == [5, 5, 5, 5, 3] * 2
   assert sorted(sum((_ids(b) for b in batches[:5]), [])) == list(range(23))

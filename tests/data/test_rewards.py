@@ -33,27 +33,30 @@ def test_partial_match():
   assert rewards.partial_match("abcde", "abcd") < 0.5
 
 
-@pytest.mark.parametrize("response,answer,want", [
-    ("so the answer is \\boxed{72}.", "72", 1.0),
-    ("\\boxed{1,000}", "1000", 1.0),
-    ("The total is 1000.0 dollars", "#### 1,000", 1.0),
-    ("Natalia sold 48/2 = 24 clips.\n#### 72", "72", 1.0),
-    ("x = \\boxed{\\frac{1}{2}}", "0.5", 1.0),
-    ("\\boxed{\\dfrac{3}{4}}", "\\frac{3}{4}", 1.0),
-    ("\\boxed{-\\frac{1}{2}}", "-0.5", 1.0),
-    ("It is 3/4", "0.75", 1.0),
-    ("\\boxed{\\text{(B)}}", "(B)", 1.0),
-    ("\\boxed{x^{2}+1}", "x^{2} + 1", 1.0),
-    ("\\boxed{\\sqrt{2}}", "\\sqrt{2}", 1.0),
-    ("\\boxed{71}", "72", 0.0),
-    ("first 72 then 73", "72", 0.0),
-    ("no number here", "72", 0.0),
-    ("cut off \\boxed{7", "7", 1.0),  # unbalanced box: falls back to numbers
-    ("\\boxed{(1,2)}", "(1,2)", 1.0),
-    ("\\boxed{(1,2)}", "(12)", 0.0),
-    ("the answer is 5, done", "5", 1.0),
-    ("$1,234.50", "1234.5", 1.0),
-])
+@pytest.mark.parametrize(
+    "response,answer,want",
+    [
+        ("so the answer is \\boxed{72}.", "72", 1.0),
+        ("\\boxed{1,000}", "1000", 1.0),
+        ("The total is 1000.0 dollars", "#### 1,000", 1.0),
+        ("Natalia sold 48/2 = 24 clips.\n#### 72", "72", 1.0),
+        ("x = \\boxed{\\frac{1}{2}}", "0.5", 1.0),
+        ("\\boxed{\\dfrac{3}{4}}", "\\frac{3}{4}", 1.0),
+        ("\\boxed{-\\frac{1}{2}}", "-0.5", 1.0),
+        ("It is 3/4", "0.75", 1.0),
+        ("\\boxed{\\text{(B)}}", "(B)", 1.0),
+        ("\\boxed{x^{2}+1}", "x^{2} + 1", 1.0),
+        ("\\boxed{\\sqrt{2}}", "\\sqrt{2}", 1.0),
+        ("\\boxed{71}", "72", 0.0),
+        ("first 72 then 73", "72", 0.0),
+        ("no number here", "72", 0.0),
+        ("cut off \\boxed{7", "7", 1.0),  # unbalanced box: falls back to numbers
+        ("\\boxed{(1,2)}", "(1,2)", 1.0),
+        ("\\boxed{(1,2)}", "(12)", 0.0),
+        ("the answer is 5, done", "5", 1.0),
+        ("$1,234.50", "1234.5", 1.0),
+    ],
+)
 def test_math_verify(response, answer, want):
   assert rewards.math_verify(response, answer) == want
 

@@ -18,12 +18,15 @@ def test_deterministic_under_seed():
   assert [ex.prompt_id for ex in shifted] == list(range(1000, 1005))
 
 
-@pytest.mark.parametrize("op,s,want", [
-    ("cpy", "abc", "abc"),
-    ("rev", "abc", "cba"),
-    ("dbl", "abc", "aabbcc"),
-    ("srt", "cab", "abc"),
-])
+@pytest.mark.parametrize(
+    "op,s,want",
+    [
+        ("cpy", "abc", "abc"),
+        ("rev", "abc", "cba"),
+        ("dbl", "abc", "aabbcc"),
+        ("srt", "cab", "abc"),
+    ],
+)
 def test_solve(op, s, want):
   assert tasks.solve(op, s) == want
 
@@ -75,23 +78,27 @@ def test_length_pmf_matches_samples():
 
 
 def test_options_change_the_distribution():
-  short = tasks.make_examples(500, seed=0, max_answer_len=8, ops=["rev"],
-                              alphabet_size=3)
+  short = tasks.make_examples(500, seed=0, max_answer_len=8, ops=["rev"], alphabet_size=3)
   assert max(len(ex.answer) for ex in short) <= 8
   assert set("".join(ex.answer for ex in short)) <= set("abc")
   wide = tasks.make_examples(2000, seed=0, sigma=1.5)
   narrow = tasks.make_examples(2000, seed=0, sigma=0.3)
-  assert (tasks.answer_length_stats(wide)["p99_over_p50"]
-          > tasks.answer_length_stats(narrow)["p99_over_p50"])
+  assert (
+      tasks.answer_length_stats(wide)["p99_over_p50"]
+      > tasks.answer_length_stats(narrow)["p99_over_p50"]
+  )
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    ({"ops": ["add"]}, "add"),
-    ({"ops": []}, "non-empty"),
-    ({"ops": ["dbl"], "max_answer_len": 1}, "max_answer_len"),
-    ({"sigma": 0.0}, "sigma"),
-    ({"alphabet_size": 27}, "alphabet_size"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"ops": ["add"]}, "add"),
+        ({"ops": []}, "non-empty"),
+        ({"ops": ["dbl"], "max_answer_len": 1}, "max_answer_len"),
+        ({"sigma": 0.0}, "sigma"),
+        ({"alphabet_size": 27}, "alphabet_size"),
+    ],
+)
 def test_bad_config_raises(kwargs, match):
   with pytest.raises(ValueError, match=match):
     tasks.make_examples(3, seed=0, **kwargs)

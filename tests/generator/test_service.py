@@ -24,8 +24,9 @@ SAMPLING = SamplingConfig(temperature=1.0, max_tokens=8, seed=11)
 
 
 def requests(n, start=0):
-  return [(i, [1] + [4 + (3 * i + j) % 40 for j in range(2 + i % 3)])
-          for i in range(start, start + n)]
+  return [
+      (i, [1] + [4 + (3 * i + j) % 40 for j in range(2 + i % 3)]) for i in range(start, start + n)
+  ]
 
 
 ENGINE = settings.Engine(max_num_seqs=8, max_model_len=64, kv_cache_gib=1.0, num_instances=2)
@@ -36,8 +37,9 @@ def svc(tmp_path_factory):
   cfg = model_config.tiny_qwen2(64)
   path = tiny.build_tiny_model_dir(str(tmp_path_factory.mktemp("tiny")), cfg, seed=3)
   info = cluster.init_ray(None, generator_cpus=1, trainer_cpus=1)
-  s = service.StreamGenerationService(path, ENGINE, dtype="float32", seed=0, cluster=info,
-                                      stall_timeout_s=300.0)
+  s = service.StreamGenerationService(
+      path, ENGINE, dtype="float32", seed=0, cluster=info, stall_timeout_s=300.0
+  )
   s.model_cfg = cfg
   yield s
   s.close()
@@ -49,6 +51,7 @@ def count_ids(samples):
 
 
 # -- pure helpers (no Ray) -----------------------------------------------------
+
 
 def test_cpu_shares_are_disjoint_when_cores_allow():
   shares = cluster.plan_cpu_shares(3, 1, cores=[0, 1, 2, 3])
@@ -92,6 +95,7 @@ def test_unreachable_address_fails_with_one_sentence():
 
 
 # -- the service ---------------------------------------------------------------
+
 
 def test_instances_are_placed_on_generator_cores(svc):
   gen_cores = set(cluster.plan_cpu_shares(1, 1).generator_cores)
@@ -168,8 +172,7 @@ def test_explicit_assignments_and_caps_are_respected(svc):
 
 def test_closing_the_stream_early_cancels_and_the_service_stays_usable(svc):
   # Each instance pauses for 120 s after its first sample, unless cancelled.
-  ray.get([svc.actor(i).inject_fault.remote("stall", after_samples=1, seconds=120)
-           for i in (0, 1)])
+  ray.get([svc.actor(i).inject_fault.remote("stall", after_samples=1, seconds=120) for i in (0, 1)])
   stream = svc.generate(requests(16), SAMPLING)
   first = [next(stream), next(stream)]
   stream.close()
@@ -193,8 +196,9 @@ def test_stall_fails_with_timeout_naming_the_instance(svc):
   ray.get(svc.actor(1).inject_fault.remote("stall", after_samples=1, seconds=120))
   reqs = requests(4)
   with pytest.raises(TimeoutError, match=r"instance 1 produced no sample .*stall_timeout_s"):
-    for _ in svc.generate(None, SAMPLING, assignments=[[], reqs], caps=[None, 1],
-                          stall_timeout_s=2):
+    for _ in svc.generate(
+        None, SAMPLING, assignments=[[], reqs], caps=[None, 1], stall_timeout_s=2
+    ):
       pass
   # The cancelled stall ends, and the instance serves the next call.
   samples = list(svc.generate(reqs, SAMPLING))

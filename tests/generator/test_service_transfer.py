@@ -22,11 +22,18 @@ def svc(tmp_path_factory):
   cfg = model_config.tiny_qwen2(64)
   path = tiny.build_tiny_model_dir(str(tmp_path_factory.mktemp("tiny")), cfg, seed=5)
   engine = settings.Engine(max_num_seqs=8, max_model_len=64, kv_cache_gib=1.0, num_instances=2)
-  transfer = settings.Transfer(enabled=True, chunk_bytes=1 << 16, topology="tree", fanout=1,
-                               use_shm=True, delta_cross_dc=False)
+  transfer = settings.Transfer(
+      enabled=True,
+      chunk_bytes=1 << 16,
+      topology="tree",
+      fanout=1,
+      use_shm=True,
+      delta_cross_dc=False,
+  )
   info = cluster.init_ray(None, generator_cpus=1, trainer_cpus=1)
-  s = service.StreamGenerationService(path, engine, dtype="float32", seed=0, cluster=info,
-                                      stall_timeout_s=300.0, transfer=transfer)
+  s = service.StreamGenerationService(
+      path, engine, dtype="float32", seed=0, cluster=info, stall_timeout_s=300.0, transfer=transfer
+  )
   s.model_cfg = cfg
   yield s
   s.close()
@@ -47,7 +54,7 @@ def test_versions_arrive_verified_and_generations_use_them(svc):
       assert s.weight_version == version
       tokens = jnp.asarray([list(s.prompt_token_ids) + list(s.token_ids)])
       logp, _ = transformer.sequence_logprobs(model, tokens)
-      ours = np.asarray(logp[0, len(s.prompt_token_ids) - 1:-1])
+      ours = np.asarray(logp[0, len(s.prompt_token_ids) - 1 : -1])
       np.testing.assert_allclose(ours, s.logprobs, atol=1e-3)
 
 

@@ -21,15 +21,17 @@ def flax_logprobs(model, sample, temperature):
   tokens = jnp.asarray([list(sample.prompt_token_ids) + list(sample.token_ids)])
   logp, _ = transformer.sequence_logprobs(model, tokens, temperature=temperature)
   n = len(sample.prompt_token_ids)
-  return np.asarray(logp[0, n - 1:-1])
+  return np.asarray(logp[0, n - 1 : -1])
 
 
 def max_logprob_error(generator, model, temperature=0.8, seed=0):
-  samples = list(generator.generate(
-      PROMPTS, SamplingConfig(temperature=temperature, max_tokens=24, seed=seed)))
+  samples = list(
+      generator.generate(PROMPTS, SamplingConfig(temperature=temperature, max_tokens=24, seed=seed))
+  )
   assert sorted(s.prompt_id for s in samples) == [p for p, _ in PROMPTS]
-  errs = [np.abs(flax_logprobs(model, s, temperature) - np.array(s.logprobs)).max()
-          for s in samples]
+  errs = [
+      np.abs(flax_logprobs(model, s, temperature) - np.array(s.logprobs)).max() for s in samples
+  ]
   return max(errs), samples
 
 
@@ -63,8 +65,9 @@ def test_weight_update_takes_effect_and_drops_prefix_cache(engine):
   # Reused prompt KV from the old weights would break this agreement.
   assert err_new < 1e-3
   assert all(s.weight_version == before + 1 for s in samples)
-  err_old = max(np.abs(flax_logprobs(old_model, s, 0.8) - np.array(s.logprobs)).max()
-                for s in samples)
+  err_old = max(
+      np.abs(flax_logprobs(old_model, s, 0.8) - np.array(s.logprobs)).max() for s in samples
+  )
   assert err_old > 0.1
   with pytest.raises(ValueError, match="must increase"):
     gen.update_weights(hf.to_hf_tensors(new_model), version=before)
@@ -111,8 +114,13 @@ def test_weight_update_is_quiet(engine):
     gen.update_weights(hf.to_hf_tensors(transformer.Transformer(cfg, rngs=nnx.Rngs(5))))
   finally:
     vllm_logger.removeHandler(capture)
-  noisy = [r.getMessage() for r in records
-           if any(m in r.getMessage() for m in ("Failed to load weights", "Reloading", "reset prefix cache"))]
+  noisy = [
+      r.getMessage()
+      for r in records
+      if any(
+          m in r.getMessage() for m in ("Failed to load weights", "Reloading", "reset prefix cache")
+      )
+  ]
   assert not noisy
   # Nothing stays armed: the next reset (e.g. one we did not cause) is shown again.
   assert not vllm_engine._PREFIX_RESET_FILTER.armed
@@ -163,6 +171,7 @@ def test_layers_without_checkpoint_weights():
 
 def test_public_views_step_callback_and_ignore_eos(engine):
   from vllm.platforms import current_platform  # pylint: disable=g-import-not-at-top
+
   gen, _, _ = engine
   assert gen.eos_token_ids == (tok.EOS_ID,)
   limits = gen.scheduler_limits()
@@ -172,8 +181,11 @@ def test_public_views_step_callback_and_ignore_eos(engine):
   seen = []
   gen.set_step_callback(seen.append)
   try:
-    samples = list(gen.generate(PROMPTS, SamplingConfig(max_tokens=12, seed=0), max_in_flight=3,
-                                ignore_eos=True))
+    samples = list(
+        gen.generate(
+            PROMPTS, SamplingConfig(max_tokens=12, seed=0), max_in_flight=3, ignore_eos=True
+        )
+    )
   finally:
     gen.set_step_callback(None)
   # One call per engine step, with the requests in flight for it.
@@ -191,6 +203,7 @@ def test_bad_model_dirs_are_refused_before_engine_start(tmp_path):
   with pytest.raises(FileNotFoundError, match="does not exist"):
     check_model_dir(str(tmp_path / "missing"), on_cpu=True)
   import dataclasses
+
   bad = dataclasses.replace(config.tiny_qwen2(64), hidden_size=192, num_heads=4, head_dim=48)
   d = tiny.build_tiny_model_dir(str(tmp_path / "hd48"), bad)
   with pytest.raises(ValueError, match="head_dim=48"):

@@ -17,6 +17,7 @@ def test_round_trip_is_bit_exact(tmp_path, make):
   a = nnx.to_pure_dict(nnx.state(model, nnx.Param))
   b = nnx.to_pure_dict(nnx.state(model2, nnx.Param))
   import jax
+
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
     assert np.array_equal(np.asarray(x), np.asarray(y))
   t1, t2 = hf.to_hf_tensors(model), hf.to_hf_tensors(model2)

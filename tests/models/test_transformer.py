@@ -72,7 +72,10 @@ def test_forward_on_8_device_mesh_matches_single_device(make):
   w = sharded.trunk.blocks[0].mlp.w_gate_df[...]
   assert w.sharding.spec == jax.sharding.PartitionSpec("fsdp", "tensor")
   assert len(w.addressable_shards) == 8 and w.addressable_shards[0].data.shape == (
-      cfg.hidden_size // 2, cfg.intermediate_size // 4)
+      cfg.hidden_size // 2,
+      cfg.intermediate_size // 4,
+  )
   out = transformer.sequence_logprobs(
-      sharded, jax.device_put(tokens, sharding.batch_sharding(mesh, 2)))[0]
+      sharded, jax.device_put(tokens, sharding.batch_sharding(mesh, 2))
+  )[0]
   np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-5)

@@ -9,8 +9,15 @@ from streamrl.trainer import experience
 
 
 def item(rid, prompt_len, resp_len):
-  s = Sample(prompt_id=rid, prompt_token_ids=(1,) * prompt_len, token_ids=(7,) * resp_len,
-             logprobs=(-1.0,) * resp_len, finish_reason="stop", weight_version=0, instance_id=0)
+  s = Sample(
+      prompt_id=rid,
+      prompt_token_ids=(1,) * prompt_len,
+      token_ids=(7,) * resp_len,
+      logprobs=(-1.0,) * resp_len,
+      finish_reason="stop",
+      weight_version=0,
+      instance_id=0,
+  )
   return s
 
 
@@ -20,9 +27,9 @@ def padded(batch):
 
 def test_a_full_bucket_is_emitted_at_once_and_alone():
   b = LengthBatcher(size=2)
-  assert b.add([item(0, 10, 5)]) == []          # bucket 32
-  assert b.add([item(1, 10, 40)]) == []         # bucket 64: not mixed with the short one
-  out = b.add([item(2, 5, 5)])                  # bucket 32 is full
+  assert b.add([item(0, 10, 5)]) == []  # bucket 32
+  assert b.add([item(1, 10, 40)]) == []  # bucket 64: not mixed with the short one
+  out = b.add([item(2, 5, 5)])  # bucket 32 is full
   assert [[x.prompt_id for x in m] for m in out] == [[0, 2]]
   assert b.pending() == 1
 

@@ -36,8 +36,12 @@ def load(name, **overrides):
   spec = importlib.util.spec_from_file_location(f"cfg_{name}", os.path.join(CONFIGS, f"{name}.py"))
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
-  base = {"trainer.prompts_per_iteration": 8, "trainer.mini_batch_size": 8,
-          "trainer.micro_batch_size": 4, "trainer.num_iterations": 3}
+  base = {
+      "trainer.prompts_per_iteration": 8,
+      "trainer.mini_batch_size": 8,
+      "trainer.micro_batch_size": 4,
+      "trainer.num_iterations": 3,
+  }
   return config_utils.apply_overrides(module.get_config(), {**base, **overrides})
 
 
@@ -70,9 +74,15 @@ class ScriptedRollout:
       with self.lock:
         version = self.version
         self.produced.append(rid)
-      yield Sample(prompt_id=rid, prompt_token_ids=tuple(ids), token_ids=tokens,
-                   logprobs=tuple(float(x) for x in -r.uniform(0.1, 3.0, len(tokens))),
-                   finish_reason="stop", weight_version=version, instance_id=0)
+      yield Sample(
+          prompt_id=rid,
+          prompt_token_ids=tuple(ids),
+          token_ids=tokens,
+          logprobs=tuple(float(x) for x in -r.uniform(0.1, 3.0, len(tokens))),
+          finish_reason="stop",
+          weight_version=version,
+          instance_id=0,
+      )
 
   def update(self, tensors, version):
     with self.lock:
@@ -99,17 +109,28 @@ def run_mode(config, model_dir, iterations, workdir=None, start=0):
   loader = PromptLoader(examples, s.trainer.prompts_per_iteration, seed=0)
   tok = Tokenizer(model_dir)
   rewarder = Rewarder(rewards.get_reward_fn("partial_match"), tok)
-  mode = train.setup_mode(s, rollout, model_dir=model_dir, workdir=workdir,
-                          rounds=train.make_rounds(loader, tok, s.advantage.group_size))
+  mode = train.setup_mode(
+      s,
+      rollout,
+      model_dir=model_dir,
+      workdir=workdir,
+      rounds=train.make_rounds(loader, tok, s.advantage.group_size),
+  )
   timeline = Timeline()
   if start:  # as train.run does on resume: the generators get the restored weights
     mode.push(trainer.export_weights(), start)
   outs = []
   for it in range(start, start + iterations):
-    x = train.train_iteration(it, mode, trainer, rewarder, timeline,
-                              ppo_epochs=s.trainer.ppo_epochs, seed=s.seed)
-    outs.append({"samples": x.samples, "scalars": train.iteration_scalars(x, timeline, rollout),
-                 "staleness": [it - q.weight_version for q in x.samples]})
+    x = train.train_iteration(
+        it, mode, trainer, rewarder, timeline, ppo_epochs=s.trainer.ppo_epochs, seed=s.seed
+    )
+    outs.append(
+        {
+            "samples": x.samples,
+            "scalars": train.iteration_scalars(x, timeline, rollout),
+            "staleness": [it - q.weight_version for q in x.samples],
+        }
+    )
   mode.close()
   run_mode.last_mode = mode
   return trainer, rollout, outs
@@ -130,9 +151,16 @@ def test_stream_with_one_step_per_iteration_equals_sync(model_dir):
 
 @pytest.mark.parametrize("mode", ["sync", "stream", "async"])
 def test_every_sample_trained_on_exactly_once(model_dir, mode):
-  cfg = load("grpo", **{"pipeline.mode": mode, "algo.group_size": 2,
-                        "trainer.prompts_per_iteration": 8, "trainer.mini_batch_size": 4,
-                        "trainer.micro_batch_size": 2})
+  cfg = load(
+      "grpo",
+      **{
+          "pipeline.mode": mode,
+          "algo.group_size": 2,
+          "trainer.prompts_per_iteration": 8,
+          "trainer.mini_batch_size": 4,
+          "trainer.micro_batch_size": 2,
+      },
+  )
   trainer, rollout, outs = run_mode(cfg, model_dir, 3)
   for it, out in enumerate(outs):
     ids = [s.prompt_id for s in out["samples"]]
@@ -171,6 +199,7 @@ def test_skew_scheduler_dispatches_learns_and_saves_pairs(model_dir, tmp_path):
     assert ids == list(range(8)) and len(plan) == 2
   # The (prompt, length) pairs of both rounds were saved for the ranker.
   from streamrl.ranker.data import load_pairs
+
   assert len(load_pairs(str(tmp_path / "length_pairs.jsonl"))) == 16
   assert run_mode.last_mode.scheduler.ranker.step > 0
 
@@ -182,6 +211,7 @@ def test_oracle_scheduler_puts_the_longest_prompt_first(model_dir):
   for e in tasks.make_examples(64, 0):
     by_len[e.prompt] = tasks.oracle_answer_length(e.prompt)
   from streamrl.data import tokenizer as char_tok
+
   for part in rollout.assignments[0]:
     lengths = [by_len[char_tok.decode(ids[1:])] for _, ids in part]
     assert lengths == sorted(lengths, reverse=True)

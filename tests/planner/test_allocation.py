@@ -15,8 +15,14 @@ CAL = SystemCalibration(gen=costs.paper_calibration(), mfu=0.45)
 
 
 def _workload(batch=64, max_out=4096):
-  return Workload(model=costs.MODELS["qwen2.5-7b"], lengths=paper_lengths(max_out), calib=CAL,
-                  batch_size=batch, num_draws=1, scheduler="fifo")
+  return Workload(
+      model=costs.MODELS["qwen2.5-7b"],
+      lengths=paper_lengths(max_out),
+      calib=CAL,
+      batch_size=batch,
+      num_draws=1,
+      scheduler="fifo",
+  )
 
 
 def _brute_gen(w, gpu, x):
@@ -39,8 +45,14 @@ def test_single_dc_matches_brute_force(n):
   w = _workload()
   best = plan([Pool("main", "H800", n)], w).best
   splits = [(x, y) for x, y in itertools.product(range(8, n, 8), repeat=2) if x + y <= n]
-  brute = min(splits, key=lambda s: (max(_brute_gen(w, "H800", s[0]), _brute_train(w, "H800", s[1])),
-                                     s[0] + s[1], -s[0]))
+  brute = min(
+      splits,
+      key=lambda s: (
+          max(_brute_gen(w, "H800", s[0]), _brute_train(w, "H800", s[1])),
+          s[0] + s[1],
+          -s[0],
+      ),
+  )
   assert (best.gen_gpus, best.train_gpus) == brute
   assert best.t_gen == pytest.approx(_brute_gen(w, "H800", brute[0]))
   assert best.t_train == pytest.approx(_brute_train(w, "H800", brute[1]))

@@ -12,21 +12,39 @@ from streamrl.sim.lengths import PaperLengths
 
 # A throughput-bound generator (per-sequence cost dominates), so extra
 # instances help, and a fixed-cost trainer.
-GEN = GenCostModel(step_fixed_s=0.002, per_seq_s=0.001, per_ctx_token_s=0.0, prefill_s_per_token=0.0,
-                   kv_capacity_tokens=float("inf"))
+GEN = GenCostModel(
+    step_fixed_s=0.002,
+    per_seq_s=0.001,
+    per_ctx_token_s=0.0,
+    prefill_s_per_token=0.0,
+    kv_capacity_tokens=float("inf"),
+)
 TRAIN = TrainCostModel.from_measured(fwd_s_per_token=2e-5, upd_s_per_token=6e-5)
 
 
 def _run(lengths, iters=12, start=2):
-  cfg = SimConfig(mode="async", gen=GEN, num_instances=start, train=TRAIN, num_train_gpus=1,
-                  lengths=lengths, batch_size=64, iterations=iters, scheduler="fifo", seed=0)
+  cfg = SimConfig(
+      mode="async",
+      gen=GEN,
+      num_instances=start,
+      train=TRAIN,
+      num_train_gpus=1,
+      lengths=lengths,
+      batch_size=64,
+      iterations=iters,
+      scheduler="fifo",
+      seed=0,
+  )
   ctl = ElasticController(GEN, start, 1, 12, scheduler="fifo")
   return run_elastic(cfg, ctl)
 
 
 def test_adds_units_as_lengths_grow():
   iters = 16
-  dists = tuple(PaperLengths(max_output=int(400 + 1600 * j / (iters - 1)), tail_weight=0.0) for j in range(iters))
+  dists = tuple(
+      PaperLengths(max_output=int(400 + 1600 * j / (iters - 1)), tail_weight=0.0)
+      for j in range(iters)
+  )
   run = _run(dists, iters)
   assert np.all(np.diff(run.instances) >= 0)
   assert len(run.additions) >= 2
@@ -39,8 +57,17 @@ def test_adds_units_as_lengths_grow():
 
 def test_no_scale_up_when_training_is_the_bottleneck():
   slow_train = dataclasses.replace(TRAIN, upd_s_per_token=5e-3)
-  cfg = SimConfig(mode="async", gen=GEN, num_instances=2, train=slow_train, num_train_gpus=1,
-                  lengths=PaperLengths(max_output=400), batch_size=64, iterations=8, seed=0)
+  cfg = SimConfig(
+      mode="async",
+      gen=GEN,
+      num_instances=2,
+      train=slow_train,
+      num_train_gpus=1,
+      lengths=PaperLengths(max_output=400),
+      batch_size=64,
+      iterations=8,
+      seed=0,
+  )
   run = run_elastic(cfg, ElasticController(GEN, 2, 1, 12, scheduler="fifo"))
   assert not run.additions
   assert np.all(run.instances == 2)

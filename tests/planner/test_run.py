@@ -11,7 +11,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def _config(name):
-  spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "configs", "plan", f"{name}.py"))
+  spec = importlib.util.spec_from_file_location(
+      name, os.path.join(ROOT, "configs", "plan", f"{name}.py")
+  )
   mod = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(mod)
   c = mod.get_config()

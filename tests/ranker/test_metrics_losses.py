@@ -56,8 +56,12 @@ def test_losses_match_numpy():
   # Zero-weight rows (padding) are ignored.
   w2 = w.copy()
   w2[5:] = 0
-  assert float(pairwise_logistic_loss(s, n, w2)) == pytest.approx(_np_pairwise(s[:5], n[:5]), rel=1e-5)
+  assert float(pairwise_logistic_loss(s, n, w2)) == pytest.approx(
+      _np_pairwise(s[:5], n[:5]), rel=1e-5
+  )
   both, terms = ranker_loss(jnp.asarray(s), jnp.asarray(n), jnp.asarray(w), "both", 0.5)
-  assert float(both) == pytest.approx(float(terms["mse"]) + 0.5 * float(terms["pairwise"]), rel=1e-6)
+  assert float(both) == pytest.approx(
+      float(terms["mse"]) + 0.5 * float(terms["pairwise"]), rel=1e-6
+  )
   with pytest.raises(ValueError, match="config.loss"):
     ranker_loss(s, n, w, "hinge")

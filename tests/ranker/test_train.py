@@ -44,6 +44,7 @@ def test_ranker_beats_random_by_a_wide_margin(trained):
   assert m["recall20"] >= 0.75, m
   assert m["spearman"] >= 0.8, m
   import os
+
   assert os.listdir(os.path.join(workdir, "tb"))  # TensorBoard events were written.
 
 

@@ -60,8 +60,7 @@ def ref_discounted_returns(rewards, mask, gamma):
 
 
 def ref_whiten(x, mask, shift_mean=True, eps=1e-8):
-  vals = [x[i, j] for i in range(x.shape[0]) for j in range(x.shape[1])
-          if mask[i, j]]
+  vals = [x[i, j] for i in range(x.shape[0]) for j in range(x.shape[1]) if mask[i, j]]
   mean = sum(vals) / len(vals)
   var = sum((v - mean) ** 2 for v in vals) / len(vals)
   out = np.zeros(x.shape)
@@ -77,7 +76,7 @@ def ref_whiten(x, mask, shift_mean=True, eps=1e-8):
 def ref_grpo(rewards, k, eps=1e-6, normalize_std=True):
   out = np.zeros(len(rewards))
   for g in range(len(rewards) // k):
-    grp = [float(r) for r in rewards[g * k:(g + 1) * k]]
+    grp = [float(r) for r in rewards[g * k : (g + 1) * k]]
     mean = sum(grp) / k
     std = np.sqrt(sum((r - mean) ** 2 for r in grp) / max(k - 1, 1))
     for n, r in enumerate(grp):
@@ -151,8 +150,7 @@ def test_discounted_returns_matches_numpy():
   mask = ragged_mask(rng, 5, 8, holes=True)
   rewards = rng.normal(size=(5, 8)).astype(np.float32)
   out = A.discounted_returns(rewards, mask, 0.9)
-  np.testing.assert_allclose(out, ref_discounted_returns(rewards, mask, 0.9),
-                             rtol=RTOL, atol=ATOL)
+  np.testing.assert_allclose(out, ref_discounted_returns(rewards, mask, 0.9), rtol=RTOL, atol=ATOL)
 
 
 @pytest.mark.parametrize("shift_mean", [True, False])
@@ -161,8 +159,7 @@ def test_whiten_matches_numpy(shift_mean):
   mask = ragged_mask(rng, 6, 5)
   x = (3.0 + 2.0 * rng.normal(size=(6, 5))).astype(np.float32)
   out = A.whiten(x, mask, shift_mean=shift_mean)
-  np.testing.assert_allclose(out, ref_whiten(x, mask, shift_mean), rtol=RTOL,
-                             atol=ATOL)
+  np.testing.assert_allclose(out, ref_whiten(x, mask, shift_mean), rtol=RTOL, atol=ATOL)
 
 
 def test_whiten_empty_mask_is_zero_not_nan():
@@ -175,20 +172,18 @@ def test_grpo_matches_numpy(normalize_std):
   rng = np.random.default_rng(4)
   rewards = rng.normal(size=12).astype(np.float32)
   out = A.grpo_advantages(rewards, 4, normalize_std=normalize_std)
-  np.testing.assert_allclose(out, ref_grpo(rewards, 4,
-                                           normalize_std=normalize_std),
-                             rtol=RTOL, atol=ATOL)
+  np.testing.assert_allclose(
+      out, ref_grpo(rewards, 4, normalize_std=normalize_std), rtol=RTOL, atol=ATOL
+  )
 
 
 def test_grpo_identical_rewards_give_exact_zero():
   # 0.1 is not representable: a naive mean leaves a residue that eps can't hide.
-  rewards = np.array([0.1] * 3 + [0.7, 0.7, 0.7] + [0.0, 1.0, 0.0],
-                     np.float32)
+  rewards = np.array([0.1] * 3 + [0.7, 0.7, 0.7] + [0.0, 1.0, 0.0], np.float32)
   out = np.asarray(A.grpo_advantages(rewards, 3))
   np.testing.assert_array_equal(out[:6], 0.0)
   assert np.all(out[6:] != 0.0)
-  np.testing.assert_array_equal(np.asarray(A.rloo_advantages(rewards, 3))[:6],
-                                0.0)
+  np.testing.assert_array_equal(np.asarray(A.rloo_advantages(rewards, 3))[:6], 0.0)
 
 
 def test_grpo_group_size_one_is_zero():
@@ -204,8 +199,9 @@ def test_grpo_rejects_partial_groups():
 def test_rloo_matches_numpy_and_needs_two_samples():
   rng = np.random.default_rng(5)
   rewards = rng.normal(size=12).astype(np.float32)
-  np.testing.assert_allclose(A.rloo_advantages(rewards, 3),
-                             ref_rloo(rewards, 3), rtol=RTOL, atol=ATOL)
+  np.testing.assert_allclose(
+      A.rloo_advantages(rewards, 3), ref_rloo(rewards, 3), rtol=RTOL, atol=ATOL
+  )
   with pytest.raises(ValueError, match="at least 2 samples"):
     A.rloo_advantages(rewards, 1)
 
@@ -216,9 +212,9 @@ def test_token_level_rewards_matches_numpy():
   scores = rng.normal(size=5).astype(np.float32)
   kl = rng.normal(size=(5, 6)).astype(np.float32)
   out = A.token_level_rewards(scores, mask, kl, 0.05)
-  np.testing.assert_allclose(out, ref_token_level_rewards(scores, mask, kl,
-                                                          0.05),
-                             rtol=RTOL, atol=ATOL)
+  np.testing.assert_allclose(
+      out, ref_token_level_rewards(scores, mask, kl, 0.05), rtol=RTOL, atol=ATOL
+  )
 
 
 def test_reinforce_pp_matches_numpy():
@@ -230,8 +226,7 @@ def test_reinforce_pp_matches_numpy():
   adv, ret = A.reinforce_pp_advantages(rewards, mask, 0.95)
   ref_ret = ref_discounted_returns(rewards, mask, 0.95)
   np.testing.assert_allclose(ret, ref_ret, rtol=RTOL, atol=ATOL)
-  np.testing.assert_allclose(adv, ref_whiten(ref_ret, mask), rtol=RTOL,
-                             atol=ATOL)
+  np.testing.assert_allclose(adv, ref_whiten(ref_ret, mask), rtol=RTOL, atol=ATOL)
 
 
 def test_registry_adapters_match_raw_functions():
@@ -242,25 +237,25 @@ def test_registry_adapters_match_raw_functions():
   rewards = A.token_level_rewards(scores, mask)
   values = rng.normal(size=(8, 5)).astype(np.float32)
 
-  adv, ret = A.get_advantage_estimator("gae")(rewards, mask, values_bt=values,
-                                              gamma=0.9, lam=0.8)
+  adv, ret = A.get_advantage_estimator("gae")(rewards, mask, values_bt=values, gamma=0.9, lam=0.8)
   ref = ref_gae(np.asarray(rewards), values, mask, 0.9, 0.8)
   np.testing.assert_allclose(adv, ref[0], rtol=RTOL, atol=ATOL)
   np.testing.assert_allclose(ret, ref[1], rtol=RTOL, atol=ATOL)
 
   adv, ret = A.get_advantage_estimator("grpo")(rewards, mask, group_size=4)
-  np.testing.assert_allclose(adv, ref_grpo(scores, 4)[:, None] * mask,
-                             rtol=RTOL, atol=ATOL)
+  np.testing.assert_allclose(adv, ref_grpo(scores, 4)[:, None] * mask, rtol=RTOL, atol=ATOL)
   np.testing.assert_allclose(ret, scores[:, None] * mask, rtol=RTOL, atol=ATOL)
 
   adv, _ = A.get_advantage_estimator("rloo")(rewards, mask, group_size=2)
-  np.testing.assert_allclose(adv, ref_rloo(scores, 2)[:, None] * mask,
-                             rtol=RTOL, atol=ATOL)
+  np.testing.assert_allclose(adv, ref_rloo(scores, 2)[:, None] * mask, rtol=RTOL, atol=ATOL)
 
   adv, _ = A.get_advantage_estimator("reinforce_pp")(rewards, mask, gamma=1.0)
   np.testing.assert_allclose(
-      adv, ref_whiten(ref_discounted_returns(np.asarray(rewards), mask, 1.0),
-                      mask), rtol=RTOL, atol=ATOL)
+      adv,
+      ref_whiten(ref_discounted_returns(np.asarray(rewards), mask, 1.0), mask),
+      rtol=RTOL,
+      atol=ATOL,
+  )
 
 
 def test_registry_errors_are_clear():
@@ -284,15 +279,12 @@ def test_jit_gives_same_results():
       (functools.partial(A.grpo_advantages, group_size=2), (r_b,)),
       (functools.partial(A.rloo_advantages, group_size=2), (r_b,)),
       (A.reinforce_pp_advantages, (rewards, mask, 0.9)),
-      (functools.partial(A.get_advantage_estimator("grpo"), group_size=2),
-       (rewards, mask)),
+      (functools.partial(A.get_advantage_estimator("grpo"), group_size=2), (rewards, mask)),
   ]
   for fn, args in cases:
     eager = fn(*args)
     jitted = jax.jit(fn)(*args)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6,
-                                                         atol=1e-6),
-                 eager, jitted)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6), eager, jitted)
 
 
 def test_gamma_and_lam_may_be_traced():
@@ -300,16 +292,15 @@ def test_gamma_and_lam_may_be_traced():
   mask = ragged_mask(rng, 3, 4)
   rewards = rng.normal(size=(3, 4)).astype(np.float32)
   values = rng.normal(size=(3, 4)).astype(np.float32)
-  adv, _ = jax.jit(A.gae)(rewards, values, mask, jnp.float32(0.9),
-                          jnp.float32(0.5))
-  np.testing.assert_allclose(adv, ref_gae(rewards, values, mask, 0.9, 0.5)[0],
-                             rtol=RTOL, atol=ATOL)
+  adv, _ = jax.jit(A.gae)(rewards, values, mask, jnp.float32(0.9), jnp.float32(0.5))
+  np.testing.assert_allclose(adv, ref_gae(rewards, values, mask, 0.9, 0.5)[0], rtol=RTOL, atol=ATOL)
 
 
 def test_group_size_accepts_numpy_int_and_rejects_bad_values():
   rewards = np.arange(6, dtype=np.float32)
-  np.testing.assert_allclose(A.grpo_advantages(rewards, np.int64(3)),
-                             ref_grpo(rewards, 3), rtol=RTOL, atol=ATOL)
+  np.testing.assert_allclose(
+      A.grpo_advantages(rewards, np.int64(3)), ref_grpo(rewards, 3), rtol=RTOL, atol=ATOL
+  )
   for bad in (0, 2.0, -1):
     with pytest.raises(ValueError, match="positive integer"):
       A.grpo_advantages(rewards, bad)

@@ -17,7 +17,7 @@ def ragged_mask(rng, b, t):
   lengths[0], lengths[1] = 0, t
   mask = np.zeros((b, t), np.float32)
   for i in range(b):
-    mask[i, :lengths[i]] = 1.0
+    mask[i, : lengths[i]] = 1.0
   return mask
 
 
@@ -26,14 +26,15 @@ def ref_weights(trainer, generator, mask, cap, level):
   w = np.zeros((b, t))
   for i in range(b):
     if level == "sequence":
-      s = sum(float(trainer[i, j]) - float(generator[i, j]) for j in range(t)
-              if mask[i, j])
+      s = sum(float(trainer[i, j]) - float(generator[i, j]) for j in range(t) if mask[i, j])
       seq_w = min(math.exp(s), cap)
     for j in range(t):
       if mask[i, j]:
-        w[i, j] = (seq_w if level == "sequence" else
-                   min(math.exp(float(trainer[i, j]) - float(generator[i, j])),
-                       cap))
+        w[i, j] = (
+            seq_w
+            if level == "sequence"
+            else min(math.exp(float(trainer[i, j]) - float(generator[i, j])), cap)
+        )
   return w
 
 
@@ -53,8 +54,9 @@ def test_weights_match_numpy(level, cap):
   trainer, generator, mask = mismatched_logps(0)
   fn = jax.jit(functools.partial(I.truncated_is_weights, level=level))
   w = np.asarray(fn(trainer, generator, mask, cap))
-  np.testing.assert_allclose(w, ref_weights(trainer, generator, mask, cap,
-                                            level), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(
+      w, ref_weights(trainer, generator, mask, cap, level), rtol=1e-5, atol=1e-6
+  )
   assert np.all(w[mask == 0] == 0.0)
   assert np.all(w <= cap + 1e-6)
   if level == "token" and cap == 1.5:  # the cap binds for some tokens only
@@ -70,9 +72,7 @@ def test_identical_logprobs_give_unit_weights():
 
 def test_bf16_generator_input_is_accepted():
   trainer, generator, mask = mismatched_logps(2, scale=0.0)
-  w = jax.jit(I.truncated_is_weights)(trainer,
-                                      jnp.asarray(generator, jnp.bfloat16),
-                                      mask)
+  w = jax.jit(I.truncated_is_weights)(trainer, jnp.asarray(generator, jnp.bfloat16), mask)
   assert w.dtype == jnp.float32
   # Only bf16 rounding differs: weights are close to, but not all, exactly 1.
   valid = np.asarray(w)[mask > 0]
@@ -84,18 +84,17 @@ def test_extreme_and_padding_values_stay_finite():
   generator = np.array([[-500.0, -1.0, -np.inf, np.inf]], np.float32)
   mask = np.array([[1, 1, 0, 0]], np.float32)
   for level in ("token", "sequence"):
-    w = np.asarray(I.truncated_is_weights(trainer, generator, mask, 2.0,
-                                          level))
+    w = np.asarray(I.truncated_is_weights(trainer, generator, mask, 2.0, level))
     assert np.all(np.isfinite(w))
-    np.testing.assert_allclose(w, [[2.0, 1.0 if level == "token" else 2.0,
-                                    0.0, 0.0]])
+    np.testing.assert_allclose(w, [[2.0, 1.0 if level == "token" else 2.0, 0.0, 0.0]])
 
 
 def test_weights_carry_no_gradient():
   trainer, generator, mask = mismatched_logps(3)
   for level in ("token", "sequence"):
-    grad = jax.jit(jax.grad(lambda tr: I.truncated_is_weights(
-        tr, generator, mask, 5.0, level).sum()))(trainer)
+    grad = jax.jit(
+        jax.grad(lambda tr: I.truncated_is_weights(tr, generator, mask, 5.0, level).sum())
+    )(trainer)
     np.testing.assert_array_equal(grad, 0.0)
 
 
@@ -106,8 +105,7 @@ def test_weights_scale_policy_loss_per_token():
   logp = (trainer + 0.1 * rng.normal(size=trainer.shape)).astype(np.float32)
   adv = rng.normal(size=trainer.shape).astype(np.float32)
   w = I.truncated_is_weights(trainer, generator, mask)
-  loss_fn = jax.jit(functools.partial(L.ppo_policy_loss, agg="token_sum_norm",
-                                      norm_constant=1.0))
+  loss_fn = jax.jit(functools.partial(L.ppo_policy_loss, agg="token_sum_norm", norm_constant=1.0))
   weighted, _ = loss_fn(logp, trainer, adv, mask, is_weights_bt=w)
   ones, _ = loss_fn(logp, trainer, adv, mask, is_weights_bt=mask)
   plain, _ = loss_fn(logp, trainer, adv, mask)
@@ -131,8 +129,9 @@ def ref_rollout_weights(trainer, generator, mask, mode, cap, threshold):
 @pytest.mark.parametrize("mode", ["none", "tis", "mis"])
 def test_rollout_correction_weights_match_numpy(mode):
   trainer, generator, mask = mismatched_logps(5, b=12, scale=0.4)
-  fn = jax.jit(functools.partial(I.rollout_correction_weights, mode=mode,
-                                 is_cap=1.5, mis_threshold=1.15))
+  fn = jax.jit(
+      functools.partial(I.rollout_correction_weights, mode=mode, is_cap=1.5, mis_threshold=1.15)
+  )
   w = np.asarray(fn(trainer, generator, mask))
   ref = ref_rollout_weights(trainer, generator, mask, mode, 1.5, 1.15)
   np.testing.assert_allclose(w, ref, rtol=1e-5, atol=1e-6)
@@ -147,14 +146,13 @@ def test_mis_keeps_a_sequence_by_its_mean_ratio():
   # each token alone is outside [1/1.2, 1.2]. Row 1: mean log-ratio 0.25 >
   # log(1.2): dropped. Row 2: padding holds -inf and is ignored.
   trainer = np.array([[0.0, -1.0], [0.0, 0.0], [-0.1, 0.0]], np.float32)
-  generator = np.array([[-0.5, -0.5], [-0.25, -0.25], [-0.1, -np.inf]],
-                       np.float32)
+  generator = np.array([[-0.5, -0.5], [-0.25, -0.25], [-0.1, -np.inf]], np.float32)
   mask = np.array([[1, 1], [1, 1], [1, 0]], np.float32)
-  w = I.rollout_correction_weights(trainer, generator, mask, "mis",
-                                   mis_threshold=1.2)
+  w = I.rollout_correction_weights(trainer, generator, mask, "mis", mis_threshold=1.2)
   np.testing.assert_array_equal(w, [[1, 1], [0, 0], [1, 0]])
-  grad = jax.grad(lambda tr: I.rollout_correction_weights(
-      tr, generator, mask, "mis").sum())(trainer)
+  grad = jax.grad(lambda tr: I.rollout_correction_weights(tr, generator, mask, "mis").sum())(
+      trainer
+  )
   np.testing.assert_array_equal(grad, 0.0)
 
 
@@ -163,8 +161,7 @@ def test_rollout_correction_rejects_unknown_mode_and_threshold():
   with pytest.raises(ValueError, match=r"'is'.*\['none', 'tis', 'mis'\]"):
     I.rollout_correction_weights(trainer, generator, mask, "is")
   with pytest.raises(ValueError, match="mis_threshold"):
-    I.rollout_correction_weights(trainer, generator, mask, "mis",
-                                 mis_threshold=0.5)
+    I.rollout_correction_weights(trainer, generator, mask, "mis", mis_threshold=0.5)
 
 
 def test_mismatch_metrics_match_numpy():
@@ -173,12 +170,10 @@ def test_mismatch_metrics_match_numpy():
   d = (trainer.astype(np.float64) - generator)[mask > 0]
   r = np.exp(d)
   np.testing.assert_allclose(m["k3_kl"], np.mean(r - 1 - d), rtol=1e-4)
-  np.testing.assert_allclose(m["max_abs_logprob_diff"], np.abs(d).max(),
-                             rtol=1e-6)
+  np.testing.assert_allclose(m["max_abs_logprob_diff"], np.abs(d).max(), rtol=1e-6)
   np.testing.assert_allclose(m["is_weight_max"], r.max(), rtol=1e-5)
   jitted = jax.jit(I.mismatch_metrics)(trainer, generator, mask)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6),
-               m, jitted)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), m, jitted)
 
 
 def test_mismatch_metrics_ignore_padding_and_empty_masks():
@@ -202,6 +197,6 @@ def test_jit_gives_same_results():
   trainer, generator, mask = mismatched_logps(8)
   for level in ("token", "sequence"):
     fn = functools.partial(I.truncated_is_weights, level=level)
-    np.testing.assert_allclose(fn(trainer, generator, mask),
-                               jax.jit(fn)(trainer, generator, mask),
-                               rtol=1e-6)
+    np.testing.assert_allclose(
+        fn(trainer, generator, mask), jax.jit(fn)(trainer, generator, mask), rtol=1e-6
+    )

@@ -26,8 +26,7 @@ def test_estimators_match_numpy_and_signs():
   logp = -np.abs(rng.normal(size=(4, 6))).astype(np.float32)
   ref = -np.abs(rng.normal(size=(4, 6))).astype(np.float32)
   r1, r2, r3 = ref_estimators(logp, ref)
-  k1, k2, k3 = jax.jit(lambda a, b: (K.kl_k1(a, b), K.kl_k2(a, b),
-                                     K.kl_k3(a, b)))(logp, ref)
+  k1, k2, k3 = jax.jit(lambda a, b: (K.kl_k1(a, b), K.kl_k2(a, b), K.kl_k3(a, b)))(logp, ref)
   np.testing.assert_allclose(k1, r1, rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(k2, r2, rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(k3, r3, rtol=1e-5, atol=1e-6)
@@ -81,5 +80,4 @@ def test_jit_gives_same_results():
   logp = rng.normal(size=(3, 4)).astype(np.float32)
   ref = rng.normal(size=(3, 4)).astype(np.float32)
   for fn in (K.kl_k1, K.kl_k2, K.kl_k3):
-    np.testing.assert_allclose(fn(logp, ref), jax.jit(fn)(logp, ref),
-                               rtol=1e-6)
+    np.testing.assert_allclose(fn(logp, ref), jax.jit(fn)(logp, ref), rtol=1e-6)

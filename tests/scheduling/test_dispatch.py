@@ -30,7 +30,8 @@ def test_choose_batch_size_matches_full_scan(profile):
       b = choose_batch_size(profile, m, max_bs)
       want = _brute_batch(profile, m, max_bs)
       assert profile.ptl(b) * math.ceil(max(m, 1) / b) == pytest.approx(
-          profile.ptl(want) * math.ceil(max(m, 1) / want))
+          profile.ptl(want) * math.ceil(max(m, 1) / want)
+      )
 
 
 def test_estimate_latency_formula():
@@ -74,14 +75,16 @@ def test_dispatch_matches_brute_force(objective, seed):
   max_bs = int(rng.choice([2, 4, 64]))
   profile = PAPER if seed % 2 else STEEP
   plan = dispatch(pred, n, profile, recent, alpha=alpha, objective=objective, max_batch_size=max_bs)
-  assert plan.objective_value == pytest.approx(_brute_best(pred, n, profile, recent, alpha, objective, max_bs))
+  assert plan.objective_value == pytest.approx(
+      _brute_best(pred, n, profile, recent, alpha, objective, max_bs)
+  )
 
   # Every prompt exactly once; long-tail instances hold exactly the top alpha.
   flat = [i for a in plan.assignments for i in a]
   assert sorted(flat) == list(range(p))
   n_long = math.ceil(alpha * p - 1e-9)
   top = set(np.argsort(-pred, kind="stable")[:n_long].tolist())
-  assert {i for a in plan.assignments[:plan.n_long_instances] for i in a} == top
+  assert {i for a in plan.assignments[: plan.n_long_instances] for i in a} == top
   assert 1 <= plan.n_long_instances <= n - (1 if n_long < p else 0)
   for a, bs in zip(plan.assignments, plan.batch_sizes):
     assert list(pred[list(a)]) == sorted(pred[list(a)], reverse=True)  # LPT inside.
@@ -93,8 +96,8 @@ def test_long_tail_instances_run_small_batches():
   pred = rng.lognormal(5, 1, size=256)
   plan = dispatch(pred, 4, PAPER, recent_lengths=pred, alpha=0.2, max_batch_size=512)
   assert 1 <= plan.n_long_instances < 4
-  long_bs = plan.batch_sizes[:plan.n_long_instances]
-  reg_bs = plan.batch_sizes[plan.n_long_instances:]
+  long_bs = plan.batch_sizes[: plan.n_long_instances]
+  reg_bs = plan.batch_sizes[plan.n_long_instances :]
   assert max(long_bs) < min(reg_bs)
 
 
@@ -137,12 +140,16 @@ def test_bad_arguments_refused():
 
 def test_plan_generation_by_name():
   from streamrl.scheduling import plan_generation
+
   pred, true = [1.0, 9.0, 3.0, 7.0], [2.0, 8.0, 3.0, 9.0]
   kw = dict(num_prompts=4, num_instances=2, max_batch_size=4, profile=PAPER)
   assert plan_generation("fifo", **kw, seed=3) == fifo_plan(4, 2, 4, seed=3)
   assert plan_generation("skew", **kw, predicted_lengths=pred, recent_lengths=true) == dispatch(
-      pred, 2, PAPER, true, max_batch_size=4)
-  assert plan_generation("oracle", **kw, true_lengths=true) == dispatch(true, 2, PAPER, true, max_batch_size=4)
+      pred, 2, PAPER, true, max_batch_size=4
+  )
+  assert plan_generation("oracle", **kw, true_lengths=true) == dispatch(
+      true, 2, PAPER, true, max_batch_size=4
+  )
   with pytest.raises(ValueError, match="config.generation.scheduler"):
     plan_generation("random", **kw)
   with pytest.raises(ValueError, match="predicted_lengths"):
@@ -163,18 +170,24 @@ def _stepwise_time(lengths, cap, profile):
 @pytest.mark.parametrize("seed", range(10))
 def test_continuous_batching_time_matches_stepwise(seed):
   from streamrl.scheduling.dispatch import continuous_batching_time
+
   rng = np.random.default_rng(seed)
   lengths = rng.integers(1, 30, size=int(rng.integers(1, 25))).tolist()
   cap = int(rng.integers(1, 9))
-  assert continuous_batching_time(lengths, cap, STEEP) == pytest.approx(_stepwise_time(lengths, cap, STEEP))
+  assert continuous_batching_time(lengths, cap, STEEP) == pytest.approx(
+      _stepwise_time(lengths, cap, STEEP)
+  )
   assert continuous_batching_time([], cap, STEEP) == 0.0
 
 
 def test_calibrated_lengths_follow_predicted_rank():
   from streamrl.scheduling.dispatch import calibrated_lengths
+
   est = calibrated_lengths([0.3, 5.0, 1.0, 2.0], recent_lengths=[10, 20, 30, 40])
   assert list(np.argsort(-est)) == [1, 3, 2, 0]
-  np.testing.assert_allclose(sorted(est), np.quantile([10, 20, 30, 40], [0.125, 0.375, 0.625, 0.875]))
+  np.testing.assert_allclose(
+      sorted(est), np.quantile([10, 20, 30, 40], [0.125, 0.375, 0.625, 0.875])
+  )
 
 
 def _greedy(ids, est, n):
@@ -190,12 +203,15 @@ def _greedy(ids, est, n):
 @pytest.mark.parametrize("seed", range(15))
 def test_simulate_model_matches_brute_force(objective, seed):
   from streamrl.scheduling.dispatch import continuous_batching_time
+
   rng = np.random.default_rng(100 + seed)
   p, n = int(rng.integers(2, 30)), int(rng.integers(2, 6))
   pred = rng.lognormal(3, 1, size=p)
   recent = rng.integers(1, 60, size=40)
   max_bs = int(rng.choice([2, 4, 64]))
-  plan = dispatch(pred, n, STEEP, recent, objective=objective, max_batch_size=max_bs, latency_model="simulate")
+  plan = dispatch(
+      pred, n, STEEP, recent, objective=objective, max_batch_size=max_bs, latency_model="simulate"
+  )
   order = np.argsort(-pred, kind="stable")
   est = np.empty(p)
   est[order] = np.quantile(recent, 1 - (np.arange(p) + 0.5) / p)
@@ -205,8 +221,13 @@ def test_simulate_model_matches_brute_force(objective, seed):
     buckets = _greedy(order[:n_long], est, n_l) + _greedy(order[n_long:], est, n - n_l)
     # continuous_batching_time is checked against the stepwise reference above.
     # Caps tried: the wave-optimal one and the largest; the faster replay wins.
-    times = [min(continuous_batching_time(est[b], c, STEEP)
-                 for c in (_brute_batch(STEEP, len(b), max_bs), max(1, min(max_bs, len(b))))) for b in buckets]
+    times = [
+        min(
+            continuous_batching_time(est[b], c, STEEP)
+            for c in (_brute_batch(STEEP, len(b), max_bs), max(1, min(max_bs, len(b))))
+        )
+        for b in buckets
+    ]
     g = (max(times[:n_l], default=0.0), max(times[n_l:], default=0.0))
     best = min(best, max(g) if objective == "makespan" else sum(g))
   assert plan.objective_value == pytest.approx(best, rel=1e-9)

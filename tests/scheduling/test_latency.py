@@ -6,7 +6,9 @@ from streamrl.scheduling.latency import LatencyProfile
 
 
 def _profile():
-  return LatencyProfile(batch_sizes=(1, 4, 16), ptl_s=(0.010, 0.012, 0.030), prefill_s_per_token=1e-4)
+  return LatencyProfile(
+      batch_sizes=(1, 4, 16), ptl_s=(0.010, 0.012, 0.030), prefill_s_per_token=1e-4
+  )
 
 
 def test_measured_points_are_exact():
@@ -59,8 +61,17 @@ def test_paper_curve_in_seconds():
   assert all(p.ptl(b) / b > p.ptl(2 * b) / (2 * b) for b in (1, 16, 64, 256))
 
 
-@pytest.mark.parametrize("bs,ptl", [((), ()), ((1, 2), (0.1,)), ((2, 1), (0.1, 0.2)),
-                                    ((1, 1), (0.1, 0.2)), ((1,), (0.0,)), ((1,), (math.nan,))])
+@pytest.mark.parametrize(
+    "bs,ptl",
+    [
+        ((), ()),
+        ((1, 2), (0.1,)),
+        ((2, 1), (0.1, 0.2)),
+        ((1, 1), (0.1, 0.2)),
+        ((1,), (0.0,)),
+        ((1,), (math.nan,)),
+    ],
+)
 def test_bad_profiles_refused(bs, ptl):
   with pytest.raises(ValueError):
     LatencyProfile(batch_sizes=bs, ptl_s=ptl)

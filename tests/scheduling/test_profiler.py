@@ -12,7 +12,9 @@ def instance(tmp_path_factory):
   from streamrl.generator.vllm_engine import GeneratorInstance
   from streamrl.models import config, tiny
 
-  path = tiny.build_tiny_model_dir(str(tmp_path_factory.mktemp("policy")), config.tiny_qwen2(64), seed=3)
+  path = tiny.build_tiny_model_dir(
+      str(tmp_path_factory.mktemp("policy")), config.tiny_qwen2(64), seed=3
+  )
   return GeneratorInstance(path, max_num_seqs=8, max_model_len=64, seed=0)
 
 
@@ -22,8 +24,17 @@ def test_profile_is_valid_and_saved(instance, tmp_path):
 
   path = tmp_path / "profile.json"
   # Raises inside if any request stops before its fixed length (EOS not ignored).
-  profile = profile_instance(instance, [4, 1], prompt_len=4, gen_lens=(2, 6), prefill_prompt_len=16,
-                             prefill_batch=2, reps=1, name="tiny", path=str(path))
+  profile = profile_instance(
+      instance,
+      [4, 1],
+      prompt_len=4,
+      gen_lens=(2, 6),
+      prefill_prompt_len=16,
+      prefill_batch=2,
+      reps=1,
+      name="tiny",
+      path=str(path),
+  )
   assert profile.batch_sizes == (1, 4)
   assert all(p > 0 for p in profile.ptl_s)
   assert profile.prefill_s_per_token >= 0

@@ -15,8 +15,13 @@ from streamrl.sim.systems import SystemCalibration, gen_cost
 
 def _flat_gen():
   # step = 1 + 0.1 * B seconds, no context cost, no prefill, unbounded KV.
-  return GenCostModel(step_fixed_s=1.0, per_seq_s=0.1, per_ctx_token_s=0.0, prefill_s_per_token=0.0,
-                      kv_capacity_tokens=math.inf)
+  return GenCostModel(
+      step_fixed_s=1.0,
+      per_seq_s=0.1,
+      per_ctx_token_s=0.0,
+      prefill_s_per_token=0.0,
+      kv_capacity_tokens=math.inf,
+  )
 
 
 def test_closed_form_two_instances():
@@ -46,8 +51,17 @@ def test_is_a_lower_bound_on_the_oracle_dispatch_and_deterministic():
   b = best_split_makespan(gen, 4, p, o, recent)
   assert a == b
   assert [n for n, _ in a[2]] == [1, 2, 3]
-  oracle = simulate_generation(gen, 4, p, o, scheduler="skew", ranker_sigma=0.0, recent_lengths=recent,
-                               objective="makespan", latency_model="paper").makespan
+  oracle = simulate_generation(
+      gen,
+      4,
+      p,
+      o,
+      scheduler="skew",
+      ranker_sigma=0.0,
+      recent_lengths=recent,
+      objective="makespan",
+      latency_model="paper",
+  ).makespan
   assert a[0] <= oracle + 1e-9
   # The floor (longest sample alone) is below every split.
   i = int(np.argmax(o))

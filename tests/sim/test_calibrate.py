@@ -22,7 +22,9 @@ def test_from_measured_fits_profile(tmp_path):
 
 def test_predict_orders_modes_and_matches_closed_form():
   kw = dict(output_lens=[50], prompt_lens=10, batch_size=8, num_instances=2, num_minibatches=1)
-  res = {m: predict_local_throughput(PROFILE, TRAINER, m, **kw) for m in ("sync", "stream", "async")}
+  res = {
+      m: predict_local_throughput(PROFILE, TRAINER, m, **kw) for m in ("sync", "stream", "async")
+  }
   g, _ = from_measured(PROFILE, TRAINER)
   gen = 4 * 10 * 1e-4 + 50 * g.step_time(4, 0)  # prefill of 4 prompts + 50 steps at BS 4
   train = 8 * 60 * (1e-4 + 3e-4) + 0.05  # one mini-batch update

@@ -15,7 +15,9 @@ from streamrl.sim.calibrate import from_measured
 from streamrl.sim.engine import simulate_generation
 
 PATH = os.path.join(os.path.dirname(__file__), "..", "..", "experiments", "calibrate_sim.py")
-PROFILE = LatencyProfile(batch_sizes=(1, 2, 4), ptl_s=(0.002, 0.0021, 0.0023), prefill_s_per_token=1e-5)
+PROFILE = LatencyProfile(
+    batch_sizes=(1, 2, 4), ptl_s=(0.002, 0.0021, 0.0023), prefill_s_per_token=1e-5
+)
 CAP = 4
 
 
@@ -34,19 +36,28 @@ def calib():
 
 
 def batch(prompts, outputs, per_request_s, fwd_tok, upd_tok, stall=0.0):
-  gen_model, _ = from_measured(PROFILE, {"fwd_s_per_token": 0.0, "upd_s_per_token": 0.0},
-                               max_num_seqs=CAP)
-  replay = simulate_generation(gen_model, 1, prompts, outputs, queues=[list(range(len(outputs)))],
-                               caps=[CAP]).makespan
+  gen_model, _ = from_measured(
+      PROFILE, {"fwd_s_per_token": 0.0, "upd_s_per_token": 0.0}, max_num_seqs=CAP
+  )
+  replay = simulate_generation(
+      gen_model, 1, prompts, outputs, queues=[list(range(len(outputs)))], caps=[CAP]
+  ).makespan
   tokens = sum(prompts) + sum(outputs)
-  return {"gen_s": replay + per_request_s * len(outputs) + stall, "fwd_s": fwd_tok * tokens,
-          "upd_s": upd_tok * tokens + stall, "tokens": tokens, "prompt_lens": list(prompts),
-          "output_lens": list(outputs)}
+  return {
+      "gen_s": replay + per_request_s * len(outputs) + stall,
+      "fwd_s": fwd_tok * tokens,
+      "upd_s": upd_tok * tokens + stall,
+      "tokens": tokens,
+      "prompt_lens": list(prompts),
+      "output_lens": list(outputs),
+  }
 
 
-BATCHES = [([10, 12, 9, 11, 10, 13, 8, 10], [5, 9, 3, 12, 7, 4, 6, 8]),
-           ([11, 9, 10, 10, 12, 10, 9, 11], [6, 2, 10, 5, 7, 9, 4, 3]),
-           ([10, 10, 10, 10, 10, 10, 10, 10], [8, 8, 8, 8, 8, 8, 8, 8])]
+BATCHES = [
+    ([10, 12, 9, 11, 10, 13, 8, 10], [5, 9, 3, 12, 7, 4, 6, 8]),
+    ([11, 9, 10, 10, 12, 10, 9, 11], [6, 2, 10, 5, 7, 9, 4, 3]),
+    ([10, 10, 10, 10, 10, 10, 10, 10], [8, 8, 8, 8, 8, 8, 8, 8]),
+]
 
 
 @pytest.mark.parametrize("stat", ["mean", "median"])
@@ -63,8 +74,10 @@ def test_recovers_per_request_and_trainer_costs(calib, stat):
 
 
 def test_median_ignores_one_stalled_batch_and_mean_does_not(calib):
-  per_batch = [batch(p, o, 0.003, 1e-4, 5e-4, stall=(2.0 if k == 1 else 0.0))
-               for k, (p, o) in enumerate(BATCHES)]
+  per_batch = [
+      batch(p, o, 0.003, 1e-4, 5e-4, stall=(2.0 if k == 1 else 0.0))
+      for k, (p, o) in enumerate(BATCHES)
+  ]
   med = calib.cost_models("sync", PROFILE, per_batch, [0.02, 0.02, 0.5], CAP, 10.0, "median")
   mean = calib.cost_models("sync", PROFILE, per_batch, [0.02, 0.02, 0.5], CAP, 10.0, "mean")
   assert med["per_request_s_raw"] == pytest.approx(0.003, rel=1e-6)

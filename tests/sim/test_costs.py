@@ -43,8 +43,13 @@ def test_decode_scaling_is_physical():
 
 
 def test_decode_time_closed_form_matches_step_sum():
-  g = GenCostModel(step_fixed_s=0.01, per_seq_s=0.001, per_ctx_token_s=1e-6, prefill_s_per_token=0,
-                   kv_capacity_tokens=1e9)
+  g = GenCostModel(
+      step_fixed_s=0.01,
+      per_seq_s=0.001,
+      per_ctx_token_s=1e-6,
+      prefill_s_per_token=0,
+      kv_capacity_tokens=1e9,
+  )
   brute = sum(g.step_time(7, 700 + 7 * k) for k in range(50))
   assert g.decode_time(7, 700, 50) == pytest.approx(brute)
 
@@ -54,8 +59,12 @@ def test_training_flops_are_6n_for_updates_and_2n_for_forwards():
   t = TrainCostModel.for_gpu(m, GPUS["H800"], mfu=0.5)
   tokens = np.array([1.0])  # attention term negligible at T = 1
   per_token = GPUS["H800"].flops * 0.5
-  assert t.forward_seconds(tokens)[0] * per_token == pytest.approx(3 * 2 * m.compute_params, rel=1e-4)
-  assert t.update_seconds(tokens)[0] * per_token == pytest.approx(2 * 6 * m.compute_params, rel=1e-4)
+  assert t.forward_seconds(tokens)[0] * per_token == pytest.approx(
+      3 * 2 * m.compute_params, rel=1e-4
+  )
+  assert t.update_seconds(tokens)[0] * per_token == pytest.approx(
+      2 * 6 * m.compute_params, rel=1e-4
+  )
   # Time halves with twice the GPUs.
   toks = np.full(16, 4096.0)
   assert t.iteration_seconds(toks, 16) == pytest.approx(t.iteration_seconds(toks, 8) / 2)
@@ -65,7 +74,9 @@ def test_weight_transfer_in_dc_vs_cross_dc():
   m = MODELS["qwen2.5-72b"]
   local = costs.weight_transfer_seconds(m, 80)
   remote = costs.weight_transfer_seconds(m, 80, inter_dc_link=costs.INTER_DC_LINK)
-  assert local == pytest.approx(m.weight_bytes / 200e9, rel=0.05)  # one 200 GB/s node link, pipelined
+  assert local == pytest.approx(
+      m.weight_bytes / 200e9, rel=0.05
+  )  # one 200 GB/s node link, pipelined
   assert remote > m.weight_bytes / 10e9  # 80 Gbps single relay dominates
   assert costs.broadcast_seconds(1e9, 0, costs.MAIN_NODE_LINK) == 0.0
 
@@ -77,4 +88,6 @@ def test_unknown_gpu_and_bad_values():
     TrainCostModel.for_gpu(MODELS["qwen2.5-7b"], GPUS["H800"], mfu=1.5)
   with pytest.raises(ValueError, match="KV cache"):
     # 72B weights do not fit one H800.
-    GenCostModel.for_deployment(MODELS["qwen2.5-72b"], GPUS["H800"], costs.paper_calibration(), tp=1)
+    GenCostModel.for_deployment(
+        MODELS["qwen2.5-72b"], GPUS["H800"], costs.paper_calibration(), tp=1
+    )

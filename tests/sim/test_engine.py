@@ -14,8 +14,14 @@ A, B = 0.01, 0.001  # PTL(BS) = A + B * BS
 
 
 def _gen(c=0.0, prefill=0.0, kv=math.inf, max_num_seqs=256):
-  return GenCostModel(step_fixed_s=A, per_seq_s=B, per_ctx_token_s=c, prefill_s_per_token=prefill,
-                      kv_capacity_tokens=kv, max_num_seqs=max_num_seqs)
+  return GenCostModel(
+      step_fixed_s=A,
+      per_seq_s=B,
+      per_ctx_token_s=c,
+      prefill_s_per_token=prefill,
+      kv_capacity_tokens=kv,
+      max_num_seqs=max_num_seqs,
+  )
 
 
 def test_one_instance_fixed_lengths_exact_makespan():
@@ -53,7 +59,9 @@ def test_kv_overflow_preempts_newest_and_recomputes():
   # The first finishes 35 steps later alone; then the second re-prefills 75 tokens and
   # generates its last 35 tokens alone.
   p = 1e-4
-  r = simulate_generation(_gen(prefill=p, kv=150), 1, [10, 10], [100, 100], queues=[[0, 1]], caps=[2])
+  r = simulate_generation(
+      _gen(prefill=p, kv=150), 1, [10, 10], [100, 100], queues=[[0, 1]], caps=[2]
+  )
   assert r.preemptions == 1
   expect = 20 * p + 65 * (A + 2 * B) + 35 * (A + B) + 75 * p + 35 * (A + B)
   assert r.makespan == pytest.approx(expect)
@@ -67,16 +75,28 @@ def test_too_long_for_kv_cache_is_a_clear_error():
 
 def _trivial(mode, *, out_len=100, fwd=2e-4, upd=6e-4, transfer=0.1, iterations=5, **kw):
   """P samples of equal length on 2 instances: every sample finishes at G."""
-  return SimConfig(mode=mode, gen=_gen(), num_instances=2, train=TrainCostModel.from_measured(
-      fwd_s_per_token=fwd, upd_s_per_token=upd), num_train_gpus=1,
-      lengths=FixedLengths(prompt_len=10, output_len=out_len), batch_size=8, num_minibatches=2,
-      iterations=iterations, transfer_s=transfer, **kw)
+  return SimConfig(
+      mode=mode,
+      gen=_gen(),
+      num_instances=2,
+      train=TrainCostModel.from_measured(fwd_s_per_token=fwd, upd_s_per_token=upd),
+      num_train_gpus=1,
+      lengths=FixedLengths(prompt_len=10, output_len=out_len),
+      batch_size=8,
+      num_minibatches=2,
+      iterations=iterations,
+      transfer_s=transfer,
+      **kw,
+  )
 
 
 def _stage_times(cfg):
   g = cfg.lengths.output_len * (A + 4 * B)  # 4 samples per instance, one wave
-  t = cfg.batch_size * (cfg.lengths.prompt_len + cfg.lengths.output_len) * (
-      cfg.train.fwd_s_per_token + cfg.train.upd_s_per_token)
+  t = (
+      cfg.batch_size
+      * (cfg.lengths.prompt_len + cfg.lengths.output_len)
+      * (cfg.train.fwd_s_per_token + cfg.train.upd_s_per_token)
+  )
   return g, t
 
 
@@ -103,6 +123,7 @@ def test_stream_beats_sync_with_skewed_lengths():
   kw = dict(fwd=1e-4, upd=3e-4, transfer=0.0, iterations=4)
   base = _trivial("sync", **kw)
   import dataclasses
+
   sync = simulate(dataclasses.replace(base, lengths=lengths, batch_size=64))
   stream = simulate(dataclasses.replace(base, mode="stream", lengths=lengths, batch_size=64))
   asyn = simulate(dataclasses.replace(base, mode="async", lengths=lengths, batch_size=64))
@@ -110,10 +131,19 @@ def test_stream_beats_sync_with_skewed_lengths():
 
 
 def _paper_cfg(seed, scheduler="skew"):
-  return SimConfig(mode="async", gen=_gen(c=2e-8), num_instances=4,
-                   train=TrainCostModel.from_measured(fwd_s_per_token=1e-6, upd_s_per_token=3e-6),
-                   num_train_gpus=1, lengths=PaperLengths(max_output=2048), batch_size=128, iterations=3,
-                   scheduler=scheduler, ranker_sigma=0.2, seed=seed)
+  return SimConfig(
+      mode="async",
+      gen=_gen(c=2e-8),
+      num_instances=4,
+      train=TrainCostModel.from_measured(fwd_s_per_token=1e-6, upd_s_per_token=3e-6),
+      num_train_gpus=1,
+      lengths=PaperLengths(max_output=2048),
+      batch_size=128,
+      iterations=3,
+      scheduler=scheduler,
+      ranker_sigma=0.2,
+      seed=seed,
+  )
 
 
 def test_deterministic_under_seed():

@@ -26,14 +26,17 @@ def test_empirical_and_fixed():
   assert FixedLengths(2, 9).sample(None, 3)[1].tolist() == [9, 9, 9]
 
 
-@pytest.mark.parametrize("make", [
-    lambda: from_lengths([], 3),
-    lambda: from_lengths([5, -1], 3),
-    lambda: from_lengths([5, 0], 3),
-    lambda: FixedLengths(3, -2),
-    lambda: PaperLengths(max_output=0),
-    lambda: EmpiricalLengths(prompt_lens=(1, 2), output_lens=(3,)),
-])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: from_lengths([], 3),
+        lambda: from_lengths([5, -1], 3),
+        lambda: from_lengths([5, 0], 3),
+        lambda: FixedLengths(3, -2),
+        lambda: PaperLengths(max_output=0),
+        lambda: EmpiricalLengths(prompt_lens=(1, 2), output_lens=(3,)),
+    ],
+)
 def test_bad_lengths_are_one_sentence_errors(make):
   with pytest.raises(ValueError) as e:
     make()
@@ -46,4 +49,6 @@ def test_ranker_noise_matches_target_recall():
   _, o = dist.sample(np.random.default_rng(5), 20000)
   rec = tail_recall(o, noisy_scores(o, sigma, np.random.default_rng(6)), 0.2)
   assert rec == pytest.approx(0.87, abs=0.02)
-  assert tail_recall(o, noisy_scores(o, 0.0, np.random.default_rng(0)), 0.2) == pytest.approx(1.0, abs=0.01)
+  assert tail_recall(o, noisy_scores(o, 0.0, np.random.default_rng(0)), 0.2) == pytest.approx(
+      1.0, abs=0.01
+  )

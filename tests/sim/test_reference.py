@@ -16,10 +16,16 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 PATH = os.path.join(ROOT, "experiments", "paper_figures.py")
 # Every top-level key that reproduce_paper.py, paper_figures.py or the Fig. 7
 # curve reads.
-KEYS_READ = ("fig8_throughput_samples_per_s", "table3_ablation_72b_20k_normalized_throughput",
-             "fig9_generation_latency_normalized_to_random_fifo", "table4_ranker_recall_of_true_long_tail",
-             "fig10_allocation", "fig11_elastic", "fig12_hetero_cost_normalized_samples_per_s",
-             "ptl_ms_vs_batch_size_7b_h800_fig7")
+KEYS_READ = (
+    "fig8_throughput_samples_per_s",
+    "table3_ablation_72b_20k_normalized_throughput",
+    "fig9_generation_latency_normalized_to_random_fifo",
+    "table4_ranker_recall_of_true_long_tail",
+    "fig10_allocation",
+    "fig11_elastic",
+    "fig12_hetero_cost_normalized_samples_per_s",
+    "ptl_ms_vs_batch_size_7b_h800_fig7",
+)
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +39,9 @@ def figures():
 
 def test_default_reference_is_inside_the_repository(figures):
   path = os.path.realpath(figures.find_reference())
-  assert path == os.path.realpath(os.path.join(ROOT, "experiments", "reference", "streamrl_paper.json"))
+  assert path == os.path.realpath(
+      os.path.join(ROOT, "experiments", "reference", "streamrl_paper.json")
+  )
   ref = figures.load_reference()
   assert all(k in ref for k in KEYS_READ)
   cols = ref["fig8_throughput_samples_per_s"]["_columns"]

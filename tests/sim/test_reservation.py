@@ -16,8 +16,14 @@ A, B = 0.01, 0.001  # PTL(BS) = A + B * BS
 
 
 def _gen(kv, reserve=0.0, c=0.0):
-  return GenCostModel(step_fixed_s=A, per_seq_s=B, per_ctx_token_s=c, prefill_s_per_token=0.0,
-                      kv_capacity_tokens=kv, reserve_output_tokens=reserve)
+  return GenCostModel(
+      step_fixed_s=A,
+      per_seq_s=B,
+      per_ctx_token_s=c,
+      prefill_s_per_token=0.0,
+      kv_capacity_tokens=kv,
+      reserve_output_tokens=reserve,
+  )
 
 
 def test_max_concurrent_is_capacity_over_prompt_plus_reservation():
@@ -29,12 +35,15 @@ def test_max_concurrent_is_capacity_over_prompt_plus_reservation():
 def test_reservation_runs_in_waves_closed_form():
   # 10 samples, prompt 100, output 50; each reserves 100 + 1 + 99 = 200 of 1000
   # tokens: 5 at once, two waves of 50 steps at batch 5.
-  r = simulate_generation(_gen(1000.0, reserve=99), 1, [100] * 10, [50] * 10, queues=[list(range(10))],
-                          caps=[256])
+  r = simulate_generation(
+      _gen(1000.0, reserve=99), 1, [100] * 10, [50] * 10, queues=[list(range(10))], caps=[256]
+  )
   assert r.makespan == pytest.approx(2 * 50 * (A + 5 * B))
   assert r.preemptions == 0
   # Without reservation all ten fit (1,500 tokens at the end of 10,000): one wave.
-  r = simulate_generation(_gen(10000.0), 1, [100] * 10, [50] * 10, queues=[list(range(10))], caps=[256])
+  r = simulate_generation(
+      _gen(10000.0), 1, [100] * 10, [50] * 10, queues=[list(range(10))], caps=[256]
+  )
   assert r.makespan == pytest.approx(50 * (A + 10 * B))
 
 
@@ -72,8 +81,12 @@ def test_gen_cost_reserves_the_distribution_maximum():
   # Per-iteration distributions: the largest maximum.
   g = gen_cost(model, gpu, cal, (PaperLengths(10240), PaperLengths(20480)))
   assert g.reserve_output_tokens == 20480
-  assert gen_cost(model, gpu, dataclasses.replace(cal, reserve_max_output=False),
-                  PaperLengths(20480)).reserve_output_tokens == 0
+  assert (
+      gen_cost(
+          model, gpu, dataclasses.replace(cal, reserve_max_output=False), PaperLengths(20480)
+      ).reserve_output_tokens
+      == 0
+  )
 
 
 def test_bad_reservation_is_rejected():
@@ -84,12 +97,25 @@ def test_bad_reservation_is_rejected():
 
 
 def test_full_simulation_with_reservation_is_deterministic():
-  gen = dataclasses.replace(GenCostModel.for_deployment(costs.MODELS["qwen2.5-7b"], costs.GPUS["H800"],
-                                                        costs.paper_calibration()),
-                            reserve_output_tokens=5120.0)
+  gen = dataclasses.replace(
+      GenCostModel.for_deployment(
+          costs.MODELS["qwen2.5-7b"], costs.GPUS["H800"], costs.paper_calibration()
+      ),
+      reserve_output_tokens=5120.0,
+  )
   train = TrainCostModel.for_gpu(costs.MODELS["qwen2.5-7b"], costs.GPUS["H800"], 0.4)
-  cfg = SimConfig(mode="async", gen=gen, num_instances=4, train=train, num_train_gpus=4,
-                  lengths=PaperLengths(5120), batch_size=256, iterations=3, scheduler="skew", seed=3)
+  cfg = SimConfig(
+      mode="async",
+      gen=gen,
+      num_instances=4,
+      train=train,
+      num_train_gpus=4,
+      lengths=PaperLengths(5120),
+      batch_size=256,
+      iterations=3,
+      scheduler="skew",
+      seed=3,
+  )
   a, b = simulate(cfg), simulate(cfg)
   assert a.samples_per_s == b.samples_per_s
   assert a.preemptions == 0

@@ -18,19 +18,31 @@ def _state(seed: int = 0):
   """A run-like pytree: nnx params, a dict of arrays, optimizer-ish tuple, RNG keys."""
   rng = np.random.default_rng(seed)
   actor = nnx.split(nnx.Linear(8, 16, rngs=nnx.Rngs(seed)))[1]
-  critic = {"w": jnp.asarray(rng.standard_normal((8, 4)), jnp.bfloat16),
-            "b": jnp.asarray(rng.standard_normal(4), jnp.float32)}
-  opt = (jnp.asarray(rng.integers(0, 100, (16,)), jnp.int32), {"mu": jnp.asarray(rng.standard_normal((8, 16)))})
-  return {"actor": actor, "critic": critic, "opt": opt,
-          "rng": jax.random.key(seed), "rng_data": jax.random.key_data(jax.random.key(seed + 1))}
+  critic = {
+      "w": jnp.asarray(rng.standard_normal((8, 4)), jnp.bfloat16),
+      "b": jnp.asarray(rng.standard_normal(4), jnp.float32),
+  }
+  opt = (
+      jnp.asarray(rng.integers(0, 100, (16,)), jnp.int32),
+      {"mu": jnp.asarray(rng.standard_normal((8, 16)))},
+  )
+  return {
+      "actor": actor,
+      "critic": critic,
+      "opt": opt,
+      "rng": jax.random.key(seed),
+      "rng_data": jax.random.key_data(jax.random.key(seed + 1)),
+  }
 
 
 def _leaves(tree):
   """Numpy leaves, typed PRNG keys as their raw data, for exact comparison."""
+
   def raw(x):
     if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
       x = jax.random.key_data(x)
     return np.asarray(x)
+
   return [raw(x) for x in jax.tree.leaves(tree)]
 
 
@@ -104,8 +116,10 @@ def test_restore_onto_sharded_template(tmp_path):
         return P("fsdp", "data") if x.shape[1] % 2 == 0 else P("fsdp", None)
       return P("fsdp") if x.ndim == 1 and x.shape[0] % 4 == 0 else P()
 
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
-                                                           sharding=NamedSharding(mesh, spec(x))), state)
+    abstract = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec(x))),
+        state,
+    )
     _, restored, _ = ck.restore(abstract)  # ...restored sharded over 8 devices.
   _assert_bit_exact(restored, state)
   for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(abstract), strict=True):
@@ -120,18 +134,23 @@ def test_refuses_incompatible_fingerprint_without_touching_anything(tmp_path):
     ck.save(2, _state(), {"a": 2})
   before = _listing(tmp_path)
   other = {"algo": "ppo", "critic": True, "model": {"d_model": 16, "num_layers": 4, "mesh": (1, 8)}}
-  with pytest.raises(ValueError, match=r"model\.num_layers is 2 there but 4 now; use a new --workdir"):
+  with pytest.raises(
+      ValueError, match=r"model\.num_layers is 2 there but 4 now; use a new --workdir"
+  ):
     Checkpointer(str(tmp_path), keep=1, fingerprint=other)
   with pytest.raises(ValueError, match=r"critic is true there but null now"):
     Checkpointer(str(tmp_path), keep=1, fingerprint={k: v for k, v in FP.items() if k != "critic"})
   assert _listing(tmp_path) == before
   # Tuples and lists are the same fingerprint (JSON), and the same one resumes.
-  with Checkpointer(str(tmp_path), fingerprint={**FP, "model": {**FP["model"], "mesh": [1, 8]}}) as ck:
+  with Checkpointer(
+      str(tmp_path), fingerprint={**FP, "model": {**FP["model"], "mesh": [1, 8]}}
+  ) as ck:
     assert ck.latest_step() == 2
 
 
 def test_refuses_foreign_checkpoints_and_mismatched_templates(tmp_path):
   import orbax.checkpoint as ocp
+
   foreign = tmp_path / "foreign"
   with ocp.CheckpointManager(str(foreign), options=ocp.CheckpointManagerOptions(create=True)) as m:
     m.save(3, args=ocp.args.Composite(state=ocp.args.StandardSave({"x": np.zeros(2)})))
@@ -145,9 +164,13 @@ def test_refuses_foreign_checkpoints_and_mismatched_templates(tmp_path):
     state = _state()
     ck.save(1, state, {})
     grown = {**state, "critic": {**state["critic"], "w": jnp.zeros((8, 5), jnp.bfloat16)}}
-    with pytest.raises(ValueError, match=r"\['critic'\]\['w'\] has shape \(8, 4\) in the checkpoint but \(8, 5\)"):
+    with pytest.raises(
+        ValueError, match=r"\['critic'\]\['w'\] has shape \(8, 4\) in the checkpoint but \(8, 5\)"
+    ):
       ck.restore(grown)
-    with pytest.raises(ValueError, match=r"\['critic'\]\['b'\] is in the checkpoint but not in the restore"):
+    with pytest.raises(
+        ValueError, match=r"\['critic'\]\['b'\] is in the checkpoint but not in the restore"
+    ):
       ck.restore({**state, "critic": {"w": state["critic"]["w"]}})
     with pytest.raises(ValueError, match="must be JSON-serialisable"):
       ck.save(2, state, {"bad": object()})

@@ -30,8 +30,16 @@ RESPONSES = ((2, 5), (2, 2), (0, 0), (3, 8))
 
 def loss_config(agg: str) -> step.LossConfig:
   return step.LossConfig(
-      agg=agg, norm_constant=NORM, entropy_coef=0.05, kl_coef=0.1, kl_estimator="k3",
-      kl_in_loss=True, rollout_correction="tis", is_cap=1.2, temperature=TEMPERATURE)
+      agg=agg,
+      norm_constant=NORM,
+      entropy_coef=0.05,
+      kl_coef=0.1,
+      kl_estimator="k3",
+      kl_in_loss=True,
+      rollout_correction="tis",
+      is_cap=1.2,
+      temperature=TEMPERATURE,
+  )
 
 
 def make_model(seed: int = 0) -> Transformer:
@@ -46,12 +54,14 @@ def make_batch() -> dict:
   tokens = rng.integers(1, VOCAB, (B, T)).astype(np.int32)
   mask = np.zeros((B, T), np.float32)
   for i, (start, n) in enumerate(RESPONSES):
-    mask[i, start:start + n] = 1.0
+    mask[i, start : start + n] = 1.0
   old, _ = step.policy_logprobs(params, tokens, graphdef=graphdef, temperature=TEMPERATURE)
   old = np.asarray(old)
   noise = lambda scale: (scale * rng.normal(size=(B, T))).astype(np.float32)
   return {
-      "tokens_bt": tokens, "mask_bt": mask, "old_logp_bt": old,
+      "tokens_bt": tokens,
+      "mask_bt": mask,
+      "old_logp_bt": old,
       # Generator logprobs differ, so some TIS weights are capped at 1.2.
       "gen_logp_bt": np.where(mask > 0, old + noise(0.3), 0.0).astype(np.float32),
       "ref_logp_bt": old + noise(0.2),
@@ -83,8 +93,9 @@ def numpy_loss(logits_btv, batch, cfg: step.LossConfig) -> float:
   logp = np.take_along_axis(logp_all, batch["tokens_bt"][:, 1:, None], -1)[..., 0]
   entropy = -(np.exp(logp_all) * logp_all).sum(-1)
   mask = batch["mask_bt"][:, :-1]
-  old, gen, ref = (batch[k][:, :-1].astype(np.float64)
-                   for k in ("old_logp_bt", "gen_logp_bt", "ref_logp_bt"))
+  old, gen, ref = (
+      batch[k][:, :-1].astype(np.float64) for k in ("old_logp_bt", "gen_logp_bt", "ref_logp_bt")
+  )
   adv = batch["advantages_bt"][:, :-1]
   ratio = np.exp(np.where(mask > 0, logp - old, 0.0))
   weight = np.minimum(np.exp(np.where(mask > 0, old - gen, 0.0)), cfg.is_cap)
@@ -111,8 +122,9 @@ def reference_grads(agg: str):
     entropy = -jnp.sum(jnp.exp(logp_all) * logp_all, -1)
     w = rl.rollout_correction_weights(old, gen, mask, "tis", is_cap=cfg.is_cap)
     kw = dict(agg=agg, norm_constant=NORM)
-    policy, _ = rl.ppo_policy_loss(logp, old, batch["advantages_bt"][:, :-1], mask,
-                                   is_weights_bt=w, **kw)
+    policy, _ = rl.ppo_policy_loss(
+        logp, old, batch["advantages_bt"][:, :-1], mask, is_weights_bt=w, **kw
+    )
     kl, _ = rl.kl_loss(logp, ref, mask, estimator="k3", **kw)
     ent = rl.aggregate(entropy, mask, agg, NORM)
     return policy - cfg.entropy_coef * ent + cfg.kl_coef * kl
@@ -153,7 +165,7 @@ def test_update_step_matches_loss_and_gradient_by_hand(agg, num_micro):
   assert metrics["actor_loss"] == pytest.approx(expected, rel=1e-5, abs=1e-6)
 
   grads = reference_grads(agg)
-  grad_norm = float(jnp.sqrt(sum(jnp.sum(g ** 2) for g in jax.tree.leaves(grads))))
+  grad_norm = float(jnp.sqrt(sum(jnp.sum(g**2) for g in jax.tree.leaves(grads))))
   assert metrics["actor_grad_norm"] == pytest.approx(grad_norm, rel=1e-4)
   # The parameters move as the optimizer moves them for the reference gradient.
   # Adam's first step is about lr · sign(gradient); weights whose gradient is
@@ -198,8 +210,9 @@ def test_micro_batch_weights_reproduce_the_whole_batch(agg):
       part = numpy_aggregate(x[rows], mask[rows], agg)
     parts.append(w[k] * part)
   assert sum(parts) == pytest.approx(numpy_aggregate(x, mask, agg), rel=1e-6)
-  np.testing.assert_array_equal(step.micro_batch_weights(np.zeros((4, 3)), 2, agg),
-                                0.0 if agg != "token_sum_norm" else 0.5)
+  np.testing.assert_array_equal(
+      step.micro_batch_weights(np.zeros((4, 3)), 2, agg), 0.0 if agg != "token_sum_norm" else 0.5
+  )
 
 
 def test_loss_config_validates():
@@ -229,9 +242,11 @@ def test_trainer_loss_config_scores_at_the_sampling_temperature():
   # with, or the PPO ratio is not 1 even before the first update.
   from streamrl import settings  # pylint: disable=g-import-not-at-top
   from streamrl.trainer import rl_trainer  # pylint: disable=g-import-not-at-top
+
   s = settings.Settings().replace(
       sampling=settings.Sampling(temperature=TEMPERATURE, max_tokens=40),
-      loss=settings.Loss(agg="token_sum_norm"))
+      loss=settings.Loss(agg="token_sum_norm"),
+  )
   cfg = rl_trainer.loss_config(s)
   assert cfg.temperature == TEMPERATURE
   assert cfg.norm_constant == 40.0

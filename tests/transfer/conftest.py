@@ -8,73 +8,86 @@ import pytest
 
 from streamrl.transfer import Publisher, Receiver, TransferConfig
 
-NAMES = ["model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight",
-         "model.layers.0.self_attn.q_proj.bias", "model.norm.weight"]
+NAMES = [
+    "model.embed_tokens.weight",
+    "model.layers.0.mlp.up_proj.weight",
+    "model.layers.0.self_attn.q_proj.bias",
+    "model.norm.weight",
+]
 
 
 def make_tensors(seed: int = 0) -> dict:
-    rng = np.random.default_rng(seed)
-    return {
-        NAMES[0]: rng.standard_normal((64, 32)).astype(ml_dtypes.bfloat16),
-        NAMES[1]: rng.standard_normal((32, 48)).astype(ml_dtypes.bfloat16),
-        NAMES[2]: rng.standard_normal(32).astype(np.float32),
-        NAMES[3]: rng.standard_normal(32).astype(np.float32),
-    }  # ~7.5 KB: 8 chunks of 1 KiB
+  rng = np.random.default_rng(seed)
+  return {
+      NAMES[0]: rng.standard_normal((64, 32)).astype(ml_dtypes.bfloat16),
+      NAMES[1]: rng.standard_normal((32, 48)).astype(ml_dtypes.bfloat16),
+      NAMES[2]: rng.standard_normal(32).astype(np.float32),
+      NAMES[3]: rng.standard_normal(32).astype(np.float32),
+  }  # ~7.5 KB: 8 chunks of 1 KiB
 
 
 def same(a: dict, b: dict) -> bool:
-    return set(a) == set(b) and all(
-        a[k].dtype == b[k].dtype and a[k].shape == b[k].shape and a[k].tobytes() == b[k].tobytes() for k in a)
+  return set(a) == set(b) and all(
+      a[k].dtype == b[k].dtype and a[k].shape == b[k].shape and a[k].tobytes() == b[k].tobytes()
+      for k in a
+  )
 
 
 class Loads:
-    """A load_fn that records (version, copied tensors) per call."""
+  """A load_fn that records (version, copied tensors) per call."""
 
-    def __init__(self):
-        self.calls = []
-        self.lock = threading.Lock()
+  def __init__(self):
+    self.calls = []
+    self.lock = threading.Lock()
 
-    def __call__(self, tensors, version):
-        with self.lock:
-            self.calls.append((version, {k: np.array(v) for k, v in tensors.items()}))
+  def __call__(self, tensors, version):
+    with self.lock:
+      self.calls.append((version, {k: np.array(v) for k, v in tensors.items()}))
 
-    @property
-    def versions(self):
-        return [v for v, _ in self.calls]
+  @property
+  def versions(self):
+    return [v for v, _ in self.calls]
 
 
 class Cluster:
-    def __init__(self):
-        self.nodes = []
 
-    def publisher(self, dc="A", host="trainer", **cfg):
-        p = Publisher(config(**cfg), dc=dc, host=host)
-        self.nodes.append(p)
-        return p
+  def __init__(self):
+    self.nodes = []
 
-    def receiver(self, name, dc="A", host=None, schema=None, join=None, **cfg):
-        loads = Loads()
-        r = Receiver(name, dc, loads, schema, config=config(**cfg), host=host or f"host-{name}")
-        r.loads = loads
-        self.nodes.append(r)
-        if join is not None:
-            r.join(join.address, timeout=10)
-        return r
+  def publisher(self, dc="A", host="trainer", **cfg):
+    p = Publisher(config(**cfg), dc=dc, host=host)
+    self.nodes.append(p)
+    return p
 
-    def close(self):
-        for n in self.nodes:
-            n.close()
+  def receiver(self, name, dc="A", host=None, schema=None, join=None, **cfg):
+    loads = Loads()
+    r = Receiver(name, dc, loads, schema, config=config(**cfg), host=host or f"host-{name}")
+    r.loads = loads
+    self.nodes.append(r)
+    if join is not None:
+      r.join(join.address, timeout=10)
+    return r
+
+  def close(self):
+    for n in self.nodes:
+      n.close()
 
 
 def config(**overrides) -> TransferConfig:
-    base = dict(chunk_bytes=1024, fanout=2, max_retries=2, io_timeout_s=5.0, connect_timeout_s=1.0,
-                repair_interval_s=60.0)
-    base.update(overrides)
-    return TransferConfig(**base)
+  base = dict(
+      chunk_bytes=1024,
+      fanout=2,
+      max_retries=2,
+      io_timeout_s=5.0,
+      connect_timeout_s=1.0,
+      repair_interval_s=60.0,
+  )
+  base.update(overrides)
+  return TransferConfig(**base)
 
 
 @pytest.fixture
 def cluster():
-    c = Cluster()
-    yield c
-    c.close()
+  c = Cluster()
+  yield c
+  c.close()

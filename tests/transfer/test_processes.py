@@ -27,52 +27,66 @@ time.sleep(60)
 
 
 def _wait(pred, timeout=20.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.01)
-    return False
+  deadline = time.monotonic() + timeout
+  while time.monotonic() < deadline:
+    if pred():
+      return True
+    time.sleep(0.01)
+  return False
 
 
 def test_killed_receiver_process_does_not_block_the_others():
-    cfg = config(fanout=1, use_shm=False, uplink_bytes_per_s=8000.0, repair_interval_s=0.5)
-    pub = Publisher(cfg, dc="A", host="trainer")
-    procs = []
-    try:
-        procs = [spawn_receiver(f"p{i}", "A", relay_only, pub.address, config=cfg, host=f"h{i}") for i in range(3)]
-        assert pub.wait_receivers(3, timeout=60)
-        v = pub.publish(make_tensors(7))
-        head = pub.plan().children[0].info.name  # chain: sender -> head -> ... (fanout 1)
-        time.sleep(0.3)  # the head is a few chunks in and already forwarding
-        os.kill(procs[int(head[1:])].pid, signal.SIGKILL)
-        assert pub.wait_acks(v, timeout=30)
-        assert sorted(n for n, ver in pub.acked_versions().items() if ver == v) == \
-            sorted(f"p{i}" for i in range(3) if f"p{i}" != head)
-        assert head not in [i.name for i in pub.receivers()]
-    finally:
-        for p in procs:
-            p.kill()
-            p.join(5)
-        pub.close()
+  cfg = config(fanout=1, use_shm=False, uplink_bytes_per_s=8000.0, repair_interval_s=0.5)
+  pub = Publisher(cfg, dc="A", host="trainer")
+  procs = []
+  try:
+    procs = [
+        spawn_receiver(f"p{i}", "A", relay_only, pub.address, config=cfg, host=f"h{i}")
+        for i in range(3)
+    ]
+    assert pub.wait_receivers(3, timeout=60)
+    v = pub.publish(make_tensors(7))
+    head = pub.plan().children[0].info.name  # chain: sender -> head -> ... (fanout 1)
+    time.sleep(0.3)  # the head is a few chunks in and already forwarding
+    os.kill(procs[int(head[1:])].pid, signal.SIGKILL)
+    assert pub.wait_acks(v, timeout=30)
+    assert sorted(n for n, ver in pub.acked_versions().items() if ver == v) == sorted(
+        f"p{i}" for i in range(3) if f"p{i}" != head
+    )
+    assert head not in [i.name for i in pub.receivers()]
+  finally:
+    for p in procs:
+      p.kill()
+      p.join(5)
+    pub.close()
 
 
 def test_killed_sender_leaves_receiver_on_its_old_version():
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.Popen([sys.executable, "-c", SENDER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            text=True, env=env, cwd=ROOT)
-    loads = Loads()
-    r = Receiver("r", "A", loads, config=config(use_shm=False, max_retries=1), host="h", initial_version=0)
-    try:
-        port = int(proc.stdout.readline())
-        r.join(("127.0.0.1", port), timeout=30)
-        proc.stdin.write("go\n")
-        proc.stdin.flush()
-        assert _wait(lambda: r._inflight is not None and r._inflight.ready >= 2)
-        os.kill(proc.pid, signal.SIGKILL)  # the sender dies with version 1 half delivered
-        assert _wait(lambda: 1 in r._gave_up)
-        assert r.version == 0 and loads.calls == [] and r._inflight is None  # load_fn never saw partial data
-    finally:
-        r.close()
-        proc.kill()
-        proc.wait(5)
+  env = dict(os.environ, PYTHONPATH=str(ROOT))
+  proc = subprocess.Popen(
+      [sys.executable, "-c", SENDER],
+      stdin=subprocess.PIPE,
+      stdout=subprocess.PIPE,
+      text=True,
+      env=env,
+      cwd=ROOT,
+  )
+  loads = Loads()
+  r = Receiver(
+      "r", "A", loads, config=config(use_shm=False, max_retries=1), host="h", initial_version=0
+  )
+  try:
+    port = int(proc.stdout.readline())
+    r.join(("127.0.0.1", port), timeout=30)
+    proc.stdin.write("go\n")
+    proc.stdin.flush()
+    assert _wait(lambda: r._inflight is not None and r._inflight.ready >= 2)
+    os.kill(proc.pid, signal.SIGKILL)  # the sender dies with version 1 half delivered
+    assert _wait(lambda: 1 in r._gave_up)
+    assert (
+        r.version == 0 and loads.calls == [] and r._inflight is None
+    )  # load_fn never saw partial data
+  finally:
+    r.close()
+    proc.kill()
+    proc.wait(5)

@@ -8,53 +8,55 @@ from streamrl.transfer.topology import ReceiverInfo, TreeNode, iter_edges, plan_
 
 
 def _receivers(counts, host=lambda dc, i: f"{dc}-h{i}"):
-    return [ReceiverInfo(f"{dc}{i}", dc, host(dc, i), ("127.0.0.1", 1000 + k))
-            for k, (dc, i) in enumerate((dc, i) for dc, n in counts.items() for i in range(n))]
+  return [
+      ReceiverInfo(f"{dc}{i}", dc, host(dc, i), ("127.0.0.1", 1000 + k))
+      for k, (dc, i) in enumerate((dc, i) for dc, n in counts.items() for i in range(n))
+  ]
 
 
 def _depth(node, d=0):
-    return max([d] + [_depth(c, d + 1) for c in node.children])
+  return max([d] + [_depth(c, d + 1) for c in node.children])
 
 
 @pytest.mark.parametrize("fanout", [1, 2, 3, 8])
 def test_every_receiver_once_and_one_crossing_per_far_dc(fanout):
-    rs = _receivers({"A": 7, "B": 5, "C": 1})
-    tree = plan_topology(rs[::-1], "A", fanout)
-    edges = list(iter_edges(tree))
-    children = [c.name for _, c in edges]
-    assert sorted(children) == sorted(r.name for r in rs)  # exactly once each
-    crossing = [(p, c) for p, c in edges if (p.dc if p else "A") != c.dc]
-    assert sorted(c.dc for _, c in crossing) == ["B", "C"]
-    assert all(p is None for p, _ in crossing)  # only the sender crosses, to one relay per datacenter
-    out = collections.Counter(p.name if p else None for p, _ in edges)
-    assert all(n <= fanout for name, n in out.items() if name is not None)
-    assert out[None] <= fanout + 2  # local subtrees + one relay per far datacenter
-    assert plan_topology(rs, "A", fanout) == tree  # deterministic
+  rs = _receivers({"A": 7, "B": 5, "C": 1})
+  tree = plan_topology(rs[::-1], "A", fanout)
+  edges = list(iter_edges(tree))
+  children = [c.name for _, c in edges]
+  assert sorted(children) == sorted(r.name for r in rs)  # exactly once each
+  crossing = [(p, c) for p, c in edges if (p.dc if p else "A") != c.dc]
+  assert sorted(c.dc for _, c in crossing) == ["B", "C"]
+  assert all(p is None for p, _ in crossing)  # only the sender crosses, to one relay per datacenter
+  out = collections.Counter(p.name if p else None for p, _ in edges)
+  assert all(n <= fanout for name, n in out.items() if name is not None)
+  assert out[None] <= fanout + 2  # local subtrees + one relay per far datacenter
+  assert plan_topology(rs, "A", fanout) == tree  # deterministic
 
 
 def test_tree_depth_is_logarithmic():
-    tree = plan_topology(_receivers({"A": 15}), "A", 2)
-    assert _depth(tree) == 4  # sender + 15 in a binary heap: 16 nodes, depth 4
-    assert _depth(plan_topology(_receivers({"A": 15}), "A", 1)) == 15  # fanout 1 is a chain
+  tree = plan_topology(_receivers({"A": 15}), "A", 2)
+  assert _depth(tree) == 4  # sender + 15 in a binary heap: 16 nodes, depth 4
+  assert _depth(plan_topology(_receivers({"A": 15}), "A", 1)) == 15  # fanout 1 is a chain
 
 
 def test_same_host_receivers_hang_off_the_sender_when_shm_is_on():
-    rs = _receivers({"A": 6}, host=lambda dc, i: "trainer" if i < 4 else f"h{i}")
-    tree = plan_topology(rs, "A", 1, sender_host="trainer")
-    direct = [c.info.name for c in tree.children]
-    assert direct[:4] == ["A0", "A1", "A2", "A3"] and all(not c.children for c in tree.children[:4])
-    assert len(list(iter_edges(tree))) == 6
-    no_shm = plan_topology(rs, "A", 1)
-    assert len(no_shm.children) == 1
+  rs = _receivers({"A": 6}, host=lambda dc, i: "trainer" if i < 4 else f"h{i}")
+  tree = plan_topology(rs, "A", 1, sender_host="trainer")
+  direct = [c.info.name for c in tree.children]
+  assert direct[:4] == ["A0", "A1", "A2", "A3"] and all(not c.children for c in tree.children[:4])
+  assert len(list(iter_edges(tree))) == 6
+  no_shm = plan_topology(rs, "A", 1)
+  assert len(no_shm.children) == 1
 
 
 def test_direct_plan_and_bad_input():
-    rs = _receivers({"A": 2, "B": 3})
-    tree = plan_direct(rs)
-    assert all(not c.children for c in tree.children) and len(tree.children) == 5
-    with pytest.raises(ValueError, match="unique"):
-        plan_topology(rs + rs[:1], "A", 2)
-    with pytest.raises(ValueError, match="fanout"):
-        plan_topology(rs, "A", 0)
-    assert TreeNode.from_json(plan_topology(rs, "A", 2).to_json()) == plan_topology(rs, "A", 2)
-    assert plan_topology([], "A", 2) == TreeNode(None, ())
+  rs = _receivers({"A": 2, "B": 3})
+  tree = plan_direct(rs)
+  assert all(not c.children for c in tree.children) and len(tree.children) == 5
+  with pytest.raises(ValueError, match="unique"):
+    plan_topology(rs + rs[:1], "A", 2)
+  with pytest.raises(ValueError, match="fanout"):
+    plan_topology(rs, "A", 0)
+  assert TreeNode.from_json(plan_topology(rs, "A", 2).to_json()) == plan_topology(rs, "A", 2)
+  assert plan_topology([], "A", 2) == TreeNode(None, ())

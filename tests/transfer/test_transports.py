@@ -9,47 +9,48 @@ from streamrl.transfer.transports import RateLimiter, recv_exact, recv_json, sen
 
 
 class FakeClock:
-    def __init__(self):
-        self.t = 0.0
 
-    def __call__(self):
-        return self.t
+  def __init__(self):
+    self.t = 0.0
 
-    def sleep(self, dt):
-        self.t += dt
+  def __call__(self):
+    return self.t
+
+  def sleep(self, dt):
+    self.t += dt
 
 
 def test_token_bucket_paces_to_the_rate_after_the_burst():
-    clock = FakeClock()
-    lim = RateLimiter(1000.0, burst=100, clock=clock, sleep=clock.sleep)
-    assert lim.consume(100) == 0.0  # the burst goes out at once
-    for _ in range(10):
-        lim.consume(100)
-    assert clock.t == pytest.approx(1.0)  # 1000 bytes more at 1000 B/s
-    clock.t += 5.0  # idle: credit is capped at one burst
+  clock = FakeClock()
+  lim = RateLimiter(1000.0, burst=100, clock=clock, sleep=clock.sleep)
+  assert lim.consume(100) == 0.0  # the burst goes out at once
+  for _ in range(10):
     lim.consume(100)
-    assert lim.consume(100) == pytest.approx(0.1)
+  assert clock.t == pytest.approx(1.0)  # 1000 bytes more at 1000 B/s
+  clock.t += 5.0  # idle: credit is capped at one burst
+  lim.consume(100)
+  assert lim.consume(100) == pytest.approx(0.1)
 
 
 def test_two_streams_share_one_link():
-    clock = FakeClock()
-    lim = RateLimiter(1000.0, burst=0, clock=clock, sleep=clock.sleep)
-    for _ in range(5):
-        lim.consume(100)  # stream 1
-        lim.consume(100)  # stream 2
-    assert clock.t == pytest.approx(1.0)
+  clock = FakeClock()
+  lim = RateLimiter(1000.0, burst=0, clock=clock, sleep=clock.sleep)
+  for _ in range(5):
+    lim.consume(100)  # stream 1
+    lim.consume(100)  # stream 2
+  assert clock.t == pytest.approx(1.0)
 
 
 def test_frames_roundtrip_and_errors_surface():
-    a, b = socket.socketpair()
-    with a, b:
-        send_json(a, {"op": "get", "want": 3})
-        assert recv_json(b) == {"op": "get", "want": 3}
-        send_limited(a, memoryview(b"x" * 1000), [RateLimiter(1e12)])
-        assert bytes(recv_exact(b, 1000)) == b"x" * 1000
-        send_error(a, "chunk 3 is corrupted")
-        with pytest.raises(TransferError, match="chunk 3 is corrupted"):
-            recv_json(b)
-        a.close()
-        with pytest.raises(TransferError, match="closed"):
-            recv_json(b)
+  a, b = socket.socketpair()
+  with a, b:
+    send_json(a, {"op": "get", "want": 3})
+    assert recv_json(b) == {"op": "get", "want": 3}
+    send_limited(a, memoryview(b"x" * 1000), [RateLimiter(1e12)])
+    assert bytes(recv_exact(b, 1000)) == b"x" * 1000
+    send_error(a, "chunk 3 is corrupted")
+    with pytest.raises(TransferError, match="chunk 3 is corrupted"):
+      recv_json(b)
+    a.close()
+    with pytest.raises(TransferError, match="closed"):
+      recv_json(b)
