@@ -38,7 +38,6 @@ from streamrl.data.loader import PromptLoader, make_requests
 from streamrl.data.rewards import Rewarder, get_reward_fn
 from streamrl.data.tokenizer import Tokenizer
 from streamrl.generator import make_rollout
-from streamrl.generator.local import sampling_for
 from streamrl.generator.rollout import SamplingConfig
 from streamrl.models import hf, warmstart
 from streamrl.pipeline import base as mode_base
