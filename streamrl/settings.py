@@ -99,6 +99,15 @@ class Engine:
   # CPU engines: run vLLM's engine core inside the actor's process (fast
   # start, every thread pinned) rather than as a child process.
   in_process: bool = _key("cluster.engine_in_process", True)
+  # GPUs each Ray generator instance asks Ray for (0: a CPU engine, pinned
+  # to its own cores); the engine shards over them with tensor parallelism.
+  gpus_per_instance: int = _key("generation.gpus_per_instance", 0)
+  tensor_parallel_size: int = _key("generation.tensor_parallel_size", 1)
+  # GPU engines: the fraction of GPU memory vLLM takes for weights + KV cache
+  # (CPU engines size their KV cache by kv_cache_gib instead).
+  gpu_memory_utilization: float = _key("generation.gpu_memory_utilization", 0.85)
+  # GPU engines capture CUDA graphs unless True; CPU engines always run eager.
+  enforce_eager: bool = _key("generation.enforce_eager", False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -449,6 +458,18 @@ def validate(s: Settings, *, check_files: bool = True) -> None:
       f"generation.num_instances=1 or use sync / stream / async for {e.num_instances}.",
   )
   _positive("generation.coalesce_s", e.coalesce_s, zero_ok=True)
+  _positive("generation.gpus_per_instance", e.gpus_per_instance, zero_ok=True)
+  _positive("generation.tensor_parallel_size", e.tensor_parallel_size)
+  _need(
+      e.gpus_per_instance == 0 or e.tensor_parallel_size == e.gpus_per_instance,
+      f"generation.tensor_parallel_size={e.tensor_parallel_size} must equal "
+      f"generation.gpus_per_instance={e.gpus_per_instance} (one engine shards over all its "
+      f"GPUs); set tensor_parallel_size={e.gpus_per_instance}.",
+  )
+  _need(
+      0 < e.gpu_memory_utilization <= 1,
+      f"generation.gpu_memory_utilization={e.gpu_memory_utilization} must be in (0, 1].",
+  )
 
   _one_of("generation.scheduler", sch.kind, SCHEDULERS)
   _need(

@@ -116,7 +116,7 @@ def write_placement(workdir: str, placement: dict | None, rollout) -> None:
       }
   )
   placement["generators"] = {
-      str(i): {k: v for k, v in info.items() if k in ("pid", "cores", "torch_threads")}
+      str(i): {k: v for k, v in info.items() if k in ("pid", "cores", "torch_threads", "gpu_ids")}
       for i, info in rollout.placement.items()
   }
   if not placement["generators"]:

@@ -87,6 +87,11 @@ def test_an_unknown_key_is_refused_with_its_name():
         ("model.path", "/nonexistent/model", "config.json"),
         ("generation.latency_profile", "/nonexistent.json", "latency_profile"),
         ("transfer.enabled", True, "colocated"),
+        ("generation.gpus_per_instance", -1, "gpus_per_instance"),
+        ("generation.tensor_parallel_size", 0, "tensor_parallel_size"),
+        ("generation.gpus_per_instance", 2, "tensor_parallel_size=2"),
+        ("generation.gpu_memory_utilization", 0.0, "gpu_memory_utilization"),
+        ("generation.gpu_memory_utilization", 1.5, "gpu_memory_utilization"),
     ],
 )
 def test_bad_values_fail_with_one_sentence_naming_the_key(key, value, match):

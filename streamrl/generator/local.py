@@ -20,6 +20,9 @@ def engine_kwargs(engine: settings_lib.Engine, *, dtype: str, seed: int) -> dict
       seed=seed,
       kv_cache_gib=engine.kv_cache_gib,
       dtype=dtype,
+      tensor_parallel_size=engine.tensor_parallel_size,
+      gpu_memory_utilization=engine.gpu_memory_utilization,
+      enforce_eager=engine.enforce_eager,
   )
 
 

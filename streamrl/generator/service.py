@@ -54,7 +54,7 @@ class GeneratorActor:
       instance_id: int,
       engine_kwargs: dict,
       cores: Sequence[int] | None,
-      num_threads: int,
+      num_threads: int | None,
       in_process: bool = True,
       log_dir: str | None = None,
   ):
@@ -62,9 +62,11 @@ class GeneratorActor:
     from streamrl import metrics  # pylint: disable=g-import-not-at-top
 
     metrics.configure_actor_logging(log_dir)
-    # Before torch loads: libgomp sizes its pool from OMP_NUM_THREADS.
-    os.environ["OMP_NUM_THREADS"] = str(num_threads)
-    os.environ["MKL_NUM_THREADS"] = str(num_threads)
+    # Before torch loads: libgomp sizes its pool from OMP_NUM_THREADS. None
+    # (GPU engines): leave the thread counts as Ray set them.
+    if num_threads is not None:
+      os.environ["OMP_NUM_THREADS"] = str(num_threads)
+      os.environ["MKL_NUM_THREADS"] = str(num_threads)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     # In-process engine: no extra engine-core process, ~2.5 s start-up instead
     # of ~15 s on CPU, and the pinning below covers every engine thread.
@@ -75,7 +77,8 @@ class GeneratorActor:
     t0 = time.perf_counter()
     import torch  # pylint: disable=g-import-not-at-top
     # Must precede the engine: vLLM's CPU worker disables set_num_threads.
-    torch.set_num_threads(num_threads)
+    if num_threads is not None:
+      torch.set_num_threads(num_threads)
     from streamrl.generator.vllm_engine import GeneratorInstance  # pylint: disable=g-import-not-at-top
 
     self._gen = GeneratorInstance(model_dir, instance_id=instance_id, **engine_kwargs)
@@ -97,6 +100,8 @@ class GeneratorActor:
         "weight_version": self._gen.weight_version,
         "cores": tuple(sorted(os.sched_getaffinity(0))),
         "torch_threads": torch.get_num_threads(),
+        # What Ray gave this actor (None: no GPU was asked for).
+        "gpu_ids": os.environ.get("CUDA_VISIBLE_DEVICES"),
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
         "engine_in_process": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0",
         "startup_s": self._startup_s,
@@ -218,6 +223,18 @@ class GeneratorActor:
       time.sleep(0.05)
 
 
+def actor_options(engine: settings_lib.Engine, generator_cpus: float, num_instances: int) -> dict:
+  """The Ray resources of one `GeneratorActor`: its share of the generator
+  CPUs, one slot of the generation pool and `engine.gpus_per_instance` GPUs
+  (Ray then sets the actor's CUDA_VISIBLE_DEVICES to GPUs of its own)."""
+  return dict(
+      num_cpus=round(generator_cpus / num_instances, 4),
+      num_gpus=engine.gpus_per_instance,
+      resources={cluster_lib.GENERATION_POOL: 1},
+      name=None,
+  )
+
+
 @dataclasses.dataclass
 class _Stream:
   """One generate call running on one instance."""
@@ -276,16 +293,18 @@ class StreamGenerationService:
     self.num_instances = num_instances
     self.placement: dict[int, dict] = {}
     self._actors = {}
+    self._gpus_per_instance = engine.gpus_per_instance
+    options = actor_options(engine, generator_cpus, num_instances)
     for i in range(num_instances):
-      cores = (
-          cluster.shares.instance_cores(i, num_instances) if cluster.shares is not None else None
-      )
-      threads = len(cores) if cores else max(1, generator_cpus // num_instances)
-      self._actors[i] = GeneratorActor.options(
-          num_cpus=round(generator_cpus / num_instances, 4),
-          resources={cluster_lib.GENERATION_POOL: 1},
-          name=None,
-      ).remote(
+      if engine.gpus_per_instance:
+        # A GPU engine: its CPU threads only feed the GPUs, no core pinning.
+        cores, threads = None, None
+      else:
+        cores = (
+            cluster.shares.instance_cores(i, num_instances) if cluster.shares is not None else None
+        )
+        threads = len(cores) if cores else max(1, generator_cpus // num_instances)
+      self._actors[i] = GeneratorActor.options(**options).remote(
           model_dir,
           instance_id=i,
           engine_kwargs=kwargs,
@@ -317,6 +336,11 @@ class StreamGenerationService:
 
   def _wait_ready(self, timeout_s: float) -> None:
     refs = {i: a.info.remote() for i, a in self._actors.items()}
+    gpus = (
+        f" and {self.num_instances} x {self._gpus_per_instance} GPUs"
+        if self._gpus_per_instance
+        else ""
+    )
     try:
       infos = ray.get(list(refs.values()), timeout=timeout_s)
     except ray.exceptions.GetTimeoutError:
@@ -324,7 +348,7 @@ class StreamGenerationService:
       raise TimeoutError(
           f"The generator instances did not start within {timeout_s:.0f} s; check that the "
           f"cluster offers {self.num_instances} x {cluster_lib.GENERATION_POOL!r} and enough "
-          "CPUs (ray status)."
+          f"CPUs{gpus} (ray status)."
       ) from None
     except ray.exceptions.RayActorError as e:
       bad = next((i for i, r in refs.items() if _failed(r)), "?")

@@ -228,25 +228,39 @@ class GeneratorInstance:
       dtype: str = "float32",
       enforce_eager: bool = True,
       enable_prefix_caching: bool = True,
+      tensor_parallel_size: int = 1,
+      gpu_memory_utilization: float = 0.85,
   ):
     from vllm.platforms import current_platform  # pylint: disable=g-import-not-at-top
 
-    self.model_config = check_model_dir(model_dir, on_cpu=current_platform.is_cpu())
-    # Read by the CPU backend when the engine starts; without it the engine
-    # reserves a fraction of all RAM.
-    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, int(np.ceil(kv_cache_gib))))
+    on_cpu = current_platform.is_cpu()
+    self.model_config = check_model_dir(model_dir, on_cpu=on_cpu)
+    memory = {}
+    if on_cpu:
+      # Read by the CPU backend when the engine starts; without it the engine
+      # reserves a fraction of all RAM.
+      os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, int(np.ceil(kv_cache_gib))))
+    else:
+      # On a GPU the KV cache takes what this fraction of the GPU's memory
+      # leaves after the weights. (On CPU vLLM reads it as a fraction of RAM
+      # to reserve, so it is not passed there.)
+      memory["gpu_memory_utilization"] = gpu_memory_utilization
     from vllm import EngineArgs  # pylint: disable=g-import-not-at-top
     from vllm.v1.engine.llm_engine import LLMEngine  # pylint: disable=g-import-not-at-top
 
-    on_cpu = current_platform.is_cpu()
     args = EngineArgs(
         model=model_dir,
         dtype=dtype,
         seed=seed,
         max_num_seqs=max_num_seqs,
         max_model_len=max_model_len,
-        enforce_eager=enforce_eager,
+        # On CPU, enforce_eager=False would make vLLM compile the model with
+        # torch inductor at start-up (there are no CUDA graphs there): CPU
+        # engines always run eager.
+        enforce_eager=enforce_eager or on_cpu,
         enable_prefix_caching=enable_prefix_caching,
+        tensor_parallel_size=tensor_parallel_size,
+        **memory,
         # A partially prefilled request rewinds its seeded sampler with
         # Generator.set_offset, which CPU generators lack (the engine dies
         # with "CPU Generator does not use offset"): no chunked prefill on CPU.
