@@ -26,6 +26,7 @@ import sys
 import ray
 
 from streamrl import cluster as cluster_lib
+from streamrl import metrics
 from streamrl import settings as settings_lib
 from streamrl import train
 
@@ -64,8 +65,6 @@ class TrainerActor:
   def run(self, s: settings_lib.Settings, workdir: str, info: cluster_lib.ClusterInfo) -> dict:
     os.makedirs(workdir, exist_ok=True)
     _redirect_output(os.path.join(workdir, LOG_NAME))
-    from streamrl import metrics  # pylint: disable=g-import-not-at-top
-
     metrics.configure_actor_logging(workdir)
     placement = {
         "trainer": {
@@ -80,12 +79,7 @@ class TrainerActor:
 
 def _redirect_output(path: str) -> None:
   """Sends this process's stdout and stderr (Python's and C's) to `path`."""
-  sys.stdout.flush()
-  sys.stderr.flush()
-  fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-  os.dup2(fd, 1)
-  os.dup2(fd, 2)
-  os.close(fd)
+  metrics.point_output_at(path)
   sys.stdout = os.fdopen(1, "w", buffering=1, closefd=False)
   sys.stderr = os.fdopen(2, "w", buffering=1, closefd=False)
 

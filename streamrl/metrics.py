@@ -190,6 +190,17 @@ def configure_logging(
   return log_path
 
 
+def point_output_at(path: str) -> None:
+  """Points this process's file descriptors 1 and 2 (Python's and C's
+  stdout/stderr, and what processes started later inherit) at `path`."""
+  sys.stdout.flush()
+  sys.stderr.flush()
+  fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+  os.dup2(fd, 1)
+  os.dup2(fd, 2)
+  os.close(fd)
+
+
 @contextlib.contextmanager
 def output_to_library_log() -> Iterator[None]:
   """Sends this process's raw stdout/stderr (C++ warnings, tqdm bars, and the
@@ -198,20 +209,16 @@ def output_to_library_log() -> Iterator[None]:
   if _library_log is None:
     yield
     return
-  sys.stdout.flush()
-  sys.stderr.flush()
   saved = os.dup(1), os.dup(2)
-  fd = os.open(_library_log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
   try:
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
+    point_output_at(_library_log)
     yield
   finally:
     sys.stdout.flush()
     sys.stderr.flush()
     os.dup2(saved[0], 1)
     os.dup2(saved[1], 2)
-    for f in (fd, *saved):
+    for f in saved:
       os.close(f)
 
 

@@ -25,13 +25,13 @@ from typing import Any
 import ml_collections
 
 from streamrl.errors import UserError
+from streamrl.scheduling.policy import SCHEDULERS
 
 PIPELINE_MODES = ("colocated", "sync", "stream", "async")
 ADVANTAGES = ("gae", "grpo", "rloo", "reinforce_pp")
 LOSS_AGGS = ("token_mean", "token_sum_norm", "seq_mean_token_mean", "seq_mean_token_sum")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 ROLLOUT_CORRECTIONS = ("auto", "none", "tis", "mis")
-SCHEDULERS = ("fifo", "skew", "oracle")
 DISPATCH_OBJECTIVES = ("makespan", "mean")
 LATENCY_MODELS = ("paper", "simulate")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -317,14 +317,7 @@ def config_keys() -> list[str]:
 
 def default_config() -> ml_collections.ConfigDict:
   """The complete run config with every default; configs/*.py start here."""
-  root: dict = {}
-  for _, _, f in _leaves():
-    *groups, leaf = f.metadata["key"].split(".")
-    node = root
-    for g in groups:
-      node = node.setdefault(g, {})
-    node[leaf] = f.default
-  return ml_collections.ConfigDict(root)
+  return to_config(Settings())
 
 
 def _config_leaves(node, prefix: str = "") -> dict[str, Any]:
@@ -345,7 +338,7 @@ def _coerce(key: str, value: Any, want: Any) -> Any:
     return float(value)
   if want is tuple and isinstance(value, list):
     return tuple(value)
-  if want is int and isinstance(value, bool) or not isinstance(value, want):
+  if (want is int and isinstance(value, bool)) or not isinstance(value, want):
     raise UserError(
         f"{key}={value!r} must be {want.__name__}; fix it in the config or "
         f"with --config.{key}=..."
@@ -382,14 +375,14 @@ def from_config(config, *, check_files: bool = True) -> Settings:
 
 def to_config(s: Settings) -> ml_collections.ConfigDict:
   """The config that maps back onto `s` (for config.json and Ray)."""
-  config = default_config()
+  root: dict = {}
   for part, name, f in _leaves():
     *groups, leaf = f.metadata["key"].split(".")
-    node = config
+    node = root
     for g in groups:
-      node = node[g]
+      node = node.setdefault(g, {})
     node[leaf] = getattr(getattr(s, part) if part else s, name)
-  return config
+  return ml_collections.ConfigDict(root)
 
 
 # -------------------------------------------------------------- validation
