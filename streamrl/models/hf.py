@@ -17,9 +17,9 @@ from collections.abc import Callable, Iterator, Mapping
 import jax
 import numpy as np
 from flax import nnx
-from safetensors.numpy import load_file, save_file
 
 from streamrl.errors import MissingFileError, UserError
+from streamrl.models import safetensors_io
 from streamrl.models.config import ModelConfig
 from streamrl.models.transformer import Transformer
 
@@ -98,15 +98,56 @@ def _set(tree, path, value):
   tree[path[-1]] = value
 
 
-def to_hf_tensors(model: Transformer, dtype=np.float32) -> dict[str, np.ndarray]:
-  """Flax policy -> {HF parameter name: numpy array}, ready for vLLM."""
-  pure = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-  pure = jax.device_get(pure)
-  # One copy per tensor: transpose and cast in a single contiguous write.
-  return {
-      e.hf_name: np.ascontiguousarray(e.to_hf(np.asarray(_get(pure, e.path))), dtype=dtype)
-      for e in _layout(model.cfg)
-  }
+class HFTensors(Mapping[str, np.ndarray]):
+  """A policy's parameters under their HF names, each converted when read.
+
+  Reading a key copies that one parameter to the host, cast to `dtype` on
+  its device first (so a bf16 export moves half the bytes and never holds
+  an fp32 copy), and lays it out as HF / vLLM expect. Nothing is cached:
+  iterating `items()` streams the model one tensor at a time.
+
+  Args:
+    model: the Flax policy (sharded or not).
+    dtype: the receiver's dtype: "float32", "bfloat16", "float16" or a numpy dtype.
+  """
+
+  def __init__(self, model: Transformer, dtype="float32"):
+    self.cfg = model.cfg
+    self.dtype = safetensors_io.numpy_dtype(dtype)
+    self._params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    self._entries = {e.hf_name: e for e in _layout(model.cfg)}
+
+  def __getitem__(self, name: str) -> np.ndarray:
+    e = self._entries[name]
+    value = _get(self._params, e.path)
+    if hasattr(value, "astype") and not isinstance(value, np.ndarray):
+      value = value.astype(self.dtype)  # on device: only dtype-sized bytes leave it
+    host = np.asarray(jax.device_get(value))
+    # One host copy per tensor: the layout change and the cast in a single write.
+    return np.ascontiguousarray(e.to_hf(host), dtype=self.dtype)
+
+  def __iter__(self):
+    return iter(self._entries)
+
+  def __len__(self) -> int:
+    return len(self._entries)
+
+  def specs(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """{name: (HF shape, dtype)} without reading any parameter."""
+    out = {}
+    for name, e in self._entries.items():
+      param = _get(self._params, e.path)
+      shape = jax.eval_shape(e.to_hf, jax.ShapeDtypeStruct(np.shape(param), np.float32)).shape
+      out[name] = (tuple(shape), self.dtype)
+    return out
+
+  def nbytes(self) -> int:
+    return sum(int(np.prod(s)) * d.itemsize for s, d in self.specs().values())
+
+
+def to_hf_tensors(model: Transformer, dtype="float32") -> dict[str, np.ndarray]:
+  """Flax policy -> {HF parameter name: numpy array}, ready for vLLM (all in memory)."""
+  return dict(HFTensors(model, dtype))
 
 
 def from_hf_tensors(cfg: ModelConfig, tensors: Mapping[str, np.ndarray]) -> Transformer:
@@ -261,7 +302,7 @@ def load_hf_tensors(model_dir: str) -> dict[str, np.ndarray]:
     )
   tensors: dict[str, np.ndarray] = {}
   for f in files:
-    tensors.update(load_file(f))
+    tensors.update(safetensors_io.load(f))
   return tensors
 
 
@@ -281,12 +322,16 @@ def load_hf(model_dir: str) -> tuple[ModelConfig, Transformer]:
   return cfg, from_hf_tensors(cfg, tensors)
 
 
-def save_hf(model: Transformer, model_dir: str, **config_kwargs) -> str:
-  """Writes config.json + model.safetensors (float32) into `model_dir`."""
+def save_hf(model: Transformer, model_dir: str, *, dtype="float32", **config_kwargs) -> str:
+  """Writes config.json + model.safetensors (in `dtype`) into `model_dir`."""
   os.makedirs(model_dir, exist_ok=True)
+  config = hf_config_dict(model.cfg, **config_kwargs)
+  config["torch_dtype"] = str(safetensors_io.numpy_dtype(dtype))
   with open(os.path.join(model_dir, "config.json"), "w") as f:
-    json.dump(hf_config_dict(model.cfg, **config_kwargs), f, indent=2)
-  save_file(
-      to_hf_tensors(model), os.path.join(model_dir, "model.safetensors"), metadata={"format": "pt"}
+    json.dump(config, f, indent=2)
+  safetensors_io.save(
+      os.path.join(model_dir, "model.safetensors"),
+      HFTensors(model, dtype),
+      metadata={"format": "pt"},
   )
   return model_dir

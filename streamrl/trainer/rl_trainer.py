@@ -104,6 +104,7 @@ class RLTrainer:
     actor_optim, critic_optim: optimizer configs (critic_optim None: no critic).
     mini_batch_size, micro_batch_size: in samples.
     use_reference: keep a frozen copy of the initial policy for the KL term.
+    export_dtype: the generators' dtype, in which `export_weights` hands weights over.
     mesh: the device mesh (default: `mesh_axes` over all devices).
   """
 
@@ -121,7 +122,9 @@ class RLTrainer:
       seed: int = 0,
       mesh: jax.sharding.Mesh | None = None,
       mesh_axes: dict | None = None,
+      export_dtype: str = "float32",
   ):
+    self.export_dtype = export_dtype
     self.mesh = mesh or sharding.make_mesh(dict(mesh_axes or {"fsdp": -1}))
     self.loss_cfg = loss
     self.adv_cfg = advantage
@@ -161,6 +164,7 @@ class RLTrainer:
         seed=s.seed,
         mesh=mesh,
         mesh_axes=s.mesh.axes(),
+        export_dtype=s.model.dtype,
     )
 
   # ------------------------------------------------------------ per-sample work
@@ -261,9 +265,13 @@ class RLTrainer:
   def policy(self) -> Transformer:
     return nnx.merge(self.models.actor_def, self.state.actor)
 
-  def export_weights(self) -> dict[str, np.ndarray]:
-    """The actor as HF-named numpy tensors, for the generators."""
-    return hf.to_hf_tensors(self.policy())
+  def export_weights(self, dtype=None) -> hf.HFTensors:
+    """The actor as HF-named tensors in the generators' dtype, converted as read.
+
+    The result is lazy (`hf.HFTensors`): a consumer that walks `items()`
+    holds one converted tensor at a time, never a full fp32 host copy.
+    """
+    return hf.HFTensors(self.policy(), dtype or self.export_dtype)
 
   def checkpoint_arrays(self) -> dict:
     return {"state": self.state}
