@@ -147,7 +147,7 @@ class Workload:
     if self._cluster is None:
       from streamrl import cluster  # pylint: disable=g-import-not-at-top
 
-      self._cluster = cluster.init_ray_for(s.cluster)
+      self._cluster = cluster.init_ray_for(s.cluster, s.gpus_needed)
     return self._cluster
 
   def local_rollout(self, threads: int = 1):

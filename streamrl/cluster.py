@@ -348,11 +348,25 @@ def _probe_gcs(address: str, timeout_s: float) -> None:
     )
 
 
-def init_ray_for(c) -> ClusterInfo:
-  """Starts or joins Ray as `c` (a `streamrl.settings.Cluster`) says."""
-  return init_ray(
+def init_ray_for(c, gpus_needed: int = 0) -> ClusterInfo:
+  """Starts or joins Ray as `c` (a `streamrl.settings.Cluster`) says, and
+  checks that the cluster has the `gpus_needed` GPUs the run will ask for
+  (an actor asking for more than exist would wait forever)."""
+  info = init_ray(
       c.address or None,
       generator_cpus=c.generator_cpus,
       trainer_cpus=c.trainer_cpus,
       timeout_s=c.connect_timeout_s,
   )
+  check_gpus(gpus_needed, info.resources)
+  return info
+
+
+def check_gpus(needed: int, resources: dict) -> None:
+  have = int(resources.get("GPU", 0))
+  if needed > have:
+    raise UserError(
+        f"The run asks for {needed} GPUs (cluster.trainer_gpus + generation.num_instances x "
+        f"generation.gpus_per_instance) but the Ray cluster has {have}; lower those settings "
+        "or add GPU nodes."
+    )

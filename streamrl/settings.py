@@ -19,12 +19,14 @@ from these defaults, and the files in configs/ start from it.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from typing import Any
 
 import ml_collections
 
 from streamrl.errors import UserError
+from streamrl.models.config import COMPUTE_DTYPES, REMAT_POLICIES
 from streamrl.scheduling.policy import SCHEDULERS
 
 PIPELINE_MODES = ("colocated", "sync", "stream", "async")
@@ -174,13 +176,27 @@ class Loss:
 
 @dataclasses.dataclass(frozen=True)
 class Trainer:
-  """Iterations and batch sizes (in samples)."""
+  """Iterations and batch sizes (in samples), and how the trainer computes.
+
+  Weights and optimizer state are always fp32. compute_dtype: the dtype of
+  activations and matmuls ("auto": bfloat16 when the generators run bf16,
+  i.e. model.dtype, else float32). fp32_lm_head: the last norm, LM head and
+  log-softmax in fp32 even under bf16 compute (closer to the generators'
+  logprobs). remat: what each decoder block keeps for the backward pass
+  ("none", "full": only its input, "dots": the weight matmuls' outputs).
+  logprob_chunk: score this many positions at a time, so no fp32 [batch,
+  time, vocab] logits exist for a whole sequence (0: all at once).
+  """
 
   num_iterations: int = _key("trainer.num_iterations", 250)
   prompts_per_iteration: int = _key("trainer.prompts_per_iteration", 64)
   mini_batch_size: int = _key("trainer.mini_batch_size", 32)
   micro_batch_size: int = _key("trainer.micro_batch_size", 32)
   ppo_epochs: int = _key("trainer.ppo_epochs", 2)
+  compute_dtype: str = _key("trainer.compute_dtype", "auto")
+  fp32_lm_head: bool = _key("trainer.fp32_lm_head", True)
+  remat: str = _key("trainer.remat", "none")
+  logprob_chunk: int = _key("trainer.logprob_chunk", 512)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -291,6 +307,15 @@ class Settings:
     if self.loss.rollout_correction != "auto":
       return self.loss.rollout_correction
     return "tis" if self.pipeline.mode == "async" else "none"
+
+  @property
+  def gpus_needed(self) -> int:
+    """GPUs the run asks Ray for: the trainer's plus, when the generators are
+    Ray actors (not colocated), each instance's."""
+    gen = 0
+    if self.pipeline.mode != "colocated":
+      gen = self.engine.num_instances * self.engine.gpus_per_instance
+    return self.cluster.trainer_gpus + gen
 
   def replace(self, **parts) -> "Settings":
     return dataclasses.replace(self, **parts)
@@ -531,6 +556,17 @@ def validate(s: Settings, *, check_files: bool = True) -> None:
       f"trainer.mini_batch_size={tr.mini_batch_size} is not a multiple of "
       f"trainer.micro_batch_size={tr.micro_batch_size}; change one of them.",
   )
+  _need(
+      tr.compute_dtype in ("auto",) + COMPUTE_DTYPES,
+      f"trainer.compute_dtype={tr.compute_dtype!r} is not supported; use one of "
+      f"{('auto',) + COMPUTE_DTYPES} (float16 training would need loss scaling).",
+  )
+  _one_of("trainer.remat", tr.remat, REMAT_POLICIES)
+  _need(
+      tr.logprob_chunk >= 0,
+      f"trainer.logprob_chunk={tr.logprob_chunk} must be >= 0 (positions scored at a "
+      "time; 0 scores all at once).",
+  )
   if s.pipeline.mode == "stream":
     _need(
         tr.mini_batch_size % adv.group_size == 0,
@@ -548,6 +584,20 @@ def validate(s: Settings, *, check_files: bool = True) -> None:
   for axis, size in s.mesh.axes().items():
     _need(size >= 1 or size == -1, f"mesh.{axis}={size} must be >= 1, or -1 for the rest.")
   _need(sum(v == -1 for v in s.mesh.axes().values()) <= 1, "at most one mesh axis may be -1.")
+  fixed = [v for v in s.mesh.axes().values() if v != -1]
+  mesh_size = math.prod(fixed)
+  if s.cluster.trainer_gpus and len(fixed) == 3:
+    _need(
+        mesh_size == s.cluster.trainer_gpus,
+        f"the mesh (data x fsdp x tensor = {mesh_size}) must cover cluster.trainer_gpus="
+        f"{s.cluster.trainer_gpus}; change the mesh axes or set one of them to -1.",
+    )
+  elif s.cluster.trainer_gpus:
+    _need(
+        s.cluster.trainer_gpus % mesh_size == 0,
+        f"cluster.trainer_gpus={s.cluster.trainer_gpus} is not a multiple of the fixed mesh "
+        f"axes' product {mesh_size}; change the mesh or the trainer's GPU count.",
+    )
 
   _one_of("pipeline.mode", s.pipeline.mode, PIPELINE_MODES)
   _need(
@@ -568,6 +618,14 @@ def validate(s: Settings, *, check_files: bool = True) -> None:
   )
   _one_of("transfer.topology", tf.topology, ("tree", "direct"))
   _positive("transfer.fanout", tf.fanout)
+  _need(
+      s.pipeline.mode != "colocated"
+      or not s.engine.gpus_per_instance
+      or s.engine.gpu_memory_utilization <= 0.6,
+      f"colocated on GPU, vLLM shares each device with the trainer, so "
+      f"generation.gpu_memory_utilization={s.engine.gpu_memory_utilization} leaves JAX too "
+      "little; set it to 0.6 or less (0.4 is a good start).",
+  )
   _need(
       not tf.enabled or s.pipeline.mode != "colocated",
       "transfer.enabled=True sends weights to Ray generators; colocated mode has none, so "

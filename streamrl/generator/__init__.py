@@ -23,7 +23,7 @@ def make_rollout(s, model_dir: str, cluster=None, workdir: str | None = None):
   from streamrl import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
   from streamrl.generator.service import StreamGenerationService  # pylint: disable=g-import-not-at-top
 
-  info = cluster or cluster_lib.init_ray_for(s.cluster)
+  info = cluster or cluster_lib.init_ray_for(s.cluster, s.gpus_needed)
   return StreamGenerationService(
       model_dir,
       s.engine,

@@ -7,6 +7,15 @@ import dataclasses
 # vLLM's CPU attention kernels exist for these head sizes only.
 CPU_SUPPORTED_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
+# Activation / matmul dtypes a forward pass can run in (master weights stay fp32).
+COMPUTE_DTYPES = ("float32", "bfloat16")
+# What a rematerialised decoder block keeps for the backward pass:
+#   none  no remat: every intermediate is kept (fastest, most memory);
+#   full  only the block's input: everything is recomputed;
+#   dots  the weight projections' outputs (q/k/v/o, MLP): the attention
+#         scores, softmax and elementwise ops are recomputed.
+REMAT_POLICIES = ("none", "full", "dots")
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
@@ -93,3 +102,42 @@ def tiny_llama(vocab_size: int = 64) -> ModelConfig:
       max_position_embeddings=512,
       family="llama",
   )
+
+
+@dataclasses.dataclass(frozen=True)
+class ComputeConfig:
+  """How a forward pass runs, as opposed to what the model is (`ModelConfig`).
+
+  Static under jit (frozen, hashable); the same parameters give the same
+  log-probabilities under every setting, up to the rounding of `dtype`.
+
+  Attributes:
+    dtype: activations and matmul inputs ("float32" | "bfloat16"). Weights are
+      stored in fp32 and cast to it where they are used, inside the jitted
+      forward; RMSNorm, RoPE and the attention softmax always run in fp32.
+    fp32_lm_head: the last norm's output, the LM head (or the critic's value
+      head) and the log-softmax in fp32 whatever `dtype` is. Logits are fp32
+      in either case; without it the head's matmul reads bf16 inputs.
+    remat: rematerialisation of each decoder block (`REMAT_POLICIES`).
+    logprob_chunk: score tokens this many positions at a time, so no fp32
+      [b, t, vocab] logits tensor exists for the whole sequence (0: all at
+      once). The results equal the unchunked ones.
+  """
+
+  dtype: str = "float32"
+  fp32_lm_head: bool = True
+  remat: str = "none"
+  logprob_chunk: int = 0
+
+  @property
+  def head_dtype(self) -> str:
+    """The dtype of the last norm's output and of the head's matmul inputs."""
+    return "float32" if self.fp32_lm_head else self.dtype
+
+  def __post_init__(self):
+    if self.dtype not in COMPUTE_DTYPES:
+      raise ValueError(f"compute dtype {self.dtype!r} is unknown; use one of {COMPUTE_DTYPES}.")
+    if self.remat not in REMAT_POLICIES:
+      raise ValueError(f"remat policy {self.remat!r} is unknown; use one of {REMAT_POLICIES}.")
+    if self.logprob_chunk < 0:
+      raise ValueError(f"logprob_chunk={self.logprob_chunk} must be >= 0 (0: unchunked).")
