@@ -6,23 +6,33 @@ Model: random bf16 weights with Qwen2-0.5B's HF names and shapes (494M
 parameters, 988 MB; ``--quick``: 4 layers, 32k vocab, ~60M parameters).
 Receivers are 4 separate processes (``spawn_receiver``) on this machine whose
 load_fn does nothing: an ack means the receiver has the whole version in its
-address space, every chunk crc32-verified and the safetensors header and the
-model's schema checked, as read-only arrays ready for the engine's in-place
-load (which a generator pays the same way whatever delivered the bytes).
+address space, every chunk checksum-verified (XXH3-64) and the safetensors
+header and the model's schema checked, as a safetensors file in /dev/shm that
+its engines load in place (a generator pays that load the same way whatever
+delivered the bytes).
 Receivers that will use private staging memory fault it in when they join
 (before serving), as they would in a long run.
 
 1. Bandwidth (same host, the service's shared-memory path). Service time =
-   ``publish`` start -> all 4 acks (snapshot into a shared-memory segment +
-   crc per chunk, while the 4 receivers verify each chunk as it is reported
-   written, then ack). Segments and mappings are recycled between versions
+   ``publish`` start -> all 4 acks (snapshot into a shared-memory file +
+   checksum per chunk, while the 4 receivers verify each chunk as it is
+   reported written, then ack). Segments and mappings are recycled between versions
    (see streamrl/transfer/payload.py), as in a run with many versions; the
    untimed warm-up publishes fill that pool. memcpy time = copying the same
    tensors 4 times into one pre-faulted destination (np.copyto; a warm
    destination is the most favourable case for memcpy). Effective bandwidth =
    4 x model bytes / time; ``bandwidth_ratio_vs_memcpy`` = service / memcpy
    bandwidth, best of --reps for both, after one untimed publish. The TCP
-   path (tree, fanout 2, no shared memory) is timed once for reference.
+   path (tree, fanout 2, no shared memory, every receiver on its own host
+   label) is timed once for reference.
+   Copies: ``host_copies_per_update`` = bytes written into host memory for one
+   version / model bytes, as the service counts them on the real path (the
+   publisher's write into its file, plus what each receiver reports copying
+   in its ack: a TCP receiver writes its staging file, which is the file its
+   host's engines load; a receiver that maps a same-host file copies
+   nothing). Measured on the shared-memory run (4 receivers on the sender's
+   host) and, as ``tcp_copies_per_update``, on the TCP run (4 hosts: one
+   copy per host expected).
 2. Throttled link: the sender is in datacenter A, the 4 receivers in B and
    every A->B byte goes through one token bucket of --link_gbit (the sender's
    WAN uplink). Direct: the sender sends to all 4. Relay: it sends to one
@@ -36,7 +46,8 @@ Receivers that will use private staging memory fault it in when they join
    ``delta_bytes_ratio`` = bytes version 2 put on the A->B link / bytes of
    version 1 (full). The other 3 receivers are stopped first to save memory.
 
-Ends with ``RESULT bandwidth_ratio_vs_memcpy=.. relay_speedup=.. delta_bytes_ratio=..``.
+Ends with ``RESULT bandwidth_ratio_vs_memcpy=.. relay_speedup=.. delta_bytes_ratio=..
+host_copies_per_update=.. tcp_copies_per_update=..``.
 """
 
 import os
@@ -148,6 +159,16 @@ def _timed_publish(pub, tensors, timeout=600.0):
   return time.perf_counter() - t0, v
 
 
+def _copies(pub, version, model_bytes, receivers=N_RECEIVERS, timeout=10.0):
+  """Bytes copied for ``version`` (publisher + every receiver's ack) / model bytes."""
+  deadline = time.monotonic() + timeout
+  while sum(v >= version for v in pub.acked_versions().values()) < receivers:
+    if time.monotonic() > deadline:
+      break
+    time.sleep(0.01)
+  return pub.copied_bytes(version) / model_bytes
+
+
 def bench_bandwidth(tensors, chunk, reps, skip_tcp):
   import numpy as np
   from streamrl.transfer import Publisher, TransferConfig, schema_of
@@ -175,7 +196,9 @@ def bench_bandwidth(tensors, chunk, reps, skip_tcp):
   try:
     for _ in range(2):  # warm-up: first connections, and the segment pool fills (2 segments)
       _timed_publish(pub, tensors)
-    res["shm_s"] = min(_timed_publish(pub, tensors)[0] for _ in range(reps))
+    times = [_timed_publish(pub, tensors) for _ in range(reps)]
+    res["shm_s"] = min(t for t, _ in times)
+    res["shm_copies"] = _copies(pub, times[-1][1], model_bytes)
     assert pub.stats.get("served_tcp", 0) == 0, "same-host receivers should use shared memory"
   finally:
     _stop(procs)
@@ -186,9 +209,9 @@ def bench_bandwidth(tensors, chunk, reps, skip_tcp):
     pub = Publisher(cfg, dc="A", host="bench-host")
     procs = _receivers(pub, cfg, "A", lambda i: f"host{i}", schema_of(tensors))
     try:
-      res["tcp_s"] = _timed_publish(pub, tensors)[
-          0
-      ]  # once: a second version doubles receiver memory
+      # once: a second version doubles receiver memory
+      res["tcp_s"], v = _timed_publish(pub, tensors)
+      res["tcp_copies"] = _copies(pub, v, model_bytes)
     finally:
       _stop(procs)
       pub.close()
@@ -281,13 +304,19 @@ def main(argv):
   speedup = link["direct_s"] / link["tree_s"]
   delta_ratio = link["delta_wan_bytes"] / link["full_wan_bytes_v1"]
   extra = f" tcp_ratio={bw['memcpy_s'] / bw['tcp_s']:.3f}" if "tcp_s" in bw else ""
+  tcp_copies = bw.get("tcp_copies", nan)
+  print(
+      f"host copies per update (bytes copied / model bytes): shared memory, 4 receivers on the "
+      f"sender's host {bw['shm_copies']:.3f}; TCP, 4 receiver hosts {tcp_copies:.3f}"
+  )
   print(
       f"\nlr={_LR.value}: delta/full bytes on the link {delta_ratio:.3f}; "
       f"memcpy {total / bw['memcpy_s']:.2f} GB/s{extra}; total {time.perf_counter() - t0:.0f}s"
   )
   print(
       f"RESULT bandwidth_ratio_vs_memcpy={ratio:.3f} relay_speedup={speedup:.2f} "
-      f"delta_bytes_ratio={delta_ratio:.3f}"
+      f"delta_bytes_ratio={delta_ratio:.3f} host_copies_per_update={bw['shm_copies']:.3f} "
+      f"tcp_copies_per_update={tcp_copies:.3f}"
   )
 
 

@@ -99,7 +99,8 @@ class Engine:
   # trainer as one object (0: one object per sample).
   coalesce_s: float = _key("generation.coalesce_s", 0.02)
   # CPU engines: run vLLM's engine core inside the actor's process (fast
-  # start, every thread pinned) rather than as a child process.
+  # start, every thread pinned) rather than as a child process. GPU engines
+  # always keep vLLM's engine-core process.
   in_process: bool = _key("cluster.engine_in_process", True)
   # GPUs each Ray generator instance asks Ray for (0: a CPU engine, pinned
   # to its own cores); the engine shards over them with tensor parallelism.

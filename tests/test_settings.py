@@ -92,6 +92,10 @@ def test_an_unknown_key_is_refused_with_its_name():
         ("generation.gpus_per_instance", 2, "tensor_parallel_size=2"),
         ("generation.gpu_memory_utilization", 0.0, "gpu_memory_utilization"),
         ("generation.gpu_memory_utilization", 1.5, "gpu_memory_utilization"),
+        ("trainer.compute_dtype", "float16", "trainer.compute_dtype"),
+        ("trainer.compute_dtype", "fp8", "trainer.compute_dtype"),
+        ("trainer.remat", "yes", "trainer.remat"),
+        ("trainer.logprob_chunk", -1, "trainer.logprob_chunk"),
     ],
 )
 def test_bad_values_fail_with_one_sentence_naming_the_key(key, value, match):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 
+from streamrl import lifecycle
 from streamrl import settings as settings_lib
 from streamrl.generator.rollout import SamplingConfig, UpdateHandle
 
@@ -41,6 +42,9 @@ class LocalRollout:
   """One `GeneratorInstance` in this process."""
 
   def __init__(self, model_dir: str, engine: settings_lib.Engine, *, dtype: str, seed: int):
+    # vLLM's engine-core and worker processes die with this one (a no-op
+    # when the run already guards this process).
+    lifecycle.guard_children()
     from streamrl import metrics  # pylint: disable=g-import-not-at-top
     # vLLM's start-up chatter (its engine-core process inherits this
     # process's output as it is now) goes to <workdir>/libraries.log.

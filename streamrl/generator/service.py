@@ -22,6 +22,7 @@ import collections
 import dataclasses
 import logging
 import os
+import socket
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -30,6 +31,7 @@ import numpy as np
 import ray
 
 from streamrl import cluster as cluster_lib
+from streamrl import lifecycle
 from streamrl import settings as settings_lib
 from streamrl.errors import UserError
 from streamrl.generator import local
@@ -58,6 +60,7 @@ class GeneratorActor:
       in_process: bool = True,
       log_dir: str | None = None,
   ):
+    lifecycle.guard_children()  # Its engine processes die with this actor.
     # First: vLLM's and other libraries' chatter goes to <log_dir>/libraries.log.
     from streamrl import metrics  # pylint: disable=g-import-not-at-top
 
@@ -161,6 +164,14 @@ class GeneratorActor:
   def update_weights(self, tensors: Mapping[str, np.ndarray], version: int) -> int:
     return self._gen.update_weights(tensors, version)
 
+  def update_weights_from_file(self, path: str, version: int) -> int:
+    """Loads a weights file on this host (one file for every instance here)."""
+    return self._gen.update_weights_from_file(path, version)
+
+  def last_weights_file(self) -> str | None:
+    """The file the engine last loaded weights from (for tests and diagnostics)."""
+    return getattr(self._gen, "last_weights_file", None)
+
   # -- checkpoint-transfer service (config.transfer.enabled) -----------------
 
   def join_transfer(self, address, dc: str, schema, transfer_config: dict) -> int:
@@ -169,7 +180,9 @@ class GeneratorActor:
     The receiver pulls and verifies new versions on its own threads while
     the engine generates; a verified version is only staged here and loaded
     between two streams (`apply_staged`), so generation pauses just for the
-    in-place load itself and never mixes two versions.
+    in-place load itself and never mixes two versions. The engine loads
+    the verified file itself: the publisher's on its host, else the one
+    file its host's first receiver received (see streamrl/transfer).
     """
     from streamrl.transfer import Receiver, TransferConfig  # pylint: disable=g-import-not-at-top
 
@@ -185,11 +198,24 @@ class GeneratorActor:
     )
     return self._receiver.join(tuple(address))
 
-  def _stage(self, tensors: Mapping[str, np.ndarray], version: int) -> None:
-    # The receiver recycles its buffers: keep a private copy until the load.
-    copy = {k: np.array(v) for k, v in tensors.items()}
+  def _stage(self, tensors, version: int) -> None:
+    """The receiver's load_fn: keeps the verified version for `apply_staged`.
+
+    `tensors.path` is the verified file; a pin keeps any writer from
+    rewriting or removing it until the engine has loaded it (or a newer
+    version replaces it here). Without /dev/shm the bytes are in memory the
+    receiver reuses: they are copied.
+    """
+    from streamrl.transfer import Pin  # pylint: disable=g-import-not-at-top
+
+    if tensors.path is not None:
+      staged = (version, tensors.path, Pin(tensors.path))
+    else:
+      staged = (version, {k: np.array(v) for k, v in tensors.items()}, None)
     with self._stage_lock:
-      self._staged = (version, copy)
+      old, self._staged = self._staged, staged
+    if old is not None and old[2] is not None:
+      old[2].release()
 
   def apply_staged(self) -> int:
     """Loads the newest verified version, if newer than the engine's."""
@@ -197,8 +223,18 @@ class GeneratorActor:
     if getattr(self, "_stage_lock", None) is not None:
       with self._stage_lock:
         staged, self._staged = self._staged, None
-    if staged is not None and staged[0] > self._gen.weight_version:
-      self._gen.update_weights(staged[1], staged[0])
+    if staged is None:
+      return self._gen.weight_version
+    version, weights, pin = staged
+    try:
+      if version > self._gen.weight_version:
+        if pin is not None:
+          self._gen.update_weights_from_file(weights, version)
+        else:
+          self._gen.update_weights(weights, version)
+    finally:
+      if pin is not None:
+        pin.release()
     return self._gen.weight_version
 
   def weight_version(self) -> int:
@@ -310,7 +346,9 @@ class StreamGenerationService:
           engine_kwargs=kwargs,
           cores=cores,
           num_threads=threads,
-          in_process=engine.in_process,
+          # GPU engines keep vLLM's own engine-core process (its busy loop
+          # overlaps scheduling with the GPU's work); CPU ones may run inline.
+          in_process=engine.in_process and not engine.gpus_per_instance,
           log_dir=log_dir,
       )
     self._live = set(self._actors)
@@ -322,6 +360,8 @@ class StreamGenerationService:
     self._wait_ready(start_timeout_s)
     self.publisher = None
     self._transfer_joined = False
+    # (WeightsFile, its load calls) of Ray-path updates, unlinked once loaded.
+    self._weight_files: list = []
     if transfer is not None and transfer.enabled:
       from streamrl.transfer import Publisher, TransferConfig  # pylint: disable=g-import-not-at-top
 
@@ -364,6 +404,7 @@ class StreamGenerationService:
     for a in self._actors.values():
       ray.kill(a, no_restart=True)
     self._live.clear()
+    self._remove_loaded_weight_files(all_files=True)
     if self.publisher is not None:
       self.publisher.close()
 
@@ -386,14 +427,20 @@ class StreamGenerationService:
 
     Each instance loads them after the stream it is running now, and before
     any generate call made after this one: a stream started later carries
-    the new version in all its samples. Through Ray, the tensors go into the
-    object store once and every instance reads them from there; through the
-    transfer service, each instance's receiver verifies and stages them
-    while it generates.
+    the new version in all its samples. `tensors` may be lazy
+    (`hf.HFTensors`): each tensor is read once, in the generators' dtype,
+    straight into the one buffer that carries it, a safetensors file in
+    /dev/shm. Through Ray, every instance's engine loads that file (when
+    every Ray node is this machine; otherwise the object store carries its
+    tensors and each instance writes a file of its own). Through the
+    transfer service, the publisher's file is verified and staged by each
+    instance's receiver while it generates, and every host receives it
+    once (see streamrl/transfer).
     """
     if not self._live:
       raise RuntimeError("All generator instances are dead; nothing to update.")
     version = int(version)
+    self._remove_loaded_weight_files()
     if self.publisher is not None:
       if not self._transfer_joined:
         from streamrl.transfer import schema_of  # pylint: disable=g-import-not-at-top
@@ -412,12 +459,45 @@ class StreamGenerationService:
       return UpdateHandle(
           version, delivered=lambda t: self._await_acks(version, t), loaded=self._apply_staged
       )
-    ref = ray.put({k: np.asarray(v) for k, v in tensors.items()})
-    calls = {i: self._actors[i].update_weights.remote(ref, version) for i in self._live}
+    return self._update_through_ray(tensors, version, shared_file=self._on_one_host())
+
+  def _update_through_ray(
+      self, tensors: Mapping[str, np.ndarray], version: int, *, shared_file: bool
+  ) -> UpdateHandle:
+    """shared_file: every instance loads this process's file (they all see its /dev/shm)."""
+    from streamrl.transfer import WeightsFile  # pylint: disable=g-import-not-at-top
+
+    weights = WeightsFile(tensors)
+    if shared_file:
+      calls = {
+          i: self._actors[i].update_weights_from_file.remote(weights.path, version)
+          for i in self._live
+      }
+      self._weight_files.append((weights, list(calls.values())))
+    else:
+      ref = ray.put(weights.tensors())
+      weights.unlink()
+      calls = {i: self._actors[i].update_weights.remote(ref, version) for i in self._live}
     # Ray runs the load before any later stream on each actor: nothing to deliver.
     return UpdateHandle(
         version, delivered=lambda t: None, loaded=lambda t: self._finish_update(calls, t)
     )
+
+  @staticmethod
+  def _on_one_host() -> bool:
+    """Whether every live Ray node is this machine (so every instance sees this /dev/shm)."""
+    me = socket.gethostname()
+    return all(n.get("NodeManagerHostname") == me for n in ray.nodes() if n.get("Alive"))
+
+  def _remove_loaded_weight_files(self, *, all_files: bool = False) -> None:
+    """Unlinks the weight files every instance has finished loading (all of them: `all_files`)."""
+    keep = []
+    for weights, calls in self._weight_files:
+      if all_files or len(ray.wait(calls, num_returns=len(calls), timeout=0)[0]) == len(calls):
+        weights.unlink()
+      else:
+        keep.append((weights, calls))
+    self._weight_files = keep
 
   def _await_acks(self, version: int, timeout_s: float | None) -> None:
     """Every live instance has verified and staged `version`."""
@@ -437,6 +517,7 @@ class StreamGenerationService:
       ray.wait(list(calls.values()), num_returns=len(calls), timeout=timeout_s)
     except ray.exceptions.RayError:
       pass  # Read each result below.
+    self._remove_loaded_weight_files()
     for i, call in calls.items():
       try:
         self._versions[i] = ray.get(call, timeout=0 if timeout_s is not None else None)

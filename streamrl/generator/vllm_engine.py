@@ -15,13 +15,13 @@ import itertools
 import json
 import logging
 import os
-import tempfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
 from streamrl.generator.rollout import Sample, SamplingConfig  # pylint: disable=unused-import
 from streamrl.models import hf as hf_lib
+from streamrl.models import safetensors_io
 from streamrl.models.config import CPU_SUPPORTED_HEAD_DIMS
 
 log = logging.getLogger(__name__)
@@ -159,6 +159,47 @@ class _DropNextPrefixReset(logging.Filter):
 _PREFIX_RESET_FILTER = _DropNextPrefixReset()
 
 
+# safetensors dtype code -> torch dtype name (the codes streamrl.models.safetensors_io writes).
+_TORCH_DTYPES = {
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U8": "uint8",
+    "BOOL": "bool",
+}
+
+
+def _file_tensors(path: str) -> Iterator[tuple[str, "torch.Tensor"]]:
+  """(name, tensor) for every tensor of a safetensors file, each a view of one copy-on-write
+  mapping of it (nothing is copied here; writes, if a loader made any, stay private)."""
+  import mmap  # pylint: disable=g-import-not-at-top
+
+  import torch  # pylint: disable=g-import-not-at-top
+
+  header, start = safetensors_io.read_header(path)
+  with open(path, "rb") as f:
+    buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+  for name, info in header.items():
+    dtype = getattr(torch, _TORCH_DTYPES[info["dtype"]])
+    shape = tuple(info["shape"])
+    begin, end = info["data_offsets"]
+    count = (end - begin) // dtype.itemsize
+    if count == 0:
+      yield name, torch.empty(shape, dtype=dtype)
+    elif (start + begin) % dtype.itemsize:  # unaligned (not written by us): copy this one
+      data = bytearray(buf[start + begin : start + end])
+      yield name, torch.frombuffer(data, dtype=dtype, count=count).reshape(shape)
+    else:
+      yield name, torch.frombuffer(buf, dtype=dtype, count=count, offset=start + begin).reshape(
+          shape
+      )
+
+
 class WorkerExtension:
   """Mixed into every vLLM worker (`worker_extension_cls`), called by name over
   `collective_rpc`: only a method name, a file path and a few names cross the
@@ -167,24 +208,23 @@ class WorkerExtension:
   def streamrl_reload(self, path: str) -> list[str]:
     """A safetensors file (HF names) -> in-place reload of this worker's model.
 
-    Tensors are read one at a time from the file (in /dev/shm), so the
-    update holds about one extra copy of the weights instead of one per
-    process the bytes would pass through over the RPC.
+    The file (in /dev/shm, often shared by every engine of the host) is
+    mapped copy-on-write and each tensor handed to vLLM's loader is a view
+    of it: the only copy is the loader's own into the model's parameters
+    (which ends the views' use: the layerwise reload copies into the
+    parameters' original storage, it never keeps an input tensor).
 
     Returns the class names whose expected "Failed to load weights" warning
     was hidden (see layers_without_checkpoint_weights), for the caller to
     explain once.
     """
-    from safetensors import safe_open  # pylint: disable=g-import-not-at-top
-
     model = self.model_runner.get_model()
     quiet = _ReloadLogFilter(layers_without_checkpoint_weights(model))
     loggers = [logging.getLogger(n) for n in (_LAYERWISE_LOGGER, _INPLACE_LOGGER)]
     for lg in loggers:
       lg.addFilter(quiet)
     try:
-      with safe_open(path, "pt") as f:
-        self.reload_weights(weights_iterator=((k, f.get_tensor(k)) for k in f.keys()))
+      self.reload_weights(weights_iterator=_file_tensors(path))
     finally:
       for lg in loggers:
         lg.removeFilter(quiet)
@@ -432,32 +472,47 @@ class GeneratorInstance:
   def update_weights(self, hf_tensors: Mapping[str, np.ndarray], version: int | None = None) -> int:
     """Loads new weights in place, drops the prefix cache, bumps the version.
 
-    Only between generations: a sample is produced by exactly one version.
+    `hf_tensors` may be lazy (`hf.HFTensors`): each tensor is read once and
+    written straight into one safetensors file in /dev/shm, which the
+    engine's workers load and which is removed afterwards. Only between
+    generations: a sample is produced by exactly one version.
     """
+    new_version = self._next_version(version)
+    from streamrl.transfer.payload import WeightsFile  # pylint: disable=g-import-not-at-top
+
+    weights = WeightsFile(hf_tensors)
+    try:
+      return self.update_weights_from_file(weights.path, new_version)
+    finally:
+      weights.unlink()
+
+  def update_weights_from_file(self, path: str, version: int | None = None) -> int:
+    """`update_weights` from a safetensors file (HF names) on this host, e.g. the one file the
+    weight transfer left in /dev/shm for every engine of the host. The file is only read."""
+    new_version = self._next_version(version)
+    # A path, not tensors: torch tensors don't survive the RPC to worker
+    # processes, and bytes would be copied once per process on the way. The
+    # engine's workers are always on this host.
+    hidden = self._engine.collective_rpc("streamrl_reload", args=(path,))
+    _explain_hidden_reload_warnings(sorted({n for names in hidden or () for n in names or ()}))
+    # KV computed with the old weights must never be reused.
+    self._engine.reset_prefix_cache()
+    self.weight_version = new_version
+    self.last_weights_file = path  # for diagnostics and tests
+    return new_version
+
+  def _next_version(self, version: int | None) -> int:
     self._check_open()
     if self._in_flight:
       raise RuntimeError(
           "update_weights called while requests are running; "
           "finish or close the generate() stream first."
       )
-    from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
-
     new_version = self.weight_version + 1 if version is None else int(version)
     if new_version <= self.weight_version:
       raise ValueError(
           f"Weight version must increase: have {self.weight_version}, " f"got {new_version}."
       )
-    # A path, not tensors: torch tensors don't survive the RPC to worker
-    # processes, and bytes would be copied once per process on the way. The
-    # engine's workers are always on this host; /dev/shm keeps it in memory.
-    tmpdir = "/dev/shm" if os.path.isdir("/dev/shm") else None
-    with tempfile.NamedTemporaryFile(suffix=".safetensors", dir=tmpdir) as f:
-      save_file({k: np.ascontiguousarray(v) for k, v in hf_tensors.items()}, f.name)
-      hidden = self._engine.collective_rpc("streamrl_reload", args=(f.name,))
-    _explain_hidden_reload_warnings(sorted({n for names in hidden or () for n in names or ()}))
-    # KV computed with the old weights must never be reused.
-    self._engine.reset_prefix_cache()
-    self.weight_version = new_version
     return new_version
 
 

@@ -4,6 +4,15 @@ The model knows nothing of meshes or jit: every parameter carries logical axis
 names in its `logical_axes` metadata, and `streamrl.trainer.sharding` turns them
 into shardings with rules taken from the config.
 
+Precision: parameters are stored as given (fp32 master weights in the trainer)
+and each module casts a weight to its input's dtype where it uses it, so the
+activations' dtype -- set once, at the embedding, from `ComputeConfig.dtype`
+-- is the compute dtype. RMSNorm, RoPE and the attention softmax run in fp32
+whatever it is; logits and log-probabilities are always fp32, and with
+`fp32_lm_head` the last norm and the head's matmul are fp32 too.
+`read_dtype_cast` stores a frozen copy in exactly the dtypes the forward pass
+reads, which halves it under bf16 compute without changing any result.
+
 Shapes: b batch, t time, d hidden, h query heads, k kv heads, g = h // k,
 n head_dim, f MLP width, v vocab.
 """
@@ -14,7 +23,17 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from streamrl.models.config import ModelConfig
+from streamrl.models.config import ComputeConfig, ModelConfig
+
+_F32 = jnp.float32
+_DEFAULT_COMPUTE = ComputeConfig()
+# jax.checkpoint policies of `ComputeConfig.remat` (None: save only the inputs).
+# "dots" keeps matmuls without batch dimensions -- the weight projections --
+# and so recomputes the [b, heads, t, t] attention scores, the biggest tensors.
+_REMAT_POLICIES = {
+    "full": None,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
 
 
 def _param(rngs: nnx.Rngs, init, shape, axes, dtype=jnp.float32) -> nnx.Param:
@@ -32,10 +51,11 @@ class RMSNorm(nnx.Module):
     self.scale = _param(rngs, _ones, (dim,), ("norm",))
     self.eps = eps
 
-  def __call__(self, x_btd: jax.Array) -> jax.Array:
-    x = x_btd.astype(jnp.float32)
+  def __call__(self, x_btd: jax.Array, out_dtype=None) -> jax.Array:
+    """Normalises in fp32; returns `out_dtype` (default: the input's dtype)."""
+    x = x_btd.astype(_F32)
     x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
-    return (x * self.scale[...]).astype(x_btd.dtype)
+    return (x * self.scale[...].astype(_F32)).astype(out_dtype or x_btd.dtype)
 
 
 def rope(x_bthn: jax.Array, positions_bt: jax.Array, theta: float) -> jax.Array:
@@ -65,26 +85,28 @@ class Attention(nnx.Module):
       self.b_v_kn = _param(rngs, _zeros, (k, n), ("kv_heads", "head_dim"))
 
   def __call__(self, x_btd: jax.Array, positions_bt: jax.Array) -> jax.Array:
-    cfg = self.cfg
-    q = jnp.einsum("BTD,DHN->BTHN", x_btd, self.w_q_dhn[...])
-    k = jnp.einsum("BTD,DKN->BTKN", x_btd, self.w_k_dkn[...])
-    v = jnp.einsum("BTD,DKN->BTKN", x_btd, self.w_v_dkn[...])
+    cfg, dt = self.cfg, x_btd.dtype
+    q = jnp.einsum("BTD,DHN->BTHN", x_btd, self.w_q_dhn[...].astype(dt))
+    k = jnp.einsum("BTD,DKN->BTKN", x_btd, self.w_k_dkn[...].astype(dt))
+    v = jnp.einsum("BTD,DKN->BTKN", x_btd, self.w_v_dkn[...].astype(dt))
     if cfg.qkv_bias:
-      q, k, v = q + self.b_q_hn[...], k + self.b_k_kn[...], v + self.b_v_kn[...]
+      q = q + self.b_q_hn[...].astype(dt)
+      k = k + self.b_k_kn[...].astype(dt)
+      v = v + self.b_v_kn[...].astype(dt)
     q = rope(q, positions_bt, cfg.rope_theta)
     k = rope(k, positions_bt, cfg.rope_theta)
     b, t, h, n = q.shape
     g = h // cfg.num_kv_heads
     # Query head j uses kv head j // g, as in HF's repeat_kv.
     q_btkgn = q.reshape(b, t, cfg.num_kv_heads, g, n)
-    logits = jnp.einsum("BTKGN,BSKN->BKGTS", q_btkgn, k).astype(jnp.float32)
+    logits = jnp.einsum("BTKGN,BSKN->BKGTS", q_btkgn, k, preferred_element_type=_F32)
     logits = logits / jnp.sqrt(jnp.float32(n))
     causal_ts = positions_bt[:, None, None, :, None] >= positions_bt[:, None, None, None, :]
     logits = jnp.where(causal_ts, logits, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
     out_btkgn = jnp.einsum("BKGTS,BSKN->BTKGN", probs, v)
     out_bthn = out_btkgn.reshape(b, t, h, n)
-    return jnp.einsum("BTHN,HND->BTD", out_bthn, self.w_o_hnd[...])
+    return jnp.einsum("BTHN,HND->BTD", out_bthn, self.w_o_hnd[...].astype(dt))
 
 
 class MLP(nnx.Module):
@@ -96,8 +118,9 @@ class MLP(nnx.Module):
     self.w_down_fd = _param(rngs, _normal, (f, d), ("mlp", "embed"))
 
   def __call__(self, x_btd: jax.Array) -> jax.Array:
-    gate = jax.nn.silu(x_btd @ self.w_gate_df[...])
-    return (gate * (x_btd @ self.w_up_df[...])) @ self.w_down_fd[...]
+    dt = x_btd.dtype
+    gate = jax.nn.silu(x_btd @ self.w_gate_df[...].astype(dt))
+    return (gate * (x_btd @ self.w_up_df[...].astype(dt))) @ self.w_down_fd[...].astype(dt)
 
 
 class Block(nnx.Module):
@@ -122,13 +145,24 @@ class Trunk(nnx.Module):
     self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
     self.final_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, rngs=rngs)
 
-  def __call__(self, tokens_bt: jax.Array, positions_bt: jax.Array | None = None):
+  def __call__(
+      self,
+      tokens_bt: jax.Array,
+      positions_bt: jax.Array | None = None,
+      compute: ComputeConfig = _DEFAULT_COMPUTE,
+  ) -> jax.Array:
+    """Hidden states [b, t, d] after the final norm, in `compute.head_dtype`."""
     if positions_bt is None:
       positions_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
-    x_btd = jnp.take(self.embedding_vd[...], tokens_bt, axis=0)
+    # Gather in the stored dtype, then cast: only [b, t, d] is converted.
+    x_btd = jnp.take(self.embedding_vd[...], tokens_bt, axis=0).astype(compute.dtype)
+    if compute.remat == "none":
+      run = lambda block, x, pos: block(x, pos)
+    else:
+      run = nnx.remat(lambda block, x, pos: block(x, pos), policy=_REMAT_POLICIES[compute.remat])
     for block in self.blocks:
-      x_btd = block(x_btd, positions_bt)
-    return self.final_norm(x_btd)
+      x_btd = run(block, x_btd, positions_bt)
+    return self.final_norm(x_btd, out_dtype=compute.head_dtype)
 
 
 class Transformer(nnx.Module):
@@ -140,14 +174,22 @@ class Transformer(nnx.Module):
     if not cfg.tie_embeddings:
       self.w_head_dv = _param(rngs, _normal, (cfg.hidden_size, cfg.vocab_size), ("embed", "vocab"))
 
-  def __call__(self, tokens_bt: jax.Array, positions_bt: jax.Array | None = None):
-    """Returns float32 logits [b, t, v]."""
-    h_btd = self.trunk(tokens_bt, positions_bt)
+  @property
+  def head_weight(self) -> jax.Array:
+    """The LM head as stored: [v, d] when tied (the embedding), else [d, v]."""
     if self.cfg.tie_embeddings:
-      logits = jnp.einsum("BTD,VD->BTV", h_btd, self.trunk.embedding_vd[...])
-    else:
-      logits = h_btd @ self.w_head_dv[...]
-    return logits.astype(jnp.float32)
+      return self.trunk.embedding_vd[...]
+    return self.w_head_dv[...]
+
+  def __call__(
+      self,
+      tokens_bt: jax.Array,
+      positions_bt: jax.Array | None = None,
+      compute: ComputeConfig = _DEFAULT_COMPUTE,
+  ) -> jax.Array:
+    """Returns float32 logits [b, t, v] (all of them: see `next_token_logprobs`)."""
+    h_btd = self.trunk(tokens_bt, positions_bt, compute)
+    return head_logits(h_btd, self.head_weight, self.cfg.tie_embeddings)
 
 
 class Critic(nnx.Module):
@@ -159,11 +201,15 @@ class Critic(nnx.Module):
     self.w_value_d = _param(rngs, _zeros, (cfg.hidden_size,), ("embed",))
     self.b_value = _param(rngs, _zeros, (), ())
 
-  def __call__(self, tokens_bt: jax.Array, positions_bt: jax.Array | None = None):
-    """Returns float32 values [b, t]."""
-    h_btd = self.trunk(tokens_bt, positions_bt)
-    values = h_btd @ self.w_value_d[...] + self.b_value[...]
-    return values.astype(jnp.float32)
+  def __call__(
+      self,
+      tokens_bt: jax.Array,
+      positions_bt: jax.Array | None = None,
+      compute: ComputeConfig = _DEFAULT_COMPUTE,
+  ) -> jax.Array:
+    """Returns float32 values [b, t]; the value head always runs in fp32."""
+    h_btd = self.trunk(tokens_bt, positions_bt, compute).astype(_F32)
+    return h_btd @ self.w_value_d[...].astype(_F32) + self.b_value[...].astype(_F32)
 
 
 def token_logprobs(
@@ -180,16 +226,127 @@ def token_logprobs(
   return logp_bt, entropy_bt
 
 
-@nnx.jit(static_argnames=("temperature",))
-def sequence_logprobs(
-    model: Transformer, tokens_bt: jax.Array, temperature: float = 1.0
-) -> tuple[jax.Array, jax.Array]:
-  """Per-token logprobs of a right-padded token batch under `model`.
+def head_logits(h_btd: jax.Array, w_head: jax.Array, tied: bool) -> jax.Array:
+  """fp32 logits [b, t, v] of hidden states under the LM head.
 
-  Position t of the outputs scores token t + 1 given tokens [0, t]; the last
-  column is padding (zero) so the outputs keep shape [b, t].
+  The head is read in the hidden states' dtype (`ComputeConfig.head_dtype`)
+  and the matmul accumulates into fp32, so bf16 logits are never rounded.
+
+  Args:
+    h_btd: final-norm output.
+    w_head: `Transformer.head_weight` as stored: [v, d] if `tied`, else [d, v].
+    tied: whether `w_head` is the embedding.
   """
-  logits = model(tokens_bt)
-  logp, ent = token_logprobs(logits[:, :-1], tokens_bt[:, 1:], temperature)
-  pad = jnp.zeros_like(logp[:, :1])
-  return jnp.concatenate([logp, pad], 1), jnp.concatenate([ent, pad], 1)
+  w = w_head.astype(h_btd.dtype)
+  spec = "BTD,VD->BTV" if tied else "BTD,DV->BTV"
+  return jnp.einsum(spec, h_btd, w, preferred_element_type=_F32)
+
+
+def chunked_token_logprobs(
+    h_btd: jax.Array,
+    w_head: jax.Array,
+    targets_bt: jax.Array,
+    *,
+    tied: bool,
+    temperature: float = 1.0,
+    chunk: int = 0,
+) -> tuple[jax.Array, jax.Array]:
+  """`token_logprobs` of `head_logits(h_btd, ...)`, `chunk` positions at a time.
+
+  A lax.scan over time chunks whose body is rematerialised: only one chunk's
+  [b, chunk, v] fp32 logits exist at a time, in the forward pass and in the
+  backward pass (which recomputes them from the chunk's hidden states). The
+  head enters each chunk as stored and is cast there, so its gradient adds
+  up over chunks in the stored dtype (fp32), not the compute dtype. The
+  results equal the unchunked ones.
+
+  Args:
+    h_btd: [b, t, d] final-norm output; w_head and tied: as `head_logits`.
+    targets_bt: [b, t] int, the token scored at each position.
+    temperature: divides the logits first (the sampling distribution).
+    chunk: positions per chunk; 0 or >= t: in one piece, without remat.
+  Returns:
+    logp_bt, entropy_bt: [b, t] fp32.
+  """
+
+  def score(w, h, targets):
+    logits = head_logits(h, w, tied)
+    return token_logprobs(logits, targets, temperature)
+
+  b, t = targets_bt.shape
+  if not chunk or chunk >= t:
+    return score(w_head, h_btd, targets_bt)
+  n = -(-t // chunk)
+  pad = n * chunk - t
+  # [n, b, chunk, ...]: the scan runs over the leading axis.
+  h_nbcd = jnp.pad(h_btd, ((0, 0), (0, pad), (0, 0))).reshape(b, n, chunk, -1).swapaxes(0, 1)
+  targets_nbc = jnp.pad(targets_bt, ((0, 0), (0, pad))).reshape(b, n, chunk).swapaxes(0, 1)
+  score = jax.checkpoint(score, prevent_cse=False)  # inside a scan: CSE can't undo it
+
+  def body(_, xs):
+    return None, score(w_head, *xs)
+
+  _, (logp_nbc, ent_nbc) = jax.lax.scan(body, None, (h_nbcd, targets_nbc))
+  unchunk = lambda x: x.swapaxes(0, 1).reshape(b, n * chunk)[:, :t]
+  return unchunk(logp_nbc), unchunk(ent_nbc)
+
+
+def next_token_logprobs(
+    model: Transformer,
+    tokens_bt: jax.Array,
+    temperature: float = 1.0,
+    compute: ComputeConfig = _DEFAULT_COMPUTE,
+) -> tuple[jax.Array, jax.Array]:
+  """Per-token logprobs and entropies [b, t] of a right-padded token batch.
+
+  Position t scores token t + 1 given tokens [0, t]; the last column is
+  padding (zero) so the outputs keep shape [b, t]. Chunked over time by
+  `compute.logprob_chunk` (no full [b, t, v] logits), always fp32.
+  """
+  h_btd = model.trunk(tokens_bt, None, compute)
+  targets_bt = jnp.concatenate([tokens_bt[:, 1:], jnp.zeros_like(tokens_bt[:, :1])], 1)
+  logp, ent = chunked_token_logprobs(
+      h_btd,
+      model.head_weight,
+      targets_bt,
+      tied=model.cfg.tie_embeddings,
+      temperature=temperature,
+      chunk=compute.logprob_chunk,
+  )
+  last = jnp.arange(tokens_bt.shape[1]) == tokens_bt.shape[1] - 1
+  return jnp.where(last, 0.0, logp), jnp.where(last, 0.0, ent)
+
+
+@nnx.jit(static_argnames=("temperature", "compute"))
+def sequence_logprobs(
+    model: Transformer,
+    tokens_bt: jax.Array,
+    temperature: float = 1.0,
+    compute: ComputeConfig = _DEFAULT_COMPUTE,
+) -> tuple[jax.Array, jax.Array]:
+  """`next_token_logprobs`, jitted."""
+  return next_token_logprobs(model, tokens_bt, temperature, compute)
+
+
+def read_dtype_cast(params, cfg: ModelConfig, compute: ComputeConfig):
+  """`params` (a Transformer's or Critic's nnx.State) in the dtypes the forward
+  pass reads them in under `compute`.
+
+  A frozen copy stored this way gives bit-for-bit the results of the fp32
+  original (every module casts a weight to that dtype before use anyway) in
+  half the bytes under bf16 compute. fp32 stay: the norm scales, the value
+  head, and the LM head (the embedding, when tied) under `fp32_lm_head`.
+  Under fp32 compute nothing changes. Returns new arrays (never aliases
+  `params`, which a donating step may free), each keeping its sharding.
+  """
+
+  def dtype_of(path) -> str:
+    name = next(k.key for k in reversed(path) if isinstance(getattr(k, "key", None), str))
+    if name in ("scale", "w_value_d", "b_value"):
+      return "float32"
+    if name == "w_head_dv" or (name == "embedding_vd" and cfg.tie_embeddings):
+      return compute.head_dtype
+    return compute.dtype
+
+  copy = lambda p, x: jnp.array(x, dtype=dtype_of(p), copy=True)
+  return jax.tree_util.tree_map_with_path(copy, params)

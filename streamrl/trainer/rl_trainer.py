@@ -11,6 +11,14 @@ mode:
 `prepare` groups samples of similar length into mini-batches (each padded to
 its own bucket), which on CPU is several times cheaper than padding all to
 the longest, and measures the trainer/generator mismatch (`mismatch/*`).
+
+Memory: the actor and critic train with fp32 master weights and optimizer
+state and compute in `compute_config(s)` (bf16 when the generators run
+bf16). The frozen copies -- the reference model and the iteration's old
+policy -- are stored in the dtypes the forward pass reads (bf16 matmul
+weights under bf16 compute; `transformer.read_dtype_cast`), half the bytes of
+an fp32 copy with identical log-probabilities. The critic is created
+directly in its sharding.
 """
 
 from __future__ import annotations
@@ -19,7 +27,6 @@ import dataclasses
 from collections.abc import Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -27,7 +34,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from streamrl import rl
 from streamrl import settings as settings_lib
 from streamrl.models import hf
-from streamrl.models.transformer import Critic, Transformer
+from streamrl.models.config import ComputeConfig
+from streamrl.models.transformer import Critic, Transformer, read_dtype_cast
 from streamrl.trainer import experience, sharding, step as step_lib
 
 
@@ -79,6 +87,25 @@ def optim_configs(s: settings_lib.Settings) -> tuple[step_lib.OptimConfig, step_
   return (step_lib.OptimConfig(lr=o.lr, **common), step_lib.OptimConfig(lr=o.critic_lr, **common))
 
 
+def compute_config(s: settings_lib.Settings) -> ComputeConfig:
+  """How the trainer's forward passes run (dtype, LM head, remat, chunks).
+
+  trainer.compute_dtype="auto" follows the generators (model.dtype):
+  bfloat16 when they run bf16, else float32 -- a float16 generator gets an
+  fp32 trainer, since fp16 training would need loss scaling.
+  """
+  tr = s.trainer
+  dtype = tr.compute_dtype
+  if dtype == "auto":
+    dtype = "bfloat16" if s.model.dtype == "bfloat16" else "float32"
+  return ComputeConfig(
+      dtype=dtype,
+      fp32_lm_head=tr.fp32_lm_head,
+      remat=tr.remat,
+      logprob_chunk=tr.logprob_chunk,
+  )
+
+
 @dataclasses.dataclass(frozen=True)
 class Snapshot:
   """The parameters that score an iteration's samples as "old" (PPO ratio)."""
@@ -87,16 +114,34 @@ class Snapshot:
   critic: object
 
 
-def critic_from_policy(policy: Transformer, seed: int) -> Critic:
-  """A critic whose trunk starts as a copy of the policy's; zero value head."""
-  critic = Critic(policy.cfg, rngs=nnx.Rngs(seed))
-  trunk = nnx.state(policy.trunk, nnx.Param)
-  nnx.update(critic.trunk, jax.tree.map(jnp.copy, trunk))
-  return critic
+def critic_from_policy(
+    policy: Transformer, seed: int, mesh: jax.sharding.Mesh, rules=sharding.DEFAULT_RULES
+) -> Critic:
+  """A critic whose trunk starts as a copy of the policy's; zero value head.
+
+  Created in its sharding on `mesh` (`sharding.init_sharded`): the trunk is
+  copied shard by shard from the (sharded) policy, and no device ever holds
+  a whole critic. The random trunk init is dead code under jit.
+  """
+
+  def build(trunk):
+    critic = Critic(policy.cfg, rngs=nnx.Rngs(seed))
+    nnx.update(critic.trunk, trunk)
+    return critic
+
+  return sharding.init_sharded(build, mesh, nnx.state(policy.trunk, nnx.Param), rules=rules)
 
 
 class RLTrainer:
   """Actor (+ critic, + frozen reference) on a mesh, updated with PPO steps.
+
+  The reference model lives here, on the trainer's mesh, stored in the
+  compute dtype (`read_dtype_cast`: bf16 matmul weights, fp32 norms and LM
+  head under bf16 compute; an fp32 copy under fp32 compute). Scoring it on
+  the generators instead would need a second set of weights in every engine
+  and would mix the engine/trainer mismatch into the KL term (nonzero KL
+  before any update); stored like this it costs half an fp32 copy and gives
+  exactly the log-probabilities the initial policy has in the trainer.
 
   Args:
     policy: the actor, unsharded.
@@ -106,6 +151,8 @@ class RLTrainer:
     use_reference: keep a frozen copy of the initial policy for the KL term.
     export_dtype: the generators' dtype, in which `export_weights` hands weights over.
     mesh: the device mesh (default: `mesh_axes` over all devices).
+    compute: dtype, LM-head precision, remat and logprob chunking of every
+      forward pass (parameters and optimizer state stay fp32).
   """
 
   def __init__(
@@ -123,8 +170,11 @@ class RLTrainer:
       mesh: jax.sharding.Mesh | None = None,
       mesh_axes: dict | None = None,
       export_dtype: str = "float32",
+      compute: ComputeConfig = ComputeConfig(),
   ):
     self.export_dtype = export_dtype
+    self.compute = compute
+    self.model_cfg = policy.cfg
     self.mesh = mesh or sharding.make_mesh(dict(mesh_axes or {"fsdp": -1}))
     self.loss_cfg = loss
     self.adv_cfg = advantage
@@ -134,8 +184,10 @@ class RLTrainer:
     policy = sharding.shard_module(policy, self.mesh)
     critic = None
     if critic_optim is not None:
-      critic = sharding.shard_module(critic_from_policy(policy, seed), self.mesh)
-    self.models, state = step_lib.init_state(policy, actor_optim, critic, critic_optim)
+      critic = critic_from_policy(policy, seed, self.mesh)
+    self.models, state = step_lib.init_state(
+        policy, actor_optim, critic, critic_optim, compute=compute
+    )
     # Scalars (step, optimizer counts) default to one device; replicate them on
     # the mesh so a restored (committed) state has one consistent device set.
     replicated = NamedSharding(self.mesh, P())
@@ -145,7 +197,7 @@ class RLTrainer:
         else jax.device_put(x, replicated),
         state,
     )
-    self.ref = jax.tree.map(jnp.copy, self.state.actor) if use_reference else None
+    self.ref = self._frozen(self.state.actor) if use_reference else None
 
   @classmethod
   def from_settings(
@@ -165,42 +217,50 @@ class RLTrainer:
         mesh=mesh,
         mesh_axes=s.mesh.axes(),
         export_dtype=s.model.dtype,
+        compute=compute_config(s),
     )
 
   # ------------------------------------------------------------ per-sample work
   def _put(self, x: np.ndarray) -> jax.Array:
     return jax.device_put(x, sharding.batch_sharding(self.mesh, x.ndim, shape=x.shape))
 
+  def _frozen(self, params):
+    """A copy of actor or critic params for scoring only, in the dtypes the
+    forward pass reads (`read_dtype_cast`): same results, half the bytes
+    under bf16 compute."""
+    if params is None:
+      return None
+    return read_dtype_cast(params, self.model_cfg, self.compute)
+
   def snapshot(self, copy: bool = True) -> Snapshot:
     """The current actor and critic as the old policy of an iteration.
 
-    `copy=False` is for callers that score every sample before the first
-    update (the step donates its input state, so a plain reference would not
-    survive an update).
+    The copy is stored in the read dtypes (see `_frozen`), so it scores
+    exactly as the live parameters do. `copy=False` is for callers that
+    score every sample before the first update (the step donates its input
+    state, so a plain reference would not survive an update).
     """
     if not copy:
       return Snapshot(self.state.actor, self.state.critic)
-    dup = lambda tree: jax.tree.map(jnp.copy, tree)
-    return Snapshot(dup(self.state.actor), dup(self.state.critic))
+    return Snapshot(self._frozen(self.state.actor), self._frozen(self.state.critic))
 
   def score(self, samples: Sequence, old: Snapshot) -> dict:
     """Old / reference logprobs and values of samples (one padded batch)."""
     batch = experience.pad_samples(samples)
     tokens = self._put(batch["tokens_bt"])
-    logp, _ = step_lib.policy_logprobs(
-        old.actor, tokens, graphdef=self.models.actor_def, temperature=self.temperature
-    )
+    score = dict(graphdef=self.models.actor_def, temperature=self.temperature, compute=self.compute)
+    logp, _ = step_lib.policy_logprobs(old.actor, tokens, **score)
     batch["old_logp_bt"] = np.asarray(logp)
     if self.ref is not None:
-      ref, _ = step_lib.policy_logprobs(
-          self.ref, tokens, graphdef=self.models.actor_def, temperature=self.temperature
-      )
+      ref, _ = step_lib.policy_logprobs(self.ref, tokens, **score)
       batch["ref_logp_bt"] = np.asarray(ref)
     else:
       batch["ref_logp_bt"] = np.zeros_like(batch["old_logp_bt"])
     if self.models.critic_def is not None:
       batch["old_values_bt"] = np.asarray(
-          step_lib.critic_values(old.critic, tokens, graphdef=self.models.critic_def)
+          step_lib.critic_values(
+              old.critic, tokens, graphdef=self.models.critic_def, compute=self.compute
+          )
       )
     return batch
 

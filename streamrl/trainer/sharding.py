@@ -98,6 +98,21 @@ def shard_module(module: nnx.Module, mesh: Mesh, rules=DEFAULT_RULES) -> nnx.Mod
   return nnx.merge(graphdef, state)
 
 
+def init_sharded(build, mesh: Mesh, *args, rules=DEFAULT_RULES) -> nnx.Module:
+  """`build(*args)` (a new module), created directly in its sharding.
+
+  The module is traced abstractly first (nnx.eval_shape) to read its
+  variables' logical axes; then one jit with those out_shardings runs the
+  constructor, so each device only ever holds its own shards -- there is
+  never a full unsharded copy on one device. `args` (arrays or nnx State,
+  e.g. weights to copy in) keep the sharding they have.
+  """
+  graphdef, abstract = nnx.split(nnx.eval_shape(build, *args))
+  shardings = state_shardings(abstract, mesh, rules)
+  state = jax.jit(lambda *a: nnx.state(build(*a)), out_shardings=shardings)(*args)
+  return nnx.merge(graphdef, state)
+
+
 def batch_sharding(
     mesh: Mesh, ndim: int, rules=DEFAULT_RULES, shape: Sequence[int] | None = None
 ) -> NamedSharding:

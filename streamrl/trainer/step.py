@@ -9,6 +9,13 @@ describes the prediction of token t + 1.
   gen_logp_bt    the generator's sampled-token logprobs
   ref_logp_bt    reference-model logprobs (zeros when there is no KL term)
   advantages_bt, returns_bt, old_values_bt
+
+Precision (`ComputeConfig`, in `Models`): parameters and optimizer state are
+fp32; every forward pass casts the weights to the compute dtype where they are
+used, inside the jitted function, so gradients arrive (and add up over
+micro-batches) in fp32. Log-probabilities are fp32, computed chunk by chunk
+over time when `logprob_chunk` is set; decoder blocks are rematerialised
+under `remat`.
 """
 
 from __future__ import annotations
@@ -24,7 +31,8 @@ import optax
 from flax import nnx
 
 from streamrl import rl
-from streamrl.models.transformer import token_logprobs
+from streamrl.models.config import ComputeConfig
+from streamrl.models.transformer import next_token_logprobs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,7 +129,8 @@ class TrainState:
 
 @dataclasses.dataclass(frozen=True)
 class Models:
-  """The static half of the train state: graph definitions, optimizer configs.
+  """The static half of the train state: graph definitions, optimizer configs
+  and how the forward passes run (`compute`: dtype, remat, logprob chunks).
 
   Every field compares and hashes by value (nnx GraphDefs and frozen
   configs), so two trainers with equal models and configs share the
@@ -132,6 +141,7 @@ class Models:
   actor_optim: OptimConfig
   critic_def: nnx.GraphDef | None = None
   critic_optim: OptimConfig | None = None
+  compute: ComputeConfig = ComputeConfig()
 
 
 def init_state(
@@ -139,10 +149,15 @@ def init_state(
     actor_optim: OptimConfig,
     critic: nnx.Module | None = None,
     critic_optim: OptimConfig | None = None,
+    compute: ComputeConfig = ComputeConfig(),
 ) -> tuple[Models, TrainState]:
-  """Splits the models into (static Models, TrainState with fresh optimizer state)."""
+  """Splits the models into (static Models, TrainState with fresh optimizer state).
+
+  The parameters stay in the dtype they come in (fp32 master weights);
+  `compute` says how the step's forward passes run.
+  """
   actor_def, actor_params = nnx.split(actor, nnx.Param)
-  models = Models(actor_def, actor_optim)
+  models = Models(actor_def, actor_optim, compute=compute)
   state = TrainState(
       step=jnp.zeros((), jnp.int32),
       actor=actor_params,
@@ -159,11 +174,10 @@ def init_state(
   return models, state
 
 
-def _actor_loss(params, graphdef, batch, cfg: LossConfig):
+def _actor_loss(params, graphdef, batch, cfg: LossConfig, compute: ComputeConfig):
   model = nnx.merge(graphdef, params)
-  logits = model(batch["tokens_bt"])[:, :-1]
-  targets = batch["tokens_bt"][:, 1:]
-  logp, entropy = token_logprobs(logits, targets, cfg.temperature)
+  logp, entropy = next_token_logprobs(model, batch["tokens_bt"], cfg.temperature, compute)
+  logp, entropy = logp[:, :-1], entropy[:, :-1]
   mask = batch["mask_bt"][:, :-1]
   old_logp = batch["old_logp_bt"][:, :-1]
   is_w = rl.rollout_correction_weights(
@@ -197,9 +211,9 @@ def _actor_loss(params, graphdef, batch, cfg: LossConfig):
   return loss, metrics
 
 
-def _critic_loss(params, graphdef, batch, cfg: LossConfig):
+def _critic_loss(params, graphdef, batch, cfg: LossConfig, compute: ComputeConfig):
   model = nnx.merge(graphdef, params)
-  values = model(batch["tokens_bt"])[:, :-1]
+  values = model(batch["tokens_bt"], compute=compute)[:, :-1]
   return rl.value_loss(
       values,
       batch["old_values_bt"][:, :-1],
@@ -246,7 +260,7 @@ def combine_micro_metrics(metrics: dict, weights_k: jax.Array) -> dict:
   return {k: v.max() if k.endswith("_max") else jnp.sum(weights_k * v) for k, v in metrics.items()}
 
 
-def _accumulate(loss_fn, params, graphdef, batch, num_micro, cfg):
+def _accumulate(loss_fn, params, graphdef, batch, num_micro, cfg, compute):
   """Loss and gradient of a mini-batch, summed over micro-batches with lax.scan.
 
   Micro-batch k's loss is scaled by `micro_batch_weights`, so the result equals
@@ -256,7 +270,7 @@ def _accumulate(loss_fn, params, graphdef, batch, num_micro, cfg):
   weights_k = micro_batch_weights(batch["mask_bt"][:, :-1], num_micro, cfg.agg)
 
   def weighted_loss(p, mb, w):
-    loss, metrics = loss_fn(p, graphdef, mb, cfg)
+    loss, metrics = loss_fn(p, graphdef, mb, cfg, compute)
     return w * loss, metrics
 
   grad_fn = jax.value_and_grad(weighted_loss, has_aux=True)
@@ -277,7 +291,7 @@ def update_step(
 ) -> tuple[TrainState, dict]:
   """One optimizer step of the actor (and critic) on one mini-batch."""
   loss, grads, metrics = _accumulate(
-      _actor_loss, state.actor, models.actor_def, batch, num_micro, cfg
+      _actor_loss, state.actor, models.actor_def, batch, num_micro, cfg, models.compute
   )
   actor_tx = make_optimizer(models.actor_optim)
   updates, actor_opt = actor_tx.update(grads, state.actor_opt, state.actor)
@@ -286,7 +300,7 @@ def update_step(
   state = state.replace(step=state.step + 1, actor=actor, actor_opt=actor_opt)
   if models.critic_def is not None:
     vloss, vgrads, vmetrics = _accumulate(
-        _critic_loss, state.critic, models.critic_def, batch, num_micro, cfg
+        _critic_loss, state.critic, models.critic_def, batch, num_micro, cfg, models.compute
     )
     critic_tx = make_optimizer(models.critic_optim)
     updates, critic_opt = critic_tx.update(vgrads, state.critic_opt, state.critic)
@@ -295,15 +309,19 @@ def update_step(
   return state, metrics
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "temperature"))
-def policy_logprobs(params, tokens_bt, *, graphdef, temperature: float = 1.0):
-  """[b, t] logprobs (column t scores token t + 1; last column 0) and entropies."""
-  logits = nnx.merge(graphdef, params)(tokens_bt)
-  logp, ent = token_logprobs(logits[:, :-1], tokens_bt[:, 1:], temperature)
-  pad = jnp.zeros_like(logp[:, :1])
-  return jnp.concatenate([logp, pad], 1), jnp.concatenate([ent, pad], 1)
+@functools.partial(jax.jit, static_argnames=("graphdef", "temperature", "compute"))
+def policy_logprobs(
+    params, tokens_bt, *, graphdef, temperature: float = 1.0, compute=ComputeConfig()
+):
+  """[b, t] logprobs (column t scores token t + 1; last column 0) and entropies.
+
+  fp32, chunked over time as the loss is (`compute.logprob_chunk`), so
+  scoring never holds [b, t, v] logits either.
+  """
+  return next_token_logprobs(nnx.merge(graphdef, params), tokens_bt, temperature, compute)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",))
-def critic_values(params, tokens_bt, *, graphdef):
-  return nnx.merge(graphdef, params)(tokens_bt)
+@functools.partial(jax.jit, static_argnames=("graphdef", "compute"))
+def critic_values(params, tokens_bt, *, graphdef, compute=ComputeConfig()):
+  """The model's output on tokens_bt: [b, t] values for a Critic."""
+  return nnx.merge(graphdef, params)(tokens_bt, compute=compute)

@@ -1,9 +1,34 @@
 """Checkpoint-transfer service: versioned, verified weight delivery from the trainer to the generators.
 
 Modules: manifest (payload format, chunks, checksums, schema), payload (a
-version's bytes + verification progress), delta (XOR+zlib chunk deltas),
-transports (framing, rate limits, TCP and shared-memory data planes),
-topology (broadcast/relay plan), service (Publisher, Receiver).
+version's bytes as a shared-memory safetensors file, verification progress,
+pins), delta (XOR+zlib chunk deltas), transports (framing, rate limits, TCP
+and shared-memory data planes), topology (broadcast/relay plan, one receiving
+receiver per host), service (Publisher, Receiver).
+
+Host path (what runs here): the trainer's lazy export is written once into a
+/dev/shm file, every host receives it once (same host: nothing; other hosts:
+one TCP stream into a staging file), and the engines load that file in
+place (``generator.vllm_engine.WorkerExtension``).
+
+GPU plug point (not built: nothing here can run it). vLLM has a pluggable
+weight-transfer API (``vllm/distributed/weight_transfer/``: the worker's
+``init_weight_transfer_engine`` / ``start_weight_update`` / ``update_weights``
+/ ``finish_weight_update``, reached with ``collective_rpc``; engines chosen by
+``EngineArgs(weight_transfer_config={"backend": ...})`` and registered with
+``WeightTransferEngineFactory.register_engine``), but its built-in backends
+(nccl, ipc, sparse_nccl, sharded_rdt, nccl_m2n, modelexpress) all need CUDA,
+and its base ``update_weights`` calls ``torch.accelerator.synchronize()``,
+which raises on a CPU-only torch. A device-to-device path goes behind the
+same interface as the host one: a ``transports.DataPlane`` named "nccl"
+whose ``offer`` answers when client and server share a NCCL group, whose
+``send`` broadcasts each chunk from device memory (DLPack views of the
+trainer's jax arrays, already in the generators' dtype) and whose
+``open``/``fill`` receive into the engine's own weight-transfer engine (a
+small vLLM backend registered under our name, fed by ``update_weights`` with
+the manifest's names/shapes/dtypes) and verify each chunk's checksum before it
+counts as ready; manifests, versions, topology, acks and retries stay as they
+are, and ``Receiver.load_fn`` becomes ``finish_weight_update``.
 """
 
 from streamrl.transfer.manifest import (
@@ -15,6 +40,7 @@ from streamrl.transfer.manifest import (
     check_schema,
     schema_of,
 )
+from streamrl.transfer.payload import Pin, VersionTensors, WeightsFile
 from streamrl.transfer.service import (
     Publisher,
     Receiver,
@@ -27,6 +53,7 @@ from streamrl.transfer.topology import ReceiverInfo, TreeNode, plan_direct, plan
 __all__ = [
     "ChecksumError",
     "Manifest",
+    "Pin",
     "Publisher",
     "Receiver",
     "ReceiverInfo",
@@ -35,6 +62,8 @@ __all__ = [
     "TransferConfig",
     "TransferError",
     "TreeNode",
+    "VersionTensors",
+    "WeightsFile",
     "check_schema",
     "default_config",
     "plan_direct",

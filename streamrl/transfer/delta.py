@@ -20,7 +20,7 @@ zlib level 1 on the plain XOR keeps 0.038 of the bytes at ~100 MB/s, the
 shuffled run-length variant 0.020 at ~200 MB/s, the sparse form 0.016 at
 ~500 MB/s with decoding at ~500 MB/s. A chunk whose delta would not save at
 least 5% goes raw. Exactness is checked end to end: the receiver compares
-every reconstructed chunk with the crc32 of the new version's chunk, so a
+every reconstructed chunk with the checksum of the new version's chunk, so a
 wrong base or a damaged delta is never loaded.
 """
 

@@ -7,38 +7,56 @@ and a receiver's current version (kept to re-serve children and late joiners
 and as the base for deltas). Servers stream chunk i as soon as it is ready,
 which is what makes publishing and forwarding through a tree pipelined.
 
-Memory: private buffers are ``np.empty``. Shared-memory payloads live in
-POSIX segments in /dev/shm, created by the sender (registered with
-multiprocessing's resource tracker, so a crashed sender does not leak them)
-and mapped read-only by same-host receivers.
+Memory: a payload is a safetensors file, so its bytes are what an engine
+loads. The sender's payloads and a receiver's staging buffers are POSIX
+shared-memory files in /dev/shm (created through multiprocessing's
+SharedMemory, so the resource tracker unlinks them if their process dies);
+``VersionTensors.path`` names the file, and every engine on that host loads
+that one file (``vllm_engine.WorkerExtension`` reads it zero-copy). Same-host
+receivers map a sender's file read-only instead of receiving a copy. Without
+/dev/shm, buffers are private memory (no path).
 
-Segments are recycled. On this machine (a VM without huge pages for tmpfs)
+Lifetimes: whoever reads a file someone else may rewrite holds a ``Pin`` (a
+shared ``flock`` on it, released on close or death) for as long as it needs
+the bytes: a receiver for the payloads it maps, a generator from staging a
+version until its engine has loaded it (by path). A writer rewrites or
+unlinks a file only if no one pins it (``is_pinned``) and its own rules allow
+(the sender: the version is retired, no stream reads it and every live
+receiver has acked a newer one; a receiver: the version is neither current
+nor in flight, no stream reads it); otherwise it takes a fresh file and keeps
+the pinned one until it is free. ``close`` unlinks everything (mappings
+outlive the name).
+
+Files are recycled. On this machine (a VM without huge pages for tmpfs)
 setting up the page tables of a fresh 1 GB mapping costs 0.5-2 s per
 process, more than copying and checksumming the bytes, so the sender keeps a
-small pool of segments and every process keeps its mappings
-(``SegmentPool``, ``map_shared``); private staging buffers are recycled
-too (first-touching fresh memory is nearly as slow). A segment is rewritten only when it holds
-a version that is retired (not among the versions the sender serves), that
-no stream is reading, and that every live receiver has moved past (acked a
-newer version); otherwise the sender takes a fresh segment. So a chunk a
-receiver verified cannot change while any receiver may still use it.
+small pool of segments, a receiver reuses its retired staging file, and every
+process keeps its mappings of others' files (``SegmentPool``, ``map_shared``).
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import fcntl
 import mmap
 import os
 import secrets
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from multiprocessing import shared_memory
 from typing import Any, Optional
 
 import numpy as np
 
-from streamrl.transfer.manifest import Manifest, TransferError, read_payload, verify_chunk
+from streamrl.transfer.manifest import (
+    Manifest,
+    TransferError,
+    plan_payload,
+    read_payload,
+    verify_chunk,
+    write_tensors,
+)
 
 SHM_DIR = "/dev/shm"
 
@@ -48,8 +66,72 @@ def shm_available() -> bool:
   return os.path.isdir(SHM_DIR)
 
 
+class VersionTensors(dict):
+  """Read-only zero-copy views of one verified version, by HF name.
+
+  path: the safetensors file in /dev/shm these bytes are (None when they are
+  in private memory); an engine on this host loads that file directly. Pin
+  it (``Pin``) before keeping it beyond the ``load_fn`` call.
+  """
+
+  def __init__(self, tensors: dict, path: Optional[str], version: int):
+    super().__init__(tensors)
+    self.path = path
+    self.version = version
+
+
+class Pin:
+  """A shared ``flock`` on a /dev/shm file: while any is held, no writer rewrites the file.
+
+  flock locks belong to an open file description, so a pin ends when its
+  holder releases it, is collected, or dies: a crashed reader never blocks a
+  writer. TransferError if the file is gone or being rewritten.
+  """
+
+  def __init__(self, path: str):
+    try:
+      fd = os.open(path, os.O_RDONLY)
+    except OSError as e:
+      raise TransferError(f"cannot pin {path}: {e}") from None
+    try:
+      fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+      os.close(fd)
+      raise TransferError(f"cannot pin {path}: it is being rewritten") from None
+    self.path = path
+    self._fd: Optional[int] = fd
+
+  def release(self) -> None:
+    fd, self._fd = self._fd, None
+    if fd is not None:
+      os.close(fd)
+
+  def __del__(self):
+    self.release()
+
+
+def is_pinned(name: str) -> bool:
+  """Whether some process holds a ``Pin`` on /dev/shm/``name`` (False if the file is gone)."""
+  try:
+    fd = os.open(os.path.join(SHM_DIR, name), os.O_RDONLY)
+  except FileNotFoundError:
+    return False
+  try:
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    return False
+  except BlockingIOError:
+    return True
+  finally:
+    os.close(fd)  # also drops our exclusive lock, if we got it
+
+
 class Payload:
-  """Bytes of one version and its verification progress (thread-safe)."""
+  """Bytes of one version and its verification progress (thread-safe).
+
+  segment: the buffer this process owns (sender's payloads, receiver's
+  staging); None for a mapping of someone else's file, which then holds
+  ``pin`` until ``release``.
+  """
 
   def __init__(
       self,
@@ -58,6 +140,8 @@ class Payload:
       *,
       keepalive: Any = None,
       shm_name: Optional[str] = None,
+      segment: Optional["Segment"] = None,
+      pin: Optional[Pin] = None,
       ready: int = 0,
   ):
     if len(buf) != manifest.total_bytes:
@@ -66,19 +150,26 @@ class Payload:
     self.buf = buf
     self.keepalive = keepalive
     self.shm_name = shm_name
+    self.segment = segment
+    self.pin = pin
     self.streams = (
         0  # servers streaming from this payload now (keeps its segment from being recycled)
     )
-    self.crcs: list[Optional[int]] = list(manifest.crcs) or [None] * manifest.num_chunks
+    self.checksums: list[Optional[int]] = list(manifest.checksums) or [None] * manifest.num_chunks
     self._ready = ready
     self._error: Optional[str] = None
     self._cond = threading.Condition()
-    self._tensors: Optional[dict[str, np.ndarray]] = None
+    self._tensors: Optional[VersionTensors] = None
     self.delta_cache: dict[int, list] = {}  # base version -> per-chunk (encoding, bytes|None)
 
   @property
   def version(self) -> int:
     return self.manifest.version
+
+  @property
+  def path(self) -> Optional[str]:
+    """The /dev/shm file holding this payload (None for private memory)."""
+    return os.path.join(SHM_DIR, self.shm_name) if self.shm_name else None
 
   @property
   def complete(self) -> bool:
@@ -94,33 +185,33 @@ class Payload:
 
   @property
   def full_manifest(self) -> Manifest:
-    """The manifest with every chunk's crc (only once complete)."""
+    """The manifest with every chunk's checksum (only once complete)."""
     if not self.complete:
       raise TransferError("payload is not complete")
-    return dataclasses.replace(self.manifest, crcs=tuple(self.crcs))
+    return dataclasses.replace(self.manifest, checksums=tuple(self.checksums))
 
-  def commit(self, i: int, crc: Optional[int] = None) -> None:
-    """Verifies chunk i (the next one in order) against ``crc`` (default: the known one), marks it ready.
+  def commit(self, i: int, expected: Optional[int] = None) -> None:
+    """Verifies chunk i (the next one in order) against ``expected`` (default: the known checksum), marks it ready.
 
     ChecksumError if the bytes do not match.
     """
     if i != self._ready:
       raise TransferError(f"chunk {i} arrived out of order (expected {self._ready})")
-    expected = self.crcs[i] if crc is None else crc
+    expected = self.checksums[i] if expected is None else expected
     if expected is None:
       raise TransferError(f"no checksum for chunk {i}")
     verify_chunk(self.buf, self.manifest, i, expected)
     self._mark(i, expected)
 
-  def add_written(self, i: int, crc: int) -> None:
+  def add_written(self, i: int, value: int) -> None:
     """Sender side: chunk i was just written here and checksummed (nothing to verify)."""
     if i != self._ready:
       raise TransferError(f"chunk {i} written out of order (expected {self._ready})")
-    self._mark(i, crc)
+    self._mark(i, value)
 
-  def _mark(self, i: int, crc: int) -> None:
+  def _mark(self, i: int, value: int) -> None:
     with self._cond:
-      self.crcs[i] = crc
+      self.checksums[i] = value
       self._ready += 1
       self._cond.notify_all()
 
@@ -139,12 +230,12 @@ class Payload:
       if self._ready < n:
         raise TransferError(f"upstream transfer of version {self.version} failed: {self._error}")
 
-  def tensors(self) -> dict[str, np.ndarray]:
-    """Read-only zero-copy views (only once complete)."""
+  def tensors(self) -> VersionTensors:
+    """Read-only zero-copy views and the file's path (only once complete)."""
     if not self.complete:
       raise TransferError("payload is not complete")
     if self._tensors is None:
-      self._tensors = read_payload(self.buf, self.manifest)
+      self._tensors = VersionTensors(read_payload(self.buf, self.manifest), self.path, self.version)
     return self._tensors
 
   def open_stream(self) -> None:
@@ -155,22 +246,14 @@ class Payload:
     with self._cond:
       self.streams -= 1
 
+  def release(self) -> None:
+    """This process no longer needs a mapped payload's bytes: drops its pin."""
+    if self.pin is not None:
+      self.pin.release()
+
   @property
   def failed(self) -> bool:
     return self._error is not None
-
-
-def private_payload(manifest: Manifest, recycle: Optional[np.ndarray] = None) -> Payload:
-  """A staging payload in process memory; reuses ``recycle`` (a retired buffer) when the size fits.
-
-  Recycling matters here for the same reason as segments do: first-touching
-  1 GB of fresh memory costs more than receiving it.
-  """
-  if recycle is not None and recycle.size == manifest.total_bytes:
-    arr = recycle
-  else:
-    arr = np.empty(manifest.total_bytes, np.uint8)
-  return Payload(manifest, memoryview(arr), keepalive=arr)
 
 
 def _mmap(name: str, size: int, writable: bool) -> mmap.mmap:
@@ -189,8 +272,9 @@ def _mmap(name: str, size: int, writable: bool) -> mmap.mmap:
 
 @dataclasses.dataclass
 class Segment:
-  """A sender's buffer: a shared-memory segment (``shm`` set: its name, for crash cleanup, and our
-  writable mapping) or private memory (``shm`` None). payload: the version it holds (None while free).
+  """A buffer this process owns: a shared-memory file (``shm`` set: its name, for crash cleanup,
+  and our writable mapping) or private memory (``shm`` None). payload: the version it holds (None
+  while free).
   """
 
   buf: memoryview
@@ -202,7 +286,12 @@ class Segment:
   def name(self) -> Optional[str]:
     return self.shm.name if self.shm is not None else None
 
+  def pinned(self) -> bool:
+    """Someone reads this file and it must not be rewritten (see ``Pin``)."""
+    return self.shm is not None and is_pinned(self.shm.name)
+
   def unlink(self) -> None:
+    """Removes the file's name (mappings, ours included, stay valid until dropped)."""
     if self.shm is not None:
       try:
         self.shm.unlink()
@@ -224,18 +313,71 @@ def create_segment(size: int, shared: bool = True) -> Segment:
       name=f"srl_{os.getpid()}_{secrets.token_hex(6)}", create=True, size=max(size, 1)
   )
   shm.close()
-  return Segment(memoryview(_mmap(shm.name, size, writable=True)), shm=shm)
+  m = _mmap(shm.name, size, writable=True)
+  return Segment(memoryview(m)[:size], shm=shm, keepalive=m)
+
+
+class WeightsFile:
+  """One set of weights written once, tensor by tensor, into a new safetensors file in /dev/shm.
+
+  For weights handed to generators without the transfer service: the engines
+  of this host load ``path`` (``vllm_engine.GeneratorInstance.update_weights_from_file``).
+  ``tensors`` may be lazy (``models.hf.HFTensors``): each is read once and
+  copied straight into the file, in payload layout (every tensor aligned to
+  its itemsize). ``unlink`` removes the file (the resource tracker does if
+  this process dies); readers that still map it keep their mapping.
+  ``nbytes``: the file's size, i.e. the bytes copied to write it.
+  """
+
+  def __init__(self, tensors: Mapping[str, np.ndarray]):
+    if not shm_available():
+      raise RuntimeError(f"weights files need {SHM_DIR} (Linux shared memory); none was found.")
+    self.manifest = plan_payload(tensors, 0, 4 << 20)
+    self._segment = create_segment(self.manifest.total_bytes, shared=True)
+    try:
+      for _ in write_tensors(tensors, self.manifest, self._segment.buf):
+        pass
+    except BaseException:
+      self._segment.unlink()
+      raise
+
+  @property
+  def path(self) -> str:
+    return os.path.join(SHM_DIR, self._segment.name)
+
+  @property
+  def nbytes(self) -> int:
+    return self.manifest.total_bytes
+
+  def tensors(self) -> dict[str, np.ndarray]:
+    """Zero-copy read-only views of the file's tensors."""
+    return read_payload(self._segment.buf, self.manifest)
+
+  def unlink(self) -> None:
+    self._segment.unlink()
+
+
+def staging_payload(manifest: Manifest, segment: Segment) -> Payload:
+  """A receiver's staging payload in a buffer it owns (a fresh one or its retired one)."""
+  segment.payload = Payload(
+      manifest,
+      segment.buf[: manifest.total_bytes],
+      keepalive=segment.keepalive,
+      shm_name=segment.name,
+      segment=segment,
+  )
+  return segment.payload
 
 
 class SegmentPool:
   """The sender's buffers, recycled under the safety rule in the module docstring.
 
   Steady state: ``min_segments`` buffers (the versions still served plus the
-  one being written) take turns. A receiver that lags keeps its segment from
-  being rewritten, so new ones are made; the pool then forgets (unlinks) the
-  oldest beyond ``max_segments``; a receiver still mapping one keeps its
-  memory until it lets go. ``shared=False``: private buffers (the TCP-only
-  path), recycled for the same reason: first-touching fresh memory is slow.
+  one being written) take turns. A receiver that lags or pins keeps its
+  segment from being rewritten, so new ones are made; the pool then forgets
+  (unlinks) the oldest beyond ``max_segments``; a receiver still mapping one
+  keeps its memory until it lets go. ``shared=False``: private buffers (no
+  /dev/shm), recycled for the same reason: first-touching fresh memory is slow.
   """
 
   def __init__(self, min_segments: int, max_segments: int, shared: bool = True):
@@ -252,12 +394,12 @@ class SegmentPool:
       self, size: int, reusable: Callable[["Payload"], bool]
   ) -> tuple[Segment, Optional[Payload]]:
     """A buffer for a new version and the payload it held: the newest buffer for
-    which ``reusable(its payload)`` holds, else a new one (and None)."""
+    which ``reusable(its payload)`` holds and no reader pins, else a new one (and None)."""
     with self._lock:
       free = [
           s
           for s in self._segments
-          if len(s.buf) == size and (s.payload is None or reusable(s.payload))
+          if len(s.buf) == size and (s.payload is None or reusable(s.payload)) and not s.pinned()
       ]
       if free:
         chosen = max(free, key=self._age)
@@ -270,8 +412,11 @@ class SegmentPool:
     seg = create_segment(size, self.shared)
     with self._lock:
       self._segments.append(seg)
-      while len(self._segments) > self.max_segments:  # forget the oldest other buffer
-        old = min((s for s in self._segments if s is not seg), key=self._age)
+      while len(self._segments) > self.max_segments:  # forget the oldest other unpinned buffer
+        idle = [s for s in self._segments if s is not seg and not s.pinned()]
+        if not idle:
+          break
+        old = min(idle, key=self._age)
         self._segments.remove(old)
         old.unlink()
     return seg, None
@@ -289,12 +434,14 @@ MAX_CACHED_MAPS = 4
 
 
 def map_shared(name: str, manifest: Manifest) -> Payload:
-  """A read-only view of a sender's segment (this process keeps the mapping for later versions).
+  """A read-only view of another node's file on this host, pinned until ``release``.
 
-  Nothing is verified yet: commit each chunk.
+  This process keeps the mapping for later versions. Nothing is verified
+  yet: commit each chunk.
   """
   if "/" in name or name.startswith(".") or not name:
     raise TransferError(f"bad shared-memory name {name!r}")
+  pin = Pin(os.path.join(SHM_DIR, name))
   with _MAPS_LOCK:
     m = _MAPS.get(name)
     if m is not None and len(m) >= manifest.total_bytes:
@@ -303,8 +450,11 @@ def map_shared(name: str, manifest: Manifest) -> Payload:
       try:
         m = _mmap(name, manifest.total_bytes, writable=False)
       except (FileNotFoundError, ValueError, OSError) as e:
+        pin.release()
         raise TransferError(f"cannot map shared-memory segment {name}: {e}") from None
       _MAPS[name] = m
       while len(_MAPS) > MAX_CACHED_MAPS:
         _MAPS.popitem(last=False)  # unmapped once no payload view uses it
-  return Payload(manifest, memoryview(m)[: manifest.total_bytes], keepalive=m)
+  return Payload(
+      manifest, memoryview(m)[: manifest.total_bytes], keepalive=m, shm_name=name, pin=pin
+  )

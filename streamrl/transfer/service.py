@@ -12,11 +12,14 @@ Protocol (announce, then pull):
 2. A receiver that hears an announce forwards it at once to its own children
    (naming itself as their source) and pulls the version from its source:
    manifest first (schema refused before any data), then chunks. Every node
-   commits a chunk only after its crc32 matches and serves committed chunks
-   to its children immediately, so a tree is pipelined.
+   commits a chunk only after its checksum matches and serves committed
+   chunks to its children immediately, so a tree is pipelined.
 3. Only when all chunks are verified and the safetensors header agrees with
    the manifest does the receiver call ``load_fn(tensors, version)``; loads
-   are serialised, so a generator never mixes versions. Then it acks.
+   are serialised, so a generator never mixes versions. ``tensors.path`` is
+   the verified safetensors file in /dev/shm (the sender's, or the host's
+   first receiver's): engines load that file. Then it acks, reporting how
+   many bytes it copied (``Publisher.copied_bytes``).
 
 Faults: a damaged or cut stream fails only that attempt: the receiver keeps
 its old version and retries (``max_retries`` times, falling back from its tree
@@ -33,14 +36,19 @@ publishes wins). A late joiner registers and pulls the latest version before
 
 Deltas (``delta_cross_dc``): when a client in another datacenter says which
 version it holds and the publisher still has it with the same layout, chunks
-go as XOR deltas (delta.py), each checked against the full chunk's crc after
-reconstruction. Local links always carry full chunks.
+go as XOR deltas (delta.py), each checked against the full chunk's
+checksum after reconstruction. Local links always carry full chunks.
 
-Memory: the publisher's buffers (shared-memory segments, or private buffers
-without shared memory) and each receiver's private staging buffers are
-recycled between versions under the rules in payload.py, and a receiver that
-knows its schema faults its staging memory in at ``join``: on this VM, first
-touching 1 GB of fresh memory costs more than moving it.
+Memory: one copy per host. The publisher writes each version once, tensor by
+tensor (a lazy mapping is read one parameter at a time), into a
+shared-memory file; receivers on its host map that file, and on every other
+host one receiver receives into a staging file of its own which that host's
+other receivers map (topology.py). Files are recycled between versions under
+the rules in payload.py (pins keep a file someone still reads from being
+rewritten), and a receiver that knows its schema faults its staging memory
+in at ``join``: on this VM, first touching 1 GB of fresh memory costs more
+than moving it. Every file is unlinked on ``close`` (and by the resource
+tracker if its process dies).
 
 Where the data plane could be a GPU path (NCCL / CUDA IPC), see transports.py.
 """
@@ -75,7 +83,14 @@ from streamrl.transfer.manifest import (
     plan_payload,
     schema_of,
 )
-from streamrl.transfer.payload import Payload, SegmentPool, shm_available
+from streamrl.transfer.payload import (
+    Payload,
+    Segment,
+    SegmentPool,
+    VersionTensors,
+    create_segment,
+    shm_available,
+)
 from streamrl.transfer.topology import Address, ReceiverInfo, TreeNode, plan_direct, plan_topology
 from streamrl.transfer.transports import (
     PLANES,
@@ -273,7 +288,7 @@ class _Node:
           {
               "status": "ok",
               "plane": plane.name,
-              "manifest": payload.manifest.without_crcs().to_json(),
+              "manifest": payload.manifest.without_checksums().to_json(),
               "base": delta_base.version if delta_base is not None else None,
               **fields,
           },
@@ -362,6 +377,7 @@ class Publisher(_Node):
     keep = max(self.config.keep_versions, 1)
     self._pool = SegmentPool(keep, keep + 2, shared=self.config.use_shm and shm_available())
     self._peers: dict[str, _Peer] = {}
+    self._copied: dict[int, int] = {}  # version -> bytes copied for it, on every host
     self._expected = as_schema(expected_schema) if expected_schema is not None else None
     self._repair_thread = threading.Thread(
         target=self._repair_loop, name=f"{name}-repair", daemon=True
@@ -455,8 +471,9 @@ class Publisher(_Node):
     )
     announcer.start()
     try:
-      for i, crc in enumerate(fill_payload(tensors, manifest, payload.buf)):
-        payload.add_written(i, crc)
+      for i, value in enumerate(fill_payload(tensors, manifest, payload.buf)):
+        payload.add_written(i, value)
+      self._add_copied(v, manifest.total_bytes)
     except BaseException as e:
       payload.fail(f"publisher failed while writing version {v}: {e!r}")
       with self._cond:
@@ -467,7 +484,7 @@ class Publisher(_Node):
       t2 = time.perf_counter()
       announcer.join()
     log.debug(
-        "%s: version %d: allocate %.3fs, write+crc %.3fs, announce wait %.3fs",
+        "%s: version %d: allocate %.3fs, write+checksum %.3fs, announce wait %.3fs",
         self.name,
         v,
         t1 - t0,
@@ -494,6 +511,19 @@ class Publisher(_Node):
     with self._cond:
       return sorted(n for n, p in self._peers.items() if p.alive and p.acked < version)
 
+  def copied_bytes(self, version: int) -> int:
+    """Bytes written into host memory for ``version`` so far: the publisher's copy plus what
+    every receiver that acked it copied (a TCP receiver its staging file; a receiver that maps
+    a same-host file, nothing)."""
+    with self._cond:
+      return self._copied.get(version, 0)
+
+  def _add_copied(self, version: int, n: int) -> None:
+    with self._cond:
+      self._copied[version] = self._copied.get(version, 0) + n
+      while len(self._copied) > 16:
+        self._copied.pop(min(self._copied))
+
   def acked_versions(self) -> dict[str, int]:
     with self._cond:
       return {n: p.acked for n, p in self._peers.items()}
@@ -518,7 +548,7 @@ class Publisher(_Node):
       with self._cond:
         if self._versions.get(old.version) is old:
           del self._versions[old.version]
-    payload = Payload(manifest, seg.buf, shm_name=seg.name, keepalive=seg.keepalive)
+    payload = Payload(manifest, seg.buf, shm_name=seg.name, keepalive=seg.keepalive, segment=seg)
     seg.payload = payload
     return payload
 
@@ -553,6 +583,7 @@ class Publisher(_Node):
           p.acked, p.alive = max(p.acked, int(req["version"])), True
           p.error = None
           self._cond.notify_all()
+      self._add_copied(int(req["version"]), int(req.get("copied", 0)))
     elif op == "nack":
       with self._cond:
         p = self._peers.get(req["name"])
@@ -635,10 +666,12 @@ class Publisher(_Node):
 class Receiver(_Node):
   """One generator's end: receives, verifies, then calls ``load_fn(tensors, version)``.
 
-  load_fn gets read-only zero-copy arrays (HF name -> array) of a complete,
-  verified version and should copy them into the model; calls never overlap.
-  The arrays stay valid at least until load_fn has returned for the next
-  version (their buffer is then recycled), so copy whatever you keep.
+  load_fn gets a ``VersionTensors``: read-only zero-copy arrays (HF name ->
+  array) of a complete, verified version, and ``.path``, the safetensors file
+  in /dev/shm they live in (None without /dev/shm); calls never overlap. The
+  arrays stay valid at least until load_fn has returned for the next version
+  (their file may then be rewritten): to use the bytes later, hold a
+  ``payload.Pin`` on ``.path`` until done, or copy them.
   expected_schema: the model's tensor specs (TensorSpecs or {name: (shape, dtype)});
   a version that differs is refused. initial_version: what the generator serves now.
   host: host label (same label as the publisher -> shared memory).
@@ -671,8 +704,10 @@ class Receiver(_Node):
     self._publisher: Optional[Address] = None
     self._gave_up: dict[int, bool] = {}  # version -> permanent?
     self._fetching = False
-    self._retired: Optional[Payload] = None  # a private buffer to reuse as the next staging buffer
-    self._spare_buf: Optional[np.ndarray] = None  # staging memory faulted in at join
+    self._retired: list[Segment] = []  # our staging files no longer served: reused or unlinked
+    self._spare: Optional[Segment] = None  # staging memory faulted in ahead of need
+    self._preparing = False  # a thread (_preparer) is faulting in a spare
+    self._preparer: Optional[threading.Thread] = None
     self.last_error: Optional[str] = None
     self._last_exc: Optional[Exception] = None
     self._fetch_thread = threading.Thread(
@@ -704,11 +739,13 @@ class Receiver(_Node):
       send_json(sock, {"op": "ping"})
       hello = recv_json(sock)
     shm = self.config.use_shm and hello.get("shm") and hello.get("host") == self.host
-    if self._expected is not None and not shm and self._spare_buf is None:
-      # Versions will land in private staging memory: fault it in now, before we serve, rather
+    if self._expected is not None and not shm and self._spare is None:
+      # Versions may land in our own staging file: fault it in now, before we serve, rather
       # than while the first version streams in (first-touching 1 GB costs seconds on a busy VM).
-      self._spare_buf = np.empty(payload_nbytes(self._expected), np.uint8)
-      self._spare_buf.fill(0)
+      spare = create_segment(payload_nbytes(self._expected), shared=shm_available())
+      np.frombuffer(spare.buf, np.uint8).fill(0)
+      with self._cond:
+        self._spare = spare
     with connect(self._publisher, self.config.connect_timeout_s) as sock:
       sock.settimeout(self.config.io_timeout_s)
       send_json(sock, {"op": "register", "info": self.info.to_json(), "version": self._version})
@@ -738,10 +775,23 @@ class Receiver(_Node):
       return self._cond.wait_for(lambda: self._version >= version, timeout)
 
   def close(self) -> None:
+    """Stops serving and removes this receiver's staging files from /dev/shm."""
     with self._cond:
       self._closed.set()
       self._cond.notify_all()
     super().close()
+    if self._preparer is not None:
+      self._preparer.join()
+    with self._cond:
+      owned = [p.segment for p in (self._current, self._inflight) if p is not None]
+      owned += [*self._retired, self._spare]
+      for p in (self._current, self._inflight):
+        if p is not None:
+          p.release()
+      self._retired, self._spare = [], None
+    for seg in owned:
+      if seg is not None:
+        seg.unlink()
 
   # -- server side
   def _dispatch(self, conn, req):
@@ -896,7 +946,7 @@ class Receiver(_Node):
           base is None or header["base"] != base.version or base.manifest.layout != manifest.layout
       ):
         raise TransferError("sender chose a delta base this receiver does not hold")
-      payload = plane.open(header, manifest, self._take_recycled(manifest.total_bytes))
+      payload = plane.open(header, manifest, self._staging_buffer)
       with self._cond:
         self._inflight = payload
         self._cond.notify_all()
@@ -908,6 +958,8 @@ class Receiver(_Node):
           self.config.io_timeout_s,
       )
       self._count("bytes_received", n)
+      copied = manifest.total_bytes if plane.copies else 0
+      self._count("bytes_copied", copied)
       tensors = payload.tensors()
     except BaseException as e:
       if payload is not None:
@@ -920,28 +972,46 @@ class Receiver(_Node):
       raise
     finally:
       self._untrack(sock)
-    self._load(payload, tensors)
+    self._load(payload, tensors, copied)
     return self._version
 
   def _retire(self, payload: Payload) -> None:
-    """Keeps a private buffer this receiver no longer serves, to be the next staging buffer."""
-    if payload.shm_name is None and isinstance(payload.keepalive, np.ndarray):
-      self._retired = payload
+    """This receiver stops serving ``payload``: its pin goes, and a staging file of ours joins
+    the retired ones (reused or unlinked by ``_staging_buffer``). Under ``_cond``."""
+    payload.release()
+    seg = payload.segment
+    if seg is not None and all(seg is not r for r in self._retired):
+      self._retired.append(seg)
 
-  def _take_recycled(self, nbytes: int) -> Optional[np.ndarray]:
+  def _staging_buffer(self, nbytes: int) -> Segment:
+    """Where a version received over TCP lands: the spare faulted in at join, else the newest
+    retired staging file that no stream reads and nobody pins, else a fresh file. Retired files
+    still read or pinned are kept (a generator may load one by path); the others are unlinked."""
     with self._cond:
-      if self._spare_buf is not None and self._spare_buf.size == nbytes:
-        spare, self._spare_buf = self._spare_buf, None
+      if self._spare is not None and len(self._spare.buf) == nbytes:
+        spare, self._spare = self._spare, None
         return spare
-      old = self._retired
-      if old is None or old.streams or old.keepalive.size != nbytes or old is self._current:
-        return None
-      self._retired = None
-      return old.keepalive
+      retired, self._retired = self._retired, []
+    chosen, keep = None, []
+    for seg in reversed(retired):
+      if (seg.payload is not None and seg.payload.streams) or seg.pinned():
+        keep.append(seg)
+      elif chosen is None and len(seg.buf) == nbytes:
+        chosen = seg
+      else:
+        seg.unlink()
+    with self._cond:
+      self._retired[:0] = reversed(keep)
+    return chosen if chosen is not None else create_segment(nbytes, shared=shm_available())
 
-  def _load(self, payload: Payload, tensors: dict[str, np.ndarray]) -> None:
+  def _load(self, payload: Payload, tensors: VersionTensors, copied: int) -> None:
     with self._load_lock:
       if payload.version <= self._version:
+        with self._cond:
+          if self._inflight is payload:
+            self._inflight = None
+          if payload is not self._current:
+            self._retire(payload)
         return
       try:
         self.load_fn(tensors, payload.version)
@@ -949,18 +1019,54 @@ class Receiver(_Node):
         with self._cond:
           if self._inflight is payload:
             self._inflight = None
+          self._retire(payload)
         payload.fail(f"load_fn failed: {e!r}")
         raise TransferError(f"load_fn failed on version {payload.version}: {e!r}") from e
       with self._cond:
         if self._current is not None:
           self._retire(self._current)
         self._version, self._current = payload.version, payload
+        if payload.segment is None and self._spare is not None:
+          # We map a same-host file (another receiver here receives for this host): no staging.
+          self._spare.unlink()
+          self._spare = None
+        # The first version we received ourselves: the next one needs a second file (the current
+        # one stays served and is its delta base). Fault it in now, off the critical path: fresh
+        # shared memory costs ~1.3 s/GB on this VM; afterwards two files alternate.
+        prepare = (
+            payload.segment is not None
+            and payload.segment.shm is not None
+            and self._spare is None
+            and not self._retired
+            and not self._preparing
+        )
+        self._preparing |= prepare
         if self._inflight is payload:
           self._inflight = None
         self.last_error = None
         self._cond.notify_all()
     self._count("loads")
-    self._tell_publisher({"op": "ack", "name": self.name, "version": payload.version})
+    self._tell_publisher(
+        {"op": "ack", "name": self.name, "version": payload.version, "copied": copied}
+    )
+    if prepare:
+      with self._cond:  # close() sets closed under _cond, then joins the preparer
+        if self.closed:
+          self._preparing = False
+        else:
+          self._preparer = threading.Thread(
+              target=self._prepare_spare, args=(payload.manifest.total_bytes,), daemon=True
+          )
+          self._preparer.start()
+
+  def _prepare_spare(self, nbytes: int) -> None:
+    spare = create_segment(nbytes, shared=True)
+    with self._cond:
+      self._preparing = False
+      if self._spare is None and not self._retired and not self.closed:
+        self._spare, spare = spare, None
+    if spare is not None:  # not needed any more
+      spare.unlink()
 
 
 # ---------------------------------------------------------------- process mode

@@ -4,7 +4,10 @@ Plan (``plan_topology``), rooted at the sender:
 - receivers on the sender's own host (same ``host`` label, shared memory
   enabled) hang directly off the sender: the shared-memory path writes the
   payload once and every local receiver maps it, so fan-out costs nothing;
-- the other receivers of the sender's datacenter form a ``fanout``-ary tree
+- with shared memory on, every other host receives once: its first receiver
+  by name (the host's head) is in the tree, and the host's other receivers
+  hang directly off their head and map its staging file;
+- the other heads of the sender's datacenter form a ``fanout``-ary tree
   under the sender (breadth-first, so depth is log_fanout(n)); every node
   forwards each verified chunk as soon as it has it, so depth adds one chunk
   of latency, not one payload;
@@ -69,16 +72,38 @@ class TreeNode:
 
 
 def _kary(
-    root: Optional[ReceiverInfo], nodes: Sequence[ReceiverInfo], fanout: int
+    root: Optional[ReceiverInfo],
+    nodes: Sequence[ReceiverInfo],
+    fanout: int,
+    local: Optional[Mapping[str, Sequence[ReceiverInfo]]] = None,
 ) -> list[TreeNode]:
-  """Children of ``root`` when root + nodes are laid out as a breadth-first fanout-ary heap."""
+  """Children of ``root`` when root + nodes are laid out as a breadth-first fanout-ary heap.
+
+  local: receivers that hang off a node by its name, besides its heap children (same host).
+  """
   order = [root, *nodes]
+  local = local or {}
 
   def build(j: int) -> TreeNode:
     kids = range(j * fanout + 1, min(j * fanout + fanout, len(order) - 1) + 1)
-    return TreeNode(order[j], tuple(build(k) for k in kids))
+    node = order[j]
+    same_host = tuple(TreeNode(r) for r in local.get(node.name, ())) if node is not None else ()
+    return TreeNode(order[j], same_host + tuple(build(k) for k in kids))
 
   return list(build(0).children)
+
+
+def _by_host(
+    receivers: Sequence[ReceiverInfo],
+) -> tuple[list[ReceiverInfo], dict[str, list[ReceiverInfo]]]:
+  """(the first receiver of every host, in order; {head name: that host's other receivers})."""
+  heads: dict[str, ReceiverInfo] = {}
+  local: dict[str, list[ReceiverInfo]] = {}
+  for r in receivers:
+    head = heads.setdefault(r.host, r)
+    if head is not r:
+      local.setdefault(head.name, []).append(r)
+  return list(heads.values()), local
 
 
 def _check(receivers: Sequence[ReceiverInfo], fanout: int) -> None:
@@ -100,20 +125,25 @@ def plan_topology(
 
   receivers: everyone to deliver to (any order; the plan sorts by name).
   sender_host: the sender's host label when the shared-memory path is on,
-  else None. Returns the root (the sender) of a tree that contains every
+  else None (then receivers are not grouped by host). Returns the root (the sender) of a tree that contains every
   receiver exactly once.
   """
   _check(receivers, fanout)
   by_dc: dict[str, list[ReceiverInfo]] = {}
   for r in sorted(receivers, key=lambda r: r.name):
     by_dc.setdefault(r.dc, []).append(r)
+  shared = sender_host is not None
+
+  def group(rs: list[ReceiverInfo]) -> tuple[list[ReceiverInfo], dict[str, list[ReceiverInfo]]]:
+    return _by_host(rs) if shared else (rs, {})
+
   local = by_dc.pop(sender_dc, [])
-  shm = [r for r in local if sender_host is not None and r.host == sender_host]
-  rest = [r for r in local if not (sender_host is not None and r.host == sender_host)]
-  children = [TreeNode(r) for r in shm] + _kary(None, rest, fanout)
+  shm = [r for r in local if shared and r.host == sender_host]
+  heads, same_host = group([r for r in local if not (shared and r.host == sender_host)])
+  children = [TreeNode(r) for r in shm] + _kary(None, heads, fanout, same_host)
   for dc in sorted(by_dc):
-    relay, *others = by_dc[dc]
-    children.append(TreeNode(relay, tuple(_kary(relay, others, fanout))))
+    (relay, *others), same_host = group(by_dc[dc])
+    children.append(TreeNode(relay, tuple(_kary(relay, others, fanout, same_host))))
   return TreeNode(None, tuple(children))
 
 

@@ -11,18 +11,21 @@ Why TCP + shared memory (and not Ray's object store):
   the network, which is exactly what we refuse to do, and adds nothing a
   socket does not do here.
 - Same-host fast path: the sender writes the payload into a POSIX
-  shared-memory segment once; a receiver on the same host label gets only a
-  small control message over TCP, maps the segment read-only and verifies
-  every chunk's crc32 in place as soon as the sender reports it written
-  (R frames), so verification overlaps the sender's copy. Four receivers then
-  cost one copy plus four checksum passes instead of four copies through the
-  kernel.
+  shared-memory file once; a receiver on the same host label (the sender's,
+  or the first receiver of a remote host, whose staging is such a file too)
+  gets only a small control message over TCP, maps the file read-only and
+  verifies every chunk's checksum in place as soon as the sender reports it
+  written (R frames), so verification overlaps the sender's copy. Four
+  receivers then cost one copy plus four checksum passes instead of four
+  copies through the kernel, and their engines load that one file.
+- A TCP receiver receives each chunk straight into its staging file: the
+  received bytes are the safetensors file its engines load.
 
 Frames: 1-byte kind + 8-byte big-endian body length, then the body.
   J  JSON control message (requests, replies, the response header with the manifest)
-  C  chunk: 4-byte index + 1-byte encoding (delta.RAW / XOR_ZLIB / XOR_SPARSE) + 4-byte crc32 of the
-     (reconstructed) chunk + data
-  R  shared-memory chunk ready: 4-byte index + 4-byte crc32 (the bytes are in the segment)
+  C  chunk: 4-byte index + 1-byte encoding (delta.RAW / XOR_ZLIB / XOR_SPARSE) + 8-byte checksum
+     (manifest.checksum) of the (reconstructed) chunk + data
+  R  shared-memory chunk ready: 4-byte index + 8-byte checksum (the bytes are in the file)
   E  end of payload
   X  error: JSON {"reason": ...}; the peer aborts this transfer
 
@@ -52,17 +55,17 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from typing import Any, ClassVar, Optional
 
-import numpy as np
 
 from streamrl.transfer import delta as delta_lib
 from streamrl.transfer.manifest import Manifest, TransferError
-from streamrl.transfer.payload import Payload, map_shared, private_payload
+from streamrl.transfer.payload import Payload, Segment, map_shared, staging_payload
 
 Address = tuple[str, int]
 
 _FRAME = struct.Struct("!cQ")
-_CHUNK = struct.Struct("!IBI")
-_READY = struct.Struct("!II")
+_CHUNK = struct.Struct("!IBQ")
+_READY = struct.Struct("!IQ")
+CHUNK_FRAME_BYTES = _FRAME.size + _CHUNK.size  # wire bytes before each chunk's data (C frame)
 MAX_JSON_BYTES = 64 << 20
 _SEND_PIECE = 256 << 10  # rate-limited sends go out in pieces this big
 
@@ -199,6 +202,7 @@ class DataPlane(abc.ABC):
   """Moves one payload over one edge; the control plane (service.py) is the same for all planes."""
 
   name: ClassVar[str]
+  copies: ClassVar[bool]  # the client writes the payload into memory of its own
 
   @abc.abstractmethod
   def offer(
@@ -211,8 +215,8 @@ class DataPlane(abc.ABC):
     """Server side, after the header: streams the payload; returns bytes put on the wire."""
 
   @abc.abstractmethod
-  def open(self, header: dict, manifest: Manifest, recycle: Optional[np.ndarray] = None) -> Payload:
-    """Client side: the staging payload the data will land in (``recycle``: a free buffer to reuse)."""
+  def open(self, header: dict, manifest: Manifest, buffer: Callable[[int], Segment]) -> Payload:
+    """Client side: the payload the data will land in (``buffer(nbytes)``: a staging buffer of ours)."""
 
   @abc.abstractmethod
   def fill(
@@ -253,6 +257,7 @@ class TcpPlane(DataPlane):
   """Chunks as frames on the socket, optionally delta-encoded, paced by the edge's limiters."""
 
   name = "tcp"
+  copies = True
 
   def offer(self, payload, request, server_host, use_shm):
     return {}
@@ -265,15 +270,15 @@ class TcpPlane(DataPlane):
       payload.wait_ready(i + 1, link.timeout)
       enc, blob = next(encoded) if encoded is not None else (delta_lib.RAW, None)
       data = payload.chunk(i) if blob is None else memoryview(blob)
-      head = _FRAME.pack(b"C", _CHUNK.size + len(data)) + _CHUNK.pack(i, enc, payload.crcs[i])
+      head = _FRAME.pack(b"C", _CHUNK.size + len(data)) + _CHUNK.pack(i, enc, payload.checksums[i])
       sock.sendall(head)
       send_limited(sock, data, link.limiters)
       sent += len(head) + len(data)
     sock.sendall(_FRAME.pack(b"E", 0))
     return sent + _FRAME.size
 
-  def open(self, header, manifest, recycle=None):
-    return private_payload(manifest, recycle)
+  def open(self, header, manifest, buffer):
+    return staging_payload(manifest, buffer(manifest.total_bytes))
 
   def fill(self, sock, header, payload, base, timeout):
     m = payload.manifest
@@ -284,7 +289,7 @@ class TcpPlane(DataPlane):
         raise TransferError(f"sender aborted: {_read_json_body(sock, n).get('reason')}")
       if kind != b"C" or n < _CHUNK.size:
         raise TransferError(f"expected chunk {i}, got frame {kind!r}")
-      idx, enc, crc = _CHUNK.unpack(recv_exact(sock, _CHUNK.size))
+      idx, enc, expected = _CHUNK.unpack(recv_exact(sock, _CHUNK.size))
       a, b = m.chunk_range(i)
       size = n - _CHUNK.size
       if idx != i:
@@ -300,7 +305,7 @@ class TcpPlane(DataPlane):
         delta_lib.decode_chunk(enc, bytes(blob), base.chunk(i), payload.buf[a:b], m.word_bytes)
       else:
         raise TransferError(f"unknown chunk encoding {enc}")
-      payload.commit(i, crc)  # crc32 of the (reconstructed) chunk
+      payload.commit(i, expected)  # checksum of the (reconstructed) chunk
       received += _FRAME.size + n
     kind, _ = recv_frame_header(sock)
     if kind != b"E":
@@ -312,6 +317,7 @@ class ShmPlane(DataPlane):
   """Same host: the data is in the sender's segment; the socket only carries the header and the end."""
 
   name = "shm"
+  copies = False
 
   def offer(self, payload, request, server_host, use_shm):
     if (
@@ -329,7 +335,7 @@ class ShmPlane(DataPlane):
       payload.wait_ready(sent + 1, link.timeout)
       ready = payload.ready
       frames = b"".join(
-          _FRAME.pack(b"R", _READY.size) + _READY.pack(i, payload.crcs[i])
+          _FRAME.pack(b"R", _READY.size) + _READY.pack(i, payload.checksums[i])
           for i in range(sent, ready)
       )
       sock.sendall(frames)
@@ -338,7 +344,7 @@ class ShmPlane(DataPlane):
     sock.sendall(_FRAME.pack(b"E", 0))
     return wire + _FRAME.size
 
-  def open(self, header, manifest, recycle=None):
+  def open(self, header, manifest, buffer):
     return map_shared(str(header.get("shm", "")), manifest)
 
   def fill(self, sock, header, payload, base, timeout):
@@ -348,10 +354,10 @@ class ShmPlane(DataPlane):
         raise TransferError(f"sender aborted: {_read_json_body(sock, n).get('reason')}")
       if kind != b"R" or n != _READY.size:
         raise TransferError(f"expected chunk {i} ready, got frame {kind!r}")
-      idx, crc = _READY.unpack(recv_exact(sock, n))
+      idx, expected = _READY.unpack(recv_exact(sock, n))
       if idx != i:
         raise TransferError(f"expected chunk {i}, got chunk {idx}")
-      payload.commit(i, crc)
+      payload.commit(i, expected)
     kind, _ = recv_frame_header(sock)
     if kind != b"E":
       raise TransferError(f"expected end of payload, got frame {kind!r}")

@@ -1,6 +1,10 @@
 """Weights to Ray generator instances through the checkpoint-transfer service:
 published once, verified by each instance's receiver, staged while it may be
-generating, loaded between streams."""
+generating, loaded between streams; every instance of a host loads one file.
+Also the plain Ray path, which writes that one file itself."""
+
+import os
+import time
 
 import jax.numpy as jnp
 import numpy as np
@@ -40,22 +44,35 @@ def svc(tmp_path_factory):
   ray.shutdown()
 
 
+def _check_generations(svc, model, version):
+  samples = list(svc.generate(PROMPTS, SamplingConfig(temperature=1.0, max_tokens=8, seed=3)))
+  assert sorted(s.prompt_id for s in samples) == list(range(6))
+  assert {s.instance_id for s in samples} == {0, 1}
+  for s in samples:
+    assert s.weight_version == version
+    tokens = jnp.asarray([list(s.prompt_token_ids) + list(s.token_ids)])
+    logp, _ = transformer.sequence_logprobs(model, tokens)
+    ours = np.asarray(logp[0, len(s.prompt_token_ids) - 1 : -1])
+    np.testing.assert_allclose(ours, s.logprobs, atol=1e-3)
+
+
+def _files(svc):
+  return [ray.get(svc.actor(i).last_weights_file.remote()) for i in (0, 1)]
+
+
 def test_versions_arrive_verified_and_generations_use_them(svc):
   assert svc.publisher is not None
   for version, seed in ((1, 11), (2, 12)):
     model = transformer.Transformer(svc.model_cfg, rngs=nnx.Rngs(seed))
-    versions = svc.update(hf.to_hf_tensors(model), version).wait()
+    # Lazy export, as the trainer's: each tensor converted once, into the published file.
+    versions = svc.update(hf.HFTensors(model, "float32"), version).wait()
     assert versions == {0: version, 1: version}
     assert svc.publisher.acked_versions() and not svc.publisher.missing_acks(version)
-    samples = list(svc.generate(PROMPTS, SamplingConfig(temperature=1.0, max_tokens=8, seed=3)))
-    assert sorted(s.prompt_id for s in samples) == list(range(6))
-    assert {s.instance_id for s in samples} == {0, 1}
-    for s in samples:
-      assert s.weight_version == version
-      tokens = jnp.asarray([list(s.prompt_token_ids) + list(s.token_ids)])
-      logp, _ = transformer.sequence_logprobs(model, tokens)
-      ours = np.asarray(logp[0, len(s.prompt_token_ids) - 1 : -1])
-      np.testing.assert_allclose(ours, s.logprobs, atol=1e-3)
+    # Both instances (on the publisher's host) loaded the publisher's one file in place.
+    a, b = _files(svc)
+    assert a == b == svc.publisher._newest().path
+    assert svc.publisher.copied_bytes(version) == svc.publisher._newest().manifest.total_bytes
+    _check_generations(svc, model, version)
 
 
 def test_a_wrong_shape_is_refused_and_the_old_version_keeps_serving(svc):
@@ -66,3 +83,30 @@ def test_a_wrong_shape_is_refused_and_the_old_version_keeps_serving(svc):
     svc.update(bad, max(before.values()) + 1).delivered(timeout_s=20)
   samples = list(svc.generate(PROMPTS[:2], SamplingConfig(max_tokens=4, seed=1)))
   assert {s.weight_version for s in samples} == set(before.values())
+
+
+@pytest.mark.parametrize("shared_file", [True, False])
+def test_ray_path_loads_one_file_per_host_and_removes_it(svc, shared_file):
+  version = max(svc.versions().values()) + 1
+  model = transformer.Transformer(svc.model_cfg, rngs=nnx.Rngs(20 + version))
+  handle = svc._update_through_ray(hf.HFTensors(model, "float32"), version, shared_file=shared_file)
+  assert handle.wait() == {0: version, 1: version}
+  a, b = _files(svc)
+  # One file for both instances; through the object store (other hosts) each writes its own.
+  assert (a == b) == shared_file
+  assert not os.path.exists(a) and not os.path.exists(b)  # removed once loaded
+  _check_generations(svc, model, version)
+
+
+def test_dev_shm_is_clean_after_close(svc):
+  pids = [os.getpid()] + [svc.placement[i]["pid"] for i in (0, 1)]
+
+  def ours():
+    return [n for n in os.listdir("/dev/shm") if any(n.startswith(f"srl_{p}_") for p in pids)]
+
+  assert ours()  # the publisher's files (and the receivers' mappings) exist while it runs
+  svc.close()
+  deadline = time.monotonic() + 20  # a killed actor's files go with its resource tracker
+  while ours() and time.monotonic() < deadline:
+    time.sleep(0.1)
+  assert ours() == []

@@ -3,6 +3,7 @@ are only right if these logprobs agree."""
 
 import json
 import logging
+import os
 
 import jax.numpy as jnp
 import numpy as np
@@ -71,6 +72,30 @@ def test_weight_update_takes_effect_and_drops_prefix_cache(engine):
   assert err_old > 0.1
   with pytest.raises(ValueError, match="must increase"):
     gen.update_weights(hf.to_hf_tensors(new_model), version=before)
+
+
+def test_lazy_update_equals_an_engine_started_from_those_weights(engine, tmp_path):
+  gen, _, cfg = engine
+  new_model = transformer.Transformer(cfg, rngs=nnx.Rngs(77))
+  sampling = SamplingConfig(temperature=1.0, max_tokens=12, seed=5)
+  # The trainer's path: a lazy export, streamed tensor by tensor into one file the engine loads.
+  gen.update_weights(hf.HFTensors(new_model, "float32"))
+  assert not os.path.exists(gen.last_weights_file)  # removed once loaded
+  updated = {s.prompt_id: s for s in gen.generate(PROMPTS, sampling)}
+  fresh = GeneratorInstance(
+      tiny.build_tiny_model_dir(str(tmp_path), cfg, model=new_model),
+      max_num_seqs=8,
+      max_model_len=128,
+      seed=0,
+  )
+  try:
+    started = {s.prompt_id: s for s in fresh.generate(PROMPTS, sampling)}
+  finally:
+    fresh.close()
+  assert sorted(updated) == sorted(started) == [p for p, _ in PROMPTS]
+  for p in updated:
+    assert updated[p].token_ids == started[p].token_ids
+    np.testing.assert_array_equal(updated[p].logprobs, started[p].logprobs)
 
 
 def test_never_runs_more_than_the_cap(engine, monkeypatch):

@@ -16,7 +16,7 @@ import pytest
 from flax import nnx
 
 from streamrl import rl
-from streamrl.models.config import tiny_qwen2
+from streamrl.models.config import ComputeConfig, tiny_qwen2
 from streamrl.models.transformer import Transformer
 from streamrl.trainer import step
 
@@ -139,10 +139,10 @@ def initial_logits() -> np.ndarray:
   return np.asarray(step.critic_values(params, make_batch()["tokens_bt"], graphdef=graphdef))
 
 
-def run_update_step(cfg: step.LossConfig, num_micro: int):
+def run_update_step(cfg: step.LossConfig, num_micro: int, compute=ComputeConfig()):
   """(logits, params before, params after, metrics) of one update_step."""
   logits = initial_logits()
-  models, state = step.init_state(make_model(), OPTIM)
+  models, state = step.init_state(make_model(), OPTIM, compute=compute)
   before = jax.tree.map(np.asarray, state.actor)  # the step donates the state
   batch = {k: jnp.asarray(v) for k, v in make_batch().items()}
   state, metrics = step.update_step(state, batch, models=models, cfg=cfg, num_micro=num_micro)
@@ -179,6 +179,39 @@ def test_update_step_matches_loss_and_gradient_by_hand(agg, num_micro):
     np.testing.assert_allclose((a - b)[clear], u[clear], atol=OPTIM.lr * 0.02)
     checked, total = checked + clear.sum(), total + u.size
   assert checked > 0.99 * total
+
+
+@pytest.mark.parametrize("remat", ["full", "dots"])
+def test_remat_and_logprob_chunks_leave_the_update_unchanged(remat):
+  """Rematerialised blocks and chunked logprobs (T=12 in chunks of 5, the
+  last one padded) give the same loss, metrics and new parameters."""
+  cfg = loss_config("seq_mean_token_mean")
+  _, _, plain_after, plain = run_update_step(cfg, 2)
+  _, _, after, metrics = run_update_step(cfg, 2, ComputeConfig(remat=remat, logprob_chunk=5))
+  assert metrics.keys() == plain.keys()
+  for k, v in plain.items():
+    assert metrics[k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
+  # Adam divides by sqrt(v): a weight whose gradient is ~0 moves by a ratio of
+  # two tiny numbers, so compare the moves to the step size (lr).
+  for a, b in zip(jax.tree.leaves(plain_after), jax.tree.leaves(after)):
+    np.testing.assert_allclose(b, a, atol=OPTIM.lr * 1e-2)
+
+
+def test_bf16_compute_update_is_close_and_keeps_fp32_state():
+  """bf16 compute: same step within bf16 noise; params, optimizer state and
+  gradients stay fp32 (a bf16 update of 1e-3 to weights ~0.02 would round)."""
+  cfg = loss_config("token_mean")
+  _, before, plain_after, plain = run_update_step(cfg, 1)
+  models, state = step.init_state(make_model(), OPTIM, compute=ComputeConfig(dtype="bfloat16"))
+  batch = {k: jnp.asarray(v) for k, v in make_batch().items()}
+  state, metrics = step.update_step(state, batch, models=models, cfg=cfg)
+  floats = [x for x in jax.tree.leaves((state.actor, state.actor_opt)) if x.dtype != jnp.int32]
+  assert floats and all(x.dtype == jnp.float32 for x in floats)
+  assert float(metrics["actor_loss"]) == pytest.approx(plain["actor_loss"], abs=1e-2)
+  assert float(metrics["actor_grad_norm"]) == pytest.approx(plain["actor_grad_norm"], rel=5e-2)
+  leaves = zip(jax.tree.leaves(state.actor), jax.tree.leaves(before))
+  moved = [np.abs(np.asarray(a) - b).max() for a, b in leaves]
+  assert min(moved) > 0
 
 
 def test_old_token_mean_normaliser_would_differ():

@@ -78,7 +78,7 @@ def test_flipped_bit_is_caught_by_its_chunk_checksum_only():
 def test_manifest_json_roundtrip_and_validation():
   m, _ = _build(_tensors())
   assert Manifest.from_json(json.loads(json.dumps(m.to_json()))) == m
-  bad = m.to_json() | {"crcs": m.to_json()["crcs"][:-1]}
+  bad = m.to_json() | {"checksums": m.to_json()["checksums"][:-1]}
   with pytest.raises(TransferError):
     Manifest.from_json(bad)
   with pytest.raises(TransferError):
@@ -91,7 +91,7 @@ def test_header_that_disagrees_with_manifest_is_rejected():
       TensorSpec(s.name, (4, 4) if s.name == "model.norm.weight" else s.shape, s.dtype)
       for s in m.tensors
   )
-  forged = Manifest(1, specs, m.total_bytes, m.chunk_bytes, m.crcs)
+  forged = Manifest(1, specs, m.total_bytes, m.chunk_bytes, m.checksums)
   with pytest.raises(TransferError, match="model.norm.weight"):
     read_payload(memoryview(buf), forged)
 

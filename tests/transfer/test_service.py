@@ -48,10 +48,10 @@ def test_corrupted_chunk_is_detected_and_never_loaded(cluster, monkeypatch):
   def corrupt(
       tensors, manifest, out
   ):  # damage chunk 3 of the published bytes after checksumming it
-    for i, crc in enumerate(real(tensors, manifest, out)):
+    for i, value in enumerate(real(tensors, manifest, out)):
       if i == 3:
         out[3 * manifest.chunk_bytes + 5] ^= 0x01
-      yield crc
+      yield value
 
   monkeypatch.setattr(service, "fill_payload", corrupt)
   v2 = pub.publish(make_tensors(2))
@@ -296,7 +296,7 @@ def test_private_staging_buffers_are_recycled_without_corrupting_data(cluster):
     t = make_tensors(seed)
     assert pub.wait_acks(pub.publish(t), 10)
     assert same(r.loads.calls[-1][1], t)
-    bufs.append(id(r._current.keepalive))
+    bufs.append(r._current.path)
   assert bufs[2] == bufs[0] and bufs[3] == bufs[1]  # version 3 reused version 1's buffer, ...
 
 
@@ -304,13 +304,13 @@ def test_receiver_with_a_schema_faults_in_its_staging_memory_at_join(cluster):
   pub = cluster.publisher(use_shm=False)
   t = make_tensors(1)
   r = cluster.receiver("r", schema=schema_of(t), join=pub)
-  spare = r._spare_buf
-  assert spare is not None and spare.size == payload_size(t)
+  spare = r._spare
+  assert spare is not None and len(spare.buf) == payload_size(t)
   assert pub.wait_acks(pub.publish(t), 10)
-  assert r._current.keepalive is spare and same(r.loads.calls[0][1], t)
+  assert r._current.segment is spare and same(r.loads.calls[0][1], t)
   shm_r = cluster.receiver(
       "s", host="trainer", schema=schema_of(t)
   )  # same host: data stays in the segment
   pub_shm = cluster.publisher()
   shm_r.join(pub_shm.address, timeout=10)
-  assert shm_r._spare_buf is None
+  assert shm_r._spare is None

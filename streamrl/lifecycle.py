@@ -1,0 +1,262 @@
+"""No orphans: the processes a run starts die with the process that started them.
+
+  from streamrl import lifecycle
+  lifecycle.guard_children()   # early, in every process that starts engines or Ray
+
+Mechanism: a watchdog process. `guard_children` starts one small process (this
+file run as a script: it imports nothing but psutil) that watches the calling
+process. Every `poll_s` it records the caller's descendants (pid and creation
+time). If the caller dies without exiting normally (`kill -9`, any fatal
+signal, `os._exit`, a crash), the watchdog kills, with SIGKILL:
+
+- every process it last saw among the caller's descendants, and their own
+  descendants now (once the caller is dead its children are re-parented to
+  init, so its tree can no longer be walked: the watchdog remembers it);
+- every process whose environment carries this guard's token (the
+  `STREAMRL_GUARD` variable, set in the caller before anything starts, is
+  inherited by all it starts): a process started after the last look, or one
+  that left the tree (a daemon, or the child of a process that died), is
+  still found. (`SPT_NOENV=1`, set along with it, keeps the processes that
+  retitle themselves, as Ray's and vLLM's do, from erasing it.)
+
+A process is known by its pid and creation time, so a reused pid is never
+hit. Then the watchdog exits. On a normal exit of the caller (`atexit`, which
+also runs after an uncaught exception or Ctrl-C) the guard tells the watchdog
+to stand down: nothing is killed, and the caller waits for the watchdog to
+exit, so none is left behind.
+
+Why a watchdog rather than the alternatives:
+- `prctl(PR_SET_PDEATHSIG)` is set by each child on itself, after fork. vLLM
+  starts its EngineCore and worker processes, and Ray its daemons and
+  workers, with code we do not control; and the signal follows the death of
+  the *thread* that forked the child, not of the process.
+- A process group or session: after `kill -9` no one is left to signal the
+  group, and Ray puts some of its processes in sessions of their own.
+A watchdog outside the guarded process needs no one's cooperation.
+
+Ray, measured here (Ray 2.60, vLLM CPU, `kill -9` of the driver):
+- Local Ray (the driver started it): gcs_server, raylet and the actors'
+  worker processes die by themselves (Ray's fate sharing), but
+  `ray::DashboardAgent` and `ray::RuntimeEnvAgent` are re-parented to init
+  and keep running; without a Ray, in the colocated mode, vLLM's EngineCore
+  and its worker (3 GB on the tiny model) keep running. All of them are the
+  driver's descendants and carry its token: its watchdog kills them.
+- Joined cluster (`cluster.address`): the driver starts no Ray process; the
+  daemons are neither its descendants nor tagged, so they are left alone
+  (checked: all still up after the kill). Ray kills our non-detached actors
+  when their owner dies (the TrainerActor with the driver, the generator
+  actors with the TrainerActor), and kills an exiting worker's child
+  processes and process group; each actor's own guard (`TrainerActor`,
+  `GeneratorActor`) covers the engine processes it started wherever that
+  does not reach (a worker killed outright, a process in a group of its own).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import select
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+import psutil
+
+ENV_VAR = "STREAMRL_GUARD"
+POLL_S = 0.5
+_STOP = b"stop\n"
+
+
+class Guard:
+  """The watchdog of one process (see `guard_children`)."""
+
+  def __init__(self, proc: subprocess.Popen, token: str):
+    self._proc = proc
+    self.token = token
+    self.owner_pid = os.getpid()
+
+  @property
+  def watchdog_pid(self) -> int:
+    return self._proc.pid
+
+  def running(self) -> bool:
+    return self._proc.poll() is None
+
+  def stop(self, timeout_s: float = 5.0) -> None:
+    """Stands the watchdog down, killing nothing, and waits for it to exit."""
+    global _guard
+    if os.getpid() != self.owner_pid:
+      return  # A forked child's copy: the watchdog is its parent's.
+    try:
+      self._proc.stdin.write(_STOP)
+      self._proc.stdin.close()
+    except (OSError, ValueError):
+      pass  # Already closed, or the watchdog is gone.
+    try:
+      self._proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+      self._proc.kill()
+      self._proc.wait()
+    with _lock:
+      if _guard is self:
+        _guard = None
+      if os.environ.get(ENV_VAR) == self.token:
+        del os.environ[ENV_VAR]
+
+
+_guard: Guard | None = None
+_lock = threading.Lock()
+
+
+def guard_children(poll_s: float = POLL_S) -> Guard:
+  """Makes every process this one starts from now on die with it.
+
+  Starts this process's watchdog, once: later calls return the same `Guard`.
+  It stands down by itself when this process exits normally; `Guard.stop()`
+  does it sooner.
+  """
+  global _guard
+  with _lock:
+    if _guard is not None and _guard.owner_pid == os.getpid() and _guard.running():
+      return _guard
+    me = psutil.Process()
+    token = f"{me.pid}-{uuid.uuid4().hex}"
+    # Before anything else starts: whatever this process starts inherits it.
+    os.environ[ENV_VAR] = token
+    # Ray's and vLLM's processes set their titles with setproctitle, which by
+    # default overwrites the environment block that /proc shows (and the token
+    # with it); SPT_NOENV keeps the title within the command line's space.
+    os.environ.setdefault("SPT_NOENV", "1")
+    proc = subprocess.Popen(
+        # -I: no PYTHONPATH, no script folder on sys.path; this file needs
+        # only psutil.
+        [sys.executable, "-I", os.path.abspath(__file__)]
+        + [str(me.pid), repr(me.create_time()), token, str(poll_s)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        # Out of the terminal's process group: Ctrl-C reaches only the run,
+        # which then exits normally and stands the watchdog down.
+        start_new_session=True,
+    )
+    _guard = Guard(proc, token)
+    atexit.register(_guard.stop)
+    return _guard
+
+
+# ------------------------------------------------------ the watchdog process
+
+
+def _same(p: psutil.Process) -> bool:
+  """Whether `p` still runs (same pid and creation time, not a zombie)."""
+  try:
+    return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+  except psutil.Error:
+    return False
+
+
+def _owner(pid: int, create_time: float) -> psutil.Process | None:
+  try:
+    p = psutil.Process(pid)
+  except psutil.Error:
+    return None
+  if abs(p.create_time() - create_time) > 0.01 or not _same(p):
+    return None
+  return p
+
+
+def started_with(pid: int, entry: str) -> bool:
+  """Whether process `pid` started with `entry` ("NAME=value") in its environment.
+
+  Read raw from /proc: when a process sets its title without SPT_NOENV, part
+  of that block is zeroed and psutil's `environ()` returns nothing at all,
+  while the entries after the zeroed part can still be read.
+  """
+  try:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+      return entry.encode() in f.read().split(b"\0")
+  except OSError:
+    return False  # Gone, or another user's.
+
+
+def _tagged(token: str, since: float) -> set[psutil.Process]:
+  """Processes whose environment carries `token` (created after `since`)."""
+  found = set()
+  for p in psutil.process_iter():
+    try:
+      if p.create_time() >= since - 1 and started_with(p.pid, f"{ENV_VAR}={token}"):
+        found.add(p)
+    except psutil.Error:
+      pass
+  return found
+
+
+def _kill_leftovers(known: set[psutil.Process], token: str, since: float) -> list[str]:
+  """SIGKILLs `known`, their descendants and the processes tagged `token`,
+  until none is left; returns the names of those killed."""
+  me, killed = os.getpid(), []
+  for _ in range(5):  # A process may start another while we kill.
+    targets = set()
+    for p in known | _tagged(token, since):
+      if _same(p):
+        targets.add(p)
+        try:
+          targets.update(p.children(recursive=True))
+        except psutil.Error:
+          pass
+    targets = {p for p in targets if p.pid != me and _same(p)}
+    if not targets:
+      break
+    for p in targets:
+      try:
+        name = p.name()
+        p.kill()  # psutil refuses a pid that now names another process.
+        killed.append(name)
+      except psutil.Error:
+        pass
+    deadline = time.monotonic() + 3.0
+    while any(_same(p) for p in targets) and time.monotonic() < deadline:
+      time.sleep(0.05)
+    known = targets
+  return killed
+
+
+def _watch(pid: int, create_time: float, token: str, poll_s: float) -> int:
+  """The watchdog's loop: see the module docstring."""
+  known: set[psutil.Process] = set()
+  stdin_open, quick_until, next_prune = True, 0.0, time.monotonic() + 30
+  while True:
+    if stdin_open:
+      ready, _, _ = select.select([0], [], [], poll_s)
+      if ready:
+        if os.read(0, 64):
+          return 0  # Stood down: a normal exit.
+        # EOF: the owner closed its end, most likely by dying; it may take a
+        # moment more to become a zombie.
+        stdin_open, quick_until = False, time.monotonic() + 2.0
+    else:
+      time.sleep(0.02 if time.monotonic() < quick_until else poll_s)
+    owner = _owner(pid, create_time)
+    if owner is None:
+      killed = _kill_leftovers(known, token, create_time)
+      if killed:
+        names = ", ".join(sorted(set(killed)))
+        print(
+            f"streamrl.lifecycle: process {pid} died without a normal exit; killed the "
+            f"{len(killed)} processes it had started ({names}).",
+            file=sys.stderr,
+            flush=True,
+        )
+      return 0
+    try:
+      known.update(owner.children(recursive=True))
+    except psutil.Error:
+      pass
+    if time.monotonic() > next_prune:
+      known = {p for p in known if _same(p)}
+      next_prune = time.monotonic() + 30
+
+
+if __name__ == "__main__":
+  sys.exit(_watch(int(sys.argv[1]), float(sys.argv[2]), sys.argv[3], float(sys.argv[4])))

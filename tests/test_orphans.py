@@ -1,0 +1,213 @@
+"""No orphans: every process of a run dies with its main job, `kill -9` included
+(streamrl/lifecycle.py).
+
+The first tests check the watchdog alone on plain processes (a second each).
+The `slow` ones run `launch/main.py` for real (vLLM, Ray, JAX; one to two
+minutes per mode on 2 cores), colocated and sync: each kills the main job
+with `kill -9` once it has a live engine and a checkpoint, checks that no
+process of the run is left, then runs the same command again and checks that
+it resumes and finishes.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+
+import psutil
+import pytest
+
+from streamrl import lifecycle
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MAIN = os.path.join(REPO, "launch", "main.py")
+TAG = "STREAMRL_TEST_RUN_TAG"  # Marks every process a test's run starts.
+
+# The small settings of tests/test_train.py: 2 iterations, a checkpoint after each.
+TINY = {
+    "warmstart.steps": 4,
+    "warmstart.batch_size": 16,
+    "trainer.num_iterations": 2,
+    "trainer.prompts_per_iteration": 8,
+    "trainer.mini_batch_size": 8,
+    "trainer.micro_batch_size": 4,
+    "generation.max_tokens": 24,
+    "generation.max_num_seqs": 16,
+    "task.num_eval": 8,
+    "log.eval_every": 0,
+    "checkpoint.every": 1,
+    "log.progress": False,
+}
+
+
+def _env(tag: str, **extra) -> dict:
+  env = {k: v for k, v in os.environ.items() if k not in (lifecycle.ENV_VAR, "XLA_FLAGS")}
+  env.update(PYTHONPATH=REPO, JAX_PLATFORMS="cpu", **{TAG: tag}, **extra)
+  return env
+
+
+def _tagged(tag: str) -> set[psutil.Process]:
+  return {p for p in psutil.process_iter() if lifecycle.started_with(p.pid, f"{TAG}={tag}")}
+
+
+def _alive(p: psutil.Process) -> bool:
+  try:
+    return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+  except psutil.Error:
+    return False
+
+
+def _survivors(procs: set[psutil.Process], tag: str, within_s: float) -> list[str]:
+  """What is left of `procs` and of the processes tagged `tag` after at most
+  `within_s` seconds; kills the survivors so that no test leaves any."""
+  deadline = time.monotonic() + within_s
+  while True:
+    left = {p for p in procs | _tagged(tag) if _alive(p)}
+    if not left or time.monotonic() > deadline:
+      break
+    time.sleep(0.2)
+  names = []
+  for p in left:
+    try:
+      names.append(f"{p.pid} {p.name()} (parent {p.ppid()})")
+      p.kill()
+    except psutil.Error:
+      pass
+  return sorted(names)
+
+
+def _run_set(pid: int, tag: str) -> set[psutil.Process]:
+  """The processes of the run whose main job is `pid`: its descendants and
+  everything carrying the run's tag."""
+  return set(psutil.Process(pid).children(recursive=True)) | _tagged(tag)
+
+
+@pytest.fixture
+def tag():
+  """A tag for the processes of one test's runs; kills what a failure left."""
+  tag = uuid.uuid4().hex
+  yield tag
+  _survivors(set(), tag, within_s=10)
+
+
+# ----------------------------------------------------------- the watchdog alone
+
+PARENT_PY = textwrap.dedent("""
+    import subprocess, sys, time
+    from streamrl import lifecycle
+
+    guard = lifecycle.guard_children(poll_s=float(sys.argv[2]))
+    # A child with a child of its own; and a process that leaves the tree at
+    # once (its parent exits) and retitles itself as Ray's and vLLM's do, so
+    # only its tag can find it.
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import subprocess; subprocess.Popen(['sleep', '600']).wait()"])
+    escapee = (
+        "import setproctitle, time; setproctitle.setproctitle('ray::Escapee'); time.sleep(600)")
+    subprocess.run(
+        [sys.executable, "-c", f"import subprocess, sys; subprocess.Popen([sys.executable, '-c', {escapee!r}])"])
+    print(guard.watchdog_pid, flush=True)
+    if sys.argv[1] == "exit":
+      sys.exit(0)
+    time.sleep(600)
+    """)
+
+
+def _start_parent(tmp_path, how: str, tag: str, poll_s=0.5) -> tuple[subprocess.Popen, int]:
+  script = tmp_path / "parent.py"
+  script.write_text(PARENT_PY)
+  p = subprocess.Popen(
+      [sys.executable, str(script), how, str(poll_s)],
+      env=_env(tag),
+      stdout=subprocess.PIPE,
+      text=True,
+  )
+  watchdog = int(p.stdout.readline())
+  # Until the sleep and the escapee (retitled) are up.
+  deadline = time.monotonic() + 10
+  while not {"sleep", "ray::Escapee"} <= {q.name() for q in _tagged(tag) if _alive(q)}:
+    assert time.monotonic() < deadline, [q.name() for q in _tagged(tag)]
+    time.sleep(0.05)
+  return p, watchdog
+
+
+# poll_s=60: the watchdog never looks at the tree before the parent dies (it
+# learns of the death from its closed stdin), so only the tags find the rest.
+@pytest.mark.parametrize("poll_s", [0.5, 60])
+def test_a_killed_process_takes_its_descendants_and_watchdog_with_it(tmp_path, tag, poll_s):
+  parent, watchdog = _start_parent(tmp_path, "sleep", tag, poll_s)
+  procs = _run_set(parent.pid, tag)
+  assert watchdog in {p.pid for p in procs}
+  parent.send_signal(signal.SIGKILL)
+  parent.wait()
+  assert _survivors(procs, tag, within_s=10) == []
+
+
+def test_a_normal_exit_kills_nothing_and_stops_the_watchdog(tmp_path, tag):
+  parent, watchdog = _start_parent(tmp_path, "exit", tag)
+  assert parent.wait(30) == 0
+  assert not psutil.pid_exists(watchdog) or not _alive(psutil.Process(watchdog))
+  # The child, its sleep and the escapee outlived the parent: the guard stood down.
+  left = _survivors(set(), tag, within_s=0)
+  assert sorted(n.split()[1] for n in left) == ["python", "ray::Escapee", "sleep"], left
+
+
+def test_guard_children_is_one_watchdog_per_process():
+  first = lifecycle.guard_children()
+  assert lifecycle.guard_children() is first and first.running()
+  assert os.environ[lifecycle.ENV_VAR] == first.token
+  first.stop()
+  assert not first.running()
+  second = lifecycle.guard_children()
+  assert second is not first and second.token != first.token
+  second.stop()
+
+
+# ------------------------------------------------------------- real runs (slow)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["colocated", "sync"])
+def test_kill_9_of_the_main_job_leaves_no_process_and_the_rerun_resumes(tmp_path, tag, mode):
+  workdir, log = tmp_path / mode, tmp_path / "main.log"
+  cmd = [sys.executable, MAIN, "--config=configs/ppo.py", f"--workdir={workdir}"]
+  cmd += [f"--config.{k}={v}" for k, v in {**TINY, "pipeline.mode": mode}.items()]
+  # Engine processes of their own, as in a real run (conftest keeps vLLM's
+  # engine in the test process).
+  env = _env(tag, VLLM_ENABLE_V1_MULTIPROCESSING="1")
+  engine = {"colocated": "VLLM::EngineCore", "sync": "ray::GeneratorActor"}[mode]
+
+  def start() -> subprocess.Popen:
+    with open(log, "a") as out:
+      return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+  main = start()
+  try:
+    deadline = time.monotonic() + 300
+    while not (workdir / "checkpoints" / "1").is_dir():
+      assert main.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+      time.sleep(0.2)
+    # A live engine and a checkpoint: kill -9 the main job.
+    procs = _run_set(main.pid, tag)
+    names = sorted(p.name() for p in procs if _alive(p))
+  finally:
+    main.send_signal(signal.SIGKILL)
+    main.wait()
+  assert any(n.startswith(engine) for n in names), names
+  assert _survivors(procs, tag, within_s=10) == [], names
+
+  # The same command again resumes from the checkpoint and finishes.
+  main = start()
+  try:
+    assert main.wait(300) == 0, log.read_text()[-3000:]
+  finally:
+    if main.poll() is None:
+      main.kill()
+  assert "Resumed from iteration 1" in log.read_text(), log.read_text()[-3000:]
+  assert (workdir / "checkpoints" / "2").is_dir()
+  assert (workdir / "final_metrics.json").is_file()
+  # A normal exit leaves nothing either (no watchdog, no Ray, no engine).
+  assert _survivors(set(), tag, within_s=10) == []

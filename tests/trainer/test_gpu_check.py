@@ -1,0 +1,39 @@
+"""experiments/gpu_check.py --smoke: the GPU check's code path, on CPU, without vLLM.
+
+A `vllm` package that raises on import sits first on the path of the check's
+processes, so an import of vLLM anywhere (the script, streamrl, the
+measurement subprocesses) fails the run.
+"""
+
+import os
+import subprocess
+import sys
+
+ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
+
+
+def test_gpu_check_smoke_runs_without_vllm(tmp_path):
+  poison = tmp_path / "vllm"
+  poison.mkdir()
+  (poison / "__init__.py").write_text("raise ImportError('gpu_check must not import vllm')\n")
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device
+  env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env.get("PYTHONPATH", "")])
+  env["JAX_PLATFORMS"] = "cpu"
+  proc = subprocess.run(
+      [sys.executable, os.path.join(ROOT, "experiments", "gpu_check.py"), "--smoke"],
+      capture_output=True,
+      text=True,
+      timeout=300,
+      env=env,
+      cwd=ROOT,
+  )
+  assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+  result = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+  assert len(result) == 1, proc.stdout
+  fields = dict(kv.split("=", 1) for kv in result[0].split()[1:])
+  assert fields["ok"] == "1" and fields["dlpack_ok"] == "1" and fields["vllm_imported"] == "0"
+  for tag in ("0_5b", "1_5b"):
+    assert float(fields[f"tokens_per_s_{tag}"]) > 0
+    assert float(fields[f"peak_gib_{tag}"]) > 0
+    assert fields[f"mfu_{tag}"] == "nan"  # no peak FLOP/s for a CPU
+  assert float(fields["export_s_per_gb"]) > 0
