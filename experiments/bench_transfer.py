@@ -10,13 +10,15 @@ address space, every chunk checksum-verified (XXH3-64) and the safetensors
 header and the model's schema checked, as a safetensors file in /dev/shm that
 its engines load in place (a generator pays that load the same way whatever
 delivered the bytes).
-Receivers that will use private staging memory fault it in when they join
-(before serving), as they would in a long run.
+Receivers that receive over TCP fault in their staging file when they join
+(before serving) and their second one right after their first version, as in
+a long run where two staging files alternate (fresh shared memory costs
+~1.3 s/GB to fault in on this VM).
 
 1. Bandwidth (same host, the service's shared-memory path). Service time =
    ``publish`` start -> all 4 acks (snapshot into a shared-memory file +
    checksum per chunk, while the 4 receivers verify each chunk as it is
-   reported written, then ack). Segments and mappings are recycled between versions
+   reported written, then ack). Files and mappings are recycled between versions
    (see streamrl/transfer/payload.py), as in a run with many versions; the
    untimed warm-up publishes fill that pool. memcpy time = copying the same
    tensors 4 times into one pre-faulted destination (np.copyto; a warm
@@ -24,7 +26,10 @@ Receivers that will use private staging memory fault it in when they join
    4 x model bytes / time; ``bandwidth_ratio_vs_memcpy`` = service / memcpy
    bandwidth, best of --reps for both, after one untimed publish. The TCP
    path (tree, fanout 2, no shared memory, every receiver on its own host
-   label) is timed once for reference.
+   label) is timed once for reference. For scale, the run also times the
+   service's two CPU costs alone, in this process: the sender's one copy +
+   checksum into a warm buffer (``fill_payload``) and one checksum pass
+   over the payload (what each receiver spends verifying).
    Copies: ``host_copies_per_update`` = bytes written into host memory for one
    version / model bytes, as the service counts them on the real path (the
    publisher's write into its file, plus what each receiver reports copying
@@ -145,10 +150,14 @@ def _receivers(pub, cfg, dc, host_of, schema):
 
 
 def _stop(procs):
+  """SIGTERM: each receiver closes and removes its files from /dev/shm (SIGKILL if stuck)."""
   for p in procs:
-    p.kill()
+    p.terminate()
   for p in procs:
-    p.join(10)
+    p.join(30)
+    if p.is_alive():
+      p.kill()
+      p.join(10)
 
 
 def _timed_publish(pub, tensors, timeout=600.0):
@@ -189,6 +198,24 @@ def bench_bandwidth(tensors, chunk, reps, skip_tcp):
     best = min(best, time.perf_counter() - t0)
   del dst
   res["memcpy_s"] = best
+
+  from streamrl.transfer.manifest import checksum, fill_payload, plan_payload
+
+  buf = np.zeros(res["payload_bytes"], np.uint8)
+  m = plan_payload(tensors, 1, chunk)
+  res["fill_s"] = res["checksum_s"] = float("inf")
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    for _ in fill_payload(tensors, m, memoryview(buf)):
+      pass
+    t1 = time.perf_counter()
+    for i in range(m.num_chunks):
+      a, b = m.chunk_range(i)
+      checksum(memoryview(buf)[a:b])
+    t2 = time.perf_counter()
+    res["fill_s"] = min(res["fill_s"], t1 - t0)
+    res["checksum_s"] = min(res["checksum_s"], t2 - t1)
+  del buf
 
   cfg = TransferConfig(chunk_bytes=chunk, use_shm=True)
   pub = Publisher(cfg, dc="A", host="bench-host")
@@ -287,6 +314,11 @@ def main(argv):
   print(f"\n{'same host, 4 receivers':<38}{'time s':>9}{'GB/s':>9}")
   for name, s in rows:
     print(f"{name:<38}{s:>9.3f}{total / s:>9.2f}")
+  print(
+      f"  (alone, one process: sender's copy + checksum {bw['fill_s']:.3f} s, one verify pass "
+      f"{bw['checksum_s']:.3f} s, one memcpy {bw['memcpy_s'] / N_RECEIVERS:.3f} s; "
+      f"{os.cpu_count()} cores)"
+  )
   print(
       f"\n{'A->B link ' + str(_LINK_GBIT.value) + ' Gbit/s, 4 receivers in B':<38}{'time s':>9}"
       f"{'WAN GB':>9}"

@@ -16,14 +16,14 @@ What is measured: version 0 is the warm start (what the generators hold when
 the run begins), version v the weights after iteration v
 (``trainer.export_weights()``). Every version is laid out exactly as the transfer
 service publishes it (``manifest.write_payload``: a safetensors payload cut
-into ``--chunk_mib`` chunks, crc32 each) in two dtypes: float32 as trained, and
+into ``--chunk_mib`` chunks, an XXH3 checksum each) in two dtypes: float32 as trained, and
 bfloat16 (``ml_dtypes.bfloat16``, round-to-nearest from the fp32 master: what a
 GPU generator would hold). For each version v and k in {1, 2, 4} the
 payload is delta-encoded against version v-k chunk by chunk with the service's
 own ``delta.encode_chunk`` (what ``TcpPlane.send`` does on a cross-datacenter
 edge when the far side holds v-k), every chunk is decoded with
 ``delta.decode_chunk`` and must reproduce the full chunk bit for bit and
-match its crc32 (the script raises otherwise). Ratio = wire bytes of the
+match its checksum (the script raises otherwise). Ratio = wire bytes of the
 delta version / wire bytes of the full version, both counting the per-chunk
 frame headers as ``TcpPlane.send`` writes them. k=1: a far side that got
 every version; k=2, 4: one that missed 1 or 3 versions.
@@ -39,7 +39,6 @@ delta_bytes_ratio_bf16_k4=<mean k=4>`` (means over the iterations measured).
 """
 
 import os
-import struct
 import sys
 import time
 
@@ -109,7 +108,7 @@ def lr_at(s, step: int) -> float:
 
 
 class Version:
-  """One weight version as the service lays it out: payload bytes + manifest (with crcs)."""
+  """One weight version as the service lays it out: payload bytes + manifest (with checksums)."""
 
   def __init__(self, tensors: dict, version: int, chunk_bytes: int):
     import numpy as np
@@ -123,16 +122,11 @@ class Version:
     return memoryview(self.buf)[a:b]
 
 
-# The wire format of a chunk frame, as streamrl/transfer/transports.py documents
-# it: kind (1 B) + body length (8 B), then index (4 B) + encoding (1 B) + crc32
-# (4 B) before the data. transports keeps these structs private.
-_FRAME_HEADER = struct.Struct("!cQ")
-_CHUNK_HEADER = struct.Struct("!IBI")
-
-
 def frame_bytes() -> int:
-  """Header bytes TcpPlane.send writes before each chunk (frame + chunk index/encoding/crc)."""
-  return _FRAME_HEADER.size + _CHUNK_HEADER.size
+  """Header bytes TcpPlane.send writes before each chunk (frame + index/encoding/checksum)."""
+  from streamrl.transfer.transports import CHUNK_FRAME_BYTES
+
+  return CHUNK_FRAME_BYTES
 
 
 def delta_wire(new: Version, base: Version, level: int) -> dict:
@@ -142,7 +136,6 @@ def delta_wire(new: Version, base: Version, level: int) -> dict:
   "changed": fraction of payload words that differ, "enc": encodings used
   (R raw, Z xor+zlib, S xor sparse), "enc_s": encode seconds}.
   """
-  import zlib
 
   import numpy as np
   from streamrl.transfer import delta as delta_lib
@@ -152,6 +145,8 @@ def delta_wire(new: Version, base: Version, level: int) -> dict:
     raise RuntimeError(
         "versions have different layouts; a delta is impossible (the schema changed)."
     )
+  from streamrl.transfer.manifest import checksum
+
   head, word = frame_bytes(), m.word_bytes
   words = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[word]
   out = {"delta": 0, "full": 0, "changed": 0, "enc": "", "enc_s": 0.0}
@@ -163,7 +158,7 @@ def delta_wire(new: Version, base: Version, level: int) -> dict:
     if blob is not None:
       got = np.empty(b - a, np.uint8)
       delta_lib.decode_chunk(kind, blob, base.chunk(i), memoryview(got), word)
-      if zlib.crc32(got) != m.crcs[i] or not np.array_equal(got, new.buf[a:b]):
+      if checksum(got) != m.checksums[i] or not np.array_equal(got, new.buf[a:b]):
         raise RuntimeError(f"chunk {i} of version {m.version} did not reconstruct bit-exactly")
     out["delta"] += head + (b - a if blob is None else len(blob))
     out["full"] += head + (b - a)
@@ -322,7 +317,7 @@ def main(argv):
         + ", ".join(f"k={k} {mean(d, k):.3f} (n={len(ratios[d, k])})" for k in LAGS)
     )
   print(
-      f"every delta chunk reconstructed bit-exactly (crc32 + byte compare); encoder "
+      f"every delta chunk reconstructed bit-exactly (checksum + byte compare); encoder "
       f"{enc_bytes / max(enc_s, 1e-9) / 1e6:.0f} MB/s of full payload; total {time.perf_counter() - t_start:.0f} s"
   )
   print(

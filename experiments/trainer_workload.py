@@ -299,7 +299,10 @@ def measure(spec: dict) -> dict:
     policy = nnx.merge(models.actor_def, state.actor)
     out["export_s_per_gb"], out["export_gb"] = _export_seconds_per_gb(policy)
   if spec["dlpack"]:
-    out.update(_dlpack_check(state.actor["trunk"]["embedding_vd"][...]))
+    try:
+      out.update(_dlpack_check(state.actor["trunk"]["embedding_vd"][...]))
+    except Exception as e:  # pylint: disable=broad-except  (reported, not fatal)
+      out.update(dlpack_ok=False, dlpack_device=f"error: {type(e).__name__}: {e}"[:300])
   out["vllm_imported"] = "vllm" in sys.modules
   return out
 

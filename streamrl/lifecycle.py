@@ -7,7 +7,8 @@ Mechanism: a watchdog process. `guard_children` starts one small process (this
 file run as a script: it imports nothing but psutil) that watches the calling
 process. Every `poll_s` it records the caller's descendants (pid and creation
 time). If the caller dies without exiting normally (`kill -9`, any fatal
-signal, `os._exit`, a crash), the watchdog kills, with SIGKILL:
+signal, `os._exit`, a crash), the watchdog ends (SIGTERM, then SIGKILL for
+what is still there 2 s later):
 
 - every process it last saw among the caller's descendants, and their own
   descendants now (once the caller is dead its children are re-parented to
@@ -20,7 +21,9 @@ signal, `os._exit`, a crash), the watchdog kills, with SIGKILL:
   retitle themselves, as Ray's and vLLM's do, from erasing it.)
 
 A process is known by its pid and creation time, so a reused pid is never
-hit. Then the watchdog exits. On a normal exit of the caller (`atexit`, which
+hit. multiprocessing's resource tracker is ended last, so that it can first
+unlink what its dead users left in /dev/shm (vLLM's message queues). Then the
+watchdog exits. On a normal exit of the caller (`atexit`, which
 also runs after an uncaught exception or Ctrl-C) the guard tells the watchdog
 to stand down: nothing is killed, and the caller waits for the watchdog to
 exit, so none is left behind.
@@ -31,7 +34,7 @@ Why a watchdog rather than the alternatives:
   workers, with code we do not control; and the signal follows the death of
   the *thread* that forked the child, not of the process.
 - A process group or session: after `kill -9` no one is left to signal the
-  group, and Ray puts some of its processes in sessions of their own.
+  group, and Ray puts each of its workers in a process group of its own.
 A watchdog outside the guarded process needs no one's cooperation.
 
 Ray, measured here (Ray 2.60, vLLM CPU, `kill -9` of the driver):
@@ -56,6 +59,7 @@ from __future__ import annotations
 import atexit
 import os
 import select
+import signal
 import subprocess
 import sys
 import threading
@@ -66,6 +70,7 @@ import psutil
 
 ENV_VAR = "STREAMRL_GUARD"
 POLL_S = 0.5
+GRACE_S = 2.0  # From SIGTERM to SIGKILL.
 _STOP = b"stop\n"
 
 
@@ -91,9 +96,13 @@ class Guard:
       return  # A forked child's copy: the watchdog is its parent's.
     try:
       self._proc.stdin.write(_STOP)
-      self._proc.stdin.close()
+      self._proc.stdin.flush()
     except (OSError, ValueError):
-      pass  # Already closed, or the watchdog is gone.
+      pass  # Already stopped, or the watchdog is gone.
+    try:
+      self._proc.stdin.close()
+    except OSError:
+      pass
     try:
       self._proc.wait(timeout_s)
     except subprocess.TimeoutExpired:
@@ -192,34 +201,69 @@ def _tagged(token: str, since: float) -> set[psutil.Process]:
   return found
 
 
-def _kill_leftovers(known: set[psutil.Process], token: str, since: float) -> list[str]:
-  """SIGKILLs `known`, their descendants and the processes tagged `token`,
-  until none is left; returns the names of those killed."""
-  me, killed = os.getpid(), []
-  for _ in range(5):  # A process may start another while we kill.
-    targets = set()
-    for p in known | _tagged(token, since):
-      if _same(p):
-        targets.add(p)
-        try:
-          targets.update(p.children(recursive=True))
-        except psutil.Error:
-          pass
-    targets = {p for p in targets if p.pid != me and _same(p)}
+def _leftovers(known: set[psutil.Process], token: str, since: float) -> set[psutil.Process]:
+  """`known` and their descendants now, and the processes tagged `token`:
+  those that still run, but this one."""
+  found = set()
+  for p in known | _tagged(token, since):
+    if _same(p):
+      found.add(p)
+      try:
+        found.update(p.children(recursive=True))
+      except psutil.Error:
+        pass
+  return {p for p in found if p.pid != os.getpid() and _same(p)}
+
+
+def _is_resource_tracker(p: psutil.Process) -> bool:
+  try:
+    return any("multiprocessing.resource_tracker" in arg for arg in p.cmdline())
+  except psutil.Error:
+    return False
+
+
+def _signal(procs: set[psutil.Process], sig: int, timeout_s: float) -> None:
+  """Sends `sig` to `procs`, then waits at most `timeout_s` for them to end."""
+  for p in procs:
+    try:
+      p.send_signal(sig)  # psutil refuses a pid that now names another process.
+    except psutil.Error:
+      pass
+  deadline = time.monotonic() + timeout_s
+  while any(_same(p) for p in procs) and time.monotonic() < deadline:
+    time.sleep(0.05)
+
+
+def _kill_leftovers(known: set[psutil.Process], token: str, since: float) -> dict:
+  """Ends `known`, their descendants and the processes tagged `token`:
+  SIGTERM, then SIGKILL for those still there after GRACE_S. Returns the
+  processes it signalled, with their names.
+
+  multiprocessing's resource tracker goes last: it ignores SIGTERM, and once
+  its users are gone it unlinks the shared memory and semaphores they left in
+  /dev/shm (vLLM's message queues) and exits by itself.
+  """
+  names, trackers, sig = {}, set(), signal.SIGTERM
+  for _ in range(5):  # A process may start another while we stop it.
+    targets = _leftovers(known, token, since)
+    trackers |= {p for p in targets if _is_resource_tracker(p)}
+    targets -= trackers
     if not targets:
       break
     for p in targets:
       try:
-        name = p.name()
-        p.kill()  # psutil refuses a pid that now names another process.
-        killed.append(name)
+        names.setdefault(p, p.name())
       except psutil.Error:
         pass
-    deadline = time.monotonic() + 3.0
-    while any(_same(p) for p in targets) and time.monotonic() < deadline:
-      time.sleep(0.05)
-    known = targets
-  return killed
+    _signal(targets, sig, GRACE_S)
+    known, sig = known | targets, signal.SIGKILL
+  trackers = {p for p in trackers if _same(p)}
+  if trackers:
+    _signal(trackers, 0, 3.0)  # Signal 0: only wait for them.
+    trackers = {p for p in trackers if _same(p)}
+    names.update((p, "resource_tracker") for p in trackers)
+    _signal(trackers, signal.SIGKILL, GRACE_S)
+  return names
 
 
 def _watch(pid: int, create_time: float, token: str, poll_s: float) -> int:
@@ -239,15 +283,18 @@ def _watch(pid: int, create_time: float, token: str, poll_s: float) -> int:
       time.sleep(0.02 if time.monotonic() < quick_until else poll_s)
     owner = _owner(pid, create_time)
     if owner is None:
-      killed = _kill_leftovers(known, token, create_time)
-      if killed:
-        names = ", ".join(sorted(set(killed)))
-        print(
-            f"streamrl.lifecycle: process {pid} died without a normal exit; killed the "
-            f"{len(killed)} processes it had started ({names}).",
-            file=sys.stderr,
-            flush=True,
-        )
+      stopped = _kill_leftovers(known, token, create_time)
+      if stopped:
+        names = ", ".join(sorted(set(stopped.values())))
+        try:
+          print(
+              f"streamrl.lifecycle: process {pid} died without a normal exit; stopped the "
+              f"{len(stopped)} processes it had started ({names}).",
+              file=sys.stderr,
+              flush=True,
+          )
+        except OSError:
+          pass  # Nobody reads our stderr any more.
       return 0
     try:
       known.update(owner.children(recursive=True))

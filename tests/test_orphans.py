@@ -101,12 +101,13 @@ PARENT_PY = textwrap.dedent("""
 
     guard = lifecycle.guard_children(poll_s=float(sys.argv[2]))
     # A child with a child of its own; and a process that leaves the tree at
-    # once (its parent exits) and retitles itself as Ray's and vLLM's do, so
-    # only its tag can find it.
+    # once (its parent exits), retitles itself as Ray's and vLLM's do (so
+    # only its tag can find it) and ignores SIGTERM (so only SIGKILL ends it).
     child = subprocess.Popen(
         [sys.executable, "-c", "import subprocess; subprocess.Popen(['sleep', '600']).wait()"])
     escapee = (
-        "import setproctitle, time; setproctitle.setproctitle('ray::Escapee'); time.sleep(600)")
+        "import setproctitle, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        "setproctitle.setproctitle('ray::Escapee'); time.sleep(600)")
     subprocess.run(
         [sys.executable, "-c", f"import subprocess, sys; subprocess.Popen([sys.executable, '-c', {escapee!r}])"])
     print(guard.watchdog_pid, flush=True)
@@ -161,9 +162,17 @@ def test_guard_children_is_one_watchdog_per_process():
   assert os.environ[lifecycle.ENV_VAR] == first.token
   first.stop()
   assert not first.running()
+  assert lifecycle.ENV_VAR not in os.environ
+  # A watchdog that died is replaced; stopping it is harmless.
   second = lifecycle.guard_children()
   assert second is not first and second.token != first.token
+  os.kill(second.watchdog_pid, signal.SIGKILL)
+  while second.running():
+    time.sleep(0.01)
+  third = lifecycle.guard_children()
+  assert third is not second and third.running()
   second.stop()
+  third.stop()
 
 
 # ------------------------------------------------------------- real runs (slow)

@@ -170,7 +170,7 @@ class GeneratorActor:
 
   def last_weights_file(self) -> str | None:
     """The file the engine last loaded weights from (for tests and diagnostics)."""
-    return getattr(self._gen, "last_weights_file", None)
+    return self._gen.last_weights_file
 
   # -- checkpoint-transfer service (config.transfer.enabled) -----------------
 

@@ -317,6 +317,7 @@ class GeneratorInstance:
     self.max_num_seqs = max_num_seqs
     self.max_model_len = max_model_len
     self.weight_version = 0
+    self.last_weights_file: str | None = None  # the file the last update loaded
     self._eos = self._read_eos(model_dir)
     self._request_ids = itertools.count()
     self._in_flight = 0

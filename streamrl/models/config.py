@@ -118,7 +118,12 @@ class ComputeConfig:
     fp32_lm_head: the last norm's output, the LM head (or the critic's value
       head) and the log-softmax in fp32 whatever `dtype` is. Logits are fp32
       in either case; without it the head's matmul reads bf16 inputs.
-    remat: rematerialisation of each decoder block (`REMAT_POLICIES`).
+    remat: rematerialisation of each decoder block (`REMAT_POLICIES`), with
+      jax.checkpoint, whose recomputation is kept apart from the forward pass
+      by optimization barriers. XLA's GPU compiler keeps them until after
+      scheduling; its CPU compiler drops them before CSE, which merges the
+      recomputation back into the forward pass: on CPU remat costs time and
+      saves no memory (measured), so use it on accelerators.
     logprob_chunk: score tokens this many positions at a time, so no fp32
       [b, t, vocab] logits tensor exists for the whole sequence (0: all at
       once). The results equal the unchunked ones.

@@ -8,7 +8,7 @@ and as the base for deltas). Servers stream chunk i as soon as it is ready,
 which is what makes publishing and forwarding through a tree pipelined.
 
 Memory: a payload is a safetensors file, so its bytes are what an engine
-loads. The sender's payloads and a receiver's staging buffers are POSIX
+loads. The sender's payloads (shared memory on) and a receiver's staging buffers are POSIX
 shared-memory files in /dev/shm (created through multiprocessing's
 SharedMemory, so the resource tracker unlinks them if their process dies);
 ``VersionTensors.path`` names the file, and every engine on that host loads
@@ -375,9 +375,10 @@ class SegmentPool:
   Steady state: ``min_segments`` buffers (the versions still served plus the
   one being written) take turns. A receiver that lags or pins keeps its
   segment from being rewritten, so new ones are made; the pool then forgets
-  (unlinks) the oldest beyond ``max_segments``; a receiver still mapping one
-  keeps its memory until it lets go. ``shared=False``: private buffers (no
-  /dev/shm), recycled for the same reason: first-touching fresh memory is slow.
+  (unlinks) the oldest unpinned ones beyond ``max_segments``; a receiver still
+  mapping one keeps its memory until it lets go. ``shared=False`` (shared
+  memory off, or no /dev/shm): private buffers, recycled for the same reason:
+  first-touching fresh memory is slow.
   """
 
   def __init__(self, min_segments: int, max_segments: int, shared: bool = True):

@@ -60,7 +60,9 @@ import dataclasses
 import logging
 import multiprocessing
 import os
+import signal
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -779,7 +781,9 @@ class Receiver(_Node):
     with self._cond:
       self._closed.set()
       self._cond.notify_all()
-    super().close()
+    super().close()  # cuts the streams: a fetch in progress fails fast
+    if threading.current_thread() is not self._fetch_thread:
+      self._fetch_thread.join(self.config.io_timeout_s)
     if self._preparer is not None:
       self._preparer.join()
     with self._cond:
@@ -980,14 +984,18 @@ class Receiver(_Node):
     the retired ones (reused or unlinked by ``_staging_buffer``). Under ``_cond``."""
     payload.release()
     seg = payload.segment
-    if seg is not None and all(seg is not r for r in self._retired):
+    if seg is not None and self.closed:
+      seg.unlink()
+    elif seg is not None and all(seg is not r for r in self._retired):
       self._retired.append(seg)
 
   def _staging_buffer(self, nbytes: int) -> Segment:
-    """Where a version received over TCP lands: the spare faulted in at join, else the newest
+    """Where a version received over TCP lands: the spare faulted in ahead, else the newest
     retired staging file that no stream reads and nobody pins, else a fresh file. Retired files
     still read or pinned are kept (a generator may load one by path); the others are unlinked."""
     with self._cond:
+      if self.closed:
+        raise TransferError(f"{self.name} is closed")
       if self._spare is not None and len(self._spare.buf) == nbytes:
         spare, self._spare = self._spare, None
         return spare
@@ -1087,7 +1095,8 @@ def spawn_receiver(
     host: Optional[str] = None,
     initial_version: int = 0,
 ) -> multiprocessing.Process:
-  """Starts a Receiver in a fresh ``spawn`` process that joins ``publisher`` and serves until killed.
+  """Starts a Receiver in a fresh ``spawn`` process that joins ``publisher`` and serves until
+  terminated (``terminate()`` closes it cleanly, files included) or killed.
 
   load_fn must be a module-level function (the child imports it by name);
   the schema and config travel as plain lists/dicts. The child exits when
@@ -1113,6 +1122,9 @@ def _receiver_main(
     name, dc, load_fn, publisher, schema, cfg, host, initial_version, parent_pid
 ) -> None:
   logging.basicConfig(level=logging.WARNING)
+  # SIGTERM (Process.terminate) closes the receiver, which removes its files from /dev/shm;
+  # after SIGKILL the resource tracker does.
+  signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
   expected = None if schema is None else [TensorSpec(n, tuple(s), d) for n, s, d in schema]
   r = Receiver(
       name,

@@ -18,9 +18,9 @@ from streamrl.models import config, hf, tiny, transformer
 PROMPTS = [(i, [1] + [4 + (3 * i + j) % 40 for j in range(2 + 2 * i)]) for i in range(8)]
 
 
-def flax_logprobs(model, sample, temperature):
+def flax_logprobs(model, sample, temperature, compute=config.ComputeConfig()):
   tokens = jnp.asarray([list(sample.prompt_token_ids) + list(sample.token_ids)])
-  logp, _ = transformer.sequence_logprobs(model, tokens, temperature=temperature)
+  logp, _ = transformer.sequence_logprobs(model, tokens, temperature=temperature, compute=compute)
   n = len(sample.prompt_token_ids)
   return np.asarray(logp[0, n - 1 : -1])
 
@@ -55,6 +55,60 @@ def test_sampled_logprobs_match_flax(engine):
     assert s.weight_version == gen.weight_version
 
 
+def _bf16_model_dir(path, cfg, model):
+  hf.save_hf(
+      model,
+      path,
+      dtype="bfloat16",
+      bos_token_id=tok.BOS_ID,
+      eos_token_id=tok.EOS_ID,
+      pad_token_id=tok.PAD_ID,
+  )
+  tok.save_hf_tokenizer(path, model_max_length=cfg.max_position_embeddings)
+  return path
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_bf16_engine_logprobs_match_the_bf16_trainer(family, tmp_path):
+  """A bfloat16 vLLM engine against the trainer's bf16 compute (fp32 master
+  weights cast in the forward, fp32 LM head and log-softmax) on the sampled
+  tokens. Both read the same bf16 weights: the checkpoint is the fp32 model
+  rounded to bf16, as `export_weights` hands it over.
+
+  Measured on this CPU (8 prompts x 24 tokens, temperature 0.8), max / mean
+  |trainer - vLLM|:
+    random init (logprobs ~ -4.1): qwen2 7.5e-3 / 1.5e-3, llama 6.8e-3 / 1.9e-3
+      (fp32 trainer compute: 8.1e-3 / 1.7e-3 and 5.7e-3 / 1.9e-3);
+    final norm x10 (logits spread ~2, as a trained model's):
+      qwen2 8.1e-2 / 1.2e-3, llama 8.3e-2 / 1.4e-2 -- no better with fp32
+      trainer compute (8.4e-2, 5.8e-2 max): vLLM's bf16 logits dominate.
+  Tolerances: max 2e-2, mean 4e-3 (random init); max 0.2, mean 3e-2 (x10).
+  """
+  cfg = {"qwen2": config.tiny_qwen2, "llama": config.tiny_llama}[family](64)
+  model = transformer.Transformer(cfg, rngs=nnx.Rngs(7))
+  path = _bf16_model_dir(str(tmp_path / family), cfg, model)
+  gen = GeneratorInstance(path, max_num_seqs=8, max_model_len=128, seed=0, dtype="bfloat16")
+  bf16 = config.ComputeConfig(dtype="bfloat16")
+
+  def errors(m):
+    samples = list(gen.generate(PROMPTS, SamplingConfig(temperature=0.8, max_tokens=24, seed=0)))
+    return np.concatenate(
+        [np.abs(flax_logprobs(m, s, 0.8, bf16) - np.array(s.logprobs)) for s in samples]
+    )
+
+  try:
+    err = errors(model)
+    assert err.max() < 2e-2 and err.mean() < 4e-3, (err.max(), err.mean())
+    sharp = transformer.Transformer(cfg, rngs=nnx.Rngs(7))
+    scale = sharp.trunk.final_norm.scale
+    scale[...] = 10.0 * scale[...]
+    gen.update_weights(hf.to_hf_tensors(sharp, "bfloat16"))
+    err = errors(sharp)
+    assert err.max() < 0.2 and err.mean() < 3e-2, (err.max(), err.mean())
+  finally:
+    gen.close()
+
+
 def test_weight_update_takes_effect_and_drops_prefix_cache(engine):
   gen, old_model, cfg = engine
   # Warm the prefix cache with the old weights on exactly these prompts.
@@ -74,20 +128,33 @@ def test_weight_update_takes_effect_and_drops_prefix_cache(engine):
     gen.update_weights(hf.to_hf_tensors(new_model), version=before)
 
 
-def test_lazy_update_equals_an_engine_started_from_those_weights(engine, tmp_path):
-  gen, _, cfg = engine
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_lazy_update_equals_an_engine_started_from_those_weights(dtype, tmp_path):
+  """The trainer's path: a lazy export in the engine's dtype, streamed tensor by tensor into one
+  file the engine loads in place. Afterwards the engine samples exactly what an engine started
+  from a checkpoint of the same weights samples. (Its own engines, closed at the end: a closed
+  in-process engine takes vLLM's process-wide state with it, so this runs apart from `engine`.)"""
+  cfg = config.tiny_qwen2(64)
   new_model = transformer.Transformer(cfg, rngs=nnx.Rngs(77))
   sampling = SamplingConfig(temperature=1.0, max_tokens=12, seed=5)
-  # The trainer's path: a lazy export, streamed tensor by tensor into one file the engine loads.
-  gen.update_weights(hf.HFTensors(new_model, "float32"))
-  assert not os.path.exists(gen.last_weights_file)  # removed once loaded
-  updated = {s.prompt_id: s for s in gen.generate(PROMPTS, sampling)}
-  fresh = GeneratorInstance(
-      tiny.build_tiny_model_dir(str(tmp_path), cfg, model=new_model),
-      max_num_seqs=8,
-      max_model_len=128,
-      seed=0,
+  kwargs = dict(max_num_seqs=8, max_model_len=128, seed=0, dtype=dtype)
+  gen = GeneratorInstance(tiny.build_tiny_model_dir(str(tmp_path / "old"), cfg, seed=7), **kwargs)
+  try:
+    gen.update_weights(hf.HFTensors(new_model, dtype))
+    assert not os.path.exists(gen.last_weights_file)  # removed once loaded
+    updated = {s.prompt_id: s for s in gen.generate(PROMPTS, sampling)}
+  finally:
+    gen.close()
+  new_dir = hf.save_hf(
+      new_model,
+      str(tmp_path / "new"),
+      dtype=dtype,
+      bos_token_id=tok.BOS_ID,
+      eos_token_id=tok.EOS_ID,
+      pad_token_id=tok.PAD_ID,
   )
+  tok.save_hf_tokenizer(new_dir, model_max_length=cfg.max_position_embeddings)
+  fresh = GeneratorInstance(new_dir, **kwargs)
   try:
     started = {s.prompt_id: s for s in fresh.generate(PROMPTS, sampling)}
   finally:

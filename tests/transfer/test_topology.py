@@ -60,3 +60,18 @@ def test_direct_plan_and_bad_input():
     plan_topology(rs, "A", 0)
   assert TreeNode.from_json(plan_topology(rs, "A", 2).to_json()) == plan_topology(rs, "A", 2)
   assert plan_topology([], "A", 2) == TreeNode(None, ())
+
+
+def test_with_shm_every_other_host_receives_once_and_its_receivers_map_the_head():
+  rs = _receivers({"A": 9, "B": 6}, host=lambda dc, i: f"{dc}-h{i // 3}")  # three per host
+  tree = plan_topology(rs, "A", 2, sender_host="trainer")
+  edges = list(iter_edges(tree))
+  assert sorted(c.name for _, c in edges) == sorted(r.name for r in rs)
+  into_host = collections.Counter(c.host for p, c in edges if p is None or p.host != c.host)
+  assert all(n == 1 for n in into_host.values()) and len(into_host) == 5  # one stream per host
+  for p, c in edges:  # within a host, everyone hangs off the host's first receiver
+    if p is not None and p.host == c.host:
+      assert p.name == min(r.name for r in rs if r.host == c.host)
+  assert sum(p is None and c.dc != "A" for p, c in edges) == 1  # still one relay for B
+  no_shm = plan_topology(rs, "A", 2)  # without shared memory a host is not special
+  assert sum(p is None or p.host != c.host for p, c in iter_edges(no_shm) if c.host == "A-h0") > 1
