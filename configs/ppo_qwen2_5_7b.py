@@ -55,6 +55,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.trainer.lr = 1e-6
   c.trainer.critic_lr = 1e-5
   c.mesh = dict(data=1, fsdp=4, tensor=1)
+  c.trainer.remat = "dots"  # keep the projections, recompute attention scores
   c.cluster.trainer_gpus = 4
   c.cluster.trainer_cpus = 16
   c.cluster.generator_cpus = 16

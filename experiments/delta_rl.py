@@ -228,7 +228,7 @@ def main(argv):
   timeline = Timeline()
   print(f"policy {model_dir}; set-up {time.perf_counter() - t_start:.0f} s", flush=True)
 
-  first = trainer.export_weights()
+  first = dict(trainer.export_weights())  # kept across updates: materialised
   n_params = sum(t.size for t in first.values())
   history = {"fp32": [Version(first, 0, chunk)], "bf16": [Version(bf16_of(first), 0, chunk)]}
   for d in DTYPES:
@@ -261,7 +261,7 @@ def main(argv):
           it, mode, trainer, rewarder, timeline, ppo_epochs=tr.ppo_epochs, seed=s.seed
       )
       sc = train.iteration_scalars(x, timeline, rollout)
-      tensors = trainer.export_weights()
+      tensors = dict(trainer.export_weights())
       rel = median_relative_change(tensors, prev)
       prev = tensors
       new = {

@@ -101,7 +101,9 @@ def _set(tree, path, value):
 class HFTensors(Mapping[str, np.ndarray]):
   """A policy's parameters under their HF names, each converted when read.
 
-  Reading a key copies that one parameter to the host, cast to `dtype` on
+  It views the live parameters: read it before the model's next train step
+  (which donates them), or `dict()` it to keep a copy. Reading a key copies
+  that one parameter to the host, cast to `dtype` on
   its device first (so a bf16 export moves half the bytes and never holds
   an fp32 copy), and lays it out as HF / vLLM expect. Nothing is cached:
   iterating `items()` streams the model one tensor at a time.
@@ -120,6 +122,11 @@ class HFTensors(Mapping[str, np.ndarray]):
   def __getitem__(self, name: str) -> np.ndarray:
     e = self._entries[name]
     value = _get(self._params, e.path)
+    if isinstance(value, jax.Array) and value.is_deleted():
+      raise RuntimeError(
+          f"{name!r} was read after the parameters it views were updated in place (a train "
+          "step donates them); read exported weights before the next update, or dict() them."
+      )
     if hasattr(value, "astype") and not isinstance(value, np.ndarray):
       value = value.astype(self.dtype)  # on device: only dtype-sized bytes leave it
     host = np.asarray(jax.device_get(value))

@@ -147,3 +147,13 @@ def test_bf16_safetensors_load_without_jax_imported_first(tmp_path):
   assert out.stdout.split()[0] == "bfloat16"
   want = values.astype(ml_dtypes.bfloat16).astype(np.float32).tolist()
   assert out.stdout.strip().endswith(str(want))
+
+
+def test_exported_weights_read_after_their_buffers_were_donated_fail_clearly():
+  model = transformer.Transformer(config.tiny_qwen2(64), rngs=nnx.Rngs(0))
+  exported = hf.HFTensors(model, "bfloat16")
+  first = next(iter(exported))
+  assert exported[first].dtype.name == "bfloat16"
+  model.trunk.embedding_vd[...].delete()  # what a donating train step does
+  with pytest.raises(RuntimeError, match="before the next update"):
+    exported["model.embed_tokens.weight"]
