@@ -12,7 +12,7 @@ tokenizer), and then runs what a user would:
 
 The generators run vLLM in bf16 and the trainer computes in bf16
 (`trainer.compute_dtype=auto` follows `model.dtype`) with fp32 master
-weights and an fp32 LM head. Reads `mismatch/*` of every iteration from the
+weights and an fp32 LM head. Reads `mismatch/*` and `train/ratio_mean` of every iteration from the
 run's metrics.jsonl and ends with
 `RESULT family=.. iterations=.. k3_kl_max=.. max_abs_logprob_diff_max=.. ratio_mean=..`.
 """
@@ -85,15 +85,15 @@ def main(argv):
   rows = [r for r in rows if "mismatch/k3_kl" in r]
   for r in rows:
     print(
-        f"iteration {r.get('iteration', '?')}: k3_kl={r['mismatch/k3_kl']:.2e} "
+        f"iteration {r.get('step', '?')}: k3_kl={r['mismatch/k3_kl']:.2e} "
         f"max_abs_logprob_diff={r['mismatch/max_abs_logprob_diff']:.3f} "
-        f"ratio_mean={r['mismatch/ratio_mean']:.5f}"
+        f"ratio_mean={r['train/ratio_mean']:.5f}"
     )
   print(
       f"RESULT family={_FAMILY.value} iterations={len(rows)} "
       f"k3_kl_max={max(r['mismatch/k3_kl'] for r in rows):.2e} "
       f"max_abs_logprob_diff_max={max(r['mismatch/max_abs_logprob_diff'] for r in rows):.3f} "
-      f"ratio_mean={sum(r['mismatch/ratio_mean'] for r in rows) / len(rows):.5f}"
+      f"ratio_mean={sum(r['train/ratio_mean'] for r in rows) / len(rows):.5f}"
   )
 
 

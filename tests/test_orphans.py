@@ -9,6 +9,7 @@ process of the run is left, then runs the same command again and checks that
 it resumes and finishes.
 """
 
+import json
 import os
 import signal
 import subprocess
@@ -26,21 +27,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAIN = os.path.join(REPO, "launch", "main.py")
 TAG = "STREAMRL_TEST_RUN_TAG"  # Marks every process a test's run starts.
 
-# The small settings of tests/test_train.py: 2 iterations, a checkpoint after each.
-TINY = {
-    "warmstart.steps": 4,
-    "warmstart.batch_size": 16,
-    "trainer.num_iterations": 2,
-    "trainer.prompts_per_iteration": 8,
-    "trainer.mini_batch_size": 8,
-    "trainer.micro_batch_size": 4,
-    "generation.max_tokens": 24,
-    "generation.max_num_seqs": 16,
-    "task.num_eval": 8,
-    "log.eval_every": 0,
-    "checkpoint.every": 1,
-    "log.progress": False,
-}
+# Two iterations of the tiny run, a checkpoint after each (shared by the run tests).
+TINY = json.loads(open(os.path.join(os.path.dirname(__file__), "tiny_run.json")).read())
 
 
 def _env(tag: str, **extra) -> dict:

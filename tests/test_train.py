@@ -14,19 +14,8 @@ from streamrl.data import rewards as rewards_lib
 
 CONFIGS = os.path.join(os.path.dirname(__file__), "..", "configs")
 
-TINY = {
-    "warmstart.steps": 4,
-    "warmstart.batch_size": 16,
-    "trainer.num_iterations": 2,
-    "trainer.prompts_per_iteration": 8,
-    "trainer.mini_batch_size": 8,
-    "trainer.micro_batch_size": 4,
-    "generation.max_tokens": 24,
-    "generation.max_num_seqs": 16,
-    "task.num_eval": 8,
-    "log.eval_every": 0,
-    "checkpoint.every": 1,
-}
+# Two iterations of the tiny run, a checkpoint after each (shared by the run tests).
+TINY = json.loads(open(os.path.join(os.path.dirname(__file__), "tiny_run.json")).read())
 
 
 def load(name, **overrides):
