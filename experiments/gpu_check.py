@@ -57,17 +57,17 @@ MODELS = (("0_5b", "qwen2_0_5b", "smoke_small"), ("1_5b", "qwen2_1_5b", "smoke_l
 
 
 def main(_):
-  from streamrl import settings  # pylint: disable=g-import-not-at-top
+  # Not streamrl.settings: it needs ml_collections, which the GPU machine lacks.
+  from streamrl.models.config import DEFAULT_LOGPROB_CHUNK  # pylint: disable=g-import-not-at-top
 
   t0 = time.perf_counter()
   smoke = _SMOKE.value
-  defaults = settings.Trainer()
   seq_len, batch, steps = (64, 2, 1) if smoke else (_SEQ_LEN.value, _BATCH.value, _STEPS.value)
   compute = dict(
       dtype="bfloat16",
       fp32_lm_head=True,
       remat=_REMAT.value,
-      logprob_chunk=16 if smoke else defaults.logprob_chunk,
+      logprob_chunk=16 if smoke else DEFAULT_LOGPROB_CHUNK,
   )
   results = {}
   for tag, full, tiny in MODELS:

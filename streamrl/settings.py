@@ -26,7 +26,7 @@ from typing import Any
 import ml_collections
 
 from streamrl.errors import UserError
-from streamrl.models.config import COMPUTE_DTYPES, REMAT_POLICIES
+from streamrl.models.config import COMPUTE_DTYPES, DEFAULT_LOGPROB_CHUNK, REMAT_POLICIES
 from streamrl.scheduling.policy import SCHEDULERS
 
 PIPELINE_MODES = ("colocated", "sync", "stream", "async")
@@ -197,7 +197,7 @@ class Trainer:
   compute_dtype: str = _key("trainer.compute_dtype", "auto")
   fp32_lm_head: bool = _key("trainer.fp32_lm_head", True)
   remat: str = _key("trainer.remat", "none")
-  logprob_chunk: int = _key("trainer.logprob_chunk", 512)
+  logprob_chunk: int = _key("trainer.logprob_chunk", DEFAULT_LOGPROB_CHUNK)
 
 
 @dataclasses.dataclass(frozen=True)

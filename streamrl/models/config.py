@@ -15,6 +15,9 @@ COMPUTE_DTYPES = ("float32", "bfloat16")
 #   dots  the weight projections' outputs (q/k/v/o, MLP): the attention
 #         scores, softmax and elementwise ops are recomputed.
 REMAT_POLICIES = ("none", "full", "dots")
+# Positions scored at a time by default (trainer.logprob_chunk): [b, 512, vocab]
+# fp32 logits at most, whatever the sequence length.
+DEFAULT_LOGPROB_CHUNK = 512
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,9 +13,12 @@ ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 
 
 def test_gpu_check_smoke_runs_without_vllm(tmp_path):
-  poison = tmp_path / "vllm"
-  poison.mkdir()
-  (poison / "__init__.py").write_text("raise ImportError('gpu_check must not import vllm')\n")
+  # The GPU machine has JAX, Flax, optax, Orbax and torch only: any other
+  # package of ours (vLLM above all) must stay unimported.
+  for name in ("vllm", "ml_collections", "ray", "transformers", "tensorboardX", "grain", "xxhash"):
+    poison = tmp_path / name
+    poison.mkdir()
+    (poison / "__init__.py").write_text(f"raise ImportError('gpu_check must not import {name}')\n")
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device
   env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env.get("PYTHONPATH", "")])
   env["JAX_PLATFORMS"] = "cpu"
