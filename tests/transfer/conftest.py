@@ -1,6 +1,7 @@
 """Small tensors, tiny chunks and a cluster fixture that closes every node it made."""
 
 import threading
+import time
 
 import ml_dtypes
 import numpy as np
@@ -24,6 +25,16 @@ def make_tensors(seed: int = 0) -> dict:
       NAMES[2]: rng.standard_normal(32).astype(np.float32),
       NAMES[3]: rng.standard_normal(32).astype(np.float32),
   }  # ~7.5 KB: 8 chunks of 1 KiB
+
+
+def wait_until(pred, timeout=10.0) -> bool:
+  """Polls `pred` until it holds (True) or `timeout` seconds pass (False)."""
+  deadline = time.monotonic() + timeout
+  while time.monotonic() < deadline:
+    if pred():
+      return True
+    time.sleep(0.01)
+  return False
 
 
 def same(a: dict, b: dict) -> bool:

@@ -2,7 +2,6 @@
 host, lazy mappings read once, pinned files never rewritten, nothing left in /dev/shm."""
 
 import os
-import time
 
 import ml_dtypes
 import numpy as np
@@ -12,7 +11,7 @@ from streamrl.models import safetensors_io
 from streamrl.transfer import Pin, WeightsFile, schema_of
 from streamrl.transfer.manifest import payload_size
 from streamrl.transfer.payload import SHM_DIR
-from .conftest import NAMES, make_tensors, same
+from .conftest import NAMES, make_tensors, same, wait_until
 
 
 class LazyTensors(dict):
@@ -36,15 +35,6 @@ class LazyTensors(dict):
 def _ours():
   """Our process's files in /dev/shm (threaded receivers share the process)."""
   return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(f"srl_{os.getpid()}_"))
-
-
-def _wait(pred, timeout=10.0):
-  deadline = time.monotonic() + timeout
-  while time.monotonic() < deadline:
-    if pred():
-      return True
-    time.sleep(0.01)
-  return False
 
 
 @pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, np.float32])
@@ -93,7 +83,7 @@ def test_a_host_receives_once_and_its_receivers_share_the_file(cluster):
   # Each faulted in staging memory at join; only the head keeps (and used) it.
   assert head._current.segment is not None and all(s._spare is None for s in siblings)
   # The service's own count: the sender's copy plus one per receiving host.
-  assert _wait(lambda: pub.copied_bytes(v) == 2 * payload_size(t))
+  assert wait_until(lambda: pub.copied_bytes(v) == 2 * payload_size(t))
 
 
 def test_a_pinned_file_is_neither_rewritten_nor_removed(cluster):
@@ -139,7 +129,7 @@ def test_dev_shm_is_clean_after_close_and_after_a_failed_transfer(cluster, monke
 
   monkeypatch.setattr(service, "fill_payload", corrupt)
   v = pub.publish(make_tensors(9))
-  assert all(_wait(lambda r=r: v in r._gave_up) for r in rs)  # every attempt refused
+  assert all(wait_until(lambda r=r: v in r._gave_up) for r in rs)  # every attempt refused
   assert _ours() != before  # files exist while the nodes live
   cluster.close()
   assert _ours() == before

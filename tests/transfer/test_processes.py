@@ -9,7 +9,7 @@ import time
 
 from streamrl.transfer import Publisher, Receiver, spawn_receiver
 from streamrl.transfer.service import relay_only
-from .conftest import Loads, config, make_tensors
+from .conftest import Loads, config, make_tensors, wait_until
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -24,15 +24,6 @@ sys.stdin.readline()
 pub.publish({"w": np.arange(2048, dtype=np.float32)})
 time.sleep(60)
 """
-
-
-def _wait(pred, timeout=20.0):
-  deadline = time.monotonic() + timeout
-  while time.monotonic() < deadline:
-    if pred():
-      return True
-    time.sleep(0.01)
-  return False
 
 
 def test_killed_receiver_process_does_not_block_the_others():
@@ -80,9 +71,9 @@ def test_killed_sender_leaves_receiver_on_its_old_version():
     r.join(("127.0.0.1", port), timeout=30)
     proc.stdin.write("go\n")
     proc.stdin.flush()
-    assert _wait(lambda: r._inflight is not None and r._inflight.ready >= 2)
+    assert wait_until(timeout=20.0, pred=lambda: r._inflight is not None and r._inflight.ready >= 2)
     os.kill(proc.pid, signal.SIGKILL)  # the sender dies with version 1 half delivered
-    assert _wait(lambda: 1 in r._gave_up)
+    assert wait_until(timeout=20.0, pred=lambda: 1 in r._gave_up)
     assert (
         r.version == 0 and loads.calls == [] and r._inflight is None
     )  # load_fn never saw partial data

@@ -8,16 +8,7 @@ import pytest
 
 from streamrl.transfer import SchemaMismatch, TransferError, schema_of, service, transports
 from streamrl.transfer.manifest import payload_size
-from .conftest import NAMES, make_tensors, same
-
-
-def _wait(pred, timeout=10.0):
-  deadline = time.monotonic() + timeout
-  while time.monotonic() < deadline:
-    if pred():
-      return True
-    time.sleep(0.01)
-  return False
+from .conftest import NAMES, make_tensors, same, wait_until
 
 
 @pytest.mark.parametrize("use_shm", [True, False])
@@ -56,11 +47,11 @@ def test_corrupted_chunk_is_detected_and_never_loaded(cluster, monkeypatch):
   monkeypatch.setattr(service, "fill_payload", corrupt)
   v2 = pub.publish(make_tensors(2))
   for r in rs:
-    assert _wait(lambda: v2 in r._gave_up)
+    assert wait_until(lambda: v2 in r._gave_up)
     assert r.version == v1 and r.loads.versions == [v1]  # never loaded, still serving v1
     assert "chunk 3" in r.last_error and "corrupted" in r.last_error
     assert r.stats["failed_attempts"] == 3  # 1 + max_retries, shm then TCP
-    assert _wait(lambda: r.name in pub.errors) and "corrupted" in pub.errors[r.name]
+    assert wait_until(lambda: r.name in pub.errors) and "corrupted" in pub.errors[r.name]
   assert not pub.wait_acks(v2, timeout=0.1)
   monkeypatch.setattr(service, "fill_payload", real)
   t3 = make_tensors(3)
@@ -109,7 +100,7 @@ def test_interrupted_transfer_leaves_the_old_version(cluster, monkeypatch):
 
   monkeypatch.setattr(transports, "send_limited", cut_halfway)
   v2 = pub.publish(make_tensors(2))
-  assert _wait(lambda: v2 in r._gave_up and v2 in child._gave_up)
+  assert wait_until(lambda: v2 in r._gave_up and v2 in child._gave_up)
   for x in (r, child):
     assert x.version == v1 and x.loads.versions == [v1]
     assert "closed mid-transfer" in x.last_error or "failed" in x.last_error
@@ -170,7 +161,7 @@ def test_delta_across_datacenters_is_bit_exact(cluster):
   rs = [cluster.receiver(f"B{i}", dc="B", join=pub, delta_cross_dc=True) for i in range(3)]
   t1 = make_tensors(1)
   assert pub.wait_acks(pub.publish(t1), 10)
-  assert _wait(lambda: "cross_dc_full_bytes" in pub.stats)
+  assert wait_until(lambda: "cross_dc_full_bytes" in pub.stats)
   full = pub.stats["cross_dc_full_bytes"]
   rng = np.random.default_rng(0)
   t2 = {
@@ -179,7 +170,7 @@ def test_delta_across_datacenters_is_bit_exact(cluster):
   }  # 5% of the weights move
   v2 = pub.publish(t2)
   assert pub.wait_acks(v2, 10)
-  assert _wait(lambda: "cross_dc_delta_bytes" in pub.stats)  # counted when the stream ends
+  assert wait_until(lambda: "cross_dc_delta_bytes" in pub.stats)  # counted when the stream ends
   d = pub.stats["cross_dc_delta_bytes"]
   assert 0 < d < 0.5 * full
   for r in rs:
@@ -197,7 +188,7 @@ def test_shape_mismatch_is_refused_naming_the_first_parameter(cluster):
   v = pub.publish(t)
   assert not pub.wait_acks(v, 10)
   assert ok.loads.versions == [v] and r.loads.versions == [] and r.version == 0
-  assert _wait(lambda: "r0" in pub.errors)
+  assert wait_until(lambda: "r0" in pub.errors)
   msg = pub.errors["r0"]
   assert msg == (
       f"Refusing weight version 1: parameter '{NAMES[1]}' has shape (32, 48) but the model "
@@ -231,7 +222,7 @@ def test_dead_receiver_does_not_block_the_others(cluster):
   start = time.monotonic()
   v = pub.publish(t)
   assert time.monotonic() - start < 1.0  # publish does not wait for the data to flow
-  assert _wait(lambda: rs[1]._inflight is not None and rs[1]._inflight.ready >= 2)
+  assert wait_until(lambda: rs[1]._inflight is not None and rs[1]._inflight.ready >= 2)
   rs[1].close()  # dies mid-transfer: its sockets drop
   assert pub.wait_acks(v, timeout=20)
   assert pub.missing_acks(v) == [] and "r1" not in [i.name for i in pub.receivers()]
@@ -250,7 +241,7 @@ def test_load_fn_failure_keeps_old_version(cluster):
 
   r.load_fn = broken
   v = pub.publish(make_tensors(1))
-  assert _wait(lambda: v in r._gave_up)
+  assert wait_until(lambda: v in r._gave_up)
   assert r.version == 0 and "engine rejected weights" in r.last_error
   with pytest.raises(TransferError):
     r.join(pub.address, timeout=5)
@@ -274,7 +265,9 @@ def test_segments_are_recycled_only_after_every_receiver_moved_on(cluster):
     assert pub.publish(t) == v
     assert fast.wait_version(v, 10)
     if v == 1:
-      assert _wait(lambda: held_version == [1])  # "slow" now sits in load_fn holding views of v1
+      assert wait_until(
+          lambda: held_version == [1]
+      )  # "slow" now sits in load_fn holding views of v1
   assert same(held, versions[1])  # nobody rewrote the segment "slow" still reads
   assert len(pub._pool._segments) <= 4  # bounded: older segments were unlinked, not rewritten
   release.set()
