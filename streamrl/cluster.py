@@ -250,6 +250,7 @@ def init_ray(
     num_cpus: int | None = None,
     generator_cpus: int = 1,
     trainer_cpus: int = 1,
+    trainer_processes: int = 1,
     generation_slots: int = 64,
     timeout_s: float = 30.0,
     log_to_driver: bool = False,
@@ -258,8 +259,8 @@ def init_ray(
   `address`, and returns where things may run.
 
   Local: the node offers `generation_pool=generation_slots` (at most that many
-  generator instances) and `training_pool=1`, and `num_cpus` logical CPUs
-  (default generator_cpus + trainer_cpus). Remote: the nodes' own labels are
+  generator instances) and `training_pool=trainer_processes`, and `num_cpus`
+  logical CPUs (default generator_cpus + trainer_cpus per trainer process). Remote: the nodes' own labels are
   used, and at least one node must offer `generation_pool`.
 
   `log_to_driver=False` (the default) keeps the actors' stdout/stderr out of
@@ -287,8 +288,8 @@ def init_ray(
       kwargs = dict(address=address, log_to_driver=log_to_driver)
     else:
       kwargs = dict(
-          num_cpus=num_cpus or generator_cpus + trainer_cpus,
-          resources={GENERATION_POOL: generation_slots, TRAINING_POOL: 1},
+          num_cpus=num_cpus or generator_cpus + trainer_cpus * trainer_processes,
+          resources={GENERATION_POOL: generation_slots, TRAINING_POOL: trainer_processes},
           include_dashboard=False,
           log_to_driver=log_to_driver,
       )
@@ -348,17 +349,26 @@ def _probe_gcs(address: str, timeout_s: float) -> None:
     )
 
 
-def init_ray_for(c, gpus_needed: int = 0) -> ClusterInfo:
+def init_ray_for(c, gpus_needed: int = 0, trainer_processes: int = 1) -> ClusterInfo:
   """Starts or joins Ray as `c` (a `streamrl.settings.Cluster`) says, and
-  checks that the cluster has the `gpus_needed` GPUs the run will ask for
-  (an actor asking for more than exist would wait forever)."""
+  checks that the cluster has the `gpus_needed` GPUs and the training-pool
+  slots for `trainer_processes` the run will ask for (an actor asking for
+  more than exist would wait forever)."""
   info = init_ray(
       c.address or None,
       generator_cpus=c.generator_cpus,
       trainer_cpus=c.trainer_cpus,
+      trainer_processes=trainer_processes,
       timeout_s=c.connect_timeout_s,
   )
   check_gpus(gpus_needed, info.resources)
+  slots = int(info.resources.get(TRAINING_POOL, 0))
+  if trainer_processes > slots:
+    raise UserError(
+        f"cluster.trainer_processes={trainer_processes} needs that many {TRAINING_POOL!r} "
+        f"slots but the Ray cluster offers {slots}; start the training nodes with "
+        f"`ray start --resources='{{\"{TRAINING_POOL}\": 1}}'` or lower trainer_processes."
+    )
   return info
 
 

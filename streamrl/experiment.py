@@ -30,6 +30,7 @@ from streamrl import lifecycle
 from streamrl import metrics
 from streamrl import settings as settings_lib
 from streamrl import train
+from streamrl.trainer import multihost
 
 log = logging.getLogger(__name__)
 
@@ -71,10 +72,27 @@ def share_gpu_memory(engine: settings_lib.Engine, env) -> None:
     )
 
 
-class TrainerActor:
-  """Runs one experiment in its own process, on the trainer's cores."""
+def log_name(process_index: int, num_processes: int) -> str:
+  """Trainer process k's log in the workdir: trainer.log, or trainer.<k>.log
+  when the trainer spans several processes."""
+  return LOG_NAME if num_processes == 1 else f"trainer.{process_index}.log"
 
-  def __init__(self, cores: tuple[int, ...] | None, num_threads: int | None):
+
+class TrainerActor:
+  """One trainer process, on the trainer's cores (or GPUs).
+
+  Process 0 runs the experiment (`run`); with `cluster.trainer_processes` > 1
+  the others `follow` it, on one JAX runtime (streamrl/trainer/multihost.py).
+  """
+
+  def __init__(
+      self,
+      cores: tuple[int, ...] | None,
+      num_threads: int | None,
+      process_index: int = 0,
+      num_processes: int = 1,
+      cpu_devices: int | None = None,
+  ):
     # If this actor dies (its driver died, or ray.kill), so do the engine
     # processes it started.
     lifecycle.guard_children()
@@ -84,22 +102,61 @@ class TrainerActor:
     elif num_threads:
       for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
         os.environ[var] = str(num_threads)
+    if cpu_devices and not os.environ.get("CUDA_VISIBLE_DEVICES"):
+      multihost.set_cpu_devices(cpu_devices)
     self._cores = tuple(sorted(os.sched_getaffinity(0)))
+    self.process_index, self.num_processes = process_index, num_processes
 
-  def run(self, s: settings_lib.Settings, workdir: str, info: cluster_lib.ClusterInfo) -> dict:
+  def open_log(self, workdir: str) -> str:
+    """Sends this process's output to its log in `workdir`; returns the path."""
     os.makedirs(workdir, exist_ok=True)
-    _redirect_output(os.path.join(workdir, LOG_NAME))
+    path = os.path.join(workdir, log_name(self.process_index, self.num_processes))
+    _redirect_output(path)
     metrics.configure_actor_logging(workdir)
-    placement = {
-        "trainer": {
-            "pid": os.getpid(),
-            "host": socket.gethostname(),
-            "cores": list(self._cores),
-            "node_id": ray.get_runtime_context().get_node_id(),
-            "gpu_ids": os.environ.get("CUDA_VISIBLE_DEVICES", ""),
-        }
+    return path
+
+  def coordinator_address(self) -> str:
+    """Where process 0 will serve JAX's coordination service."""
+    return f"{ray.util.get_node_ip_address()}:{multihost.free_port()}"
+
+  def init_distributed(self, coordinator: str, timeout_s: int) -> dict:
+    """Joins the trainer's JAX runtime; returns this process's placement."""
+    multihost.initialize(
+        coordinator, self.num_processes, self.process_index, timeout_s=int(timeout_s)
+    )
+    return self.where()
+
+  def where(self) -> dict:
+    import jax  # pylint: disable=g-import-not-at-top
+
+    return {
+        "process_index": self.process_index,
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "cores": list(self._cores),
+        "node_id": ray.get_runtime_context().get_node_id(),
+        "gpu_ids": os.environ.get("CUDA_VISIBLE_DEVICES", ""),
+        "devices": [str(d) for d in jax.local_devices()],
     }
-    return train.run(s, workdir, cluster=info, placement=placement)
+
+  def run(
+      self,
+      s: settings_lib.Settings,
+      workdir: str,
+      info: cluster_lib.ClusterInfo,
+      processes: list[dict] | None = None,
+      followers: multihost.Followers | None = None,
+  ) -> dict:
+    self.open_log(workdir)
+    processes = processes or [self.where()]
+    placement = {"trainer": processes[0]}
+    if len(processes) > 1:
+      placement["trainer_processes"] = processes
+    return train.run(s, workdir, cluster=info, placement=placement, followers=followers)
+
+  def follow(self, s: settings_lib.Settings, workdir: str, commands, reply) -> None:
+    self.open_log(workdir)
+    train.follow(s, workdir, commands, reply)
 
 
 def _redirect_output(path: str) -> None:
@@ -110,12 +167,13 @@ def _redirect_output(path: str) -> None:
 
 
 def trainer_actor_options(c: settings_lib.Cluster) -> dict:
-  """The Ray resources of the `TrainerActor`: its CPUs, `cluster.trainer_gpus`
-  GPUs (Ray sets its CUDA_VISIBLE_DEVICES to GPUs of its own, disjoint from
-  the generators') and the `training_pool` label."""
+  """The Ray resources of one `TrainerActor`: its CPUs, its share of
+  `cluster.trainer_gpus` (Ray sets its CUDA_VISIBLE_DEVICES to GPUs of its
+  own, disjoint from the generators' and the other trainer processes') and
+  the `training_pool` label."""
   return dict(
       num_cpus=c.trainer_cpus,
-      num_gpus=c.trainer_gpus,
+      num_gpus=c.trainer_gpus // c.trainer_processes,
       resources={cluster_lib.TRAINING_POOL: 1},
       # Never restarted: a second copy would resume from the checkpoint
       # while the first one's generator actors may still be alive.
@@ -125,38 +183,111 @@ def trainer_actor_options(c: settings_lib.Cluster) -> dict:
 
 
 def run_on_actor(s: settings_lib.Settings, workdir: str) -> dict:
-  """Runs the experiment on a TrainerActor; returns its final metrics.
+  """Runs the experiment on TrainerActors (`cluster.trainer_processes` of
+  them); returns the final metrics.
 
-  Errors raised in the actor are raised here with their own type and
-  message; if the actor's process dies, the error says so and names its log.
+  Errors raised in process 0 are raised here with their own type and
+  message. If any trainer process dies, or fails, the others are stopped
+  (they may wait in a collective for it) and the error names the process
+  and its log; rerunning with the same --workdir resumes.
   """
-  info = cluster_lib.init_ray_for(s.cluster, s.gpus_needed)
+  info = cluster_lib.init_ray_for(s.cluster, s.gpus_needed, s.cluster.trainer_processes)
+  n = s.cluster.trainer_processes
   cores = info.shares.trainer_cores if info.shares is not None else None
-  cpus = s.cluster.trainer_cpus
   actor_cls = ray.remote(TrainerActor)
-  actor = actor_cls.options(**trainer_actor_options(s.cluster)).remote(cores, cpus)
+  options = trainer_actor_options(s.cluster)
+  cpu_devices = s.trainer_cpu_devices_per_process
+  actors = [
+      actor_cls.options(**options).remote(cores, s.cluster.trainer_cpus, k, n, cpu_devices)
+      for k in range(n)
+  ]
   os.makedirs(workdir, exist_ok=True)
-  log_path = os.path.join(workdir, LOG_NAME)
-  ref = actor.run.remote(s, workdir, info)
-  follower = _LogFollower(log_path)
+  logs = [os.path.join(workdir, log_name(k, n)) for k in range(n)]
+  follower = _LogFollower(logs[0])
+  refs: dict = {}
+  queues: list = []
   try:
+    processes, followers = None, None
+    if n > 1:
+      processes, followers, queues = _start_processes(actors, s.cluster, workdir)
+      refs.update(
+          {
+              actors[k].follow.remote(s, workdir, queues[k - 1][0], queues[k - 1][1]): k
+              for k in range(1, n)
+          }
+      )
+    run_ref = actors[0].run.remote(s, workdir, info, processes, followers)
+    refs[run_ref] = 0
     while True:
-      ready, _ = ray.wait([ref], timeout=0.5)
+      ready, _ = ray.wait(list(refs), timeout=0.5)
       follower.copy_new(sys.stderr)
-      if ready:
-        break
-    return ray.get(ref)
-  except ray.exceptions.RayTaskError as e:
-    raise e.as_instanceof_cause() from None
-  except ray.exceptions.RayActorError as e:
-    raise RuntimeError(
-        f"The trainer actor died ({_last_line(e)}); its output is in "
-        f"{log_path}, and rerunning with the same --workdir resumes from "
-        "the last checkpoint."
-    ) from None
+      if not ready:
+        continue
+      k = refs.pop(ready[0])
+      value = _get(ready[0], k, n, logs[k])
+      if k == 0:
+        ray.wait(list(refs), num_returns=len(refs), timeout=60)  # followers stop on their own
+        return value
+      raise RuntimeError(
+          f"Trainer process {k} stopped before process 0 finished; its output is in {logs[k]}."
+      )
   finally:
     follower.copy_new(sys.stderr)
-    ray.kill(actor, no_restart=True)
+    for a in actors:
+      ray.kill(a, no_restart=True)
+    for q in queues:
+      for one in q:
+        one.shutdown(force=True)
+
+
+def _get(ref, k: int, n: int, log_path: str):
+  """ray.get of trainer process k's call; its failure as one clear error."""
+  try:
+    return ray.get(ref)
+  except ray.exceptions.RayTaskError as e:
+    if n == 1 or k == 0:
+      raise e.as_instanceof_cause() from None
+    raise RuntimeError(
+        f"Trainer process {k} failed ({_last_line(e)}); its output is in {log_path}, and "
+        "rerunning with the same --workdir resumes from the last checkpoint."
+    ) from None
+  except ray.exceptions.RayActorError as e:
+    what = "The trainer actor" if n == 1 else f"Trainer process {k}"
+    raise RuntimeError(
+        f"{what} died ({_last_line(e)}); its output is in {log_path}, and rerunning with "
+        "the same --workdir resumes from the last checkpoint."
+    ) from None
+
+
+def _start_processes(actors, c: settings_lib.Cluster, workdir: str):
+  """Joins the trainer actors into one JAX runtime; returns (placement of
+  each process, process 0's `Followers`, each follower's (commands, replies)
+  queues)."""
+  from ray.util.queue import Queue  # pylint: disable=g-import-not-at-top
+
+  n = len(actors)
+  logs = [os.path.join(workdir, log_name(k, n)) for k in range(n)]
+  ray.get([a.open_log.remote(workdir) for a in actors])
+  coordinator = ray.get(actors[0].coordinator_address.remote())
+  timeout = int(max(c.connect_timeout_s * 4, 60))
+  pending = {a.init_distributed.remote(coordinator, timeout): k for k, a in enumerate(actors)}
+  processes = [None] * n
+  while pending:
+    # A process that fails to join ends the wait at once (its error is raised).
+    ready, _ = ray.wait(list(pending), timeout=1.0)
+    for r in ready:
+      k = pending.pop(r)
+      processes[k] = _get(r, k, n, logs[k])
+  queues = [
+      (Queue(actor_options={"num_cpus": 0}), Queue(actor_options={"num_cpus": 0}))
+      for _ in actors[1:]
+  ]
+  followers = multihost.Followers(
+      commands=[q[0] for q in queues],
+      replies=[q[1] for q in queues],
+      hosts=[p["host"] for p in processes[1:]],
+  )
+  return processes, followers, queues
 
 
 class _LogFollower:

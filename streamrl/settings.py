@@ -242,6 +242,8 @@ class Cluster:
   generator_cpus: int = _key("cluster.generator_cpus", 1)
   trainer_cpus: int = _key("cluster.trainer_cpus", 1)
   trainer_gpus: int = _key("cluster.trainer_gpus", 0)
+  # Trainer processes (Ray actors, one JAX runtime; streamrl/trainer/multihost.py).
+  trainer_processes: int = _key("cluster.trainer_processes", 1)
   connect_timeout_s: float = _key("cluster.connect_timeout_s", 30.0)
   trainer_actor: bool = _key("cluster.trainer_actor", True)
 
@@ -317,6 +319,16 @@ class Settings:
     if self.pipeline.mode != "colocated":
       gen = self.engine.num_instances * self.engine.gpus_per_instance
     return self.cluster.trainer_gpus + gen
+
+  @property
+  def trainer_cpu_devices_per_process(self) -> int | None:
+    """On CPU with several trainer processes and a fully fixed mesh: the
+    devices each process offers (mesh size / processes); None otherwise
+    (each process keeps what its XLA_FLAGS say)."""
+    axes = self.mesh.axes().values()
+    if self.cluster.trainer_gpus or self.cluster.trainer_processes == 1 or -1 in axes:
+      return None
+    return math.prod(axes) // self.cluster.trainer_processes
 
   def replace(self, **parts) -> "Settings":
     return dataclasses.replace(self, **parts)
@@ -611,6 +623,25 @@ def validate(s: Settings, *, check_files: bool = True) -> None:
   _positive("cluster.generator_cpus", c.generator_cpus)
   _positive("cluster.trainer_cpus", c.trainer_cpus)
   _positive("cluster.trainer_gpus", c.trainer_gpus, zero_ok=True)
+  _positive("cluster.trainer_processes", c.trainer_processes)
+  if c.trainer_processes > 1:
+    _need(
+        s.pipeline.mode != "colocated" and c.trainer_actor,
+        f"cluster.trainer_processes={c.trainer_processes} needs the trainer on Ray actors: "
+        "use pipeline.mode sync, stream or async with cluster.trainer_actor=True.",
+    )
+    _need(
+        c.trainer_gpus % c.trainer_processes == 0,
+        f"cluster.trainer_gpus={c.trainer_gpus} must split evenly over "
+        f"cluster.trainer_processes={c.trainer_processes}.",
+    )
+    if not c.trainer_gpus and -1 not in s.mesh.axes().values():
+      _need(
+          mesh_size % c.trainer_processes == 0,
+          f"the mesh (data x fsdp x tensor = {mesh_size}) must split evenly over "
+          f"cluster.trainer_processes={c.trainer_processes} (each process offers "
+          "mesh size / processes CPU devices).",
+      )
   _positive("cluster.connect_timeout_s", c.connect_timeout_s)
   tf = s.transfer
   _need(

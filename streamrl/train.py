@@ -45,6 +45,7 @@ from streamrl.pipeline import make_mode
 from streamrl.pipeline.timeline import Timeline
 from streamrl.scheduling.scheduler import GenerationScheduler
 from streamrl.trainer.checkpoint import Checkpointer
+from streamrl.trainer import multihost
 from streamrl.trainer.rl_trainer import RLTrainer
 
 log = logging.getLogger(__name__)
@@ -272,7 +273,11 @@ def iteration_scalars(x: Iteration, timeline: Timeline, rollout) -> dict:
 
 # --------------------------------------------------------------------- run
 def run(
-    s: settings_lib.Settings, workdir: str, cluster=None, placement: dict | None = None
+    s: settings_lib.Settings,
+    workdir: str,
+    cluster=None,
+    placement: dict | None = None,
+    followers: multihost.Followers | None = None,
 ) -> dict:
   """Runs (or resumes) the experiment in `workdir` with the trainer in this
   process; returns the final metrics.
@@ -280,7 +285,8 @@ def run(
   `cluster` (a ClusterInfo) is the Ray cluster the generators go to, when
   the caller already joined it; `placement` describes this process, for
   <workdir>/placement.json. `streamrl.experiment.run` puts this on a Ray
-  actor for the disaggregated modes.
+  actor for the disaggregated modes. `followers`: the other processes of a
+  multi-process trainer (this is process 0; each runs `follow`).
   """
   os.makedirs(workdir, exist_ok=True)
   # Refuse an incompatible workdir before anything is written into it.
@@ -292,10 +298,16 @@ def run(
   _, policy = hf.load_hf(model_dir)
   tokenizer = Tokenizer(model_dir)
   rewarder = Rewarder(get_reward_fn(s.task.reward), tokenizer)
+  if followers:
+    followers.send("setup", model_dir, socket.gethostname())
   trainer = RLTrainer.from_settings(policy, s)
+  if followers:
+    trainer = multihost.Leader(trainer, followers)
   loader = PromptLoader(train_examples, s.trainer.prompts_per_iteration, seed=s.seed)
   start = 0
   if ckpt.latest_step() is not None:
+    if followers:
+      followers.send("restore")
     start, arrays, meta = ckpt.restore(trainer.checkpoint_arrays())
     trainer.load_checkpoint_arrays(arrays)
     loader.set_state(meta["loader"])
@@ -349,15 +361,14 @@ def run(
       writer.histogram(it + 1, "staleness", [it - q.weight_version for q in x.samples])
       progress.update(1, reward=f"{scalars['reward/mean']:.3f}", acc=f"{scalars['accuracy']:.3f}")
       if (it + 1) % s.checkpoint.every == 0 or it + 1 == num_it:
-        ckpt.save(
-            it + 1,
-            trainer.checkpoint_arrays(),
-            {
-                "loader": x.generated.round.loader_state,
-                "reward_errors": rewarder.errors,
-                "weight_version": it + 1,
-            },
-        )
+        meta = {
+            "loader": x.generated.round.loader_state,
+            "reward_errors": rewarder.errors,
+            "weight_version": it + 1,
+        }
+        if followers:
+          followers.send("save", it + 1, meta)
+        ckpt.save(it + 1, trainer.checkpoint_arrays(), meta)
       final.update({k: v for k, v in scalars.items() if not k.startswith("eval/")})
   finally:
     progress.close()
@@ -367,6 +378,49 @@ def run(
     finally:
       rollout.close()
       ckpt.close()
+      if followers:
+        followers.send("stop")
   with open(os.path.join(workdir, "final_metrics.json"), "w") as f:
     json.dump(final, f, indent=2, sort_keys=True)
   return final
+
+
+def follow(s: settings_lib.Settings, workdir: str, commands, reply) -> None:
+  """Trainer process k > 0 of a multi-process trainer: replays, on its own
+  shards of the mesh, every trainer operation process 0's `run` sends (see
+  streamrl/trainer/multihost.py), until told to stop."""
+  ckpt = open_checkpoints(s, workdir)  # Orbax, like `run`: every process takes part.
+  trainer = exporter = old = leader_host = None
+  minis: dict[int, list] = {}
+  try:
+    while True:
+      op, *args = commands.get()
+      if op == "setup":
+        model_dir, leader_host = args
+        _, policy = hf.load_hf(model_dir)
+        trainer = RLTrainer.from_settings(policy, s)
+        exporter = multihost.ShardExporter(trainer.mesh, trainer.export_dtype)
+      elif op == "restore":
+        _, arrays, _ = ckpt.restore(trainer.checkpoint_arrays())
+        trainer.load_checkpoint_arrays(arrays)
+      elif op == "snapshot":
+        old = trainer.snapshot(*args)
+        minis.clear()
+      elif op == "prepare":
+        key, samples, rewards = args
+        minis[key], _ = trainer.prepare(samples, rewards, old)
+      elif op == "update":
+        key, j = args
+        trainer.update(minis[key][j])
+      elif op == "export":
+        name, manifest = args
+        multihost.follower_export(exporter, trainer.policy(), name, manifest, leader_host, reply)
+      elif op == "save":
+        step, meta = args
+        ckpt.save(step, trainer.checkpoint_arrays(), meta)
+      elif op == "stop":
+        return
+      else:
+        raise ValueError(f"unknown trainer operation {op!r}")
+  finally:
+    ckpt.close()

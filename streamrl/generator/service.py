@@ -422,7 +422,7 @@ class StreamGenerationService:
 
   # -- weights ----------------------------------------------------------------
 
-  def update(self, tensors: Mapping[str, np.ndarray], version: int) -> UpdateHandle:
+  def update(self, tensors, version: int) -> UpdateHandle:
     """Sends the weights and returns at once; `.wait()` on the handle for the load.
 
     Each instance loads them after the stream it is running now, and before
@@ -435,12 +435,20 @@ class StreamGenerationService:
     tensors and each instance writes a file of its own). Through the
     transfer service, the publisher's file is verified and staged by each
     instance's receiver while it generates, and every host receives it
-    once (see streamrl/transfer).
+    once (see streamrl/transfer). `tensors` may also be a filled
+    `transfer.WeightsFile` (a multi-process trainer's export), which is
+    then handed on as it is.
     """
     if not self._live:
       raise RuntimeError("All generator instances are dead; nothing to update.")
+    from streamrl.transfer import WeightsFile  # pylint: disable=g-import-not-at-top
+
     version = int(version)
     self._remove_loaded_weight_files()
+    written = tensors if isinstance(tensors, WeightsFile) else None
+    if written is not None and self.publisher is not None:
+      # A file the trainer processes filled: the publisher reads its tensors in place.
+      tensors = written.tensors()
     if self.publisher is not None:
       if not self._transfer_joined:
         from streamrl.transfer import schema_of  # pylint: disable=g-import-not-at-top
@@ -456,6 +464,8 @@ class StreamGenerationService:
         )
         self._transfer_joined = True
       self.publisher.publish(tensors, version)
+      if written is not None:
+        written.unlink()
       return UpdateHandle(
           version, delivered=lambda t: self._await_acks(version, t), loaded=self._apply_staged
       )
@@ -467,7 +477,7 @@ class StreamGenerationService:
     """shared_file: every instance loads this process's file (they all see its /dev/shm)."""
     from streamrl.transfer import WeightsFile  # pylint: disable=g-import-not-at-top
 
-    weights = WeightsFile(tensors)
+    weights = tensors if isinstance(tensors, WeightsFile) else WeightsFile(tensors)
     if shared_file:
       calls = {
           i: self._actors[i].update_weights_from_file.remote(weights.path, version)

@@ -86,6 +86,16 @@ def _layout(cfg: ModelConfig) -> Iterator[_Entry]:
     yield _Entry(("w_head_dv",), "lm_head.weight", *transpose)
 
 
+def layout_entries(cfg: ModelConfig) -> dict[str, _Entry]:
+  """{HF name: how our parameter maps to it} for a model config."""
+  return {e.hf_name: e for e in _layout(cfg)}
+
+
+def get_param(tree, path):
+  """The leaf at `path` of a pure-dict parameter tree."""
+  return _get(tree, path)
+
+
 def _get(tree, path):
   for key in path:
     tree = tree[key]

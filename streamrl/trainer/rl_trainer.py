@@ -36,7 +36,7 @@ from streamrl import settings as settings_lib
 from streamrl.models import hf
 from streamrl.models.config import ComputeConfig
 from streamrl.models.transformer import Critic, Transformer, read_dtype_cast
-from streamrl.trainer import experience, sharding, step as step_lib
+from streamrl.trainer import experience, multihost, sharding, step as step_lib
 
 
 def loss_config(s: settings_lib.Settings) -> step_lib.LossConfig:
@@ -222,7 +222,8 @@ class RLTrainer:
 
   # ------------------------------------------------------------ per-sample work
   def _put(self, x: np.ndarray) -> jax.Array:
-    return jax.device_put(x, sharding.batch_sharding(self.mesh, x.ndim, shape=x.shape))
+    # Each process transfers only the rows its devices hold (multihost.py).
+    return multihost.global_array(x, sharding.batch_sharding(self.mesh, x.ndim, shape=x.shape))
 
   def _frozen(self, params):
     """A copy of actor or critic params for scoring only, in the dtypes the
@@ -250,14 +251,14 @@ class RLTrainer:
     tokens = self._put(batch["tokens_bt"])
     score = dict(graphdef=self.models.actor_def, temperature=self.temperature, compute=self.compute)
     logp, _ = step_lib.policy_logprobs(old.actor, tokens, **score)
-    batch["old_logp_bt"] = np.asarray(logp)
+    batch["old_logp_bt"] = multihost.host_array(logp)
     if self.ref is not None:
       ref, _ = step_lib.policy_logprobs(self.ref, tokens, **score)
-      batch["ref_logp_bt"] = np.asarray(ref)
+      batch["ref_logp_bt"] = multihost.host_array(ref)
     else:
       batch["ref_logp_bt"] = np.zeros_like(batch["old_logp_bt"])
     if self.models.critic_def is not None:
-      batch["old_values_bt"] = np.asarray(
+      batch["old_values_bt"] = multihost.host_array(
           step_lib.critic_values(
               old.critic, tokens, graphdef=self.models.critic_def, compute=self.compute
           )

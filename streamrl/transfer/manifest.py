@@ -290,6 +290,20 @@ def _header(specs: Sequence[TensorSpec]) -> bytes:
   return _U64.pack(len(raw)) + raw
 
 
+def header_bytes(manifest: Manifest) -> bytes:
+  """The safetensors header that starts ``manifest``'s payload."""
+  return _header(manifest.tensors)
+
+
+def tensor_offsets(manifest: Manifest) -> dict[str, int]:
+  """{name: offset of its first byte in the payload}."""
+  pos, out = len(_header(manifest.tensors)), {}
+  for s in manifest.tensors:
+    out[s.name] = pos
+    pos += s.nbytes
+  return out
+
+
 def layout_order(tensors: Mapping[str, np.ndarray]) -> Schema:
   """Specs in payload order: itemsize descending, then name."""
   return tuple(sorted(schema_of(tensors), key=lambda s: (-s.itemsize, s.name)))

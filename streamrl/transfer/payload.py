@@ -52,6 +52,7 @@ import numpy as np
 from streamrl.transfer.manifest import (
     Manifest,
     TransferError,
+    header_bytes,
     plan_payload,
     read_payload,
     verify_chunk,
@@ -327,23 +328,46 @@ class WeightsFile:
   its itemsize). ``unlink`` removes the file (the resource tracker does if
   this process dies); readers that still map it keep their mapping.
   ``nbytes``: the file's size, i.e. the bytes copied to write it.
+
+  ``WeightsFile.empty(manifest)`` lays out the file with its header only, for
+  writers that fill the tensors' bytes themselves (several trainer processes,
+  each writing the ranges it holds: ``streamrl.trainer.multihost``; they open
+  it with ``open_weights_file``).
   """
 
-  def __init__(self, tensors: Mapping[str, np.ndarray]):
+  def __init__(self, tensors: Mapping[str, np.ndarray] | None, manifest: Manifest | None = None):
     if not shm_available():
       raise RuntimeError(f"weights files need {SHM_DIR} (Linux shared memory); none was found.")
-    self.manifest = plan_payload(tensors, 0, 4 << 20)
+    self.manifest = manifest if manifest is not None else plan_payload(tensors, 0, 4 << 20)
     self._segment = create_segment(self.manifest.total_bytes, shared=True)
     try:
-      for _ in write_tensors(tensors, self.manifest, self._segment.buf):
-        pass
+      if tensors is None:
+        header = header_bytes(self.manifest)
+        self._segment.buf[: len(header)] = header
+      else:
+        for _ in write_tensors(tensors, self.manifest, self._segment.buf):
+          pass
     except BaseException:
       self._segment.unlink()
       raise
 
+  @classmethod
+  def empty(cls, manifest: Manifest) -> "WeightsFile":
+    """A file laid out for ``manifest`` with only its header written."""
+    return cls(None, manifest)
+
+  @property
+  def name(self) -> str:
+    return self._segment.name
+
   @property
   def path(self) -> str:
     return os.path.join(SHM_DIR, self._segment.name)
+
+  @property
+  def buf(self) -> memoryview:
+    """The file's bytes, writable."""
+    return self._segment.buf
 
   @property
   def nbytes(self) -> int:
@@ -355,6 +379,11 @@ class WeightsFile:
 
   def unlink(self) -> None:
     self._segment.unlink()
+
+
+def open_weights_file(name: str, size: int) -> memoryview:
+  """A writable mapping of another process's ``WeightsFile`` (by its ``name``) on this host."""
+  return memoryview(_mmap(name, size, writable=True))[:size]
 
 
 def staging_payload(manifest: Manifest, segment: Segment) -> Payload:

@@ -1,0 +1,278 @@
+"""One trainer over several processes: `jax.distributed`, led by process 0.
+
+With `cluster.trainer_processes=N` the trainer is N Ray actors on the
+training pool (one per host, or per GPU group), and one device mesh spans
+all their devices (`initialize`; the same logical -> physical rules as one
+process). JAX is multi-controller: every process must run the same jitted
+computations in the same order. So the RL loop (`streamrl/train.py`) runs
+on process 0 only -- it owns the rollout, the rewards, the metrics and the
+logs -- and its trainer is a `Leader`: before each trainer operation it
+sends the operation and its inputs to every other process (a Ray queue
+each), whose `streamrl.train.follow` replays it on its own `RLTrainer`.
+
+Data: samples arrive at process 0, where the rollout streams them and the
+rewards are computed, and each chunk is forwarded with its rewards to the
+followers. A chunk is token ids and a few floats per token (kilobytes to
+megabytes, against gigabytes of weights), and one receiver keeps the
+generators' streaming protocol and its exactly-once accounting unchanged.
+Every process then derives the same mini-batches (scoring is a collective,
+`host_array` gathers its result; advantages are host numpy, deterministic)
+and puts only the rows its devices hold (`global_array`).
+
+Weights: no process gathers the model. `ShardExporter` reshards each tensor,
+converted to the generators' layout and dtype on device, into a flat array
+split over every device of the mesh; each process writes the byte ranges
+its devices hold straight into the weights file of this update (one
+safetensors file in /dev/shm, laid out by process 0). A process on another
+host than process 0 sends its ranges through Ray's object store instead,
+and process 0 writes them in.
+
+Failure: the launcher (`streamrl.experiment`) watches every process; if one
+dies, it stops the others (they may be waiting in a collective) and says
+which one died and where its log is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import re
+import socket
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from streamrl.models import hf, safetensors_io
+from streamrl.trainer import sharding
+
+log = logging.getLogger(__name__)
+
+_DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+
+
+# ----------------------------------------------------------------- runtime
+def set_cpu_devices(count: int, env=os.environ) -> None:
+  """Makes this process's CPU backend offer `count` devices (before JAX starts)."""
+  flags = re.sub(rf"{_DEVICE_COUNT_FLAG}=\d+", "", env.get("XLA_FLAGS", "")).split()
+  env["XLA_FLAGS"] = " ".join(flags + [f"{_DEVICE_COUNT_FLAG}={int(count)}"])
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("", 0))
+    return s.getsockname()[1]
+
+
+def initialize(
+    coordinator: str, num_processes: int, process_id: int, *, timeout_s: int = 300
+) -> None:
+  """Joins this process to the trainer's JAX runtime (before any JAX computation).
+
+  On CPU the cross-process collectives run over gloo. A process that dies is
+  noticed by the coordination service after `timeout_s` at the latest; the
+  launcher notices sooner (through Ray) and stops the rest.
+  """
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(
+      coordinator,
+      num_processes=num_processes,
+      process_id=process_id,
+      initialization_timeout=timeout_s,
+      heartbeat_timeout_seconds=timeout_s,
+  )
+  log.info(
+      "Trainer process %d of %d: %d local devices, %d in the mesh.",
+      jax.process_index(),
+      jax.process_count(),
+      jax.local_device_count(),
+      jax.device_count(),
+  )
+
+
+def describe() -> dict:
+  """This process's part of placement.json."""
+  return {
+      "process_index": jax.process_index(),
+      "pid": os.getpid(),
+      "host": socket.gethostname(),
+      "devices": [str(d) for d in jax.local_devices()],
+  }
+
+
+# -------------------------------------------------------------------- data
+def global_array(x: np.ndarray, sharding_: jax.sharding.Sharding) -> jax.Array:
+  """`x` (the same global value on every process) as a jax Array with `sharding_`;
+  each process transfers only the blocks its own devices hold."""
+  return jax.make_array_from_callback(x.shape, sharding_, lambda index: x[index])
+
+
+def host_array(x: jax.Array) -> np.ndarray:
+  """The whole value of `x` on this host (a gather across processes if needed)."""
+  if getattr(x, "is_fully_addressable", True):
+    return np.asarray(x)
+  return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+# ----------------------------------------------------------------- weights
+class ShardExporter:
+  """Writes each process's share of the policy, in HF layout and the
+  generators' dtype, into a weights file laid out by `manifest`.
+
+  For each tensor, one jitted function (compiled once) casts and lays it out
+  as HF expects and reshards it flat over every device of the mesh; each
+  process then copies the blocks its devices hold to their offsets. The
+  whole tensor exists only sharded, never on one host.
+  """
+
+  def __init__(self, mesh: jax.sharding.Mesh, dtype):
+    self.mesh = mesh
+    self.dtype = np.dtype(safetensors_io.numpy_dtype(dtype))
+    self._fns: dict = {}
+    self._flat = NamedSharding(mesh, P(tuple(mesh.axis_names)))
+
+  def _fn(self, entry, shape):
+    key = (entry.hf_name, tuple(shape))
+    if key not in self._fns:
+      n = int(np.prod(jax.eval_shape(entry.to_hf, jax.ShapeDtypeStruct(shape, np.float32)).shape))
+      padded = -(-n // self.mesh.size) * self.mesh.size
+
+      def flat(w):
+        v = entry.to_hf(w.astype(self.dtype)).reshape(-1)
+        return jax.numpy.pad(v, (0, padded - n))
+
+      self._fns[key] = (jax.jit(flat, out_shardings=self._flat), n)
+    return self._fns[key]
+
+  def write(self, policy, manifest, out: memoryview | None) -> list[tuple[int, np.ndarray]]:
+    """Writes this process's blocks of every tensor into `out` (the file's
+    bytes); with `out` None returns them as (file offset, bytes) instead."""
+    from streamrl.transfer.manifest import tensor_offsets  # pylint: disable=g-import-not-at-top
+
+    params = nnx.to_pure_dict(nnx.state(policy, nnx.Param))
+    entries = hf.layout_entries(policy.cfg)
+    offsets = tensor_offsets(manifest)
+    dst = None if out is None else np.frombuffer(out, np.uint8)
+    parts = []
+    item = self.dtype.itemsize
+    for spec in manifest.tensors:
+      entry = entries[spec.name]
+      value = hf.get_param(params, entry.path)
+      fn, n = self._fn(entry, value.shape)
+      flat = fn(value)
+      for shard in flat.addressable_shards:
+        if shard.replica_id:
+          continue
+        start = shard.index[0].start or 0
+        stop = min(shard.index[0].stop or n, n)
+        if start >= stop:
+          continue
+        data = np.asarray(shard.data)[: stop - start].view(np.uint8)
+        pos = offsets[spec.name] + start * item
+        if dst is None:
+          parts.append((pos, data))
+        else:
+          dst[pos : pos + data.size] = data
+    return parts
+
+
+@dataclasses.dataclass
+class Followers:
+  """Process 0's line to the other trainer processes: one command queue and
+  one reply queue each (Ray queues), in process order."""
+
+  commands: Sequence
+  replies: Sequence
+  hosts: Sequence[str]
+
+  def send(self, op: str, *args) -> None:
+    for q in self.commands:
+      q.put((op, *args))
+
+  def remote_hosts(self) -> list[int]:
+    """Indices of the followers on another host than this process."""
+    me = socket.gethostname()
+    return [i for i, h in enumerate(self.hosts) if h != me]
+
+
+class Leader:
+  """Process 0's trainer: each operation is sent to the followers, then run here.
+
+  Same interface as `RLTrainer` for the loop (`snapshot`, `prepare`,
+  `update`, `export_weights`); the followers keep the mini-batches their own
+  `prepare` made, and `update` names one by (prepare call, index).
+  """
+
+  def __init__(self, trainer, followers: Followers):
+    self.trainer = trainer
+    self.followers = followers
+    self.exporter = ShardExporter(trainer.mesh, trainer.export_dtype)
+    self._where: dict[int, tuple[int, int]] = {}
+    self._keep: list = []
+
+  def __getattr__(self, name):
+    return getattr(self.trainer, name)
+
+  def snapshot(self, copy: bool = True):
+    self.followers.send("snapshot", copy)
+    self._where.clear()
+    self._keep.clear()
+    return self.trainer.snapshot(copy)
+
+  def prepare(self, samples, rewards, old):
+    key = len(self._keep)
+    self.followers.send("prepare", key, list(samples), [float(r) for r in rewards])
+    minis, metrics = self.trainer.prepare(samples, rewards, old)
+    self._keep.append(minis)
+    for j, mini in enumerate(minis):
+      self._where[id(mini)] = (key, j)
+    return minis, metrics
+
+  def update(self, mini: dict) -> dict:
+    key, j = self._where[id(mini)]
+    self.followers.send("update", key, j)
+    return self.trainer.update(mini)
+
+  def export_weights(self, dtype=None):
+    """The policy in the generators' dtype as a filled `WeightsFile`, written
+    by every process (see the module docstring)."""
+    from streamrl.transfer import WeightsFile  # pylint: disable=g-import-not-at-top
+    from streamrl.transfer.manifest import plan_payload  # pylint: disable=g-import-not-at-top
+
+    assert dtype is None or dtype == self.trainer.export_dtype, "one export dtype per run"
+    policy = self.trainer.policy()
+    manifest = plan_payload(hf.HFTensors(policy, self.trainer.export_dtype), 0, 4 << 20)
+    weights = WeightsFile.empty(manifest)
+    try:
+      self.followers.send("export", weights.name, manifest)
+      self.exporter.write(policy, manifest, weights.buf)
+      multihost_utils.sync_global_devices("streamrl_export")
+      dst = np.frombuffer(weights.buf, np.uint8)
+      for i in self.followers.remote_hosts():
+        import ray  # pylint: disable=g-import-not-at-top
+
+        for pos, data in ray.get(self.followers.replies[i].get()):
+          dst[pos : pos + data.size] = data
+    except BaseException:
+      weights.unlink()
+      raise
+    return weights
+
+
+def follower_export(exporter: ShardExporter, policy, name: str, manifest, leader_host: str, reply):
+  """A follower's side of `Leader.export_weights`."""
+  from streamrl.transfer.payload import open_weights_file  # pylint: disable=g-import-not-at-top
+
+  if socket.gethostname() == leader_host:
+    exporter.write(policy, manifest, open_weights_file(name, manifest.total_bytes))
+    multihost_utils.sync_global_devices("streamrl_export")
+    return
+  import ray  # pylint: disable=g-import-not-at-top
+
+  parts = exporter.write(policy, manifest, None)
+  multihost_utils.sync_global_devices("streamrl_export")
+  reply.put(ray.put(parts))
