@@ -305,3 +305,24 @@ class Checkpointer:
 
   def __exit__(self, *exc) -> None:
     self.close()
+
+
+def read_arrays(directory: str, step: int | None = None) -> dict[str, np.ndarray]:
+  """The arrays of checkpoint `step` (default: newest) as host numpy, by key path.
+
+  No template and no mesh needed: for inspecting or comparing checkpoints
+  (e.g. of runs on different meshes or process counts).
+  """
+  directory = os.path.abspath(directory)
+  steps = sorted(int(d) for d in os.listdir(directory) if d.isdigit())
+  if not steps:
+    raise FileNotFoundError(f"no checkpoint in {directory}.")
+  step = steps[-1] if step is None else int(step)
+  path = os.path.join(directory, str(step), "arrays")
+  ckptr = ocp.PyTreeCheckpointer()
+  tree = ckptr.metadata(path)
+  tree = getattr(tree, "item_metadata", tree)
+  args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+  restored = ckptr.restore(path, restore_args=args)
+  leaves, _ = jax.tree_util.tree_flatten_with_path(restored)
+  return {jax.tree_util.keystr(p): np.asarray(v) for p, v in leaves}
