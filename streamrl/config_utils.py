@@ -38,7 +38,7 @@ import ml_collections
 from absl import app, flags
 from ml_collections.config_flags import config_flags, tuple_parser
 
-from streamrl.errors import MissingFileError, UserError, debug_requested, user_message
+from streamrl.errors import MissingFileError, RunStopped, UserError, debug_requested, user_message
 
 # ----------------------------------------------------------------- overrides
 
@@ -342,12 +342,12 @@ def explain_flag_error(
 USER_ERROR_EXIT_CODE = 2
 
 
-def _exit_with(message: str) -> NoReturn:
-  """Prints `error: <message>` (one line) to stderr and exits with USER_ERROR_EXIT_CODE."""
+def _exit_with(message: str, status: int = USER_ERROR_EXIT_CODE) -> NoReturn:
+  """Prints `error: <message>` (one line) to stderr and exits with `status`."""
   sys.stdout.flush()
   sys.stderr.write(f"error: {' '.join(message.split())}\n")
   sys.stderr.flush()
-  sys.exit(USER_ERROR_EXIT_CODE)
+  sys.exit(status)
 
 
 def define_config_file(
@@ -413,7 +413,7 @@ def run_main(main: Callable[[list[str]], Any], argv: Sequence[str] | None = None
   Flags are parsed by `parse_flags_or_exit`. A `streamrl.errors.UserError`
   raised by `main` (also one re-raised from a Ray actor) is printed as
   `error: <sentence>` on stderr and the process exits with status 2
-  (USER_ERROR_EXIT_CODE). Any other exception keeps its traceback. Defines a
+  (USER_ERROR_EXIT_CODE). A `streamrl.errors.RunStopped` (a process of the run died) is printed the same way with status 1. Any other exception keeps its traceback. Defines a
   `--debug` flag (unless the script has one): with it, or with the
   environment variable STREAMRL_DEBUG=1, user errors show their traceback too.
 
@@ -433,10 +433,12 @@ def run_main(main: Callable[[list[str]], Any], argv: Sequence[str] | None = None
   def guarded_main(args: list[str]) -> Any:
     try:
       return main(args)
-    except UserError as e:
+    except (UserError, RunStopped) as e:
       debug = flags.FLAGS[DEBUG_FLAG].value if flags.FLAGS.is_parsed() else False
       if debug or debug_requested(()):
         raise
+      if isinstance(e, RunStopped):  # Not the input's fault: status 1, like a crash.
+        _exit_with(str(e), status=1)
       _exit_with(user_message(e))
 
   app.run(

@@ -34,6 +34,11 @@ class UnreachableClusterError(UserError, ConnectionError):
   """The cluster address given by the user does not answer as a Ray head."""
 
 
+class RunStopped(RuntimeError):
+  """A process of the run died (or failed) mid-run; the message is one
+  sentence naming it, its log, and that rerunning the command resumes."""
+
+
 def find_user_error(error: BaseException) -> UserError | None:
   """The UserError behind `error`, or None when `error` is not one.
 

@@ -26,6 +26,7 @@ import sys
 import ray
 
 from streamrl import cluster as cluster_lib
+from streamrl import errors
 from streamrl import lifecycle
 from streamrl import metrics
 from streamrl import settings as settings_lib
@@ -224,11 +225,19 @@ def run_on_actor(s: settings_lib.Settings, workdir: str) -> dict:
       if not ready:
         continue
       k = refs.pop(ready[0])
-      value = _get(ready[0], k, n, logs[k])
+      try:
+        value = _get(ready[0], k, n, logs[k])
+      except Exception:
+        if k == 0 and refs:
+          # Process 0 may fail first because a peer died under its collective
+          # (gloo's connection reset): name the process that died.
+          for r in ray.wait(list(refs), num_returns=len(refs), timeout=10)[0]:
+            _get(r, refs[r], n, logs[refs[r]])
+        raise
       if k == 0:
         ray.wait(list(refs), num_returns=len(refs), timeout=60)  # followers stop on their own
         return value
-      raise RuntimeError(
+      raise errors.RunStopped(
           f"Trainer process {k} stopped before process 0 finished; its output is in {logs[k]}."
       )
   finally:
@@ -247,13 +256,13 @@ def _get(ref, k: int, n: int, log_path: str):
   except ray.exceptions.RayTaskError as e:
     if n == 1 or k == 0:
       raise e.as_instanceof_cause() from None
-    raise RuntimeError(
+    raise errors.RunStopped(
         f"Trainer process {k} failed ({_last_line(e)}); its output is in {log_path}, and "
         "rerunning with the same --workdir resumes from the last checkpoint."
     ) from None
   except ray.exceptions.RayActorError as e:
     what = "The trainer actor" if n == 1 else f"Trainer process {k}"
-    raise RuntimeError(
+    raise errors.RunStopped(
         f"{what} died ({_last_line(e)}); its output is in {log_path}, and rerunning with "
         "the same --workdir resumes from the last checkpoint."
     ) from None

@@ -1,0 +1,130 @@
+"""A trainer over 2 processes (jax.distributed, gloo, real Ray actors, real vLLM).
+
+Both tests run `launch/main.py` as a user would, on the tiny run in sync mode
+with an 8-device mesh (fsdp 4 x tensor 2): one process with 8 faked CPU
+devices, or 2 processes with 4 each. The pieces that run in one process are
+in tests/trainer/test_multihost.py.
+"""
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from streamrl.trainer.checkpoint import read_arrays
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MAIN = os.path.join(REPO, "launch", "main.py")
+TINY = json.loads(open(os.path.join(os.path.dirname(__file__), "tiny_run.json")).read())
+MESH = {"pipeline.mode": "sync", "mesh.fsdp": 4, "mesh.tensor": 2}
+
+
+def command(workdir, processes: int, **overrides) -> list[str]:
+  cmd = [sys.executable, MAIN, "--config=configs/ppo.py", f"--workdir={workdir}"]
+  settings = {**TINY, **MESH, "cluster.trainer_processes": processes, **overrides}
+  return cmd + [f"--config.{k}={v}" for k, v in settings.items()]
+
+
+def env() -> dict:
+  # 8 CPU devices for a 1-process trainer; each of 2 processes sets its own 4.
+  return dict(
+      os.environ,
+      PYTHONPATH=REPO,
+      JAX_PLATFORMS="cpu",
+      XLA_FLAGS="--xla_force_host_platform_device_count=8",
+  )
+
+
+def run(workdir, processes: int, **overrides) -> str:
+  out = subprocess.run(
+      command(workdir, processes, **overrides),
+      cwd=REPO,
+      env=env(),
+      capture_output=True,
+      text=True,
+      timeout=600,
+  )
+  assert out.returncode == 0, out.stderr[-4000:]
+  return out.stderr
+
+
+@pytest.mark.slow
+def test_two_trainer_processes_give_the_parameters_one_process_gives(tmp_path):
+  one, two = tmp_path / "one", tmp_path / "two"
+  run(one, 1)
+  run(two, 2)
+  a = read_arrays(str(one / "checkpoints"), step=2)
+  b = read_arrays(str(two / "checkpoints"), step=2)
+  assert a.keys() == b.keys() and len(a) > 100  # parameters and optimizer state
+  worst = max(float(np.max(np.abs(a[k].astype(np.float64) - b[k]))) for k in a)
+  assert worst <= 1e-5, worst
+  # Every process is in placement.json, with its own pid and devices.
+  placement = json.loads((two / "placement.json").read_text())
+  procs = placement["trainer_processes"]
+  assert [p["process_index"] for p in procs] == [0, 1]
+  assert procs[0]["pid"] != procs[1]["pid"]
+  assert len(procs[0]["devices"]) == len(procs[1]["devices"]) == 4
+  assert not set(procs[0]["devices"]) & set(procs[1]["devices"])
+  assert placement["trainer"] == procs[0]
+  # A log per process; metrics and events from process 0 only.
+  assert (two / "trainer.0.log").is_file() and (two / "trainer.1.log").is_file()
+  assert "Warm-start eval" in (two / "trainer.0.log").read_text()
+  assert "Warm-start eval" not in (two / "trainer.1.log").read_text()
+  assert len(glob.glob(str(two / "events.out.tfevents.*"))) == 1
+  rows = [json.loads(line) for line in (two / "metrics.jsonl").read_text().splitlines()]
+  assert [r["step"] for r in rows if "reward/mean" in r] == [1, 2]
+
+
+@pytest.mark.slow
+def test_a_killed_trainer_process_stops_the_run_with_one_sentence_and_the_rerun_resumes(
+    tmp_path,
+):
+  workdir, log = tmp_path / "run", tmp_path / "main.log"
+  cmd = command(workdir, 2)
+  with open(log, "w") as out:
+    main = subprocess.Popen(cmd, cwd=REPO, env=env(), stdout=out, stderr=subprocess.STDOUT)
+  try:
+    deadline = time.monotonic() + 400
+    while not (workdir / "checkpoints" / "1").is_dir():
+      assert main.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+      time.sleep(0.2)
+    procs = json.loads((workdir / "placement.json").read_text())["trainer_processes"]
+    os.kill(procs[1]["pid"], signal.SIGKILL)
+    killed = time.monotonic()
+    rc = main.wait(120)
+  finally:
+    if main.poll() is None:
+      main.kill()
+  stopped_s = time.monotonic() - killed
+  text = log.read_text()
+  assert rc != 0 and stopped_s < 120
+  error = [line for line in text.splitlines() if "Trainer process 1 died" in line]
+  assert error, text[-3000:]
+  assert "trainer.1.log" in error[0] and "resumes" in error[0]
+  assert not psutil_alive(procs[0]["pid"])  # process 0 was stopped too, not left in a collective
+
+  # The same command again resumes from the checkpoint and finishes.
+  out = run(workdir, 2)
+  assert "Resumed from iteration 1" in out + (workdir / "trainer.0.log").read_text()
+  assert (workdir / "checkpoints" / "2").is_dir()
+  assert (workdir / "final_metrics.json").is_file()
+
+
+def psutil_alive(pid: int, within_s: float = 15) -> bool:
+  import psutil  # pylint: disable=g-import-not-at-top
+
+  deadline = time.monotonic() + within_s
+  while time.monotonic() < deadline:
+    try:
+      if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+        return False
+    except psutil.NoSuchProcess:
+      return False
+    time.sleep(0.2)
+  return True
