@@ -445,15 +445,11 @@ class StreamGenerationService:
 
     version = int(version)
     self._remove_loaded_weight_files()
-    written = tensors if isinstance(tensors, WeightsFile) else None
-    if written is not None and self.publisher is not None:
-      # A file the trainer processes filled: the publisher reads its tensors in place.
-      tensors = written.tensors()
     if self.publisher is not None:
       if not self._transfer_joined:
         from streamrl.transfer import schema_of  # pylint: disable=g-import-not-at-top
 
-        schema = schema_of(tensors)
+        schema = schema_of(tensors.tensors() if isinstance(tensors, WeightsFile) else tensors)
         ray.get(
             [
                 self._actors[i].join_transfer.remote(
@@ -463,9 +459,8 @@ class StreamGenerationService:
             ]
         )
         self._transfer_joined = True
+      # A WeightsFile (a multi-process trainer's export) becomes the payload as it is.
       self.publisher.publish(tensors, version)
-      if written is not None:
-        written.unlink()
       return UpdateHandle(
           version, delivered=lambda t: self._await_acks(version, t), loaded=self._apply_staged
       )

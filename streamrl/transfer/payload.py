@@ -370,6 +370,11 @@ class WeightsFile:
     return self._segment.buf
 
   @property
+  def segment(self) -> Segment:
+    """The buffer behind the file (a transfer ``Publisher`` adopts it as a version's payload)."""
+    return self._segment
+
+  @property
   def nbytes(self) -> int:
     return self.manifest.total_bytes
 
@@ -440,6 +445,11 @@ class SegmentPool:
         old, chosen.payload = chosen.payload, None
         return chosen, old
     seg = create_segment(size, self.shared)
+    self.adopt(seg)
+    return seg, None
+
+  def adopt(self, seg: Segment) -> None:
+    """Takes a buffer written elsewhere (a ``WeightsFile``) into the pool."""
     with self._lock:
       self._segments.append(seg)
       while len(self._segments) > self.max_segments:  # forget the oldest other unpinned buffer
@@ -449,7 +459,6 @@ class SegmentPool:
         old = min(idle, key=self._age)
         self._segments.remove(old)
         old.unlink()
-    return seg, None
 
   def close(self) -> None:
     with self._lock:

@@ -80,6 +80,7 @@ from streamrl.transfer.manifest import (
     TransferError,
     as_schema,
     check_schema,
+    checksum,
     fill_payload,
     payload_nbytes,
     plan_payload,
@@ -90,6 +91,7 @@ from streamrl.transfer.payload import (
     Segment,
     SegmentPool,
     VersionTensors,
+    WeightsFile,
     create_segment,
     shm_available,
 )
@@ -428,6 +430,10 @@ class Publisher(_Node):
   def publish(self, tensors: Mapping[str, np.ndarray], version: Optional[int] = None) -> int:
     """Snapshots ``tensors`` (HF name -> array) as a new version and announces it.
 
+    ``tensors`` may also be a filled ``WeightsFile`` (a multi-process
+    trainer's export): its file becomes the version's payload as it is,
+    checksummed in place, and belongs to the publisher from then on.
+
     Returns the version, once the snapshot is complete (the caller may then
     modify its arrays) and the top-level receivers have been told. Chunks
     are served while they are being written, so receivers verify and
@@ -449,13 +455,22 @@ class Publisher(_Node):
         log.warning(
             "publish of version %d ignored: version %d is already published", v, self._accepted
         )
+        if isinstance(tensors, WeightsFile):
+          tensors.unlink()
         return v
       self._accepted = v
+    written = tensors if isinstance(tensors, WeightsFile) else None
+    if written is not None:
+      tensors = written.tensors()
     if self._expected is not None:
       check_schema(schema_of(tensors), self._expected, v)
     t0 = time.perf_counter()
     manifest = plan_payload(tensors, v, self.config.chunk_bytes)
-    payload = self._allocate(manifest)
+    if written is not None:
+      payload = self._adopt(written, manifest)
+      tensors = None
+    else:
+      payload = self._allocate(manifest)
     t1 = time.perf_counter()
     with self._cond:
       if v < self._accepted:  # a concurrent publish claimed a newer version: newest wins
@@ -473,9 +488,14 @@ class Publisher(_Node):
     )
     announcer.start()
     try:
-      for i, value in enumerate(fill_payload(tensors, manifest, payload.buf)):
+      if tensors is None:  # already written: checksum it in place
+        values = (checksum(payload.chunk(i)) for i in range(manifest.num_chunks))
+      else:
+        values = fill_payload(tensors, manifest, payload.buf)
+      for i, value in enumerate(values):
         payload.add_written(i, value)
-      self._add_copied(v, manifest.total_bytes)
+      if tensors is not None:
+        self._add_copied(v, manifest.total_bytes)
     except BaseException as e:
       payload.fail(f"publisher failed while writing version {v}: {e!r}")
       with self._cond:
@@ -552,6 +572,18 @@ class Publisher(_Node):
           del self._versions[old.version]
     payload = Payload(manifest, seg.buf, shm_name=seg.name, keepalive=seg.keepalive, segment=seg)
     seg.payload = payload
+    return payload
+
+  def _adopt(self, written: WeightsFile, manifest: Manifest) -> Payload:
+    """A filled WeightsFile as the payload of a version: no copy (its layout is the payload's)."""
+    if written.manifest.total_bytes != manifest.total_bytes or (
+        written.manifest.tensors != manifest.tensors
+    ):
+      raise ValueError("the weights file's layout differs from the payload's")
+    seg = written.segment
+    payload = Payload(manifest, seg.buf, shm_name=seg.name, keepalive=seg.keepalive, segment=seg)
+    seg.payload = payload
+    self._pool.adopt(seg)
     return payload
 
   def _recyclable(self, old: Payload) -> bool:

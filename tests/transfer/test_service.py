@@ -1,5 +1,6 @@
 """End to end on localhost, receivers in threads: delivery, verification, versions, faults."""
 
+import os
 import threading
 import time
 
@@ -307,3 +308,23 @@ def test_receiver_with_a_schema_faults_in_its_staging_memory_at_join(cluster):
   pub_shm = cluster.publisher()
   shm_r.join(pub_shm.address, timeout=10)
   assert shm_r._spare is None
+
+
+def test_a_filled_weights_file_is_published_in_place(cluster):
+  # A multi-process trainer's export: the file becomes the payload, no copy.
+  from streamrl.transfer import WeightsFile  # pylint: disable=g-import-not-at-top
+
+  pub = cluster.publisher()
+  rs = [cluster.receiver(f"r{i}", join=pub) for i in range(2)]
+  t = make_tensors(3)
+  f = WeightsFile(t)
+  v = pub.publish(f, 5)
+  assert v == 5 and pub.wait_acks(v, timeout=10)
+  # Only the receivers copied (each into its staging); the publisher did not.
+  assert pub.copied_bytes(v) == len(rs) * payload_size(t)
+  for r in rs:
+    assert r.loads.versions == [5] and same(r.loads.calls[0][1], t)
+  # An ignored (old) version's file is removed, not leaked.
+  g = WeightsFile(t)
+  pub.publish(g, 4)
+  assert not os.path.exists(g.path)
