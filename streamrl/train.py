@@ -44,8 +44,8 @@ from streamrl.pipeline import base as mode_base
 from streamrl.pipeline import make_mode
 from streamrl.pipeline.timeline import Timeline
 from streamrl.scheduling.scheduler import GenerationScheduler
-from streamrl.trainer.checkpoint import Checkpointer
 from streamrl.trainer import multihost
+from streamrl.trainer.checkpoint import Checkpointer
 from streamrl.trainer.rl_trainer import RLTrainer
 
 log = logging.getLogger(__name__)

@@ -94,16 +94,6 @@ def initialize(
   )
 
 
-def describe() -> dict:
-  """This process's part of placement.json."""
-  return {
-      "process_index": jax.process_index(),
-      "pid": os.getpid(),
-      "host": socket.gethostname(),
-      "devices": [str(d) for d in jax.local_devices()],
-  }
-
-
 # -------------------------------------------------------------------- data
 def global_array(x: np.ndarray, sharding_: jax.sharding.Sharding) -> jax.Array:
   """`x` (the same global value on every process) as a jax Array with `sharding_`;
