@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import socket
 import sys
 
@@ -225,14 +226,22 @@ def run_on_actor(s: settings_lib.Settings, workdir: str) -> dict:
       if not ready:
         continue
       k = refs.pop(ready[0])
+      if n > 1 and _died(ready[0]):
+        # When one process dies the others may follow within seconds (JAX's
+        # coordination service ends them): name the one that died first.
+        others = ray.wait(list(refs), num_returns=len(refs), timeout=3)[0]
+        dead = {k: ready[0], **{refs[r]: r for r in others if _died(r)}}
+        k = _first_to_die(sorted(dead), logs)
+        _get(dead[k], k, n, logs[k])
       try:
         value = _get(ready[0], k, n, logs[k])
-      except Exception:
+      except ray.exceptions.RayTaskError:
         if k == 0 and refs:
-          # Process 0 may fail first because a peer died under its collective
-          # (gloo's connection reset): name the process that died.
+          # Process 0 may raise first because a peer died under its collective
+          # (gloo's connection reset): then name the process that died.
           for r in ray.wait(list(refs), num_returns=len(refs), timeout=10)[0]:
-            _get(r, refs[r], n, logs[refs[r]])
+            if _died(r):
+              _get(r, refs[r], n, logs[refs[r]])
         raise
       if k == 0:
         ray.wait(list(refs), num_returns=len(refs), timeout=60)  # followers stop on their own
@@ -245,6 +254,36 @@ def run_on_actor(s: settings_lib.Settings, workdir: str) -> dict:
     for q in queues:
       for one in q:
         one.shutdown(force=True)
+
+
+# What a JAX process logs when it ends itself because another one died.
+_ENDED_BY_PEER = "JAX distributed service detected fatal errors"
+
+
+def _first_to_die(dead: list[int], logs: list[str]) -> int:
+  """Of trainer processes that died together, the one that did not end
+  itself because a peer died (the first of them if that can't be told)."""
+  for k in dead:
+    try:
+      with open(logs[k], "rb") as f:
+        f.seek(max(0, os.path.getsize(logs[k]) - (1 << 20)))
+        tail = f.read().decode(errors="replace")
+    except OSError:
+      continue
+    if _ENDED_BY_PEER not in tail:
+      return k
+  return dead[0]
+
+
+def _died(ref) -> bool:
+  """Whether a finished call's process died (rather than returned or raised)."""
+  try:
+    ray.get(ref)
+  except ray.exceptions.RayActorError:
+    return True
+  except Exception:  # pylint: disable=broad-except
+    pass
+  return False
 
 
 def _get(ref, k: int, n: int, log_path: str):
@@ -261,7 +300,7 @@ def _get(ref, k: int, n: int, log_path: str):
   except ray.exceptions.RayActorError as e:
     what = "The trainer actor" if n == 1 else f"Trainer process {k}"
     raise errors.RunStopped(
-        f"{what} died ({_last_line(e)}); its output is in {log_path}, and rerunning with "
+        f"{what} died ({_death_reason(e)}); its output is in {log_path}, and rerunning with "
         "the same --workdir resumes from the last checkpoint."
     ) from None
 
@@ -315,6 +354,16 @@ class _LogFollower:
     if text:
       out.write(text)
       out.flush()
+
+
+def _death_reason(e: Exception) -> str:
+  """Ray's account of an actor's death, short: its exit type and detail."""
+  text = " ".join(str(getattr(e, "error_msg", None) or e).split())
+  kind = re.search(r"Worker exit type: (\w+)", text)
+  detail = re.search(r"Worker exit detail: (.*?\.)", text)
+  if kind:
+    return f"{kind.group(1)}: {detail.group(1)}" if detail else kind.group(1)
+  return _last_line(e)
 
 
 def _last_line(e: Exception) -> str:

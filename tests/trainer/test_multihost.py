@@ -118,3 +118,27 @@ def test_each_cpu_process_offers_its_share_of_a_fixed_mesh():
 def test_bad_process_settings_are_refused_with_one_sentence(overrides, match):
   with pytest.raises(UserError, match=match):
     configured(**overrides)
+
+
+def test_of_processes_that_died_together_the_one_a_peer_did_not_end_is_named(tmp_path):
+  from streamrl import experiment  # pylint: disable=g-import-not-at-top
+
+  logs = [str(tmp_path / f"trainer.{k}.log") for k in range(3)]
+  ended = "F1201 client.h:80] Terminating process because the JAX distributed service detected fatal errors."
+  (tmp_path / "trainer.0.log").write_text("step 3\n" + ended)
+  (tmp_path / "trainer.1.log").write_text("step 3\n")
+  (tmp_path / "trainer.2.log").write_text(ended)
+  assert experiment._first_to_die([0, 1, 2], logs) == 1  # pylint: disable=protected-access
+  assert experiment._first_to_die([0, 2], logs) == 0  # can't tell: the first  # pylint: disable=protected-access
+
+
+def test_ray_death_notices_are_shortened_to_their_exit_type_and_detail():
+  from streamrl import experiment  # pylint: disable=g-import-not-at-top
+
+  msg = (
+      "The actor is dead because its worker process has died. Worker exit type: SYSTEM_ERROR "
+      "Worker exit detail: Worker unexpectedly exits with a connection error code 2. End of "
+      "file. Some common causes include: (1) the process was killed by the OOM killer"
+  )
+  reason = experiment._death_reason(RuntimeError(msg))  # pylint: disable=protected-access
+  assert reason == "SYSTEM_ERROR: Worker unexpectedly exits with a connection error code 2."
