@@ -142,7 +142,7 @@ def guard_children(poll_s: float = POLL_S) -> Guard:
         # -I: no PYTHONPATH, no script folder on sys.path; this file needs
         # only psutil.
         [sys.executable, "-I", os.path.abspath(__file__)]
-        + [str(me.pid), repr(me.create_time()), token, str(poll_s)],
+        + [str(me.pid), str(start_ticks(me.pid)), token, str(poll_s)],
         stdin=subprocess.PIPE,
         stdout=subprocess.DEVNULL,
         # Out of the terminal's process group: Ctrl-C reaches only the run,
@@ -157,22 +157,43 @@ def guard_children(poll_s: float = POLL_S) -> Guard:
 # ------------------------------------------------------ the watchdog process
 
 
-def _same(p: psutil.Process) -> bool:
-  """Whether `p` still runs (same pid and creation time, not a zombie)."""
+def start_ticks(pid: int) -> int | None:
+  """When process `pid` started, in clock ticks since boot (/proc/<pid>/stat).
+
+  Unlike psutil's create_time (boot time + ticks, in wall-clock seconds) it
+  does not move when the wall clock is stepped (NTP, a VM snapshot or
+  migration), so a live process is never taken for a new one.
+  """
   try:
-    return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    with open(f"/proc/{pid}/stat", "rb") as f:
+      data = f.read()
+  except OSError:
+    return None
+  return int(data[data.rindex(b")") + 2 :].split()[19])  # field 22: starttime
+
+
+def _same(p: psutil.Process) -> bool:
+  """Whether `p` still runs: same pid and start time as when first seen, not a zombie."""
+  first = getattr(p, "_streamrl_ticks", None)
+  if first is None:
+    first = p._streamrl_ticks = start_ticks(p.pid)  # pylint: disable=protected-access
+  if first is None or start_ticks(p.pid) != first:
+    return False
+  try:
+    return p.status() != psutil.STATUS_ZOMBIE
   except psutil.Error:
     return False
 
 
-def _owner(pid: int, create_time: float) -> psutil.Process | None:
+def _owner(pid: int, ticks: int) -> psutil.Process | None:
+  if start_ticks(pid) != ticks:
+    return None
   try:
     p = psutil.Process(pid)
   except psutil.Error:
     return None
-  if abs(p.create_time() - create_time) > 0.01 or not _same(p):
-    return None
-  return p
+  p._streamrl_ticks = ticks  # pylint: disable=protected-access
+  return p if _same(p) else None
 
 
 def started_with(pid: int, entry: str) -> bool:
@@ -189,19 +210,18 @@ def started_with(pid: int, entry: str) -> bool:
     return False  # Gone, or another user's.
 
 
-def _tagged(token: str, since: float) -> set[psutil.Process]:
-  """Processes whose environment carries `token` (created after `since`)."""
+def _tagged(token: str, since: int) -> set[psutil.Process]:
+  """Processes whose environment carries `token` (started at `since` ticks or later)."""
   found = set()
   for p in psutil.process_iter():
-    try:
-      if p.create_time() >= since - 1 and started_with(p.pid, f"{ENV_VAR}={token}"):
-        found.add(p)
-    except psutil.Error:
-      pass
+    ticks = start_ticks(p.pid)
+    if ticks is not None and ticks >= since and started_with(p.pid, f"{ENV_VAR}={token}"):
+      p._streamrl_ticks = ticks  # pylint: disable=protected-access
+      found.add(p)
   return found
 
 
-def _leftovers(known: set[psutil.Process], token: str, since: float) -> set[psutil.Process]:
+def _leftovers(known: set[psutil.Process], token: str, since: int) -> set[psutil.Process]:
   """`known` and their descendants now, and the processes tagged `token`:
   those that still run, but this one."""
   found = set()
@@ -225,16 +245,18 @@ def _is_resource_tracker(p: psutil.Process) -> bool:
 def _signal(procs: set[psutil.Process], sig: int, timeout_s: float) -> None:
   """Sends `sig` to `procs`, then waits at most `timeout_s` for them to end."""
   for p in procs:
+    if not _same(p):  # never a pid that now names another process
+      continue
     try:
-      p.send_signal(sig)  # psutil refuses a pid that now names another process.
-    except psutil.Error:
+      os.kill(p.pid, sig)
+    except OSError:
       pass
   deadline = time.monotonic() + timeout_s
   while any(_same(p) for p in procs) and time.monotonic() < deadline:
     time.sleep(0.05)
 
 
-def _kill_leftovers(known: set[psutil.Process], token: str, since: float) -> dict:
+def _kill_leftovers(known: set[psutil.Process], token: str, since: int) -> dict:
   """Ends `known`, their descendants and the processes tagged `token`:
   SIGTERM, then SIGKILL for those still there after GRACE_S. Returns the
   processes it signalled, with their names.
@@ -266,7 +288,7 @@ def _kill_leftovers(known: set[psutil.Process], token: str, since: float) -> dic
   return names
 
 
-def _watch(pid: int, create_time: float, token: str, poll_s: float) -> int:
+def _watch(pid: int, ticks: int, token: str, poll_s: float) -> int:
   """The watchdog's loop: see the module docstring."""
   known: set[psutil.Process] = set()
   stdin_open, quick_until, next_prune = True, 0.0, time.monotonic() + 30
@@ -281,9 +303,9 @@ def _watch(pid: int, create_time: float, token: str, poll_s: float) -> int:
         stdin_open, quick_until = False, time.monotonic() + 2.0
     else:
       time.sleep(0.02 if time.monotonic() < quick_until else poll_s)
-    owner = _owner(pid, create_time)
+    owner = _owner(pid, ticks)
     if owner is None:
-      stopped = _kill_leftovers(known, token, create_time)
+      stopped = _kill_leftovers(known, token, ticks)
       if stopped:
         names = ", ".join(sorted(set(stopped.values())))
         try:
@@ -297,7 +319,9 @@ def _watch(pid: int, create_time: float, token: str, poll_s: float) -> int:
           pass  # Nobody reads our stderr any more.
       return 0
     try:
-      known.update(owner.children(recursive=True))
+      for child in owner.children(recursive=True):
+        if _same(child):  # records when it started, to tell it from a later reuse of its pid
+          known.add(child)
     except psutil.Error:
       pass
     if time.monotonic() > next_prune:
@@ -306,4 +330,4 @@ def _watch(pid: int, create_time: float, token: str, poll_s: float) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(_watch(int(sys.argv[1]), float(sys.argv[2]), sys.argv[3], float(sys.argv[4])))
+  sys.exit(_watch(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], float(sys.argv[4])))

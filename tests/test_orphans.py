@@ -208,3 +208,24 @@ def test_kill_9_of_the_main_job_leaves_no_process_and_the_rerun_resumes(tmp_path
   assert (workdir / "final_metrics.json").is_file()
   # A normal exit leaves nothing either (no watchdog, no Ray, no engine).
   assert _survivors(set(), tag, within_s=10) == []
+
+
+def test_a_wall_clock_step_does_not_make_a_live_owner_look_dead(monkeypatch):
+  # A VM snapshot or an NTP step moves psutil's create_time (boot time +
+  # ticks) of every process; the watchdog identifies processes by their
+  # start ticks instead. (A step once made it kill a live run's Ray.)
+  child = subprocess.Popen(["sleep", "30"])
+  try:
+    ticks = lifecycle.start_ticks(child.pid)
+    assert ticks is not None and ticks >= lifecycle.start_ticks(os.getpid())
+    owner = lifecycle._owner(child.pid, ticks)  # pylint: disable=protected-access
+    assert owner is not None
+    real = psutil.Process.create_time
+    monkeypatch.setattr(psutil.Process, "create_time", lambda self: real(self) + 3600.0)
+    assert lifecycle._owner(child.pid, ticks) is not None  # pylint: disable=protected-access
+    assert lifecycle._same(owner)  # pylint: disable=protected-access
+    assert lifecycle._owner(child.pid, ticks + 1) is None  # pylint: disable=protected-access
+  finally:
+    child.kill()
+    child.wait()
+  assert not lifecycle._same(owner)  # pylint: disable=protected-access
