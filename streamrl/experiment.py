@@ -211,7 +211,7 @@ def run_on_actor(s: settings_lib.Settings, workdir: str) -> dict:
   try:
     processes, followers = None, None
     if n > 1:
-      processes, followers, queues = _start_processes(actors, s.cluster, workdir)
+      processes, followers, queues = _start_processes(actors, s.cluster, workdir, logs)
       refs.update(
           {
               actors[k].follow.remote(s, workdir, queues[k - 1][0], queues[k - 1][1]): k
@@ -305,14 +305,13 @@ def _get(ref, k: int, n: int, log_path: str):
     ) from None
 
 
-def _start_processes(actors, c: settings_lib.Cluster, workdir: str):
+def _start_processes(actors, c: settings_lib.Cluster, workdir: str, logs: list[str]):
   """Joins the trainer actors into one JAX runtime; returns (placement of
   each process, process 0's `Followers`, each follower's (commands, replies)
   queues)."""
   from ray.util.queue import Queue  # pylint: disable=g-import-not-at-top
 
   n = len(actors)
-  logs = [os.path.join(workdir, log_name(k, n)) for k in range(n)]
   ray.get([a.open_log.remote(workdir) for a in actors])
   coordinator = ray.get(actors[0].coordinator_address.remote())
   timeout = int(max(c.connect_timeout_s * 4, 60))
