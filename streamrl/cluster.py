@@ -372,6 +372,22 @@ def init_ray_for(c, gpus_needed: int = 0, trainer_processes: int = 1) -> Cluster
   return info
 
 
+def parse_labels(text: str) -> dict[str, str]:
+  """ "datacenter=dc1,accelerator=H20" -> {"datacenter": "dc1", "accelerator": "H20"}."""
+  out: dict[str, str] = {}
+  for part in (p.strip() for p in (text or "").split(",")):
+    if not part:
+      continue
+    key, sep, value = part.partition("=")
+    if not sep or not key.strip() or not value.strip():
+      raise ValueError(
+          f"{part!r} is not key=value; write labels as comma-separated key=value pairs, "
+          "e.g. datacenter=dc1,accelerator=H20."
+      )
+    out[key.strip()] = value.strip()
+  return out
+
+
 def check_gpus(needed: int, resources: dict) -> None:
   have = int(resources.get("GPU", 0))
   if needed > have:

@@ -246,6 +246,17 @@ class Cluster:
   trainer_processes: int = _key("cluster.trainer_processes", 1)
   connect_timeout_s: float = _key("cluster.connect_timeout_s", 30.0)
   trainer_actor: bool = _key("cluster.trainer_actor", True)
+  # Placement on a multi-node cluster (launch/cluster.py starts one on a
+  # single machine). Each generator instance takes one unit of the Ray
+  # resource `generation_pool`, each trainer process one of `training_pool`;
+  # the *_labels (comma-separated key=value, e.g. "datacenter=dc1,
+  # accelerator=H20") further restrict them to Ray nodes carrying those
+  # labels (`ray start --labels=...`). A process's datacenter is its node's
+  # `datacenter` label ("dc0" when it has none).
+  generation_pool: str = _key("cluster.generation_pool", "generation_pool")
+  training_pool: str = _key("cluster.training_pool", "training_pool")
+  generation_labels: str = _key("cluster.generation_labels", "")
+  training_labels: str = _key("cluster.training_labels", "")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -259,10 +270,44 @@ class Transfer:
   fanout: int = _key("transfer.fanout", 2)
   use_shm: bool = _key("transfer.use_shm", True)
   delta_cross_dc: bool = _key("transfer.delta_cross_dc", False)
+  # The address the publisher and receivers listen on. Beyond loopback every
+  # receiver checks a per-run shared secret before it loads anything.
+  bind: str = _key("transfer.bind", "127.0.0.1")
+  # Emulated link rates in bytes/s (0: unlimited), for tests and demos of a
+  # cross-datacenter edge on one machine.
+  cross_dc_bytes_per_s: float = _key("transfer.cross_dc_bytes_per_s", 0.0)
+  uplink_bytes_per_s: float = _key("transfer.uplink_bytes_per_s", 0.0)
 
   def service_options(self) -> dict:
     """The streamrl.transfer.TransferConfig fields."""
-    return {k: v for k, v in dataclasses.asdict(self).items() if k != "enabled"}
+    return {k: v for k, v in dataclasses.asdict(self).items() if k not in ("enabled", "bind")}
+
+
+@dataclasses.dataclass(frozen=True)
+class Elastic:
+  """Generator instances added and removed during a run
+  (streamrl/planner/elastic.py has the rule).
+
+  After each iteration the policy compares the measured generation and
+  training times: it adds an instance when generation is the slower stage by
+  more than one more instance is expected to save and the generation pool
+  has a free slot; it releases an added instance whose measured saving
+  (median over `observe_iterations` iterations) falls below `min_gain` of the
+  expected one, and one instance when training stays the slower stage even
+  without it. After a change it waits `cooldown_iterations` before adding
+  again. A dead instance is replaced when `replace_dead`. `schedule` forces
+  changes instead of the policy, e.g. "2:+1,4:-1" (after iteration 2 add
+  one, after 4 remove one): for tests and demos.
+  """
+
+  enabled: bool = _key("elastic.enabled", False)
+  min_instances: int = _key("elastic.min_instances", 1)
+  max_instances: int = _key("elastic.max_instances", 4)
+  observe_iterations: int = _key("elastic.observe_iterations", 2)
+  min_gain: float = _key("elastic.min_gain", 0.5)
+  cooldown_iterations: int = _key("elastic.cooldown_iterations", 4)
+  replace_dead: bool = _key("elastic.replace_dead", True)
+  schedule: str = _key("elastic.schedule", "")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -297,6 +342,7 @@ class Settings:
   pipeline: Pipeline = Pipeline()
   cluster: Cluster = Cluster()
   transfer: Transfer = Transfer()
+  elastic: Elastic = Elastic()
   checkpoint: Checkpoint = Checkpoint()
   log: Log = Log()
 
@@ -663,12 +709,54 @@ def validate(s: Settings, *, check_files: bool = True) -> None:
       "transfer.enabled=True sends weights to Ray generators; colocated mode has none, so "
       "set transfer.enabled=False or use sync / stream / async.",
   )
+  _need(
+      bool(tf.bind.strip()),
+      "transfer.bind is empty; use 127.0.0.1 (this machine only) or the address the "
+      "generators reach the trainer at.",
+  )
+  _positive("transfer.cross_dc_bytes_per_s", tf.cross_dc_bytes_per_s, zero_ok=True)
+  _positive("transfer.uplink_bytes_per_s", tf.uplink_bytes_per_s, zero_ok=True)
+  for key in ("cluster.generation_labels", "cluster.training_labels"):
+    from streamrl import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
+
+    value = c.generation_labels if key == "cluster.generation_labels" else c.training_labels
+    try:
+      cluster_lib.parse_labels(value)
+    except ValueError as e:
+      raise UserError(f"{key}={value!r}: {e}") from None
+  _validate_elastic(s)
   _positive("checkpoint.every", s.checkpoint.every)
   _positive("checkpoint.keep", s.checkpoint.keep)
   _positive("log.eval_every", s.log.eval_every, zero_ok=True)
 
   if check_files:
     _check_files(s)
+
+
+def _validate_elastic(s: Settings) -> None:
+  el = s.elastic
+  if not el.enabled:
+    return
+  _need(
+      s.pipeline.mode != "colocated",
+      "elastic.enabled=True adds and removes Ray generator instances; colocated mode has "
+      "one engine in the trainer's process, so use sync / stream / async or disable it.",
+  )
+  _need(
+      1 <= el.min_instances <= s.engine.num_instances <= el.max_instances,
+      f"elastic needs 1 <= elastic.min_instances ({el.min_instances}) <= "
+      f"generation.num_instances ({s.engine.num_instances}) <= elastic.max_instances "
+      f"({el.max_instances}); fix one of them.",
+  )
+  _positive("elastic.observe_iterations", el.observe_iterations)
+  _need(0 <= el.min_gain <= 1, f"elastic.min_gain={el.min_gain} must be in [0, 1].")
+  _positive("elastic.cooldown_iterations", el.cooldown_iterations, zero_ok=True)
+  from streamrl.planner import elastic as elastic_lib  # pylint: disable=g-import-not-at-top
+
+  try:
+    elastic_lib.parse_schedule(el.schedule)
+  except ValueError as e:
+    raise UserError(f"elastic.schedule={el.schedule!r}: {e}") from None
 
 
 def _check_files(s: Settings) -> None:
