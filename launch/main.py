@@ -5,6 +5,12 @@ r"""Runs one RL experiment.
 
 Running again with the same --workdir resumes from its last checkpoint.
 
+  python launch/main.py --config=configs/ppo.py --plan=plan.json --workdir=W
+
+runs a plan written by `launch/plan.py --emit=plan.json`: its overrides apply
+first, the command line's --config.* ones after (they win), and the plan file
+is copied to W/plan.json (streamrl/planner/emit.py).
+
 The terminal shows the progress bar and StreamRL's own lines; what vLLM, Ray,
 Orbax and the other libraries log goes to <workdir>/libraries.log. A mistake
 in the input (a bad config value, a missing file, a workdir that is a file,
@@ -19,6 +25,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # pylint: disable=g-import-not-at-top,wrong-import-position
+from ml_collections.config_flags import config_flags  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 from streamrl import config_utils, errors  # pylint: disable=g-import-not-at-top,wrong-import-position
 
@@ -26,11 +33,20 @@ _CONFIG = config_utils.define_config_file(
     "config", None, "Experiment config file.", lock_config=True
 )
 _WORKDIR = flags.DEFINE_string("workdir", "workdirs/default", "Logs and checkpoints go here.")
+_PLAN = flags.DEFINE_string(
+    "plan", "", "A plan file from launch/plan.py --emit; --config.* overrides win over it."
+)
 
 
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments {argv[1:]}; flags look like --name=value.")
+  config = _CONFIG.value
+  if _PLAN.value:
+    from streamrl.planner import emit  # pylint: disable=g-import-not-at-top
+
+    cli = config_flags.get_override_values(flags.FLAGS["config"])
+    config = emit.apply_plan(config, emit.load_plan(_PLAN.value), cli, path=_PLAN.value)
   # Checked before the heavy imports, so a wrong path fails at once.
   workdir = errors.check_workdir(_WORKDIR.value)
   from streamrl import metrics  # pylint: disable=g-import-not-at-top
@@ -40,7 +56,9 @@ def main(argv):
   )  # Before the heavy imports, so JAX's and vLLM's lines go to the file.
   from streamrl import experiment  # pylint: disable=g-import-not-at-top
 
-  final = experiment.run(_CONFIG.value, workdir)
+  if _PLAN.value:
+    config = emit.record_plan(_PLAN.value, workdir, config)  # validated; W/plan.json
+  final = experiment.run(config, workdir)
   print({k: round(v, 4) for k, v in final.items() if "eval" in k})
 
 

@@ -254,6 +254,8 @@ def init_ray(
     generation_slots: int = 64,
     timeout_s: float = 30.0,
     log_to_driver: bool = False,
+    generation_pool: str = GENERATION_POOL,
+    training_pool: str = TRAINING_POOL,
 ) -> ClusterInfo:
   """Starts a local Ray (address None or empty) or joins the cluster at
   `address`, and returns where things may run.
@@ -276,6 +278,8 @@ def init_ray(
   from streamrl import metrics  # pylint: disable=g-import-not-at-top
 
   metrics.adopt_library_loggers()  # Importing ray attached its console handler to "ray".
+  if address:
+    use_token_auth()
   if address and address != "auto":
     host, port = check_reachable(address, min(timeout_s, 10.0))
     if not address.startswith("ray://"):
@@ -289,13 +293,21 @@ def init_ray(
     else:
       kwargs = dict(
           num_cpus=num_cpus or generator_cpus + trainer_cpus * trainer_processes,
-          resources={GENERATION_POOL: generation_slots, TRAINING_POOL: trainer_processes},
+          resources={generation_pool: generation_slots, training_pool: trainer_processes},
           include_dashboard=False,
           log_to_driver=log_to_driver,
       )
     try:
       ray.init(**kwargs)
-    except (ConnectionError, RuntimeError) as e:
+    except Exception as e:  # pylint: disable=broad-except
+      if address and "auth" in str(e).lower():
+        raise UnreachableClusterError(
+            f"The Ray cluster at {address!r} uses token authentication and refused this "
+            "process; copy the head's ~/.ray/auth_token here (or set RAY_AUTH_TOKEN) and "
+            "run again."
+        ) from None
+      if not isinstance(e, (ConnectionError, RuntimeError)):
+        raise
       if address:
         raise UnreachableClusterError(
             f"Could not join the Ray cluster at {address!r} ({' '.join(str(e).split())[:300]}); check it "
@@ -304,10 +316,11 @@ def init_ray(
       raise ConnectionError(f"Could not start a local Ray: {e}") from e
     started_locally = not address
   resources = ray.cluster_resources()
-  if GENERATION_POOL not in resources:
+  if generation_pool not in resources:
     raise UserError(
-        f"No node of the Ray cluster at {address!r} offers {GENERATION_POOL!r}; start the "
-        f"generation nodes with `ray start --resources='{{\"{GENERATION_POOL}\": 8}}'`."
+        f"No node of the Ray cluster at {address!r} offers {generation_pool!r}; start the "
+        f"generation nodes with `ray start --resources='{{\"{generation_pool}\": 8}}'` "
+        "(or launch/cluster.py up)."
     )
   shares = plan_cpu_shares(generator_cpus, trainer_cpus) if started_locally else None
   return ClusterInfo(
@@ -360,16 +373,63 @@ def init_ray_for(c, gpus_needed: int = 0, trainer_processes: int = 1) -> Cluster
       trainer_cpus=c.trainer_cpus,
       trainer_processes=trainer_processes,
       timeout_s=c.connect_timeout_s,
+      generation_pool=c.generation_pool,
+      training_pool=c.training_pool,
   )
   check_gpus(gpus_needed, info.resources)
-  slots = int(info.resources.get(TRAINING_POOL, 0))
+  slots = int(info.resources.get(c.training_pool, 0))
   if trainer_processes > slots:
     raise UserError(
-        f"cluster.trainer_processes={trainer_processes} needs that many {TRAINING_POOL!r} "
+        f"cluster.trainer_processes={trainer_processes} needs that many {c.training_pool!r} "
         f"slots but the Ray cluster offers {slots}; start the training nodes with "
-        f"`ray start --resources='{{\"{TRAINING_POOL}\": 1}}'` or lower trainer_processes."
+        f"`ray start --resources='{{\"{c.training_pool}\": 1}}'` or lower trainer_processes."
     )
   return info
+
+
+DATACENTER_LABEL = "datacenter"
+DEFAULT_DATACENTER = "dc0"
+
+
+def where_am_i() -> dict:
+  """This process's Ray node: {"node_id", "datacenter", "labels", "host"}
+  (datacenter from the node's `datacenter` label, "dc0" without one or
+  outside Ray)."""
+  out = {"host": socket.gethostname(), "node_id": None, "labels": {}}
+  try:
+    import ray  # pylint: disable=g-import-not-at-top
+
+    if ray.is_initialized():
+      ctx = ray.get_runtime_context()
+      out["node_id"] = ctx.get_node_id()
+      labels = ctx.get_node_labels() or {}
+      out["labels"] = {k: v for k, v in labels.items() if not k.startswith("ray.io/")}
+  except Exception:  # pylint: disable=broad-except
+    pass  # Outside Ray: no node.
+  out["datacenter"] = str(out["labels"].get(DATACENTER_LABEL, DEFAULT_DATACENTER))
+  return out
+
+
+def token_available() -> bool:
+  """Whether this process can present a Ray auth token (RAY_AUTH_TOKEN,
+  RAY_AUTH_TOKEN_PATH or ~/.ray/auth_token)."""
+  if os.environ.get("RAY_AUTH_TOKEN"):
+    return True
+  path = os.environ.get("RAY_AUTH_TOKEN_PATH") or os.path.expanduser("~/.ray/auth_token")
+  return os.path.isfile(path)
+
+
+def use_token_auth() -> bool:
+  """Joining a cluster: turns on Ray's token authentication for this process
+  (RAY_AUTH_MODE=token) when a token is available and the mode is not set.
+  A cluster started with token auth (Ray's `ray start --head` default in
+  2.60) refuses a process without it; one without auth accepts it anyway."""
+  if "RAY_AUTH_MODE" in os.environ:
+    return os.environ["RAY_AUTH_MODE"] == "token"
+  if token_available():
+    os.environ["RAY_AUTH_MODE"] = "token"
+    return True
+  return False
 
 
 def parse_labels(text: str) -> dict[str, str]:

@@ -132,11 +132,11 @@ class TrainerActor:
     import jax  # pylint: disable=g-import-not-at-top
 
     return {
+        **cluster_lib.where_am_i(),
         "process_index": self.process_index,
         "pid": os.getpid(),
         "host": socket.gethostname(),
         "cores": list(self._cores),
-        "node_id": ray.get_runtime_context().get_node_id(),
         "gpu_ids": os.environ.get("CUDA_VISIBLE_DEVICES", ""),
         "devices": [str(d) for d in jax.local_devices()],
     }
@@ -171,17 +171,21 @@ def _redirect_output(path: str) -> None:
 def trainer_actor_options(c: settings_lib.Cluster) -> dict:
   """The Ray resources of one `TrainerActor`: its CPUs, its share of
   `cluster.trainer_gpus` (Ray sets its CUDA_VISIBLE_DEVICES to GPUs of its
-  own, disjoint from the generators' and the other trainer processes') and
-  the `training_pool` label."""
-  return dict(
+  own, disjoint from the generators' and the other trainer processes'), one
+  slot of `cluster.training_pool`, on a node with `cluster.training_labels`."""
+  options = dict(
       num_cpus=c.trainer_cpus,
       num_gpus=c.trainer_gpus // c.trainer_processes,
-      resources={cluster_lib.TRAINING_POOL: 1},
+      resources={c.training_pool: 1},
       # Never restarted: a second copy would resume from the checkpoint
       # while the first one's generator actors may still be alive.
       max_restarts=0,
       name=None,
   )
+  labels = cluster_lib.parse_labels(c.training_labels)
+  if labels:
+    options["label_selector"] = labels
+  return options
 
 
 def run_on_actor(s: settings_lib.Settings, workdir: str) -> dict:

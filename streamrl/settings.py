@@ -294,7 +294,8 @@ class Elastic:
   has a free slot; it releases an added instance whose measured saving
   (median over `observe_iterations` iterations) falls below `min_gain` of the
   expected one, and one instance when training stays the slower stage even
-  without it. After a change it waits `cooldown_iterations` before adding
+  without it. After an addition that did not pay it waits
+  `cooldown_iterations` (doubled for every such addition) before adding
   again. A dead instance is replaced when `replace_dead`. `schedule` forces
   changes instead of the policy, e.g. "2:+1,4:-1" (after iteration 2 add
   one, after 4 remove one): for tests and demos.
@@ -747,6 +748,11 @@ def _validate_elastic(s: Settings) -> None:
       f"elastic needs 1 <= elastic.min_instances ({el.min_instances}) <= "
       f"generation.num_instances ({s.engine.num_instances}) <= elastic.max_instances "
       f"({el.max_instances}); fix one of them.",
+  )
+  _need(
+      s.transfer.enabled,
+      "elastic.enabled=True needs transfer.enabled=True: an instance added mid-run "
+      "catches up to the current weights through the checkpoint-transfer service.",
   )
   _positive("elastic.observe_iterations", el.observe_iterations)
   _need(0 <= el.min_gain <= 1, f"elastic.min_gain={el.min_gain} must be in [0, 1].")

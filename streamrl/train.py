@@ -104,8 +104,13 @@ def evaluate(rollout, examples, tokenizer, s: settings_lib.Settings) -> dict:
   return out
 
 
+_GENERATOR_FIELDS = ("pid", "cores", "torch_threads", "gpu_ids", "node_id", "datacenter", "labels")
+
+
 def write_placement(workdir: str, placement: dict | None, rollout) -> None:
-  """Where the trainer and each generator instance run: <workdir>/placement.json."""
+  """Where the trainer and each generator instance run: <workdir>/placement.json
+  (rewritten when elastic generation changes the instances). A plan applied
+  with `launch/main.py --plan` (<workdir>/plan.json) is recorded with it."""
   placement = dict(
       placement
       or {
@@ -116,12 +121,22 @@ def write_placement(workdir: str, placement: dict | None, rollout) -> None:
           }
       }
   )
+  live = set(rollout.live_instances)
   placement["generators"] = {
-      str(i): {k: v for k, v in info.items() if k in ("pid", "cores", "torch_threads", "gpu_ids")}
+      str(i): {k: v for k, v in info.items() if k in _GENERATOR_FIELDS}
       for i, info in rollout.placement.items()
+      if i in live
   }
   if not placement["generators"]:
     placement["generators"] = {"0": {"in_trainer_process": True}}
+  retired = getattr(rollout, "retired", [])
+  if retired or rollout.dead_instances:
+    placement["removed_generators"] = [i for i, _, _ in retired]
+    placement["dead_generators"] = [d.instance_id for d in rollout.dead_instances]
+  plan_path = os.path.join(workdir, "plan.json")
+  if os.path.isfile(plan_path):
+    with open(plan_path) as f:
+      placement["plan"] = json.load(f).get("plan")
   with open(os.path.join(workdir, "placement.json"), "w") as f:
     json.dump(placement, f, indent=1, default=str)
 
@@ -258,7 +273,7 @@ def iteration_scalars(x: Iteration, timeline: Timeline, rollout) -> dict:
       "time/weight_update_s": x.weight_update_s,
       "staleness/mean": staleness.mean(),
       "staleness/max": staleness.max(),
-      "generators/live": len(rollout.live_instances),
+      "generators/instances": len(rollout.live_instances),
       "generators/dead": len(rollout.dead_instances),
   }
   if x.generated.wait_s:
@@ -327,6 +342,11 @@ def run(
     rollout.close()
     raise
   write_placement(workdir, placement, rollout)
+  elastic = None
+  if s.elastic.enabled:
+    from streamrl.generator.elastic import ElasticGeneration  # pylint: disable=g-import-not-at-top
+
+    elastic = ElasticGeneration(s.elastic, rollout, pool=s.cluster.generation_pool, workdir=workdir)
   if start:
     mode.push(trainer.export_weights(), start)
 
@@ -351,6 +371,15 @@ def run(
       )
       scalars = iteration_scalars(x, timeline, rollout)
       scalars["reward/errors_total"] = rewarder.errors
+      if elastic is not None:
+        changes = len(elastic.events)
+        scalars.update(
+            elastic.after_iteration(
+                it, x.generated.generation_s, x.training_s, mode.round_instances.pop(it, None)
+            )
+        )
+        if len(elastic.events) != changes:
+          write_placement(workdir, placement, rollout)
       if s.log.eval_every and (it + 1) % s.log.eval_every == 0 or it + 1 == num_it:
         mode.quiesce()
         ev = evaluate(rollout, eval_examples, tokenizer, s)

@@ -33,4 +33,6 @@ def make_rollout(s, model_dir: str, cluster=None, workdir: str | None = None):
       stall_timeout_s=s.pipeline.stall_timeout_s,
       transfer=s.transfer,
       log_dir=workdir,
+      placement=s.cluster,
+      max_instances=s.elastic.max_instances if s.elastic.enabled else None,
   )

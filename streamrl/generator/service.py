@@ -98,6 +98,7 @@ class GeneratorActor:
     import torch  # pylint: disable=g-import-not-at-top
 
     return {
+        **cluster_lib.where_am_i(),
         "instance_id": self._instance_id,
         "pid": os.getpid(),
         "weight_version": self._gen.weight_version,
@@ -174,7 +175,9 @@ class GeneratorActor:
 
   # -- checkpoint-transfer service (config.transfer.enabled) -----------------
 
-  def join_transfer(self, address, dc: str, schema, transfer_config: dict) -> int:
+  def join_transfer(
+      self, address, schema, transfer_config: dict, *, bind: str = "127.0.0.1", secret=None
+  ) -> int:
     """Starts this instance's transfer Receiver and joins the publisher.
 
     The receiver pulls and verifies new versions on its own threads while
@@ -190,11 +193,13 @@ class GeneratorActor:
     self._staged = None
     self._receiver = Receiver(
         f"generator{self._instance_id}",
-        dc,
+        cluster_lib.where_am_i()["datacenter"],
         self._stage,
         expected_schema=schema,
         config=TransferConfig.from_mapping(transfer_config),
         initial_version=self._gen.weight_version,
+        bind=bind,
+        secret=secret,
     )
     return self._receiver.join(tuple(address))
 
@@ -259,16 +264,27 @@ class GeneratorActor:
       time.sleep(0.05)
 
 
-def actor_options(engine: settings_lib.Engine, generator_cpus: float, num_instances: int) -> dict:
+def actor_options(
+    engine: settings_lib.Engine,
+    generator_cpus: float,
+    num_instances: int,
+    placement: settings_lib.Cluster | None = None,
+) -> dict:
   """The Ray resources of one `GeneratorActor`: its share of the generator
   CPUs, one slot of the generation pool and `engine.gpus_per_instance` GPUs
-  (Ray then sets the actor's CUDA_VISIBLE_DEVICES to GPUs of its own)."""
-  return dict(
+  (Ray then sets the actor's CUDA_VISIBLE_DEVICES to GPUs of its own), on a
+  node carrying `placement.generation_labels`."""
+  placement = placement or settings_lib.Cluster()
+  options = dict(
       num_cpus=round(generator_cpus / num_instances, 4),
       num_gpus=engine.gpus_per_instance,
-      resources={cluster_lib.GENERATION_POOL: 1},
+      resources={placement.generation_pool: 1},
       name=None,
   )
+  labels = cluster_lib.parse_labels(placement.generation_labels)
+  if labels:
+    options["label_selector"] = labels
+  return options
 
 
 @dataclasses.dataclass
@@ -316,6 +332,8 @@ class StreamGenerationService:
       num_instances: int | None = None,
       start_timeout_s: float = 600.0,
       log_dir: str | None = None,
+      placement: settings_lib.Cluster | None = None,
+      max_instances: int | None = None,
   ):
     num_instances = int(num_instances or engine.num_instances)
     if num_instances < 1:
@@ -324,93 +342,217 @@ class StreamGenerationService:
     # Samples finishing within this window reach the trainer as one object.
     self.coalesce_s = float(engine.coalesce_s)
     self.num_objects = 0  # sample batches received, over all streams
-    generator_cpus = cluster.generator_cpus
-    kwargs = local.engine_kwargs(engine, dtype=dtype, seed=seed)
-    self.num_instances = num_instances
+    self.num_instances = 0  # ids handed out so far (0..num_instances-1)
     self.placement: dict[int, dict] = {}
     self._actors = {}
     self._gpus_per_instance = engine.gpus_per_instance
-    options = actor_options(engine, generator_cpus, num_instances)
-    for i in range(num_instances):
-      if engine.gpus_per_instance:
-        # A GPU engine: its CPU threads only feed the GPUs, no core pinning.
-        cores, threads = None, None
-      else:
-        cores = (
-            cluster.shares.instance_cores(i, num_instances) if cluster.shares is not None else None
-        )
-        threads = len(cores) if cores else max(1, generator_cpus // num_instances)
-      self._actors[i] = GeneratorActor.options(**options).remote(
-          model_dir,
-          instance_id=i,
-          engine_kwargs=kwargs,
-          cores=cores,
-          num_threads=threads,
-          # GPU engines keep vLLM's own engine-core process (its busy loop
-          # overlaps scheduling with the GPU's work); CPU ones may run inline.
-          in_process=engine.in_process and not engine.gpus_per_instance,
-          log_dir=log_dir,
-      )
-    self._live = set(self._actors)
+    self._lock = threading.RLock()
+    self._live: set[int] = set()
+    self._draining: set[int] = set()  # being removed: finish their work, take no new work
+    self._runs_active = 0
+    self._retire_reasons: dict[int, str] = {}
     self._dead: list[DeadInstance] = []
+    # (instance_id, reason, time.perf_counter()) of each instance removed on purpose.
+    self.retired: list[tuple[int, str, float]] = []
     # (instance_id, start, end, num_samples) per finished stream segment, in
     # time.perf_counter() seconds of this process: the instances' busy time.
     self.busy_intervals: list[tuple[int, float, float, int]] = []
     self._versions: dict[int, int] = {}
-    self._wait_ready(start_timeout_s)
+    # What a later instance is started with (elastic generation).
+    self._model_dir, self._engine, self._cluster, self._log_dir = (
+        model_dir,
+        engine,
+        cluster,
+        log_dir,
+    )
+    self._engine_kwargs = local.engine_kwargs(engine, dtype=dtype, seed=seed)
+    # Ray's CPU bookkeeping and the core split assume the most instances the
+    # run may have at once.
+    self._slots = max(num_instances, int(max_instances or num_instances))
+    self._options = actor_options(engine, cluster.generator_cpus, self._slots, placement)
+    self._start_timeout_s = float(start_timeout_s)
+    ids = [self._start_actor() for _ in range(num_instances)]
+    self._wait_ready(ids, start_timeout_s)
     self.publisher = None
     self._transfer_joined = False
+    self._schema = None
     # (WeightsFile, its load calls) of Ray-path updates, unlinked once loaded.
     self._weight_files: list = []
     if transfer is not None and transfer.enabled:
-      from streamrl.transfer import Publisher, TransferConfig  # pylint: disable=g-import-not-at-top
+      from streamrl.transfer import Publisher, TransferConfig, new_secret  # pylint: disable=g-import-not-at-top
 
       self._transfer_config = transfer.service_options()
+      self._transfer_bind = transfer.bind
+      # Per run: every receiver checks it before loading anything.
+      self._transfer_secret = new_secret()
       self.publisher = Publisher(
           TransferConfig.from_mapping(self._transfer_config),
-          dc="dc0",
+          dc=cluster_lib.where_am_i()["datacenter"],
           start_version=min(self._versions.values(), default=0),
+          bind=transfer.bind,
+          secret=self._transfer_secret,
       )
+
+  def _start_actor(self) -> int:
+    """Starts one more GeneratorActor (not yet live); returns its id."""
+    i = self.num_instances
+    self.num_instances += 1
+    engine, cluster = self._engine, self._cluster
+    if engine.gpus_per_instance:
+      # A GPU engine: its CPU threads only feed the GPUs, no core pinning.
+      cores, threads = None, None
+    else:
+      n = self._slots
+      cores = cluster.shares.instance_cores(i % n, n) if cluster.shares is not None else None
+      threads = len(cores) if cores else max(1, cluster.generator_cpus // n)
+    self._actors[i] = GeneratorActor.options(**self._options).remote(
+        self._model_dir,
+        instance_id=i,
+        engine_kwargs=self._engine_kwargs,
+        cores=cores,
+        num_threads=threads,
+        # GPU engines keep vLLM's own engine-core process (its busy loop
+        # overlaps scheduling with the GPU's work); CPU ones may run inline.
+        in_process=engine.in_process and not engine.gpus_per_instance,
+        log_dir=self._log_dir,
+    )
+    return i
 
   # -- lifecycle --------------------------------------------------------------
 
-  def _wait_ready(self, timeout_s: float) -> None:
-    refs = {i: a.info.remote() for i, a in self._actors.items()}
-    gpus = (
-        f" and {self.num_instances} x {self._gpus_per_instance} GPUs"
-        if self._gpus_per_instance
-        else ""
-    )
+  def _wait_ready(self, ids: Sequence[int], timeout_s: float) -> None:
+    """Waits for the engines of `ids` to start; they become live. On failure
+    every one of them is stopped and the error names the first that failed."""
+    refs = {i: self._actors[i].info.remote() for i in ids}
+    gpus = f" and {len(ids)} x {self._gpus_per_instance} GPUs" if self._gpus_per_instance else ""
     try:
       infos = ray.get(list(refs.values()), timeout=timeout_s)
     except ray.exceptions.GetTimeoutError:
-      self.close()
+      self._stop(ids)
       raise TimeoutError(
           f"The generator instances did not start within {timeout_s:.0f} s; check that the "
-          f"cluster offers {self.num_instances} x {cluster_lib.GENERATION_POOL!r} and enough "
-          f"CPUs{gpus} (ray status)."
+          f"cluster offers {len(ids)} x {self._options['resources']} on nodes labelled "
+          f"{self._options.get('label_selector', {})} and enough CPUs{gpus} (ray status)."
       ) from None
     except ray.exceptions.RayActorError as e:
       bad = next((i for i, r in refs.items() if _failed(r)), "?")
-      self.close()
+      self._stop(ids)
       raise RuntimeError(
           f"Generator instance {bad} failed to start: " f"{_last_line(e.error_msg)}"
       ) from None
-    for info in infos:
-      self.placement[info["instance_id"]] = info
-      self._versions[info["instance_id"]] = info["weight_version"]
+    with self._lock:
+      for info in infos:
+        self.placement[info["instance_id"]] = info
+        self._versions[info["instance_id"]] = info["weight_version"]
+        self._live.add(info["instance_id"])
+
+  def _stop(self, ids: Sequence[int]) -> None:
+    for i in ids:
+      ray.kill(self._actors[i], no_restart=True)
 
   def close(self) -> None:
-    for a in self._actors.values():
-      ray.kill(a, no_restart=True)
-    self._live.clear()
+    self._stop(list(self._actors))
+    with self._lock:
+      self._live.clear()
+      self._draining.clear()
     self._remove_loaded_weight_files(all_files=True)
     if self.publisher is not None:
       self.publisher.close()
 
   @property
   def live_instances(self) -> list[int]:
-    return sorted(self._live)
+    """The instances that take new work (not the ones being removed)."""
+    with self._lock:
+      return sorted(self._live - self._draining)
+
+  # -- elastic generation -----------------------------------------------------
+
+  def add_instance(self, reason: str = "") -> int:
+    """Starts one more generator instance and returns its id once it can serve.
+
+    Late-joiner catch-up: through the transfer service its receiver pulls
+    and verifies the current weight version (checksums, schema) before
+    `join` returns, and the engine loads it; the instance becomes live only
+    when it reports that version. Without the transfer service it starts
+    from the model directory, so only before the first update. It takes
+    work from the next `generate` call on.
+    """
+    if self.publisher is None and max(self._versions.values(), default=0) > 0:
+      raise RuntimeError(
+          "An instance added after a weight update needs the current weights from the "
+          "checkpoint-transfer service; set transfer.enabled=True."
+      )
+    i = self._start_actor()
+    refs = [self._actors[i].info.remote()]
+    try:
+      info = ray.get(refs[0], timeout=self._start_timeout_s)
+      version = info["weight_version"]
+      if self._transfer_joined:
+        version = self._join_transfer([i])[0]
+        version = ray.get(self._actors[i].apply_staged.remote(), timeout=self._start_timeout_s)
+        want = self.publisher.latest_version
+        if version != want:
+          raise RuntimeError(f"it loaded weight version {version}, the trainer's is {want}")
+    except Exception as e:  # pylint: disable=broad-except
+      self._stop([i])
+      why = (
+          f"did not start within {self._start_timeout_s:.0f} s"
+          if isinstance(e, ray.exceptions.GetTimeoutError)
+          else _last_line(getattr(e, "error_msg", None) or str(e))
+      )
+      raise RuntimeError(f"Generator instance {i} could not join: {why}.") from None
+    with self._lock:
+      self.placement[i] = info
+      self._versions[i] = version
+      self._live.add(i)
+    log.info(
+        "Generator instance %d joined at weight version %d%s.",
+        i,
+        version,
+        f" ({reason})" if reason else "",
+    )
+    return i
+
+  def remove_instance(self, instance_id: int | None = None, reason: str = "") -> int:
+    """Takes an instance (default: the newest live one) out of service.
+
+    It takes no new work at once; the work it already has finishes and is
+    delivered (nothing is lost or re-run), then it is stopped. Returns its id.
+    """
+    with self._lock:
+      live = sorted(self._live - self._draining)
+      if len(live) <= 1:
+        raise RuntimeError("Cannot remove the last live generator instance.")
+      i = live[-1] if instance_id is None else int(instance_id)
+      if i not in live:
+        raise ValueError(f"Generator instance {i} is not live; live ones: {live}.")
+      self._draining.add(i)
+      idle = self._runs_active == 0
+    log.info("Generator instance %d is draining%s.", i, f" ({reason})" if reason else "")
+    if idle:
+      self._retire(i, reason)
+    else:
+      self._retire_reasons[i] = reason
+    return i
+
+  def _retire(self, i: int, reason: str) -> None:
+    with self._lock:
+      if i not in self._draining:
+        return
+      self._draining.discard(i)
+      self._live.discard(i)
+      self._versions.pop(i, None)
+    ray.kill(self._actors[i], no_restart=True)
+    if self.publisher is not None:
+      self.publisher.forget(f"generator{i}")
+    self.retired.append((i, reason, time.perf_counter()))
+    log.info("Generator instance %d removed%s.", i, f" ({reason})" if reason else "")
+
+  def _retire_idle_draining(self, busy: set[int] = frozenset()) -> None:
+    with self._lock:
+      ready = sorted(self._draining - set(busy))
+    for i in ready:
+      self._retire(i, self._retire_reasons.pop(i, ""))
 
   @property
   def dead_instances(self) -> list[DeadInstance]:
@@ -449,15 +591,8 @@ class StreamGenerationService:
       if not self._transfer_joined:
         from streamrl.transfer import schema_of  # pylint: disable=g-import-not-at-top
 
-        schema = schema_of(tensors.tensors() if isinstance(tensors, WeightsFile) else tensors)
-        ray.get(
-            [
-                self._actors[i].join_transfer.remote(
-                    self.publisher.address, "dc0", schema, self._transfer_config
-                )
-                for i in self._live
-            ]
-        )
+        self._schema = schema_of(tensors.tensors() if isinstance(tensors, WeightsFile) else tensors)
+        self._join_transfer(sorted(self._live))
         self._transfer_joined = True
       # A WeightsFile (a multi-process trainer's export) becomes the payload as it is.
       self.publisher.publish(tensors, version)
@@ -465,6 +600,22 @@ class StreamGenerationService:
           version, delivered=lambda t: self._await_acks(version, t), loaded=self._apply_staged
       )
     return self._update_through_ray(tensors, version, shared_file=self._on_one_host())
+
+  def _join_transfer(self, ids: Sequence[int]) -> list[int]:
+    """Each instance in `ids` starts its receiver, registers with the
+    publisher and pulls (verified) the latest version; returns their versions."""
+    return ray.get(
+        [
+            self._actors[i].join_transfer.remote(
+                self.publisher.address,
+                self._schema,
+                self._transfer_config,
+                bind=self._transfer_bind,
+                secret=self._transfer_secret,
+            )
+            for i in ids
+        ]
+    )
 
   def _update_through_ray(
       self, tensors: Mapping[str, np.ndarray], version: int, *, shared_file: bool
@@ -476,13 +627,13 @@ class StreamGenerationService:
     if shared_file:
       calls = {
           i: self._actors[i].update_weights_from_file.remote(weights.path, version)
-          for i in self._live
+          for i in sorted(self._live)
       }
       self._weight_files.append((weights, list(calls.values())))
     else:
       ref = ray.put(weights.tensors())
       weights.unlink()
-      calls = {i: self._actors[i].update_weights.remote(ref, version) for i in self._live}
+      calls = {i: self._actors[i].update_weights.remote(ref, version) for i in sorted(self._live)}
     # Ray runs the load before any later stream on each actor: nothing to deliver.
     return UpdateHandle(
         version, delivered=lambda t: None, loaded=lambda t: self._finish_update(calls, t)
@@ -514,7 +665,7 @@ class StreamGenerationService:
       )
 
   def _apply_staged(self, timeout_s: float | None) -> dict[int, int]:
-    calls = {i: self._actors[i].apply_staged.remote() for i in self._live}
+    calls = {i: self._actors[i].apply_staged.remote() for i in sorted(self._live)}
     return self._finish_update(calls, timeout_s)
 
   def _finish_update(self, calls: dict, timeout_s: float | None) -> dict[int, int]:
@@ -590,7 +741,7 @@ class StreamGenerationService:
       if requests is None:
         raise ValueError("generate needs requests or assignments.")
       reqs = [(int(rid), ids) for rid, ids in requests]
-      live = sorted(self._live)
+      live = self.live_instances
       plan = {i: [] for i in range(self.num_instances)}
       for k, req in enumerate(reqs):
         plan[live[k % len(live)]].append(req)
@@ -609,9 +760,10 @@ class StreamGenerationService:
     if assignments is not None and requests is not None:
       if sorted(int(r) for r, _ in requests) != sorted(ids):
         raise ValueError("assignments must hold exactly the given requests, each once.")
-    # Work planned for instances that are already dead goes to the live ones.
+    # Work planned for instances that are dead or removed goes to the live ones.
+    live = set(self.live_instances)
     orphans = []
-    for i in [i for i in plan if i not in self._live]:
+    for i in [i for i in plan if i not in live]:
       orphans.extend(plan.pop(i))
     self._spread(orphans, plan)
     return plan
@@ -619,7 +771,7 @@ class StreamGenerationService:
   def _spread(self, reqs: list, plan: dict[int, list]) -> None:
     """Round-robin over the live instances, keeping the given order (LPT
     order stays descending inside each instance)."""
-    live = sorted(self._live)
+    live = self.live_instances
     for k, req in enumerate(reqs):
       plan.setdefault(live[k % len(live)], []).append(req)
 
@@ -651,13 +803,19 @@ class StreamGenerationService:
       if st.num_samples:
         self.busy_intervals.append((st.instance_id, st.started, st.last_sample, st.num_samples))
 
+    def drained(i: int) -> None:
+      """A removed instance whose work is all delivered stops now."""
+      if i in self._draining and not queued.get(i) and not undelivered.get(i):
+        if not any(s.instance_id == i for s in active.values()):
+          self._retire(i, self._retire_reasons.pop(i, ""))
+
     def fail_over(i: int, reason: str) -> None:
       for gen in [g for g, s in active.items() if s.instance_id == i]:
         end(gen)
       leftover = list(undelivered.pop(i, {}).values())
       queued.pop(i, None)
       self._mark_dead(i, reason, len(leftover))
-      if not self._live:
+      if not self.live_instances:
         raise RuntimeError(self._all_dead_message(len(leftover)))
       moved: dict[int, list] = {}
       self._spread(leftover, moved)
@@ -666,6 +824,8 @@ class StreamGenerationService:
         undelivered[j].update((rid, (rid, ids)) for rid, ids in reqs)
         start(j)
 
+    with self._lock:
+      self._runs_active += 1
     try:
       for i in list(queued):
         start(i)
@@ -703,6 +863,7 @@ class StreamGenerationService:
               )
               queued[i].append(list(undelivered[i].values()))
             start(i)
+            drained(i)
             continue
           except ray.exceptions.RayActorError as e:
             fail_over(i, _last_line(e.error_msg))
@@ -728,14 +889,25 @@ class StreamGenerationService:
         except Exception:  # pylint: disable=broad-except
           pass  # Already finished or its actor is gone.
         end(gen)
+      with self._lock:
+        self._runs_active -= 1
+        last = self._runs_active == 0
+      if last:
+        self._retire_idle_draining()
 
   # -- faults -----------------------------------------------------------------
 
   def _mark_dead(self, i: int, reason: str, requeued: int) -> None:
-    if i not in self._live:
-      return
-    self._live.discard(i)
-    self._versions.pop(i, None)
+    with self._lock:
+      if i not in self._live:
+        return
+      self._live.discard(i)
+      self._draining.discard(i)
+      self._versions.pop(i, None)
+      if not self._live - self._draining and self._draining:
+        # The last instance taking work died: keep the ones being removed.
+        log.warning("Keeping generator instances %s: the last live one died.", self._draining)
+        self._draining.clear()
     # An actor that is only unreachable could come back and produce samples
     # that were already re-run elsewhere: make sure it is gone.
     ray.kill(self._actors[i], no_restart=True)

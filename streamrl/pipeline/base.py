@@ -70,6 +70,7 @@ class Mode:
     self.seed = seed
     self.group_size = group_size
     self.mini_batch_size = mini_batch_size
+    self.round_instances: dict[int, int] = {}  # iteration -> instances its round was planned for
     self.round: Round | None = None  # the round whose chunks are being released
     self.generated: Generated | None = None  # the last round's, once chunks() ended
 
@@ -78,9 +79,20 @@ class Mode:
 
   def generate_round(self, rnd: Round) -> Iterator[Sample]:
     """Streams one round's samples, dispatched by the generation scheduler."""
+    # The instances taking work now (elastic generation changes them between rounds).
+    live = list(self.rollout.live_instances)
+    self.round_instances[rnd.it] = len(live)
     assignments, caps = self.scheduler.plan(
-        rnd.requests, rnd.examples_by_id, seed=self.seed + rnd.it
+        rnd.requests, rnd.examples_by_id, seed=self.seed + rnd.it, num_instances=len(live)
     )
+    if assignments is not None:
+      # One list (and cap) per instance id; none for the ones not taking work.
+      full, full_caps = [[] for _ in range(self.rollout.num_instances)], [None] * (
+          self.rollout.num_instances
+      )
+      for i, part, cap in zip(live, assignments, caps):
+        full[i], full_caps[i] = part, cap
+      assignments, caps = full, full_caps
     return self.rollout.generate(
         None if assignments else rnd.requests,
         local.sampling_for(self.sampling, self.seed, rnd.it),

@@ -12,7 +12,7 @@ current instance count, so a new unit is judged after it has taken effect.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -184,9 +184,10 @@ class ElasticPolicy:
     pool has a free slot;
   - release one when T_train > T_gen * x / (x - 1) (still training-bound
     without it) and x > min.
-  Every look uses the medians of the last `observe` iterations that ran with
-  the current count (the first iteration after a change is skipped: the new
-  instance joined mid-way or its engine was warming up).
+  Every look uses the medians of the last `observe` iterations whose round
+  ran with the current count (`StageTimes.instances`): in async mode the
+  round after a change was generated ahead, with the old count, and is
+  ignored.
   """
 
   def __init__(
@@ -208,7 +209,6 @@ class ElasticPolicy:
     self.cooldown = int(cooldown_iterations)
     self.schedule = parse_schedule(schedule) if isinstance(schedule, str) else dict(schedule or {})
     self._since_change: list[StageTimes] = []
-    self._skip = 0  # iterations still to skip after a change
     self._before: list[StageTimes] = []  # the window before the last addition
     self._trial = False  # the last change was an addition not judged yet
     self._no_add_until = -1
@@ -236,7 +236,6 @@ class ElasticPolicy:
       self._trial = False
     self.instances += delta
     self._since_change = []
-    self._skip = 1
     d = Decision(t.iteration, delta, self.instances, reason)
     self.decisions.append(d)
     return d
@@ -245,7 +244,7 @@ class ElasticPolicy:
     """The count changed outside the policy (e.g. an instance died, unreplaced)."""
     if n != self.instances:
       self.instances = int(n)
-      self._since_change, self._skip, self._trial = [], 1, False
+      self._since_change, self._trial = [], False
 
   def decide(self, t: StageTimes, free_slots: int = 1 << 30) -> Decision:
     keep = Decision(t.iteration, 0, self.instances, "")
@@ -259,8 +258,8 @@ class ElasticPolicy:
       if delta:
         return self._change(t, delta, f"scheduled {delta:+d} after iteration {t.iteration}")
       return keep
-    if self._skip:
-      self._skip -= 1
+    if t.instances != self.instances:
+      # Served by the count before the last change (async generates ahead).
       return keep
     self._since_change.append(t)
     window = self._since_change[-self.observe :]
@@ -305,3 +304,90 @@ class ElasticPolicy:
           f"instance fewer ({gen * x / (x - 1):.3f} s)",
       )
     return keep
+
+
+# ------------------------------------------- the same rule in the simulator
+FreeSlots = int | Callable[[int, int], int]
+
+
+def stage_times(stats: IterationStats) -> StageTimes:
+  """What a real run would measure for a simulated iteration: generation from the
+  round's start to its last sample, training = the trainer's busy time."""
+  return StageTimes(
+      iteration=int(stats.index),
+      instances=int(stats.num_instances),
+      generation_s=float(stats.gen_time),
+      training_s=float(stats.train_busy),
+  )
+
+
+class PolicyController:
+  """`simulate` controller that applies an ElasticPolicy with a real run's timing.
+
+  The engine calls `iteration_finished(stats)` the moment iteration `it`
+  finishes training; the policy then decides on `stage_times(stats)` (what
+  streamrl/train.py measures after `it`). The engine calls the controller
+  itself when a generation round starts, and the round runs on the policy's
+  count at that moment: a decision after `it` applies to the first round that
+  starts after it (round it + 1 in sync, stream and colocated modes; in async
+  mode, where round it + 1 usually starts while `it` still trains, the first
+  round starting later, it + 1 + max_staleness at the latest). The simulated
+  instance joins its round at the start, with no start-up time, and a removed
+  one is gone by the round's start (it drained the previous round).
+
+  Args:
+    policy: a fresh ElasticPolicy (its start_instances is round 0's count).
+    free_slots: the generation pool's free slots the policy is told, an int
+      or free_slots(iteration, instances) -> int, called at each decision with
+      the iteration just finished and the instances running then.
+  Attributes:
+    looks: every Decision `decide` returned, in order (delta 0 included).
+    decisions: the changes (the policy's `decisions`); simulate() copies them
+      into SimResult.decisions.
+    instances: {round: instances it ran on}.
+    applied: {iteration of a change: first round run on its count}, None for
+      changes after the last round started.
+  """
+
+  def __init__(self, policy: ElasticPolicy, free_slots: FreeSlots = 1 << 30):
+    self.policy = policy
+    self.free_slots = free_slots
+    self.looks: list[Decision] = []
+    self.instances: dict[int, int] = {}
+    self.applied: dict[int, int | None] = {}
+    self._seen: set[int] = set()
+
+  @property
+  def decisions(self) -> tuple[Decision, ...]:
+    return tuple(self.policy.decisions)
+
+  def _free(self, iteration: int) -> int:
+    if callable(self.free_slots):
+      return int(self.free_slots(iteration, self.policy.instances))
+    return int(self.free_slots)
+
+  def iteration_finished(self, stats: IterationStats) -> None:
+    if stats.index in self._seen:
+      return
+    self._seen.add(stats.index)
+    d = self.policy.decide(stage_times(stats), self._free(stats.index))
+    self.looks.append(d)
+    if d.delta:
+      self.applied[d.iteration] = None
+
+  def __call__(self, j: int, finished: Sequence[IterationStats]) -> int:
+    # An engine without the `iteration_finished` hook: decide now, in order.
+    for s in finished:
+      self.iteration_finished(s)
+    for it, first in self.applied.items():
+      if first is None:
+        self.applied[it] = j
+    n = self.policy.instances
+    self.instances[j] = n
+    return n
+
+
+def policy_controller(policy: ElasticPolicy, free_slots: FreeSlots = 1 << 30) -> PolicyController:
+  """simulate(config, controller=policy_controller(policy)) runs `policy`'s
+  decisions on the simulated stage times (see PolicyController)."""
+  return PolicyController(policy, free_slots)

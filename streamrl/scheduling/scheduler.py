@@ -74,8 +74,10 @@ class GenerationScheduler:
         rcfg = config_utils.load_config(sched.ranker_config)
         self.ranker = RankerTrainer(rcfg, vocab_size=vocab, tokenizer_fingerprint=fp)
 
-  def plan(self, requests, examples_by_id, seed: int):
-    """-> (assignments, caps) for the backend; (None, None) means round-robin."""
+  def plan(self, requests, examples_by_id, seed: int, num_instances: int | None = None):
+    """-> (assignments, caps), one per instance, for `num_instances` instances
+    (default: the count given at construction); (None, None) means round-robin."""
+    num_instances = int(num_instances or self.num_instances)
     if self.kind == "fifo":
       return None, None
     prompts = [list(ids) for _, ids in requests]
@@ -96,7 +98,7 @@ class GenerationScheduler:
     plan = plan_generation(
         self.kind,
         num_prompts=len(requests),
-        num_instances=self.num_instances,
+        num_instances=num_instances,
         max_batch_size=self.max_batch_size,
         profile=self.profile,
         predicted_lengths=predicted,

@@ -17,7 +17,7 @@ from streamrl.sim.costs import (
     weight_transfer_seconds,
 )
 from streamrl.sim.best_split import best_split_makespan
-from streamrl.sim.calibrate import from_measured, predict_local_throughput
+from streamrl.sim.calibrate import from_measured, predict_elastic_throughput, predict_local_throughput
 from streamrl.sim.engine import (
     MODES,
     SCHEDULERS,
@@ -57,6 +57,7 @@ __all__ = [
     "get_model",
     "paper_calibration",
     "paper_lengths",
+    "predict_elastic_throughput",
     "predict_local_throughput",
     "simulate",
     "simulate_generation",

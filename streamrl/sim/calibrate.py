@@ -13,7 +13,9 @@ Inputs the lead produces from real runs:
     all for the whole trainer as it ran (the simulator gives it one "GPU");
   * the output (and prompt) lengths of the measured run.
 `predict_local_throughput` then simulates the measured run's shape and
-returns the predicted samples/s per mode, to compare with the benchmark.
+returns the predicted samples/s per mode, to compare with the benchmark;
+`predict_elastic_throughput` does the same for a run whose generator count
+changes under streamrl.planner.elastic.ElasticPolicy.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -132,4 +134,133 @@ def predict_local_throughput(
       "iteration_s": r.mean_iteration_s,
       "gen_s": float(np.mean([s.gen_time for s in its])),
       "train_s": float(np.mean([s.train_busy for s in its])),
+  }
+
+
+def predict_elastic_throughput(
+    profile_json,
+    trainer_json,
+    mode: str,
+    *,
+    output_lens: Sequence[int] | None,
+    prompt_lens: Sequence[int] | Sequence[Sequence[int]] | int,
+    batch_size: int,
+    policy_kwargs: Mapping[str, Any] | None = None,
+    gen_cores: int | None = None,
+    max_in_flight: int | None = None,
+    num_minibatches: int = 1,
+    transfer_s: float = 0.0,
+    iterations: int = 12,
+    warmup: int = 1,
+    seed: int = 0,
+    output_lens_per_iteration: Sequence[Sequence[int]] | None = None,
+    free_slots: int | Callable[[int, int], int] = 1 << 30,
+    scheduler: str = "fifo",
+    ranker_sigma: float = 0.0,
+) -> dict:
+  """Predicted throughput of a local run whose generators scale elastically.
+
+  The measured run's shape as in `predict_local_throughput`, with an
+  ElasticPolicy(**policy_kwargs) deciding after every iteration on the
+  simulated stage times (streamrl.planner.elastic.PolicyController: same rule,
+  same inputs and timing as streamrl/train.py).
+
+  Args:
+    profile_json, trainer_json, mode, batch_size, max_in_flight,
+      num_minibatches, transfer_s, scheduler, ranker_sigma, seed: as in
+      predict_local_throughput.
+    output_lens: lengths observed in the measured run, resampled every
+      iteration; or None with `output_lens_per_iteration`: iteration j
+      resamples output_lens_per_iteration[j] (one list per iteration, at
+      least `iterations` of them).
+    prompt_lens: an int (every prompt), one list paired with the output
+      lengths, or with output_lens_per_iteration one list per iteration.
+    policy_kwargs: ElasticPolicy keywords (start_instances, min_instances,
+      max_instances, observe_iterations, min_gain, cooldown_iterations,
+      schedule); start_instances defaults to 1.
+    gen_cores: cores the generator instances share (SimConfig.gen_cores);
+      None = each instance has its own.
+    iterations: simulated iterations; warmup: the first `warmup` of them are
+      not measured (0 <= warmup < iterations).
+    free_slots: what the policy is told about the pool, an int or
+      free_slots(iteration, instances) -> int.
+  Returns:
+    samples_per_s: batch_size * (iterations - warmup) / the summed iteration
+      times of iterations warmup .. iterations - 1, where an iteration's time
+      runs from the previous iteration's training end (the run's start for
+      iteration 0) to its own training end -- total samples over summed
+      iteration time of the measured iterations, as the real bench counts.
+    measured_iterations: [warmup, iterations).
+    iteration_s, gen_s, train_s, instances: per iteration (all of them,
+      warm-up included): iteration time as above, generation (round start ->
+      last sample), trainer busy time, generator instances of the round.
+    mean_instances: mean of `instances` over the measured iterations.
+    decisions: the policy's changes, dicts {iteration, delta, instances,
+      reason, first_round} (first_round: the first generation round that ran
+      on the new count; None if none started after the decision).
+  """
+  from streamrl.planner.elastic import ElasticPolicy, policy_controller
+
+  if not 0 <= warmup < iterations:
+    raise ValueError(
+        f"need 0 <= warmup < iterations, got warmup={warmup}, iterations={iterations}."
+    )
+  gen, train = from_measured(profile_json, trainer_json, max_num_seqs=max_in_flight or 256)
+  if output_lens_per_iteration is not None:
+    if len(output_lens_per_iteration) < iterations:
+      raise ValueError(
+          f"got {len(output_lens_per_iteration)} output-length lists for {iterations} "
+          "iterations; give one per iteration."
+      )
+    per_it_prompts = not np.isscalar(prompt_lens) and np.ndim(prompt_lens[0]) > 0
+    lengths = tuple(
+        from_lengths(o, prompt_lens[j] if per_it_prompts else prompt_lens)
+        for j, o in enumerate(output_lens_per_iteration[:iterations])
+    )
+  elif output_lens is None:
+    raise ValueError("give output_lens or output_lens_per_iteration.")
+  else:
+    lengths = from_lengths(output_lens, prompt_lens)
+  kwargs = {"start_instances": 1, **dict(policy_kwargs or {})}
+  policy = ElasticPolicy(**kwargs)
+  ctl = policy_controller(policy, free_slots)
+  cfg = SimConfig(
+      mode=mode,
+      gen=gen,
+      num_instances=policy.instances,
+      train=train,
+      num_train_gpus=1,
+      lengths=lengths,
+      batch_size=batch_size,
+      num_minibatches=num_minibatches,
+      iterations=iterations,
+      warmup=warmup,
+      scheduler=scheduler,
+      ranker_sigma=ranker_sigma,
+      transfer_s=transfer_s,
+      seed=seed,
+      gen_cores=gen_cores,
+  )
+  r = simulate(cfg, controller=ctl)
+  ends = np.asarray([s.train_end for s in r.iterations])
+  span = ends[-1] - (ends[warmup - 1] if warmup > 0 else 0.0)
+  inst = list(r.instances)
+  return {
+      "samples_per_s": float(batch_size * (iterations - warmup) / span),
+      "measured_iterations": [warmup, iterations],
+      "iteration_s": np.diff(np.concatenate([[0.0], ends])).tolist(),
+      "gen_s": [float(s.gen_time) for s in r.iterations],
+      "train_s": [float(s.train_busy) for s in r.iterations],
+      "instances": inst,
+      "mean_instances": float(np.mean(inst[warmup:])),
+      "decisions": [
+          {
+              "iteration": d.iteration,
+              "delta": d.delta,
+              "instances": d.instances,
+              "reason": d.reason,
+              "first_round": ctl.applied.get(d.iteration),
+          }
+          for d in r.decisions
+      ],
   }

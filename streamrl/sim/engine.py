@@ -28,6 +28,29 @@ Modes (all iterations draw fresh lengths from one seeded stream):
   async:  like stream, but generation of iteration j runs with the weights of
           iteration j - 1 - max_staleness (one-step off-policy by default), so
           it overlaps training of the previous iteration.
+
+Shared cores (`SimConfig.gen_cores`). None: every instance has hardware of its
+own. An int: the instances share that many cores (one machine's generation
+pool); while m > gen_cores instances are decoding, each runs m / gen_cores
+times slower (its prefill and decode costs scale by that factor). m counts the
+instances of the current round that still have work, so an instance that has
+emptied its queue hands its share to the others (their pending events are
+moved to the new speed). Generation throughput then saturates at gen_cores
+instances instead of growing with every instance added.
+
+Controllers (elastic scaling). `simulate(config, controller=c)` calls
+c(j, finished) when generation round j starts and runs the round on the count
+it returns; `finished` holds every iteration whose training ended before that
+moment. In sync, stream and colocated modes round j starts after iteration
+j - 1 finished training (and the weight transfer), so a decision after j - 1
+applies to round j. In async mode round j starts once round j - 1 is
+generated and iteration j - 1 - max_staleness is trained, usually before
+iteration j - 1 finishes training: a decision after iteration `it` then
+applies to the first round that starts after it, round it + 1 + max_staleness
+at the latest. A controller may also have a method `iteration_finished(stats)`:
+the engine calls it the moment each iteration finishes training (before it
+schedules the next round), which is when a real run decides, so decisions
+after the last rounds have started are seen too.
 """
 
 from __future__ import annotations
@@ -83,6 +106,11 @@ class SimConfig:
     transfer_s: weight transfer (or colocated reshard) seconds per update.
     max_staleness: async only; generation j uses weights of j-1-max_staleness.
     seed: all randomness derives from it.
+    gen_cores: cores the generator instances share (one machine's generation
+      pool), in units of what one instance uses alone (pool cores / threads
+      per instance); None = each instance has its own hardware. With more
+      instances decoding than that, each one's costs scale by
+      instances / gen_cores.
   """
 
   mode: str
@@ -103,6 +131,7 @@ class SimConfig:
   transfer_s: float = 0.0
   max_staleness: int = 1
   seed: int = 0
+  gen_cores: int | None = None
 
   def __post_init__(self):
     if self.mode not in MODES:
@@ -113,6 +142,10 @@ class SimConfig:
       raise ValueError("need at least one generator instance and one trainer GPU.")
     if self.batch_size < 1 or self.iterations < 1 or self.num_minibatches < 1:
       raise ValueError("batch_size, iterations and num_minibatches must be >= 1.")
+    if self.gen_cores is not None and not (
+        isinstance(self.gen_cores, (int, np.integer)) and self.gen_cores >= 1
+    ):
+      raise ValueError(f"gen_cores must be None or an int >= 1, got {self.gen_cores!r}.")
     if isinstance(self.lengths, (tuple, list)) and len(self.lengths) < self.iterations:
       raise ValueError(
           f"got {len(self.lengths)} length distributions for {self.iterations} iterations; "
@@ -157,6 +190,9 @@ class SimResult:
     trainer time over the measured span; bubbles are 1 - util.
   skew_bubble: mean fraction of instance-time idle inside generation phases
     (instances that finished early while others still decode).
+  instances: [iterations] generator instances each generation round ran on.
+  decisions: the controller's `decisions` attribute after the run (e.g. the
+    ElasticPolicy changes of planner.elastic.PolicyController); () without.
   """
 
   config: SimConfig
@@ -169,6 +205,8 @@ class SimResult:
   preemptions: int
   events: int
   wall_s: float
+  instances: tuple[int, ...] = ()
+  decisions: tuple = ()
 
   @property
   def gen_bubble(self) -> float:
@@ -212,6 +250,9 @@ class _Instance:
       "active",
       "start_t",
       "done_t",
+      "ev_t",
+      "ev_kind",
+      "ev_k",
   )
 
   def __init__(self, idx: int):
@@ -223,8 +264,17 @@ class _Instance:
 class _GenPhase:
   """All generator instances during one iteration's generation."""
 
-  def __init__(self, gen: GenCostModel, push: Callable, on_finish: Callable, on_done: Callable):
+  def __init__(
+      self,
+      gen: GenCostModel,
+      push: Callable,
+      on_finish: Callable,
+      on_done: Callable,
+      cores: int | None = None,
+  ):
     self.gen = gen
+    self.cores = cores
+    self.scale = 1.0  # cost factor of time-sharing `cores` (1: no sharing)
     self.push = push
     self.on_finish = on_finish
     self.on_done = on_done
@@ -251,6 +301,7 @@ class _GenPhase:
     self.finish_k = [-1] * len(self.ctx0)
     self.running = [False] * len(self.ctx0)
     self.n_active = 0
+    self.scale = self._scale(sum(1 for q in queues if len(q)))
     for inst, q, cap in zip(self.instances[:n], queues, caps):
       inst.t, inst.k, inst.S, inst.B, inst.R = t, 0, 0.0, 0, 0.0
       inst.heap, inst.stack = [], []
@@ -269,6 +320,24 @@ class _GenPhase:
     self.num_used = n
     if self.n_active == 0:
       self.on_done(t)
+
+  def _scale(self, active: int) -> float:
+    if self.cores is None or active <= self.cores:
+      return 1.0
+    return active / self.cores
+
+  def _reshare(self, t: float) -> None:
+    """The number of decoding instances changed at t: move pending events to the new speed."""
+    scale = self._scale(self.n_active)
+    if scale == self.scale:
+      return
+    ratio = scale / self.scale
+    self.scale = scale
+    for inst in self.instances[: self.num_used]:
+      if inst.active and inst.B > 0:
+        inst.ev_t = t + (inst.ev_t - t) * ratio
+        inst.version += 1
+        self.push(inst.ev_t, _EV_INSTANCE, inst.idx, (inst.version, inst.ev_kind, inst.ev_k))
 
   def _admit(self, inst: _Instance) -> None:
     prefill = 0
@@ -300,7 +369,10 @@ class _GenPhase:
       inst.R += need + self.reserve
       inst.B += 1
       prefill += ctx0[sid]
-    inst.t += prefill * self.gen.prefill_s_per_token
+    if self.scale == 1.0:
+      inst.t += prefill * self.gen.prefill_s_per_token
+    else:
+      inst.t += prefill * self.gen.prefill_s_per_token * self.scale
 
   def _schedule(self, inst: _Instance) -> None:
     if inst.B == 0:
@@ -319,8 +391,12 @@ class _GenPhase:
       kind, n = _FINISH, n_fin
     else:
       kind, n = _KV_FULL, n_kv
-    t_ev = inst.t + self.gen.decode_time(inst.B, inst.S, n)
+    if self.scale == 1.0:
+      t_ev = inst.t + self.gen.decode_time(inst.B, inst.S, n)
+    else:
+      t_ev = inst.t + self.gen.decode_time(inst.B, inst.S, n) * self.scale
     inst.version += 1
+    inst.ev_t, inst.ev_kind, inst.ev_k = t_ev, kind, inst.k + n
     self.push(t_ev, _EV_INSTANCE, inst.idx, (inst.version, kind, inst.k + n))
 
   def handle(self, t: float, idx: int, payload) -> None:
@@ -378,6 +454,8 @@ class _GenPhase:
       self.n_active -= 1
       if self.n_active == 0:
         self.on_done(t)
+      elif self.cores is not None:
+        self._reshare(t)
       return
     if inst.B == 0:
       self._admit(inst)
@@ -426,6 +504,8 @@ def _mix(seed: int, *xs: int) -> int:
   return int(np.random.default_rng([seed, *xs]).integers(0, 2**31 - 1))
 
 
+# controller(j, finished_iterations) -> generator instances for round j; see the
+# module doc for when it is called, and for the optional `iteration_finished`.
 Controller = Callable[[int, Sequence[IterationStats]], int]
 
 
@@ -434,10 +514,13 @@ class _Simulation:
   def __init__(self, config: SimConfig, controller: Controller | None):
     self.c = config
     self.controller = controller
+    self.on_iteration = getattr(controller, "iteration_finished", None)
     self.heap: list = []
     self.seq = 0
     self.events = 0
-    self.gen = _GenPhase(config.gen, self._push, self._on_sample, self._on_gen_done)
+    self.gen = _GenPhase(
+        config.gen, self._push, self._on_sample, self._on_gen_done, config.gen_cores
+    )
     k = config.iterations
     self.gen_start = [math.nan] * k
     self.gen_end = [math.nan] * k
@@ -596,6 +679,8 @@ class _Simulation:
                 prompt_lens=prompt,
             )
         )
+        if self.on_iteration is not None:
+          self.on_iteration(self.stats[-1])
         # Free per-iteration buffers that are no longer needed.
         self.fwd_s.pop(j, None)
         self.upd_s.pop(j, None)
@@ -613,7 +698,8 @@ def simulate(config: SimConfig, controller: Controller | None = None) -> SimResu
   """Runs `config.iterations` iterations and returns throughput and stage statistics.
 
   controller(j, finished_iterations) -> number of generator instances for
-  iteration j (elastic scaling); None keeps config.num_instances.
+  iteration j (elastic scaling); None keeps config.num_instances. See the
+  module doc for when it is called in each mode.
   """
   t0 = time.perf_counter()
   sim = _Simulation(config, controller)
@@ -651,6 +737,8 @@ def simulate(config: SimConfig, controller: Controller | None = None) -> SimResu
       preemptions=sim.gen.preemptions,
       events=sim.events,
       wall_s=wall,
+      instances=tuple(int(n) for n in sim.n_inst),
+      decisions=tuple(getattr(controller, "decisions", ())),
   )
 
 
@@ -680,11 +768,13 @@ def simulate_generation(
     latency_model: str = "paper",
     queues: Sequence[Sequence[int]] | None = None,
     caps: Sequence[int] | None = None,
+    cores: int | None = None,
 ) -> GenResult:
   """Generation of one batch on `num_instances` instances (no trainer).
 
   `queues`/`caps` bypass the scheduler (explicit per-instance admission order
   and batch caps); otherwise the scheduler is "fifo" or "skew" as in SimConfig.
+  `cores`: as SimConfig.gen_cores (the instances share that many cores).
   """
   prompt = np.asarray(prompt_lens, dtype=np.int64)
   out = np.asarray(output_lens, dtype=np.int64)
@@ -692,6 +782,8 @@ def simulate_generation(
     raise ValueError("give one prompt length per output length, and at least one sample.")
   if np.any(out <= 0) or np.any(prompt <= 0):
     raise ValueError("prompt and output lengths must be positive.")
+  if cores is not None and cores < 1:
+    raise ValueError(f"cores must be None or >= 1, got {cores}.")
   if queues is None:
     cfg_like = _GenOnly(
         gen=gen,
@@ -721,7 +813,7 @@ def simulate_generation(
   def on_done(t):
     done[0] = t
 
-  phase = _GenPhase(gen, push, on_finish, on_done)
+  phase = _GenPhase(gen, push, on_finish, on_done, cores)
   phase.start(0.0, prompt, out, queues, caps)
   events = 0
   while heap:

@@ -6,6 +6,11 @@ pins), delta (XOR+zlib chunk deltas), transports (framing, rate limits, TCP
 and shared-memory data planes), topology (broadcast/relay plan, one receiving
 receiver per host), service (Publisher, Receiver).
 
+Security: a node that listens beyond loopback needs the run's shared secret
+(``new_secret()``, passed as ``secret=`` to the Publisher and every
+Receiver); with it every request is authenticated and every version's
+manifest is signed (transports.py).
+
 Host path (what runs here): the trainer's lazy export is written once into a
 /dev/shm file, every host receives it once (same host: nothing; other hosts:
 one TCP stream into a staging file), and the engines load that file in
@@ -49,8 +54,10 @@ from streamrl.transfer.service import (
     spawn_receiver,
 )
 from streamrl.transfer.topology import ReceiverInfo, TreeNode, plan_direct, plan_topology
+from streamrl.transfer.transports import AuthenticationError, new_secret
 
 __all__ = [
+    "AuthenticationError",
     "ChecksumError",
     "Manifest",
     "Pin",
@@ -66,6 +73,7 @@ __all__ = [
     "WeightsFile",
     "check_schema",
     "default_config",
+    "new_secret",
     "plan_direct",
     "plan_topology",
     "schema_of",

@@ -162,6 +162,7 @@ class Payload:
     self._cond = threading.Condition()
     self._tensors: Optional[VersionTensors] = None
     self.delta_cache: dict[int, list] = {}  # base version -> per-chunk (encoding, bytes|None)
+    self.tag: Optional[bytes] = None  # the publisher's manifest tag, once known (with a secret)
 
   @property
   def version(self) -> int:
@@ -215,6 +216,21 @@ class Payload:
       self.checksums[i] = value
       self._ready += 1
       self._cond.notify_all()
+
+  def set_tag(self, tag: bytes) -> None:
+    """The publisher's tag of the complete manifest (computed there, checked here first)."""
+    with self._cond:
+      self.tag = bytes(tag)
+      self._cond.notify_all()
+
+  def wait_tag(self, timeout: float) -> bytes:
+    """Blocks until the tag is known; TransferError on failure or timeout."""
+    with self._cond:
+      if not self._cond.wait_for(lambda: self.tag is not None or self._error is not None, timeout):
+        raise TransferError(f"timed out waiting for the tag of version {self.version}")
+      if self.tag is None:
+        raise TransferError(f"upstream transfer of version {self.version} failed: {self._error}")
+      return self.tag
 
   def fail(self, reason: str) -> None:
     """Marks the transfer failed: everyone streaming from this payload aborts."""

@@ -39,15 +39,36 @@ version it holds and the publisher still has it with the same layout, chunks
 go as XOR deltas (delta.py), each checked against the full chunk's
 checksum after reconstruction. Local links always carry full chunks.
 
+Datacenters: shared memory is used only between nodes with the same host
+label AND the same datacenter label. Bytes between datacenters always
+travel over TCP, through the cross-datacenter rate limiter
+(``cross_dc_bytes_per_s``) and delta encoding, even when both ends are on
+one machine: a test or benchmark on one host emulates a real cross-datacenter
+edge by giving receivers another ``dc``. The plan still sends one copy per
+version over that edge, to the remote datacenter's relay, which fans out
+there (its same-host receivers map its staging file).
+
+Authentication (``secret``, transports.py): a node that listens beyond
+loopback must be given the run's shared secret (``new_secret()``; ValueError
+otherwise). With it every connection is authenticated both ways with
+HMAC-SHA256 challenge-response over fresh nonces, a request that fails is
+refused with an error frame before it is acted on (stats ``auth_refused``:
+no data, no registration), the publisher signs each version's complete
+manifest (every chunk's checksum), relays pass that tag on unchanged, and a
+receiver verifies it before it calls ``load_fn`` or hands the version on
+as complete. A wrong-secret source therefore fails the attempt (``last_error``
+says authentication) and the receiver keeps its old version. Without a
+secret (loopback only) the service behaves exactly as it did without one.
+
 Memory: one copy per host. The publisher writes each version once, tensor by
 tensor (a lazy mapping is read one parameter at a time), into a
-shared-memory file; receivers on its host map that file, and on every other
-host one receiver receives into a staging file of its own which that host's
-other receivers map (topology.py). Files are recycled between versions under
-the rules in payload.py (pins keep a file someone still reads from being
-rewritten), and a receiver that knows its schema faults its staging memory
-in at ``join``: on this VM, first touching 1 GB of fresh memory costs more
-than moving it. Every file is unlinked on ``close`` (and by the resource
+shared-memory file; receivers on its host (and in its datacenter) map that
+file, and on every other host one receiver receives into a staging file of
+its own which that host's other receivers map (topology.py). Files are
+recycled between versions under the rules in payload.py (pins keep a file
+someone still reads from being rewritten), and a receiver that knows its
+schema faults its staging memory in at ``join``: on this VM, first touching
+1 GB of fresh memory costs more than moving it. Every file is unlinked on ``close`` (and by the resource
 tracker if its process dies).
 
 Where the data plane could be a GPU path (NCCL / CUDA IPC), see transports.py.
@@ -57,6 +78,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import hmac
 import logging
 import multiprocessing
 import os
@@ -98,17 +120,26 @@ from streamrl.transfer.payload import (
 from streamrl.transfer.topology import Address, ReceiverInfo, TreeNode, plan_direct, plan_topology
 from streamrl.transfer.transports import (
     PLANES,
+    AuthenticationError,
     Link,
     RateLimiter,
+    Session,
+    check_secret,
     choose_plane,
     connect,
-    recv_json,
+    manifest_tag,
     send_error,
-    send_json,
 )
 
 log = logging.getLogger(__name__)
 LoadFn = Callable[[Mapping[str, np.ndarray], int], Any]
+
+
+def _peer(sock: socket.socket) -> str:
+  try:
+    return ":".join(str(x) for x in sock.getpeername()[:2])
+  except OSError:
+    return "?"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,9 +200,17 @@ class _Node:
   """Listening socket, per-connection threads and link limiters shared by Publisher and Receiver."""
 
   def __init__(
-      self, name: str, dc: str, host: Optional[str], config: TransferConfig, bind: str, port: int
+      self,
+      name: str,
+      dc: str,
+      host: Optional[str],
+      config: TransferConfig,
+      bind: str,
+      port: int,
+      secret: Optional[bytes],
   ):
     self.name, self.dc, self.config = name, dc, config
+    self._secret = check_secret(secret, bind, f"{type(self).__name__} {name!r}")
     self.host = host if host is not None else socket.gethostname()
     self._listener = socket.create_server((bind, port))
     self._listener.settimeout(0.25)
@@ -199,8 +238,16 @@ class _Node:
 
   @property
   def stats(self) -> dict[str, int]:
+    """Counters: streams served (served_tcp/shm/local/cross_dc), bytes per kind of link,
+    auth_refused (requests refused for want of the secret), ...; with an emulated link rate,
+    what its limiter let through (``<link>_limited_bytes``) and slept (``<link>_limited_ms``)."""
     with self._stats_lock:
-      return dict(self._stats)
+      out = dict(self._stats)
+    for link, lim in (("uplink", self._uplink), ("cross_dc", self._wan)):
+      if lim is not None:
+        out[f"{link}_limited_bytes"] = lim.consumed
+        out[f"{link}_limited_ms"] = int(lim.waited_s * 1000)
+    return out
 
   def _count(self, key: str, n: int = 1) -> None:
     with self._stats_lock:
@@ -232,8 +279,14 @@ class _Node:
     try:
       self._track(conn)
       conn.settimeout(self.config.io_timeout_s)
-      req = recv_json(conn)
-      self._dispatch(conn, req)
+      try:
+        session, req = Session.accept(conn, self._secret)
+      except AuthenticationError as e:
+        self._count("auth_refused")
+        log.warning("%s: refused a request from %s: %s", self.name, _peer(conn), e)
+        send_error(conn, str(e), auth=True)
+        return
+      self._dispatch(session, req)
     except (OSError, TransferError, ValueError, KeyError, TypeError) as e:
       log.debug("%s: connection ended: %r", self.name, e)  # peers come and go; they retry
     except Exception:  # a bug must not take the server down with it
@@ -242,8 +295,22 @@ class _Node:
     finally:
       self._untrack(conn)
 
-  def _dispatch(self, conn: socket.socket, req: dict) -> None:
+  def _dispatch(self, session: Session, req: dict) -> None:
+    """Acts on an (authenticated) request; replies go through ``session.reply``."""
     raise NotImplementedError
+
+  def _request(
+      self, address: Address, msg: dict, reply: bool = True, timeout: Optional[float] = None
+  ) -> Optional[dict]:
+    """One request to another node (authenticated with our secret); its reply if ``reply``.
+
+    timeout: for each read (default: connect_timeout_s, as for a short control exchange).
+    """
+    with connect(address, self.config.connect_timeout_s) as sock:
+      if timeout is not None:
+        sock.settimeout(timeout)
+      session = Session.request(sock, self._secret, msg)
+      return session.recv_reply() if reply else None
 
   def close(self) -> None:
     """Stops serving and cuts every open connection (peers see the connection drop)."""
@@ -269,10 +336,11 @@ class _Node:
     return tuple(lims)
 
   def _serve(
-      self, conn: socket.socket, payload: Payload, req: dict, delta_base: Optional[Payload]
+      self, session: Session, payload: Payload, req: dict, delta_base: Optional[Payload]
   ) -> None:
     """Streams ``payload`` to a client (after a get request)."""
-    plane, fields = choose_plane(payload, req, self.host, self.config.use_shm)
+    conn = session.sock
+    plane, fields = choose_plane(payload, req, self.host, self.dc, self.config.use_shm)
     if plane.name != "tcp":
       delta_base = None
     link = Link(
@@ -281,14 +349,14 @@ class _Node:
         self.config.delta_level,
         self._executor,
         self.config.io_timeout_s,
+        signed=self._secret is not None,
     )
     where = "local" if req.get("dc") == self.dc else "cross_dc"
     self._count(f"served_{plane.name}")  # streams started (bytes are counted when a stream ends)
     self._count(f"served_{where}")
     payload.open_stream()  # before the header: the payload's buffer must not be recycled under us
     try:
-      send_json(
-          conn,
+      session.reply(
           {
               "status": "ok",
               "plane": plane.name,
@@ -315,9 +383,7 @@ class _Node:
         "children": [c.to_json() for c in child.children],
     }
     try:
-      with connect(child.info.address, self.config.connect_timeout_s) as sock:
-        send_json(sock, msg)
-        recv_json(sock)
+      self._request(child.info.address, msg)
     except (OSError, TransferError) as e:
       log.info(
           "%s: receiver %s unreachable (%r); announcing to its children directly",
@@ -359,6 +425,10 @@ class Publisher(_Node):
   dc/host: this node's datacenter and host labels. start_version: the
   version the generators start with (a publish gets start_version + 1, ...).
   expected_schema: if given, publish refuses tensors that do not match it.
+  secret: the run's shared secret (``new_secret()``; the same bytes for every
+  Receiver): required to bind beyond loopback (ValueError otherwise). With it
+  every request is authenticated and every version's manifest is signed
+  (transports.py); without it (loopback only) nothing is.
   """
 
   def __init__(
@@ -372,8 +442,9 @@ class Publisher(_Node):
       port: int = 0,
       start_version: int = 0,
       expected_schema: Optional[SchemaLike] = None,
+      secret: Optional[bytes] = None,
   ):
-    super().__init__(name, dc, host, config or TransferConfig(), bind, port)
+    super().__init__(name, dc, host, config or TransferConfig(), bind, port, secret)
     self._cond = threading.Condition()
     self._versions: dict[int, Payload] = {}
     self._accepted = self._next = start_version  # highest version number a publish has claimed
@@ -494,6 +565,8 @@ class Publisher(_Node):
         values = fill_payload(tensors, manifest, payload.buf)
       for i, value in enumerate(values):
         payload.add_written(i, value)
+      if self._secret is not None:  # servers send it at the end of each stream; relays pass it on
+        payload.set_tag(manifest_tag(self._secret, payload.full_manifest))
       if tensors is not None:
         self._add_copied(v, manifest.total_bytes)
     except BaseException as e:
@@ -599,17 +672,17 @@ class Publisher(_Node):
           for p in self._peers.values()
       )
 
-  def _dispatch(self, conn, req):
+  def _dispatch(self, session, req):
     op = req.get("op")
     if op == "get":
-      self._handle_get(conn, req)
+      self._handle_get(session, req)
     elif op == "register":
       info = ReceiverInfo.from_json(req["info"])
       with self._cond:
         self._peers[info.name] = _Peer(info, acked=int(req.get("version", -1)))
         self._cond.notify_all()
         latest = max(self._versions, default=-1)
-      send_json(conn, {"latest": latest})
+      session.reply({"latest": latest})
     elif op == "ack":
       with self._cond:
         p = self._peers.get(req["name"])
@@ -632,23 +705,23 @@ class Publisher(_Node):
       if p is not None and not self._ping(p.info.address):
         self._on_unreachable(p.info)
     elif op == "ping":
-      send_json(
-          conn,
+      session.reply(
           {
               "ok": True,
               "version": self.latest_version,
               "host": self.host,
+              "dc": self.dc,
               "shm": self.config.use_shm and shm_available(),
           },
       )
 
-  def _handle_get(self, conn, req):
+  def _handle_get(self, session, req):
     want = int(req.get("want", 0))
     with self._cond:
       payload = self._newest()
       base = self._versions.get(req.get("base")) if isinstance(req.get("base"), int) else None
     if payload is None or payload.version < want:
-      send_json(conn, {"status": "notfound", "latest": self.latest_version})
+      session.reply({"status": "notfound", "latest": self.latest_version})
       return
     use_delta = (
         self.config.delta_cross_dc
@@ -658,13 +731,11 @@ class Publisher(_Node):
         and base.version < payload.version
         and base.manifest.layout == payload.manifest.layout
     )
-    self._serve(conn, payload, req, base if use_delta else None)
+    self._serve(session, payload, req, base if use_delta else None)
 
   def _ping(self, address: Address) -> bool:
     try:
-      with connect(address, self.config.connect_timeout_s) as sock:
-        send_json(sock, {"op": "ping"})
-        recv_json(sock)
+      self._request(address, {"op": "ping"})
       return True
     except (OSError, TransferError):
       return False
@@ -673,6 +744,15 @@ class Publisher(_Node):
     with self._cond:
       p = self._peers.get(info.name)
       if p is not None and p.info.address == info.address:
+        p.alive = False
+        self._cond.notify_all()
+
+  def forget(self, name: str) -> None:
+    """A receiver that left on purpose (its generator was removed): no
+    version waits for its ack any more, and no tree routes through it."""
+    with self._cond:
+      p = self._peers.get(name)
+      if p is not None:
         p.alive = False
         self._cond.notify_all()
 
@@ -708,7 +788,11 @@ class Receiver(_Node):
   ``payload.Pin`` on ``.path`` until done, or copy them.
   expected_schema: the model's tensor specs (TensorSpecs or {name: (shape, dtype)});
   a version that differs is refused. initial_version: what the generator serves now.
-  host: host label (same label as the publisher -> shared memory).
+  host: host label (same label and same datacenter as the sender -> shared memory).
+  secret: the run's shared secret, the publisher's bytes: required to bind
+  beyond loopback. With it every request this node makes or serves is
+  authenticated (its announces to its children too) and a version whose
+  manifest tag does not verify is never loaded.
   The server starts at construction; call ``join`` before serving prompts.
   """
 
@@ -724,8 +808,9 @@ class Receiver(_Node):
       initial_version: int = 0,
       bind: str = "127.0.0.1",
       port: int = 0,
+      secret: Optional[bytes] = None,
   ):
-    super().__init__(name, dc, host, config or TransferConfig(), bind, port)
+    super().__init__(name, dc, host, config or TransferConfig(), bind, port, secret)
     self.load_fn = load_fn
     self._expected = as_schema(expected_schema) if expected_schema is not None else None
     self._cond = threading.Condition()
@@ -768,11 +853,13 @@ class Receiver(_Node):
     not be delivered.
     """
     self._publisher = tuple(publisher)
-    with connect(self._publisher, self.config.connect_timeout_s) as sock:
-      sock.settimeout(self.config.io_timeout_s)
-      send_json(sock, {"op": "ping"})
-      hello = recv_json(sock)
-    shm = self.config.use_shm and hello.get("shm") and hello.get("host") == self.host
+    hello = self._request(self._publisher, {"op": "ping"}, timeout=self.config.io_timeout_s)
+    shm = (
+        self.config.use_shm
+        and hello.get("shm")
+        and hello.get("host") == self.host
+        and hello.get("dc") == self.dc
+    )
     if self._expected is not None and not shm and self._spare is None:
       # Versions may land in our own staging file: fault it in now, before we serve, rather
       # than while the first version streams in (first-touching 1 GB costs seconds on a busy VM).
@@ -780,10 +867,12 @@ class Receiver(_Node):
       np.frombuffer(spare.buf, np.uint8).fill(0)
       with self._cond:
         self._spare = spare
-    with connect(self._publisher, self.config.connect_timeout_s) as sock:
-      sock.settimeout(self.config.io_timeout_s)
-      send_json(sock, {"op": "register", "info": self.info.to_json(), "version": self._version})
-      latest = int(recv_json(sock)["latest"])
+    reply = self._request(
+        self._publisher,
+        {"op": "register", "info": self.info.to_json(), "version": self._version},
+        timeout=self.config.io_timeout_s,
+    )
+    latest = int(reply["latest"])
     with self._cond:
       if latest > self._target:
         self._target, self._source = latest, self._publisher
@@ -830,16 +919,16 @@ class Receiver(_Node):
         seg.unlink()
 
   # -- server side
-  def _dispatch(self, conn, req):
+  def _dispatch(self, session, req):
     op = req.get("op")
     if op == "announce":
-      self._handle_announce(conn, req)
+      self._handle_announce(session, req)
     elif op == "get":
-      self._handle_get(conn, req)
+      self._handle_get(session, req)
     elif op == "ping":
-      send_json(conn, {"ok": True, "version": self._version})
+      session.reply({"ok": True, "version": self._version})
 
-  def _handle_announce(self, conn, req):
+  def _handle_announce(self, session, req):
     v = int(req["version"])
     source, publisher = tuple(req["source"]), tuple(req["publisher"])
     children = tuple(TreeNode.from_json(c) for c in req.get("children", ()))
@@ -850,11 +939,11 @@ class Receiver(_Node):
         self._target, self._source = v, source
         self._gave_up.pop(v, None)
         self._cond.notify_all()
-    send_json(conn, {"ok": True})
+    session.reply({"ok": True})
     if children:
       self._announce_all(children, v, publisher)
 
-  def _handle_get(self, conn, req):
+  def _handle_get(self, session, req):
     want = int(req.get("want", 0))
     deadline = time.monotonic() + self.config.io_timeout_s
     with self._cond:
@@ -872,9 +961,9 @@ class Receiver(_Node):
           break
         self._cond.wait(remaining)
     if not cands:
-      send_json(conn, {"status": "notfound", "latest": self._version})
+      session.reply({"status": "notfound", "latest": self._version})
       return
-    self._serve(conn, max(cands, key=lambda p: p.version), req, delta_base=None)
+    self._serve(session, max(cands, key=lambda p: p.version), req, delta_base=None)
 
   def _on_unreachable(self, info: ReceiverInfo) -> None:
     self._tell_publisher({"op": "suspect", "name": info.name})
@@ -884,10 +973,9 @@ class Receiver(_Node):
     if self._publisher is None:
       return
     try:
-      with connect(self._publisher, self.config.connect_timeout_s) as sock:
-        send_json(sock, msg)
-    except OSError:
-      pass
+      self._request(self._publisher, msg, reply=False)
+    except (OSError, TransferError) as e:
+      log.debug("%s: could not tell the publisher %s: %r", self.name, msg.get("op"), e)
 
   def _fetch_loop(self) -> None:
     while True:
@@ -955,8 +1043,9 @@ class Receiver(_Node):
     try:
       sock.settimeout(self.config.io_timeout_s)
       base = self._current
-      send_json(
+      session = Session.request(
           sock,
+          self._secret,
           {
               "op": "get",
               "want": want,
@@ -967,7 +1056,7 @@ class Receiver(_Node):
               "base": base.version if base is not None else None,
           },
       )
-      header = recv_json(sock)
+      header = session.recv_reply()
       if header.get("status") != "ok":
         return self._version
       manifest = Manifest.from_json(header["manifest"])
@@ -986,13 +1075,20 @@ class Receiver(_Node):
       with self._cond:
         self._inflight = payload
         self._cond.notify_all()
-      n = plane.fill(
+      n, tag = plane.fill(
           sock,
           header,
           payload,
           base if header.get("base") is not None else None,
           self.config.io_timeout_s,
       )
+      if self._secret is not None:  # before anything is loaded or passed on as complete
+        if not hmac.compare_digest(tag, manifest_tag(self._secret, payload.full_manifest)):
+          raise AuthenticationError(
+              f"authentication failed: version {manifest.version} from {src[0]}:{src[1]} does not "
+              "carry a valid tag of this run's secret; not loaded"
+          )
+        payload.set_tag(tag)  # our children get the publisher's tag, unchanged
       self._count("bytes_received", n)
       copied = manifest.total_bytes if plane.copies else 0
       self._count("bytes_copied", copied)
@@ -1126,14 +1222,18 @@ def spawn_receiver(
     config: Optional[TransferConfig] = None,
     host: Optional[str] = None,
     initial_version: int = 0,
+    bind: str = "127.0.0.1",
+    secret: Optional[bytes] = None,
 ) -> multiprocessing.Process:
   """Starts a Receiver in a fresh ``spawn`` process that joins ``publisher`` and serves until
   terminated (``terminate()`` closes it cleanly, files included) or killed.
 
   load_fn must be a module-level function (the child imports it by name);
-  the schema and config travel as plain lists/dicts. The child exits when
-  its parent dies.
+  the schema and config travel as plain lists/dicts, the secret over the
+  process's own spawn pipe (never over the transfer network). The child
+  exits when its parent dies.
   """
+  check_secret(secret, bind, f"receiver {name!r}")  # fail here, not in the child
   schema = (
       None
       if expected_schema is None
@@ -1145,13 +1245,14 @@ def spawn_receiver(
       name=f"receiver-{name}",
       daemon=True,
       args=(name, dc, load_fn, list(publisher), schema, cfg, host, initial_version, os.getpid()),
+      kwargs={"bind": bind, "secret": secret},
   )
   proc.start()
   return proc
 
 
 def _receiver_main(
-    name, dc, load_fn, publisher, schema, cfg, host, initial_version, parent_pid
+    name, dc, load_fn, publisher, schema, cfg, host, initial_version, parent_pid, bind, secret
 ) -> None:
   logging.basicConfig(level=logging.WARNING)
   # SIGTERM (Process.terminate) closes the receiver, which removes its files from /dev/shm;
@@ -1166,6 +1267,8 @@ def _receiver_main(
       config=TransferConfig(**cfg),
       host=host,
       initial_version=initial_version,
+      bind=bind,
+      secret=secret,
   )
   try:
     r.join(tuple(publisher))

@@ -1,12 +1,17 @@
 """Who sends a version to whom: a pure function of the receivers' labels.
 
 Plan (``plan_topology``), rooted at the sender:
-- receivers on the sender's own host (same ``host`` label, shared memory
-  enabled) hang directly off the sender: the shared-memory path writes the
-  payload once and every local receiver maps it, so fan-out costs nothing;
-- with shared memory on, every other host receives once: its first receiver
-  by name (the host's head) is in the tree, and the host's other receivers
-  hang directly off their head and map its staging file;
+- receivers on the sender's own host and in its datacenter (same ``host``
+  and ``dc`` labels, shared memory enabled) hang directly off the sender:
+  the shared-memory path writes the payload once and every local receiver
+  maps it, so fan-out costs nothing;
+- with shared memory on, every other host receives once per datacenter: its
+  first receiver by name (the host's head) is in the tree, and the host's
+  other receivers of that datacenter hang directly off their head and map
+  its staging file. Hosts are grouped inside a datacenter only: a host label
+  that appears in two datacenters counts as two machines, and bytes between
+  them go over TCP (transports.py), which is how one machine emulates a
+  cross-datacenter edge;
 - the other heads of the sender's datacenter form a ``fanout``-ary tree
   under the sender (breadth-first, so depth is log_fanout(n)); every node
   forwards each verified chunk as soon as it has it, so depth adds one chunk
@@ -34,8 +39,9 @@ Address = tuple[str, int]
 class ReceiverInfo:
   """A receiver as the planner sees it.
 
-  dc: datacenter label (from the config). host: host label; equal labels mean
-  the same machine (shared-memory eligible). address: where its server listens.
+  dc: datacenter label (from the config). host: host label; equal labels in
+  the same datacenter mean the same machine (shared-memory eligible); in two
+  datacenters they do not. address: where its server listens.
   """
 
   name: str
@@ -125,8 +131,9 @@ def plan_topology(
 
   receivers: everyone to deliver to (any order; the plan sorts by name).
   sender_host: the sender's host label when the shared-memory path is on,
-  else None (then receivers are not grouped by host). Returns the root (the sender) of a tree that contains every
-  receiver exactly once.
+  else None (then receivers are not grouped by host); only receivers of
+  sender_dc on that host hang off the sender as same-host ones. Returns the
+  root (the sender) of a tree that contains every receiver exactly once.
   """
   _check(receivers, fanout)
   by_dc: dict[str, list[ReceiverInfo]] = {}

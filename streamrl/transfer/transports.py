@@ -11,22 +11,43 @@ Why TCP + shared memory (and not Ray's object store):
   the network, which is exactly what we refuse to do, and adds nothing a
   socket does not do here.
 - Same-host fast path: the sender writes the payload into a POSIX
-  shared-memory file once; a receiver on the same host label (the sender's,
-  or the first receiver of a remote host, whose staging is such a file too)
-  gets only a small control message over TCP, maps the file read-only and
+  shared-memory file once; a receiver with the same host label and the same
+  datacenter label (the sender's host, or the first receiver of a remote
+  host, whose staging is such a file too) gets only a small control message
+  over TCP, maps the file read-only and
   verifies every chunk's checksum in place as soon as the sender reports it
   written (R frames), so verification overlaps the sender's copy. Four
   receivers then cost one copy plus four checksum passes instead of four
   copies through the kernel, and their engines load that one file.
 - A TCP receiver receives each chunk straight into its staging file: the
   received bytes are the safetensors file its engines load.
+- Datacenters: bytes between two datacenters always travel over TCP, even
+  when both ends carry the same host label, so they go through the
+  cross-datacenter rate limiter and delta encoding. One machine can thus
+  emulate a real cross-datacenter edge (a publisher in dc0 and receivers in
+  dc1, all on one host).
+
+Authentication (``Session``, ``manifest_tag``): nodes started with a shared
+per-run secret (``new_secret()``) authenticate every connection with a
+challenge-response (HMAC-SHA256 over fresh nonces from both ends and the
+message), so neither a request nor a reply of a captured exchange is
+accepted on another connection; a node refuses unauthenticated requests
+before acting on them. The publisher also signs each version's complete
+manifest (every chunk's checksum); relays forward that tag unchanged in the
+end frame and every receiver checks it before it loads anything. A node
+that listens beyond loopback must have a secret (``check_secret``). Without
+a secret (loopback only) the wire is exactly the unauthenticated one. The
+per-chunk checksum is XXH3-64, not a cryptographic hash: the tag proves the
+checksums came from a holder of the secret, and the per-connection MACs
+keep other parties out of the exchange, but bytes are not MACed one by one.
 
 Frames: 1-byte kind + 8-byte big-endian body length, then the body.
   J  JSON control message (requests, replies, the response header with the manifest)
   C  chunk: 4-byte index + 1-byte encoding (delta.RAW / XOR_ZLIB / XOR_SPARSE) + 8-byte checksum
      (manifest.checksum) of the (reconstructed) chunk + data
   R  shared-memory chunk ready: 4-byte index + 8-byte checksum (the bytes are in the file)
-  E  end of payload
+  E  end of payload; body: the version's manifest tag (32 bytes) when the nodes share a
+     secret, else empty
   X  error: JSON {"reason": ...}; the peer aborts this transfer
 
 Where a GPU path plugs in: a ``DataPlane`` subclass (say ``"nccl"``) whose
@@ -45,7 +66,11 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import hashlib
+import hmac
+import ipaddress
 import json
+import secrets
 import socket
 import struct
 import threading
@@ -116,22 +141,198 @@ def _read_json_body(sock: socket.socket, n: int) -> dict:
   return obj
 
 
+class AuthenticationError(TransferError):
+  """A peer could not prove it holds the run's transfer secret (or did not try)."""
+
+
 def recv_json(sock: socket.socket) -> dict:
-  """Next frame as JSON; TransferError if the peer sent an error frame or something else."""
+  """Next frame as JSON; TransferError if the peer sent an error frame or something else
+  (AuthenticationError if it refused to serve us for want of the secret)."""
   kind, n = recv_frame_header(sock)
   if kind == b"X":
-    raise TransferError(f"peer error: {_read_json_body(sock, n).get('reason')}")
+    body = _read_json_body(sock, n)
+    error = AuthenticationError if body.get("auth") else TransferError
+    raise error(f"peer error: {body.get('reason')}")
   if kind != b"J":
     raise TransferError(f"expected a control frame, got {kind!r}")
   return _read_json_body(sock, n)
 
 
-def send_error(sock: socket.socket, reason: str) -> None:
-  """Best effort: tell the peer why we abort (it may already be gone)."""
+def send_error(sock: socket.socket, reason: str, auth: bool = False) -> None:
+  """Best effort: tell the peer why we abort (it may already be gone); ``auth``: we refused
+  its request as unauthenticated."""
   try:
-    send_json(sock, {"reason": reason}, kind=b"X")
+    send_json(sock, {"reason": reason, **({"auth": True} if auth else {})}, kind=b"X")
   except OSError:
     pass
+
+
+# ---------------------------------------------------------------- authentication
+
+
+NONCE_BYTES = 16
+MIN_SECRET_BYTES = 16
+_LOOPBACK_NAMES = ("localhost",)
+
+
+def new_secret() -> bytes:
+  """A fresh per-run transfer secret: give the same bytes to the Publisher and every Receiver."""
+  return secrets.token_bytes(32)
+
+
+def is_loopback(bind: str) -> bool:
+  """True for addresses only this machine can reach: 127.x.x.x, ::1, localhost."""
+  if bind.lower() in _LOOPBACK_NAMES:
+    return True
+  try:
+    addr = ipaddress.ip_address(bind)
+  except ValueError:
+    return False  # a host name, "", ...: it may resolve to an outside interface
+  mapped = getattr(addr, "ipv4_mapped", None)
+  return addr.is_loopback or (mapped is not None and mapped.is_loopback)
+
+
+def check_secret(secret: Optional[bytes], bind: str, who: str) -> Optional[bytes]:
+  """The secret a node at ``bind`` runs with; ValueError if unusable, or missing off loopback."""
+  if secret is not None:
+    if not isinstance(secret, (bytes, bytearray)) or len(secret) < MIN_SECRET_BYTES:
+      raise ValueError(
+          f"{who}: secret must be at least {MIN_SECRET_BYTES} bytes; "
+          "pass streamrl.transfer.new_secret() (the same bytes to every node of the run)."
+      )
+    return bytes(secret)
+  if not is_loopback(bind):
+    raise ValueError(
+        f"{who} binds to {bind!r}, which other machines can reach, so it needs "
+        "secret=streamrl.transfer.new_secret() (the same bytes for the Publisher and every "
+        "Receiver of the run), or bind='127.0.0.1'."
+    )
+  return None
+
+
+def _canonical(obj: dict) -> bytes:
+  return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
+
+
+def _mac(secret: bytes, label: bytes, first: bytes, second: bytes, obj: dict) -> str:
+  """HMAC-SHA256 (hex) of a message: label, the two nonces (fixed length), canonical JSON."""
+  msg = b"streamrl-transfer/" + label + b"\0" + first + second + _canonical(obj)
+  return hmac.new(secret, msg, hashlib.sha256).hexdigest()
+
+
+def _nonce(obj: dict) -> bytes:
+  try:
+    nonce = bytes.fromhex(obj.get("nonce", ""))
+  except (TypeError, ValueError):
+    nonce = b""
+  if len(nonce) != NONCE_BYTES:
+    raise AuthenticationError("authentication failed: the handshake carries no valid nonce")
+  return nonce
+
+
+def _check_mac(
+    secret: bytes, label: bytes, first: bytes, second: bytes, obj: dict, what: str
+) -> None:
+  """Removes ``obj``'s "mac" and checks it against the rest; AuthenticationError if it differs."""
+  got = obj.pop("mac", None)
+  want = _mac(secret, label, first, second, obj)
+  if not isinstance(got, str) or not hmac.compare_digest(got.encode(), want.encode()):
+    raise AuthenticationError(f"authentication failed: {what}")
+
+
+def manifest_tag(secret: bytes, manifest: Manifest) -> bytes:
+  """HMAC-SHA256 of a complete manifest (version, layout, every chunk's checksum).
+
+  The publisher computes it once a version is written; relays pass it on
+  unchanged in the end frame, and a receiver loads nothing whose tag does not match.
+  """
+  msg = b"streamrl-transfer/manifest\0" + _canonical(manifest.to_json())
+  return hmac.new(secret, msg, hashlib.sha256).digest()
+
+
+class Session:
+  """One connection's request and reply, authenticated when the node has a secret.
+
+  Without a secret the wire is the plain one: the request frame, then the reply.
+  With one (mutual, per connection, nothing replayable):
+    client -> server  {"op": "hello", "nonce": Nc}
+    server -> client  {"nonce": Ns}
+    client -> server  request + "mac": HMAC(secret, "request" | Ns | Nc | request)
+    server -> client  reply + "mac": HMAC(secret, "reply" | Nc | Ns | reply)
+  Both nonces are fresh random bytes, so a captured exchange proves nothing
+  on another connection; the server refuses a request whose mac is wrong
+  before acting on it, and the client believes no reply whose mac is wrong.
+  A request without a reply (ack, nack, suspect) is authenticated the same way.
+  """
+
+  def __init__(
+      self, sock: socket.socket, secret: Optional[bytes], client_nonce=b"", server_nonce=b""
+  ):
+    self.sock, self.secret = sock, secret
+    self._nc, self._ns = client_nonce, server_nonce
+
+  @classmethod
+  def accept(cls, sock: socket.socket, secret: Optional[bytes]) -> tuple["Session", dict]:
+    """Server side: (session, the verified request). AuthenticationError if it is not authentic."""
+    if secret is None:
+      return cls(sock, None), recv_json(sock)
+    hello = recv_json(sock)
+    if hello.get("op") != "hello":
+      raise AuthenticationError(
+          "authentication required: this node serves only requests signed with the run's "
+          "transfer secret"
+      )
+    nc, ns = _nonce(hello), secrets.token_bytes(NONCE_BYTES)
+    send_json(sock, {"nonce": ns.hex()})
+    req = recv_json(sock)
+    _check_mac(
+        secret,
+        b"request",
+        ns,
+        nc,
+        req,
+        "the request is not signed with this node's transfer secret",
+    )
+    return cls(sock, secret, nc, ns), req
+
+  @classmethod
+  def request(cls, sock: socket.socket, secret: Optional[bytes], obj: dict) -> "Session":
+    """Client side: sends ``obj`` (after the handshake when there is a secret)."""
+    if secret is None:
+      send_json(sock, obj)
+      return cls(sock, None)
+    nc = secrets.token_bytes(NONCE_BYTES)
+    send_json(sock, {"op": "hello", "nonce": nc.hex()})
+    try:
+      ns = _nonce(recv_json(sock))
+    except AuthenticationError:
+      raise
+    except TransferError as e:
+      raise AuthenticationError(
+          f"authentication handshake failed ({e}); does the peer run with this run's secret?"
+      ) from None
+    send_json(sock, {**obj, "mac": _mac(secret, b"request", ns, nc, obj)})
+    return cls(sock, secret, nc, ns)
+
+  def reply(self, obj: dict) -> None:
+    """Server side: the reply to the request, signed when there is a secret."""
+    if self.secret is not None:
+      obj = {**obj, "mac": _mac(self.secret, b"reply", self._nc, self._ns, obj)}
+    send_json(self.sock, obj)
+
+  def recv_reply(self) -> dict:
+    """Client side: the server's reply; AuthenticationError unless it proves the secret."""
+    obj = recv_json(self.sock)
+    if self.secret is not None:
+      _check_mac(
+          self.secret,
+          b"reply",
+          self._nc,
+          self._ns,
+          obj,
+          "the peer cannot prove it holds this run's transfer secret",
+      )
+    return obj
 
 
 # ---------------------------------------------------------------- rate limiting
@@ -142,6 +343,7 @@ class RateLimiter:
 
   rate: bytes/s; burst: bytes that may go out back to back before pacing.
   clock/sleep are injectable so the pacing is testable without wall time.
+  ``consumed`` (bytes) and ``waited_s`` (time spent sleeping) say what the link carried.
   """
 
   def __init__(
@@ -157,6 +359,7 @@ class RateLimiter:
     self._clock, self._sleep = clock, sleep
     self._tat = clock()  # theoretical arrival time of the next byte
     self._lock = threading.Lock()
+    self.consumed, self.waited_s = 0, 0.0
 
   def consume(self, n: int) -> float:
     """Reserves n bytes of link time and sleeps until they may be sent; returns the delay."""
@@ -164,6 +367,8 @@ class RateLimiter:
       now = self._clock()
       self._tat = max(self._tat, now) + n / self.rate
       delay = self._tat - now - self.burst_s
+      self.consumed += n
+      self.waited_s += max(delay, 0.0)
     if delay > 0:
       self._sleep(delay)
     return max(delay, 0.0)
@@ -189,6 +394,7 @@ class Link:
 
   limiters: token buckets this edge shares (uplink, cross-datacenter link).
   delta_base: the client's current version, held by the server, when deltas are on for this edge.
+  signed: the end frame carries the payload's manifest tag (the nodes share a secret).
   """
 
   limiters: tuple[RateLimiter, ...] = ()
@@ -196,6 +402,7 @@ class Link:
   delta_level: int = 1
   executor: Optional[Executor] = None
   timeout: float = 30.0
+  signed: bool = False
 
 
 class DataPlane(abc.ABC):
@@ -206,13 +413,14 @@ class DataPlane(abc.ABC):
 
   @abc.abstractmethod
   def offer(
-      self, payload: Payload, request: dict, server_host: str, use_shm: bool
+      self, payload: Payload, request: dict, server_host: str, server_dc: str, use_shm: bool
   ) -> Optional[dict]:
     """Server side: header fields if this plane can carry ``payload`` to the requester, else None."""
 
   @abc.abstractmethod
   def send(self, sock: socket.socket, payload: Payload, link: Link) -> int:
-    """Server side, after the header: streams the payload; returns bytes put on the wire."""
+    """Server side, after the header: streams the payload and the end frame (with the
+    manifest tag when ``link.signed``); returns bytes put on the wire."""
 
   @abc.abstractmethod
   def open(self, header: dict, manifest: Manifest, buffer: Callable[[int], Segment]) -> Payload:
@@ -226,8 +434,30 @@ class DataPlane(abc.ABC):
       payload: Payload,
       base: Optional[Payload],
       timeout: float,
-  ) -> int:
-    """Client side: receives and commits (verifies) every chunk in order; returns wire bytes."""
+  ) -> tuple[int, bytes]:
+    """Client side: receives and commits (verifies) every chunk in order; returns (wire bytes,
+    the end frame's manifest tag, b"" if none). The caller checks the tag."""
+
+
+MAX_TAG_BYTES = 64
+
+
+def _send_end(sock: socket.socket, payload: Payload, link: Link) -> int:
+  """The end frame; signed links wait for the payload's tag (the publisher's, passed on as is)."""
+  tag = payload.wait_tag(link.timeout) if link.signed else b""
+  sock.sendall(_FRAME.pack(b"E", len(tag)) + tag)
+  return _FRAME.size + len(tag)
+
+
+def _recv_end(sock: socket.socket) -> tuple[int, bytes]:
+  kind, n = recv_frame_header(sock)
+  if kind == b"X":
+    raise TransferError(f"sender aborted: {_read_json_body(sock, n).get('reason')}")
+  if kind != b"E":
+    raise TransferError(f"expected end of payload, got frame {kind!r}")
+  if n > MAX_TAG_BYTES:
+    raise TransferError(f"end frame of {n} bytes is too large")
+  return _FRAME.size + n, bytes(recv_exact(sock, n))
 
 
 def _encoded_chunks(payload: Payload, link: Link, lookahead: int = 4):
@@ -259,7 +489,7 @@ class TcpPlane(DataPlane):
   name = "tcp"
   copies = True
 
-  def offer(self, payload, request, server_host, use_shm):
+  def offer(self, payload, request, server_host, server_dc, use_shm):
     return {}
 
   def send(self, sock, payload, link):
@@ -274,8 +504,7 @@ class TcpPlane(DataPlane):
       sock.sendall(head)
       send_limited(sock, data, link.limiters)
       sent += len(head) + len(data)
-    sock.sendall(_FRAME.pack(b"E", 0))
-    return sent + _FRAME.size
+    return sent + _send_end(sock, payload, link)
 
   def open(self, header, manifest, buffer):
     return staging_payload(manifest, buffer(manifest.total_bytes))
@@ -307,24 +536,25 @@ class TcpPlane(DataPlane):
         raise TransferError(f"unknown chunk encoding {enc}")
       payload.commit(i, expected)  # checksum of the (reconstructed) chunk
       received += _FRAME.size + n
-    kind, _ = recv_frame_header(sock)
-    if kind != b"E":
-      raise TransferError(f"expected end of payload, got frame {kind!r}")
-    return received + _FRAME.size
+    n, tag = _recv_end(sock)
+    return received + n, tag
 
 
 class ShmPlane(DataPlane):
-  """Same host: the data is in the sender's segment; the socket only carries the header and the end."""
+  """Same host and same datacenter: the data is in the sender's segment; the socket only
+  carries the header and the end. Between datacenters it never answers, even on one host, so
+  a cross-datacenter edge always goes over TCP (rate limits, deltas), real or emulated."""
 
   name = "shm"
   copies = False
 
-  def offer(self, payload, request, server_host, use_shm):
+  def offer(self, payload, request, server_host, server_dc, use_shm):
     if (
         use_shm
         and payload.shm_name
         and request.get("shm", False)
         and request.get("host") == server_host
+        and request.get("dc") == server_dc
     ):
       return {"shm": payload.shm_name}
     return None
@@ -341,8 +571,7 @@ class ShmPlane(DataPlane):
       sock.sendall(frames)
       wire += len(frames)
       sent = ready
-    sock.sendall(_FRAME.pack(b"E", 0))
-    return wire + _FRAME.size
+    return wire + _send_end(sock, payload, link)
 
   def open(self, header, manifest, buffer):
     return map_shared(str(header.get("shm", "")), manifest)
@@ -358,20 +587,18 @@ class ShmPlane(DataPlane):
       if idx != i:
         raise TransferError(f"expected chunk {i}, got chunk {idx}")
       payload.commit(i, expected)
-    kind, _ = recv_frame_header(sock)
-    if kind != b"E":
-      raise TransferError(f"expected end of payload, got frame {kind!r}")
-    return (_FRAME.size + _READY.size) * payload.manifest.num_chunks + _FRAME.size
+    n, tag = _recv_end(sock)
+    return (_FRAME.size + _READY.size) * payload.manifest.num_chunks + n, tag
 
 
 PLANES: dict[str, DataPlane] = {p.name: p for p in (ShmPlane(), TcpPlane())}  # preference order
 
 
 def choose_plane(
-    payload: Payload, request: dict, server_host: str, use_shm: bool
+    payload: Payload, request: dict, server_host: str, server_dc: str, use_shm: bool
 ) -> tuple[DataPlane, dict]:
   for plane in PLANES.values():
-    fields = plane.offer(payload, request, server_host, use_shm)
+    fields = plane.offer(payload, request, server_host, server_dc, use_shm)
     if fields is not None:
       return plane, fields
   raise TransferError("no data plane can reach this client")

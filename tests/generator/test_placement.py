@@ -85,7 +85,9 @@ def test_placement_json_keeps_the_gpu_ids(tmp_path):
   rollout = types.SimpleNamespace(
       placement={
           0: {"pid": 1, "cores": (0,), "torch_threads": 1, "gpu_ids": "0,1", "startup_s": 2.0}
-      }
+      },
+      live_instances=[0],
+      dead_instances=[],
   )
   train.write_placement(str(tmp_path), {"trainer": {"pid": 0}}, rollout)
   with open(tmp_path / "placement.json") as f:

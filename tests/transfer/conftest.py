@@ -65,14 +65,25 @@ class Cluster:
   def __init__(self):
     self.nodes = []
 
-  def publisher(self, dc="A", host="trainer", **cfg):
-    p = Publisher(config(**cfg), dc=dc, host=host)
+  def publisher(self, dc="A", host="trainer", bind="127.0.0.1", secret=None, **cfg):
+    p = Publisher(config(**cfg), dc=dc, host=host, bind=bind, secret=secret)
     self.nodes.append(p)
     return p
 
-  def receiver(self, name, dc="A", host=None, schema=None, join=None, **cfg):
+  def receiver(
+      self, name, dc="A", host=None, schema=None, join=None, bind="127.0.0.1", secret=None, **cfg
+  ):
     loads = Loads()
-    r = Receiver(name, dc, loads, schema, config=config(**cfg), host=host or f"host-{name}")
+    r = Receiver(
+        name,
+        dc,
+        loads,
+        schema,
+        config=config(**cfg),
+        host=host or f"host-{name}",
+        bind=bind,
+        secret=secret,
+    )
     r.loads = loads
     self.nodes.append(r)
     if join is not None:

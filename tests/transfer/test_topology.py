@@ -75,3 +75,13 @@ def test_with_shm_every_other_host_receives_once_and_its_receivers_map_the_head(
   assert sum(p is None and c.dc != "A" for p, c in edges) == 1  # still one relay for B
   no_shm = plan_topology(rs, "A", 2)  # without shared memory a host is not special
   assert sum(p is None or p.host != c.host for p, c in iter_edges(no_shm) if c.host == "A-h0") > 1
+
+
+def test_the_senders_host_label_in_another_datacenter_gets_one_relay_edge():
+  # One machine emulating two datacenters: every receiver carries the sender's host label.
+  rs = _receivers({"A": 2, "B": 3}, host=lambda dc, i: "trainer")
+  tree = plan_topology(rs, "A", 2, sender_host="trainer")
+  shape = [(c.info.name, [g.info.name for g in c.children]) for c in tree.children]
+  assert shape == [("A0", []), ("A1", []), ("B0", ["B1", "B2"])]  # A: off the sender (shm)
+  edges = list(iter_edges(tree))
+  assert [c.name for p, c in edges if (p.dc if p else "A") != c.dc] == ["B0"]  # one crossing

@@ -1,0 +1,226 @@
+"""A multi-node Ray cluster on one machine, for tests and demos.
+
+Each node is one `ray start --block` process (its raylet, object store and
+workers), with its own CPU/GPU counts, custom resources (the pools) and node
+labels (datacenter, accelerator type, pool), exactly as on a real cluster:
+
+  ray start --head --port=P --num-cpus=0 --labels='{"datacenter":"dc0"}'
+  ray start --address=127.0.0.1:P --num-cpus=1 \
+      --resources='{"training_pool":1}' --labels='{"datacenter":"dc0",...}'
+  ray start --address=127.0.0.1:P --num-cpus=1 \
+      --resources='{"generation_pool":4}' --labels='{"datacenter":"dc1",...}'
+
+Token authentication is on by default, as `ray start --head` does when a
+token exists: every node and every process that joins gets RAY_AUTH_MODE=token
+and the token's path (`env()`); a run joins with those set (or with the token
+in ~/.ray/auth_token, which `streamrl.cluster.init_ray` then uses by itself).
+Fake GPU counts are fine: Ray then sets CUDA_VISIBLE_DEVICES for actors that
+ask for GPUs, so placement can be tested without hardware.
+
+  with LocalCluster(default_nodes(), workdir=d) as c:
+    ... --config.cluster.address={c.address}, with c.env() in the environment
+
+or from the shell: `python launch/cluster.py up` / `down` (see there).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+from streamrl import cluster as cluster_lib
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeSpec:
+  """One Ray node: its name (for logs), CPUs, GPUs, custom resources and labels."""
+
+  name: str
+  cpus: int = 1
+  gpus: int = 0
+  resources: dict = dataclasses.field(default_factory=dict)
+  labels: dict = dataclasses.field(default_factory=dict)
+
+
+def default_nodes(
+    *,
+    trainer_dc: str = "dc0",
+    generation_dc: str = "dc1",
+    generation_slots: int = 4,
+    trainer_cpus: int = 1,
+    generator_cpus: int = 1,
+    gpus: int = 0,
+) -> list[NodeSpec]:
+  """A head (no work of its own) plus a training node and a generation node,
+  in two datacenters: the smallest cluster with every kind of edge."""
+  return [
+      NodeSpec("head", cpus=0, labels={"datacenter": trainer_dc, "pool": "head"}),
+      NodeSpec(
+          "trainer",
+          cpus=trainer_cpus,
+          gpus=gpus,
+          resources={cluster_lib.TRAINING_POOL: 1},
+          labels={"datacenter": trainer_dc, "pool": "training", "accelerator": "trainer-standin"},
+      ),
+      NodeSpec(
+          "generator",
+          cpus=generator_cpus,
+          gpus=gpus,
+          resources={cluster_lib.GENERATION_POOL: generation_slots},
+          labels={
+              "datacenter": generation_dc,
+              "pool": "generation",
+              "accelerator": "generator-standin",
+          },
+      ),
+  ]
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+class LocalCluster:
+  """Starts `nodes` (the first is the head) as Ray nodes on this machine.
+
+  Args:
+    nodes: the node specs; the first becomes the head.
+    workdir: where each node's output goes (<workdir>/<name>.log) and, with
+      `auth`, the token (<workdir>/auth_token) unless `token_path` is given.
+    auth: token authentication (RAY_AUTH_MODE=token) for every node.
+    object_store_mb: each node's object store (keeps a many-node cluster
+      within a small machine's memory).
+    start_timeout_s: longest wait for a node to come up.
+  """
+
+  def __init__(
+      self,
+      nodes: list[NodeSpec],
+      *,
+      workdir: str,
+      auth: bool = True,
+      token_path: str | None = None,
+      port: int = 0,
+      object_store_mb: int = 256,
+      start_timeout_s: float = 120.0,
+  ):
+    if not nodes:
+      raise ValueError("A cluster needs at least one node (the head).")
+    self.nodes = list(nodes)
+    self.workdir = os.path.abspath(workdir)
+    self.auth = auth
+    self.token_path = token_path or os.path.join(self.workdir, "auth_token")
+    self.port = port or _free_port()
+    self.object_store_mb = object_store_mb
+    self.start_timeout_s = start_timeout_s
+    self.procs: dict[str, subprocess.Popen] = {}
+
+  @property
+  def address(self) -> str:
+    return f"127.0.0.1:{self.port}"
+
+  def env(self) -> dict[str, str]:
+    """What a process that joins needs in its environment."""
+    if not self.auth:
+      return {}
+    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": self.token_path}
+
+  def _ray(self) -> str:
+    exe = shutil.which("ray", path=os.path.dirname(sys.executable))
+    return exe or "ray"
+
+  def _command(self, node: NodeSpec, head: bool) -> list[str]:
+    cmd = [self._ray(), "start", "--block", "--disable-usage-stats"]
+    if head:
+      cmd += ["--head", f"--port={self.port}", "--include-dashboard=false"]
+    else:
+      cmd += [f"--address={self.address}"]
+    cmd += [f"--num-cpus={node.cpus}", f"--num-gpus={node.gpus}"]
+    cmd += [f"--object-store-memory={self.object_store_mb << 20}"]
+    if node.resources:
+      cmd += [f"--resources={json.dumps(node.resources)}"]
+    if node.labels:
+      cmd += [f"--labels={json.dumps({k: str(v) for k, v in node.labels.items()})}"]
+    return cmd
+
+  def start(self) -> "LocalCluster":
+    os.makedirs(self.workdir, exist_ok=True)
+    if self.auth and not os.path.isfile(self.token_path):
+      with open(os.open(self.token_path, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
+        f.write(secrets.token_hex(32))
+    env = {**os.environ, **self.env()}
+    try:
+      for k, node in enumerate(self.nodes):
+        log_path = os.path.join(self.workdir, f"{node.name}.log")
+        with open(log_path, "w") as out:
+          self.procs[node.name] = subprocess.Popen(
+              self._command(node, head=k == 0),
+              stdout=out,
+              stderr=subprocess.STDOUT,
+              env=env,
+              start_new_session=True,
+          )
+        self._wait_started(node.name, log_path)
+    except BaseException:
+      self.stop()
+      raise
+    return self
+
+  def _wait_started(self, name: str, log_path: str) -> None:
+    deadline = time.monotonic() + self.start_timeout_s
+    while time.monotonic() < deadline:
+      with open(log_path, errors="replace") as f:
+        text = f.read()
+      if "Ray runtime started" in text:
+        return
+      if self.procs[name].poll() is not None:
+        tail = " ".join(text.strip().splitlines()[-3:])[-400:]
+        raise RuntimeError(f"Ray node {name!r} failed to start: {tail} (log: {log_path}).")
+      time.sleep(0.5)
+    raise TimeoutError(f"Ray node {name!r} did not start within {self.start_timeout_s:.0f} s.")
+
+  def stop(self, timeout_s: float = 30.0) -> None:
+    """Stops every node (workers first, the head last)."""
+    for name in reversed(list(self.procs)):
+      p = self.procs.pop(name)
+      if p.poll() is None:
+        # `ray start --block` stops its node's processes on SIGTERM (~1 s).
+        p.send_signal(signal.SIGTERM)
+        try:
+          p.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+          try:
+            os.killpg(p.pid, signal.SIGKILL)
+          except ProcessLookupError:
+            pass
+          p.wait()
+
+    self._forget_address()
+
+  def _forget_address(self) -> None:
+    """`ray start --head` leaves its address in /tmp/ray/ray_current_cluster,
+    where a later plain `ray.init()` would try to join it; `ray stop` removes
+    it, and so does this (only if it is still this cluster's)."""
+    path = os.path.join(os.environ.get("RAY_TMPDIR", "/tmp/ray"), "ray_current_cluster")
+    try:
+      with open(path) as f:
+        if f.read().strip().endswith(f":{self.port}"):
+          os.remove(path)
+    except OSError:
+      pass
+
+  def __enter__(self) -> "LocalCluster":
+    return self.start()
+
+  def __exit__(self, *exc) -> None:
+    self.stop()
