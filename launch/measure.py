@@ -20,8 +20,10 @@ The tiny default policy is warm-started as launch/main.py does (cached under
 --workdir; point it at a run's workdir to reuse that run's warm start).
 costs.json holds the profile, the trainer costs (the keys
 streamrl/sim/calibrate.py reads), and what they were measured on; a plan
-config uses it with --config.calibration.measured=costs.json. Takes about a
-minute with the tiny policy on a 2-core CPU machine.
+config uses it with --config.calibration.measured=costs.json. With the tiny
+policy on a 2-core CPU machine: about a minute, plus ~40 s for the warm start
+the first time (configs/ppo.py); tests/test_plan_emit.py runs a smaller
+config in ~45 s.
 
 A mistake in the input prints one `error: ...` line and exits with status 2.
 """
@@ -149,6 +151,10 @@ def main(argv):
   # process, as a generator actor runs it (streamrl/generator/service.py).
   in_process = s.engine.in_process and not s.engine.gpus_per_instance
   os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
+  if s.engine.gpus_per_instance:
+    # The engine and then the trainer share this process's GPUs: JAX takes
+    # memory as it needs it instead of 75 % up front.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
   t_start = time.perf_counter()
   from modes_workload import Workload  # pylint: disable=g-import-not-at-top
   from streamrl.generator.local import sampling_for  # pylint: disable=g-import-not-at-top

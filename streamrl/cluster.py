@@ -278,8 +278,11 @@ def init_ray(
   from streamrl import metrics  # pylint: disable=g-import-not-at-top
 
   metrics.adopt_library_loggers()  # Importing ray attached its console handler to "ray".
-  if address:
-    use_token_auth()
+  if address and use_token_auth() and not token_available():
+    raise UserError(
+        "RAY_AUTH_MODE=token but no Ray auth token was found; copy the head's "
+        "~/.ray/auth_token here, or point RAY_AUTH_TOKEN_PATH at it."
+    )
   if address and address != "auto":
     host, port = check_reachable(address, min(timeout_s, 10.0))
     if not address.startswith("ray://"):
@@ -301,11 +304,7 @@ def init_ray(
       ray.init(**kwargs)
     except Exception as e:  # pylint: disable=broad-except
       if address and "auth" in str(e).lower():
-        raise UnreachableClusterError(
-            f"The Ray cluster at {address!r} uses token authentication and refused this "
-            "process; copy the head's ~/.ray/auth_token here (or set RAY_AUTH_TOKEN) and "
-            "run again."
-        ) from None
+        raise UnreachableClusterError(_TOKEN_REFUSED.format(address=address)) from None
       if not isinstance(e, (ConnectionError, RuntimeError)):
         raise
       if address:
@@ -333,6 +332,12 @@ def init_ray(
   )
 
 
+_TOKEN_REFUSED = (
+    "The Ray cluster at {address!r} uses token authentication and refused this process; "
+    "copy the head's ~/.ray/auth_token here (or set RAY_AUTH_TOKEN_PATH to it) and run again."
+)
+
+
 def _probe_gcs(address: str, timeout_s: float) -> None:
   """Asks the address for Ray's GCS in a helper thread: a port that answers
   but isn't a Ray head would otherwise keep ray.init retrying for minutes,
@@ -350,6 +355,8 @@ def _probe_gcs(address: str, timeout_s: float) -> None:
   t = threading.Thread(target=target, name="ray-gcs-probe", daemon=True)
   t.start()
   t.join(timeout_s)
+  if "error" in result and "auth" in str(result["error"]).lower():
+    raise UnreachableClusterError(_TOKEN_REFUSED.format(address=address))
   if t.is_alive() or "error" in result:
     why = (
         f"no answer within {timeout_s:.0f} s"

@@ -276,6 +276,20 @@ def iteration_scalars(x: Iteration, timeline: Timeline, rollout) -> dict:
       "generators/instances": len(rollout.live_instances),
       "generators/dead": len(rollout.dead_instances),
   }
+  ids = [s.prompt_id for s in x.samples]
+  out["samples/count"] = len(ids)
+  # Exactly once: no request's sample reached the trainer twice.
+  out["samples/duplicated"] = len(ids) - len(set(ids))
+  publisher = getattr(rollout, "publisher", None)
+  if publisher is not None:
+    stats = publisher.stats
+    # Streams the trainer's publisher served over a cross-datacenter edge
+    # (one per version and remote datacenter: relays fan out there).
+    out["transfer/cross_dc_streams_total"] = stats.get("served_cross_dc", 0)
+    out["transfer/cross_dc_bytes_total"] = stats.get("cross_dc_full_bytes", 0) + stats.get(
+        "cross_dc_delta_bytes", 0
+    )
+    out["transfer/local_streams_total"] = stats.get("served_local", 0)
   if x.generated.wait_s:
     out["time/generation_wait_s"] = x.generated.wait_s
   for k, v in {**x.prepare, **x.updates}.items():

@@ -223,27 +223,23 @@ def test_bad_plan_files(tmp_path):
     emit.apply_plan(_ppo(), typed, path="typed.json")
 
 
-def test_record_plan_copies_the_file_and_validates(tmp_path):
+def test_record_plan_copies_the_file_and_validates(tmp_path, monkeypatch):
   path = _plan_file(
       tmp_path, {"pipeline.mode": "async", "generation.num_instances": 2}, "emitted.json"
   )
   workdir = tmp_path / "w"
   workdir.mkdir()
   config = emit.apply_plan(_ppo(), emit.load_plan(path), {"trainer.lr": 1e-4}, path=path)
-  cwd = os.getcwd()
-  os.chdir(ROOT)
-  try:
-    s = emit.record_plan(path, str(workdir), config)
-    assert s.pipeline.mode == "async" and s.engine.num_instances == 2 and s.optimizer.lr == 1e-4
-    assert (workdir / "plan.json").read_bytes() == open(path, "rb").read()
-    emit.record_plan(str(workdir / "plan.json"), str(workdir), config)  # the same file: fine
-    bad = config_utils.apply_overrides(config, {"pipeline.mode": "colocated"})
-    os.remove(workdir / "plan.json")
-    with pytest.raises(errors.UserError, match="num_instances"):
-      emit.record_plan(path, str(workdir), bad)
-    assert not (workdir / "plan.json").exists()  # nothing copied for a refused config
-  finally:
-    os.chdir(cwd)
+  monkeypatch.chdir(ROOT)  # ranker config paths are relative to the checkout
+  s = emit.record_plan(path, str(workdir), config)
+  assert s.pipeline.mode == "async" and s.engine.num_instances == 2 and s.optimizer.lr == 1e-4
+  assert (workdir / "plan.json").read_bytes() == open(path, "rb").read()
+  emit.record_plan(str(workdir / "plan.json"), str(workdir), config)  # the same file: fine
+  bad = config_utils.apply_overrides(config, {"pipeline.mode": "colocated"})
+  os.remove(workdir / "plan.json")
+  with pytest.raises(errors.UserError, match="num_instances"):
+    emit.record_plan(path, str(workdir), bad)
+  assert not (workdir / "plan.json").exists()  # nothing copied for a refused config
 
 
 def test_main_reports_plan_errors_in_one_line(tmp_path):

@@ -3,6 +3,12 @@
 Run:
   python launch/plan.py --config=configs/plan/qwen7b_single_dc.py
   python launch/plan.py --config=configs/plan/qwen7b_single_dc.py --config.lengths.max_output=20480
+  python launch/plan.py --config=configs/plan/qwen7b_single_dc.py --emit=plan.json [--emit_target=cpu]
+  python launch/main.py --config=configs/ppo.py --plan=plan.json --workdir=W
+
+With costs measured on a machine (launch/measure.py --config=configs/ppo.py
+--out=costs.json), --config.calibration.measured=costs.json plans with them
+instead of the paper's calibration.
 
 Expected: Algorithm 1 picks 16 generation + 16 training GPUs, mode async,
 about 10.4 samples/s predicted (the paper measured 10.7 for 7B/10K async).

@@ -83,9 +83,8 @@ def trainer_mesh(model, gpu, num_gpus: int, processes: int, *, critic: bool = Tr
   """{data, fsdp, tensor} for `num_gpus` trainer GPUs of type `gpu` (see the module doc)."""
   from streamrl.sim import costs  # pylint: disable=g-import-not-at-top
 
-  smallest = min(num_gpus, num_gpus // processes)
   fsdp = num_gpus
-  for d in range(smallest, num_gpus + 1):
+  for d in range(num_gpus // processes, num_gpus + 1):
     if num_gpus % d == 0:
       state = costs.colocated_state_bytes_per_gpu(model, d, critic=critic)
       if state <= STATE_FRACTION * gpu.hbm_bytes:
