@@ -295,6 +295,9 @@ def init_ray(
       kwargs = dict(address=address, log_to_driver=log_to_driver)
     else:
       kwargs = dict(
+          # A new Ray of this process's own, even when `ray start` left a
+          # cluster's address in /tmp/ray/ray_current_cluster.
+          address="local",
           num_cpus=num_cpus or generator_cpus + trainer_cpus * trainer_processes,
           resources={generation_pool: generation_slots, training_pool: trainer_processes},
           include_dashboard=False,

@@ -308,6 +308,8 @@ class Elastic:
   min_gain: float = _key("elastic.min_gain", 0.5)
   cooldown_iterations: int = _key("elastic.cooldown_iterations", 4)
   replace_dead: bool = _key("elastic.replace_dead", True)
+  # Iterations the policy never looks at (the trainer compiles its steps there).
+  warmup_iterations: int = _key("elastic.warmup_iterations", 1)
   schedule: str = _key("elastic.schedule", "")
 
 
@@ -757,6 +759,7 @@ def _validate_elastic(s: Settings) -> None:
   _positive("elastic.observe_iterations", el.observe_iterations)
   _need(0 <= el.min_gain <= 1, f"elastic.min_gain={el.min_gain} must be in [0, 1].")
   _positive("elastic.cooldown_iterations", el.cooldown_iterations, zero_ok=True)
+  _positive("elastic.warmup_iterations", el.warmup_iterations, zero_ok=True)
   from streamrl.planner import elastic as elastic_lib  # pylint: disable=g-import-not-at-top
 
   try:

@@ -69,3 +69,54 @@ def test_an_error_in_the_actor_keeps_its_type_and_message(tmp_path):
   with pytest.raises(UserError, match="empty.jsonl") as info:
     experiment.run(cfg, str(tmp_path / "bad"))
   assert isinstance(info.value, ray.exceptions.RayTaskError)  # it did come from the actor
+
+
+def test_elastic_generation_scales_up_and_back_by_the_policy(tmp_path):
+  """A generation-bound run (one request at a time per engine, so generation
+  time grows with the tokens of the batch): after the warm-up iterations (the
+  trainer compiles) the policy adds an instance; on the one generator core
+  the two instances share it cannot pay (it saves less than half the
+  expected time), so the policy releases it. Every sample arrives once,
+  with the weights of its iteration (sync)."""
+  workdir = str(tmp_path / "elastic")
+  final = experiment.run(
+      load(
+          **{
+              "pipeline.mode": "sync",
+              "trainer.num_iterations": 5,
+              # Actor only (no critic, no reference): training stays cheap.
+              "algo.advantage": "grpo",
+              "algo.group_size": 4,
+              "algo.use_critic": False,
+              "algo.use_reference": False,
+              "algo.kl_coef": 0.0,
+              "trainer.prompts_per_iteration": 12,
+              "trainer.mini_batch_size": 48,
+              "trainer.micro_batch_size": 48,
+              "trainer.ppo_epochs": 1,
+              "generation.max_num_seqs": 1,
+              # The trainer may use both cores (sync: the sides take turns),
+              # the generators have one.
+              "cluster.trainer_cpus": 2,
+              "transfer.enabled": True,
+              "elastic.enabled": True,
+              "elastic.max_instances": 2,
+              "elastic.warmup_iterations": 2,
+              "elastic.observe_iterations": 1,
+          }
+      ),
+      workdir,
+  )
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    rows = [r for r in map(json.loads, f) if "samples/count" in r]
+  timing = [(r["time/generation_s"], r["time/training_s"]) for r in rows]
+  with open(os.path.join(workdir, "elastic.jsonl")) as f:
+    events = [json.loads(line) for line in f]
+  assert [(e["iteration"], e["action"]) for e in events] == [(2, "added"), (3, "removed")], timing
+  assert "generation-bound" in events[0]["reason"] and "released" in events[1]["reason"]
+  # The instances that served each iteration.
+  assert [r["generators/instances"] for r in rows] == [1, 1, 1, 2, 1]
+  for r in rows:
+    assert r["samples/count"] == 48
+    assert r["samples/duplicated"] == 0 and r["staleness/max"] == 0
+  assert final["elastic/added_total"] == 1 and final["elastic/removed_total"] == 1

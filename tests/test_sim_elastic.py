@@ -200,8 +200,9 @@ def test_predict_elastic_throughput():
     # Samples over the summed iteration times of the measured iterations.
     t = sum(p["iteration_s"][2:])
     assert p["samples_per_s"] == pytest.approx(32 * (ITERS - 2) / t)
-  assert [(d["iteration"], d["delta"], d["first_round"]) for d in own["decisions"]] == [(1, 1, 2)]
-  assert own["instances"] == [1, 1] + [2] * (ITERS - 2)
+  # Iteration 0 is the policy's warm-up; with two iterations observed it decides after 2.
+  assert [(d["iteration"], d["delta"], d["first_round"]) for d in own["decisions"]] == [(2, 1, 3)]
+  assert own["instances"] == [1, 1, 1] + [2] * (ITERS - 3)
   assert [d["delta"] for d in shared["decisions"][:2]] == [1, -1]
   assert own["samples_per_s"] > 1.6 * shared["samples_per_s"]
   # Per-iteration lengths: longer outputs later give longer generation rounds.

@@ -184,7 +184,9 @@ class ElasticPolicy:
     pool has a free slot;
   - release one when T_train > T_gen * x / (x - 1) (still training-bound
     without it) and x > min.
-  Every look uses the medians of the last `observe` iterations whose round
+  The first `warmup_iterations` iterations are never looked at (the trainer
+  compiles its steps there). Every look uses the medians of the last
+  `observe` iterations whose round
   ran with the current count (`StageTimes.instances`): in async mode the
   round after a change was generated ahead, with the old count, and is
   ignored.
@@ -200,6 +202,7 @@ class ElasticPolicy:
       min_gain: float = 0.5,
       cooldown_iterations: int = 4,
       schedule: dict[int, int] | str | None = None,
+      warmup_iterations: int = 1,
   ):
     self.instances = int(start_instances)
     self.min_instances = int(min_instances)
@@ -207,6 +210,7 @@ class ElasticPolicy:
     self.observe = max(1, int(observe_iterations))
     self.min_gain = float(min_gain)
     self.cooldown = int(cooldown_iterations)
+    self.warmup = int(warmup_iterations)
     self.schedule = parse_schedule(schedule) if isinstance(schedule, str) else dict(schedule or {})
     self._since_change: list[StageTimes] = []
     self._before: list[StageTimes] = []  # the window before the last addition
@@ -226,6 +230,7 @@ class ElasticPolicy:
         min_gain=el.min_gain,
         cooldown_iterations=el.cooldown_iterations,
         schedule=el.schedule,
+        warmup_iterations=el.warmup_iterations,
     )
 
   def _change(self, t: StageTimes, delta: int, reason: str) -> Decision:
@@ -258,8 +263,9 @@ class ElasticPolicy:
       if delta:
         return self._change(t, delta, f"scheduled {delta:+d} after iteration {t.iteration}")
       return keep
-    if t.instances != self.instances:
-      # Served by the count before the last change (async generates ahead).
+    if t.instances != self.instances or t.iteration < self.warmup:
+      # Served by the count before the last change (async generates ahead),
+      # or a warm-up iteration (the trainer's compilation, cold caches).
       return keep
     self._since_change.append(t)
     window = self._since_change[-self.observe :]
@@ -280,7 +286,8 @@ class ElasticPolicy:
         return self._change(
             t,
             -1,
-            f"instance {x} saved {saved:.3f} s of generation per iteration ({before:.3f} -> "
+            f"the added instance ({x} running) saved {saved:.3f} s of generation per "
+            f"iteration ({before:.3f} -> "
             f"{gen:.3f} s), below {self.min_gain:.0%} of the expected {expected:.3f} s: released",
         )
     saving = gen / (x + 1)

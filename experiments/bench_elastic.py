@@ -1,0 +1,606 @@
+r"""Elastic generation end to end, and the simulator's replay of the same run.
+
+  python experiments/bench_elastic.py [--iterations=9] [--prompts=64] [--observe=3]
+      [--workdir=/tmp/streamrl_bench_elastic] [--out=experiments/out/bench_elastic]
+
+Everything real: Ray raylets (`streamrl.local_cluster.LocalCluster`: a head,
+a training node in dc0, a generation node in dc1 with 2 generation slots,
+token authentication on), vLLM engines on generator actors, the JAX trainer
+on a trainer actor, weights through the checkpoint-transfer service. Ends
+with one line
+
+  RESULT instances_start=1 instances_max=2 lost=0 duplicated=0 version_errors=0
+         calib_rel_err=<x> measured_samples_per_s=<x> predicted_samples_per_s=<x> ...
+
+What it does:
+  1. Starts the cluster. With --pin_nodes (default) each worker node's
+     `ray start` runs under `taskset`, so the node's raylet and every actor it
+     starts share that node's cores only: the generation node gets the first
+     core of this machine, the training node the second. A node spec then
+     means what it says (1 CPU = one core), as on a real cluster; without
+     pinning, two generator instances of a sync run would spread over both
+     cores while the trainer idles, and the generation node would in effect
+     have 2 cores.
+  2. Runs `launch/main.py --config=configs/ppo.py` against it as a
+     subprocess (the way a user joins: cluster address on the command line,
+     RAY_AUTH_MODE / RAY_AUTH_TOKEN_PATH in the environment): pipeline.mode
+     sync, one generator instance to start with, elastic.enabled with
+     min 1 / max 2 instances, elastic.observe_iterations=--observe. The
+     workload is generation-bound: the tiny PPO policy (actor, critic,
+     reference) without warm start (its outputs run long, ~40 of
+     max_tokens=56 tokens), one request in flight per instance
+     (generation.max_num_seqs=1), one PPO epoch over one mini-batch of
+     the 64 samples. Measured here: generation ~4x training per iteration,
+     so the policy adds the second instance after `--observe` iterations;
+     the two instances then time-share the generation node's one core, save
+     nothing, and the policy releases the added one `--observe` iterations
+     later. No schedule is given: every change is the policy's.
+  3. Reads the run: <workdir>/metrics.jsonl (per-iteration scalars, with
+     `wall_time`), <workdir>/elastic.jsonl (the changes and their reasons)
+     and the TensorBoard histograms `response_length` and `staleness`
+     (per-sample values, bucketed; exact for the small integers of
+     staleness).
+       instances_start / _max: generators/instances of the first iteration
+         / the most over the run (the count that served each iteration:
+         logged before the policy's change after it);
+       lost: sum over the configured iterations of max(0, expected -
+         samples/count), expected = prompts_per_iteration * group_size; an
+         iteration without a metrics row (the run died) loses all of it;
+       duplicated: sum of samples/duplicated (a request whose sample
+         reached the trainer twice);
+       version_errors: samples whose staleness (iteration - weight version)
+         lies outside the mode's bound: [0, 0] in sync, [0, max_staleness]
+         in async, counted from the staleness histograms (min/max are exact;
+         a bucket is counted when it lies outside the bound);
+       measured samples/s: total samples / summed time/iteration_s over
+         iterations --warmup .. end (iteration 0 holds the trainer's XLA
+         compiles). time/iteration_s covers generation, training and the
+         weight push of an iteration; what happens between iterations (the
+         policy's decision, an added instance's start-up and catch-up, the
+         checkpoint) is not in it, and not in the simulator either: the
+         `gap s` column shows it, and `wall samples/s` counts it in.
+  4. Measures the cost models on this machine with `launch/measure.py`
+     (same config and overrides, the run's workdir for its cached initial
+     policy, pinned to the generation node's core): the PTL(BS) profile and
+     prefill cost of one in-process engine with one torch thread (the
+     generation node's threads per instance: 1 CPU / 2 slots, at least 1),
+     and the trainer's forward and update seconds per token on one real
+     batch. The weight push is the run's own median time/weight_update_s
+     over the measured iterations (export + publish + every instance's
+     verified load): a measured input, not fitted. Then
+     `streamrl.sim.calibrate.predict_elastic_throughput` replays the run:
+     the same ElasticPolicy settings, free slots = 2 - instances,
+     gen_cores = the generation node's CPUs (1: the instances time-share
+     one core), batch size, mini-batches, in-flight cap, and per iteration
+     the run's output lengths (rebuilt from that iteration's
+     `response_length` histogram: exact below ~10 tokens, within a bucket
+     -- ~5 % -- above; the rebuilt mean is checked against the exact
+     response_length/mean) with the mean prompt length of the measured
+     batch. calib_rel_err = |predicted - measured| / measured samples/s over
+     the same iteration window.
+  5. Prints per iteration measured vs predicted (instances, gen s, train s,
+     iteration s), both sets of decisions, and the RESULT line; writes
+     summary.json and costs.json under --out.
+
+About 6-8 minutes on the 2-core machine (cluster and actor start-ups, two
+engine start-ups for the added instance, the measurement ~1 min). The
+cluster is always stopped, also on errors or Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from absl import app, flags  # pylint: disable=wrong-import-position
+
+from streamrl import local_cluster  # pylint: disable=wrong-import-position
+
+_WORKDIR = flags.DEFINE_string(
+    "workdir",
+    "/tmp/streamrl_bench_elastic",
+    "Root of the cluster's and the run's directories (a fresh run directory each time).",
+)
+_OUT = flags.DEFINE_string(
+    "out",
+    os.path.join(ROOT, "experiments", "out", "bench_elastic"),
+    "Where summary.json and costs.json go.",
+)
+_ITERATIONS = flags.DEFINE_integer("iterations", 9, "trainer.num_iterations of the run.")
+_PROMPTS = flags.DEFINE_integer("prompts", 64, "trainer.prompts_per_iteration.")
+_MINI = flags.DEFINE_integer(
+    "mini_batch", 64, "trainer.mini_batch_size (= micro_batch_size); one PPO epoch."
+)
+_MAX_NUM_SEQS = flags.DEFINE_integer(
+    "max_num_seqs", 1, "generation.max_num_seqs: requests in flight per instance."
+)
+_MAX_TOKENS = flags.DEFINE_integer("max_tokens", 56, "generation.max_tokens.")
+_WARMSTART = flags.DEFINE_integer(
+    "warmstart_steps", 0, "warmstart.steps (0: untrained policy, long outputs)."
+)
+_OBSERVE = flags.DEFINE_integer(
+    "observe",
+    3,
+    "elastic.observe_iterations (3: the median is robust to iteration 0's compile time).",
+)
+_COOLDOWN = flags.DEFINE_integer("cooldown", 4, "elastic.cooldown_iterations.")
+_MIN_GAIN = flags.DEFINE_float("min_gain", 0.5, "elastic.min_gain.")
+_SLOTS = flags.DEFINE_integer(
+    "slots", 2, "Generation slots of the generation node (= elastic.max_instances)."
+)
+_WARMUP = flags.DEFINE_integer(
+    "warmup", 1, "Leading iterations left out of the measured and predicted samples/s."
+)
+_PIN = flags.DEFINE_bool(
+    "pin_nodes", True, "Run each worker node on cores of its own (taskset), as its CPUs say."
+)
+_REPS = flags.DEFINE_integer("measure_reps", 3, "launch/measure.py --reps.")
+_TIMEOUT = flags.DEFINE_integer("timeout_s", 1500, "Longest the run may take.")
+_OVERRIDES = flags.DEFINE_multi_string(
+    "override", [], "Extra config overrides key=value, for the run and the measurement."
+)
+
+GEN_CPUS = 1  # the generation node's CPUs
+TRAIN_CPUS = 1  # the training node's CPUs
+
+
+def now() -> float:
+  return time.perf_counter()
+
+
+def log(msg: str) -> None:
+  print(msg, flush=True)
+
+
+# ------------------------------------------------------------------ cluster
+class PinnedCluster(local_cluster.LocalCluster):
+  """A LocalCluster whose worker nodes each run on given cores: `ray start`
+  runs under `taskset`, and its raylet and every worker it spawns inherit
+  the mask."""
+
+  def __init__(self, nodes, *, cores: dict[str, tuple[int, ...]], **kwargs):
+    super().__init__(nodes, **kwargs)
+    self.cores = cores
+
+  def _command(self, node, head):
+    cmd = super()._command(node, head)
+    cores = self.cores.get(node.name)
+    if cores:
+      cmd = ["taskset", "-c", ",".join(map(str, cores))] + cmd
+    return cmd
+
+
+def node_cores(pin: bool) -> dict[str, tuple[int, ...]]:
+  """{node name: cores}: generation node first cores, training node the next."""
+  if not pin:
+    return {}
+  cores = sorted(os.sched_getaffinity(0))
+  if len(cores) < GEN_CPUS + TRAIN_CPUS or shutil.which("taskset") is None:
+    log(
+        f"warning: cannot pin the nodes ({len(cores)} cores, taskset "
+        f"{'found' if shutil.which('taskset') else 'missing'}); they share every core."
+    )
+    return {}
+  return {
+      "generator": tuple(cores[:GEN_CPUS]),
+      "trainer": tuple(cores[GEN_CPUS : GEN_CPUS + TRAIN_CPUS]),
+  }
+
+
+# ---------------------------------------------------------------- overrides
+def workload_overrides() -> dict:
+  """The config overrides of the run (and of the measurement, minus the cluster)."""
+  out = {
+      "pipeline.mode": "sync",
+      "warmstart.steps": _WARMSTART.value,
+      "trainer.num_iterations": _ITERATIONS.value,
+      "trainer.prompts_per_iteration": _PROMPTS.value,
+      "trainer.mini_batch_size": _MINI.value,
+      "trainer.micro_batch_size": _MINI.value,
+      "trainer.ppo_epochs": 1,
+      "generation.max_num_seqs": _MAX_NUM_SEQS.value,
+      "generation.max_tokens": _MAX_TOKENS.value,
+      "generation.num_instances": 1,
+      "transfer.enabled": True,
+      "elastic.enabled": True,
+      "elastic.min_instances": 1,
+      "elastic.max_instances": _SLOTS.value,
+      "elastic.observe_iterations": _OBSERVE.value,
+      "elastic.cooldown_iterations": _COOLDOWN.value,
+      "elastic.min_gain": _MIN_GAIN.value,
+      "task.num_eval": 8,
+      "log.eval_every": 0,
+      "log.progress": False,
+  }
+  for item in _OVERRIDES.value:
+    key, sep, value = item.partition("=")
+    if not sep:
+      raise app.UsageError(f"--override={item!r} is not key=value.")
+    out[key.strip()] = value.strip()
+  return out
+
+
+def as_flags(overrides: dict) -> list[str]:
+  return [
+      f"--config.{k}={json.dumps(v) if isinstance(v, bool) else v}" for k, v in overrides.items()
+  ]
+
+
+def typed_settings(overrides: dict):
+  from streamrl import config_utils, settings  # pylint: disable=g-import-not-at-top
+
+  config = config_utils.load_config(os.path.join(ROOT, "configs", "ppo.py"))
+  return settings.from_config(config_utils.apply_overrides(config, overrides))
+
+
+# -------------------------------------------------------------------- steps
+def run_elastic(c, run_dir: str, overrides: dict, log_path: str) -> int:
+  """launch/main.py against the cluster; its output goes to `log_path`."""
+  args = [sys.executable, os.path.join(ROOT, "launch", "main.py")]
+  args += [f"--config={os.path.join(ROOT, 'configs', 'ppo.py')}", f"--workdir={run_dir}"]
+  args += as_flags({**overrides, "cluster.address": c.address})
+  with open(log_path, "w") as out:
+    try:
+      res = subprocess.run(
+          args,
+          env={**os.environ, **c.env()},
+          stdout=out,
+          stderr=subprocess.STDOUT,
+          timeout=_TIMEOUT.value,
+          cwd=ROOT,
+      )
+    except subprocess.TimeoutExpired:
+      log(f"the run took longer than --timeout_s={_TIMEOUT.value}; stopped it.")
+      return 124
+  return res.returncode
+
+
+def measure_costs(run_dir: str, overrides: dict, out_path: str, cores) -> dict:
+  """launch/measure.py (the run's config and cached initial policy) on `cores`."""
+  args = [sys.executable, os.path.join(ROOT, "launch", "measure.py")]
+  args += [f"--config={os.path.join(ROOT, 'configs', 'ppo.py')}", f"--out={out_path}"]
+  args += [f"--workdir={run_dir}", f"--reps={_REPS.value}"]
+  args += as_flags(overrides)
+  if cores:
+    args = ["taskset", "-c", ",".join(map(str, cores))] + args
+  res = subprocess.run(args, capture_output=True, text=True, timeout=900, cwd=ROOT)
+  if res.returncode != 0:
+    raise RuntimeError(f"launch/measure.py failed:\n{(res.stdout + res.stderr)[-3000:]}")
+  for line in res.stdout.splitlines():
+    if line.startswith(("generated", "wrote")):
+      log(f"  measure: {line}")
+  with open(out_path) as f:
+    return json.load(f)
+
+
+def read_jsonl(path: str) -> list[dict]:
+  if not os.path.isfile(path):
+    return []
+  with open(path) as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def read_histograms(run_dir: str, tags) -> dict[str, dict[int, object]]:
+  """{tag: {step: HistogramValue}} from the run's TensorBoard event files."""
+  from tensorboard.backend.event_processing import (  # pylint: disable=g-import-not-at-top
+      event_accumulator as ea,
+  )
+
+  acc = ea.EventAccumulator(run_dir, size_guidance={ea.HISTOGRAMS: 0})
+  acc.Reload()
+  have = set(acc.Tags().get(ea.HISTOGRAMS, []))
+  return {
+      t: {e.step: e.histogram_value for e in acc.Histograms(t)} if t in have else {} for t in tags
+  }
+
+
+def _buckets(h):
+  """(left, right, count) of a TensorBoard histogram (numpy's [left, right) bins)."""
+  lefts = [-math.inf] + list(h.bucket_limit[:-1])
+  return [(lo, hi, int(n)) for lo, hi, n in zip(lefts, h.bucket_limit, h.bucket) if n]
+
+
+def count_outside(h, lo: int, hi: int) -> int:
+  """Samples of an integer-valued histogram outside [lo, hi]."""
+  if h.min >= lo and h.max <= hi:
+    return 0
+  bad = sum(n for left, right, n in _buckets(h) if left >= hi + 0.5 or right <= lo - 0.5)
+  return max(bad, 1)  # min or max is outside: at least that one sample
+
+
+def integer_values(h) -> list[int]:
+  """The integers a histogram of integer values holds, rebuilt bucket by
+  bucket (a bucket spanning several integers spreads its count over them)."""
+  out = []
+  for left, right, n in _buckets(h):
+    first = math.ceil(max(left, h.min))
+    last = min(math.ceil(right) - 1, math.floor(h.max))
+    if last < first:  # an integer exactly on the top edge (numpy closes the last bin)
+      first = last = int(round(right))
+    span = last - first + 1
+    out.extend(first + (k * span) // n for k in range(n))
+  return out
+
+
+# ----------------------------------------------------------------- analysis
+def analyse_run(run_dir: str, s, warmup: int) -> dict:
+  rows = [r for r in read_jsonl(os.path.join(run_dir, "metrics.jsonl")) if "samples/count" in r]
+  rows.sort(key=lambda r: r["step"])
+  events = read_jsonl(os.path.join(run_dir, "elastic.jsonl"))
+  hists = read_histograms(run_dir, ("response_length", "staleness"))
+  expected = s.samples_per_iteration
+  by_step = {r["step"]: r for r in rows}
+  bound = (0, s.pipeline.max_staleness) if s.pipeline.mode == "async" else (0, 0)
+  lost = duplicated = version_errors = 0
+  its = []
+  for it in range(s.trainer.num_iterations):
+    r = by_step.get(it + 1)
+    if r is None:
+      lost += expected
+      continue
+    n = int(r["samples/count"])
+    lost += max(0, expected - n)
+    duplicated += int(r["samples/duplicated"])
+    h = hists["staleness"].get(it + 1)
+    if h is not None:
+      bad = count_outside(h, *bound)
+    else:  # no histogram: the summary says whether any sample was outside
+      bad = int(r["staleness/max"] > bound[1])
+    version_errors += bad
+    lens = None
+    hl = hists["response_length"].get(it + 1)
+    if hl is not None:
+      lens = [max(1, v) for v in integer_values(hl)]
+    its.append(
+        {
+            "it": it,
+            "samples": n,
+            "instances": int(r["generators/instances"]),
+            "gen_s": r["time/generation_s"],
+            "train_s": r["time/training_s"],
+            "push_s": r["time/weight_update_s"],
+            "iter_s": r["time/iteration_s"],
+            "wall_time": r["wall_time"],
+            "mean_len": r["response_length/mean"],
+            "output_lens": lens,
+            "stale_outside": bad,
+        }
+    )
+  for prev, cur in zip(its, its[1:]):
+    # Wall time between two metrics rows beyond the later iteration's own time:
+    # the policy's change (an added instance's start-up), the scalars, the checkpoint.
+    cur["gap_s"] = cur["wall_time"] - prev["wall_time"] - cur["iter_s"]
+  window = [x for x in its if x["it"] >= warmup]
+  samples = sum(x["samples"] for x in window)
+  out = {
+      "iterations": its,
+      "events": events,
+      "lost": lost,
+      "duplicated": duplicated,
+      "version_errors": version_errors,
+      "instances_start": its[0]["instances"] if its else 0,
+      "instances_max": max((x["instances"] for x in its), default=0),
+      "instances_end": its[-1]["instances"] if its else 0,
+      "window": [warmup, s.trainer.num_iterations],
+  }
+  if window:
+    out["samples_per_s"] = samples / sum(x["iter_s"] for x in window)
+    start = its[warmup - 1]["wall_time"] if warmup > 0 and len(its) >= warmup else None
+    if start is not None and len(window) == len(its) - warmup:
+      out["wall_samples_per_s"] = samples / (window[-1]["wall_time"] - start)
+    out["push_s_median"] = statistics.median(x["push_s"] for x in window)
+  return out
+
+
+def predict(measured: dict, costs: dict, s, gen_cores: int, warmup: int) -> dict:
+  from streamrl.sim.calibrate import predict_elastic_throughput  # pylint: disable=g-import-not-at-top
+
+  its = measured["iterations"]
+  if len(its) != s.trainer.num_iterations or any(x["output_lens"] is None for x in its):
+    raise RuntimeError("the run's per-iteration output lengths are incomplete; nothing to replay.")
+  el = s.elastic
+  slots = _SLOTS.value
+  return predict_elastic_throughput(
+      costs["profile"],
+      costs["trainer"],
+      s.pipeline.mode,
+      output_lens=None,
+      output_lens_per_iteration=[x["output_lens"] for x in its],
+      prompt_lens=max(1, round(costs["generation"]["mean_prompt_len"])),
+      batch_size=s.samples_per_iteration,
+      policy_kwargs={
+          "start_instances": s.engine.num_instances,
+          "min_instances": el.min_instances,
+          "max_instances": el.max_instances,
+          "observe_iterations": el.observe_iterations,
+          "min_gain": el.min_gain,
+          "cooldown_iterations": el.cooldown_iterations,
+          "schedule": el.schedule,
+      },
+      gen_cores=gen_cores,
+      max_in_flight=s.engine.max_num_seqs,
+      num_minibatches=s.samples_per_iteration // s.trainer.mini_batch_size,
+      transfer_s=measured["push_s_median"],
+      iterations=s.trainer.num_iterations,
+      warmup=warmup,
+      seed=s.seed,
+      free_slots=lambda it, n: max(0, slots - n),
+      scheduler=s.scheduler.kind if s.scheduler.kind in ("fifo", "skew") else "fifo",
+  )
+
+
+# ------------------------------------------------------------------- report
+def print_table(measured: dict, pred: dict | None, warmup: int) -> None:
+  head = (
+      f"{'it':>3s} | {'inst':>4s} {'gen s':>6s} {'train s':>7s} {'push s':>6s} {'iter s':>6s} "
+      f"{'gap s':>6s} {'len':>5s} | {'inst':>4s} {'gen s':>6s} {'train s':>7s} {'iter s':>6s}"
+  )
+  log(f"\n{'':3s}   {'measured (the run)':<48s} | predicted (simulator)")
+  log(head)
+  log("-" * len(head))
+  for x in measured["iterations"]:
+    j = x["it"]
+    p = ""
+    if pred is not None and j < len(pred["instances"]):
+      p = (
+          f"{pred['instances'][j]:4d} {pred['gen_s'][j]:6.2f} {pred['train_s'][j]:7.2f} "
+          f"{pred['iteration_s'][j]:6.2f}"
+      )
+    gap = f"{x['gap_s']:6.1f}" if "gap_s" in x else f"{'':6s}"
+    log(
+        f"{j:3d}{'*' if j < warmup else ' '}| {x['instances']:4d} {x['gen_s']:6.2f} "
+        f"{x['train_s']:7.2f} {x['push_s']:6.2f} {x['iter_s']:6.2f} {gap} {x['mean_len']:5.1f} | {p}"
+    )
+  log(
+      "  * warm-up, not measured. gen s / train s: time/generation_s (first request -> last"
+      " sample)\n  and time/training_s (trainer busy); iter s: time/iteration_s (generation +"
+      " training + push;\n  the simulator's: previous training end -> this one's, the push"
+      " first); gap s: wall time\n  between iterations outside iter s (policy, an added"
+      " instance's start-up, checkpoint);\n  len: mean output length (exact)."
+  )
+
+
+def print_decisions(measured: dict, pred: dict | None) -> None:
+  log("\ndecisions of the run (elastic.jsonl):")
+  if not measured["events"]:
+    log("  none")
+  for e in measured["events"]:
+    delta = {"added": +1, "removed": -1}.get(e["action"], 0)
+    log(
+        f"  after it {e['iteration']}: {delta:+d} ({e['action']}) -> {e['instances']}: {e['reason']}"
+    )
+  if pred is None:
+    return
+  log("decisions of the simulator (same ElasticPolicy, simulated stage times):")
+  if not pred["decisions"]:
+    log("  none")
+  for d in pred["decisions"]:
+    log(
+        f"  after it {d['iteration']}: {d['delta']:+d} -> {d['instances']} (first round "
+        f"{d['first_round']}): {d['reason']}"
+    )
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments {argv[1:]}")
+  if not 0 <= _WARMUP.value < _ITERATIONS.value:
+    raise app.UsageError("need 0 <= --warmup < --iterations.")
+  t_all = now()
+  overrides = workload_overrides()
+  s = typed_settings(overrides)  # checks every value before anything starts
+  os.makedirs(_WORKDIR.value, exist_ok=True)
+  os.makedirs(_OUT.value, exist_ok=True)
+  base = tempfile.mkdtemp(prefix="bench_", dir=_WORKDIR.value)
+  run_dir = os.path.join(base, "run")
+  cores = node_cores(_PIN.value)
+  log(
+      f"machine: {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}; nodes: head, trainer "
+      f"(dc0, {TRAIN_CPUS} CPU, cores {cores.get('trainer', 'any')}), generator (dc1, "
+      f"{GEN_CPUS} CPU, {_SLOTS.value} slots, cores {cores.get('generator', 'any')}); run in {run_dir}"
+  )
+  nodes = local_cluster.default_nodes(
+      generation_slots=_SLOTS.value, trainer_cpus=TRAIN_CPUS, generator_cpus=GEN_CPUS
+  )
+  c = PinnedCluster(nodes, workdir=os.path.join(base, "cluster"), cores=cores)
+  t0 = now()
+  rc = None
+  try:
+    c.start()
+    log(f"cluster up at {c.address} ({now() - t0:.0f} s); the elastic run starts")
+    t1 = now()
+    rc = run_elastic(c, run_dir, overrides, os.path.join(base, "run.log"))
+    run_s = now() - t1
+  finally:
+    c.stop()
+  log(f"run ended (exit {rc}) after {run_s:.0f} s; log: {os.path.join(base, 'run.log')}")
+  if rc != 0:
+    with open(os.path.join(base, "run.log"), errors="replace") as f:
+      log(f.read()[-3000:])
+  placement = {}
+  if os.path.isfile(os.path.join(run_dir, "placement.json")):
+    with open(os.path.join(run_dir, "placement.json")) as f:
+      placement = json.load(f)
+    where = {"trainer": placement["trainer"].get("cores")}
+    where.update({f"generator {i}": g.get("cores") for i, g in placement["generators"].items()})
+    log(f"cores of the trainer and the generators (placement.json): {where}")
+
+  measured = analyse_run(run_dir, s, _WARMUP.value)
+  pred = costs = None
+  if rc == 0 and measured.get("samples_per_s"):
+    t2 = now()
+    log("measuring the cost models (launch/measure.py) ...")
+    costs = measure_costs(
+        run_dir, overrides, os.path.join(_OUT.value, "costs.json"), cores.get("generator")
+    )
+    log(f"  measured in {now() - t2:.0f} s")
+    # Instances time-share the generation node: its CPUs in units of one
+    # instance's threads (the service gives each max(1, CPUs // slots)).
+    gen_cores = max(1, GEN_CPUS // max(1, GEN_CPUS // _SLOTS.value))
+    pred = predict(measured, costs, s, gen_cores, _WARMUP.value)
+
+  print_table(measured, pred, _WARMUP.value)
+  print_decisions(measured, pred)
+  rebuilt = [
+      abs(statistics.fmean(x["output_lens"]) / x["mean_len"] - 1)
+      for x in measured["iterations"]
+      if x["output_lens"]
+  ]
+  if rebuilt:
+    log(f"\noutput lengths rebuilt from the histograms: mean off by at most {max(rebuilt):.1%}")
+  meas = measured.get("samples_per_s", float("nan"))
+  pr = pred["samples_per_s"] if pred else float("nan")
+  err = abs(pr - meas) / meas if pred else float("nan")
+  if costs is not None:
+    p, t = costs["profile"], costs["trainer"]
+    log(
+        f"cost models: PTL(BS) ms "
+        f"{', '.join(f'{b}:{1e3 * x:.2f}' for b, x in zip(p['batch_sizes'], p['ptl_s']))}, "
+        f"prefill {1e6 * p['prefill_s_per_token']:.1f} us/token; trainer fwd "
+        f"{1e6 * t['fwd_s_per_token']:.0f} + upd {1e6 * t['upd_s_per_token']:.0f} us/token; "
+        f"push {measured['push_s_median']:.3f} s (the run's median); gen_cores {gen_cores}"
+    )
+  total = now() - t_all
+  log(
+      f"samples/s over iterations {_WARMUP.value}..{_ITERATIONS.value - 1}: measured {meas:.2f}"
+      f" (wall clock, with what happens between iterations: "
+      f"{measured.get('wall_samples_per_s', float('nan')):.2f}), predicted {pr:.2f}; "
+      f"total {total:.0f} s, load {os.getloadavg()[0]:.1f}"
+  )
+  summary = {
+      "overrides": overrides,
+      "cores": cores,
+      "placement": placement,
+      "run_dir": run_dir,
+      "exit_code": rc,
+      "measured": measured,
+      "predicted": pred,
+      "costs": costs,
+      "total_s": total,
+  }
+  with open(os.path.join(_OUT.value, "summary.json"), "w") as f:
+    json.dump(summary, f, indent=1, default=str)
+  log(
+      f"RESULT instances_start={measured['instances_start']} "
+      f"instances_max={measured['instances_max']} lost={measured['lost']} "
+      f"duplicated={measured['duplicated']} version_errors={measured['version_errors']} "
+      f"calib_rel_err={err:.3f} measured_samples_per_s={meas:.3f} "
+      f"predicted_samples_per_s={pr:.3f} instances_end={measured['instances_end']} "
+      f"wall_s={total:.0f}"
+  )
+  if rc != 0:
+    sys.exit(1)
+
+
+if __name__ == "__main__":
+  app.run(main)
