@@ -387,3 +387,42 @@ def test_measure_script_writes_costs_the_planner_reads(tmp_path):
   c.lengths = dict(kind="fixed", prompt_len=16, output_len=32)
   report = run_plan(c)
   assert report.cost_model.startswith(f"measured ({out})") and report.predicted[report.mode] > 0
+
+
+def test_a_planned_run_end_to_end(tmp_path):
+  """plan.py --emit (CPU stand-in of the 7B plan) then main.py --plan: the
+  run uses the planned split, and placement.json shows it."""
+  plan_path = str(tmp_path / "plan.json")
+  res = _run(
+      [
+          "launch/plan.py",
+          "--config=configs/plan/qwen7b_single_dc.py",
+          f"--emit={plan_path}",
+          "--emit_target=cpu",
+      ]
+  )
+  assert res.returncode == 0, res.stderr[-2000:]
+  with open(plan_path) as f:
+    planned = json.load(f)
+  workdir = str(tmp_path / "run")
+  tiny = json.loads(open(os.path.join(os.path.dirname(__file__), "tiny_run.json")).read())
+  res = _run(
+      [
+          "launch/main.py",
+          "--config=configs/ppo.py",
+          f"--plan={plan_path}",
+          f"--workdir={workdir}",
+          *[f"--config.{k}={v}" for k, v in tiny.items()],
+      ]
+  )
+  assert res.returncode == 0, res.stderr[-3000:]
+  with open(os.path.join(workdir, "placement.json")) as f:
+    placement = json.load(f)
+  with open(os.path.join(workdir, "config.json")) as f:
+    config = json.load(f)
+  o = planned["overrides"]
+  assert len(placement["generators"]) == o["generation.num_instances"] >= 1
+  assert placement["plan"] == planned["plan"]
+  assert config["pipeline"]["mode"] == o["pipeline.mode"]
+  assert config["generation"]["scheduler"] == o["generation.scheduler"] == "skew"
+  assert config["transfer"]["enabled"] is True
