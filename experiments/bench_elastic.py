@@ -149,6 +149,12 @@ _TIMEOUT = flags.DEFINE_integer("timeout_s", 1500, "Longest the run may take.")
 _OVERRIDES = flags.DEFINE_multi_string(
     "override", [], "Extra config overrides key=value, for the run and the measurement."
 )
+_ALONE_REPS = flags.DEFINE_integer(
+    "alone_reps", 2, "Timed batches of the generator-alone measurement (per-request cost)."
+)
+_CHILD = flags.DEFINE_string(
+    "child", "", "Internal: JSON arguments of the generator-alone measurement (a subprocess)."
+)
 
 GEN_CPUS = 1  # the generation node's CPUs
 TRAIN_CPUS = 1  # the training node's CPUs

@@ -113,3 +113,23 @@ def test_the_controller_applies_a_forced_schedule(svc, tmp_path):
     events = [json.loads(line) for line in f]
   assert [(e["action"], e["instance"]) for e in events] == [("added", new), ("removed", new)]
   assert all("scheduled" in e["reason"] for e in events)
+
+
+def test_a_dead_instance_is_replaced(svc, tmp_path):
+  el = settings.Elastic(enabled=True, min_instances=1, max_instances=2, replace_dead=True)
+  svc.add_instance("for this test")
+  ctl = ElasticGeneration(el, svc, pool=cluster.GENERATION_POOL, workdir=str(tmp_path))
+  victim = svc.live_instances[-1]
+  ray.get(svc.actor(victim).inject_fault.remote("crash", after_samples=1))
+  out = list(svc.generate(requests(8), SAMPLING))
+  # Its unfinished requests ran on the survivor: each request once.
+  assert collections.Counter(s.prompt_id for s in out) == collections.Counter(range(8))
+  assert [d.instance_id for d in svc.dead_instances] == [victim]
+  ctl.after_iteration(5, generation_s=1.0, training_s=1.0, served_by=2)
+  assert len(svc.live_instances) == 2 and victim not in svc.live_instances
+  new = svc.live_instances[-1]
+  assert svc.versions()[new] == 3
+  assert (
+      ctl.events[0]["action"] == "added"
+      and f"replaces instance {victim}" in ctl.events[0]["reason"]
+  )
