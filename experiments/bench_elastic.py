@@ -89,6 +89,7 @@ cluster is always stopped, also on errors or Ctrl-C.
 
 from __future__ import annotations
 
+import collections
 import json
 import math
 import os
@@ -97,6 +98,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -203,6 +205,76 @@ def node_cores(pin: bool) -> dict[str, tuple[int, ...]]:
   }
 
 
+# ------------------------------------------------------------- other jobs
+class CpuMonitor(threading.Thread):
+  """Samples once a second the machine's busy CPU seconds (/proc/stat) and
+  the CPU seconds of this process's descendants (the cluster, the run, the
+  measurements); the difference is what other jobs on the machine used."""
+
+  def __init__(self, period_s: float = 1.0):
+    super().__init__(daemon=True)
+    self.period_s = period_s
+    self.samples: list[tuple[float, float, float]] = []  # (unix time, busy s, ours s)
+    self._ours: dict[int, float] = {}  # pid -> its last CPU seconds
+    self._stop_event = threading.Event()
+    self._tick = os.sysconf("SC_CLK_TCK")
+
+  def _busy(self) -> float:
+    with open("/proc/stat") as f:
+      v = [int(x) for x in f.readline().split()[1:]]
+    # user nice system idle iowait irq softirq steal ...: all but idle and iowait
+    return (sum(v[:8]) - v[3] - v[4]) / self._tick
+
+  def _descendants(self) -> None:
+    procs = {}
+    for name in os.listdir("/proc"):
+      if not name.isdigit():
+        continue
+      try:
+        with open(f"/proc/{name}/stat") as f:
+          rest = f.read().rsplit(")", 1)[1].split()
+      except OSError:
+        continue
+      procs[int(name)] = (int(rest[1]), (int(rest[11]) + int(rest[12])) / self._tick)
+    mine = {os.getpid()}
+    children = collections.defaultdict(list)
+    for pid, (ppid, _) in procs.items():
+      children[ppid].append(pid)
+    todo = [os.getpid()]
+    while todo:
+      for c in children.get(todo.pop(), []):
+        if c not in mine:
+          mine.add(c)
+          todo.append(c)
+    for pid in mine:
+      self._ours[pid] = procs[pid][1] if pid in procs else self._ours.get(pid, 0.0)
+
+  def sample(self) -> None:
+    self._descendants()
+    self.samples.append((time.time(), self._busy(), sum(self._ours.values())))
+
+  def run(self) -> None:
+    while not self._stop_event.is_set():
+      self.sample()
+      self._stop_event.wait(self.period_s)
+
+  def stop(self) -> None:
+    self._stop_event.set()
+    self.join()
+    self.sample()
+
+  def others(self, t0: float, t1: float) -> float | None:
+    """Cores other jobs kept busy on average between unix times t0 and t1."""
+    import numpy as np  # pylint: disable=g-import-not-at-top
+
+    if len(self.samples) < 2 or t1 - t0 < 2 * self.period_s:
+      return None
+    t, busy, ours = (np.asarray(x) for x in zip(*self.samples))
+    b = np.interp([t0, t1], t, busy)
+    o = np.interp([t0, t1], t, ours)
+    return max(0.0, float((b[1] - b[0]) - (o[1] - o[0])) / (t1 - t0))
+
+
 # ---------------------------------------------------------------- overrides
 def workload_overrides() -> dict:
   """The config overrides of the run (and of the measurement, minus the cluster)."""
@@ -287,6 +359,95 @@ def measure_costs(run_dir: str, overrides: dict, out_path: str, cores) -> dict:
       log(f"  measure: {line}")
   with open(out_path) as f:
     return json.load(f)
+
+
+def generator_alone_child(args: dict) -> None:
+  """The generator alone (this is a subprocess on the generation node's
+  cores): an in-process engine with one torch thread, as a generator actor
+  runs it, warmed up on a few requests, then the run's first prompt batch
+  generated `reps` times with the run's in-flight cap. Writes the batch
+  times and the lengths in admission order to args["out"]."""
+  os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+  os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+  sys.path.insert(0, os.path.join(ROOT, "experiments"))
+  from modes_workload import Workload  # pylint: disable=g-import-not-at-top
+  from streamrl.generator.local import sampling_for  # pylint: disable=g-import-not-at-top
+
+  s = typed_settings(args["overrides"])
+  work = Workload(s, args["run_dir"])  # the run's cached initial policy
+  try:
+    rollout = work.local_rollout(threads=1)
+    requests, _ = work.requests(work.batches(1)[0])
+    cap = [s.engine.max_num_seqs]
+    # The first generations on a fresh engine are slow: untimed.
+    list(rollout.generate(requests[:8], sampling_for(s.sampling, s.seed, 10_000), caps=cap))
+    out = []
+    for k in range(args["reps"]):
+      t0 = now()
+      got = {
+          q.prompt_id: q
+          for q in rollout.generate(requests, sampling_for(s.sampling, s.seed, k), caps=cap)
+      }
+      dt = now() - t0
+      order = [got[rid] for rid, _ in requests]
+      out.append(
+          {
+              "gen_s": dt,
+              "prompt_lens": [len(q.prompt_token_ids) for q in order],
+              "output_lens": [max(1, len(q.token_ids)) for q in order],
+          }
+      )
+  finally:
+    work.close_local()
+  with open(args["out"], "w") as f:
+    json.dump(out, f)
+
+
+def generator_alone(run_dir: str, overrides: dict, out_path: str, cores) -> list[dict]:
+  args = [sys.executable, os.path.abspath(__file__)]
+  args += [
+      "--child="
+      + json.dumps(
+          {"run_dir": run_dir, "overrides": overrides, "out": out_path, "reps": _ALONE_REPS.value}
+      )
+  ]
+  if cores:
+    args = ["taskset", "-c", ",".join(map(str, cores))] + args
+  res = subprocess.run(args, capture_output=True, text=True, timeout=600, cwd=ROOT)
+  if res.returncode != 0:
+    raise RuntimeError(
+        f"the generator-alone measurement failed:\n{(res.stdout + res.stderr)[-3000:]}"
+    )
+  with open(out_path) as f:
+    return json.load(f)
+
+
+def with_request_cost(costs: dict, alone: list[dict], cap: int) -> tuple[dict, float]:
+  """The profile plus a per-request cost, as experiments/calibrate_sim.py
+  derives it: the profile's two-length slope cancels whatever does not scale
+  with decode steps (request set-up, the first step, output processing), so
+  each generator-alone batch is replayed in the simulator with the profile
+  alone and the median difference per request (floored at 0) is that cost.
+  The simulator charges it with the prefill, per prompt token (exact on
+  average over the batch's prompts). Returns (profile, seconds per request)."""
+  from streamrl.sim.calibrate import from_measured  # pylint: disable=g-import-not-at-top
+  from streamrl.sim.engine import simulate_generation  # pylint: disable=g-import-not-at-top
+
+  gen, _ = from_measured(
+      costs["profile"], {"fwd_s_per_token": 0.0, "upd_s_per_token": 0.0}, max_num_seqs=cap
+  )
+  per_request = []
+  for b in alone:
+    n = len(b["output_lens"])
+    replay = simulate_generation(
+        gen, 1, b["prompt_lens"], b["output_lens"], queues=[list(range(n))], caps=[cap]
+    ).makespan
+    per_request.append((b["gen_s"] - replay) / n)
+  req = statistics.median(per_request)
+  mean_prompt = statistics.fmean(p for b in alone for p in b["prompt_lens"])
+  profile = dict(costs["profile"])
+  profile["prefill_s_per_token"] = profile["prefill_s_per_token"] + max(req, 0.0) / mean_prompt
+  return profile, req
 
 
 def read_jsonl(path: str) -> list[dict]:
