@@ -569,31 +569,33 @@ def analyse_run(run_dir: str, s, warmup: int) -> dict:
   return out
 
 
-def predict(measured: dict, costs: dict, s, gen_cores: int, warmup: int) -> dict:
+def policy_kwargs(s) -> dict:
+  """ElasticPolicy's keywords from the run's settings, as ElasticPolicy.from_settings
+  maps them (every constructor keyword that names an `elastic.*` field)."""
+  import inspect  # pylint: disable=g-import-not-at-top
+  from streamrl.planner.elastic import ElasticPolicy  # pylint: disable=g-import-not-at-top
+
+  names = inspect.signature(ElasticPolicy.__init__).parameters
+  out = {n: getattr(s.elastic, n) for n in names if hasattr(s.elastic, n)}
+  return {"start_instances": s.engine.num_instances, **out}
+
+
+def predict(measured: dict, costs: dict, profile: dict, s, gen_cores: int, warmup: int) -> dict:
   from streamrl.sim.calibrate import predict_elastic_throughput  # pylint: disable=g-import-not-at-top
 
   its = measured["iterations"]
   if len(its) != s.trainer.num_iterations or any(x["output_lens"] is None for x in its):
     raise RuntimeError("the run's per-iteration output lengths are incomplete; nothing to replay.")
-  el = s.elastic
   slots = _SLOTS.value
   return predict_elastic_throughput(
-      costs["profile"],
+      profile,
       costs["trainer"],
       s.pipeline.mode,
       output_lens=None,
       output_lens_per_iteration=[x["output_lens"] for x in its],
       prompt_lens=max(1, round(costs["generation"]["mean_prompt_len"])),
       batch_size=s.samples_per_iteration,
-      policy_kwargs={
-          "start_instances": s.engine.num_instances,
-          "min_instances": el.min_instances,
-          "max_instances": el.max_instances,
-          "observe_iterations": el.observe_iterations,
-          "min_gain": el.min_gain,
-          "cooldown_iterations": el.cooldown_iterations,
-          "schedule": el.schedule,
-      },
+      policy_kwargs=policy_kwargs(s),
       gen_cores=gen_cores,
       max_in_flight=s.engine.max_num_seqs,
       num_minibatches=s.samples_per_iteration // s.trainer.mini_batch_size,
@@ -610,9 +612,10 @@ def predict(measured: dict, costs: dict, s, gen_cores: int, warmup: int) -> dict
 def print_table(measured: dict, pred: dict | None, warmup: int) -> None:
   head = (
       f"{'it':>3s} | {'inst':>4s} {'gen s':>6s} {'train s':>7s} {'push s':>6s} {'iter s':>6s} "
-      f"{'gap s':>6s} {'len':>5s} | {'inst':>4s} {'gen s':>6s} {'train s':>7s} {'iter s':>6s}"
+      f"{'gap s':>6s} {'len':>5s} {'other':>5s} | {'inst':>4s} {'gen s':>6s} {'train s':>7s} "
+      f"{'iter s':>6s}"
   )
-  log(f"\n{'':3s}   {'measured (the run)':<48s} | predicted (simulator)")
+  log(f"\n{'':3s}   {'measured (the run)':<54s} | predicted (simulator)")
   log(head)
   log("-" * len(head))
   for x in measured["iterations"]:
@@ -624,16 +627,19 @@ def print_table(measured: dict, pred: dict | None, warmup: int) -> None:
           f"{pred['iteration_s'][j]:6.2f}"
       )
     gap = f"{x['gap_s']:6.1f}" if "gap_s" in x else f"{'':6s}"
+    other = f"{x['others']:5.2f}" if x.get("others") is not None else f"{'':5s}"
     log(
         f"{j:3d}{'*' if j < warmup else ' '}| {x['instances']:4d} {x['gen_s']:6.2f} "
-        f"{x['train_s']:7.2f} {x['push_s']:6.2f} {x['iter_s']:6.2f} {gap} {x['mean_len']:5.1f} | {p}"
+        f"{x['train_s']:7.2f} {x['push_s']:6.2f} {x['iter_s']:6.2f} {gap} {x['mean_len']:5.1f} "
+        f"{other} | {p}"
     )
   log(
-      "  * warm-up, not measured. gen s / train s: time/generation_s (first request -> last"
-      " sample)\n  and time/training_s (trainer busy); iter s: time/iteration_s (generation +"
-      " training + push;\n  the simulator's: previous training end -> this one's, the push"
-      " first); gap s: wall time\n  between iterations outside iter s (policy, an added"
-      " instance's start-up, checkpoint);\n  len: mean output length (exact)."
+      "  * warm-up, not measured. gen s / train s: time/generation_s (first request -> last\n"
+      "  sample) and time/training_s (trainer busy); iter s: time/iteration_s (generation +\n"
+      "  training + push; the simulator's: previous training end -> this one's, the push\n"
+      "  first); gap s: wall time between iterations outside iter s (the policy, an added\n"
+      "  instance's start-up and catch-up, checkpoint); len: mean output length (exact);\n"
+      "  other: cores that other jobs on this machine kept busy during the iteration."
   )
 
 
@@ -661,6 +667,9 @@ def print_decisions(measured: dict, pred: dict | None) -> None:
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments {argv[1:]}")
+  if _CHILD.value:
+    generator_alone_child(json.loads(_CHILD.value))
+    return
   if not 0 <= _WARMUP.value < _ITERATIONS.value:
     raise app.UsageError("need 0 <= --warmup < --iterations.")
   t_all = now()
@@ -674,14 +683,17 @@ def main(argv):
   log(
       f"machine: {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}; nodes: head, trainer "
       f"(dc0, {TRAIN_CPUS} CPU, cores {cores.get('trainer', 'any')}), generator (dc1, "
-      f"{GEN_CPUS} CPU, {_SLOTS.value} slots, cores {cores.get('generator', 'any')}); run in {run_dir}"
+      f"{GEN_CPUS} CPU, {_SLOTS.value} slots, cores {cores.get('generator', 'any')}); "
+      f"run in {run_dir}"
   )
+  monitor = CpuMonitor()
+  monitor.start()
   nodes = local_cluster.default_nodes(
       generation_slots=_SLOTS.value, trainer_cpus=TRAIN_CPUS, generator_cpus=GEN_CPUS
   )
   c = PinnedCluster(nodes, workdir=os.path.join(base, "cluster"), cores=cores)
   t0 = now()
-  rc = None
+  rc, run_s = None, 0.0
   try:
     c.start()
     log(f"cluster up at {c.address} ({now() - t0:.0f} s); the elastic run starts")
@@ -690,7 +702,7 @@ def main(argv):
     run_s = now() - t1
   finally:
     c.stop()
-  log(f"run ended (exit {rc}) after {run_s:.0f} s; log: {os.path.join(base, 'run.log')}")
+  log(f"run ended (exit {rc}) after {run_s:.0f} s; its output: {os.path.join(base, 'run.log')}")
   if rc != 0:
     with open(os.path.join(base, "run.log"), errors="replace") as f:
       log(f.read()[-3000:])
@@ -703,18 +715,35 @@ def main(argv):
     log(f"cores of the trainer and the generators (placement.json): {where}")
 
   measured = analyse_run(run_dir, s, _WARMUP.value)
-  pred = costs = None
+  pred = costs = profile = None
+  req_s = float("nan")
+  # Instances time-share the generation node: its CPUs in units of one
+  # instance's threads (the service gives each max(1, CPUs // slots)).
+  gen_cores = max(1, GEN_CPUS // max(1, GEN_CPUS // _SLOTS.value))
+  phases = {}
   if rc == 0 and measured.get("samples_per_s"):
-    t2 = now()
-    log("measuring the cost models (launch/measure.py) ...")
+    log("measuring the cost models: launch/measure.py, then the generator alone ...")
+    t2 = time.time()
     costs = measure_costs(
         run_dir, overrides, os.path.join(_OUT.value, "costs.json"), cores.get("generator")
     )
-    log(f"  measured in {now() - t2:.0f} s")
-    # Instances time-share the generation node: its CPUs in units of one
-    # instance's threads (the service gives each max(1, CPUs // slots)).
-    gen_cores = max(1, GEN_CPUS // max(1, GEN_CPUS // _SLOTS.value))
-    pred = predict(measured, costs, s, gen_cores, _WARMUP.value)
+    t3 = time.time()
+    alone = generator_alone(
+        run_dir, overrides, os.path.join(base, "generator_alone.json"), cores.get("generator")
+    )
+    t4 = time.time()
+    phases = {"measure.py": (t2, t3), "generator alone": (t3, t4)}
+    profile, req_s = with_request_cost(costs, alone, s.engine.max_num_seqs)
+    batches = ", ".join(f"{b['gen_s']:.2f}" for b in alone)
+    log(
+        f"  measured in {t4 - t2:.0f} s; generator alone: {batches} s per batch, per-request cost "
+        f"{1e3 * req_s:.1f} ms"
+    )
+    pred = predict(measured, costs, profile, s, gen_cores, _WARMUP.value)
+  monitor.stop()
+  for x in measured["iterations"]:
+    x["others"] = monitor.others(x["wall_time"] - x["iter_s"], x["wall_time"])
+  phases = {k: monitor.others(*v) for k, v in phases.items()}
 
   print_table(measured, pred, _WARMUP.value)
   print_decisions(measured, pred)
@@ -733,9 +762,17 @@ def main(argv):
     log(
         f"cost models: PTL(BS) ms "
         f"{', '.join(f'{b}:{1e3 * x:.2f}' for b, x in zip(p['batch_sizes'], p['ptl_s']))}, "
-        f"prefill {1e6 * p['prefill_s_per_token']:.1f} us/token; trainer fwd "
-        f"{1e6 * t['fwd_s_per_token']:.0f} + upd {1e6 * t['upd_s_per_token']:.0f} us/token; "
-        f"push {measured['push_s_median']:.3f} s (the run's median); gen_cores {gen_cores}"
+        f"prefill {1e6 * p['prefill_s_per_token']:.1f} us/token + {1e3 * max(req_s, 0):.1f} ms "
+        f"per request; trainer fwd {1e6 * t['fwd_s_per_token']:.0f} + upd "
+        f"{1e6 * t['upd_s_per_token']:.0f} us/token; push {measured['push_s_median']:.3f} s "
+        f"(the run's median); gen_cores {gen_cores}"
+    )
+  others = [x["others"] for x in measured["iterations"] if x.get("others") is not None]
+  if others:
+    log(
+        "cores other jobs kept busy: during the run's iterations "
+        f"{min(others):.2f}-{max(others):.2f}; "
+        + ", ".join(f"during {k} {v:.2f}" for k, v in phases.items() if v is not None)
     )
   total = now() - t_all
   log(
@@ -753,6 +790,9 @@ def main(argv):
       "measured": measured,
       "predicted": pred,
       "costs": costs,
+      "profile_with_request_cost": profile,
+      "per_request_s": req_s,
+      "others_during_measurement": phases,
       "total_s": total,
   }
   with open(os.path.join(_OUT.value, "summary.json"), "w") as f:

@@ -7,7 +7,10 @@ Two implementations, both in this package:
 
 Both stream finished `Sample`s as they finish, take new weights through
 `update` (which returns an `UpdateHandle` at once), and report their live and
-dead instances. Nothing here imports torch or vLLM.
+dead instances. The service's instances may change between rounds (elastic
+generation: `add_instance` / `remove_instance`, streamrl/generator/elastic.py);
+ids are never reused, and `assignments` name instances by id. Nothing here
+imports torch or vLLM.
 """
 
 from __future__ import annotations

@@ -303,12 +303,15 @@ def plan(
     unit: int = 8,
     budgets: Mapping[str, int] | None = None,
     gpus: Mapping[str, GpuSpec] | None = None,
+    estimator: "StageEstimator | None" = None,
 ) -> PlanResult:
   """Best allocation over the given pools.
 
   One pool: Algorithm 1 (single DC). Several pools: every (gen pool, train
   pool) pair goes through the shrink-the-faster-stage rule, and every pool
   alone through the single-DC enumeration; the best objective wins.
+  `estimator` replaces the paper-calibrated stage estimator (e.g. one with
+  measured costs, streamrl/planner/run.py).
   """
   if objective not in OBJECTIVES:
     raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}.")
@@ -322,7 +325,7 @@ def plan(
           f"the plan asks for {b} GPUs in pool {p.name!r}, but only {p.num_gpus} exist; "
           "lower the request or add GPUs to the pool."
       )
-  est = StageEstimator(workload, gpus)
+  est = estimator or StageEstimator(workload, gpus)
   for p in pools:
     est.gpu(p.gpu)  # Unknown GPU types fail here, with one sentence.
   options: list[Allocation] = []

@@ -26,10 +26,7 @@ from streamrl.planner.allocation import (
     Pool,
     StageEstimator,
     Workload,
-    _key,
     plan,
-    shrink_faster,
-    single_dc,
 )
 from streamrl.scheduling.dispatch import dispatch
 from streamrl.sim import costs
@@ -214,44 +211,8 @@ def plan_with(
     unit: int = 8,
     budgets: Mapping[str, int] | None = None,
 ) -> PlanResult:
-  """`allocation.plan` over a given estimator (same candidates, same choice).
-
-  allocation.plan builds its own StageEstimator; this runs its steps over
-  `est` (here: one with measured costs). tests/test_plan_emit.py checks that
-  both choose alike on the paper's costs.
-  """
-  budgets = dict(budgets or {})
-  options: list[Allocation] = []
-  for p in pools:
-    b = budgets.get(p.name, p.num_gpus)
-    if b >= 2 * unit:
-      options += single_dc(p, est, unit=unit, objective=objective, budget=b)
-  for gp in pools:
-    for tp_ in pools:
-      if gp is not tp_:
-        options += shrink_faster(
-            gp,
-            tp_,
-            est,
-            unit=unit,
-            gen_budget=budgets.get(gp.name, gp.num_gpus),
-            train_budget=budgets.get(tp_.name, tp_.num_gpus),
-        )
-  if not options:
-    raise ValueError("no allocation is possible with these pools; add GPUs.")
-  uniq = list(dict.fromkeys(options))
-  two_pool = [a for a in uniq if a.gen_pool != a.train_pool]
-  chosen_pairs = []
-  for gp in pools:
-    for tp_ in pools:
-      if gp is not tp_:
-        pair = [a for a in two_pool if a.gen_pool == gp.name and a.train_pool == tp_.name]
-        if pair:
-          chosen_pairs.append(pair[0])  # shrink_faster puts its choice first
-  same_pool = [a for a in uniq if a.gen_pool == a.train_pool]
-  best = sorted(chosen_pairs + same_pool, key=lambda a: _key(a, objective))[0]
-  others = sorted((a for a in uniq if a is not best), key=lambda a: _key(a, objective))
-  return PlanResult(best=best, options=tuple([best] + others), objective=objective)
+  """`allocation.plan` over a given estimator (here: one with measured costs)."""
+  return plan(pools, est.w, objective=objective, unit=unit, budgets=budgets, estimator=est)
 
 
 # ------------------------------------------------------------------ planning
