@@ -146,7 +146,9 @@ _WARMUP = flags.DEFINE_integer(
 _PIN = flags.DEFINE_bool(
     "pin_nodes", True, "Run each worker node on cores of its own (taskset), as its CPUs say."
 )
-_REPS = flags.DEFINE_integer("measure_reps", 3, "launch/measure.py --reps.")
+_REPS = flags.DEFINE_integer(
+    "measure_reps", 5, "launch/measure.py --reps (its PTL timings are short: more is steadier)."
+)
 _TIMEOUT = flags.DEFINE_integer("timeout_s", 1500, "Longest the run may take.")
 _OVERRIDES = flags.DEFINE_multi_string(
     "override", [], "Extra config overrides key=value, for the run and the measurement."
@@ -362,58 +364,86 @@ def measure_costs(run_dir: str, overrides: dict, out_path: str, cores) -> dict:
 
 
 def generator_alone_child(args: dict) -> None:
-  """The generator alone (this is a subprocess on the generation node's
-  cores): an in-process engine with one torch thread, as a generator actor
-  runs it, warmed up on a few requests, then the run's first prompt batch
-  generated `reps` times with the run's in-flight cap. Writes the batch
-  times and the lengths in admission order to args["out"]."""
-  os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+  """The generator alone, through the run's own path (this runs as a
+  subprocess on the training node's cores, where the trainer ran, joined to
+  the run's cluster): a StreamGenerationService as the run builds it (the
+  run's engine settings, its initial policy, one instance on the generation
+  node, samples streamed back through Ray), warmed up on a few requests,
+  then the run's first prompt batch `reps` times; then one instance added
+  (the elastic path) and the same batches again on both, the first of them
+  the new instance's first round. Nothing else runs on the cluster. Writes
+  the batch times and lengths to args["out"]."""
   os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
   sys.path.insert(0, os.path.join(ROOT, "experiments"))
   from modes_workload import Workload  # pylint: disable=g-import-not-at-top
+  from streamrl import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
   from streamrl.generator.local import sampling_for  # pylint: disable=g-import-not-at-top
+  from streamrl.generator.service import StreamGenerationService  # pylint: disable=g-import-not-at-top
 
   s = typed_settings(args["overrides"])
-  work = Workload(s, args["run_dir"])  # the run's cached initial policy
+  work = Workload(s, args["run_dir"])  # the run's cached initial policy, its prompts
+  info = cluster_lib.init_ray_for(s.cluster)
+  t0 = now()
+  svc = StreamGenerationService(
+      work.model_dir,
+      s.engine,
+      dtype=s.model.dtype,
+      seed=s.seed,
+      cluster=info,
+      stall_timeout_s=s.pipeline.stall_timeout_s,
+      log_dir=args["log_dir"],
+      placement=s.cluster,
+      max_instances=s.elastic.max_instances,
+  )
+  out = {"start_s": now() - t0, "one": [], "two": []}
   try:
-    rollout = work.local_rollout(threads=1)
     requests, _ = work.requests(work.batches(1)[0])
-    cap = [s.engine.max_num_seqs]
-    # The first generations on a fresh engine are slow: untimed.
-    list(rollout.generate(requests[:8], sampling_for(s.sampling, s.seed, 10_000), caps=cap))
-    out = []
-    for k in range(args["reps"]):
+
+    def batch(k: int) -> dict:
       t0 = now()
-      got = {
-          q.prompt_id: q
-          for q in rollout.generate(requests, sampling_for(s.sampling, s.seed, k), caps=cap)
-      }
+      got = {q.prompt_id: q for q in svc.generate(requests, sampling_for(s.sampling, s.seed, k))}
       dt = now() - t0
       order = [got[rid] for rid, _ in requests]
-      out.append(
-          {
-              "gen_s": dt,
-              "prompt_lens": [len(q.prompt_token_ids) for q in order],
-              "output_lens": [max(1, len(q.token_ids)) for q in order],
-          }
-      )
+      return {
+          "gen_s": dt,
+          "prompt_lens": [len(q.prompt_token_ids) for q in order],
+          "output_lens": [max(1, len(q.token_ids)) for q in order],
+          "instances": len(svc.live_instances),
+      }
+
+    # The first generations on a fresh engine are slow: untimed.
+    list(svc.generate(requests[:8], sampling_for(s.sampling, s.seed, 10_000)))
+    out["one"] = [batch(k) for k in range(args["reps"])]
+    t0 = now()
+    svc.add_instance("bench: two instances sharing the generation node")
+    out["add_s"] = now() - t0
+    out["two"] = [batch(k) for k in [0] + list(range(args["reps"]))]
   finally:
-    work.close_local()
+    svc.close()
   with open(args["out"], "w") as f:
     json.dump(out, f)
 
 
-def generator_alone(run_dir: str, overrides: dict, out_path: str, cores) -> list[dict]:
-  args = [sys.executable, os.path.abspath(__file__)]
-  args += [
-      "--child="
-      + json.dumps(
-          {"run_dir": run_dir, "overrides": overrides, "out": out_path, "reps": _ALONE_REPS.value}
-      )
-  ]
+def generator_alone(c, run_dir: str, overrides: dict, out_path: str, cores) -> dict:
+  """Runs `generator_alone_child` against cluster `c`, on `cores`."""
+  child = {
+      "run_dir": run_dir,
+      "overrides": {**overrides, "cluster.address": c.address},
+      "out": out_path,
+      "log_dir": os.path.dirname(out_path),
+      "reps": _ALONE_REPS.value,
+  }
+  args = [sys.executable, os.path.abspath(__file__), "--child=" + json.dumps(child)]
   if cores:
     args = ["taskset", "-c", ",".join(map(str, cores))] + args
-  res = subprocess.run(args, capture_output=True, text=True, timeout=600, cwd=ROOT)
+  res = subprocess.run(
+      args,
+      env={**os.environ, **c.env()},
+      capture_output=True,
+      text=True,
+      timeout=900,
+      cwd=ROOT,
+  )
   if res.returncode != 0:
     raise RuntimeError(
         f"the generator-alone measurement failed:\n{(res.stdout + res.stderr)[-3000:]}"
@@ -422,32 +452,88 @@ def generator_alone(run_dir: str, overrides: dict, out_path: str, cores) -> list
     return json.load(f)
 
 
-def with_request_cost(costs: dict, alone: list[dict], cap: int) -> tuple[dict, float]:
-  """The profile plus a per-request cost, as experiments/calibrate_sim.py
-  derives it: the profile's two-length slope cancels whatever does not scale
-  with decode steps (request set-up, the first step, output processing), so
-  each generator-alone batch is replayed in the simulator with the profile
-  alone and the median difference per request (floored at 0) is that cost.
-  The simulator charges it with the prefill, per prompt token (exact on
-  average over the batch's prompts). Returns (profile, seconds per request)."""
+def gen_model(profile: dict, cap: int):
   from streamrl.sim.calibrate import from_measured  # pylint: disable=g-import-not-at-top
-  from streamrl.sim.engine import simulate_generation  # pylint: disable=g-import-not-at-top
 
   gen, _ = from_measured(
-      costs["profile"], {"fwd_s_per_token": 0.0, "upd_s_per_token": 0.0}, max_num_seqs=cap
+      profile, {"fwd_s_per_token": 0.0, "upd_s_per_token": 0.0}, max_num_seqs=cap
   )
-  per_request = []
-  for b in alone:
-    n = len(b["output_lens"])
-    replay = simulate_generation(
-        gen, 1, b["prompt_lens"], b["output_lens"], queues=[list(range(n))], caps=[cap]
-    ).makespan
-    per_request.append((b["gen_s"] - replay) / n)
-  req = statistics.median(per_request)
-  mean_prompt = statistics.fmean(p for b in alone for p in b["prompt_lens"])
+  return gen
+
+
+def replay(profile: dict, b: dict, cap: int, cores: int | None = None) -> float:
+  """The simulator's time for generator-alone batch `b` (its lengths, round-robin
+  over its instances as the service plans a FIFO round)."""
+  from streamrl.sim.engine import simulate_generation  # pylint: disable=g-import-not-at-top
+
+  n, m = len(b["output_lens"]), b["instances"]
+  return simulate_generation(
+      gen_model(profile, cap),
+      m,
+      b["prompt_lens"],
+      b["output_lens"],
+      queues=[list(range(i, n, m)) for i in range(m)],
+      caps=[cap] * m,
+      cores=cores,
+  ).makespan
+
+
+def with_request_cost(costs: dict, alone: dict, cap: int) -> tuple[dict, float, float]:
+  """The PTL profile plus a per-request cost, as experiments/calibrate_sim.py
+  derives it: the profile's two-length slope cancels whatever does not scale
+  with decode steps (request set-up, the first step, output processing, the
+  sample's trip through Ray to the trainer), so each one-instance
+  generator-alone batch is replayed with the profile alone, and the median
+  difference per request is that cost. The simulator charges it with the
+  prefill, per prompt token (exact on average over the batch's prompts).
+  A negative difference means the profile's short timings (well under a
+  second here) caught a slow moment of this shared machine: the profile is
+  then scaled down to the batches instead (PTL and prefill alike).
+  Returns (profile, seconds per request, the scale: 1 unless scaled)."""
+  one = alone["one"]
   profile = dict(costs["profile"])
-  profile["prefill_s_per_token"] = profile["prefill_s_per_token"] + max(req, 0.0) / mean_prompt
-  return profile, req
+  per_request = [(b["gen_s"] - replay(profile, b, cap)) / len(b["output_lens"]) for b in one]
+  req, scale = statistics.median(per_request), 1.0
+  if req >= 0:
+    mean_prompt = statistics.fmean(p for b in one for p in b["prompt_lens"])
+    profile["prefill_s_per_token"] += req / mean_prompt
+  else:
+    scale = statistics.median(b["gen_s"] / replay(profile, b, cap) for b in one)
+    profile["ptl_s"] = [scale * x for x in profile["ptl_s"]]
+    profile["prefill_s_per_token"] *= scale
+  return profile, req, scale
+
+
+def sharing_check(alone: dict, profile: dict, cap: int, gen_cores: int) -> dict:
+  """The generator-alone batches on one and on two instances, measured and
+  replayed with the run's cost model (two instances on `gen_cores` cores):
+  how far the simulator's time-sharing model is from the node, with and
+  without the added instance's first round (its engine is cold)."""
+  one = alone["one"]
+  # Batch k uses sampling seed k on either count: the same requests, the same lengths.
+  cold, warm = alone["two"][0], alone["two"][1:]
+  return {
+      "one_s": [b["gen_s"] for b in one],
+      "one_sim_s": [replay(profile, b, cap) for b in one],
+      "two_cold_s": cold["gen_s"],
+      "two_s": [b["gen_s"] for b in warm],
+      "two_sim_s": [replay(profile, b, cap, gen_cores) for b in warm],
+      "two_over_one": statistics.median(w["gen_s"] / o["gen_s"] for w, o in zip(warm, one)),
+      "cold_over_one": cold["gen_s"] / one[0]["gen_s"],
+      "add_s": alone["add_s"],
+  }
+
+
+def with_sharing(pred: dict, factor: float, batch: int, warmup: int) -> float:
+  """Predicted samples/s if every two-instance round's generation took `factor`
+  times the simulator's (the generator-alone slowdown of two instances on
+  the node over one), the rest unchanged. Sync mode only: there an
+  iteration's time is push + generation + training, one after the other."""
+  its = [
+      t + (factor - 1.0) * g if m == 2 else t
+      for t, g, m in zip(pred["iteration_s"], pred["gen_s"], pred["instances"])
+  ]
+  return batch * (len(its) - warmup) / sum(its[warmup:])
 
 
 def read_jsonl(path: str) -> list[dict]:
@@ -693,16 +779,23 @@ def main(argv):
   )
   c = PinnedCluster(nodes, workdir=os.path.join(base, "cluster"), cores=cores)
   t0 = now()
-  rc, run_s = None, 0.0
+  rc, run_s, alone, phases = None, 0.0, None, {}
   try:
     c.start()
     log(f"cluster up at {c.address} ({now() - t0:.0f} s); the elastic run starts")
     t1 = now()
     rc = run_elastic(c, run_dir, overrides, os.path.join(base, "run.log"))
     run_s = now() - t1
+    log(f"run ended (exit {rc}) after {run_s:.0f} s; its output: {os.path.join(base, 'run.log')}")
+    if rc == 0:
+      log("the generator alone on the same cluster (one instance, then two) ...")
+      t2 = time.time()
+      alone = generator_alone(
+          c, run_dir, overrides, os.path.join(base, "generator_alone.json"), cores.get("trainer")
+      )
+      phases["generator alone"] = (t2, time.time())
   finally:
     c.stop()
-  log(f"run ended (exit {rc}) after {run_s:.0f} s; its output: {os.path.join(base, 'run.log')}")
   if rc != 0:
     with open(os.path.join(base, "run.log"), errors="replace") as f:
       log(f.read()[-3000:])
@@ -716,29 +809,21 @@ def main(argv):
 
   measured = analyse_run(run_dir, s, _WARMUP.value)
   pred = costs = profile = None
-  req_s = float("nan")
+  req_s = scale = float("nan")
   # Instances time-share the generation node: its CPUs in units of one
   # instance's threads (the service gives each max(1, CPUs // slots)).
   gen_cores = max(1, GEN_CPUS // max(1, GEN_CPUS // _SLOTS.value))
-  phases = {}
-  if rc == 0 and measured.get("samples_per_s"):
-    log("measuring the cost models: launch/measure.py, then the generator alone ...")
+  sharing = None
+  if alone is not None and measured.get("samples_per_s"):
+    log("measuring the cost models (launch/measure.py) ...")
     t2 = time.time()
     costs = measure_costs(
         run_dir, overrides, os.path.join(_OUT.value, "costs.json"), cores.get("generator")
     )
-    t3 = time.time()
-    alone = generator_alone(
-        run_dir, overrides, os.path.join(base, "generator_alone.json"), cores.get("generator")
-    )
-    t4 = time.time()
-    phases = {"measure.py": (t2, t3), "generator alone": (t3, t4)}
-    profile, req_s = with_request_cost(costs, alone, s.engine.max_num_seqs)
-    batches = ", ".join(f"{b['gen_s']:.2f}" for b in alone)
-    log(
-        f"  measured in {t4 - t2:.0f} s; generator alone: {batches} s per batch, per-request cost "
-        f"{1e3 * req_s:.1f} ms"
-    )
+    phases["measure.py"] = (t2, time.time())
+    cap = s.engine.max_num_seqs
+    profile, req_s, scale = with_request_cost(costs, alone, cap)
+    sharing = sharing_check(alone, profile, cap, gen_cores)
     pred = predict(measured, costs, profile, s, gen_cores, _WARMUP.value)
   monitor.stop()
   for x in measured["iterations"]:
@@ -758,14 +843,40 @@ def main(argv):
   pr = pred["samples_per_s"] if pred else float("nan")
   err = abs(pr - meas) / meas if pred else float("nan")
   if costs is not None:
+    ptl = lambda p: ", ".join(  # pylint: disable=unnecessary-lambda-assignment
+        f"{b}:{1e3 * x:.2f}" for b, x in zip(p["batch_sizes"], p["ptl_s"])
+    )
     p, t = costs["profile"], costs["trainer"]
+    fix = (
+        f"+ {1e3 * req_s:.1f} ms per request"
+        if req_s >= 0
+        else f"per-request cost {1e3 * req_s:.1f} ms < 0: profile scaled by {scale:.2f}"
+    )
     log(
-        f"cost models: PTL(BS) ms "
-        f"{', '.join(f'{b}:{1e3 * x:.2f}' for b, x in zip(p['batch_sizes'], p['ptl_s']))}, "
-        f"prefill {1e6 * p['prefill_s_per_token']:.1f} us/token + {1e3 * max(req_s, 0):.1f} ms "
-        f"per request; trainer fwd {1e6 * t['fwd_s_per_token']:.0f} + upd "
-        f"{1e6 * t['upd_s_per_token']:.0f} us/token; push {measured['push_s_median']:.3f} s "
-        f"(the run's median); gen_cores {gen_cores}"
+        f"cost models: launch/measure.py PTL(BS) ms {ptl(p)}, prefill "
+        f"{1e6 * p['prefill_s_per_token']:.1f} us/token; with the generator alone ({fix}): "
+        f"PTL(BS) ms {ptl(profile)}, prefill {1e6 * profile['prefill_s_per_token']:.1f} us/token;"
+        f" trainer fwd {1e6 * t['fwd_s_per_token']:.0f} + upd {1e6 * t['upd_s_per_token']:.0f} "
+        f"us/token; push {measured['push_s_median']:.3f} s (the run's median); gen_cores "
+        f"{gen_cores}"
+    )
+  if sharing is not None:
+    sh = sharing
+    fmt = lambda xs: "/".join(f"{x:.2f}" for x in xs)  # pylint: disable=unnecessary-lambda-assignment
+    log(
+        f"generator alone (the run's first batch, same seeds): one instance {fmt(sh['one_s'])} s "
+        f"(model {fmt(sh['one_sim_s'])}); two instances on the generation node "
+        f"{fmt(sh['two_s'])} s (model {fmt(sh['two_sim_s'])}), {sh['two_over_one']:.2f}x one "
+        f"instance; the added instance's first round {sh['two_cold_s']:.2f} s "
+        f"({sh['cold_over_one']:.2f}x); adding it took {sh['add_s']:.1f} s"
+    )
+  shared_err = float("nan")
+  if sharing is not None and pred is not None and s.pipeline.mode == "sync":
+    shared = with_sharing(pred, sharing["two_over_one"], s.samples_per_iteration, _WARMUP.value)
+    shared_err = abs(shared - measured["samples_per_s"]) / measured["samples_per_s"]
+    log(
+        f"with that slowdown on the simulator's two-instance rounds: predicted {shared:.2f} "
+        f"samples/s (rel err {shared_err:.3f})"
     )
   others = [x["others"] for x in measured["iterations"] if x.get("others") is not None]
   if others:
@@ -792,6 +903,9 @@ def main(argv):
       "costs": costs,
       "profile_with_request_cost": profile,
       "per_request_s": req_s,
+      "profile_scale": scale,
+      "generator_alone": alone,
+      "sharing": sharing,
       "others_during_measurement": phases,
       "total_s": total,
   }
@@ -802,7 +916,8 @@ def main(argv):
       f"instances_max={measured['instances_max']} lost={measured['lost']} "
       f"duplicated={measured['duplicated']} version_errors={measured['version_errors']} "
       f"calib_rel_err={err:.3f} measured_samples_per_s={meas:.3f} "
-      f"predicted_samples_per_s={pr:.3f} instances_end={measured['instances_end']} "
+      f"predicted_samples_per_s={pr:.3f} calib_rel_err_with_sharing={shared_err:.3f} "
+      f"instances_end={measured['instances_end']} "
       f"wall_s={total:.0f}"
   )
   if rc != 0:

@@ -32,6 +32,7 @@ def fake_gpu_ray():
   if ray.is_initialized():
     ray.shutdown()
   ray.init(
+      address="local",  # never a cluster `ray start` left behind
       num_cpus=32,  # logical: what the GPU configs' actors ask for
       num_gpus=8,
       resources={cluster.GENERATION_POOL: 8, cluster.TRAINING_POOL: 1},
