@@ -10,81 +10,92 @@ on a trainer actor, weights through the checkpoint-transfer service. Ends
 with one line
 
   RESULT instances_start=1 instances_max=2 lost=0 duplicated=0 version_errors=0
-         calib_rel_err=<x> measured_samples_per_s=<x> predicted_samples_per_s=<x> ...
+         calib_rel_err=<x> measured_samples_per_s=<x> predicted_samples_per_s=<x>
+         two_instance_slowdown=<x> instances_end=1 wall_s=<x>
 
 What it does:
-  1. Starts the cluster. With --pin_nodes (default) each worker node's
-     `ray start` runs under `taskset`, so the node's raylet and every actor it
-     starts share that node's cores only: the generation node gets the first
-     core of this machine, the training node the second. A node spec then
-     means what it says (1 CPU = one core), as on a real cluster; without
-     pinning, two generator instances of a sync run would spread over both
-     cores while the trainer idles, and the generation node would in effect
-     have 2 cores.
+  1. Starts the cluster (always stopped again, on errors and Ctrl-C too).
+     With --pin_nodes (default) each worker node's `ray start` runs under
+     `taskset`: its raylet and every actor it starts share that node's
+     cores, the generation node the first core of this machine, the training
+     node the second. A node's CPU count then means what it says, as on a
+     real cluster; unpinned, the two instances of a sync run would spread
+     over both cores while the trainer idles.
   2. Runs `launch/main.py --config=configs/ppo.py` against it as a
-     subprocess (the way a user joins: cluster address on the command line,
-     RAY_AUTH_MODE / RAY_AUTH_TOKEN_PATH in the environment): pipeline.mode
-     sync, one generator instance to start with, elastic.enabled with
-     min 1 / max 2 instances, elastic.observe_iterations=--observe. The
-     workload is generation-bound: the tiny PPO policy (actor, critic,
-     reference) without warm start (its outputs run long, ~40 of
-     max_tokens=56 tokens), one request in flight per instance
-     (generation.max_num_seqs=1), one PPO epoch over one mini-batch of
-     the 64 samples. Measured here: generation ~4x training per iteration,
-     so the policy adds the second instance after `--observe` iterations;
-     the two instances then time-share the generation node's one core, save
-     nothing, and the policy releases the added one `--observe` iterations
-     later. No schedule is given: every change is the policy's.
-  3. Reads the run: <workdir>/metrics.jsonl (per-iteration scalars, with
-     `wall_time`), <workdir>/elastic.jsonl (the changes and their reasons)
-     and the TensorBoard histograms `response_length` and `staleness`
-     (per-sample values, bucketed; exact for the small integers of
-     staleness).
-       instances_start / _max: generators/instances of the first iteration
-         / the most over the run (the count that served each iteration:
-         logged before the policy's change after it);
+     subprocess, the way a user joins (the address on the command line,
+     RAY_AUTH_MODE / RAY_AUTH_TOKEN_PATH in the environment):
+     pipeline.mode sync, one generator instance to start with,
+     elastic.enabled with 1..2 instances, elastic.observe_iterations
+     --observe, no schedule: every change is the policy's. The workload is
+     generation-bound: the tiny PPO policy (actor, critic, reference) without
+     warm start (outputs of ~30-43 of max_tokens=56 tokens), one request in
+     flight per instance (generation.max_num_seqs=1), one PPO epoch over one
+     mini-batch of the 64 samples: generation ~4x training per iteration.
+     So the policy adds an instance after its first full window; the two
+     instances time-share the generation node's core, save nothing, and
+     the policy releases the added one a window later (cooldown 4: no
+     second try within 9 iterations).
+  3. Reads the run: metrics.jsonl (per-iteration scalars and `wall_time`),
+     elastic.jsonl (the changes and their reasons) and the TensorBoard
+     histograms `response_length` and `staleness` (per-sample values,
+     bucketed; their min and max are exact).
+       instances_start: generators/instances of iteration 0 (logged before
+         the policy's change after an iteration: the count that served it);
+       instances_max: the most over the iterations and elastic.jsonl;
        lost: sum over the configured iterations of max(0, expected -
          samples/count), expected = prompts_per_iteration * group_size; an
          iteration without a metrics row (the run died) loses all of it;
-       duplicated: sum of samples/duplicated (a request whose sample
-         reached the trainer twice);
+       duplicated: sum of samples/duplicated;
        version_errors: samples whose staleness (iteration - weight version)
-         lies outside the mode's bound: [0, 0] in sync, [0, max_staleness]
-         in async, counted from the staleness histograms (min/max are exact;
-         a bucket is counted when it lies outside the bound);
+         lies outside the mode's bound, [0, 0] in sync ([0, max_staleness]
+         in async), counted in the staleness histograms (exact for small
+         integers; 1 per iteration from staleness/max if one is missing);
        measured samples/s: total samples / summed time/iteration_s over
          iterations --warmup .. end (iteration 0 holds the trainer's XLA
-         compiles). time/iteration_s covers generation, training and the
-         weight push of an iteration; what happens between iterations (the
-         policy's decision, an added instance's start-up and catch-up, the
-         checkpoint) is not in it, and not in the simulator either: the
-         `gap s` column shows it, and `wall samples/s` counts it in.
-  4. Measures the cost models on this machine with `launch/measure.py`
-     (same config and overrides, the run's workdir for its cached initial
-     policy, pinned to the generation node's core): the PTL(BS) profile and
-     prefill cost of one in-process engine with one torch thread (the
-     generation node's threads per instance: 1 CPU / 2 slots, at least 1),
-     and the trainer's forward and update seconds per token on one real
-     batch. The weight push is the run's own median time/weight_update_s
-     over the measured iterations (export + publish + every instance's
-     verified load): a measured input, not fitted. Then
-     `streamrl.sim.calibrate.predict_elastic_throughput` replays the run:
-     the same ElasticPolicy settings, free slots = 2 - instances,
-     gen_cores = the generation node's CPUs (1: the instances time-share
-     one core), batch size, mini-batches, in-flight cap, and per iteration
-     the run's output lengths (rebuilt from that iteration's
-     `response_length` histogram: exact below ~10 tokens, within a bucket
-     -- ~5 % -- above; the rebuilt mean is checked against the exact
-     response_length/mean) with the mean prompt length of the measured
-     batch. calib_rel_err = |predicted - measured| / measured samples/s over
-     the same iteration window.
-  5. Prints per iteration measured vs predicted (instances, gen s, train s,
-     iteration s), both sets of decisions, and the RESULT line; writes
-     summary.json and costs.json under --out.
+         compiles and the engine's first round). time/iteration_s covers an
+         iteration's generation, training and weight push; what happens
+         between iterations (the policy, an added instance's start-up and
+         catch-up, the checkpoint; `gap s` in the table) is in neither it
+         nor the simulator. `wall clock` samples/s counts it (and the final
+         evaluation, ~2 s).
+  4. The generator alone, on the same cluster right after the run (a
+     subprocess on the training node's core, nothing else running): the
+     run's StreamGenerationService, engine settings and initial policy, one
+     instance, the run's first prompt batch --alone_reps times (after an
+     untimed warm-up); then one instance added (`add_instance`, the elastic
+     path) and the same batches (same seeds, same lengths) on both.
+  5. The cost models, measured on this machine: `launch/measure.py` (same
+     config, the run's workdir for its cached initial policy, pinned to the
+     generation node's core): the PTL(BS) profile and prefill cost of one
+     in-process engine with one torch thread (as each instance has: 1 CPU
+     over 2 slots, at least 1), and the trainer's forward and update seconds
+     per token on one real batch. As in experiments/calibrate_sim.py, the
+     profile gets a per-request cost (request set-up, first step, output
+     processing, the sample's trip through Ray), the one-instance
+     generator-alone batches minus their replay with the profile alone; if
+     that comes out negative (the profile's timings last well under a
+     second and catch the machine's slow moments), the profile is scaled
+     to those batches instead. The weight push is the run's median
+     time/weight_update_s over the measured iterations (export, publish,
+     every instance's verified load): a measured input, not fitted.
+     `streamrl.sim.calibrate.predict_elastic_throughput` then replays the
+     run: the ElasticPolicy with the run's `elastic.*` settings, free slots =
+     2 - instances, gen_cores = the generation node's CPUs in instance
+     threads (1: the instances time-share one core), batch, mini-batches,
+     in-flight cap, and per iteration the run's own output lengths (rebuilt
+     from that iteration's `response_length` histogram: exact below ~10
+     tokens, within a ~10 % bucket above; the rebuilt mean is checked against
+     response_length/mean) with the batch's mean prompt length.
+     calib_rel_err = |predicted - measured| / measured samples/s, same window.
+  6. Prints per iteration measured vs predicted (instances, gen s, train s,
+     iteration s) with the cores other jobs kept busy meanwhile (/proc/stat
+     minus this process tree), both sets of decisions, the generator-alone
+     comparison (one instance, two instances, the added one's first round;
+     two_instance_slowdown = two instances' batch time / one's, where the
+     simulator's model says 1.0) and the RESULT line; writes summary.json
+     and costs.json under --out.
 
-About 6-8 minutes on the 2-core machine (cluster and actor start-ups, two
-engine start-ups for the added instance, the measurement ~1 min). The
-cluster is always stopped, also on errors or Ctrl-C.
+About 5 minutes on the 2-core machine.
 """
 
 from __future__ import annotations
@@ -104,7 +115,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from absl import app, flags  # pylint: disable=wrong-import-position
+from absl import app, flags, logging as absl_logging  # pylint: disable=wrong-import-position
 
 from streamrl import local_cluster  # pylint: disable=wrong-import-position
 
@@ -133,7 +144,7 @@ _WARMSTART = flags.DEFINE_integer(
 _OBSERVE = flags.DEFINE_integer(
     "observe",
     3,
-    "elastic.observe_iterations (3: the median is robust to iteration 0's compile time).",
+    "elastic.observe_iterations (medians over 3 iterations shrug off one slow iteration).",
 )
 _COOLDOWN = flags.DEFINE_integer("cooldown", 4, "elastic.cooldown_iterations.")
 _MIN_GAIN = flags.DEFINE_float("min_gain", 0.5, "elastic.min_gain.")
@@ -154,7 +165,7 @@ _OVERRIDES = flags.DEFINE_multi_string(
     "override", [], "Extra config overrides key=value, for the run and the measurement."
 )
 _ALONE_REPS = flags.DEFINE_integer(
-    "alone_reps", 2, "Timed batches of the generator-alone measurement (per-request cost)."
+    "alone_reps", 2, "Timed batches of the generator alone, on one instance and on two."
 )
 _CHILD = flags.DEFINE_string(
     "child", "", "Internal: JSON arguments of the generator-alone measurement (a subprocess)."
@@ -270,6 +281,8 @@ class CpuMonitor(threading.Thread):
     import numpy as np  # pylint: disable=g-import-not-at-top
 
     if len(self.samples) < 2 or t1 - t0 < 2 * self.period_s:
+      return None
+    if t0 < self.samples[0][0] - self.period_s or t1 > self.samples[-1][0] + self.period_s:
       return None
     t, busy, ours = (np.asarray(x) for x in zip(*self.samples))
     b = np.interp([t0, t1], t, busy)
@@ -594,7 +607,7 @@ def analyse_run(run_dir: str, s, warmup: int) -> dict:
   expected = s.samples_per_iteration
   by_step = {r["step"]: r for r in rows}
   bound = (0, s.pipeline.max_staleness) if s.pipeline.mode == "async" else (0, 0)
-  lost = duplicated = version_errors = 0
+  lost = duplicated = version_errors = from_summary = 0
   its = []
   for it in range(s.trainer.num_iterations):
     r = by_step.get(it + 1)
@@ -609,6 +622,7 @@ def analyse_run(run_dir: str, s, warmup: int) -> dict:
       bad = count_outside(h, *bound)
     else:  # no histogram: the summary says whether any sample was outside
       bad = int(r["staleness/max"] > bound[1])
+      from_summary += 1
     version_errors += bad
     lens = None
     hl = hists["response_length"].get(it + 1)
@@ -642,9 +656,15 @@ def analyse_run(run_dir: str, s, warmup: int) -> dict:
       "duplicated": duplicated,
       "version_errors": version_errors,
       "instances_start": its[0]["instances"] if its else 0,
-      "instances_max": max((x["instances"] for x in its), default=0),
+      # The most at once: an iteration's count, or a change's (one made after
+      # the last iteration shows only in elastic.jsonl).
+      "instances_max": max(
+          [x["instances"] for x in its] + [e["instances"] for e in events], default=0
+      ),
       "instances_end": its[-1]["instances"] if its else 0,
       "window": [warmup, s.trainer.num_iterations],
+      # Iterations whose version errors come from staleness/max (no histogram).
+      "staleness_from_summary": from_summary,
   }
   if window:
     out["samples_per_s"] = samples / sum(x["iter_s"] for x in window)
@@ -753,6 +773,7 @@ def print_decisions(measured: dict, pred: dict | None) -> None:
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments {argv[1:]}")
+  absl_logging.set_verbosity(absl_logging.WARNING)
   if _CHILD.value:
     generator_alone_child(json.loads(_CHILD.value))
     return
@@ -839,6 +860,11 @@ def main(argv):
   ]
   if rebuilt:
     log(f"\noutput lengths rebuilt from the histograms: mean off by at most {max(rebuilt):.1%}")
+  if measured["staleness_from_summary"]:
+    log(
+        f"no staleness histogram for {measured['staleness_from_summary']} iterations: their "
+        "version errors count 1 per iteration whose staleness/max is out of bounds"
+    )
   meas = measured.get("samples_per_s", float("nan"))
   pr = pred["samples_per_s"] if pred else float("nan")
   err = abs(pr - meas) / meas if pred else float("nan")
@@ -870,20 +896,29 @@ def main(argv):
         f"instance; the added instance's first round {sh['two_cold_s']:.2f} s "
         f"({sh['cold_over_one']:.2f}x); adding it took {sh['add_s']:.1f} s"
     )
-  shared_err = float("nan")
+  per_token = collections.defaultdict(list)  # instances -> generation s per token, in the run
+  for x in measured["iterations"][_WARMUP.value :]:
+    per_token[x["instances"]].append(x["gen_s"] / (x["samples"] * x["mean_len"]))
+  if 1 in per_token and 2 in per_token:
+    med = {m: statistics.median(v) for m, v in per_token.items()}
+    log(
+        f"in the run: generation {1e3 * med[1]:.2f} ms per token on one instance, "
+        f"{1e3 * med[2]:.2f} on two ({med[2] / med[1]:.2f}x; medians over the measured iterations)"
+    )
   if sharing is not None and pred is not None and s.pipeline.mode == "sync":
     shared = with_sharing(pred, sharing["two_over_one"], s.samples_per_iteration, _WARMUP.value)
-    shared_err = abs(shared - measured["samples_per_s"]) / measured["samples_per_s"]
     log(
-        f"with that slowdown on the simulator's two-instance rounds: predicted {shared:.2f} "
-        f"samples/s (rel err {shared_err:.3f})"
+        f"sensitivity: the simulator (gen_cores={gen_cores}) has two instances on the node "
+        f"generate as fast as one; with the generator-alone slowdown "
+        f"({sharing['two_over_one']:.2f}x) on its two-instance rounds it would predict "
+        f"{shared:.2f} samples/s (rel err {abs(shared - meas) / meas:.3f})"
     )
   others = [x["others"] for x in measured["iterations"] if x.get("others") is not None]
   if others:
+    during = [f"{v:.2f} during {k}" for k, v in phases.items() if v is not None]
     log(
-        "cores other jobs kept busy: during the run's iterations "
-        f"{min(others):.2f}-{max(others):.2f}; "
-        + ", ".join(f"during {k} {v:.2f}" for k, v in phases.items() if v is not None)
+        f"cores other jobs kept busy: {min(others):.2f}-{max(others):.2f} during the run's "
+        f"iterations{'; ' if during else ''}{', '.join(during)}"
     )
   total = now() - t_all
   log(
@@ -916,7 +951,8 @@ def main(argv):
       f"instances_max={measured['instances_max']} lost={measured['lost']} "
       f"duplicated={measured['duplicated']} version_errors={measured['version_errors']} "
       f"calib_rel_err={err:.3f} measured_samples_per_s={meas:.3f} "
-      f"predicted_samples_per_s={pr:.3f} calib_rel_err_with_sharing={shared_err:.3f} "
+      f"predicted_samples_per_s={pr:.3f} "
+      f"two_instance_slowdown={sharing['two_over_one'] if sharing else float('nan'):.2f} "
       f"instances_end={measured['instances_end']} "
       f"wall_s={total:.0f}"
   )

@@ -387,6 +387,9 @@ def init_ray_for(c, gpus_needed: int = 0, trainer_processes: int = 1) -> Cluster
       training_pool=c.training_pool,
   )
   check_gpus(gpus_needed, info.resources)
+  import ray  # pylint: disable=g-import-not-at-top
+
+  check_placement(c, ray.nodes())
   slots = int(info.resources.get(c.training_pool, 0))
   if trainer_processes > slots:
     raise UserError(
@@ -456,6 +459,31 @@ def parse_labels(text: str) -> dict[str, str]:
       )
     out[key.strip()] = value.strip()
   return out
+
+
+def check_placement(c, nodes: list[dict]) -> None:
+  """Some alive node offers each side's pool with each side's labels (`c`: a
+  `streamrl.settings.Cluster`; `nodes`: `ray.nodes()`), so that no actor
+  waits forever for a node that does not exist."""
+  for side, pool, text in (
+      ("generation", c.generation_pool, c.generation_labels),
+      ("training", c.training_pool, c.training_labels),
+  ):
+    want = parse_labels(text)
+    if not want:
+      continue
+    ok = any(
+        n.get("Alive")
+        and n.get("Resources", {}).get(pool, 0) > 0
+        and all(n.get("Labels", {}).get(k) == v for k, v in want.items())
+        for n in nodes
+    )
+    if not ok:
+      raise UserError(
+          f"No Ray node offers {pool!r} with the labels cluster.{side}_labels={text!r}; "
+          f"start one with `ray start --resources='{{\"{pool}\": 1}}' --labels=...` or "
+          "fix the labels."
+      )
 
 
 def check_gpus(needed: int, resources: dict) -> None:

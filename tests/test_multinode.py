@@ -61,6 +61,9 @@ def test_sync_run_across_nodes_and_datacenters(two_dc_cluster, tmp_path):
       "pipeline.mode": "sync",
       "cluster.address": c.address,
       "generation.num_instances": 2,
+      # Placed by node labels as well as by pool.
+      "cluster.generation_labels": "datacenter=dc1,pool=generation",
+      "cluster.training_labels": "datacenter=dc0",
       "transfer.enabled": True,
       # Beyond loopback: every receiver checks the run's secret.
       "transfer.bind": "0.0.0.0",

@@ -167,3 +167,20 @@ def test_colocated_on_gpu_leaves_jax_what_vllm_does_not_take():
   env = {}  # on CPU nothing is set
   experiment.share_gpu_memory(settings.Engine(), env)
   assert env == {}
+
+
+def test_labels_no_node_carries_are_refused_up_front():
+  nodes = [
+      {"Alive": True, "Resources": {cluster.GENERATION_POOL: 4}, "Labels": {"datacenter": "dc1"}},
+      {"Alive": True, "Resources": {cluster.TRAINING_POOL: 1}, "Labels": {"datacenter": "dc0"}},
+      {"Alive": False, "Resources": {cluster.GENERATION_POOL: 4}, "Labels": {"datacenter": "dc2"}},
+  ]
+  ok = settings.Cluster(generation_labels="datacenter=dc1", training_labels="datacenter=dc0")
+  cluster.check_placement(ok, nodes)
+  for bad in (
+      settings.Cluster(generation_labels="datacenter=dc2"),  # only on a dead node
+      settings.Cluster(generation_labels="datacenter=dc0"),  # no generation pool there
+      settings.Cluster(training_labels="accelerator=H800"),
+  ):
+    with pytest.raises(UserError, match="No Ray node offers"):
+      cluster.check_placement(bad, nodes)
