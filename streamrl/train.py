@@ -385,13 +385,18 @@ def run(
       )
       scalars = iteration_scalars(x, timeline, rollout)
       scalars["reward/errors_total"] = rewarder.errors
-      if elastic is not None:
-        changes = len(elastic.events)
+      served_by = mode.round_instances.pop(it, None)
+      if served_by is not None:
+        # The instances that generated this iteration's samples.
+        scalars["generators/instances"] = served_by
+      if elastic is not None and it + 1 < num_it:  # No change serves only the final eval.
+        changes, t_elastic = len(elastic.events), mode_base.now()
         scalars.update(
-            elastic.after_iteration(
-                it, x.generated.generation_s, x.training_s, mode.round_instances.pop(it, None)
-            )
+            elastic.after_iteration(it, x.generated.generation_s, x.training_s, served_by)
         )
+        # Starting an instance (engine start-up, weight catch-up) holds the loop here;
+        # outside time/iteration_s, so reported on its own.
+        scalars["time/elastic_s"] = mode_base.now() - t_elastic
         if len(elastic.events) != changes:
           write_placement(workdir, placement, rollout)
       if s.log.eval_every and (it + 1) % s.log.eval_every == 0 or it + 1 == num_it:
