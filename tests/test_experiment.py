@@ -83,7 +83,7 @@ def test_elastic_generation_scales_up_and_back_by_the_policy(tmp_path):
       load(
           **{
               "pipeline.mode": "sync",
-              "trainer.num_iterations": 5,
+              "trainer.num_iterations": 6,
               # Actor only (no critic, no reference): training stays cheap.
               "algo.advantage": "grpo",
               "algo.group_size": 4,
@@ -112,10 +112,14 @@ def test_elastic_generation_scales_up_and_back_by_the_policy(tmp_path):
   timing = [(r["time/generation_s"], r["time/training_s"]) for r in rows]
   with open(os.path.join(workdir, "elastic.jsonl")) as f:
     events = [json.loads(line) for line in f]
-  assert [(e["iteration"], e["action"]) for e in events] == [(2, "added"), (3, "removed")], timing
+  # One trial: added after a look past the warm-up, judged one iteration later, released.
+  assert [e["action"] for e in events] == ["added", "removed"], timing
+  added = events[0]["iteration"]
+  assert added in (2, 3) and events[1]["iteration"] == added + 1, timing
   assert "generation-bound" in events[0]["reason"] and "released" in events[1]["reason"]
   # The instances that served each iteration.
-  assert [r["generators/instances"] for r in rows] == [1, 1, 1, 2, 1]
+  served = [r["generators/instances"] for r in rows]
+  assert served == [1] * (added + 1) + [2] + [1] * (len(rows) - added - 2)
   for r in rows:
     assert r["samples/count"] == 48
     assert r["samples/duplicated"] == 0 and r["staleness/max"] == 0
