@@ -98,7 +98,7 @@ def down() -> None:
       time.sleep(0.2)
     print(f"stopped {name} (pid {pid})")
   port = int(state["address"].rsplit(":", 1)[1])
-  local_cluster.LocalCluster([local_cluster.NodeSpec("head")], workdir=_DIR.value, port=port).stop()
+  local_cluster.forget_address(port)
   os.remove(_state_path())
 
 

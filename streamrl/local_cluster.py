@@ -90,6 +90,19 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
+def forget_address(port: int) -> None:
+  """`ray start --head` leaves its address in /tmp/ray/ray_current_cluster,
+  where a later plain `ray.init()` would try to join it; `ray stop` removes
+  it, and so does this (only if it still names the head at `port`)."""
+  path = os.path.join(os.environ.get("RAY_TMPDIR", "/tmp/ray"), "ray_current_cluster")
+  try:
+    with open(path) as f:
+      if f.read().strip().endswith(f":{port}"):
+        os.remove(path)
+  except OSError:
+    pass
+
+
 class LocalCluster:
   """Starts `nodes` (the first is the head) as Ray nodes on this machine.
 
@@ -205,19 +218,7 @@ class LocalCluster:
             pass
           p.wait()
 
-    self._forget_address()
-
-  def _forget_address(self) -> None:
-    """`ray start --head` leaves its address in /tmp/ray/ray_current_cluster,
-    where a later plain `ray.init()` would try to join it; `ray stop` removes
-    it, and so does this (only if it is still this cluster's)."""
-    path = os.path.join(os.environ.get("RAY_TMPDIR", "/tmp/ray"), "ray_current_cluster")
-    try:
-      with open(path) as f:
-        if f.read().strip().endswith(f":{self.port}"):
-          os.remove(path)
-    except OSError:
-      pass
+    forget_address(self.port)
 
   def __enter__(self) -> "LocalCluster":
     return self.start()

@@ -719,10 +719,12 @@ def validate(s: Settings, *, check_files: bool = True) -> None:
   )
   _positive("transfer.cross_dc_bytes_per_s", tf.cross_dc_bytes_per_s, zero_ok=True)
   _positive("transfer.uplink_bytes_per_s", tf.uplink_bytes_per_s, zero_ok=True)
-  for key in ("cluster.generation_labels", "cluster.training_labels"):
-    from streamrl import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
+  from streamrl import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
 
-    value = c.generation_labels if key == "cluster.generation_labels" else c.training_labels
+  for key, value in (
+      ("cluster.generation_labels", c.generation_labels),
+      ("cluster.training_labels", c.training_labels),
+  ):
     try:
       cluster_lib.parse_labels(value)
     except ValueError as e:
