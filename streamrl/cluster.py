@@ -287,6 +287,22 @@ def init_ray(
     host, port = check_reachable(address, min(timeout_s, 10.0))
     if not address.startswith("ray://"):
       _probe_gcs(f"{host}:{port}", min(timeout_s, 10.0))
+  want_cpus = num_cpus or generator_cpus + trainer_cpus * trainer_processes
+  want = {"CPU": want_cpus, generation_pool: 1, training_pool: trainer_processes}
+  if ray.is_initialized() and not address:
+    have = ray.cluster_resources()
+    short = {k: v for k, v in want.items() if have.get(k, 0) < v}
+    if short and _local_ray_started_here():
+      # A local Ray of an earlier run in this process, sized for that run:
+      # its CPUs would be held by this run's trainer and the generators
+      # would wait forever. Start one sized for this run.
+      log.info("Restarting this process's local Ray: it offers %s, this run needs %s.", have, want)
+      ray.shutdown()
+    elif short:
+      raise UserError(
+          f"The Ray already initialised in this process offers {have} but the run needs at least "
+          f"{want}; call ray.shutdown() before the run, or ray.init with those resources."
+      )
   if ray.is_initialized():
     log.info("Ray is already initialised in this process; reusing it.")
     started_locally = not address
@@ -298,7 +314,7 @@ def init_ray(
           # A new Ray of this process's own, even when `ray start` left a
           # cluster's address in /tmp/ray/ray_current_cluster.
           address="local",
-          num_cpus=num_cpus or generator_cpus + trainer_cpus * trainer_processes,
+          num_cpus=want_cpus,
           resources={generation_pool: generation_slots, training_pool: trainer_processes},
           include_dashboard=False,
           log_to_driver=log_to_driver,
@@ -317,6 +333,7 @@ def init_ray(
         ) from e
       raise ConnectionError(f"Could not start a local Ray: {e}") from e
     started_locally = not address
+    _LOCAL_RAY["session"] = _ray_session(ray) if started_locally else None
   resources = ray.cluster_resources()
   if generation_pool not in resources:
     raise UserError(
@@ -333,6 +350,25 @@ def init_ray(
       trainer_cpus=trainer_cpus,
       resources=dict(resources),
   )
+
+
+# The session directory of the local Ray that init_ray itself started in this
+# process (None when the current Ray is someone else's).
+_LOCAL_RAY: dict = {"session": None}
+
+
+def _ray_session(ray) -> str | None:
+  try:
+    return ray._private.worker.global_worker.node.get_session_dir_path()  # pylint: disable=protected-access
+  except Exception:  # pylint: disable=broad-except
+    return None
+
+
+def _local_ray_started_here() -> bool:
+  import ray  # pylint: disable=g-import-not-at-top
+
+  session = _LOCAL_RAY["session"]
+  return session is not None and session == _ray_session(ray)
 
 
 _TOKEN_REFUSED = (

@@ -124,3 +124,21 @@ def test_elastic_generation_scales_up_and_back_by_the_policy(tmp_path):
     assert r["samples/count"] == 48
     assert r["samples/duplicated"] == 0 and r["staleness/max"] == 0
   assert final["elastic/added_total"] == 1 and final["elastic/removed_total"] == 1
+
+
+def test_a_later_run_in_the_process_gets_a_local_ray_sized_for_it():
+  """A local Ray an earlier run started is restarted when the next run needs
+  more CPUs (its trainer would hold them and the generators wait forever);
+  a Ray the user started themselves is never replaced: too small is an error."""
+  from streamrl import cluster
+
+  ray.shutdown()
+  assert cluster.init_ray(generator_cpus=1, trainer_cpus=1).resources["CPU"] == 2
+  assert cluster.init_ray(generator_cpus=1, trainer_cpus=2).resources["CPU"] == 3
+  assert cluster.init_ray(generator_cpus=1, trainer_cpus=1).resources["CPU"] == 3  # Fits: reused.
+  ray.shutdown()
+  ray.init(address="local", num_cpus=1, include_dashboard=False)
+  with pytest.raises(UserError, match="ray.shutdown"):
+    cluster.init_ray(generator_cpus=1, trainer_cpus=2)
+  assert ray.is_initialized() and ray.cluster_resources()["CPU"] == 1
+  ray.shutdown()
