@@ -42,15 +42,12 @@ def build_bf16_dir(workdir: str, family: str) -> str:
   import transformers  # pylint: disable=g-import-not-at-top
 
   from streamrl import settings, train  # pylint: disable=g-import-not-at-top
-  from streamrl.models import warmstart  # pylint: disable=g-import-not-at-top
 
   cfg = settings.default_config()
   cfg.model.tiny = family
   s = settings.from_config(cfg)
   train_examples, _ = train.load_examples(s)
-  fp32_dir = warmstart.prepare_model_dir(
-      s.model, s.warmstart, s.task, seed=s.seed, workdir=workdir, train_examples=train_examples
-  )
+  fp32_dir = train.policy_dir(s, workdir, train_examples)
   cls = {"qwen2": transformers.Qwen2ForCausalLM, "llama": transformers.LlamaForCausalLM}[family]
   model = cls.from_pretrained(fp32_dir, torch_dtype=torch.bfloat16)
   out = os.path.join(workdir, f"{family}-bf16")

@@ -191,10 +191,9 @@ def main(argv):
   import numpy as np
   from streamrl import train
   from streamrl.data.loader import PromptLoader
-  from streamrl.data.rewards import Rewarder, get_reward_fn
   from streamrl.data.tokenizer import Tokenizer
   from streamrl.generator.local import LocalRollout
-  from streamrl.models import hf, warmstart
+  from streamrl.models import hf
   from streamrl.pipeline.timeline import Timeline
   from streamrl.trainer.rl_trainer import RLTrainer
 
@@ -205,12 +204,10 @@ def main(argv):
   workdir = _WORKDIR.value
   os.makedirs(workdir, exist_ok=True)
   train_examples, _ = train.load_examples(s)
-  model_dir = warmstart.prepare_model_dir(
-      s.model, s.warmstart, s.task, seed=s.seed, workdir=workdir, train_examples=train_examples
-  )
+  model_dir = train.policy_dir(s, workdir, train_examples)
   _, policy = hf.load_hf(model_dir)
   tokenizer = Tokenizer(model_dir)
-  rewarder = Rewarder(get_reward_fn(s.task.reward), tokenizer)
+  rewarder = train.make_rewarder(s, tokenizer)
   trainer = RLTrainer.from_settings(policy, s)
   loader = PromptLoader(train_examples, s.trainer.prompts_per_iteration, seed=s.seed)
   rollout = LocalRollout(model_dir, s.engine, dtype=s.model.dtype, seed=s.seed)

@@ -91,20 +91,12 @@ class Workload:
   def __init__(self, s, workdir: str):
     from streamrl import train  # pylint: disable=g-import-not-at-top
     from streamrl.data.tokenizer import Tokenizer  # pylint: disable=g-import-not-at-top
-    from streamrl.models import warmstart  # pylint: disable=g-import-not-at-top
 
     self.s = s
     self.workdir = workdir
     self.train_examples, _ = train.load_examples(s)
     t0 = now()
-    self.model_dir = warmstart.prepare_model_dir(
-        s.model,
-        s.warmstart,
-        s.task,
-        seed=s.seed,
-        workdir=workdir,
-        train_examples=self.train_examples,
-    )
+    self.model_dir = train.policy_dir(s, workdir, self.train_examples)
     print(f"policy: {self.model_dir} ({now() - t0:.0f} s)", flush=True)
     self.tokenizer = Tokenizer(self.model_dir)
     self._local = None
@@ -128,9 +120,7 @@ class Workload:
     return make_requests(examples, self.tokenizer, self.s.advantage.group_size)
 
   def rewarder(self):
-    from streamrl.data.rewards import Rewarder, get_reward_fn  # pylint: disable=g-import-not-at-top
-
-    return Rewarder(get_reward_fn(self.s.task.reward), self.tokenizer)
+    return train.make_rewarder(self.s, self.tokenizer)
 
   # --------------------------------------------------------------- trainer
   def trainer(self, s):

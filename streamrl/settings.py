@@ -37,7 +37,7 @@ ROLLOUT_CORRECTIONS = ("auto", "none", "tis", "mis")
 DISPATCH_OBJECTIVES = ("makespan", "mean")
 LATENCY_MODELS = ("paper", "simulate")
 DTYPES = ("float32", "bfloat16", "float16")
-TASK_KINDS = ("synthetic", "jsonl")
+TASK_KINDS = ("trace", "synthetic", "jsonl")
 TINY_MODELS = ("qwen2", "llama")
 
 
@@ -73,6 +73,10 @@ class Task:
   kind: str = _key("task.kind", "synthetic")
   ops: tuple = _key("task.ops", ("cpy", "rev", "dbl"))
   max_answer_len: int = _key("task.max_answer_len", 48)
+  # kind="trace": passes over the input before the answer, geometric with mean
+  # trace_base_passes + trace_passes_per_char * len(input) (streamrl/data/tasks.py).
+  trace_base_passes: float = _key("task.trace_base_passes", 0.5)
+  trace_passes_per_char: float = _key("task.trace_passes_per_char", 0.125)
   reward: str = _key("task.reward", "partial_match")
   jsonl_path: str = _key("task.jsonl_path", "")
   num_eval: int = _key("task.num_eval", 256)
@@ -501,7 +505,10 @@ def validate(s: Settings, *, check_files: bool = True) -> None:
     _positive("warmstart.num_examples", s.warmstart.num_examples)
   _one_of("task.kind", t.kind, TASK_KINDS)
   _positive("task.num_eval", t.num_eval, zero_ok=True)
-  if t.kind == "synthetic":
+  if t.kind == "trace":
+    _positive("task.trace_base_passes", t.trace_base_passes, zero_ok=True)
+    _positive("task.trace_passes_per_char", t.trace_passes_per_char, zero_ok=True)
+  if t.kind in ("synthetic", "trace"):
     from streamrl.data import tasks  # pylint: disable=g-import-not-at-top
 
     bad = [op for op in t.ops if op not in tasks.KNOWN_OPS]
@@ -561,7 +568,7 @@ def validate(s: Settings, *, check_files: bool = True) -> None:
   _positive("generation.length_history", sch.length_history)
   if sch.kind == "oracle":
     _need(
-        t.kind == "synthetic",
+        t.kind in ("synthetic", "trace"),
         "generation.scheduler='oracle' needs the synthetic task's "
         "known answer lengths; use 'skew' for task.kind='jsonl'.",
     )

@@ -57,14 +57,53 @@ TRAINER = "trainer"
 def load_examples(s: settings_lib.Settings) -> tuple[list, list]:
   """Train and held-out eval examples of the configured task."""
   task = s.task
-  if task.kind == "synthetic":
+  if task.kind in ("synthetic", "trace"):
     kw = dict(ops=tuple(task.ops), max_answer_len=task.max_answer_len)
     train = tasks_lib.make_examples(s.warmstart.num_examples, s.seed, **kw)
     evals = tasks_lib.make_examples(task.num_eval, s.seed + 10_000, first_id=10**6, **kw)
+    trace = trace_config(s)
+    if trace is not None:
+      train, evals = tasks_lib.add_traces(train, trace), tasks_lib.add_traces(evals, trace)
     return train, evals
   examples = jsonl.load_jsonl(task.jsonl_path)
   n_eval = min(task.num_eval, len(examples) // 10)
   return examples[n_eval:], examples[:n_eval]
+
+
+def trace_config(s: settings_lib.Settings) -> tasks_lib.TraceConfig | None:
+  """The work-trace shape of a `task.kind="trace"` run (None otherwise)."""
+  if s.task.kind != "trace":
+    return None
+  return tasks_lib.TraceConfig(
+      base_passes=s.task.trace_base_passes,
+      passes_per_char=s.task.trace_passes_per_char,
+      max_tokens=s.sampling.max_tokens,
+  )
+
+
+def answer_of(s: settings_lib.Settings):
+  """What the verifier and the accuracy read of a decoded response: the text
+  after the work trace for trace tasks, else all of it."""
+  return tasks_lib.final_answer if s.task.kind == "trace" else str.strip
+
+
+def policy_dir(s: settings_lib.Settings, workdir: str, train_examples) -> str:
+  """The run's policy directory (`model.path`, or the warm-started tiny one
+  cached in the workdir)."""
+  return warmstart.prepare_model_dir(
+      s.model,
+      s.warmstart,
+      s.task,
+      seed=s.seed,
+      workdir=workdir,
+      train_examples=train_examples,
+      trace=trace_config(s),
+  )
+
+
+def make_rewarder(s: settings_lib.Settings, tokenizer) -> Rewarder:
+  """The task's verifier over decoded responses (reading what `answer_of` cuts)."""
+  return Rewarder(get_reward_fn(s.task.reward), tokenizer, answer_of(s))
 
 
 def fingerprint(s: settings_lib.Settings) -> dict:
@@ -96,8 +135,9 @@ def evaluate(rollout, examples, tokenizer, s: settings_lib.Settings) -> dict:
   out = {}
   for name, temp in (("accuracy", s.sampling.temperature), ("accuracy_greedy", 0.0)):
     sampling = SamplingConfig(temperature=temp, max_tokens=s.sampling.max_tokens, seed=s.seed)
+    read = answer_of(s)
     hits = [
-        float(tokenizer.decode(x.token_ids).strip() == by_id[x.prompt_id].answer.strip())
+        float(read(tokenizer.decode(x.token_ids)) == by_id[x.prompt_id].answer.strip())
         for x in rollout.generate(requests, sampling)
     ]
     out[name] = float(np.mean(hits))
@@ -321,12 +361,10 @@ def run(
   # Refuse an incompatible workdir before anything is written into it.
   ckpt = open_checkpoints(s, workdir)
   train_examples, eval_examples = load_examples(s)
-  model_dir = warmstart.prepare_model_dir(
-      s.model, s.warmstart, s.task, seed=s.seed, workdir=workdir, train_examples=train_examples
-  )
+  model_dir = policy_dir(s, workdir, train_examples)
   _, policy = hf.load_hf(model_dir)
   tokenizer = Tokenizer(model_dir)
-  rewarder = Rewarder(get_reward_fn(s.task.reward), tokenizer)
+  rewarder = make_rewarder(s, tokenizer)
   if followers:
     followers.send("setup", model_dir, socket.gethostname())
   trainer = RLTrainer.from_settings(policy, s)

@@ -227,9 +227,12 @@ class Rewarder:
   """Scores samples with the task's verifier; a raising verifier scores 0
   and is counted in `errors` (logged as reward/errors_total)."""
 
-  def __init__(self, reward_fn: RewardFn, tokenizer):
+  def __init__(self, reward_fn: RewardFn, tokenizer, answer_of: Callable[[str], str] | None = None):
+    """`answer_of` cuts the part the verifier reads out of a decoded response
+    (work traces: what follows the last `#`); None gives it all of it."""
     self.reward_fn = reward_fn
     self.tokenizer = tokenizer
+    self.answer_of = answer_of
     self.errors = 0
 
   def __call__(self, samples, examples_by_id) -> tuple[np.ndarray, np.ndarray]:
@@ -238,6 +241,8 @@ class Rewarder:
     for s in samples:
       ex = examples_by_id[s.prompt_id]
       text = self.tokenizer.decode(s.token_ids)
+      if self.answer_of is not None:
+        text = self.answer_of(text)
       r, failed = safe_reward(self.reward_fn, text, ex)
       self.errors += int(failed)
       scores.append(r)

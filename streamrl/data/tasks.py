@@ -1,4 +1,4 @@
-"""Synthetic verifiable string tasks with long-tailed, predictable output length.
+"""Synthetic verifiable string tasks: plain answers, or answers after a work trace.
 
 A prompt names an operation and a random lowercase string; the answer is the
 operation applied to the string:
@@ -18,6 +18,23 @@ handful of long generations hold up a batch of short ones.
 For a tiny policy the difficulty grows with length: short strings are easy
 to copy or reverse, long ones are not, so a warm-started policy is right on
 short prompts and wrong on long ones, and RL has room to improve.
+
+Work traces (`task.kind="trace"`, the default workload). Reasoning models
+decide how long to work before they answer, so their output length varies
+between samples of one prompt, not only between prompts. A trace response
+re-reads the input a random number of times before it answers:
+
+  `rev:abc=` -> `abc|abc|#cba`   (two passes, then `#` and the answer)
+  `rev:abc=` -> `#cba`           (no pass)
+
+The number of passes is geometric (the policy stops after each pass with a
+fixed probability) with a mean that grows with the input (`TraceConfig`):
+harder prompts take longer on average, and every prompt's length varies
+between samples. The verifier reads only what follows the last `#`
+(`final_answer`). The warm-up teaches the policy the trace distribution; RL
+may then lengthen or shorten it. With the defaults, output lengths have
+p99/p50 near 20 and the longest run past 256 tokens (`experiments/
+workload_stats.py` measures them).
 """
 
 from __future__ import annotations
@@ -44,6 +61,9 @@ class Example:
   prompt: str
   answer: str
   task: str
+  # Mean response length in tokens (EOS included) when the task knows it
+  # (work traces: `expected_response_length`); the oracle scheduler's input.
+  expected_length: float | None = None
 
 
 # op name -> (function on the input string, answer length per input char).
@@ -233,3 +253,83 @@ def length_stats(lengths: Sequence[int] | np.ndarray) -> dict[str, float]:
 def answer_length_stats(examples: Sequence[Example]) -> dict[str, float]:
   """`length_stats` of the answers' token counts (characters, without EOS)."""
   return length_stats([len(tokenizer.encode(ex.answer)) for ex in examples])
+
+
+# ------------------------------------------------------------------ traces
+PASS_END, WORK_END = "|", "#"
+
+
+@dataclasses.dataclass(frozen=True)
+class TraceConfig:
+  """How long a work trace runs: `passes` ~ Geometric on {0, 1, ...} with
+  mean `base_passes + passes_per_char * len(input)`, capped so the whole
+  response (passes, `#`, answer, EOS) fits `max_tokens`."""
+
+  base_passes: float = 0.5
+  passes_per_char: float = 0.125
+  max_tokens: int = 320
+
+  def __post_init__(self):
+    if self.base_passes < 0 or self.passes_per_char < 0:
+      raise ValueError(
+          f"base_passes={self.base_passes} and passes_per_char={self.passes_per_char} must "
+          "be non-negative."
+      )
+    if self.max_tokens < 2:
+      raise ValueError(f"max_tokens={self.max_tokens} leaves no room for `#` and EOS.")
+
+  def mean_passes(self, n: int) -> float:
+    return self.base_passes + self.passes_per_char * n
+
+  def max_passes(self, s: str, answer: str) -> int:
+    """Most passes that fit the token budget (answer, `#` and EOS on top)."""
+    return max((self.max_tokens - len(answer) - 2) // (len(s) + 1), 0)
+
+
+def sample_trace(s: str, answer: str, rng: np.random.Generator, config: TraceConfig) -> str:
+  """One response to a prompt with input `s`: passes, `#`, the answer."""
+  stop = 1.0 / (1.0 + config.mean_passes(len(s)))
+  k = min(int(rng.geometric(stop)) - 1, config.max_passes(s, answer))
+  return (s + PASS_END) * k + WORK_END + answer
+
+
+def expected_response_length(s: str, answer: str, config: TraceConfig) -> float:
+  """E[tokens] of a `sample_trace` response, EOS included (exact: the
+  truncated geometric's mean)."""
+  stop = 1.0 / (1.0 + config.mean_passes(len(s)))
+  cap = config.max_passes(s, answer)
+  q = 1.0 - stop
+  # E[min(K, cap)] for K ~ Geometric(stop) on {0, 1, ...} = sum_{j=1..cap} q^j.
+  mean_k = q * (1.0 - q**cap) / stop if stop < 1.0 else 0.0
+  return mean_k * (len(s) + 1) + len(answer) + 2
+
+
+def final_answer(response: str) -> str:
+  """What a trace response answers: the text after its last `#` ("" when it
+  never finished its work)."""
+  cut = response.rfind(WORK_END)
+  return response[cut + 1 :].strip() if cut >= 0 else ""
+
+
+def add_traces(examples: Sequence[Example], config: TraceConfig) -> list[Example]:
+  """The same examples as trace prompts: same prompt and answer, task
+  `trace-<op>`, and their expected response length."""
+  out = []
+  for ex in examples:
+    _, s = parse_prompt(ex.prompt)
+    out.append(
+        dataclasses.replace(
+            ex,
+            task=f"trace-{ex.task}",
+            expected_length=expected_response_length(s, ex.answer, config),
+        )
+    )
+  return out
+
+
+def sft_target(example: Example, rng: np.random.Generator, config: TraceConfig | None) -> str:
+  """The warm-up's target response: the answer, or (trace tasks) a sampled trace."""
+  if config is None or not example.task.startswith("trace-"):
+    return example.answer
+  _, s = parse_prompt(example.prompt)
+  return sample_trace(s, example.answer, rng, config)

@@ -17,7 +17,10 @@ import shutil
 import time
 from collections.abc import Sequence
 
+import numpy as np
+
 from streamrl import settings as settings_lib
+from streamrl.data import tasks
 from streamrl.data import tokenizer as char_tok
 from streamrl.models import config as model_config_lib
 from streamrl.models import hf, tiny
@@ -39,8 +42,12 @@ def prepare_model_dir(
     seed: int,
     workdir: str,
     train_examples: Sequence,
+    trace=None,
 ) -> str:
-  """The policy's HF directory: `model.path`, or the warm-started tiny one."""
+  """The policy's HF directory: `model.path`, or the warm-started tiny one.
+
+  `trace` (a `tasks.TraceConfig`) is the work-trace shape the warm-up
+  teaches for trace examples (`streamrl.train.trace_config`)."""
   if model.path:
     hf.read_config(model.path)  # clear error for a bad path / arch
     return model.path
@@ -52,6 +59,7 @@ def prepare_model_dir(
           "ops": list(task.ops),
           "max_answer_len": task.max_answer_len,
           "seed": seed,
+          **({"trace": dataclasses.asdict(trace)} if trace is not None else {}),
       }
   )
   path = os.path.join(workdir, f"warmstart-{key}")
@@ -65,10 +73,15 @@ def prepare_model_dir(
 
   policy = Transformer(cfg, rngs=nnx.Rngs(seed))
   if warm.steps:
+    if trace is None and any(e.task.startswith("trace-") for e in train_examples):
+      raise ValueError(
+          "Trace examples need the run's TraceConfig; pass trace=train.trace_config(s)."
+      )
+    rng = np.random.default_rng(seed)
     pairs = [
         (
             [char_tok.BOS_ID] + char_tok.encode(e.prompt),
-            char_tok.encode(e.answer) + [char_tok.EOS_ID],
+            char_tok.encode(tasks.sft_target(e, rng, trace)) + [char_tok.EOS_ID],
         )
         for e in train_examples
     ]

@@ -94,7 +94,14 @@ class GenerationScheduler:
             "generation.scheduler='oracle' needs a synthetic task with known "
             "answer lengths; use 'skew' for real data."
         )
-      true = [tasks.oracle_answer_length(e.prompt) + 1 for e in exs]  # + eos
+      # Work traces: the expected length (it varies between samples); plain
+      # tasks: the answer's exact length plus EOS.
+      true = [
+          e.expected_length
+          if e.expected_length is not None
+          else tasks.oracle_answer_length(e.prompt) + 1
+          for e in exs
+      ]
     plan = plan_generation(
         self.kind,
         num_prompts=len(requests),

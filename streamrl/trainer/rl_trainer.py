@@ -288,18 +288,24 @@ class RLTrainer:
           f"{len(samples)} samples don't split into mini-batches of " f"{self.mini_batch_size}."
       )
     chunks = self.length_chunks(samples)
-    parts = [self.score([samples[i] for i in c], old) for c in chunks]
+    # Scored in micro-batch-sized blocks of the same order, each padded to
+    # its own length (a long-tailed mini-batch is mostly padding otherwise).
+    size = self.mini_batch_size // self.num_micro
+    blocks = [c[i : i + size] for c in chunks for i in range(0, len(c), size)]
+    parts = [self.score([samples[i] for i in c], old) for c in blocks]
     full_len = max(p["tokens_bt"].shape[1] for p in parts)
     full = {k: np.zeros((len(samples), full_len), v.dtype) for k, v in parts[0].items()}
-    for c, p in zip(chunks, parts):
+    block_len = {}
+    for c, p in zip(blocks, parts):
+      block_len[c[0]] = p["tokens_bt"].shape[1]
       for k, v in p.items():
         full[k][c, : v.shape[1]] = v
     adv = experience.compute_advantages(full, np.asarray(rewards, np.float32), cfg=self.adv_cfg)
     for k, v in adv.items():
       full[k] = np.asarray(v)
     minis = []
-    for c, p in zip(chunks, parts):
-      length = p["tokens_bt"].shape[1]
+    for c in chunks:
+      length = max(block_len[c[i]] for i in range(0, len(c), size))
       minis.append({k: v[c, :length] for k, v in full.items() if k != "kl_bt"})
     mask = full["mask_bt"]
     ntok = max(mask.sum(), 1.0)
@@ -315,12 +321,47 @@ class RLTrainer:
 
   # ----------------------------------------------------------------- updates
   def update(self, mini: dict) -> dict:
-    """One optimizer step on a mini-batch; returns its metrics (device arrays)."""
-    batch = {k: self._put(v) for k, v in mini.items()}
-    self.state, metrics = step_lib.update_step(
-        self.state, batch, models=self.models, cfg=self.loss_cfg, num_micro=self.num_micro
+    """One optimizer step on a mini-batch; returns its metrics (device arrays).
+
+    The rows of a mini-batch from `prepare` are sorted by length. With
+    several micro-batches of different lengths each is padded to its own
+    length only (`step.ragged_update`); else one jitted scan does the step."""
+    micros = self.ragged_micros(mini)
+    if micros is None:
+      batch = {k: self._put(v) for k, v in mini.items()}
+      self.state, metrics = step_lib.update_step(
+          self.state, batch, models=self.models, cfg=self.loss_cfg, num_micro=self.num_micro
+      )
+      return metrics
+    weights = step_lib.micro_batch_weights(
+        mini["mask_bt"][:, :-1], self.num_micro, self.loss_cfg.agg
+    )
+    micros = [{k: self._put(v) for k, v in m.items()} for m in micros]
+    self.state, metrics = step_lib.ragged_update(
+        self.state, micros, weights, models=self.models, cfg=self.loss_cfg
     )
     return metrics
+
+  def ragged_micros(self, mini: dict) -> list[dict] | None:
+    """The mini-batch's micro-batches, each cut to its own bucketed length;
+    None when there is one micro-batch or all would keep the same length."""
+    if self.num_micro == 1:
+      return None
+    mask = np.asarray(mini["mask_bt"])
+    b, t = mask.shape
+    size = b // self.num_micro
+    # Column t scores token t + 1: a row whose last scored column is c has c + 2 tokens.
+    last = np.where(mask.any(1), t - 1 - np.argmax(mask[:, ::-1] != 0, axis=1), 0)
+    lengths = [
+        min(experience.bucket_length(int(last[k * size : (k + 1) * size].max()) + 2), t)
+        for k in range(self.num_micro)
+    ]
+    if min(lengths) == t:
+      return None
+    return [
+        {key: np.asarray(v)[k * size : (k + 1) * size, :n] for key, v in mini.items()}
+        for k, n in enumerate(lengths)
+    ]
 
   # ------------------------------------------------------------------ export
   def policy(self) -> Transformer:

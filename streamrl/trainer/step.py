@@ -309,6 +309,76 @@ def update_step(
   return state, metrics
 
 
+# ---------------------------------------------------- ragged micro-batches
+# A long-tailed batch padded to its longest row is mostly padding. The
+# trainer can instead pad each micro-batch of a length-sorted mini-batch to
+# its own length: `micro_grads` runs once per micro-batch (one compile per
+# distinct length bucket) and `apply_grads` takes the optimizer step on their
+# sum, with the same weights as `update_step`'s scan, so the step is the same.
+
+
+@functools.partial(jax.jit, static_argnames=("models", "cfg"))
+def micro_grads(
+    state: TrainState, micro: dict, weight: jax.Array, *, models: Models, cfg: LossConfig
+):
+  """Weighted loss, gradient and metrics of one micro-batch, for the actor
+  and (when there is one) the critic: ({"actor": grads[, "critic": grads]},
+  {"actor": loss[, "critic": loss]}, metrics)."""
+
+  def weighted(loss_fn, graphdef):
+    def f(p):
+      loss, metrics = loss_fn(p, graphdef, micro, cfg, models.compute)
+      return weight * loss, metrics
+
+    return jax.value_and_grad(f, has_aux=True)
+
+  (loss, metrics), grads = weighted(_actor_loss, models.actor_def)(state.actor)
+  grads, losses = {"actor": grads}, {"actor": loss}
+  if models.critic_def is not None:
+    (vloss, vmetrics), vgrads = weighted(_critic_loss, models.critic_def)(state.critic)
+    grads["critic"], losses["critic"] = vgrads, vloss
+    metrics = dict(metrics, **vmetrics)
+  return grads, losses, metrics
+
+
+@functools.partial(jax.jit, static_argnames=("models",), donate_argnums=(0,))
+def apply_grads(state: TrainState, grads: dict, *, models: Models) -> tuple[TrainState, dict]:
+  """The optimizer step of `update_step` on accumulated gradients."""
+  actor_tx = make_optimizer(models.actor_optim)
+  updates, actor_opt = actor_tx.update(grads["actor"], state.actor_opt, state.actor)
+  state = state.replace(
+      step=state.step + 1, actor=optax.apply_updates(state.actor, updates), actor_opt=actor_opt
+  )
+  norms = {"actor_grad_norm": optax.global_norm(grads["actor"])}
+  if "critic" in grads:
+    critic_tx = make_optimizer(models.critic_optim)
+    updates, critic_opt = critic_tx.update(grads["critic"], state.critic_opt, state.critic)
+    state = state.replace(critic=optax.apply_updates(state.critic, updates), critic_opt=critic_opt)
+    norms["critic_grad_norm"] = optax.global_norm(grads["critic"])
+  return state, norms
+
+
+def ragged_update(
+    state: TrainState, micros: list[dict], weights_k, *, models: Models, cfg: LossConfig
+) -> tuple[TrainState, dict]:
+  """`update_step` on micro-batches of different lengths (`weights_k` from
+  `micro_batch_weights` of the whole mini-batch's mask)."""
+  grads = losses = None
+  metrics = []
+  for micro, w in zip(micros, weights_k):
+    g, l, m = micro_grads(state, micro, w, models=models, cfg=cfg)
+    grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
+    losses = l if losses is None else jax.tree.map(jnp.add, losses, l)
+    metrics.append(m)
+  state, norms = apply_grads(state, grads, models=models)
+  stacked = {k: jnp.stack([m[k] for m in metrics]) for k in metrics[0]}
+  out = combine_micro_metrics(stacked, jnp.asarray(weights_k))
+  out.update(norms, actor_loss=losses["actor"])
+  if "critic" in losses:
+    out["critic_loss"] = losses["critic"]
+  return state, out
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "temperature", "compute"))
 def policy_logprobs(
     params, tokens_bt, *, graphdef, temperature: float = 1.0, compute=ComputeConfig()

@@ -2,6 +2,7 @@
 
 import logging
 
+import numpy as np
 import pytest
 
 from streamrl.data import rewards
@@ -97,3 +98,25 @@ def test_safe_reward_catches_and_warns_once_per_error_type(caplog):
   # nan and a non-number are ValueErrors: one more warning for that kind.
   assert sum("ValueError" in m for m in messages) == 1
   assert len(messages) == 2
+
+
+def test_the_rewarder_scores_what_answer_of_cuts():
+  """Work traces: the verifier and the correctness read the final answer only."""
+  from streamrl.data import tasks
+  from streamrl.data.rewards import Rewarder
+
+  class Chars:
+
+    def decode(self, ids):
+      return "".join(map(chr, ids))
+
+  class S:
+
+    def __init__(self, text):
+      self.prompt_id, self.token_ids = 0, [ord(c) for c in text]
+
+  ex = tasks.Example(0, "rev:ab=", "ba", "trace-rev")
+  rw = Rewarder(rewards.get_reward_fn("partial_match"), Chars(), tasks.final_answer)
+  score, correct = rw([S("ab|ab|#ba"), S("ab|ba"), S("#bx")], {0: ex})
+  np.testing.assert_allclose(score, [1.0, 0.0, 0.25])
+  np.testing.assert_allclose(correct, [1.0, 0.0, 0.0])

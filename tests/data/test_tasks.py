@@ -107,3 +107,58 @@ def test_bad_config_raises(kwargs, match):
 def test_parse_prompt_rejects_other_text():
   with pytest.raises(ValueError, match="op:string="):
     tasks.parse_prompt("what is 2+2?")
+
+
+# ------------------------------------------------------------------ traces
+
+
+def test_a_trace_rereads_the_input_then_answers():
+  cfg = tasks.TraceConfig(base_passes=1.0, passes_per_char=0.0, max_tokens=64)
+  rng = np.random.default_rng(0)
+  seen = set()
+  for _ in range(200):
+    t = tasks.sample_trace("abc", "cba", rng, cfg)
+    work, answer = t.rsplit("#", 1)
+    assert answer == "cba" and tasks.final_answer(t) == "cba"
+    assert work == "abc|" * (len(work) // 4)
+    seen.add(len(work) // 4)
+  assert {0, 1, 2, 3} <= seen  # Geometric: the number of passes varies.
+
+
+def test_trace_lengths_match_their_expectation_and_fit_the_budget():
+  cfg = tasks.TraceConfig(base_passes=0.5, passes_per_char=0.25, max_tokens=40)
+  rng = np.random.default_rng(1)
+  for s in ("ab", "abcdefgh", "abcdefghijklmnopqrstuvwxyz"):
+    lens = [len(tasks.sample_trace(s, s, rng, cfg)) + 1 for _ in range(4000)]  # + EOS
+    assert max(lens) <= cfg.max_tokens
+    assert np.mean(lens) == pytest.approx(tasks.expected_response_length(s, s, cfg), rel=0.05)
+
+
+def test_the_default_trace_workload_is_long_tailed_across_and_within_prompts():
+  """The issue's shape targets on the trace distribution the warm-up teaches."""
+  cfg = tasks.TraceConfig()
+  rng = np.random.default_rng(2)
+  lens, cvs = [], []
+  for ex in tasks.make_examples(1000, seed=3):
+    _, s = tasks.parse_prompt(ex.prompt)
+    group = [len(tasks.sample_trace(s, ex.answer, rng, cfg)) + 1 for _ in range(8)]
+    lens += group
+    cvs.append(np.std(group) / np.mean(group))
+  stats = tasks.length_stats(lens)
+  assert stats["p99_over_p50"] >= 8 and stats["max"] >= 256
+  assert np.median(cvs) >= 0.3
+
+
+def test_final_answer_reads_after_the_last_mark_only():
+  assert tasks.final_answer("ab|ab|#ba") == "ba"
+  assert tasks.final_answer("#x#ba ") == "ba"
+  assert tasks.final_answer("ab|ab|ba") == ""  # Never finished its work.
+
+
+def test_trace_examples_carry_their_expected_length():
+  cfg = tasks.TraceConfig()
+  (ex,) = tasks.add_traces(tasks.make_examples(1, seed=0), cfg)
+  _, s = tasks.parse_prompt(ex.prompt)
+  assert ex.task.startswith("trace-")
+  assert ex.expected_length == tasks.expected_response_length(s, ex.answer, cfg)
+  assert tasks.sft_target(ex, np.random.default_rng(0), cfg).endswith("#" + ex.answer)

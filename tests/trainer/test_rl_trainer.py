@@ -144,3 +144,44 @@ def test_a_bf16_remat_chunked_update_matches_fp32_closely():
   assert out["bf16"]["ratio_mean"] == pytest.approx(1.0, abs=1e-5)
   assert out["bf16"]["actor_loss"] == pytest.approx(out["fp32"]["actor_loss"], abs=2e-2)
   assert out["bf16"]["critic_loss"] == pytest.approx(out["fp32"]["critic_loss"], rel=5e-2)
+
+
+def long_tailed_samples(lengths, seed=0):
+  rng = np.random.default_rng(seed)
+  out = []
+  for i, n in enumerate(lengths):
+    prompt = tuple(int(x) for x in rng.integers(3, 64, 5))
+    resp = tuple(int(x) for x in rng.integers(3, 64, n))
+    logp = tuple(float(x) for x in -rng.uniform(2, 5, n))
+    out.append(Sample(i, prompt, resp, logp, "stop", 0, 0))
+  return out
+
+
+@pytest.mark.parametrize("agg", ["token_mean", "seq_mean_token_mean"])
+def test_micro_batches_padded_to_their_own_length_take_the_same_step(monkeypatch, agg):
+  """A long-tailed mini-batch: the short micro-batch is cut to its own length
+  (and scored so), and the step, its losses and metrics equal those of the
+  mini-batch padded to its longest row in one scan."""
+  lengths = [3, 90, 5, 8]  # Sorted into micro-batches [3, 5] and [8, 90].
+  rewards = [1.0, 0.0, 0.5, 0.25]
+  out = {}
+  for name in ("ragged", "padded"):
+    s = make_settings()
+    s = s.replace(loss=dataclasses.replace(s.loss, agg=agg))
+    trainer = rl_trainer.RLTrainer.from_settings(policy(), s)
+    if name == "padded":
+      monkeypatch.setattr(trainer, "ragged_micros", lambda mini: None)
+    minis, _ = trainer.prepare(long_tailed_samples(lengths), rewards, trainer.snapshot())
+    (mini,) = minis
+    if name == "ragged":
+      micros = trainer.ragged_micros(mini)
+      assert [m["tokens_bt"].shape for m in micros] == [(2, 32), (2, 96)]
+      assert mini["tokens_bt"].shape == (4, 96)
+    metrics = {k: float(v) for k, v in trainer.update(mini).items()}
+    out[name] = (metrics, jax.tree.map(np.asarray, trainer.state.actor))
+  (m_r, p_r), (m_p, p_p) = out["ragged"], out["padded"]
+  assert m_r.keys() == m_p.keys()
+  for k in m_p:
+    assert m_r[k] == pytest.approx(m_p[k], rel=1e-4, abs=1e-6), k
+  for a, b in zip(jax.tree.leaves(p_r), jax.tree.leaves(p_p)):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
