@@ -134,6 +134,10 @@ class Scheduler:
   ranker_config: str = _key("generation.ranker_config", "configs/ranker.py:tiny")
   ranker_checkpoint: str = _key("generation.ranker_checkpoint", "")
   length_history: int = _key("generation.length_history", 1024)
+  # Where the skew scheduler's ranker predicts and refreshes when the
+  # generators are Ray actors: "generators" (its own process beside them, so
+  # the trainer's cores only train) or "trainer" (in the trainer's process).
+  ranker_side: str = _key("generation.ranker_side", "generators")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -566,6 +570,7 @@ def validate(s: Settings, *, check_files: bool = True) -> None:
   _one_of("generation.dispatch_objective", sch.objective, DISPATCH_OBJECTIVES)
   _one_of("generation.dispatch_latency_model", sch.latency_model, LATENCY_MODELS)
   _positive("generation.length_history", sch.length_history)
+  _one_of("generation.ranker_side", sch.ranker_side, ("generators", "trainer"))
   if sch.kind == "oracle":
     _need(
         t.kind in ("synthetic", "trace"),

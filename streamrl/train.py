@@ -202,6 +202,7 @@ def setup_mode(
       workdir=workdir,
       num_instances=rollout.num_instances,
       max_batch_size=s.engine.max_num_seqs,
+      helper=rollout.helper_placement() if hasattr(rollout, "helper_placement") else None,
   )
   return make_mode(s, rollout, scheduler, rounds)
 

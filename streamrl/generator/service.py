@@ -393,6 +393,17 @@ class StreamGenerationService:
           secret=self._transfer_secret,
       )
 
+  def helper_placement(self) -> tuple[dict, tuple[int, ...] | None]:
+    """Where a helper process of the generation side (the ranker,
+    `streamrl.scheduling.ranker_actor`) runs: Ray options that put it on a
+    generation node without taking an instance's slot or CPUs, and the
+    generator cores to pin it to (a local Ray; None on a remote cluster)."""
+    options = {"num_cpus": 0}
+    if "label_selector" in self._options:
+      options["label_selector"] = dict(self._options["label_selector"])
+    shares = self._cluster.shares
+    return options, (tuple(shares.generator_cores) if shares is not None else None)
+
   def _start_actor(self) -> int:
     """Starts one more GeneratorActor (not yet live); returns its id."""
     i = self.num_instances

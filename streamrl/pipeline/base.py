@@ -111,3 +111,6 @@ class Mode:
 
   def close(self) -> None:
     self.quiesce()
+    close = getattr(self.scheduler, "close", None)
+    if close is not None:
+      close()

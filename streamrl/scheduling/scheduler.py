@@ -14,14 +14,15 @@ task's true answer lengths (synthetic tasks only; for experiments).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import os
 
 import numpy as np
 
-from streamrl import config_utils
 from streamrl import settings as settings_lib
 from streamrl.data import tasks
+from streamrl.scheduling import ranker_actor
 from streamrl.scheduling.latency import LatencyProfile
 from streamrl.scheduling.policy import plan_generation
 
@@ -39,7 +40,12 @@ class GenerationScheduler:
       workdir: str | None,
       num_instances: int,
       max_batch_size: int,
+      helper: tuple[dict, tuple[int, ...] | None] | None = None,
   ):
+    """`helper`: Ray options and cores for a process on the generation side
+    (`StreamGenerationService.helper_placement`); with it and
+    `sched.ranker_side == "generators"` the ranker runs there
+    (`ranker_actor.RankerActor`), else in this process."""
     self.kind = sched.kind
     self.num_instances = num_instances
     self.max_batch_size = max_batch_size
@@ -52,6 +58,8 @@ class GenerationScheduler:
     self.profile = None
     self.ranker = None
     self._warned = False
+    self._actor = None
+    self._refreshes: list = []  # the actor's refreshes not yet reported
     if self.kind == "fifo":
       return
     if sched.latency_profile:
@@ -62,17 +70,17 @@ class GenerationScheduler:
       self.profile = LatencyProfile.from_paper()
       log.info("generation.latency_profile is empty: using the paper's PTL(BS) shape.")
     if self.kind == "skew":
-      from streamrl.ranker import data as ranker_data  # pylint: disable=g-import-not-at-top
-      from streamrl.ranker.train import RankerTrainer  # pylint: disable=g-import-not-at-top
-
-      vocab, fp = ranker_data.fingerprint_tokenizer_dir(model_dir)
-      if sched.ranker_checkpoint:
-        self.ranker = RankerTrainer.restore(
-            sched.ranker_checkpoint, vocab_size=vocab, tokenizer_fingerprint=fp
+      if helper is not None and sched.ranker_side == "generators":
+        options, cores = helper
+        # The actor's working directory need not be this one.
+        path, sep, name = sched.ranker_config.partition(":")
+        if path and os.path.isfile(path):
+          sched = dataclasses.replace(sched, ranker_config=os.path.abspath(path) + sep + name)
+        self._actor = ranker_actor.RankerActor.options(**options).remote(
+            sched, model_dir, cores, self.pairs.maxlen
         )
       else:
-        rcfg = config_utils.load_config(sched.ranker_config)
-        self.ranker = RankerTrainer(rcfg, vocab_size=vocab, tokenizer_fingerprint=fp)
+        self.ranker = ranker_actor.build_ranker(sched, model_dir)
 
   def plan(self, requests, examples_by_id, seed: int, num_instances: int | None = None):
     """-> (assignments, caps), one per instance, for `num_instances` instances
@@ -86,7 +94,12 @@ class GenerationScheduler:
       if not self.recent and not self._warned:
         log.warning("No output lengths seen yet: the first round is dispatched FIFO.")
         self._warned = True
-      predicted = self.ranker.predict(prompts)
+      if self._actor is not None:
+        import ray  # pylint: disable=g-import-not-at-top
+
+        predicted = ray.get(self._actor.predict.remote(prompts))
+      else:
+        predicted = self.ranker.predict(prompts)
     else:
       exs = [examples_by_id[rid] for rid, _ in requests]
       if any(e.task == "jsonl" for e in exs):
@@ -128,7 +141,26 @@ class GenerationScheduler:
       from streamrl.ranker import data as ranker_data  # pylint: disable=g-import-not-at-top
 
       ranker_data.append_pairs(self.pairs_path, new)
-    if self.ranker is None:
+    if self._actor is not None:
+      # Off this process: submitted, not waited for. The metrics are those of
+      # the newest refresh done by now (usually the previous round's).
+      import ray  # pylint: disable=g-import-not-at-top
+
+      self._refreshes.append(self._actor.update.remote(new))
+      done, self._refreshes = ray.wait(self._refreshes, num_returns=len(self._refreshes), timeout=0)
+      if not done:
+        return {}
+      metrics = ray.get(done[-1])
+    elif self.ranker is None:
       return {}
-    metrics = self.ranker.update(list(self.pairs))
+    else:
+      metrics = self.ranker.update(list(self.pairs))
     return {f"ranker/{k}": float(v) for k, v in metrics.items() if np.isscalar(v)}
+
+  def close(self) -> None:
+    """Stops the ranker's actor (if it has one)."""
+    if self._actor is not None:
+      import ray  # pylint: disable=g-import-not-at-top
+
+      ray.kill(self._actor)
+      self._actor = None

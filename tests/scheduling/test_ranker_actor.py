@@ -1,0 +1,61 @@
+"""The skew scheduler's ranker in its own Ray actor beside the generators: it
+predicts and refreshes exactly as the in-process ranker does."""
+
+import numpy as np
+import pytest
+import ray
+
+from streamrl import settings
+from streamrl.data import tokenizer
+from streamrl.generator.rollout import Sample
+from streamrl.scheduling.scheduler import GenerationScheduler
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+  if ray.is_initialized():
+    ray.shutdown()
+  ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False)
+  yield
+  ray.shutdown()
+
+
+def rounds(seed=0, n=24, rounds=3):
+  rng = np.random.default_rng(seed)
+  out = []
+  for r in range(rounds):
+    reqs, samples = [], []
+    for i in range(n):
+      prompt = [tokenizer.BOS_ID] + [int(x) for x in rng.integers(4, 30, 1 + i % 7)]
+      length = 2 + 3 * (i % 7) + int(rng.integers(0, 3))
+      reqs.append((r * n + i, prompt))
+      samples.append(Sample(r * n + i, tuple(prompt), (5,) * length, (0.0,) * length, "stop", r, 0))
+    out.append((reqs, samples))
+  return out
+
+
+def test_the_ranker_actor_predicts_and_refreshes_as_in_process(local_ray, tmp_path):
+  model_dir = str(tmp_path)
+  tokenizer.save_hf_tokenizer(model_dir)
+  sched = settings.Scheduler(kind="skew", ranker_config="configs/ranker.py:tiny")
+  kw = dict(model_dir=model_dir, workdir=None, num_instances=2, max_batch_size=8)
+  here = GenerationScheduler(sched, **kw)
+  there = GenerationScheduler(sched, **kw, helper=({"num_cpus": 0}, None))
+  assert here.ranker is not None and there.ranker is None and there._actor is not None
+  mine, theirs = [], []
+  for reqs, samples in rounds():
+    prompts = [list(p) for _, p in reqs]
+    np.testing.assert_allclose(
+        ray.get(there._actor.predict.remote(prompts)), here.ranker.predict(prompts), rtol=1e-5
+    )
+    assert here.plan(reqs, {}, seed=1) == there.plan(reqs, {}, seed=1)
+    mine.append(here.observe(samples))
+    theirs.append(there.observe(samples))
+  # Refreshes are not waited for: a round reports the newest one done by
+  # then, which is one of the in-process refreshes up to that round.
+  reported = [(k, m) for k, m in enumerate(theirs) if m]
+  assert reported and all("ranker/pre_recall20" in m for _, m in reported)
+  for k, m in reported:
+    assert any(m == pytest.approx(mine[j], rel=1e-4) for j in range(k + 1)), m
+  there.close()
+  assert there._actor is None
