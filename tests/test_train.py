@@ -173,3 +173,40 @@ def test_ratio_is_one_before_the_update_at_any_temperature(tmp_path):
     assert r["train/clip_frac"] == 0.0
     assert r["mismatch/max_abs_logprob_diff"] < 1e-3
     assert r["mismatch/k3_kl"] < 1e-6
+
+
+def test_a_work_trace_run_trains_on_ragged_micro_batches(tmp_path, monkeypatch):
+  """task.kind=trace end to end (colocated): the warm-up teaches traces, the
+  verifier reads the final answer, and mini-batches of long-tailed lengths
+  are trained as micro-batches cut to their own length."""
+  from streamrl.trainer import rl_trainer
+
+  cuts = []
+  original = rl_trainer.RLTrainer.ragged_micros
+
+  def spy(self, mini):
+    micros = original(self, mini)
+    if micros is not None:
+      cuts.append([m["tokens_bt"].shape[1] for m in micros])
+    return micros
+
+  monkeypatch.setattr(rl_trainer.RLTrainer, "ragged_micros", spy)
+  workdir = str(tmp_path / "trace")
+  final = experiment.run(
+      load(
+          "ppo",
+          **{
+              "task.kind": "trace",
+              "generation.max_tokens": 96,
+              "trainer.micro_batch_size": 2,
+              "warmstart.steps": 30,
+          },
+      ),
+      workdir,
+  )
+  with open(os.path.join(workdir, "config.json")) as f:
+    assert json.load(f)["task"]["kind"] == "trace"
+  assert 0.0 <= final["eval/accuracy"] <= 1.0
+  assert final["response_length/max"] <= 96
+  # Some mini-batch had micro-batches of different padded lengths.
+  assert any(len(set(c)) > 1 for c in cuts), cuts
