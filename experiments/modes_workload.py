@@ -120,6 +120,8 @@ class Workload:
     return make_requests(examples, self.tokenizer, self.s.advantage.group_size)
 
   def rewarder(self):
+    from streamrl import train  # pylint: disable=g-import-not-at-top
+
     return train.make_rewarder(self.s, self.tokenizer)
 
   # --------------------------------------------------------------- trainer
