@@ -112,7 +112,13 @@ def fingerprint(s: settings_lib.Settings) -> dict:
   return {
       "model": {"path": s.model.path, "tiny": s.model.tiny},
       "warmstart": asdict(s.warmstart),
-      "task": asdict(s.task),
+      # The trace settings only where they matter (and a workdir written
+      # before they existed still resumes).
+      "task": {
+          k: v
+          for k, v in asdict(s.task).items()
+          if s.task.kind == "trace" or not k.startswith("trace_")
+      },
       "advantage": asdict(s.advantage),
       "kl": asdict(s.kl),
       "loss": asdict(s.loss),
