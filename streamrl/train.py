@@ -138,10 +138,9 @@ def open_checkpoints(s: settings_lib.Settings, workdir: str) -> Checkpointer:
 def evaluate(rollout, examples, tokenizer, s: settings_lib.Settings) -> dict:
   """Held-out exact-match accuracy: sampled (the policy's pass@1) and greedy."""
   requests, by_id = make_requests(examples, tokenizer, 1)
-  out = {}
+  out, read = {}, answer_of(s)
   for name, temp in (("accuracy", s.sampling.temperature), ("accuracy_greedy", 0.0)):
     sampling = SamplingConfig(temperature=temp, max_tokens=s.sampling.max_tokens, seed=s.seed)
-    read = answer_of(s)
     hits = [
         float(read(tokenizer.decode(x.token_ids)) == by_id[x.prompt_id].answer.strip())
         for x in rollout.generate(requests, sampling)

@@ -19,7 +19,7 @@ For a tiny policy the difficulty grows with length: short strings are easy
 to copy or reverse, long ones are not, so a warm-started policy is right on
 short prompts and wrong on long ones, and RL has room to improve.
 
-Work traces (`task.kind="trace"`, the default workload). Reasoning models
+Work traces (`task.kind="trace"`; the default is still `synthetic`). Reasoning models
 decide how long to work before they answer, so their output length varies
 between samples of one prompt, not only between prompts. A trace response
 re-reads the input a random number of times before it answers:
@@ -278,8 +278,10 @@ class TraceConfig:
     if self.max_tokens < 2:
       raise ValueError(f"max_tokens={self.max_tokens} leaves no room for `#` and EOS.")
 
-  def mean_passes(self, n: int) -> float:
-    return self.base_passes + self.passes_per_char * n
+  def stop_probability(self, n: int) -> float:
+    """Per-pass stop probability for an input of n characters: the geometric
+    with mean `base_passes + passes_per_char * n`."""
+    return 1.0 / (1.0 + self.base_passes + self.passes_per_char * n)
 
   def max_passes(self, s: str, answer: str) -> int:
     """Most passes that fit the token budget (answer, `#` and EOS on top)."""
@@ -288,7 +290,7 @@ class TraceConfig:
 
 def sample_trace(s: str, answer: str, rng: np.random.Generator, config: TraceConfig) -> str:
   """One response to a prompt with input `s`: passes, `#`, the answer."""
-  stop = 1.0 / (1.0 + config.mean_passes(len(s)))
+  stop = config.stop_probability(len(s))
   k = min(int(rng.geometric(stop)) - 1, config.max_passes(s, answer))
   return (s + PASS_END) * k + WORK_END + answer
 
@@ -296,7 +298,7 @@ def sample_trace(s: str, answer: str, rng: np.random.Generator, config: TraceCon
 def expected_response_length(s: str, answer: str, config: TraceConfig) -> float:
   """E[tokens] of a `sample_trace` response, EOS included (exact: the
   truncated geometric's mean)."""
-  stop = 1.0 / (1.0 + config.mean_passes(len(s)))
+  stop = config.stop_probability(len(s))
   cap = config.max_passes(s, answer)
   q = 1.0 - stop
   # E[min(K, cap)] for K ~ Geometric(stop) on {0, 1, ...} = sum_{j=1..cap} q^j.

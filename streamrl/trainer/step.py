@@ -260,6 +260,33 @@ def combine_micro_metrics(metrics: dict, weights_k: jax.Array) -> dict:
   return {k: v.max() if k.endswith("_max") else jnp.sum(weights_k * v) for k, v in metrics.items()}
 
 
+def _weighted_grad(loss_fn, graphdef, cfg, compute):
+  """(params, micro-batch, weight) -> ((weight * loss, metrics), gradient)."""
+
+  def weighted_loss(p, mb, w):
+    loss, metrics = loss_fn(p, graphdef, mb, cfg, compute)
+    return w * loss, metrics
+
+  return jax.value_and_grad(weighted_loss, has_aux=True)
+
+
+def _optimizer_step(state: TrainState, grads: dict, models: Models) -> tuple[TrainState, dict]:
+  """AdamW on {"actor": grads[, "critic": grads]}; returns the new state and
+  the gradient norms."""
+  actor_tx = make_optimizer(models.actor_optim)
+  updates, actor_opt = actor_tx.update(grads["actor"], state.actor_opt, state.actor)
+  state = state.replace(
+      step=state.step + 1, actor=optax.apply_updates(state.actor, updates), actor_opt=actor_opt
+  )
+  norms = {"actor_grad_norm": optax.global_norm(grads["actor"])}
+  if "critic" in grads:
+    critic_tx = make_optimizer(models.critic_optim)
+    updates, critic_opt = critic_tx.update(grads["critic"], state.critic_opt, state.critic)
+    state = state.replace(critic=optax.apply_updates(state.critic, updates), critic_opt=critic_opt)
+    norms["critic_grad_norm"] = optax.global_norm(grads["critic"])
+  return state, norms
+
+
 def _accumulate(loss_fn, params, graphdef, batch, num_micro, cfg, compute):
   """Loss and gradient of a mini-batch, summed over micro-batches with lax.scan.
 
@@ -268,12 +295,7 @@ def _accumulate(loss_fn, params, graphdef, batch, num_micro, cfg, compute):
   """
   micro = jax.tree.map(lambda x: x.reshape((num_micro, -1) + x.shape[1:]), batch)
   weights_k = micro_batch_weights(batch["mask_bt"][:, :-1], num_micro, cfg.agg)
-
-  def weighted_loss(p, mb, w):
-    loss, metrics = loss_fn(p, graphdef, mb, cfg, compute)
-    return w * loss, metrics
-
-  grad_fn = jax.value_and_grad(weighted_loss, has_aux=True)
+  grad_fn = _weighted_grad(loss_fn, graphdef, cfg, compute)
 
   def body(carry, xs):
     grads, loss_sum = carry
@@ -293,20 +315,15 @@ def update_step(
   loss, grads, metrics = _accumulate(
       _actor_loss, state.actor, models.actor_def, batch, num_micro, cfg, models.compute
   )
-  actor_tx = make_optimizer(models.actor_optim)
-  updates, actor_opt = actor_tx.update(grads, state.actor_opt, state.actor)
-  actor = optax.apply_updates(state.actor, updates)
-  metrics = dict(metrics, actor_loss=loss, actor_grad_norm=optax.global_norm(grads))
-  state = state.replace(step=state.step + 1, actor=actor, actor_opt=actor_opt)
+  grads, metrics = {"actor": grads}, dict(metrics, actor_loss=loss)
   if models.critic_def is not None:
     vloss, vgrads, vmetrics = _accumulate(
         _critic_loss, state.critic, models.critic_def, batch, num_micro, cfg, models.compute
     )
-    critic_tx = make_optimizer(models.critic_optim)
-    updates, critic_opt = critic_tx.update(vgrads, state.critic_opt, state.critic)
-    state = state.replace(critic=optax.apply_updates(state.critic, updates), critic_opt=critic_opt)
-    metrics.update(vmetrics, critic_loss=vloss, critic_grad_norm=optax.global_norm(vgrads))
-  return state, metrics
+    grads["critic"] = vgrads
+    metrics.update(vmetrics, critic_loss=vloss)
+  state, norms = _optimizer_step(state, grads, models)
+  return state, dict(metrics, **norms)
 
 
 # ---------------------------------------------------- ragged micro-batches
@@ -325,37 +342,20 @@ def micro_grads(
   and (when there is one) the critic: ({"actor": grads[, "critic": grads]},
   {"actor": loss[, "critic": loss]}, metrics)."""
 
-  def weighted(loss_fn, graphdef):
-    def f(p):
-      loss, metrics = loss_fn(p, graphdef, micro, cfg, models.compute)
-      return weight * loss, metrics
-
-    return jax.value_and_grad(f, has_aux=True)
-
-  (loss, metrics), grads = weighted(_actor_loss, models.actor_def)(state.actor)
+  grad_fn = functools.partial(_weighted_grad, cfg=cfg, compute=models.compute)
+  (loss, metrics), grads = grad_fn(_actor_loss, models.actor_def)(state.actor, micro, weight)
   grads, losses = {"actor": grads}, {"actor": loss}
   if models.critic_def is not None:
-    (vloss, vmetrics), vgrads = weighted(_critic_loss, models.critic_def)(state.critic)
+    (vloss, vmetrics), vgrads = grad_fn(_critic_loss, models.critic_def)(
+        state.critic, micro, weight
+    )
     grads["critic"], losses["critic"] = vgrads, vloss
     metrics = dict(metrics, **vmetrics)
   return grads, losses, metrics
 
 
-@functools.partial(jax.jit, static_argnames=("models",), donate_argnums=(0,))
-def apply_grads(state: TrainState, grads: dict, *, models: Models) -> tuple[TrainState, dict]:
-  """The optimizer step of `update_step` on accumulated gradients."""
-  actor_tx = make_optimizer(models.actor_optim)
-  updates, actor_opt = actor_tx.update(grads["actor"], state.actor_opt, state.actor)
-  state = state.replace(
-      step=state.step + 1, actor=optax.apply_updates(state.actor, updates), actor_opt=actor_opt
-  )
-  norms = {"actor_grad_norm": optax.global_norm(grads["actor"])}
-  if "critic" in grads:
-    critic_tx = make_optimizer(models.critic_optim)
-    updates, critic_opt = critic_tx.update(grads["critic"], state.critic_opt, state.critic)
-    state = state.replace(critic=optax.apply_updates(state.critic, updates), critic_opt=critic_opt)
-    norms["critic_grad_norm"] = optax.global_norm(grads["critic"])
-  return state, norms
+# The optimizer step of `update_step` on gradients accumulated outside it.
+apply_grads = jax.jit(_optimizer_step, static_argnames=("models",), donate_argnums=(0,))
 
 
 def ragged_update(
