@@ -1,15 +1,27 @@
-r"""PPO on the tiny default policy and the synthetic long-tailed string tasks.
-
-Actor, critic (GAE) and a frozen reference model with a KL penalty in the
-reward. The tiny policy gets a short supervised warm-up first (cached in the
-workdir), then RL.
+r"""PPO, StreamRL's way: disaggregated async generation with the length ranker
+and skew-aware dispatch, weights through the checkpoint-transfer service, on
+a long-tailed work-trace task.
 
   python launch/main.py --config=configs/ppo.py --workdir=workdirs/ppo
+  python launch/main.py --config=configs/colocated.py:ppo --workdir=workdirs/ppo_colocated
 
-Expected on a 2-core CPU laptop: about 10-15 minutes; held-out task accuracy
-(sampled, temperature 1) rises by 20+ points over the warm-start policy (see
-the closing `eval/accuracy` scalars in TensorBoard: `tensorboard --logdir
-workdirs`). Any field can be overridden, e.g. `--config.trainer.lr=3e-4`.
+The first runs StreamRL: a vLLM generator streams finished samples to the
+trainer one weight version ahead (pipeline.mode=async), the ranker sends the
+likely-longest prompts first, and each new policy reaches the generator
+through the transfer service. The second is the verl-like colocated, FIFO
+baseline on the same workload.
+
+The workload (task.kind=trace, streamrl/data/tasks.py): a response re-reads
+its input a geometric number of times before `#` and the answer, so output
+lengths are long-tailed across prompts and vary between samples of the same
+prompt, as reasoning traces do. The tiny policy gets a short supervised
+warm-up first (cached in the workdir), then RL. The previous string tasks:
+--config.task.kind=synthetic (configs/colocated.py:ppo_strings for that run).
+
+Expected on a 2-core CPU laptop: about 10 minutes; held-out accuracy (sampled,
+temperature 1) rises by about 20 points over the warm-start policy (the
+`eval/accuracy` scalars: `tensorboard --logdir workdirs`). Any field can be
+overridden, e.g. `--config.trainer.lr=3e-4`.
 """
 
 import ml_collections
@@ -19,16 +31,27 @@ from streamrl import settings
 
 def get_config() -> ml_collections.ConfigDict:
   # Every key with its default (streamrl/settings.py, the one place defaults
-  # live); the defaults are this PPO setup. Printed in full: `python -c "from
-  # streamrl import settings; print(settings.default_config())"`.
+  # live). Printed in full: `python -c "from streamrl import settings;
+  # print(settings.default_config())"`.
   c = settings.default_config()
   # Actor + critic (GAE) + frozen reference, KL penalty in the reward.
   c.algo.advantage = "gae"
   c.algo.use_critic = True
   c.algo.use_reference = True
   c.algo.kl_in_reward = True
-  # colocated | sync | stream | async (see streamrl/pipeline/__init__.py).
-  c.pipeline.mode = "colocated"
+  # Long-tailed work traces: the warm-up's fit 288 tokens (0.9 of 320), so a
+  # sampled trace that runs a little long still finishes.
+  c.task.kind = "trace"
+  c.task.trace_token_fraction = 0.9
+  c.task.num_eval = 128
+  c.generation.max_tokens = 320
+  c.generation.max_model_len = 512
+  # Micro-batches of a length-sorted mini-batch train at their own length.
+  c.trainer.micro_batch_size = 8
+  # StreamRL: colocated | sync | stream | async (streamrl/pipeline/__init__.py).
+  c.pipeline.mode = "async"
+  c.generation.scheduler = "skew"
+  c.transfer.enabled = True
   return c
 
 

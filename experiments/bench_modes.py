@@ -148,18 +148,15 @@ _BLOCKS = flags.DEFINE_integer(
 )
 _WARMUP = flags.DEFINE_integer("warmup", 1, "Untimed iterations at the start of each arm's block.")
 _ITERATIONS = flags.DEFINE_integer("iterations", 8, "Timed iterations per arm and block.")
-_PROMPTS = flags.DEFINE_integer("prompts", 64, "trainer.prompts_per_iteration.")
-_MINI = flags.DEFINE_integer("mini_batch", 16, "trainer.mini_batch_size (= micro_batch_size).")
+_PROMPTS = flags.DEFINE_integer("prompts", None, "trainer.prompts_per_iteration (config's: 64).")
+_MINI = flags.DEFINE_integer(
+    "mini_batch", None, "trainer.mini_batch_size (= micro_batch_size; config's: 32 and 8)."
+)
 _MAX_NUM_SEQS = flags.DEFINE_integer(
-    "max_num_seqs", 4, "generation.max_num_seqs: requests in flight per instance."
+    "max_num_seqs", None, "generation.max_num_seqs: requests in flight per instance."
 )
-_MAX_TOKENS = flags.DEFINE_integer("max_tokens", 56, "generation.max_tokens.")
-_PPO_EPOCHS = flags.DEFINE_integer(
-    "ppo_epochs",
-    1,
-    "trainer.ppo_epochs. One: every optimizer step of stream can overlap "
-    "generation (further epochs replay the mini-batches after it).",
-)
+_MAX_TOKENS = flags.DEFINE_integer("max_tokens", None, "generation.max_tokens (config's: 320).")
+_PPO_EPOCHS = flags.DEFINE_integer("ppo_epochs", None, "trainer.ppo_epochs (config's: 2).")
 _OVERRIDES = flags.DEFINE_multi_string(
     "override", [], "Extra config overrides, key=value (configs/ppo.py keys)."
 )
@@ -206,7 +203,7 @@ def load_config():
       num_iterations=blocks * (warm + iters) + 1,
       max_num_seqs=_MAX_NUM_SEQS.value,
       max_tokens=_MAX_TOKENS.value,
-      extra={"trainer.ppo_epochs": _PPO_EPOCHS.value},
+      extra={"trainer.ppo_epochs": _PPO_EPOCHS.value} if _PPO_EPOCHS.value else None,
       overrides=_OVERRIDES.value,
   )
   return s, blocks, warm, iters

@@ -3,16 +3,21 @@
   python experiments/bench_skew.py [--workdir=/tmp/streamrl_skew] [--quick]
 
 What runs (everything real, on this machine):
-  1. Policy: the tiny Qwen2-style model, warmed up with supervised steps on
-     the synthetic tasks (streamrl.trainer.sft) so that its output length
-     follows the prompt (copy/reverse/double a string: long-tailed lengths).
-     Cached in the workdir.
+  1. Policy: the tiny Qwen2-style model, warmed up with supervised steps
+     (streamrl.trainer.sft) on the run configs' work traces (`--task=trace`,
+     the default: a random number of passes over the input before the
+     answer, so lengths vary between samples of a prompt as well as across
+     prompts) or on the plain string tasks (`--task=synthetic`: the length
+     follows the prompt). Cached in the workdir.
   2. Length history: the policy generates for `--train_prompts` prompts;
      (prompt ids, generated length) pairs go to <workdir>/length_pairs.jsonl,
      as the RL loop will save them.
   3. Rankers: one per loss (mse / pairwise / both) trained on those pairs;
      recall of the longest 20/10/5 % and Spearman rho measured on the
-     benchmark prompts (never trained on) against their real lengths.
+     benchmark prompts (never trained on) against their real lengths. For
+     traces, the same metrics of the exact expected length of the trace
+     distribution the warm-up taught (`expected`): the best any predictor
+     that sees only the prompt can do against one sampled length.
   4. Latency profile PTL(BS) of the instance (streamrl.generator.profiler).
   5. The benchmark: `--num_prompts` new prompts on `--num_instances`
      instances, each at most `--max_batch_size` in flight, under
@@ -81,7 +86,15 @@ _RANKER_LOSS = flags.DEFINE_enum(
 _LOSSES = flags.DEFINE_list(
     "compare_losses", ["mse", "pairwise", "both"], "Rankers trained and compared."
 )
-_MAX_ANSWER = flags.DEFINE_integer("max_answer_len", 96, "Longest task answer (the tail).")
+_TASK = flags.DEFINE_enum(
+    "task", "trace", ["trace", "synthetic"], "Work traces (the run configs') or string tasks."
+)
+_MAX_ANSWER = flags.DEFINE_integer(
+    "max_answer_len", None, "Longest task answer (default: 48 for traces, 96 for strings)."
+)
+_TRACE_MAX_TOKENS = flags.DEFINE_integer(
+    "trace_max_tokens", 320, "generation.max_tokens for traces (the warm-up's fit 0.9 of it)."
+)
 _ALPHA = flags.DEFINE_float("alpha", 0.2, "Long-tail fraction for Algorithm 2.")
 _CLOCK = flags.DEFINE_enum("clock", "cpu", ["cpu", "wall"], "Which time the makespan ratios use.")
 _FIFO_ORDERS = flags.DEFINE_integer(
@@ -90,12 +103,34 @@ _FIFO_ORDERS = flags.DEFINE_integer(
 _SEED = 0
 
 
+def _traces() -> bool:
+  return _TASK.value == "trace"
+
+
+def _max_answer() -> int:
+  return _MAX_ANSWER.value or (48 if _traces() else 96)
+
+
 def _task_kwargs():
-  return dict(max_answer_len=_MAX_ANSWER.value, median_len=4.0, sigma=1.0)
+  return dict(max_answer_len=_max_answer(), median_len=4.0, sigma=1.0)
+
+
+def _trace_config():
+  """The trace distribution the warm-up teaches (as configs/ppo.py's), or None."""
+  from streamrl.data import tasks
+
+  if not _traces():
+    return None
+  return tasks.TraceConfig(max_tokens=int(0.9 * _TRACE_MAX_TOKENS.value))
+
+
+def _max_tokens() -> int:
+  return _TRACE_MAX_TOKENS.value if _traces() else _max_answer() + 16
 
 
 def build_policy(workdir: str) -> str:
-  """Tiny policy warmed up on the tasks; cached by (steps, max_answer_len)."""
+  """Tiny policy warmed up on the tasks; cached by (steps, task settings)."""
+  import numpy as np
   from flax import nnx
 
   from streamrl.data import tasks
@@ -105,13 +140,21 @@ def build_policy(workdir: str) -> str:
   from streamrl.trainer.sft import warm_start
 
   path = os.path.join(workdir, "policy")
-  meta = {"sft_steps": _SFT_STEPS.value, "task": _task_kwargs()}
+  trace = _trace_config()
+  meta = {"sft_steps": _SFT_STEPS.value, "task": _task_kwargs(), "trace": str(trace)}
   meta_path = os.path.join(path, "bench_skew_meta.json")
   if os.path.exists(meta_path) and json.load(open(meta_path)) == meta:
     return path
   examples = tasks.make_examples(4000, seed=100, **_task_kwargs())
+  if trace is not None:
+    examples = tasks.add_traces(examples, trace)
+  rng = np.random.default_rng(_SEED)
   pairs = [
-      ([tok.BOS_ID] + tok.encode(e.prompt), tok.encode(e.answer) + [tok.EOS_ID]) for e in examples
+      (
+          [tok.BOS_ID] + tok.encode(e.prompt),
+          tok.encode(tasks.sft_target(e, rng, trace)) + [tok.EOS_ID],
+      )
+      for e in examples
   ]
   cfg = config.tiny_qwen2(tok.VOCAB_SIZE)
   t0 = time.perf_counter()
@@ -121,7 +164,7 @@ def build_policy(workdir: str) -> str:
       steps=_SFT_STEPS.value,
       batch_size=32,
       lr=3e-3,
-      seq_len=2 * _MAX_ANSWER.value + 8,
+      seq_len=max(len(p) + len(r) for p, r in pairs),
   )
   print(
       f"[bench] policy warm-up: {_SFT_STEPS.value} steps, loss {loss:.3f}, "
@@ -237,7 +280,6 @@ def main(argv):
         ("train_prompts", 600),
         ("sft_steps", 100),
         ("ranker_steps", 200),
-        ("max_answer_len", 48),
         ("compare_losses", ["mse"]),
     ):
       if not flags.FLAGS[flag].present:  # flags given explicitly win
@@ -252,15 +294,17 @@ def main(argv):
   from streamrl.scheduling import DispatchPlan, LatencyProfile, dispatch, fifo_plan, lpt_order
 
   # Everything cached depends on the policy, hence on these two settings.
-  workdir = os.path.join(_WORKDIR.value, f"ans{_MAX_ANSWER.value}_sft{_SFT_STEPS.value}")
+  workdir = os.path.join(_WORKDIR.value, f"{_TASK.value}_ans{_max_answer()}_sft{_SFT_STEPS.value}")
   os.makedirs(workdir, exist_ok=True)
   n_inst, max_bs = _NUM_INSTANCES.value, _MAX_BS.value
   policy = build_policy(workdir)
-  sampling = SamplingConfig(
-      temperature=1.0, top_p=1.0, max_tokens=_MAX_ANSWER.value + 16, seed=_SEED
-  )
+  sampling = SamplingConfig(temperature=1.0, top_p=1.0, max_tokens=_max_tokens(), seed=_SEED)
   gen = GeneratorInstance(
-      policy, max_num_seqs=max(64, max_bs), max_model_len=320, seed=_SEED, kv_cache_gib=1.0
+      policy,
+      max_num_seqs=max(64, max_bs),
+      max_model_len=max(320, _max_tokens() + 2 * _max_answer() + 16),
+      seed=_SEED,
+      kv_cache_gib=1.0,
   )
 
   pairs = length_history(workdir, gen, sampling)
@@ -294,6 +338,14 @@ def main(argv):
   }
   preds = {loss: r.predict([ids for _, ids in prompts]) for loss, r in rankers.items()}
   rank_metrics = {loss: ranking_metrics(p, true_len) for loss, p in preds.items()}
+  trace = _trace_config()
+  if trace is not None:
+    # The prompt-only bound: the exact mean of the taught trace distribution.
+    expected = [
+        tasks.expected_response_length(tasks.parse_prompt(e.prompt)[1], e.answer, trace)
+        for e in examples
+    ]
+    rank_metrics["expected"] = ranking_metrics(np.asarray(expected), true_len)
   pred = preds[_RANKER_LOSS.value]
 
   fifo_plans = {
@@ -415,7 +467,8 @@ def main(argv):
 
   print()
   print(
-      f"policy: tiny qwen2 + {_SFT_STEPS.value} SFT steps; tasks max_answer_len={_MAX_ANSWER.value}; "
+      f"policy: tiny qwen2 + {_SFT_STEPS.value} SFT steps; task={_TASK.value} "
+      f"max_answer_len={_max_answer()}; "
       f"sampling T=1.0 max_tokens={sampling.max_tokens}, per-prompt seeds"
   )
   p50, p90, p99 = np.percentile(true_len, [50, 90, 99])
@@ -461,6 +514,7 @@ def main(argv):
       f"ranker_sim={ratio['ranker_sim']:.2f} oracle_sim={ratio['oracle_sim']:.2f} "
       f"ranker_trace={rel['ranker']['trace']:.2f} oracle_trace={rel['oracle']['trace']:.2f} "
       f"ranker_wall={rel['ranker']['wall']:.2f} oracle_wall={rel['oracle']['wall']:.2f}"
+      + (f" expected_recall20={rank_metrics['expected']['recall20']:.2f}" if trace else "")
   )
 
 

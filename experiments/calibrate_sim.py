@@ -101,6 +101,7 @@ from modes_workload import (
     config_json,
     describe,  # noqa: E402
     generator_cores,
+    STRING_WORKLOAD,
     make_settings,
     now,
     precompile,
@@ -160,6 +161,7 @@ def load_config():
       num_iterations=warm + iters + 1,
       max_num_seqs=_MAX_NUM_SEQS.value,
       max_tokens=_MAX_TOKENS.value,
+      extra=STRING_WORKLOAD,
       overrides=_OVERRIDES.value,
   )
   return s, warm, iters

@@ -30,10 +30,16 @@ def now() -> float:
 
 def with_mode(s, mode: str):
   """Settings `s` with `pipeline.mode=mode`, validated again (the effective
-  rollout correction, for one, depends on the mode)."""
+  rollout correction, for one, depends on the mode). colocated is the
+  baseline of configs/colocated.py: FIFO order, weights loaded in process."""
   from streamrl import settings as settings_lib  # pylint: disable=g-import-not-at-top
 
   out = s.replace(pipeline=dataclasses.replace(s.pipeline, mode=mode))
+  if mode == "colocated":
+    out = out.replace(
+        scheduler=dataclasses.replace(s.scheduler, kind="fifo"),
+        transfer=dataclasses.replace(s.transfer, enabled=False),
+    )
   settings_lib.validate(out, check_files=False)
   return out
 
@@ -201,33 +207,48 @@ class Workload:
     )
 
 
+# The string-task workload of configs/ppo_strings.py with FIFO order and no
+# transfer service: what calibrate_sim.py checks the simulator against.
+STRING_WORKLOAD = {
+    "task.kind": "synthetic",
+    "task.trace_token_fraction": 1.0,
+    "generation.max_model_len": 128,
+    "generation.scheduler": "fifo",
+    "transfer.enabled": False,
+}
+
+
 def make_settings(
     *,
-    prompts: int,
-    mini_batch: int,
     num_iterations: int,
-    max_num_seqs: int,
-    max_tokens: int,
+    prompts: int | None = None,
+    mini_batch: int | None = None,
+    max_num_seqs: int | None = None,
+    max_tokens: int | None = None,
     extra: dict | None = None,
     overrides=(),
 ):
-  """configs/ppo.py with the benchmark workload's settings, as typed Settings.
+  """configs/ppo.py with the benchmark's settings, as typed Settings.
 
   One generator core and one trainer core; `num_iterations` sets the lr
-  horizon and must be the same in every mode of a comparison. `overrides`
-  are "key=value" strings of config keys.
+  horizon and must be the same in every mode of a comparison. A size left
+  None keeps the config's value (`mini_batch` also sets the micro-batch).
+  `overrides` are "key=value" strings of config keys.
   """
   from streamrl import config_utils, settings  # pylint: disable=g-import-not-at-top
 
   repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   config = config_utils.load_config(os.path.join(repo, "configs", "ppo.py"))
-  values = {
+  sizes = {
       "trainer.prompts_per_iteration": prompts,
       "trainer.mini_batch_size": mini_batch,
       "trainer.micro_batch_size": mini_batch,
-      "trainer.num_iterations": num_iterations,
       "generation.max_num_seqs": max_num_seqs,
       "generation.max_tokens": max_tokens,
+  }
+  values = {
+      **{k: v for k, v in sizes.items() if v is not None},
+      "trainer.num_iterations": num_iterations,
       "cluster.generator_cpus": 1,
       "cluster.trainer_cpus": 1,
       "log.progress": False,

@@ -40,6 +40,7 @@ _WORKDIR = flags.DEFINE_string("workdir", "/tmp/streamrl_workload", "Warm-start 
 _PROMPTS = flags.DEFINE_integer("prompts", 128, "Training prompts to sample.")
 _SAMPLES = flags.DEFINE_integer("samples", 8, "Samples per prompt.")
 _OVERRIDES = flags.DEFINE_multi_string("override", [], "key=value config overrides.")
+_SHOW = flags.DEFINE_integer("show", 0, "Print this many of the longest responses.")
 
 
 def length_report(groups: list[list[int]], max_tokens: int) -> dict:
@@ -86,6 +87,23 @@ def main(argv):
   _, correct = rewarder(samples, by_id)
   policy = length_report(list(groups.values()), s.sampling.max_tokens)
   policy["accuracy"] = float(np.mean(correct))
+  lengths = np.asarray([len(x.token_ids) for x in samples])
+  # Is a long response a worse one? Accuracy by length quartile.
+  edges = np.percentile(lengths, [25, 50, 75])
+  quart = np.searchsorted(edges, lengths, side="right")
+  print(
+      "accuracy by length quartile: "
+      + " ".join(
+          f"q{q + 1}(<= {lengths[quart == q].max()} tokens)={np.mean(np.asarray(correct)[quart == q]):.3f}"
+          for q in range(4)
+          if np.any(quart == q)
+      )
+  )
+  for j in np.argsort(-lengths)[: _SHOW.value]:
+    x = samples[j]
+    print(
+        f"{len(x.token_ids):4d} tokens, {by_id[x.prompt_id].prompt!r}: {tokenizer.decode(x.token_ids)!r}"
+    )
 
   trace = train.trace_config(s)
   rng = np.random.default_rng(s.seed)

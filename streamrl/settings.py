@@ -77,6 +77,10 @@ class Task:
   # trace_base_passes + trace_passes_per_char * len(input) (streamrl/data/tasks.py).
   trace_base_passes: float = _key("task.trace_base_passes", 0.5)
   trace_passes_per_char: float = _key("task.trace_passes_per_char", 0.125)
+  # The warm-up's traces fit this fraction of generation.max_tokens. Below 1,
+  # a sampled trace that overshoots still finishes instead of being cut
+  # (reward 0), so RL is not pushed to drop the long traces.
+  trace_token_fraction: float = _key("task.trace_token_fraction", 1.0)
   reward: str = _key("task.reward", "partial_match")
   jsonl_path: str = _key("task.jsonl_path", "")
   num_eval: int = _key("task.num_eval", 256)
@@ -512,6 +516,11 @@ def validate(s: Settings, *, check_files: bool = True) -> None:
   if t.kind == "trace":
     _positive("task.trace_base_passes", t.trace_base_passes, zero_ok=True)
     _positive("task.trace_passes_per_char", t.trace_passes_per_char, zero_ok=True)
+    _need(
+        0 < t.trace_token_fraction <= 1,
+        f"task.trace_token_fraction={t.trace_token_fraction!r} must be in (0, 1]; "
+        f"fix --config.task.trace_token_fraction.",
+    )
   if t.kind in ("synthetic", "trace"):
     from streamrl.data import tasks  # pylint: disable=g-import-not-at-top
 
@@ -722,7 +731,8 @@ def validate(s: Settings, *, check_files: bool = True) -> None:
   _need(
       not tf.enabled or s.pipeline.mode != "colocated",
       "transfer.enabled=True sends weights to Ray generators; colocated mode has none, so "
-      "set transfer.enabled=False or use sync / stream / async.",
+      "set transfer.enabled=False (configs/colocated.py:<config> sets the whole baseline) or "
+      "use sync / stream / async.",
   )
   _need(
       bool(tf.bind.strip()),

@@ -77,7 +77,7 @@ def trace_config(s: settings_lib.Settings) -> tasks_lib.TraceConfig | None:
   return tasks_lib.TraceConfig(
       base_passes=s.task.trace_base_passes,
       passes_per_char=s.task.trace_passes_per_char,
-      max_tokens=s.sampling.max_tokens,
+      max_tokens=max(int(s.task.trace_token_fraction * s.sampling.max_tokens), 2),
   )
 
 

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from streamrl import config_utils, settings
+from streamrl import config_utils, settings, train
 from streamrl.trainer import sharding
 
 CONFIGS = os.path.join(os.path.dirname(__file__), "..", "configs")
@@ -68,3 +68,35 @@ def test_every_config_file_has_a_documented_get_config():
     text = open(path).read()
     assert "def get_config" in text, path
     assert text.lstrip().startswith(('r"""', '"""')), f"{path} needs a docstring with the command"
+
+
+def _settings(spec: str) -> settings.Settings:
+  return settings.from_config(config_utils.load_config(os.path.join(CONFIGS, spec)))
+
+
+@pytest.mark.parametrize("name", ["ppo", "grpo"])
+def test_the_run_configs_are_streamrl_and_the_baseline_differs_only_in_how_it_runs(name):
+  s = _settings(f"{name}.py")
+  # StreamRL: disaggregated async generation, the ranker with skew-aware
+  # dispatch, weights through the transfer service, on long-tailed traces.
+  assert s.pipeline.mode == "async" and s.scheduler.kind == "skew" and s.transfer.enabled
+  assert s.task.kind == "trace" and s.trainer.micro_batch_size < s.trainer.mini_batch_size
+  # The warm-up's traces leave the sampled policy headroom before the limit.
+  budget = train.trace_config(s).max_tokens
+  assert budget == int(s.task.trace_token_fraction * s.sampling.max_tokens) < s.sampling.max_tokens
+  base = _settings(f"colocated.py:{name}")
+  assert base.pipeline.mode == "colocated" and base.scheduler.kind == "fifo"
+  assert not base.transfer.enabled and not base.elastic.enabled
+  same_otherwise = base.replace(pipeline=s.pipeline, scheduler=s.scheduler, transfer=s.transfer)
+  assert same_otherwise == s
+
+
+def test_the_string_task_config_keeps_the_previous_workload():
+  s = _settings("colocated.py:ppo_strings")
+  assert s.task.kind == "synthetic" and s.pipeline.mode == "colocated"
+  assert s.sampling.max_tokens == 56 and s.engine.max_model_len == 128
+
+
+def test_the_baseline_of_a_missing_config_names_the_file():
+  with pytest.raises(Exception, match="nope.py"):
+    config_utils.load_config(os.path.join(CONFIGS, "colocated.py:nope"))

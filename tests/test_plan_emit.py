@@ -412,7 +412,8 @@ def test_a_planned_run_end_to_end(tmp_path):
           "--config=configs/ppo.py",
           f"--plan={plan_path}",
           f"--workdir={workdir}",
-          *[f"--config.{k}={v}" for k, v in tiny.items()],
+          # Flags win over the plan: leave the plan's keys to it.
+          *[f"--config.{k}={v}" for k, v in tiny.items() if k not in planned["overrides"]],
       ]
   )
   assert res.returncode == 0, res.stderr[-3000:]

@@ -87,6 +87,8 @@ def test_an_unknown_key_is_refused_with_its_name():
         ("model.path", "/nonexistent/model", "config.json"),
         ("generation.latency_profile", "/nonexistent.json", "latency_profile"),
         ("transfer.enabled", True, "colocated"),
+        ("task.trace_token_fraction", 0.0, "trace_token_fraction"),
+        ("task.trace_token_fraction", 1.5, "trace_token_fraction"),
         ("generation.gpus_per_instance", -1, "gpus_per_instance"),
         ("generation.tensor_parallel_size", 0, "tensor_parallel_size"),
         ("generation.gpus_per_instance", 2, "tensor_parallel_size=2"),
@@ -103,6 +105,8 @@ def test_bad_values_fail_with_one_sentence_naming_the_key(key, value, match):
   group, leaf = key.split(".")
   if key == "generation.latency_profile":
     cfg.generation.scheduler = "oracle"
+  if key.startswith("task.trace_"):
+    cfg.task.kind = "trace"
   cfg[group][leaf] = value
   with pytest.raises(UserError, match=match) as info:
     settings.from_config(cfg)

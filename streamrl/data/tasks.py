@@ -19,22 +19,32 @@ For a tiny policy the difficulty grows with length: short strings are easy
 to copy or reverse, long ones are not, so a warm-started policy is right on
 short prompts and wrong on long ones, and RL has room to improve.
 
-Work traces (`task.kind="trace"`; the default is still `synthetic`). Reasoning models
+Work traces (`task.kind="trace"`, the run configs' default). Reasoning models
 decide how long to work before they answer, so their output length varies
 between samples of one prompt, not only between prompts. A trace response
-re-reads the input a random number of times before it answers:
+works for a random number of passes before it answers; a pass is as long as
+the input (one `.` per character) and is led by the number of passes still
+to go:
 
-  `rev:abc=` -> `abc|abc|#cba`   (two passes, then `#` and the answer)
-  `rev:abc=` -> `#cba`           (no pass)
+  `rev:abc=` -> `2...|1...|#cba`   (two passes, then `#` and the answer)
+  `rev:abc=` -> `#cba`             (no pass)
 
-The number of passes is geometric (the policy stops after each pass with a
-fixed probability) with a mean that grows with the input (`TraceConfig`):
-harder prompts take longer on average, and every prompt's length varies
-between samples. The verifier reads only what follows the last `#`
-(`final_answer`). The warm-up teaches the policy the trace distribution; RL
-may then lengthen or shorten it. With the defaults, output lengths have
-p99/p50 near 20 and the longest run past 256 tokens (`experiments/
-workload_stats.py` measures them).
+The number of passes is drawn once, by the first token (geometric, capped at
+`MAX_PASSES` and by the token budget; the mean grows with the input,
+`TraceConfig`): harder prompts take longer on average, and every prompt's
+length varies between samples. The countdown ends the work where the policy
+chose to, so a long trace is a finished one rather than a run-away loop. The
+verifier reads only what follows the last `#` (`final_answer`). The warm-up
+teaches the policy the trace distribution; RL may then lengthen or shorten
+it (with the tiny policy it shortens it: longer traces are answered less
+accurately). With the defaults, output lengths have p99/p50 above 8 and the
+longest run past 256 tokens (`experiments/workload_stats.py` measures them).
+
+Why filler and not a copy of the input: the tiny policy copies a string of
+more than a few characters badly, so copied passes turned into garbage that
+ran on (`experiments/workload_stats.py` on the warm-started policy with
+copied passes: 2.2 % of samples hit the 320-token limit, and the longest
+quarter of samples was right 0.4 % of the time).
 """
 
 from __future__ import annotations
@@ -256,14 +266,18 @@ def answer_length_stats(examples: Sequence[Example]) -> dict[str, float]:
 
 
 # ------------------------------------------------------------------ traces
-PASS_END, WORK_END = "|", "#"
+PASS_END, WORK_END, WORK = "|", "#", "."
+# A pass: the passes left (one digit, so at most 9 passes), one WORK per input
+# character, PASS_END.
+MAX_PASSES = 9
 
 
 @dataclasses.dataclass(frozen=True)
 class TraceConfig:
   """How long a work trace runs: `passes` ~ Geometric on {0, 1, ...} with
-  mean `base_passes + passes_per_char * len(input)`, capped so the whole
-  response (passes, `#`, answer, EOS) fits `max_tokens`."""
+  mean `base_passes + passes_per_char * len(input)`, capped at `MAX_PASSES`
+  and so that the whole response (passes, `#`, answer, EOS) fits
+  `max_tokens`."""
 
   base_passes: float = 0.5
   passes_per_char: float = 0.125
@@ -285,14 +299,21 @@ class TraceConfig:
 
   def max_passes(self, s: str, answer: str) -> int:
     """Most passes that fit the token budget (answer, `#` and EOS on top)."""
-    return max((self.max_tokens - len(answer) - 2) // (len(s) + 1), 0)
+    fit = (self.max_tokens - len(answer) - 2) // (len(s) + 2)
+    return min(max(fit, 0), MAX_PASSES)
+
+
+def trace_text(s: str, answer: str, passes: int) -> str:
+  """The response with `passes` passes over `s`: `2...|1...|#cba`."""
+  return "".join(f"{left}{WORK * len(s)}{PASS_END}" for left in range(passes, 0, -1)) + (
+      WORK_END + answer
+  )
 
 
 def sample_trace(s: str, answer: str, rng: np.random.Generator, config: TraceConfig) -> str:
   """One response to a prompt with input `s`: passes, `#`, the answer."""
   stop = config.stop_probability(len(s))
-  k = min(int(rng.geometric(stop)) - 1, config.max_passes(s, answer))
-  return (s + PASS_END) * k + WORK_END + answer
+  return trace_text(s, answer, min(int(rng.geometric(stop)) - 1, config.max_passes(s, answer)))
 
 
 def expected_response_length(s: str, answer: str, config: TraceConfig) -> float:
@@ -303,7 +324,7 @@ def expected_response_length(s: str, answer: str, config: TraceConfig) -> float:
   q = 1.0 - stop
   # E[min(K, cap)] for K ~ Geometric(stop) on {0, 1, ...} = sum_{j=1..cap} q^j.
   mean_k = q * (1.0 - q**cap) / stop if stop < 1.0 else 0.0
-  return mean_k * (len(s) + 1) + len(answer) + 2
+  return mean_k * (len(s) + 2) + len(answer) + 2
 
 
 def final_answer(response: str) -> str:

@@ -112,7 +112,7 @@ def test_parse_prompt_rejects_other_text():
 # ------------------------------------------------------------------ traces
 
 
-def test_a_trace_rereads_the_input_then_answers():
+def test_a_trace_counts_down_its_passes_then_answers():
   cfg = tasks.TraceConfig(base_passes=1.0, passes_per_char=0.0, max_tokens=64)
   rng = np.random.default_rng(0)
   seen = set()
@@ -120,9 +120,12 @@ def test_a_trace_rereads_the_input_then_answers():
     t = tasks.sample_trace("abc", "cba", rng, cfg)
     work, answer = t.rsplit("#", 1)
     assert answer == "cba" and tasks.final_answer(t) == "cba"
-    assert work == "abc|" * (len(work) // 4)
-    seen.add(len(work) // 4)
+    k = len(work) // 5
+    # Each pass is led by the passes still to go: a countdown to the answer.
+    assert work == "".join(f"{j}...|" for j in range(k, 0, -1))
+    seen.add(k)
   assert {0, 1, 2, 3} <= seen  # Geometric: the number of passes varies.
+  assert max(seen) <= tasks.MAX_PASSES
 
 
 def test_trace_lengths_match_their_expectation_and_fit_the_budget():
