@@ -48,9 +48,14 @@ def get_config() -> ml_collections.ConfigDict:
   c.generation.max_model_len = 512
   # Micro-batches of a length-sorted mini-batch train at their own length.
   c.trainer.micro_batch_size = 8
+  c.trainer.num_iterations = 200
+  c.log.eval_every = 50
   # StreamRL: colocated | sync | stream | async (streamrl/pipeline/__init__.py).
   c.pipeline.mode = "async"
   c.generation.scheduler = "skew"
+  # Continuous batching replayed per instance: on this workload it beats the
+  # paper's wave formula (experiments/bench_skew.py, README).
+  c.generation.dispatch_latency_model = "simulate"
   c.transfer.enabled = True
   return c
 

@@ -17,7 +17,7 @@ The 8 GPUs, disaggregated (async): 6 generate, 2 train.
 - Training: 1 trainer process on 2 GPUs, mesh fsdp=2 (fp32 master weights
   and Adam state ~25 GB, bf16 compute with layer remat).
 For one GPU instead, use the colocated baseline:
-  --config.pipeline.mode=colocated --config.cluster.trainer_gpus=0 \
+  --config=configs/colocated.py:ppo_qwen2_5_1_5b --config.cluster.trainer_gpus=0 \
   --config.generation.num_instances=1 --config.generation.gpu_memory_utilization=0.4
 (tests/test_configs.py checks that every GPU config adds up to its NUM_GPUS.)
 """
@@ -60,6 +60,11 @@ def get_config() -> ml_collections.ConfigDict:
   c.cluster.trainer_cpus = 8
   c.cluster.generator_cpus = 24
   c.pipeline.mode = "async"
+  # FIFO dispatch and weights through Ray's object store, as this recipe was
+  # checked; the ranker (generation.scheduler=skew) and the transfer service
+  # (transfer.enabled=True) of configs/ppo.py are one override each.
+  c.generation.scheduler = "fifo"
+  c.transfer.enabled = False
   c.checkpoint.every = 20
   c.log.eval_every = 20
   return c

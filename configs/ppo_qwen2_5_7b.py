@@ -60,6 +60,11 @@ def get_config() -> ml_collections.ConfigDict:
   c.cluster.trainer_cpus = 16
   c.cluster.generator_cpus = 16
   c.pipeline.mode = "async"
+  # FIFO dispatch and weights through Ray's object store, as this recipe was
+  # checked; the ranker (generation.scheduler=skew) and the transfer service
+  # (transfer.enabled=True) of configs/ppo.py are one override each.
+  c.generation.scheduler = "fifo"
+  c.transfer.enabled = False
   c.checkpoint.every = 20
   c.log.eval_every = 20
   return c

@@ -320,7 +320,7 @@ def train_alone(
 def precompile(work: Workload, settings_list, num_batches: int, streaming: bool = True) -> None:
   """Fills the jit caches for every padded length the workload can produce.
 
-  Mini-batches are padded to multiples of 32 tokens, and jit caches are per
+  Mini-batches are padded to `experience.bucket_length`, and jit caches are per
   process: a timed iteration that met a new length would pay a compile, and
   whichever mode ran first would pay for the others. For each distinct loss
   config among `settings_list` (async's rollout correction differs) and
@@ -342,33 +342,47 @@ def precompile(work: Workload, settings_list, num_batches: int, streaming: bool 
       for ex in batch
   )
   top = experience.bucket_length(longest + s0.sampling.max_tokens)
+  lengths = sorted({experience.bucket_length(n) for n in range(1, top + 1)})
   distinct = {}
   for s in settings_list:
     distinct.setdefault(loss_config(s), s)
   mb, full = s0.trainer.mini_batch_size, s0.samples_per_iteration
+  micro = s0.trainer.micro_batch_size
+
+  def samples(size: int, resp: int, long_rows: int):
+    # The first `long_rows` samples `resp` tokens long, the others one token.
+    return [
+        Sample(
+            prompt_id=i,
+            prompt_token_ids=(1, 5),
+            token_ids=(7,) * (resp if i < long_rows else 1),
+            logprobs=(-1.0,) * (resp if i < long_rows else 1),
+            finish_reason="length",
+            weight_version=0,
+            instance_id=0,
+        )
+        for i in range(size)
+    ]
+
   t0 = now()
   for s in distinct.values():
-    for length in range(32, top + 1, 32):
+    for length in lengths:
       trainer = work.trainer(s)
       resp = max(1, length - 3)
       for size in sorted({full, mb} if streaming else {full}):
-        samples = [
-            Sample(
-                prompt_id=i,
-                prompt_token_ids=(1, 5),
-                token_ids=(7,) * resp,
-                logprobs=(-1.0,) * resp,
-                finish_reason="length",
-                weight_version=0,
-                instance_id=0,
-            )
-            for i in range(size)
-        ]
         rewards = np.linspace(0, 1, size, dtype=np.float32)
         for copy in (True, False) if streaming else (False,):
-          minis, _ = trainer.prepare(samples, rewards, trainer.snapshot(copy=copy))
+          minis, _ = trainer.prepare(
+              samples(size, resp, size), rewards, trainer.snapshot(copy=copy)
+          )
       trainer.update(minis[0])
       trainer.update(minis[0])
+      if micro < mb:
+        # A long-tailed mini-batch: one micro-batch at this length, the rest
+        # short (`RLTrainer.ragged_micros` cuts each to its own length).
+        rewards = np.linspace(0, 1, mb, dtype=np.float32)
+        minis, _ = trainer.prepare(samples(mb, resp, micro), rewards, trainer.snapshot(copy=False))
+        trainer.update(minis[0])
     trainer.export_weights()
   print(
       f"precompiled {len(distinct)} trainer config(s) for lengths 32..{top} "
