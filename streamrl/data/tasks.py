@@ -270,6 +270,9 @@ PASS_END, WORK_END, WORK = "|", "#", "."
 # A pass: the passes left (one digit, so at most 9 passes), one WORK per input
 # character, PASS_END.
 MAX_PASSES = 9
+# Bumped when the text of a trace changes, so a cached warm start taught the
+# old text is not reused (2: countdown passes of WORK; 1 copied the input).
+TRACE_FORMAT = 2
 
 
 @dataclasses.dataclass(frozen=True)

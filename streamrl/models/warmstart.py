@@ -59,7 +59,11 @@ def prepare_model_dir(
           "ops": list(task.ops),
           "max_answer_len": task.max_answer_len,
           "seed": seed,
-          **({"trace": dataclasses.asdict(trace)} if trace is not None else {}),
+          **(
+              {"trace": dataclasses.asdict(trace), "trace_format": tasks.TRACE_FORMAT}
+              if trace is not None
+              else {}
+          ),
       }
   )
   path = os.path.join(workdir, f"warmstart-{key}")
