@@ -189,8 +189,9 @@ def test_command_line_overrides_win_over_the_plan(tmp_path):
     assert s.optimizer.lr == 1e-4
   # Without command-line overrides the plan's values stand; the input is untouched.
   base = _ppo()
+  base.pipeline.mode = "sync"
   merged = emit.apply_plan(base, p, path=path)
-  assert merged.pipeline.mode == "async" and base.pipeline.mode == "colocated"
+  assert merged.pipeline.mode == "async" and base.pipeline.mode == "sync"
 
 
 def test_bad_plan_files(tmp_path):
