@@ -11,10 +11,10 @@ likely-longest prompts first, and each new policy reaches the generator
 through the transfer service. The second is the verl-like colocated, FIFO
 baseline on the same workload.
 
-The workload (task.kind=trace, streamrl/data/tasks.py): a response re-reads
-its input a geometric number of times before `#` and the answer, so output
-lengths are long-tailed across prompts and vary between samples of the same
-prompt, as reasoning traces do. The tiny policy gets a short supervised
+The workload (task.kind=trace, streamrl/data/tasks.py): a response works for
+a geometric number of passes (a countdown, each pass as long as the input)
+before `#` and the answer, so output lengths are long-tailed across prompts
+and vary between samples of the same prompt, as reasoning traces do. The tiny policy gets a short supervised
 warm-up first (cached in the workdir), then RL. The previous string tasks:
 --config.task.kind=synthetic (configs/colocated.py:ppo_strings for that run).
 
