@@ -146,7 +146,12 @@ def build_policy(workdir: str) -> str:
 
   path = os.path.join(workdir, "policy")
   trace = _trace_config()
-  meta = {"sft_steps": _SFT_STEPS.value, "task": _task_kwargs(), "trace": str(trace)}
+  meta = {
+      "sft_steps": _SFT_STEPS.value,
+      "task": _task_kwargs(),
+      "trace": str(trace),
+      "trace_format": tasks.TRACE_FORMAT,
+  }
   meta_path = os.path.join(path, "bench_skew_meta.json")
   if os.path.exists(meta_path) and json.load(open(meta_path)) == meta:
     return path
