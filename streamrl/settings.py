@@ -242,6 +242,15 @@ class Pipeline:
   mode: str = _key("pipeline.mode", "colocated")
   max_staleness: int = _key("pipeline.max_staleness", 1)
   stall_timeout_s: float = _key("pipeline.stall_timeout_s", 600.0)
+  # Partial rollouts (async only; streamrl/pipeline/partial.py): "on" asks
+  # each round for `partial_oversample` more prompt groups than it trains,
+  # stops the round once enough groups finished and resumes the unfinished
+  # responses next round under the new weights. A token more than
+  # `max_token_version_gap` versions older than the weights it is trained
+  # with is never trained on: its response starts again.
+  partial: str = _key("generation.partial", "off")
+  partial_oversample: float = _key("generation.partial_oversample", 0.25)
+  max_token_version_gap: int = _key("generation.max_token_version_gap", 2)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -689,6 +698,25 @@ def validate(s: Settings, *, check_files: bool = True) -> None:
       "off-policy at least).",
   )
   _positive("pipeline.stall_timeout_s", s.pipeline.stall_timeout_s)
+  _one_of("generation.partial", s.pipeline.partial, ("off", "on"))
+  if s.pipeline.partial == "on":
+    _need(
+        s.pipeline.mode == "async",
+        f"generation.partial='on' resumes responses under newer weights, which only "
+        f"pipeline.mode='async' does; set pipeline.mode=async or generation.partial=off "
+        f"(got pipeline.mode={s.pipeline.mode!r}).",
+    )
+    _need(
+        0 < s.pipeline.partial_oversample <= 4,
+        f"generation.partial_oversample={s.pipeline.partial_oversample} must be in (0, 4]: "
+        "the fraction of extra prompt groups each round starts.",
+    )
+    _need(
+        s.pipeline.max_token_version_gap >= s.pipeline.max_staleness,
+        f"generation.max_token_version_gap={s.pipeline.max_token_version_gap} must be >= "
+        f"pipeline.max_staleness={s.pipeline.max_staleness}, or no fresh sample could be "
+        "trained on; raise it.",
+    )
   c = s.cluster
   _positive("cluster.generator_cpus", c.generator_cpus)
   _positive("cluster.trainer_cpus", c.trainer_cpus)

@@ -377,7 +377,7 @@ def run(
   if followers:
     trainer = multihost.Leader(trainer, followers)
   loader = PromptLoader(train_examples, s.trainer.prompts_per_iteration, seed=s.seed)
-  start = 0
+  start, carry = 0, None
   if ckpt.latest_step() is not None:
     if followers:
       followers.send("restore")
@@ -385,6 +385,7 @@ def run(
     trainer.load_checkpoint_arrays(arrays)
     loader.set_state(meta["loader"])
     rewarder.errors = meta.get("reward_errors", 0)
+    carry = meta.get("partial")
     log.info("Resumed from iteration %d", start)
 
   rollout = make_rollout(s, model_dir, cluster, workdir)
@@ -399,6 +400,14 @@ def run(
   except BaseException:
     rollout.close()
     raise
+  if start and hasattr(mode, "restore"):
+    mode.restore(carry, meta["loader"])
+  elif carry and carry.get("groups"):
+    log.warning(
+        "The checkpoint holds %d prompt groups of unfinished partial responses; this run "
+        "(generation.partial=off) drops them. Resume with generation.partial=on to keep them.",
+        len(carry["groups"]),
+    )
   write_placement(workdir, placement, rollout)
   elastic = None
   if s.elastic.enabled:
@@ -458,6 +467,8 @@ def run(
             "reward_errors": rewarder.errors,
             "weight_version": it + 1,
         }
+        if x.generated.round.carry is not None:
+          meta["partial"] = x.generated.round.carry
         if followers:
           followers.send("save", it + 1, meta)
         ckpt.save(it + 1, trainer.checkpoint_arrays(), meta)

@@ -21,7 +21,20 @@ from typing import Protocol
 
 import numpy as np
 
-Request = tuple[int, Sequence[int]]  # (request id, prompt token ids)
+# (request id, prompt token ids), or with a third element: that request's own
+# max_tokens (a resumed partial response: its prompt holds the tokens it already
+# has, and only the rest of the budget is left).
+Request = tuple[int, Sequence[int]] | tuple[int, Sequence[int], int]
+
+# The finish_reason of a response stopped before it finished
+# (`Rollout.stop_generation`): its tokens so far, to be resumed later.
+PARTIAL = "partial"
+
+
+def request_parts(request) -> tuple[int, tuple[int, ...], int | None]:
+  """(request id, prompt token ids, its own max_tokens or None) of a Request."""
+  rid, ids, *rest = request
+  return int(rid), tuple(int(t) for t in ids), (int(rest[0]) if rest else None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +63,10 @@ class Sample:
   finish_reason: str
   weight_version: int
   instance_id: int
+  # Per token, the weight version that sampled it, when the response spans
+  # several (a partial rollout resumed under newer weights); None: every
+  # token is `weight_version`'s.
+  token_versions: tuple[int, ...] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,13 +134,20 @@ class Rollout(Protocol):
       *,
       assignments: Sequence[Sequence[Request]] | None = None,
       caps: Sequence[int | None] | None = None,
+      stoppable: bool = False,
   ) -> Iterator[Sample]:
     """Yields one Sample per request as soon as an instance finishes it.
 
     `assignments` (one list per instance, run in order) replaces the
     round-robin split of `requests`; `caps` bounds each instance's requests
-    in flight.
+    in flight; `stoppable` lets `stop_generation` end this call early.
     """
+
+  def stop_generation(self) -> None:
+    """Stops the running `generate(..., stoppable=True)` call early: every
+    request still unfinished comes back as a Sample with finish_reason
+    PARTIAL and the tokens it had (none for one never started), then the
+    stream ends. Only `StreamGenerationService(stoppable=True)` has it."""
 
   def update(self, tensors: Mapping[str, np.ndarray], version: int) -> UpdateHandle:
     """Sends HF-named weights to every live instance; returns at once."""

@@ -35,18 +35,25 @@ from streamrl import lifecycle
 from streamrl import settings as settings_lib
 from streamrl.errors import UserError
 from streamrl.generator import local
-from streamrl.generator.rollout import DeadInstance, Request, UpdateHandle
+from streamrl.generator.rollout import (
+    PARTIAL,
+    DeadInstance,
+    Request,
+    Sample,
+    UpdateHandle,
+    request_parts,
+)
 
 log = logging.getLogger(__name__)
 
 
-@ray.remote(max_restarts=0, max_task_retries=0)
-class GeneratorActor:
+class _GeneratorActor:
   """One generator instance in its own Ray worker process.
 
   Methods run one at a time (a plain, single-threaded actor), so a weight
   update can never overlap a stream: a `ray.cancel`ed stream stops at its next
   finished sample, aborts what is still running and frees the engine first.
+  `StoppableGeneratorActor` adds `request_stop`, which runs beside a stream.
   """
 
   def __init__(
@@ -93,6 +100,7 @@ class GeneratorActor:
     self._instance_id = instance_id
     self._fault: dict | None = None
     self._peak_in_flight = self._num_yielded = 0
+    self._stop_key = None  # the stream `request_stop` asked to end
 
   def info(self) -> dict:
     import torch  # pylint: disable=g-import-not-at-top
@@ -122,6 +130,7 @@ class GeneratorActor:
       sampling,
       max_in_flight: int | None = None,
       coalesce_s: float = 0.0,
+      stop_key: int | None = None,
   ):
     """Ray streaming generator: yields lists of finished Samples.
 
@@ -130,17 +139,23 @@ class GeneratorActor:
     sample costs the receiving trainer ~0.7 ms of CPU on this machine; a
     window of a few tens of ms keeps that off the trainer's core while
     delaying no sample by more than the window (or the gap to the next
-    finish, when that is longer).
+    finish, when that is longer). With a `stop_key`, `request_stop(stop_key)`
+    ends the stream early: what is unfinished comes back as PARTIAL samples.
     """
     ctx = ray.get_runtime_context()
     self.apply_staged()  # Between streams: the newest verified weights, if any.
     fault, self._fault = self._fault, None
-    stream = self._gen.generate(requests, sampling, max_in_flight=max_in_flight)
+    stop = None if stop_key is None else (lambda: self._stop_key == stop_key)
+    stream = self._gen.generate(requests, sampling, max_in_flight=max_in_flight, stop=stop)
     self._peak_in_flight = self._num_yielded = 0
     pending: list = []
     first_at = 0.0
     try:
       for n, sample in enumerate(stream, 1):
+        if sample.finish_reason == PARTIAL:
+          # The stream is ending: what is left travels in one object.
+          pending.append(sample)
+          continue
         # The engine's count of requests still running after this finish.
         self._peak_in_flight = max(self._peak_in_flight, self._gen.in_flight + 1)
         if not pending:
@@ -263,6 +278,25 @@ class GeneratorActor:
     while time.monotonic() < end and not ctx.is_canceled():
       time.sleep(0.05)
 
+  def request_stop(self, stop_key: int) -> None:
+    """Ends the stream started with `stop_key` (now or, if it has not begun,
+    as soon as it does); a plain actor runs this only between streams."""
+    self._stop_key = stop_key
+
+
+GeneratorActor = ray.remote(max_restarts=0, max_task_retries=0)(_GeneratorActor)
+
+
+@ray.remote(max_restarts=0, max_task_retries=0, concurrency_groups={"control": 1})
+class StoppableGeneratorActor(_GeneratorActor):
+  """A GeneratorActor whose `request_stop` runs beside a stream (its own
+  concurrency group), for partial rollouts; every other method still runs
+  one at a time."""
+
+  @ray.method(concurrency_group="control")
+  def request_stop(self, stop_key: int) -> None:
+    self._stop_key = stop_key
+
 
 def actor_options(
     engine: settings_lib.Engine,
@@ -334,11 +368,17 @@ class StreamGenerationService:
       log_dir: str | None = None,
       placement: settings_lib.Cluster | None = None,
       max_instances: int | None = None,
+      stoppable: bool = False,
   ):
     num_instances = int(num_instances or engine.num_instances)
     if num_instances < 1:
       raise UserError(f"generation.num_instances={num_instances} must be >= 1.")
     self.stall_timeout_s = float(stall_timeout_s)
+    # Partial rollouts: streams that `stop_generation` can end early.
+    self._actor_cls = StoppableGeneratorActor if stoppable else GeneratorActor
+    self._stop_keys = iter(range(1, 1 << 62))
+    self._stoppable_key: int | None = None  # the stoppable stream running now
+    self._stopped_key: int | None = None  # the one asked to stop
     # Samples finishing within this window reach the trainer as one object.
     self.coalesce_s = float(engine.coalesce_s)
     self.num_objects = 0  # sample batches received, over all streams
@@ -416,7 +456,7 @@ class StreamGenerationService:
       n = self._slots
       cores = cluster.shares.instance_cores(i % n, n) if cluster.shares is not None else None
       threads = len(cores) if cores else max(1, cluster.generator_cpus // n)
-    self._actors[i] = GeneratorActor.options(**self._options).remote(
+    self._actors[i] = self._actor_cls.options(**self._options).remote(
         self._model_dir,
         instance_id=i,
         engine_kwargs=self._engine_kwargs,
@@ -721,6 +761,7 @@ class StreamGenerationService:
       assignments: Sequence[Sequence[Request]] | None = None,
       caps: Sequence[int | None] | None = None,
       stall_timeout_s: float | None = None,
+      stoppable: bool = False,
   ) -> Iterator:
     """Yields one Sample per request, each as soon as an instance finishes it.
 
@@ -734,6 +775,8 @@ class StreamGenerationService:
       caps: per-instance cap on requests in flight (None: the engine's
         max_num_seqs).
       stall_timeout_s: overrides the service's timeout for this call.
+      stoppable: `stop_generation` may end this call early (a service made
+        with stoppable=True; one such call at a time).
 
     Closing the iterator early cancels the remaining work. Requests of an
     instance that dies (before or during the call) are re-run on the live
@@ -745,13 +788,30 @@ class StreamGenerationService:
     caps = list(caps) if caps is not None else [None] * self.num_instances
     if len(caps) != self.num_instances:
       raise ValueError(f"caps has {len(caps)} entries for {self.num_instances} instances.")
-    return self._run(plan, sampling, caps, float(stall_timeout_s or self.stall_timeout_s))
+    stop_key = None
+    if stoppable:
+      if self._actor_cls is not StoppableGeneratorActor:
+        raise ValueError(
+            "generate(stoppable=True) needs a StreamGenerationService(stoppable=True)."
+        )
+      stop_key = self._stoppable_key = next(self._stop_keys)
+    return self._run(plan, sampling, caps, float(stall_timeout_s or self.stall_timeout_s), stop_key)
+
+  def stop_generation(self) -> None:
+    """Ends the running stoppable `generate` call early (see
+    `rollout.Rollout.stop_generation`); does nothing when none runs."""
+    key = self._stoppable_key
+    if key is None or self._stopped_key == key:
+      return
+    self._stopped_key = key
+    for i in self.live_instances:
+      self._actors[i].request_stop.remote(key)
 
   def _plan(self, requests, assignments) -> dict[int, list]:
     if assignments is None:
       if requests is None:
         raise ValueError("generate needs requests or assignments.")
-      reqs = [(int(rid), ids) for rid, ids in requests]
+      reqs = [_request(r) for r in requests]
       live = self.live_instances
       plan = {i: [] for i in range(self.num_instances)}
       for k, req in enumerate(reqs):
@@ -762,14 +822,14 @@ class StreamGenerationService:
             f"assignments has {len(assignments)} lists for "
             f"{self.num_instances} instances; give one (maybe empty) per instance."
         )
-      plan = {i: [(int(rid), ids) for rid, ids in a] for i, a in enumerate(assignments)}
+      plan = {i: [_request(r) for r in a] for i, a in enumerate(assignments)}
       reqs = [r for i in range(self.num_instances) for r in plan[i]]
-    ids = [rid for rid, _ in reqs]
+    ids = [r[0] for r in reqs]
     if len(set(ids)) != len(ids):
       dup = next(r for r, c in collections.Counter(ids).items() if c > 1)
       raise ValueError(f"Request id {dup} appears more than once; request ids must be unique.")
     if assignments is not None and requests is not None:
-      if sorted(int(r) for r, _ in requests) != sorted(ids):
+      if sorted(int(r[0]) for r in requests) != sorted(ids):
         raise ValueError("assignments must hold exactly the given requests, each once.")
     # Work planned for instances that are dead or removed goes to the live ones.
     live = set(self.live_instances)
@@ -786,7 +846,14 @@ class StreamGenerationService:
     for k, req in enumerate(reqs):
       plan.setdefault(live[k % len(live)], []).append(req)
 
-  def _run(self, plan: dict[int, list], sampling, caps: list, stall_timeout_s: float):
+  def _run(
+      self,
+      plan: dict[int, list],
+      sampling,
+      caps: list,
+      stall_timeout_s: float,
+      stop_key: int | None = None,
+  ):
     # Per instance: batches not started yet (a survivor that already runs a
     # stream gets a dead peer's requests as its next batch).
     queued: dict[int, collections.deque] = collections.defaultdict(collections.deque)
@@ -795,17 +862,22 @@ class StreamGenerationService:
         queued[i].append(reqs)
     undelivered: dict[int, dict[int, Request]] = collections.defaultdict(dict)
     for i, reqs in plan.items():
-      undelivered[i].update((rid, (rid, ids)) for rid, ids in reqs)
+      undelivered[i].update((r[0], r) for r in reqs)
     delivered: set[int] = set()
     active: dict = {}  # ObjectRefGenerator -> _Stream
 
+    def stopped() -> bool:
+      return stop_key is not None and self._stopped_key == stop_key
+
     def start(i: int) -> None:
+      if stopped():
+        return  # What is still queued comes back as PARTIAL at the end.
       if i in self._live and queued[i] and not any(s.instance_id == i for s in active.values()):
         reqs = queued[i].popleft()
         gen = (
             self._actors[i]
             .generate.options(num_returns="streaming")
-            .remote(reqs, sampling, caps[i], self.coalesce_s)
+            .remote(reqs, sampling, caps[i], self.coalesce_s, stop_key)
         )
         active[gen] = _Stream(i, reqs, time.perf_counter())
 
@@ -832,7 +904,7 @@ class StreamGenerationService:
       self._spread(leftover, moved)
       for j, reqs in moved.items():
         queued[j].append(reqs)
-        undelivered[j].update((rid, (rid, ids)) for rid, ids in reqs)
+        undelivered[j].update((r[0], r) for r in reqs)
         start(j)
 
     with self._lock:
@@ -864,7 +936,7 @@ class StreamGenerationService:
             batch = ray.get(next(gen))
           except StopIteration:
             end(gen)
-            if not queued[i] and undelivered.get(i):
+            if not queued[i] and undelivered.get(i) and not stopped():
               # Can't happen with a healthy engine; never lose a request.
               log.warning(
                   "Instance %d ended its stream with %d requests undelivered; "
@@ -892,6 +964,14 @@ class StreamGenerationService:
               continue
             delivered.add(rid)
             yield sample
+      if stopped():
+        # Stopped before they started (queued, or on an instance that died):
+        # PARTIAL with no tokens, so every request is still answered once.
+        for i in list(undelivered):
+          for rid, r in sorted(undelivered.pop(i).items()):
+            if rid not in delivered:
+              delivered.add(rid)
+              yield _unstarted(r)
     finally:
       # Runs on completion, on error and when the consumer closes the stream.
       for gen in list(active):
@@ -900,6 +980,8 @@ class StreamGenerationService:
         except Exception:  # pylint: disable=broad-except
           pass  # Already finished or its actor is gone.
         end(gen)
+      if stop_key is not None and self._stoppable_key == stop_key:
+        self._stoppable_key = None
       with self._lock:
         self._runs_active -= 1
         last = self._runs_active == 0
@@ -938,6 +1020,18 @@ class StreamGenerationService:
         "requests could not be finished. Check the instances' logs (ray logs) and "
         "restart the run."
     )
+
+
+def _request(r) -> tuple:
+  """A Request as a tuple with an int id (and its own max_tokens, if any)."""
+  rid, ids, max_tokens = request_parts(r)
+  return (rid, ids) if max_tokens is None else (rid, ids, max_tokens)
+
+
+def _unstarted(r) -> Sample:
+  """The PARTIAL sample of a request stopped before any instance ran it."""
+  rid, ids, _ = request_parts(r)
+  return Sample(rid, ids, (), (), PARTIAL, weight_version=-1, instance_id=-1)
 
 
 def _failed(ref) -> bool:

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from streamrl.generator.rollout import Sample, SamplingConfig  # pylint: disable=unused-import
+from streamrl.generator.rollout import PARTIAL, Sample, SamplingConfig, request_parts  # pylint: disable=unused-import
 from streamrl.models import hf as hf_lib
 from streamrl.models import safetensors_io
 from streamrl.models.config import CPU_SUPPORTED_HEAD_DIMS
@@ -366,13 +366,19 @@ class GeneratorInstance:
       return []
     return list(eos) if isinstance(eos, list) else [eos]
 
-  def _params(self, sampling: SamplingConfig, prompt_id: int, ignore_eos: bool = False):
+  def _params(
+      self,
+      sampling: SamplingConfig,
+      prompt_id: int,
+      ignore_eos: bool = False,
+      max_tokens: int | None = None,
+  ):
     from vllm import SamplingParams  # pylint: disable=g-import-not-at-top
 
     return SamplingParams(
         temperature=sampling.temperature,
         top_p=sampling.top_p,
-        max_tokens=sampling.max_tokens,
+        max_tokens=sampling.max_tokens if max_tokens is None else max_tokens,
         logprobs=0,
         detokenize=False,
         stop_token_ids=[] if ignore_eos else self._eos,
@@ -380,43 +386,73 @@ class GeneratorInstance:
         seed=None if sampling.seed is None else sampling.seed + prompt_id,
     )
 
+  def _sample(self, prompt_id: int, ids: tuple, completion, finish_reason: str) -> Sample:
+    tokens = tuple(completion.token_ids) if completion is not None else ()
+    steps = completion.logprobs if completion is not None else ()
+    return Sample(
+        prompt_id=prompt_id,
+        prompt_token_ids=ids,
+        token_ids=tokens,
+        logprobs=tuple(float(step[tok].logprob) for tok, step in zip(tokens, steps)),
+        finish_reason=finish_reason,
+        weight_version=self.weight_version,
+        instance_id=self.instance_id,
+    )
+
   def generate(
       self,
-      prompts: Sequence[tuple[int, Sequence[int]]],
+      prompts: Sequence[tuple],
       sampling: SamplingConfig,
       *,
       max_in_flight: int | None = None,
       ignore_eos: bool = False,
+      stop: Callable[[], bool] | None = None,
   ) -> Iterator[Sample]:
     """Streams one Sample per prompt as each finishes.
 
-    Prompts are admitted in the given order; at most `max_in_flight` run at
-    once (default: the engine's max_num_seqs) and a new one is admitted on
-    every finish. Closing the iterator early aborts what is still running.
-    With `ignore_eos`, every sample decodes exactly sampling.max_tokens
-    tokens (EOS does not stop it): for measurements such as the latency
-    profiler, not for RL.
+    Prompts are `rollout.Request`s, admitted in the given order; at most
+    `max_in_flight` run at once (default: the engine's max_num_seqs) and a
+    new one is admitted on every finish. A request with its own max_tokens
+    (a resumed partial response) decodes at most that many. Closing the
+    iterator early aborts what is still running. With `ignore_eos`, every
+    sample decodes exactly its max_tokens tokens (EOS does not stop it):
+    for measurements such as the latency profiler, not for RL.
+
+    `stop` is asked after every engine step; once it returns True, every
+    request not finished yet is yielded as a Sample with finish_reason
+    `rollout.PARTIAL` and the tokens it has (none if it never started), and
+    the stream ends.
     """
     self._check_open()
     cap = min(max_in_flight or self.max_num_seqs, self.max_num_seqs)
     if cap < 1:
       raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}.")
-    pending = collections.deque(prompts)
+    pending = collections.deque(request_parts(p) for p in prompts)
     running: dict[str, tuple[int, tuple[int, ...]]] = {}
+    latest: dict[str, object] = {}  # request -> its newest (unfinished) completion
     try:
       while pending or running:
+        if stop is not None and stop():
+          for rid, (prompt_id, ids) in list(running.items()):
+            yield self._sample(prompt_id, ids, latest.get(rid), PARTIAL)
+          for prompt_id, ids, _ in pending:
+            yield self._sample(prompt_id, ids, None, PARTIAL)
+          pending.clear()
+          return
         while pending and len(running) < cap:
-          prompt_id, ids = pending.popleft()
-          ids = tuple(int(t) for t in ids)
-          if len(ids) + sampling.max_tokens > self.max_model_len:
+          prompt_id, ids, max_tokens = pending.popleft()
+          budget = sampling.max_tokens if max_tokens is None else max_tokens
+          if len(ids) + budget > self.max_model_len:
             raise ValueError(
                 f"Prompt {prompt_id} has {len(ids)} tokens; with max_tokens="
-                f"{sampling.max_tokens} it exceeds max_model_len={self.max_model_len}; "
+                f"{budget} it exceeds max_model_len={self.max_model_len}; "
                 "raise max_model_len or shorten the prompt."
             )
           rid = f"{self.instance_id}-{next(self._request_ids)}"
           self._engine.add_request(
-              rid, {"prompt_token_ids": list(ids)}, self._params(sampling, prompt_id, ignore_eos)
+              rid,
+              {"prompt_token_ids": list(ids)},
+              self._params(sampling, prompt_id, ignore_eos, max_tokens),
           )
           running[rid] = (prompt_id, ids)
         self._in_flight = len(running)
@@ -424,23 +460,14 @@ class GeneratorInstance:
           self._step_callback(self._in_flight)
         for out in self._engine.step():
           if not out.finished:
+            if stop is not None:
+              latest[out.request_id] = out.outputs[0]
             continue
           prompt_id, ids = running.pop(out.request_id)
+          latest.pop(out.request_id, None)
           self._in_flight = len(running)
           completion = out.outputs[0]
-          tokens = tuple(completion.token_ids)
-          logprobs = tuple(
-              float(step[tok].logprob) for tok, step in zip(tokens, completion.logprobs)
-          )
-          yield Sample(
-              prompt_id=prompt_id,
-              prompt_token_ids=ids,
-              token_ids=tokens,
-              logprobs=logprobs,
-              finish_reason=str(completion.finish_reason),
-              weight_version=self.weight_version,
-              instance_id=self.instance_id,
-          )
+          yield self._sample(prompt_id, ids, completion, str(completion.finish_reason))
     finally:
       if running:
         self._engine.abort_request(list(running))

@@ -3,14 +3,16 @@
   colocated  engine in the trainer's process; generate, then train (sync.py)
   sync       engines on Ray actors; the trainer waits for the whole batch (sync.py)
   stream     samples trained on as they arrive, weights pushed per iteration (stream.py)
-  async      generation of i+1 overlaps training of i (stream.py)
+  async      generation of i+1 overlaps training of i (stream.py); with
+             generation.partial=on, rounds stop early and resume the
+             unfinished responses next round (partial.py)
 
 A mode only decides order and overlap; `streamrl/train.py` runs the iteration.
 """
 
 from __future__ import annotations
 
-from streamrl.pipeline import base, stream, sync
+from streamrl.pipeline import base, partial, stream, sync
 
 
 def make_mode(s, rollout, scheduler, rounds) -> base.Mode:
@@ -26,11 +28,8 @@ def make_mode(s, rollout, scheduler, rounds) -> base.Mode:
     return sync.SyncMode(rollout, scheduler, rounds, **kw)
   if mode == "stream":
     return stream.StreamMode(rollout, scheduler, rounds, **kw)
-  return stream.AsyncMode(
-      rollout,
-      scheduler,
-      rounds,
-      max_staleness=s.pipeline.max_staleness,
-      num_iterations=s.trainer.num_iterations,
-      **kw,
-  )
+  kw.update(max_staleness=s.pipeline.max_staleness, num_iterations=s.trainer.num_iterations)
+  if s.pipeline.partial == "on":
+    buffer = partial.PartialBuffer.from_settings(s, s.advantage.group_size)
+    return partial.PartialAsyncMode(rollout, scheduler, rounds, buffer=buffer, **kw)
+  return stream.AsyncMode(rollout, scheduler, rounds, **kw)

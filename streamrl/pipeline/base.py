@@ -25,6 +25,12 @@ class Round:
   requests: list  # (request id, prompt token ids)
   examples_by_id: dict  # request id -> Example
   loader_state: dict  # the loader position a checkpoint after this round holds
+  # Partial rollouts: request id -> the request actually sent (prompt plus
+  # the response so far, and the budget left) for resumed responses.
+  resume: dict = dataclasses.field(default_factory=dict)
+  # Partial rollouts: what a checkpoint after this round saves of the
+  # unfinished responses (`partial.PartialBuffer.state`); None otherwise.
+  carry: dict | None = None
 
 
 @dataclasses.dataclass
@@ -77,8 +83,9 @@ class Mode:
   def chunks(self, it: int) -> Iterator[list[Sample]]:
     raise NotImplementedError
 
-  def generate_round(self, rnd: Round) -> Iterator[Sample]:
-    """Streams one round's samples, dispatched by the generation scheduler."""
+  def generate_round(self, rnd: Round, *, stoppable: bool = False) -> Iterator[Sample]:
+    """Streams one round's samples, dispatched by the generation scheduler
+    (which sees each request's prompt; `rnd.resume` says what is sent)."""
     # The instances taking work now (elastic generation changes them between rounds).
     live = list(self.rollout.live_instances)
     self.round_instances[rnd.it] = len(live)
@@ -91,13 +98,15 @@ class Mode:
           self.rollout.num_instances
       )
       for i, part, cap in zip(live, assignments, caps):
-        full[i], full_caps[i] = part, cap
+        full[i], full_caps[i] = [rnd.resume.get(r[0], r) for r in part], cap
       assignments, caps = full, full_caps
+    kw = {"stoppable": True} if stoppable else {}
     return self.rollout.generate(
-        None if assignments else rnd.requests,
+        None if assignments else [rnd.resume.get(r[0], r) for r in rnd.requests],
         local.sampling_for(self.sampling, self.seed, rnd.it),
         assignments=assignments,
         caps=caps,
+        **kw,
     )
 
   def push(self, tensors, version: int) -> UpdateHandle:

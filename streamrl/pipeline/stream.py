@@ -148,15 +148,30 @@ class AsyncMode(base.Mode):
         # the stream must not start before every instance has it staged.
         pending.delivered()
       t0 = base.now()
-      samples = list(self.generate_round(rnd))
-      t1 = base.now()
-      metrics = self.scheduler.observe(samples)
-      self._results.put((rnd, samples, t1 - t0, metrics))
+      rnd, samples, metrics = self._produce(rnd)
+      self._results.put((rnd, samples, base.now() - t0, metrics))
     except BaseException as e:  # pylint: disable=broad-except
       self._results.put((rnd, e, 0.0, {}))
 
+  def _produce(self, rnd: base.Round) -> tuple[base.Round, list, dict]:
+    """Generates round `rnd`: (the round trained on, its samples, scheduler metrics)."""
+    samples = list(self.generate_round(rnd))
+    return rnd, samples, self.scheduler.observe(samples)
+
+  def _next_round(self, it: int) -> base.Round:
+    """Iteration it's round, made on the trainer's thread before its generation starts."""
+    return self.rounds(it)
+
+  def _check_staleness(self, it: int, samples) -> None:
+    stale = max(it - s.weight_version for s in samples)
+    if stale > self.max_staleness:
+      raise RuntimeError(
+          f"A sample of iteration {it} is {stale} versions old, beyond "
+          f"max_staleness={self.max_staleness}; this is a bug."
+      )
+
   def _start(self, it: int) -> None:
-    rnd = self.rounds(it)
+    rnd = self._next_round(it)
     self._thread = threading.Thread(
         target=self._generate, args=(rnd,), name=f"generate-{it}", daemon=True
     )
@@ -184,12 +199,7 @@ class AsyncMode(base.Mode):
     self.round = rnd
     wait_s = base.now() - t_wait
     samples.sort(key=lambda s: s.prompt_id)
-    stale = max(it - s.weight_version for s in samples)
-    if stale > self.max_staleness:
-      raise RuntimeError(
-          f"A sample of iteration {it} is {stale} versions old, beyond "
-          f"max_staleness={self.max_staleness}; this is a bug."
-      )
+    self._check_staleness(it, samples)
     # The next batch starts now, generated while this one trains.
     if it + 1 < self.num_iterations:
       self._start(it + 1)

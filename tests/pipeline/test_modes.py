@@ -18,11 +18,12 @@ import pytest
 from flax import nnx
 
 from streamrl import config_utils, settings, train
+from streamrl.errors import UserError
 from streamrl.data import rewards, tasks
 from streamrl.data.loader import PromptLoader
 from streamrl.data.rewards import Rewarder
 from streamrl.data.tokenizer import Tokenizer
-from streamrl.generator.rollout import Sample, UpdateHandle
+from streamrl.generator.rollout import PARTIAL, Sample, UpdateHandle
 from streamrl.models import config as model_config
 from streamrl.models import tiny
 from streamrl.models.transformer import Transformer
@@ -46,7 +47,12 @@ def load(name, **overrides):
 
 
 class ScriptedRollout:
-  """Deterministic answers, shuffled finish order, real weight versions."""
+  """Deterministic answers, shuffled finish order, real weight versions.
+
+  Stoppable (partial rollouts): after `stop_generation`, every request not
+  yielded yet comes back PARTIAL with a prefix of its answer; a request
+  with its own budget (a resumed one) answers with at most that many tokens.
+  """
 
   def __init__(self, seed=0):
     self.version = 0
@@ -60,26 +66,36 @@ class ScriptedRollout:
     self.produced = []
     self.assignments = []
     self.num_instances = 2
+    self._stop = False
 
-  def generate(self, requests, sampling, *, assignments=None, caps=None):
+  def stop_generation(self):
+    self._stop = True
+
+  def generate(self, requests, sampling, *, assignments=None, caps=None, stoppable=False):
     if assignments is not None:
       self.assignments.append(assignments)
       requests = [r for part in assignments for r in part]
     order = self.rng.permutation(len(requests))
+    self._stop = False
     for j in order:
-      rid, ids = requests[j]
+      rid, ids, *budget = requests[j]
       r = np.random.default_rng(rid + 7 * len(ids))
       n = int(r.integers(1, 12))
       tokens = tuple(int(t) for t in r.integers(4, 40, n)) + (2,)
+      reason = "stop"
+      if budget and len(tokens) > budget[0]:
+        tokens, reason = tokens[: budget[0]], "length"
+      if stoppable and self._stop:
+        tokens, reason = tokens[: int(r.integers(0, len(tokens)))], PARTIAL
       with self.lock:
         version = self.version
-        self.produced.append(rid)
+        self.produced.append((rid, tuple(ids), tokens, reason, version))
       yield Sample(
           prompt_id=rid,
           prompt_token_ids=tuple(ids),
           token_ids=tokens,
           logprobs=tuple(float(x) for x in -r.uniform(0.1, 3.0, len(tokens))),
-          finish_reason="stop",
+          finish_reason=reason,
           weight_version=version,
           instance_id=0,
       )
@@ -222,3 +238,68 @@ def test_async_resumes_after_the_restored_weights_are_pushed(model_dir):
   _, rollout, outs = run_mode(cfg, model_dir, 2, start=4)
   assert rollout.updates == [4, 5, 6]
   assert all(s.weight_version == 4 for s in outs[0]["samples"])
+
+
+def _stitched_from_segments(sample, produced) -> bool:
+  """Whether `sample` (a trained partial-rollout sample) is its prompt's
+  segments as the rollout produced them: each resumed request sent the
+  prompt plus the tokens before it, each token has its segment's version."""
+  prompt, tokens, versions = sample.prompt_token_ids, sample.token_ids, sample.token_versions
+  reach = {0}
+  while reach:
+    k = reach.pop()
+    for _, sent, seg, reason, version in produced:
+      n = len(seg)
+      if sent != prompt + tokens[:k] or tokens[k : k + n] != seg:
+        continue
+      if any(v != version for v in versions[k : k + n]):
+        continue
+      if reason != PARTIAL and k + n == len(tokens):
+        return True
+      if reason == PARTIAL and n:
+        reach.add(k + n)
+  return False
+
+
+def test_partial_rollouts_train_every_response_once_and_whole(model_dir):
+  cfg = load(
+      "grpo",
+      **{
+          "pipeline.mode": "async",
+          "generation.partial": "on",
+          "generation.partial_oversample": 0.5,
+          "algo.group_size": 2,
+          "trainer.prompts_per_iteration": 8,
+          "trainer.mini_batch_size": 4,
+          "trainer.micro_batch_size": 2,
+          "trainer.num_iterations": 5,
+      },
+  )
+  _, rollout, outs = run_mode(cfg, model_dir, 5)
+  mode = run_mode.last_mode
+  trained_prompts = []
+  resumed = 0.0
+  for it, out in enumerate(outs):
+    samples = out["samples"]
+    # Whole groups of the configured size, numbered as a plain round.
+    assert sorted(s.prompt_id for s in samples) == list(range(16)), it
+    for s in samples:
+      assert s.finish_reason != PARTIAL
+      assert len(s.token_versions) == len(s.token_ids) == len(s.logprobs)
+      assert max(it - v for v in s.token_versions) <= 2
+      assert _stitched_from_segments(s, rollout.produced), (it, s.prompt_id)
+    trained_prompts.extend(samples[j].prompt_token_ids for j in range(0, 16, 2))
+    scal = out["scalars"]
+    resumed += scal["partial/resumed_fraction"]
+    assert scal["partial/token_version_gap_max"] <= 2
+  assert resumed > 0  # some responses spanned two rounds
+  # No prompt group trained twice; the 4 extra groups are still in flight, untrained.
+  assert len(set(trained_prompts)) == len(trained_prompts) == 5 * 8
+  carried = [g.prompt_ids for g in mode.buffer.groups]
+  assert len(carried) == 4 and not set(carried) & set(trained_prompts)
+
+
+def test_partial_rollouts_are_async_only():
+  cfg = load("ppo", **{"pipeline.mode": "stream", "generation.partial": "on"})
+  with pytest.raises(UserError, match="pipeline.mode=async"):
+    settings.from_config(cfg)
