@@ -142,3 +142,59 @@ def test_a_later_run_in_the_process_gets_a_local_ray_sized_for_it():
     cluster.init_ray(generator_cpus=1, trainer_cpus=2)
   assert ray.is_initialized() and ray.cluster_resources()["CPU"] == 1
   ray.shutdown()
+
+
+def _saved_meta(workdir, step):
+  with open(os.path.join(workdir, "checkpoints", str(step), "meta", "metadata")) as f:
+    return json.load(f)
+
+
+def test_partial_rollouts_carry_unfinished_responses_across_a_resume(tmp_path, monkeypatch):
+  """Async with partial rollouts on the real engine, stopped after two
+  iterations and resumed: the resumed run starts from the unfinished
+  responses the checkpoint saved, and every iteration is logged once."""
+  from streamrl import train
+  from streamrl.pipeline import partial
+
+  cfg = load(
+      **{
+          "pipeline.mode": "async",
+          "generation.partial": "on",
+          "generation.partial_oversample": 0.5,
+          "trainer.num_iterations": 3,
+          "cluster.trainer_actor": False,  # in this process, so the stop can be scripted
+      }
+  )
+  workdir = str(tmp_path / "partial")
+  real_iteration = train.train_iteration
+
+  def stop_before_third(it, *args, **kwargs):
+    if it == 2:
+      raise KeyboardInterrupt("simulated stop after iteration 2")
+    return real_iteration(it, *args, **kwargs)
+
+  monkeypatch.setattr(train, "train_iteration", stop_before_third)
+  with pytest.raises(KeyboardInterrupt):
+    experiment.run(cfg, workdir)
+  saved = _saved_meta(workdir, 2)["partial"]
+  # 8 prompts per iteration, 4 more in flight: they wait in the checkpoint.
+  assert len(saved["groups"]) == 4
+  restored = []
+  real_restore = partial.PartialAsyncMode.restore
+  monkeypatch.setattr(train, "train_iteration", real_iteration)
+  monkeypatch.setattr(
+      partial.PartialAsyncMode,
+      "restore",
+      lambda self, carry, loader: restored.append(carry) or real_restore(self, carry, loader),
+  )
+  final = experiment.run(cfg, workdir)
+  assert restored == [saved]
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    rows = [json.loads(line) for line in f]
+  assert [r["step"] for r in rows if "reward/mean" in r] == [1, 2, 3]
+  assert all(
+      r["samples/count"] == 8 and r["samples/duplicated"] == 0 for r in rows if "samples/count" in r
+  )
+  assert final["partial/token_version_gap_max"] <= 2
+  assert 0.0 <= final["partial/resumed_fraction"] <= 1.0
+  assert len(_saved_meta(workdir, 3)["partial"]["groups"]) == 4

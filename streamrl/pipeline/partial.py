@@ -244,7 +244,11 @@ class PartialBuffer:
     )
     self.groups = []
     for g in state.get("groups", []):
-      members = [Member(**m) for m in g["members"]]
+      # Copies: the state dict stays as saved while the responses grow.
+      members = [
+          Member(**{k: list(v) if isinstance(v, list) else v for k, v in m.items()})
+          for m in g["members"]
+      ]
       if len(members) != self.group_size:
         raise ValueError(
             f"The checkpoint's partial responses come in groups of {len(members)}, this "

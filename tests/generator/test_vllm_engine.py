@@ -128,6 +128,39 @@ def test_weight_update_takes_effect_and_drops_prefix_cache(engine):
     gen.update_weights(hf.to_hf_tensors(new_model), version=before)
 
 
+def test_a_stopped_response_resumes_under_new_weights_with_each_versions_logprobs(engine):
+  """Partial rollouts: stop mid-response, load new weights, resume from
+  prompt + tokens so far with the budget left; each segment's logprobs are
+  those of the weights that sampled it (fp32, <= 1e-3)."""
+  gen, _, cfg = engine
+  old = transformer.Transformer(cfg, rngs=nnx.Rngs(41))
+  new = transformer.Transformer(cfg, rngs=nnx.Rngs(42))
+  v_old = gen.update_weights(hf.to_hf_tensors(old))
+  sampling = SamplingConfig(temperature=0.8, max_tokens=24, seed=5)
+  steps = []
+  # Stop after 6 engine steps; EOS ignored, so no response is done by then.
+  first = list(
+      gen.generate(
+          PROMPTS, sampling, ignore_eos=True, stop=lambda: steps.append(1) or len(steps) > 6
+      )
+  )
+  assert sorted(s.prompt_id for s in first) == [p for p, _ in PROMPTS]
+  assert all(s.finish_reason == vllm_engine.PARTIAL for s in first)
+  assert all(0 < len(s.token_ids) < 24 and s.weight_version == v_old for s in first)
+  assert gen.in_flight == 0
+  v_new = gen.update_weights(hf.to_hf_tensors(new))
+  resume = [(s.prompt_id, s.prompt_token_ids + s.token_ids, 24 - len(s.token_ids)) for s in first]
+  rest = {s.prompt_id: s for s in gen.generate(resume, sampling, ignore_eos=True)}
+  for a in first:
+    b = rest[a.prompt_id]
+    assert b.weight_version == v_new and b.finish_reason == "length"
+    assert len(a.token_ids) + len(b.token_ids) == 24
+    np.testing.assert_allclose(flax_logprobs(old, a, 0.8), a.logprobs, atol=1e-3)
+    np.testing.assert_allclose(flax_logprobs(new, b, 0.8), b.logprobs, atol=1e-3)
+    # The old weights would not have given the resumed tokens these logprobs.
+    assert np.abs(flax_logprobs(old, b, 0.8) - np.array(b.logprobs)).max() > 0.1
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_lazy_update_equals_an_engine_started_from_those_weights(dtype, tmp_path):
   """The trainer's path: a lazy export in the engine's dtype, streamed tensor by tensor into one
