@@ -142,7 +142,7 @@ _OUT = flags.DEFINE_string(
     os.path.join(os.path.dirname(os.path.abspath(__file__)), "out", "bench_modes"),
     "Where timelines, PNGs and summary.json go.",
 )
-_MODES = flags.DEFINE_list("modes", ["colocated", "sync", "stream", "async"], "Modes to run.")
+_MODES = flags.DEFINE_list("modes", list(MODES), "Modes to run.")
 _BLOCKS = flags.DEFINE_integer(
     "blocks", 2, "Blocks: every arm runs once per block, in rotating order."
 )
@@ -235,6 +235,7 @@ class Arm:
     self.startup_s: list[float] = []
     self.digest_it0 = None
     self.loads: list[float] = []
+    self.carry = None  # async_partial: the unfinished responses, from block to block
 
   def run_block(self, n: int, untimed: int) -> None:
     """n iterations in a row on a fresh rollout and mode; the first `untimed` are not timed."""
@@ -249,6 +250,8 @@ class Arm:
       if self.next_it:
         rollout.update(trainer.export_weights(), self.next_it).wait()
       mode = self.work.mode(s, rollout, self.loader)
+      if self.carry is not None:
+        mode.restore(self.carry, self.loader.get_state())
       self.startup_s.append(now() - t0)
       print(
           f"  {self.mode:9s} rollout and mode up in {self.startup_s[-1]:.0f} s (untimed)",
@@ -294,17 +297,24 @@ class Arm:
               f"train {scalars.get('time/training_s', 0):5.2f} s  "
               f"push {scalars.get('time/weight_update_s', 0):4.2f} s  "
               f"mean len {scalars['response_length/mean']:4.1f}  "
-              f"staleness {scalars['staleness/mean']:.0f}",
+              f"staleness {scalars['staleness/mean']:.0f}"
+              + (
+                  f"  resumed {scalars['partial/resumed_fraction']:.2f}"
+                  if "partial/resumed_fraction" in scalars
+                  else ""
+              ),
               flush=True,
           )
           self.next_it += 1
           last = x
       finally:
         mode.close()  # async: waits for its read-ahead generation and the last push
-      if self.mode == "async" and last is not None:
+      if s.pipeline.mode == "async" and last is not None:
         # Its read-ahead took the next batch from the loader; the next block
-        # generates that batch again, so every mode sees the same prompts.
+        # generates that batch again, so every mode sees the same prompts
+        # (async_partial: and resumes the responses that round left unfinished).
         self.loader.set_state(last.generated.round.loader_state)
+        self.carry = last.generated.round.carry
       timeline.copy_generator_intervals(rollout.busy_intervals)
       self.intervals += labelled_intervals(
           timeline.intervals, [w for w in self.windows if w[0] >= first_it]
@@ -498,7 +508,7 @@ def main(argv):
   modes = list(_MODES.value)
   for m in modes:
     if m not in MODES:
-      raise app.UsageError(f"--modes has {m!r}; use colocated, sync, stream, async.")
+      raise app.UsageError(f"--modes has {m!r}; use some of {', '.join(MODES)}.")
   os.makedirs(_OUT.value, exist_ok=True)
   os.makedirs(_WORKDIR.value, exist_ok=True)
   t_all = now()
@@ -624,9 +634,13 @@ def main(argv):
 
   fmt = lambda m: f"{tput[m] / base:.2f}" if (base and m in tput) else "nan"
   eff = tput["async"] / limit if "async" in tput else float("nan")
+  partial = ""
+  if "async_partial" in tput:
+    vs_async = tput["async_partial"] / tput["async"] if "async" in tput else float("nan")
+    partial = f" async_partial={fmt('async_partial')} partial_vs_async={vs_async:.2f}"
   print(
       f"RESULT colocated={fmt('colocated')} sync={fmt('sync')} stream={fmt('stream')} "
-      f"async={fmt('async')} pipeline_efficiency={eff:.2f}"
+      f"async={fmt('async')} pipeline_efficiency={eff:.2f}{partial}"
   )
   import ray  # pylint: disable=g-import-not-at-top
 

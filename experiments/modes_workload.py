@@ -21,7 +21,7 @@ import time
 # The cores this process may use, before any pinning narrows its mask.
 ALL_CORES = tuple(sorted(os.sched_getaffinity(0)))
 
-MODES = ("colocated", "sync", "stream", "async")
+MODES = ("colocated", "sync", "stream", "async", "async_partial")
 
 
 def now() -> float:
@@ -31,10 +31,13 @@ def now() -> float:
 def with_mode(s, mode: str):
   """Settings `s` with `pipeline.mode=mode`, validated again (the effective
   rollout correction, for one, depends on the mode). colocated is the
-  baseline of configs/colocated.py: FIFO order, weights loaded in process."""
+  baseline of configs/colocated.py: FIFO order, weights loaded in process;
+  async_partial is async with `generation.partial=on`."""
   from streamrl import settings as settings_lib  # pylint: disable=g-import-not-at-top
 
-  out = s.replace(pipeline=dataclasses.replace(s.pipeline, mode=mode))
+  partial = "on" if mode == "async_partial" else "off"
+  mode = "async" if mode == "async_partial" else mode
+  out = s.replace(pipeline=dataclasses.replace(s.pipeline, mode=mode, partial=partial))
   if mode == "colocated":
     out = out.replace(
         scheduler=dataclasses.replace(s.scheduler, kind="fifo"),
@@ -179,6 +182,7 @@ class Workload:
         cluster=self.cluster(s),
         stall_timeout_s=s.pipeline.stall_timeout_s,
         transfer=s.transfer,
+        stoppable=s.pipeline.partial == "on",
     )
 
   def rollout(self, s, engine_threads: int = 1):
