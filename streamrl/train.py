@@ -214,12 +214,11 @@ def setup_mode(
 
 # --------------------------------------------------------------- iteration
 def _combine(parts: list[dict]) -> dict:
-  """Per-chunk metrics -> one value each: max of maxima, mean of the rest."""
-  if not parts:
-    return {}
+  """Per-chunk metrics -> one value each: max of maxima, mean of the rest
+  (over the chunks that have the key)."""
   out = {}
-  for k in parts[0]:
-    vals = [float(p[k]) for p in parts]
+  for k in dict.fromkeys(k for p in parts for k in p):
+    vals = [float(p[k]) for p in parts if k in p]
     out[k] = max(vals) if "max" in k.rsplit("/", 1)[-1] else float(np.mean(vals))
   return out
 
@@ -339,6 +338,11 @@ def iteration_scalars(x: Iteration, timeline: Timeline, rollout) -> dict:
   if x.generated.wait_s:
     out["time/generation_wait_s"] = x.generated.wait_s
   for k, v in {**x.prepare, **x.updates}.items():
+    if k.startswith("mismatch_by_version/"):
+      # Partial rollouts: trainer/generator mismatch per version gap of the tokens.
+      _, version, name = k.split("/")
+      out[f"mismatch/gap{x.it - int(version)}/{name}"] = float(v)
+      continue
     out[k if "/" in k else f"train/{k}"] = float(v)
   for stage, frac in timeline.bubble_fractions(x.t0, x.t1).items():
     out[f"bubble/{stage}"] = frac

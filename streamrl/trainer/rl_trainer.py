@@ -317,6 +317,16 @@ class RLTrainer:
       metrics["value_mean"] = float((full["old_values_bt"] * mask).sum() / ntok)
     mismatch = rl.mismatch_metrics(full["old_logp_bt"], full["gen_logp_bt"], mask)
     metrics.update({f"mismatch/{k}": float(v) for k, v in mismatch.items()})
+    if any(x.token_versions is not None for x in samples):
+      # Partial rollouts: the same per weight version that sampled the tokens
+      # (train.iteration_scalars names them by version gap).
+      versions = np.full(mask.shape, -1, np.int64)
+      for i, x in enumerate(samples):
+        p, r = len(x.prompt_token_ids), len(x.token_ids)
+        versions[i, p - 1 : p + r - 1] = x.token_versions or x.weight_version
+      for v in np.unique(versions[mask > 0]):
+        part = rl.mismatch_metrics(full["old_logp_bt"], full["gen_logp_bt"], mask * (versions == v))
+        metrics.update({f"mismatch_by_version/{v}/{k}": float(x) for k, x in part.items()})
     return minis, metrics
 
   # ----------------------------------------------------------------- updates

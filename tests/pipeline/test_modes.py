@@ -292,6 +292,9 @@ def test_partial_rollouts_train_every_response_once_and_whole(model_dir):
     scal = out["scalars"]
     resumed += scal["partial/resumed_fraction"]
     assert scal["partial/token_version_gap_max"] <= 2
+    # The trainer/generator mismatch, per version gap of the tokens.
+    gaps = {int(k.split("/")[1][3:]) for k in scal if k.startswith("mismatch/gap")}
+    assert gaps and max(gaps) <= 2 and all(f"mismatch/gap{g}/k3_kl" in scal for g in gaps)
   assert resumed > 0  # some responses spanned two rounds
   # No prompt group trained twice; the 4 extra groups are still in flight, untrained.
   assert len(set(trained_prompts)) == len(trained_prompts) == 5 * 8
