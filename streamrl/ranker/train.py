@@ -203,6 +203,24 @@ class RankerTrainer:
         out.update({f"eval_{k}": v for k, v in ev.items()})
     return out
 
+  def compile_all(self) -> None:
+    """Compiles the train step and the scorer for every prompt bucket now, on
+    dummy inputs (parameters, optimizer state and step stay as they are), so
+    no refresh or prediction of a run pays a compile. A ranker beside the
+    generators (`RankerActor`) shares their cores: a compile there stalled
+    the first rounds' generation by 10 s or more (experiments/bench_modes.py)."""
+    bsz, rows = int(self.config.batch_size), int(self.config.predict_batch)
+    ones = np.ones((bsz,), np.float32)
+    for b in self._buckets:
+      params, opt_state = jax.tree.map(jnp.copy, (self.params, self.opt_state))
+      out = self._train_step(
+          params, opt_state, np.zeros((bsz, b), np.int32), np.ones((bsz, b), bool), ones, ones
+      )
+      jax.block_until_ready(out)
+      jax.block_until_ready(
+          self._score(self.params, np.zeros((rows, b), np.int32), np.ones((rows, b), bool))
+      )
+
   def update(self, pairs: Sequence[ranker_data.Pair], steps: int | None = None) -> dict[str, float]:
     """Online refresh: fine-tunes on the most recent `config.online.window` pairs.
 

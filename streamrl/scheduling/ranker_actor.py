@@ -49,6 +49,9 @@ class RankerActor:
       # Before JAX starts: XLA sizes its thread pool from the affinity mask.
       cluster.bound_trainer_threads(cores)
     self.ranker = build_ranker(sched, model_dir)
+    # Now, before the first round, rather than in the first refreshes: this
+    # process shares the generators' cores.
+    self.ranker.compile_all()
     self.pairs = collections.deque(maxlen=history)
 
   def predict(self, prompts):

@@ -90,3 +90,19 @@ def test_online_update_uses_recent_window_and_reports_pre_metrics(trained):
   out = trainer.update(trained[1][:200])
   assert trainer.step == before + trainer.config.online.steps
   assert "pre_recall20" in out and "loss" in out
+
+
+def test_compile_all_leaves_the_ranker_as_it_was_and_nothing_to_compile():
+  c = _config()
+  c.buckets = (16, 32)
+  trainer = RankerTrainer(c, vocab_size=VOCAB, tokenizer_fingerprint=FP)
+  pairs = data.synthetic_pairs(100, seed=2, max_answer_len=24, median_len=4.0, sigma=1.0)
+  before = trainer.predict([p for p, _ in pairs])
+  trainer.compile_all()
+  assert trainer.step == 0
+  np.testing.assert_array_equal(trainer.predict([p for p, _ in pairs]), before)
+  compiled = (trainer._train_step._cache_size(), trainer._score._cache_size())
+  assert compiled == (2, 2)  # one program per bucket, each
+  trainer.update(pairs)
+  trainer.predict([p[:10] for p, _ in pairs])  # the short bucket too
+  assert (trainer._train_step._cache_size(), trainer._score._cache_size()) == compiled
