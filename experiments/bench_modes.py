@@ -38,16 +38,39 @@ mode exactly as a real run (`streamrl.train.run`) runs it:
     updates: `modes_workload.train_alone`; the Flax->HF weight export is
     reported apart). Both in every block too.
 
-Workload (defaults): 64 prompts per iteration, PPO (actor + critic +
-reference), mini-batches of 16, one PPO epoch, and the generator admitting
-at most `--max_num_seqs=4` requests at once. With all 64 prompts decoding
-in one batch this CPU generates the tiny policy several times faster than it
-trains it; the cap makes generation take roughly as long as training (CPU
-seconds per iteration measured here: generation 0.31, training 0.41), the
-regime where overlapping the two can pay. Each mini-batch is padded to its
-longest sample: sync/async/colocated cut the length-sorted batch into
-mini-batches, stream fills one mini-batch per length bucket as samples
-arrive (`stream.LengthBatcher`).
+Workload (defaults): every size from configs/ppo.py, the StreamRL default
+(work traces, 64 prompts per iteration, PPO with critic and reference,
+mini-batches of 32 in ragged micro-batches of 8, 2 PPO epochs, max_tokens
+320); the disaggregated arms use its scheduler (ranker + skew dispatch) and
+transfer service, colocated is the FIFO baseline without transfer
+(configs/colocated.py). `async_partial` is async with `generation.partial=on`
+(streamrl/pipeline/partial.py); its unfinished responses are carried from
+one block to the next, as a resumed run carries them. Each mini-batch is
+padded to its longest sample: sync/async/colocated cut the length-sorted
+batch into mini-batches, stream fills one mini-batch per length bucket as
+samples arrive (`stream.LengthBatcher`). Every arm trains its own policy
+from the same warm start, so their response lengths drift apart over the
+iterations; the response tokens/s line compares the arms on tokens.
+
+Measured (quiet 2-core machine, 24 min, default flags):
+  RESULT colocated=1.00 sync=0.77 stream=0.49 async=1.01 pipeline_efficiency=1.12 async_partial=1.45 partial_vs_async=1.43
+  (response tokens/s vs colocated: sync 0.77, stream 0.97, async 1.12,
+  async_partial 1.35; mean response length of the timed iterations: 12-15
+  tokens for async, 8-12 for async_partial, up to 34 for stream.)
+Why: this workload is training-bound on one core. Training alone on the
+trainer's core does 27.8 samples/s, 0.90 of colocated, which trains on both
+cores (1.17 s per iteration against 1.92 s for async's trainer) and
+generates 64 prompts in 0.83 s; async is bounded by training alone and
+reaches it. Partial rollouts train the groups that finished first and carry
+the long tail to the next round, so the trained batch is shorter: 1.43 x
+async in samples/s, 1.20 x in tokens/s. Stream's policy drifted to longer
+responses (mean 26-34 tokens against 12-19 for sync at the same iterations),
+which costs it in samples/s; in tokens/s it is 1.27 x sync.
+Before the ranker compiled its programs at start (`RankerTrainer.compile_all`),
+the first refreshes compiled on the generators' core and stalled rounds 1 and
+3 of every block by 10-13 s in async_partial, async and sync alike (the run
+was stopped there; those were the "6-10 s generation" iterations of earlier
+notes).
 
 The trainer runs in this process (the loop is called directly, so
 `cluster.trainer_actor` does not apply): one set of compiled functions then
@@ -70,11 +93,15 @@ timeline_all.png (experiments/plot_timeline.py) and summary.json.
 
 Ends with
   RESULT colocated=1.00 sync=<x> stream=<x> async=<x> pipeline_efficiency=<x>
-(mode throughputs / colocated's; efficiency = async / min(generation alone,
-training alone)).
+         async_partial=<x> partial_vs_async=<x>
+(mode throughputs in samples/s / colocated's; efficiency = async /
+min(generation alone, training alone); the last two when that arm runs).
 
-Measured on this 2-core machine, quiet (load 1.2-1.8), about 4 min per run,
-default 2 blocks x (1 untimed + 8 timed) iterations per arm:
+The string-task workload of earlier rounds (`--max_num_seqs=4
+--max_tokens=56 --mini_batch=16 --ppo_epochs=1 --override=task.kind=synthetic
+--override=generation.max_model_len=128 --override=generation.scheduler=fifo
+--override=transfer.enabled=False`), quiet machine (load 1.2-1.8), about 4
+min per run, 2 blocks x (1 untimed + 8 timed) iterations per arm:
   RESULT colocated=1.00 sync=0.73 stream=0.76 async=1.23 pipeline_efficiency=0.88
   RESULT colocated=1.00 sync=0.71 stream=0.86 async=1.08 pipeline_efficiency=0.89
   (--modes=colocated,sync,async: async=1.23 pipeline_efficiency=0.88)
@@ -634,6 +661,15 @@ def main(argv):
 
   fmt = lambda m: f"{tput[m] / base:.2f}" if (base and m in tput) else "nan"
   eff = tput["async"] / limit if "async" in tput else float("nan")
+  # Each arm trains its own policy, and on the work traces the policies drift
+  # apart in length: response tokens per second, next to samples per second.
+  tok = {m: results[m]["tokens_per_s"] for m in modes}
+  if "colocated" in tok:
+    print(
+        "response tokens/s vs colocated: "
+        + ", ".join(f"{m} {tok[m] / tok['colocated']:.2f}" for m in modes),
+        flush=True,
+    )
   partial = ""
   if "async_partial" in tput:
     vs_async = tput["async_partial"] / tput["async"] if "async" in tput else float("nan")
