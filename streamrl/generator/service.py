@@ -284,7 +284,10 @@ class _GeneratorActor:
     self._stop_key = stop_key
 
 
-GeneratorActor = ray.remote(max_restarts=0, max_task_retries=0)(_GeneratorActor)
+# Named as the class: Ray titles the worker process after it (`ray::GeneratorActor`).
+GeneratorActor = ray.remote(max_restarts=0, max_task_retries=0)(
+    type("GeneratorActor", (_GeneratorActor,), {"__doc__": _GeneratorActor.__doc__})
+)
 
 
 @ray.remote(max_restarts=0, max_task_retries=0, concurrency_groups={"control": 1})
