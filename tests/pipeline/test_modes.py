@@ -42,6 +42,8 @@ def load(name, **overrides):
       "trainer.mini_batch_size": 8,
       "trainer.micro_batch_size": 4,
       "trainer.num_iterations": 3,
+      # One of the 8 faked devices: sharding is tested in tests/trainer.
+      "mesh.fsdp": 1,
   }
   return config_utils.apply_overrides(module.get_config(), {**base, **overrides})
 
