@@ -337,3 +337,14 @@ def test_sweep_refuses_bad_sweeps_before_running_anything(tmp_path):
     assert res.returncode == 2, (args, res.stdout, res.stderr)
     assert message in res.stderr and "Traceback" not in res.stderr, res.stderr
     assert not wd.exists()
+
+
+def test_the_compile_cache_defaults_to_the_user_cache_and_keeps_a_set_value():
+  from streamrl import config_utils
+
+  env = {"HOME_IS_NOT_READ": "1"}
+  path = config_utils.use_compile_cache(env)
+  assert env[config_utils.COMPILE_CACHE_ENV] == path
+  assert path == os.path.join(os.path.expanduser("~"), ".cache", "streamrl", "xla")
+  assert config_utils.use_compile_cache({config_utils.COMPILE_CACHE_ENV: "/x"}) == "/x"
+  assert config_utils.use_compile_cache({config_utils.COMPILE_CACHE_ENV: ""}) == ""  # off

@@ -89,6 +89,16 @@ def _tokens(vocab, b=3, t=24, seed=3):
   return jax.random.randint(jax.random.key(seed), (b, t), 0, vocab)
 
 
+def test_a_fixed_mesh_smaller_than_the_host_uses_its_first_devices():
+  # 8 faked devices (conftest): fixed axes of 2 x 1 take the first two; -1
+  # still takes all of them, and asking for more than there are is refused.
+  mesh = sharding.make_mesh({"fsdp": 2, "tensor": 1})
+  assert list(mesh.devices.flat) == jax.devices()[:2]
+  assert sharding.make_mesh({"fsdp": -1}).devices.size == len(jax.devices())
+  with pytest.raises(ValueError, match="needs 16 devices"):
+    sharding.make_mesh({"fsdp": 4, "tensor": 4})
+
+
 def test_compute_config_refuses_unknown_values():
   with pytest.raises(ValueError, match="compute dtype"):
     config.ComputeConfig(dtype="float16")
