@@ -1,6 +1,6 @@
 """A trainer over 2 processes (jax.distributed, gloo, real Ray actors, real vLLM).
 
-Both tests run `launch/main.py` as a user would, on the tiny run in sync mode
+The test runs `launch/main.py` as a user would, on the tiny run in sync mode
 with a 2-device fsdp mesh: one process with 2 faked CPU devices, or 2
 processes with one each (the 8-device fsdp x tensor meshes are tested in
 one process, tests/trainer; on 2 cores every faked device more slows each
@@ -65,48 +65,27 @@ def run(workdir, processes: int, **overrides) -> str:
 
 
 @pytest.mark.slow
-def test_two_trainer_processes_give_the_parameters_one_process_gives(tmp_path):
-  one, two = tmp_path / "one", tmp_path / "two"
+def test_two_trainer_processes_survive_a_kill_by_resuming_to_the_parameters_of_one(tmp_path):
+  """One process trains 2 iterations straight. Two processes train to the
+  first checkpoint; process 1 is killed with SIGKILL, the run stops with one
+  sentence, and the same command resumes and finishes. The resumed 2-process
+  parameters equal the straight 1-process ones (a resume is exact:
+  tests/test_train.py)."""
+  one, two, log = tmp_path / "one", tmp_path / "two", tmp_path / "main.log"
   run(one, 1)
   # The 2-process export goes through the transfer service (its file becomes
   # the publisher's payload), the 1-process one through Ray.
-  run(two, 2, **{"transfer.enabled": True})
-  a = read_arrays(str(one / "checkpoints"), step=2)
-  b = read_arrays(str(two / "checkpoints"), step=2)
-  assert a.keys() == b.keys() and len(a) > 100  # parameters and optimizer state
-  worst = max(float(np.max(np.abs(a[k].astype(np.float64) - b[k]))) for k in a)
-  assert worst <= 1e-5, worst
-  # Every process is in placement.json, with its own pid and devices.
-  placement = json.loads((two / "placement.json").read_text())
-  procs = placement["trainer_processes"]
-  assert [p["process_index"] for p in procs] == [0, 1]
-  assert procs[0]["pid"] != procs[1]["pid"]
-  assert len(procs[0]["devices"]) == len(procs[1]["devices"]) == 1
-  assert not set(procs[0]["devices"]) & set(procs[1]["devices"])
-  assert placement["trainer"] == procs[0]
-  # A log per process; metrics and events from process 0 only.
-  assert (two / "trainer.0.log").is_file() and (two / "trainer.1.log").is_file()
-  assert "Warm-start eval" in (two / "trainer.0.log").read_text()
-  assert "Warm-start eval" not in (two / "trainer.1.log").read_text()
-  assert len(glob.glob(str(two / "events.out.tfevents.*"))) == 1
-  rows = [json.loads(line) for line in (two / "metrics.jsonl").read_text().splitlines()]
-  assert [r["step"] for r in rows if "reward/mean" in r] == [1, 2]
-
-
-@pytest.mark.slow
-def test_a_killed_trainer_process_stops_the_run_with_one_sentence_and_the_rerun_resumes(
-    tmp_path,
-):
-  workdir, log = tmp_path / "run", tmp_path / "main.log"
-  cmd = command(workdir, 2)
+  via_transfer = {"transfer.enabled": True}
   with open(log, "w") as out:
-    main = subprocess.Popen(cmd, cwd=REPO, env=env(), stdout=out, stderr=subprocess.STDOUT)
+    main = subprocess.Popen(
+        command(two, 2, **via_transfer), cwd=REPO, env=env(), stdout=out, stderr=subprocess.STDOUT
+    )
   try:
     deadline = time.monotonic() + 400
-    while not (workdir / "checkpoints" / "1").is_dir():
+    while not (two / "checkpoints" / "1").is_dir():
       assert main.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
       time.sleep(0.2)
-    procs = json.loads((workdir / "placement.json").read_text())["trainer_processes"]
+    procs = json.loads((two / "placement.json").read_text())["trainer_processes"]
     os.kill(procs[1]["pid"], signal.SIGKILL)
     killed = time.monotonic()
     rc = main.wait(120)
@@ -122,10 +101,31 @@ def test_a_killed_trainer_process_stops_the_run_with_one_sentence_and_the_rerun_
   assert not psutil_alive(procs[0]["pid"])  # process 0 was stopped too, not left in a collective
 
   # The same command again resumes from the checkpoint and finishes.
-  out = run(workdir, 2)
-  assert "Resumed from iteration 1" in out + (workdir / "trainer.0.log").read_text()
-  assert (workdir / "checkpoints" / "2").is_dir()
-  assert (workdir / "final_metrics.json").is_file()
+  out = run(two, 2, **via_transfer)
+  assert "Resumed from iteration 1" in out + (two / "trainer.0.log").read_text()
+  assert (two / "final_metrics.json").is_file()
+  a = read_arrays(str(one / "checkpoints"), step=2)
+  b = read_arrays(str(two / "checkpoints"), step=2)
+  assert a.keys() == b.keys() and len(a) > 100  # parameters and optimizer state
+  worst = max(float(np.max(np.abs(a[k].astype(np.float64) - b[k]))) for k in a)
+  assert worst <= 1e-5, worst
+  # Every process is in placement.json, with its own pid and devices.
+  placement = json.loads((two / "placement.json").read_text())
+  procs = placement["trainer_processes"]
+  assert [p["process_index"] for p in procs] == [0, 1]
+  assert procs[0]["pid"] != procs[1]["pid"]
+  assert len(procs[0]["devices"]) == len(procs[1]["devices"]) == 1
+  assert not set(procs[0]["devices"]) & set(procs[1]["devices"])
+  assert placement["trainer"] == procs[0]
+  # A log per process (appended to by the rerun); metrics and events from
+  # process 0 only: one events file per launch, each step logged once.
+  assert (two / "trainer.0.log").is_file() and (two / "trainer.1.log").is_file()
+  assert "Warm-start eval" in (two / "trainer.0.log").read_text()
+  assert "Warm-start eval" not in (two / "trainer.1.log").read_text()
+  assert len(glob.glob(str(two / "events.out.tfevents.*"))) == 2
+  rows = [json.loads(line) for line in (two / "metrics.jsonl").read_text().splitlines()]
+  steps = [r["step"] for r in rows if "reward/mean" in r]
+  assert steps.count(2) == 1 and steps.count(1) <= 1 and set(steps) <= {1, 2}, steps
 
 
 def psutil_alive(pid: int, within_s: float = 15) -> bool:
