@@ -55,7 +55,7 @@ def make_mesh(axis_sizes: Mapping[str, int], devices: Sequence | None = None) ->
     devices = devices[:need]
   if need != len(devices):
     raise ValueError(
-        f"Mesh {dict(zip(MESH_AXES, sizes))} needs {int(np.prod(sizes))} devices but "
+        f"Mesh {dict(zip(MESH_AXES, sizes))} needs {need} devices but "
         f"{len(devices)} are available; change config.mesh so the sizes multiply to "
         f"{len(devices)}."
     )
