@@ -1122,6 +1122,10 @@ class Receiver(_Node):
     retired staging file that no stream reads and nobody pins, else a fresh file. Retired files
     still read or pinned are kept (a generator may load one by path); the others are unlinked."""
     with self._cond:
+      # A spare being faulted in has a head start on any fresh file we could make: wait for it
+      # (else both get made, and the late spare displaces the two-file rotation).
+      while self._preparing and not self.closed:
+        self._cond.wait()
       if self.closed:
         raise TransferError(f"{self.name} is closed")
       if self._spare is not None and len(self._spare.buf) == nbytes:
@@ -1201,6 +1205,7 @@ class Receiver(_Node):
       self._preparing = False
       if self._spare is None and not self._retired and not self.closed:
         self._spare, spare = spare, None
+      self._cond.notify_all()
     if spare is not None:  # not needed any more
       spare.unlink()
 
