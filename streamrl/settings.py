@@ -142,6 +142,10 @@ class Scheduler:
   # generators are Ray actors: "generators" (its own process beside them, so
   # the trainer's cores only train) or "trainer" (in the trainer's process).
   ranker_side: str = _key("generation.ranker_side", "generators")
+  # Group-aware length prediction (streamrl/scheduling/siblings.py): "on"
+  # keeps each prompt's samples on one instance, which admits one per prompt
+  # first and orders the rest by what their finished siblings say.
+  sibling_lengths: str = _key("generation.sibling_lengths", "off")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -589,6 +593,12 @@ def validate(s: Settings, *, check_files: bool = True) -> None:
   _one_of("generation.dispatch_latency_model", sch.latency_model, LATENCY_MODELS)
   _positive("generation.length_history", sch.length_history)
   _one_of("generation.ranker_side", sch.ranker_side, ("generators", "trainer"))
+  _one_of("generation.sibling_lengths", sch.sibling_lengths, ("off", "on"))
+  _need(
+      sch.sibling_lengths == "off" or sch.kind != "fifo",
+      "generation.sibling_lengths='on' refines the length predictions of the skew or "
+      "oracle scheduler; set generation.scheduler=skew or generation.sibling_lengths=off.",
+  )
   if sch.kind == "oracle":
     _need(
         t.kind in ("synthetic", "trace"),

@@ -41,7 +41,9 @@ from streamrl.generator.rollout import (
     Request,
     Sample,
     UpdateHandle,
+    request_hint,
     request_parts,
+    with_hint,
 )
 
 log = logging.getLogger(__name__)
@@ -1026,9 +1028,8 @@ class StreamGenerationService:
 
 
 def _request(r) -> tuple:
-  """A Request as a tuple with an int id (and its own max_tokens, if any)."""
-  rid, ids, max_tokens = request_parts(r)
-  return (rid, ids) if max_tokens is None else (rid, ids, max_tokens)
+  """A Request as a tuple with an int id (and its own max_tokens and length hint, if any)."""
+  return with_hint(r, request_hint(r))
 
 
 def _unstarted(r) -> Sample:

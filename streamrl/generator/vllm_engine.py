@@ -19,10 +19,11 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from streamrl.generator.rollout import PARTIAL, Sample, SamplingConfig, request_parts  # pylint: disable=unused-import
+from streamrl.generator.rollout import PARTIAL, Sample, SamplingConfig, request_hint, request_parts  # pylint: disable=unused-import
 from streamrl.models import hf as hf_lib
 from streamrl.models import safetensors_io
 from streamrl.models.config import CPU_SUPPORTED_HEAD_DIMS
+from streamrl.scheduling.siblings import SiblingQueue
 
 log = logging.getLogger(__name__)
 
@@ -427,7 +428,7 @@ class GeneratorInstance:
     cap = min(max_in_flight or self.max_num_seqs, self.max_num_seqs)
     if cap < 1:
       raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}.")
-    pending = collections.deque(request_parts(p) for p in prompts)
+    pending, hints = _pending_queue(prompts)  # hints: request id -> LengthHint, or {}
     running: dict[str, tuple[int, tuple[int, ...]]] = {}
     latest: dict[str, object] = {}  # request -> its newest (unfinished) completion
     try:
@@ -462,11 +463,15 @@ class GeneratorInstance:
           if not out.finished:
             if stop is not None:
               latest[out.request_id] = out.outputs[0]
+            if hints:
+              pending.running(hints[running[out.request_id][0]], len(out.outputs[0].token_ids))
             continue
           prompt_id, ids = running.pop(out.request_id)
           latest.pop(out.request_id, None)
           self._in_flight = len(running)
           completion = out.outputs[0]
+          if hints:
+            pending.finished(hints[prompt_id], len(completion.token_ids))
           yield self._sample(prompt_id, ids, completion, str(completion.finish_reason))
     finally:
       if running:
@@ -542,6 +547,19 @@ class GeneratorInstance:
           f"Weight version must increase: have {self.weight_version}, " f"got {new_version}."
       )
     return new_version
+
+
+def _pending_queue(prompts):
+  """(pending, hints): the requests of one `generate` call not admitted yet,
+  in the given order or, when they carry length hints, a `SiblingQueue` (see
+  its module); and request id -> LengthHint ({} without hints)."""
+  parts = [request_parts(p) for p in prompts]
+  hints = [request_hint(p) for p in prompts]
+  if not any(h is not None for h in hints):
+    return collections.deque(parts), {}
+  if any(h is None for h in hints):
+    raise ValueError("Either every request of a generate call carries a length hint or none does.")
+  return SiblingQueue(parts, hints), {p[0]: h for p, h in zip(parts, hints)}
 
 
 def _explain_hidden_reload_warnings(hidden: Sequence[str]) -> None:

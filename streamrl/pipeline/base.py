@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 
 from streamrl import settings as settings_lib
 from streamrl.generator import local
-from streamrl.generator.rollout import Rollout, Sample, UpdateHandle
+from streamrl.generator.rollout import Rollout, Sample, UpdateHandle, request_hint, with_hint
 
 
 @dataclasses.dataclass
@@ -41,6 +41,18 @@ class Generated:
   generation_s: float = 0.0  # first request sent -> last sample received
   wait_s: float = 0.0  # how long the trainer waited for the round (async)
   scheduler_metrics: dict = dataclasses.field(default_factory=dict)
+
+
+def _as_sent(rnd: Round, request) -> tuple:
+  """A planned request as sent: a resumed response continues from its tokens
+  so far, keeping the plan's length hint (which then counts those tokens)."""
+  resumed = rnd.resume.get(request[0])
+  if resumed is None:
+    return request
+  hint = request_hint(request)
+  if hint is not None:
+    hint = dataclasses.replace(hint, done=len(resumed[1]) - len(request[1]))
+  return with_hint(resumed, hint)
 
 
 def now() -> float:
@@ -98,7 +110,7 @@ class Mode:
           self.rollout.num_instances
       )
       for i, part, cap in zip(live, assignments, caps):
-        full[i], full_caps[i] = [rnd.resume.get(r[0], r) for r in part], cap
+        full[i], full_caps[i] = [_as_sent(rnd, r) for r in part], cap
       assignments, caps = full, full_caps
     kw = {"stoppable": True} if stoppable else {}
     return self.rollout.generate(

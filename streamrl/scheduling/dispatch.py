@@ -90,6 +90,9 @@ class DispatchPlan:
   objective: str
   objective_value: float = math.nan
   group_times: tuple[float, float] = (math.nan, math.nan)
+  # [P] the length estimate of each prompt the plan used (`calibrated_lengths`);
+  # empty for FIFO plans.
+  lengths: tuple[float, ...] = ()
 
   @property
   def num_instances(self) -> int:
@@ -162,18 +165,34 @@ def _objective(objective: str, t_long: float, t_reg: float) -> float:
   return max(t_long, t_reg) if objective == "makespan" else t_long + t_reg
 
 
-def _balance(prompts: Sequence[int], lengths: np.ndarray, num_instances: int) -> list[list[int]]:
-  """Greedy LPT: each prompt (longest first) to the least-loaded instance.
+def _units(prompts: Sequence[int], groups: Sequence | None) -> list[list[int]]:
+  """`prompts` cut into what is placed together: each alone, or with `groups`
+  the prompts of one group (in order of each group's first prompt)."""
+  if groups is None:
+    return [[p] for p in prompts]
+  units: dict = {}
+  for p in prompts:
+    units.setdefault(groups[p], []).append(p)
+  return list(units.values())
+
+
+def _balance(
+    prompts: Sequence[int], lengths: np.ndarray, num_instances: int, groups: Sequence | None = None
+) -> list[list[int]]:
+  """Greedy LPT: each prompt (longest first) to the least-loaded instance;
+  with `groups`, each group's prompts together.
 
   Load is the total estimated length; ties go to the instance with fewer
-  prompts, then the lower index. Each instance's list stays in LPT order.
+  prompts, then the lower index. Each instance's list stays in LPT order
+  (of the groups' first prompts, with groups).
   """
   buckets: list[list[int]] = [[] for _ in range(num_instances)]
   heap = [(0.0, 0, i) for i in range(num_instances)]  # (load, count, index)
-  for p in prompts:  # Already longest first.
+  for unit in _units(prompts, groups):  # Already longest first.
     load, count, i = heapq.heappop(heap)
-    buckets[i].append(p)
-    heapq.heappush(heap, (load + max(0.0, float(lengths[p])), count + 1, i))
+    buckets[i].extend(unit)
+    added = sum(max(0.0, float(lengths[p])) for p in unit)
+    heapq.heappush(heap, (load + added, count + len(unit), i))
   return buckets
 
 
@@ -265,6 +284,7 @@ def dispatch(
     objective: str = "makespan",
     max_batch_size: int = 256,
     latency_model: str = "paper",
+    groups: Sequence | None = None,
 ) -> DispatchPlan:
   """Algorithm 2: split instances between long-tail and regular prompts.
 
@@ -281,6 +301,10 @@ def dispatch(
     latency_model: "paper" (PTL(BS) * L_avg * ceil(M / BS) with P90 / P50)
       or "simulate" (continuous batching replayed per instance with
       `calibrated_lengths`); see the module docstring.
+    groups: [P] group keys (samples of one prompt share one); each group is
+      placed on one instance, and a group the long-tail cut would split goes
+      to the long tail whole (group-aware length prediction,
+      `streamrl.scheduling.siblings`). None: prompts are placed one by one.
   Returns:
     A DispatchPlan; long-tail instances come first.
   """
@@ -317,6 +341,14 @@ def dispatch(
   order = lpt_order(pred)
   est = calibrated_lengths(pred, recent)
   n_long = min(num_prompts, math.ceil(alpha * num_prompts - 1e-9)) if num_prompts else 0
+  if groups is not None:
+    if len(groups) != num_prompts:
+      raise ValueError(
+          f"groups has {len(groups)} entries for {num_prompts} prompts; give one each."
+      )
+    cut = {groups[p] for p in order[:n_long]}
+    order = [p for p in order if groups[p] in cut] + [p for p in order if groups[p] not in cut]
+    n_long = sum(groups[p] in cut for p in order)
   long_ids, reg_ids = order[:n_long], order[n_long:]
   simulate = latency_model == "simulate"
 
@@ -336,6 +368,7 @@ def dispatch(
         objective=objective,
         objective_value=t,
         group_times=(0.0, t),
+        lengths=tuple(float(x) for x in est),
     )
 
   if long_ids and reg_ids:
@@ -359,7 +392,9 @@ def dispatch(
     ]
 
   def split(n_l):
-    buckets = _balance(long_ids, est, n_l) + _balance(reg_ids, est, num_instances - n_l)
+    buckets = _balance(long_ids, est, n_l, groups) + _balance(
+        reg_ids, est, num_instances - n_l, groups
+    )
     caps, times = zip(*(cap_and_time(b) for b in buckets))
     return buckets, list(caps), list(times)
 
@@ -386,4 +421,5 @@ def dispatch(
       objective=objective,
       objective_value=_objective(objective, t_long, t_reg),
       group_times=(t_long, t_reg),
+      lengths=tuple(float(x) for x in est),
   )

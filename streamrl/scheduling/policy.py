@@ -31,6 +31,7 @@ def plan_generation(
     objective: str = "makespan",
     latency_model: str = "paper",
     seed: int | None = None,
+    groups: Sequence | None = None,
 ) -> DispatchPlan:
   """Builds the plan for one generation round.
 
@@ -43,7 +44,8 @@ def plan_generation(
     true_lengths: [P], needed for "oracle".
     recent_lengths: observed lengths of recent iterations (P50/P90 estimates);
       None/empty makes "skew" fall back to FIFO (logged once).
-    profile, alpha, objective, max_batch_size, latency_model: see `dispatch`.
+    profile, alpha, objective, max_batch_size, latency_model, groups: see
+      `dispatch` (FIFO ignores groups).
   """
   if scheduler not in SCHEDULERS:
     raise ValueError(
@@ -72,4 +74,5 @@ def plan_generation(
       objective=objective,
       max_batch_size=max_batch_size,
       latency_model=latency_model,
+      groups=groups,
   )

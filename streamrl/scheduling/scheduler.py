@@ -22,11 +22,26 @@ import numpy as np
 
 from streamrl import settings as settings_lib
 from streamrl.data import tasks
+from streamrl.generator import rollout
 from streamrl.scheduling import ranker_actor
 from streamrl.scheduling.latency import LatencyProfile
 from streamrl.scheduling.policy import plan_generation
+from streamrl.scheduling.siblings import LengthHint
 
 log = logging.getLogger(__name__)
+
+
+def with_length_hints(requests, groups, lengths) -> list:
+  """`requests`, each carrying a LengthHint: its group and the group's mean
+  estimated length (the instance refines it as siblings finish)."""
+  total, count = collections.Counter(), collections.Counter()
+  for g, n in zip(groups, lengths):
+    total[g] += n
+    count[g] += 1
+  return [
+      rollout.with_hint(r, LengthHint(group=g, prior=total[g] / count[g]))
+      for r, g in zip(requests, groups)
+  ]
 
 
 class GenerationScheduler:
@@ -52,6 +67,7 @@ class GenerationScheduler:
     self.alpha = sched.long_tail_alpha
     self.objective = sched.objective
     self.latency_model = sched.latency_model
+    self.siblings = sched.sibling_lengths == "on"
     self.recent = collections.deque(maxlen=sched.length_history)
     self.pairs = collections.deque(maxlen=4096)
     self.pairs_path = os.path.join(workdir, "length_pairs.jsonl") if workdir else None
@@ -88,7 +104,11 @@ class GenerationScheduler:
     num_instances = int(num_instances or self.num_instances)
     if self.kind == "fifo":
       return None, None
-    prompts = [list(ids) for _, ids in requests]
+    prompts = [list(ids) for _, ids, *_ in requests]
+    groups = None
+    if self.siblings:  # samples of one prompt form a group
+      keys: dict = {}
+      groups = [keys.setdefault(tuple(ids), len(keys)) for ids in prompts]
     predicted = true = None
     if self.kind == "skew":
       if not self.recent and not self._warned:
@@ -128,7 +148,10 @@ class GenerationScheduler:
         objective=self.objective,
         latency_model=self.latency_model,
         seed=seed,
+        groups=groups,
     )
+    if groups is not None and plan.lengths:
+      requests = with_length_hints(requests, groups, plan.lengths)
     assignments = [[requests[i] for i in part] for part in plan.assignments]
     return assignments, list(plan.batch_sizes)
 

@@ -361,3 +361,28 @@ def test_many_long_seeded_prompts_do_not_kill_the_cpu_engine(tmp_path):
     list(gen.generate(prompts[:1], SamplingConfig(max_tokens=2, seed=3)))
   with pytest.raises(RuntimeError, match="closed"):
     gen.update_weights({}, 5)
+
+
+def test_length_hints_admit_one_sample_per_prompt_first_then_by_their_siblings(engine):
+  """Three prompts, two samples each, one in flight: every group's first sample
+  runs first (by prior), then the rest longest-estimate first, where a finished
+  sibling's length has replaced most of the prior. EOS is ignored and every
+  request has its own max_tokens, so each length is known."""
+  from streamrl.scheduling.siblings import LengthHint
+
+  gen, _, _ = engine
+  prompts = {"a": [1, 5, 6], "b": [1, 7, 8, 9], "c": [1, 10]}
+  priors, lengths = {"a": 10, "b": 5, "c": 1}, {"a": 2, "b": 20, "c": 3}
+  reqs = [
+      (k, prompts[g], lengths[g], LengthHint(g, priors[g]))
+      for k, g in enumerate(["a", "a", "b", "b", "c", "c"])
+  ]
+  sampling = SamplingConfig(max_tokens=24, seed=0)
+  hinted = list(gen.generate(reqs, sampling, max_in_flight=1, ignore_eos=True))
+  # Estimates after the probes: a (10 + 2) / 2 = 6, b (5 + 20) / 2 = 12.5, c (1 + 3) / 2 = 2.
+  assert [s.prompt_id for s in hinted] == [0, 2, 4, 3, 1, 5]
+  plain = {s.prompt_id: s for s in gen.generate([r[:3] for r in reqs], sampling, ignore_eos=True)}
+  for s in hinted:  # per-request seeds: the order changes nothing else
+    assert s.token_ids == plain[s.prompt_id].token_ids and len(s.token_ids) == reqs[s.prompt_id][2]
+  with pytest.raises(ValueError, match="every request"):
+    list(gen.generate([reqs[0], reqs[1][:3]], sampling))
