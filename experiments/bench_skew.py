@@ -19,13 +19,18 @@ What runs (everything real, on this machine):
      distribution the warm-up taught (`expected`): the best any predictor
      that sees only the prompt can do against one sampled length.
   4. Latency profile PTL(BS) of the instance (streamrl.generator.profiler).
-  5. The benchmark: `--num_prompts` new prompts on `--num_instances`
-     instances, each at most `--max_batch_size` in flight, under
+  5. The benchmark: `--num_prompts` new prompts, each sampled
+     `--group_size` times (a GRPO group; every sample its own seed), on
+     `--num_instances` instances, each at most `--max_batch_size` in flight, under
        fifo      random order, round-robin (mean over --fifo_orders shuffles),
        lpt_only  the first fifo assignment, each instance admitting longest-predicted first,
        ranker    ranker predictions -> Algorithm 2 (makespan objective) -> LPT,
        ranker_sum  the same with the paper's sum objective,
        ranker_sim  ranker, makespan objective, latency_model="simulate" (ours),
+       grouped   ranker, makespan, each prompt's samples on one instance, LPT,
+       sibling   the grouped plan, each instance admitting one sample per prompt
+                 first, then by the lengths of finished and running siblings
+                 blended with the ranker's estimate (generation.sibling_lengths=on),
        oracle    true lengths -> Algorithm 2 (makespan) -> LPT,
        oracle_sim  true lengths, latency_model="simulate".
      Sampling is seeded per prompt, so every arm generates the same tokens.
@@ -76,7 +81,10 @@ _WORKDIR = flags.DEFINE_string(
 _QUICK = flags.DEFINE_bool(
     "quick", False, "Small everything, for development (explicit flags win)."
 )
-_NUM_PROMPTS = flags.DEFINE_integer("num_prompts", 512, "Benchmark prompts.")
+_NUM_PROMPTS = flags.DEFINE_integer("num_prompts", 128, "Benchmark prompts.")
+_GROUP_SIZE = flags.DEFINE_integer(
+    "group_size", 4, "Samples per prompt (a GRPO group; each with its own seed)."
+)
 _NUM_INSTANCES = flags.DEFINE_integer("num_instances", 4, "Generator instances.")
 _MAX_BS = flags.DEFINE_integer("max_batch_size", 32, "Most requests in flight per instance.")
 _REPS = flags.DEFINE_integer("reps", 11, "Timed repetitions of every (plan, instance).")
@@ -260,8 +268,9 @@ class StepTrace:
     self.counts.append(in_flight)
 
 
-def run_instance(gen, trace, prompts_by_id, ids, batch_size, sampling, profile):
-  """Generates `ids` (in order, at most batch_size in flight) on `gen`.
+def run_instance(gen, trace, prompts_by_id, ids, batch_size, sampling, profile, hints=None):
+  """Generates `ids` (in order, at most batch_size in flight) on `gen`; with
+  `hints` (id -> LengthHint), in the sibling-aware order instead.
 
   Returns (cpu s, wall s, profile-weighted step-trace s, {prompt id: length}).
   """
@@ -273,7 +282,8 @@ def run_instance(gen, trace, prompts_by_id, ids, batch_size, sampling, profile):
   gc.disable()  # A collection inside a 0.3 s run is a 10 % outlier.
   try:
     c0, w0 = time.process_time(), time.perf_counter()
-    for s in gen.generate([(i, prompts_by_id[i]) for i in ids], sampling, max_in_flight=batch_size):
+    reqs = [(i, prompts_by_id[i]) + ((None, hints[i]) if hints else ()) for i in ids]
+    for s in gen.generate(reqs, sampling, max_in_flight=batch_size):
       lengths[s.prompt_id] = len(s.token_ids)
     cpu, wall = time.process_time() - c0, time.perf_counter() - w0
   finally:
@@ -285,7 +295,7 @@ def main(argv):
   del argv
   if _QUICK.value:
     for flag, value in (
-        ("num_prompts", 128),
+        ("num_prompts", 32),
         ("reps", 2),
         ("train_prompts", 600),
         ("sft_steps", 100),
@@ -302,6 +312,8 @@ def main(argv):
   from streamrl.generator.vllm_engine import GeneratorInstance, SamplingConfig
   from streamrl.ranker.metrics import ranking_metrics
   from streamrl.scheduling import DispatchPlan, LatencyProfile, dispatch, fifo_plan, lpt_order
+  from streamrl.generator.rollout import request_hint, request_parts
+  from streamrl.scheduling.scheduler import with_length_hints
 
   # Everything cached depends on the policy, hence on these two settings.
   workdir = os.path.join(_WORKDIR.value, f"{_TASK.value}_ans{_max_answer()}_sft{_SFT_STEPS.value}")
@@ -335,7 +347,11 @@ def main(argv):
     )
 
   examples = tasks.make_examples(_NUM_PROMPTS.value, seed=2, first_id=0, **_task_kwargs())
-  prompts = make_prompts(examples)
+  # Request k samples prompt k // group_size (its own seed: sampling seed + k).
+  group_size = _GROUP_SIZE.value
+  groups = [k // group_size for k in range(len(examples) * group_size)]
+  unique = make_prompts(examples)
+  prompts = [(k, unique[g][1]) for k, g in enumerate(groups)]
   prompts_by_id = dict(prompts)
   assert list(prompts_by_id) == list(range(len(prompts)))
   # Untimed warm-up: the true lengths (same tokens in every arm: per-prompt seeds).
@@ -352,8 +368,10 @@ def main(argv):
   if trace is not None:
     # The prompt-only bound: the exact mean of the taught trace distribution.
     expected = [
-        tasks.expected_response_length(tasks.parse_prompt(e.prompt)[1], e.answer, trace)
-        for e in examples
+        tasks.expected_response_length(
+            tasks.parse_prompt(examples[g].prompt)[1], examples[g].answer, trace
+        )
+        for g in groups
     ]
     rank_metrics["expected"] = ranking_metrics(np.asarray(expected), true_len)
   pred = preds[_RANKER_LOSS.value]
@@ -370,6 +388,21 @@ def main(argv):
       predicted_time=float("nan"),
       objective="lpt_only",
   )
+  grouped = dispatch(
+      pred,
+      n_inst,
+      profile,
+      recent,
+      alpha=_ALPHA.value,
+      objective="makespan",
+      max_batch_size=max_bs,
+      groups=groups,
+  )
+  hints = {
+      request_parts(r)[0]: request_hint(r)
+      for r in with_length_hints(prompts, groups, grouped.lengths)
+  }
+  hinted = {"sibling"}  # arms that run with length hints
   plans = {
       **fifo_plans,
       "lpt_only": lpt_only,
@@ -395,6 +428,12 @@ def main(argv):
           max_batch_size=max_bs,
           latency_model="simulate",
       ),
+      # Group-aware: a prompt's samples on one instance; "grouped" admits them
+      # in plain LPT order, "sibling" in the sibling-aware order
+      # (streamrl/scheduling/siblings.py: one per prompt first, then by what
+      # the finished and running siblings say, blended with the ranker's estimate).
+      "grouped": grouped,
+      "sibling": grouped,
       "oracle": dispatch(
           true_len,
           n_inst,
@@ -424,6 +463,7 @@ def main(argv):
             for b in plans
             if b != a
             and b not in aliases
+            and not {a, b} & hinted
             and plans[b].assignments == plans[a].assignments
             and plans[b].batch_sizes == plans[a].batch_sizes
             and list(plans).index(b) < list(plans).index(a)
@@ -451,6 +491,7 @@ def main(argv):
             plans[a].batch_sizes[inst],
             sampling,
             profile,
+            hints if a in hinted else None,
         )
         mismatched += sum(lengths[i] != true[i] for i in lengths)
         times[a][inst]["cpu"].append(cpu)
@@ -483,7 +524,7 @@ def main(argv):
   )
   p50, p90, p99 = np.percentile(true_len, [50, 90, 99])
   print(
-      f"workload: {len(prompts)} prompts, generated length p50={p50:.0f} p90={p90:.0f} p99={p99:.0f} "
+      f"workload: {len(examples)} prompts x {group_size} samples, generated length p50={p50:.0f} p90={p90:.0f} p99={p99:.0f} "
       f"max={true_len.max():.0f} (history: {len(pairs)} pairs, p50={np.percentile(recent, 50):.0f} "
       f"p90={np.percentile(recent, 90):.0f}); {n_inst} instances, max {max_bs} in flight; "
       f"{mismatched} length mismatches across arms"
@@ -518,7 +559,9 @@ def main(argv):
     )
   m = rank_metrics[_RANKER_LOSS.value]
   print(
-      f"RESULT fifo=1.00 ranker={ratio['ranker']:.2f} oracle={ratio['oracle']:.2f} "
+      f"RESULT fifo=1.00 ranker={ratio['ranker']:.2f} sibling={ratio['sibling']:.2f} "
+      f"oracle={ratio['oracle']:.2f} grouped={ratio['grouped']:.2f} "
+      f"sibling_trace={rel['sibling']['trace']:.2f} "
       f"recall20={m['recall20']:.2f} recall10={m['recall10']:.2f} recall5={m['recall5']:.2f} "
       f"spearman={m['spearman']:.2f} ranker_sum={ratio['ranker_sum']:.2f} lpt_only={ratio['lpt_only']:.2f} "
       f"ranker_sim={ratio['ranker_sim']:.2f} oracle_sim={ratio['oracle_sim']:.2f} "
