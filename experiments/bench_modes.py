@@ -94,6 +94,7 @@ timeline_all.png (experiments/plot_timeline.py) and summary.json.
 Ends with
   RESULT colocated=1.00 sync=<x> stream=<x> async=<x> pipeline_efficiency=<x>
          async_partial=<x> partial_vs_async=<x>
+         async_partial_sibling=<x> sibling_vs_async=<x>
 (mode throughputs in samples/s / colocated's; efficiency = async /
 min(generation alone, training alone); the last two when that arm runs).
 
@@ -674,6 +675,13 @@ def main(argv):
   if "async_partial" in tput:
     vs_async = tput["async_partial"] / tput["async"] if "async" in tput else float("nan")
     partial = f" async_partial={fmt('async_partial')} partial_vs_async={vs_async:.2f}"
+  if "async_partial_sibling" in tput:
+    vs_async = (
+        tput["async_partial_sibling"] / tput["async"] if "async" in tput else float("nan")
+    )
+    partial += (
+        f" async_partial_sibling={fmt('async_partial_sibling')} sibling_vs_async={vs_async:.2f}"
+    )
   print(
       f"RESULT colocated={fmt('colocated')} sync={fmt('sync')} stream={fmt('stream')} "
       f"async={fmt('async')} pipeline_efficiency={eff:.2f}{partial}"

@@ -21,7 +21,7 @@ import time
 # The cores this process may use, before any pinning narrows its mask.
 ALL_CORES = tuple(sorted(os.sched_getaffinity(0)))
 
-MODES = ("colocated", "sync", "stream", "async", "async_partial")
+MODES = ("colocated", "sync", "stream", "async", "async_partial", "async_partial_sibling")
 
 
 def now() -> float:
@@ -32,12 +32,17 @@ def with_mode(s, mode: str):
   """Settings `s` with `pipeline.mode=mode`, validated again (the effective
   rollout correction, for one, depends on the mode). colocated is the
   baseline of configs/colocated.py: FIFO order, weights loaded in process;
-  async_partial is async with `generation.partial=on`."""
+  async_partial is async with `generation.partial=on`, and
+  async_partial_sibling that with `generation.sibling_lengths=on`."""
   from streamrl import settings as settings_lib  # pylint: disable=g-import-not-at-top
 
-  partial = "on" if mode == "async_partial" else "off"
-  mode = "async" if mode == "async_partial" else mode
-  out = s.replace(pipeline=dataclasses.replace(s.pipeline, mode=mode, partial=partial))
+  partial = "on" if mode.startswith("async_partial") else "off"
+  siblings = "on" if mode == "async_partial_sibling" else "off"
+  mode = "async" if mode.startswith("async_partial") else mode
+  out = s.replace(
+      pipeline=dataclasses.replace(s.pipeline, mode=mode, partial=partial),
+      scheduler=dataclasses.replace(s.scheduler, sibling_lengths=siblings),
+  )
   if mode == "colocated":
     out = out.replace(
         scheduler=dataclasses.replace(s.scheduler, kind="fifo"),

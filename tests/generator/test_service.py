@@ -170,6 +170,18 @@ def test_explicit_assignments_and_caps_are_respected(svc):
     svc.generate(None, SAMPLING, assignments=[reqs])
 
 
+def test_length_hints_travel_to_the_instance_which_probes_each_group_first(svc):
+  from streamrl.scheduling.siblings import LengthHint
+
+  reqs = requests(6)  # groups: 0 1 2 on instance 0 (priors 1, 9, 5), 3 4 5 on instance 1
+  hinted = [r + (None, LengthHint(k % 3, [1.0, 9.0, 5.0][k % 3])) for k, r in enumerate(reqs)]
+  hinted = [hinted[k] for k in (0, 3, 1, 4, 2, 5)]  # two samples of a group in a row
+  samples = list(svc.generate(None, SAMPLING, assignments=[hinted, []], caps=[1, None]))
+  assert count_ids(samples) == collections.Counter(range(6))
+  # One at a time: a sample of every group before a second of any, highest prior first.
+  assert [s.prompt_id % 3 for s in samples[:3]] == [1, 2, 0]
+
+
 def test_closing_the_stream_early_cancels_and_the_service_stays_usable(svc):
   # Each instance pauses for 120 s after its first sample, unless cancelled.
   ray.get([svc.actor(i).inject_fault.remote("stall", after_samples=1, seconds=120) for i in (0, 1)])
