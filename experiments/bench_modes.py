@@ -676,9 +676,7 @@ def main(argv):
     vs_async = tput["async_partial"] / tput["async"] if "async" in tput else float("nan")
     partial = f" async_partial={fmt('async_partial')} partial_vs_async={vs_async:.2f}"
   if "async_partial_sibling" in tput:
-    vs_async = (
-        tput["async_partial_sibling"] / tput["async"] if "async" in tput else float("nan")
-    )
+    vs_async = tput["async_partial_sibling"] / tput["async"] if "async" in tput else float("nan")
     partial += (
         f" async_partial_sibling={fmt('async_partial_sibling')} sibling_vs_async={vs_async:.2f}"
     )
