@@ -134,3 +134,26 @@ def test_sibling_lengths_needs_a_length_predicting_scheduler():
   cfg.generation.sibling_lengths = "maybe"
   with pytest.raises(UserError, match="sibling_lengths"):
     settings.from_config(cfg)
+
+
+def test_the_scheduler_sends_each_prompts_samples_to_one_instance_with_length_hints():
+  from streamrl.data import tasks
+  from streamrl.scheduling.scheduler import GenerationScheduler
+
+  sched = settings.Scheduler(kind="oracle", sibling_lengths="on")
+  gs = GenerationScheduler(sched, model_dir="", workdir=None, num_instances=3, max_batch_size=4)
+  examples = tasks.make_examples(6, 0)
+  reqs = [(k, (1,) + tuple(range(2, 4 + k // 4))) for k in range(24)]  # 6 prompts x 4 samples
+  by_id = {k: examples[k // 4] for k in range(24)}
+  gs.recent.extend(range(1, 60))
+  assignments, caps = gs.plan(reqs, by_id, seed=0)
+  assert len(assignments) == len(caps) == 3
+  sent = [r for part in assignments for r in part]
+  assert sorted(request_parts(r)[0] for r in sent) == list(range(24))
+  for part in assignments:
+    hints = [request_hint(r) for r in part]
+    assert all(isinstance(h, LengthHint) and h.prior > 0 for h in hints)
+    groups = {h.group for h in hints}
+    for g in groups:  # a group is whole on this instance
+      assert sum(request_hint(r).group == g for r in sent) == sum(h.group == g for h in hints)
+  assert len({request_hint(r).group for r in sent}) == 6
