@@ -66,6 +66,16 @@ the long tail to the next round, so the trained batch is shorter: 1.43 x
 async in samples/s, 1.20 x in tokens/s. Stream's policy drifted to longer
 responses (mean 26-34 tokens against 12-19 for sync at the same iterations),
 which costs it in samples/s; in tokens/s it is 1.27 x sync.
+With the sibling arm (`--modes=colocated,async,async_partial,async_partial_sibling`,
+quiet machine, 32 min with the 10 min precompile):
+  RESULT colocated=1.00 sync=nan stream=nan async=0.92 pipeline_efficiency=0.92
+  async_partial=1.40 partial_vs_async=1.52 async_partial_sibling=1.48 sibling_vs_async=1.60
+  (response tokens/s vs colocated: async 1.03, async_partial 1.32,
+  async_partial_sibling 1.41). On this workload the two partial arms differ by
+  noise and policy drift only: PPO samples each prompt once, so every group has
+  one member and the sibling order is the ranker's LPT order, and with
+  max_num_seqs 128 above the 80 requests of a round every request is admitted
+  at once, so no order matters (per-iteration samples/s 24-60 and 35-54).
 Before the ranker compiled its programs at start (`RankerTrainer.compile_all`),
 the first refreshes compiled on the generators' core and stalled rounds 1 and
 3 of every block by 10-13 s in async_partial, async and sync alike (the run
