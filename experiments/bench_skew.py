@@ -439,16 +439,13 @@ def main(argv):
       predicted_time=float("nan"),
       objective="lpt_only",
   )
-  grouped = dispatch(
-      pred,
-      n_inst,
-      profile,
-      recent,
-      alpha=_ALPHA.value,
-      objective="makespan",
-      max_batch_size=max_bs,
-      groups=groups,
-  )
+
+  def alg2(lengths, **kw):
+    return dispatch(
+        lengths, n_inst, profile, recent, alpha=_ALPHA.value, max_batch_size=max_bs, **kw
+    )
+
+  grouped = alg2(pred, groups=groups)
   hints = {
       request_parts(r)[0]: request_hint(r)
       for r in with_length_hints(prompts, groups, grouped.lengths)
@@ -457,53 +454,17 @@ def main(argv):
   plans = {
       **fifo_plans,
       "lpt_only": lpt_only,
-      "ranker": dispatch(
-          pred,
-          n_inst,
-          profile,
-          recent,
-          alpha=_ALPHA.value,
-          objective="makespan",
-          max_batch_size=max_bs,
-      ),
-      "ranker_sum": dispatch(
-          pred, n_inst, profile, recent, alpha=_ALPHA.value, objective="sum", max_batch_size=max_bs
-      ),
-      "ranker_sim": dispatch(
-          pred,
-          n_inst,
-          profile,
-          recent,
-          alpha=_ALPHA.value,
-          objective="makespan",
-          max_batch_size=max_bs,
-          latency_model="simulate",
-      ),
+      "ranker": alg2(pred),
+      "ranker_sum": alg2(pred, objective="sum"),
+      "ranker_sim": alg2(pred, latency_model="simulate"),
       # Group-aware: a prompt's samples on one instance; "grouped" admits them
       # in plain LPT order, "sibling" in the sibling-aware order
       # (streamrl/scheduling/siblings.py: one per prompt first, then by what
       # the finished and running siblings say, blended with the ranker's estimate).
       "grouped": grouped,
       "sibling": grouped,
-      "oracle": dispatch(
-          true_len,
-          n_inst,
-          profile,
-          recent,
-          alpha=_ALPHA.value,
-          objective="makespan",
-          max_batch_size=max_bs,
-      ),
-      "oracle_sim": dispatch(
-          true_len,
-          n_inst,
-          profile,
-          recent,
-          alpha=_ALPHA.value,
-          objective="makespan",
-          max_batch_size=max_bs,
-          latency_model="simulate",
-      ),
+      "oracle": alg2(true_len),
+      "oracle_sim": alg2(true_len, latency_model="simulate"),
   }
   # Identical plans (e.g. both objectives choosing the same split) run once.
   aliases = {}
