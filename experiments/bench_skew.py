@@ -289,13 +289,14 @@ def replay(plan, lengths, profile, hints=None, shared=False):
   instances advance together in time, so with `shared` every instance sees
   every sibling's progress as it happens (which the real runs here, one
   instance after another, cannot show)."""
+  import collections
   import heapq
 
   from streamrl.scheduling.siblings import SiblingQueue
 
   n = plan.num_instances
   queues = [
-      SiblingQueue(list(a), [hints[p] for p in a]) if hints else list(reversed(a))
+      SiblingQueue(list(a), [hints[p] for p in a]) if hints else collections.deque(a)
       for a in plan.assignments
   ]
   running = [{} for _ in range(n)]  # request -> tokens so far
@@ -303,7 +304,7 @@ def replay(plan, lengths, profile, hints=None, shared=False):
   while clock:
     t, i = heapq.heappop(clock)
     while queues[i] and len(running[i]) < plan.batch_sizes[i]:
-      running[i][queues[i].popleft() if hints else queues[i].pop()] = 0
+      running[i][queues[i].popleft()] = 0
     if not running[i]:
       end[i] = t
       continue
@@ -311,8 +312,9 @@ def replay(plan, lengths, profile, hints=None, shared=False):
     for p in list(running[i]):
       running[i][p] += 1
       done = running[i][p] >= lengths[p]
-      for q in (queues if shared else [queues[i]]) if hints else ():
-        (q.finished if done else q.running)(hints[p], running[i][p])
+      if hints:
+        for q in queues if shared else [queues[i]]:
+          (q.finished if done else q.running)(hints[p], running[i][p])
       if done:
         del running[i][p]
     heapq.heappush(clock, (t, i))

@@ -29,7 +29,6 @@ by what it has left to generate.
 from __future__ import annotations
 
 import dataclasses
-import threading
 from collections.abc import Hashable, Iterator, Sequence
 
 
@@ -61,8 +60,7 @@ class SiblingQueue:
   """Requests not yet admitted on one instance, longest estimate first.
 
   Items are opaque (the engine's request tuples); `hints[i]` is item i's
-  `LengthHint`. Thread-safe: `finished` / `running` may come from another
-  thread than `popleft`.
+  `LengthHint`. The engine's generate loop admits from it and reports to it.
   """
 
   def __init__(
@@ -77,7 +75,6 @@ class SiblingQueue:
       raise ValueError(f"{len(items)} requests but {len(hints)} length hints; give one each.")
     if prior_weight <= 0:
       raise ValueError(f"prior_weight must be > 0, got {prior_weight}.")
-    self._lock = threading.Lock()
     self._items = {k: item for k, item in enumerate(items)}
     self._hints = list(hints)
     self._prior_weight = float(prior_weight)
@@ -94,52 +91,52 @@ class SiblingQueue:
 
   def __iter__(self) -> Iterator:
     """The items still pending, in input order (for a stop that returns them)."""
-    with self._lock:
-      return iter([self._items[k] for k in sorted(self._items)])
+    return iter([self._items[k] for k in sorted(self._items)])
 
   def clear(self) -> None:
-    with self._lock:
-      self._items.clear()
+    self._items.clear()
 
-  def estimate(self, k: int) -> float:
-    """Item k's estimated remaining length (tokens)."""
-    h = self._hints[k]
-    est = group_estimate(
+  def _group_length(self, h: LengthHint) -> float:
+    return group_estimate(
         h.prior,
         self._finished.get(h.group, ()),
         self._running.get(h.group, 0.0),
         self._prior_weight,
     )
-    return est - h.done
+
+  def estimate(self, k: int) -> float:
+    """Item k's estimated remaining length (tokens)."""
+    h = self._hints[k]
+    return self._group_length(h) - h.done
 
   def popleft(self):
     """The next request to admit: an unprobed group's first (highest prior
     first), else the longest estimate; ties keep input order."""
-    with self._lock:
-      if not self._items:
-        raise IndexError("pop from an empty SiblingQueue")
-      keys = list(self._items)
-      if self._probe:
-        unprobed = [k for k in keys if self._hints[k].group not in self._started]
-        if unprobed:
-          keys = unprobed
-      by_group: dict = {}
-      for k in keys:
-        g = self._hints[k].group
-        if g not in by_group:
-          by_group[g] = self.estimate(k) + self._hints[k].done
-      best = max(keys, key=lambda k: (by_group[self._hints[k].group] - self._hints[k].done, -k))
-      self._started.add(self._hints[best].group)
-      return self._items.pop(best)
+    if not self._items:
+      raise IndexError("pop from an empty SiblingQueue")
+    keys = list(self._items)
+    if self._probe:
+      unprobed = [k for k in keys if self._hints[k].group not in self._started]
+      if unprobed:
+        keys = unprobed
+    lengths: dict = {}  # group -> its estimate, once per pop
+
+    def remaining(k):
+      h = self._hints[k]
+      if h.group not in lengths:
+        lengths[h.group] = self._group_length(h)
+      return lengths[h.group] - h.done
+
+    best = max(keys, key=lambda k: (remaining(k), -k))
+    self._started.add(self._hints[best].group)
+    return self._items.pop(best)
 
   def finished(self, hint: LengthHint, new_tokens: int) -> None:
     """A request of `hint.group` finished with `new_tokens` tokens this time."""
-    with self._lock:
-      self._finished.setdefault(hint.group, []).append(float(hint.done + new_tokens))
+    self._finished.setdefault(hint.group, []).append(float(hint.done + new_tokens))
 
   def running(self, hint: LengthHint, new_tokens: int) -> None:
     """A request of `hint.group` is still running with `new_tokens` so far."""
-    with self._lock:
-      total = float(hint.done + new_tokens)
-      if total > self._running.get(hint.group, 0.0):
-        self._running[hint.group] = total
+    total = float(hint.done + new_tokens)
+    if total > self._running.get(hint.group, 0.0):
+      self._running[hint.group] = total
