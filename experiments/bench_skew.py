@@ -26,13 +26,15 @@ What runs (everything real, on this machine):
        lpt_only  the first fifo assignment, each instance admitting longest-predicted first,
        ranker    ranker predictions -> Algorithm 2 (makespan objective) -> LPT,
        ranker_sum  the same with the paper's sum objective,
-       ranker_sim  ranker, makespan objective, latency_model="simulate" (ours),
+       ranker_sim  ranker, makespan objective, latency_model="simulate" (ours)
+                 with the ranker's real error: the ranks and lengths of the
+                 history's second half under a ranker trained on its first,
        grouped   ranker, makespan, each prompt's samples on one instance, LPT,
        sibling   the grouped plan, each instance admitting one sample per prompt
                  first, then by the lengths of finished and running siblings
                  blended with the ranker's estimate (generation.sibling_lengths=on),
        oracle    true lengths -> Algorithm 2 (makespan) -> LPT,
-       oracle_sim  true lengths, latency_model="simulate".
+       oracle_sim  true lengths, latency_model="simulate" (exact ranks).
      Sampling is seeded per prompt, so every arm generates the same tokens.
 
 How time is measured: the instances of one plan run one after another through
@@ -365,6 +367,7 @@ def main(argv):
   from streamrl.generator.vllm_engine import GeneratorInstance, SamplingConfig
   from streamrl.ranker.metrics import ranking_metrics
   from streamrl.scheduling import DispatchPlan, LatencyProfile, dispatch, fifo_plan, lpt_order
+  from streamrl.scheduling.dispatch import rank_quantiles
   from streamrl.generator.rollout import request_hint, request_parts
   from streamrl.scheduling.scheduler import with_length_hints
 
@@ -428,6 +431,15 @@ def main(argv):
     ]
     rank_metrics["expected"] = ranking_metrics(np.asarray(expected), true_len)
   pred = preds[_RANKER_LOSS.value]
+  # The simulate model's rank history, as a run records it (out of sample):
+  # a ranker trained on the history's first half ranks its second half. The
+  # oracle's ranks are exact.
+  half = len(pairs) // 2
+  held = train_ranker(workdir, _RANKER_LOSS.value, pairs[:half])
+  rank_history = list(
+      zip(rank_quantiles(held.predict([ids for ids, _ in pairs[half:]])), recent[half:])
+  )
+  oracle_history = list(zip(rank_quantiles(recent), recent))
 
   fifo_plans = {
       f"fifo{k}": fifo_plan(len(prompts), n_inst, max_bs, seed=_SEED + 1 + k)
@@ -458,7 +470,7 @@ def main(argv):
       "lpt_only": lpt_only,
       "ranker": alg2(pred),
       "ranker_sum": alg2(pred, objective="sum"),
-      "ranker_sim": alg2(pred, latency_model="simulate"),
+      "ranker_sim": alg2(pred, latency_model="simulate", rank_history=rank_history),
       # Group-aware: a prompt's samples on one instance; "grouped" admits them
       # in plain LPT order, "sibling" in the sibling-aware order
       # (streamrl/scheduling/siblings.py: one per prompt first, then by what
@@ -466,7 +478,7 @@ def main(argv):
       "grouped": grouped,
       "sibling": grouped,
       "oracle": alg2(true_len),
-      "oracle_sim": alg2(true_len, latency_model="simulate"),
+      "oracle_sim": alg2(true_len, latency_model="simulate", rank_history=oracle_history),
   }
   # Identical plans (e.g. both objectives choosing the same split) run once.
   aliases = {}
@@ -585,6 +597,9 @@ def main(argv):
       "sibling": replay(grouped, true_len, profile, hints),
       "sibling_shared": replay(plans["ranker"], true_len, profile, spread_hints, shared=True),
       "oracle": replay(plans["oracle"], true_len, profile),
+      "ranker_sim": replay(plans["ranker_sim"], true_len, profile),
+      # simulate without a rank history trusts the ranker's order as exact
+      "ranker_sim_exact": replay(alg2(pred, latency_model="simulate"), true_len, profile),
   }
   print("replay / fifo's: " + " ".join(f"{a}={t / fifo_r:.3f}" for a, t in rep.items()))
   m = rank_metrics[_RANKER_LOSS.value]

@@ -38,6 +38,18 @@ Lengths: predictions are used only through their order (a pairwise-trained
 ranker is not calibrated). Each prompt's length is estimated as the recent
 length distribution's quantile at its predicted rank; balancing inside a
 group and the "simulate" model use these estimates.
+
+That estimate takes the ranker's order as exact. When lengths vary between
+samples of one prompt (reasoning traces), a ranker that sees only the prompt
+cannot order single samples well (recall@20 about 0.5), and the "simulate"
+model then trusts a plan that puts the predicted-short 80 % on one instance:
+the few responses that really run to max_tokens land there too, late, and
+the plan loses to FIFO (experiments/bench_skew.py). Given `rank_history`,
+pairs (rank quantile at which a prompt was predicted, length it then had)
+that the scheduler records out of sample, "simulate" instead estimates each
+prompt by the mean length seen at its rank and times every candidate split
+over `RANK_DRAWS` draws of lengths from the lengths seen at each rank (the
+ranker's real error), minimising the mean makespan over the draws.
 """
 
 from __future__ import annotations
@@ -57,6 +69,11 @@ _log = logging.getLogger(__name__)
 
 OBJECTIVES = ("makespan", "sum")
 LATENCY_MODELS = ("paper", "simulate")
+# Rank bins of `rank_history`, the pairs it needs before "simulate" uses it
+# (about 20 per bin), and the length draws each candidate split is timed on.
+RANK_BINS = 10
+MIN_RANK_HISTORY = 20 * RANK_BINS
+RANK_DRAWS = 16
 
 # Set after the first "no length history" warning so that the FIFO fallback
 # is announced once per process, not once per iteration.
@@ -161,10 +178,6 @@ def _group_time(profile, num_prompts, avg_len, num_instances, max_batch_size):
   return estimate_latency(profile, num_prompts, avg_len, num_instances, bs)
 
 
-def _objective(objective: str, t_long: float, t_reg: float) -> float:
-  return max(t_long, t_reg) if objective == "makespan" else t_long + t_reg
-
-
 def _units(prompts: Sequence[int], groups: Sequence | None) -> list[list[int]]:
   """`prompts` cut into what is placed together: each alone, or with `groups`
   the prompts of one group (in order of each group's first prompt)."""
@@ -246,6 +259,46 @@ def calibrated_lengths(
   return out
 
 
+def rank_quantiles(predicted_lengths: Sequence[float]) -> np.ndarray:
+  """[P] each prompt's predicted rank as a quantile in [0, 1): 0 for the
+  predicted shortest, (P - 1) / P for the longest (ties keep input order, as
+  `lpt_order`). What the scheduler records with each observed length."""
+  pred = np.asarray(predicted_lengths, dtype=np.float64).reshape(-1)
+  p = pred.shape[0]
+  out = np.empty(p)
+  out[lpt_order(pred)] = (p - 1 - np.arange(p)) / max(p, 1)
+  return out
+
+
+def rank_bins(rank_history, num_bins: int = RANK_BINS) -> list[np.ndarray]:
+  """The lengths of `rank_history` ((rank quantile, length) pairs) in
+  `num_bins` equal quantile bins; an empty bin borrows its nearest non-empty
+  neighbour's (lower first)."""
+  pairs = np.asarray(rank_history, dtype=np.float64).reshape(-1, 2)
+  idx = np.clip((pairs[:, 0] * num_bins).astype(int), 0, num_bins - 1)
+  bins = [pairs[idx == k, 1] for k in range(num_bins)]
+  full = [k for k in range(num_bins) if bins[k].size]
+  if not full:
+    raise ValueError("rank_history is empty; record some (rank quantile, length) pairs first.")
+  return [
+      bins[k] if bins[k].size else bins[min(full, key=lambda j: (abs(j - k), j))]
+      for k in range(num_bins)
+  ]
+
+
+def _rank_draws(pred, bins, draws: int, seed: int):
+  """(est [P], lengths [draws, P]): the mean length seen at each prompt's
+  rank bin, and draws from the lengths seen there."""
+  b = np.minimum((rank_quantiles(pred) * len(bins)).astype(int), len(bins) - 1)
+  est = np.asarray([bins[k].mean() for k in b])
+  rng = np.random.default_rng(seed)
+  out = np.empty((draws, len(b)))
+  for k in np.unique(b):
+    where = np.flatnonzero(b == k)
+    out[:, where] = rng.choice(bins[k], size=(draws, where.size))
+  return est, out
+
+
 def fifo_plan(
     num_prompts: int, num_instances: int, max_batch_size: int, *, seed: int | None = None
 ) -> DispatchPlan:
@@ -285,6 +338,8 @@ def dispatch(
     max_batch_size: int = 256,
     latency_model: str = "paper",
     groups: Sequence | None = None,
+    rank_history: Sequence[tuple[float, float]] | None = None,
+    seed: int = 0,
 ) -> DispatchPlan:
   """Algorithm 2: split instances between long-tail and regular prompts.
 
@@ -305,6 +360,12 @@ def dispatch(
       placed on one instance, and a group the long-tail cut would split goes
       to the long tail whole (group-aware length prediction,
       `streamrl.scheduling.siblings`). None: prompts are placed one by one.
+    rank_history: (rank quantile at prediction, observed length) pairs,
+      recorded out of sample (`rank_quantiles`). With at least
+      `MIN_RANK_HISTORY` of them the "simulate" model estimates lengths
+      from them and times splits over draws of the ranker's real error (see
+      the module docstring); the "paper" model ignores them.
+    seed: of those draws.
   Returns:
     A DispatchPlan; long-tail instances come first.
   """
@@ -351,12 +412,16 @@ def dispatch(
     n_long = sum(groups[p] in cut for p in order)
   long_ids, reg_ids = order[:n_long], order[n_long:]
   simulate = latency_model == "simulate"
+  draws = None  # [RANK_DRAWS, P] lengths at the ranker's real error
+  if simulate and rank_history is not None and len(rank_history) >= MIN_RANK_HISTORY:
+    est, draws = _rank_draws(pred, rank_bins(rank_history), RANK_DRAWS, seed)
 
   if num_instances == 1:
     # One instance serves everything, in LPT order.
     bs = choose_batch_size(profile, num_prompts, max_batch_size)
     if simulate:
-      t = continuous_batching_time(est[order], bs, profile)
+      runs = [est] if draws is None else draws
+      t = float(np.mean([continuous_batching_time(r[order], bs, profile) for r in runs]))
     else:
       l_avg = (n_long * l_long + len(reg_ids) * l_reg) / num_prompts if num_prompts else 0.0
       t = _group_time(profile, num_prompts, l_avg, 1, max_batch_size)
@@ -383,13 +448,18 @@ def dispatch(
     # instance that balancing gave more than ceil(P_g / N_g) prompts does not
     # run extra waves). Simulate model: continuous batching has no waves, so
     # also try the largest cap and keep whichever replays faster.
+    # With draws: the cap with the least mean time, and its time per draw.
     wave_cap = choose_batch_size(profile, len(bucket), max_batch_size)
     if not simulate:
       return wave_cap, math.nan
     options = {wave_cap, max(1, min(max_batch_size, len(bucket)))}
-    return min(((continuous_batching_time(est[bucket], c, profile), c) for c in sorted(options)))[
-        ::-1
+    runs = [est] if draws is None else draws
+    timed = [
+        (np.asarray([continuous_batching_time(r[bucket], c, profile) for r in runs]), c)
+        for c in sorted(options)
     ]
+    t, c = min(timed, key=lambda tc: (tc[0].mean(), tc[1]))
+    return c, t if draws is not None else float(t[0])
 
   def split(n_l):
     buckets = _balance(long_ids, est, n_l, groups) + _balance(
@@ -400,26 +470,33 @@ def dispatch(
 
   best = None
   for n_l in candidates:
-    if simulate:
+    t_all = None  # with draws: the mean over them of the slowest instance
+    if simulate and draws is not None:
+      per_draw = np.asarray(split(n_l)[2]).reshape(num_instances, -1)
+      t_long = float(per_draw[:n_l].max(axis=0).mean()) if n_l else 0.0
+      t_reg = float(per_draw[n_l:].max(axis=0).mean()) if n_l < num_instances else 0.0
+      t_all = float(per_draw.max(axis=0).mean())
+    elif simulate:
       _, _, times = split(n_l)
       t_long, t_reg = max(times[:n_l], default=0.0), max(times[n_l:], default=0.0)
     else:
       t_long = _group_time(profile, len(long_ids), l_long, n_l, max_batch_size)
       t_reg = _group_time(profile, len(reg_ids), l_reg, num_instances - n_l, max_batch_size)
-    primary = _objective(objective, t_long, t_reg)
-    other = _objective("sum" if objective == "makespan" else "makespan", t_long, t_reg)
+    span = max(t_long, t_reg) if t_all is None else t_all
+    total = t_long + t_reg
+    primary, other = (span, total) if objective == "makespan" else (total, span)
     key = (primary, other, n_l)  # Ties: the other objective, then fewer long instances.
     if best is None or key < best[0]:
-      best = (key, n_l, t_long, t_reg)
-  _, n_l, t_long, t_reg = best
+      best = (key, n_l, t_long, t_reg, span)
+  (primary, _, _), n_l, t_long, t_reg, span = best
   buckets, caps, _ = split(n_l)
   return DispatchPlan(
       assignments=tuple(tuple(int(p) for p in b) for b in buckets),
       batch_sizes=tuple(caps),
       n_long_instances=n_l,
-      predicted_time=max(t_long, t_reg),
+      predicted_time=span,
       objective=objective,
-      objective_value=_objective(objective, t_long, t_reg),
+      objective_value=primary,
       group_times=(t_long, t_reg),
       lengths=tuple(float(x) for x in est),
   )

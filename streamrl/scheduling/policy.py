@@ -32,6 +32,7 @@ def plan_generation(
     latency_model: str = "paper",
     seed: int | None = None,
     groups: Sequence | None = None,
+    rank_history: Sequence[tuple[float, float]] | None = None,
 ) -> DispatchPlan:
   """Builds the plan for one generation round.
 
@@ -44,8 +45,9 @@ def plan_generation(
     true_lengths: [P], needed for "oracle".
     recent_lengths: observed lengths of recent iterations (P50/P90 estimates);
       None/empty makes "skew" fall back to FIFO (logged once).
-    profile, alpha, objective, max_batch_size, latency_model, groups: see
-      `dispatch` (FIFO ignores groups).
+    profile, alpha, objective, max_batch_size, latency_model, groups,
+      rank_history: see `dispatch` (FIFO ignores groups); the length draws
+      of the "simulate" model are seeded by `seed`.
   """
   if scheduler not in SCHEDULERS:
     raise ValueError(
@@ -75,4 +77,6 @@ def plan_generation(
       max_batch_size=max_batch_size,
       latency_model=latency_model,
       groups=groups,
+      rank_history=rank_history,
+      seed=0 if seed is None else int(seed),
   )

@@ -24,6 +24,7 @@ from streamrl import settings as settings_lib
 from streamrl.data import tasks
 from streamrl.generator import rollout
 from streamrl.scheduling import ranker_actor
+from streamrl.scheduling.dispatch import MIN_RANK_HISTORY, rank_quantiles
 from streamrl.scheduling.latency import LatencyProfile
 from streamrl.scheduling.policy import plan_generation
 from streamrl.scheduling.siblings import LengthHint
@@ -69,6 +70,11 @@ class GenerationScheduler:
     self.latency_model = sched.latency_model
     self.siblings = sched.sibling_lengths == "on"
     self.recent = collections.deque(maxlen=sched.length_history)
+    # (rank quantile at which a request was predicted, its length): the
+    # ranker's real error, which the "simulate" latency model draws from;
+    # `_ranked` holds the quantiles of requests planned and not yet observed.
+    self.rank_history = collections.deque(maxlen=max(sched.length_history, MIN_RANK_HISTORY))
+    self._ranked: collections.OrderedDict = collections.OrderedDict()
     self.pairs = collections.deque(maxlen=4096)
     self.pairs_path = os.path.join(workdir, "length_pairs.jsonl") if workdir else None
     self.profile = None
@@ -135,6 +141,11 @@ class GenerationScheduler:
           else tasks.oracle_answer_length(e.prompt) + 1
           for e in exs
       ]
+    for (rid, *_), q in zip(requests, rank_quantiles(predicted if true is None else true)):
+      self._ranked[rid] = float(q)
+      self._ranked.move_to_end(rid)
+    while len(self._ranked) > 4 * self.rank_history.maxlen:  # never observed (dropped)
+      self._ranked.popitem(last=False)
     plan = plan_generation(
         self.kind,
         num_prompts=len(requests),
@@ -149,6 +160,7 @@ class GenerationScheduler:
         latency_model=self.latency_model,
         seed=seed,
         groups=groups,
+        rank_history=list(self.rank_history) or None,
     )
     if groups is not None and plan.lengths:
       requests = with_length_hints(requests, groups, plan.lengths)
@@ -159,6 +171,10 @@ class GenerationScheduler:
     """Records this round's lengths and refreshes the ranker on them."""
     new = [(list(s.prompt_token_ids), len(s.token_ids)) for s in samples]
     self.recent.extend(n for _, n in new)
+    for sample, (_, n) in zip(samples, new):
+      q = self._ranked.pop(sample.prompt_id, None)
+      if q is not None:
+        self.rank_history.append((q, n))
     self.pairs.extend(new)
     if self.pairs_path:
       from streamrl.ranker import data as ranker_data  # pylint: disable=g-import-not-at-top

@@ -237,3 +237,146 @@ def test_simulate_model_matches_brute_force(objective, seed):
 def test_bad_latency_model_refused():
   with pytest.raises(ValueError, match="latency_model"):
     dispatch([1.0], 2, PAPER, [1.0], latency_model="exact")
+
+
+# ----------------------------------------- simulate at the ranker's real error
+
+
+def test_rank_quantiles_order_prompts_from_shortest_to_longest_prediction():
+  from streamrl.scheduling.dispatch import rank_quantiles
+
+  # Longest prediction -> (P - 1) / P, shortest -> 0; a tie keeps input order.
+  assert rank_quantiles([5.0, 1.0, 9.0, 5.0]).tolist() == [0.5, 0.0, 0.75, 0.25]
+  assert rank_quantiles([]).shape == (0,)
+
+
+def test_rank_bins_group_lengths_by_rank_and_fill_empty_bins_from_a_neighbour():
+  from streamrl.scheduling.dispatch import rank_bins
+
+  bins = rank_bins([(0.05, 1), (0.07, 3), (0.95, 100)], num_bins=4)
+  assert [b.tolist() for b in bins] == [[1.0, 3.0], [1.0, 3.0], [100.0], [100.0]]
+  with pytest.raises(ValueError, match="rank_history is empty"):
+    rank_bins([], num_bins=4)
+
+
+def _noisy_ranker_workload(rng, p):
+  """A prompt-only ranker on random lengths: its prediction says which prompts
+  tend to run long, but each sample's length is drawn anew (a 300-token
+  response can come from any rank, more often from a high one)."""
+  pred = rng.random(p)
+  long = rng.random(p) < 0.01 + 0.08 * pred  # 1 % at the bottom, 9 % at the top
+  return pred, np.where(long, 300.0, rng.integers(5, 20, size=p).astype(float))
+
+
+def test_simulate_with_rank_history_avoids_the_plan_an_exact_rank_order_would_trust():
+  from streamrl.scheduling.dispatch import rank_quantiles
+
+  rng = np.random.default_rng(0)
+  prof = LatencyProfile(batch_sizes=(1, 8, 32), ptl_s=(0.004, 0.005, 0.008))
+  history = []
+  for _ in range(4):  # earlier rounds: (rank at prediction, length it had)
+    pred, true = _noisy_ranker_workload(rng, 256)
+    history += list(zip(rank_quantiles(pred), true))
+  recent = [n for _, n in history]
+  pred, _ = _noisy_ranker_workload(rng, 256)
+  kw = dict(alpha=0.2, max_batch_size=32, latency_model="simulate")
+  exact = dispatch(pred, 4, prof, recent, **kw)
+  drawn = dispatch(pred, 4, prof, recent, rank_history=history, **kw)
+  assert exact.assignments != drawn.assignments
+
+  def mean_makespan(plan, trials=200):
+    # This round's lengths, drawn again and again at the prompts' ranks.
+    out = []
+    for t in range(trials):
+      r = np.random.default_rng(1000 + t)
+      true = np.where(r.random(256) < 0.01 + 0.08 * pred, 300.0, r.integers(5, 20, size=256))
+      out.append(
+          max(
+              dispatch_mod.continuous_batching_time(true[list(a)], c, prof)
+              for a, c in zip(plan.assignments, plan.batch_sizes)
+          )
+      )
+    return float(np.mean(out))
+
+  # Trusting the order, the predicted-short 80 % share one instance and the
+  # hidden long responses there finish late; the draws see that coming.
+  assert mean_makespan(drawn) < 0.9 * mean_makespan(exact)
+  # And its estimate of its own makespan is about what the drawn lengths give.
+  assert drawn.predicted_time == pytest.approx(mean_makespan(drawn), rel=0.25)
+
+
+@pytest.mark.parametrize("objective", ["makespan", "sum"])
+@pytest.mark.parametrize("seed", range(6))
+def test_simulate_with_rank_history_matches_brute_force_over_the_same_draws(objective, seed):
+  from streamrl.scheduling.dispatch import RANK_DRAWS, _rank_draws, continuous_batching_time, rank_bins
+
+  rng = np.random.default_rng(200 + seed)
+  p, n = int(rng.integers(4, 40)), int(rng.integers(2, 5))
+  pred = rng.lognormal(3, 1, size=p)
+  history = list(zip(rng.random(300), rng.integers(1, 200, size=300).astype(float)))
+  recent = [n_ for _, n_ in history]
+  max_bs = int(rng.choice([2, 4, 64]))
+  plan = dispatch(
+      pred,
+      n,
+      STEEP,
+      recent,
+      objective=objective,
+      max_batch_size=max_bs,
+      latency_model="simulate",
+      rank_history=history,
+      seed=seed,
+  )
+  est, draws = _rank_draws(pred, rank_bins(history), RANK_DRAWS, seed)
+  assert plan.lengths == pytest.approx(est)
+  order = np.argsort(-pred, kind="stable")
+  n_long = math.ceil(0.2 * p - 1e-9)
+  best = math.inf
+  for n_l in range(1, n):
+    buckets = _greedy(order[:n_long], est, n_l) + _greedy(order[n_long:], est, n - n_l)
+    per = []  # per instance: [draws] times at the cap with the least mean
+    for b in buckets:
+      caps = (_brute_batch(STEEP, len(b), max_bs), max(1, min(max_bs, len(b))))
+      runs = [np.asarray([continuous_batching_time(d[b], c, STEEP) for d in draws]) for c in caps]
+      per.append(min(runs, key=lambda t: t.mean()))
+    per = np.asarray(per)
+    span = per.max(axis=0).mean()
+    total = per[:n_l].max(axis=0).mean() + per[n_l:].max(axis=0).mean()
+    best = min(best, span if objective == "makespan" else total)
+  assert plan.objective_value == pytest.approx(best, rel=1e-9)
+  assert sorted(i for a in plan.assignments for i in a) == list(range(p))
+
+
+def test_the_scheduler_records_each_requests_rank_with_the_length_it_had():
+  import types
+
+  from streamrl import settings
+  from streamrl.data import tasks
+  from streamrl.scheduling.dispatch import MIN_RANK_HISTORY
+  from streamrl.scheduling.scheduler import GenerationScheduler
+
+  sched = settings.Scheduler(kind="oracle", latency_model="simulate")
+  gs = GenerationScheduler(sched, model_dir="", workdir=None, num_instances=2, max_batch_size=4)
+  examples = tasks.make_examples(8, 0)
+  reqs = [(100 + k, (1, 2 + k)) for k in range(8)]
+  by_id = {100 + k: ex for k, ex in enumerate(examples)}
+  gs.recent.extend(range(1, 30))
+  gs.plan(reqs, by_id, seed=0)
+  expected = {
+      100 + k: float(q)
+      for k, q in enumerate(
+          dispatch_mod.rank_quantiles(
+              [e.expected_length or tasks.oracle_answer_length(e.prompt) + 1 for e in examples]
+          )
+      )
+  }
+  # Samples come back in any order, a request unplanned (99) is skipped.
+  samples = [
+      types.SimpleNamespace(prompt_id=rid, prompt_token_ids=ids, token_ids=[7] * (rid - 90))
+      for rid, ids in reversed(reqs + [(99, (1,))])
+  ]
+  gs.observe(samples)
+  assert sorted(gs.rank_history) == sorted((expected[r], float(r - 90)) for r, _ in reqs)
+  assert gs.rank_history.maxlen >= MIN_RANK_HISTORY
+  gs.observe(samples)  # each request's rank is used once
+  assert len(gs.rank_history) == len(reqs)
