@@ -46,6 +46,7 @@ unreachable one, an `UnreachableClusterError`, also a ConnectionError).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -278,79 +279,81 @@ def init_ray(
   from streamrl import metrics  # pylint: disable=g-import-not-at-top
 
   metrics.adopt_library_loggers()  # Importing ray attached its console handler to "ray".
-  if address and use_token_auth() and not token_available():
-    raise UserError(
-        "RAY_AUTH_MODE=token but no Ray auth token was found; copy the head's "
-        "~/.ray/auth_token here, or point RAY_AUTH_TOKEN_PATH at it."
-    )
-  if address and address != "auto":
-    host, port = check_reachable(address, min(timeout_s, 10.0))
-    if not address.startswith("ray://"):
-      _probe_gcs(f"{host}:{port}", min(timeout_s, 10.0))
-  want_cpus = num_cpus or generator_cpus + trainer_cpus * trainer_processes
-  want = {"CPU": want_cpus, generation_pool: 1, training_pool: trainer_processes}
-  if ray.is_initialized() and not address:
-    have = ray.cluster_resources()
-    short = {k: v for k, v in want.items() if have.get(k, 0) < v}
-    if short and _local_ray_started_here():
-      # A local Ray of an earlier run in this process, sized for that run:
-      # its CPUs would be held by this run's trainer and the generators
-      # would wait forever. Start one sized for this run.
-      log.info("Restarting this process's local Ray: it offers %s, this run needs %s.", have, want)
-      ray.shutdown()
-    elif short:
+  with _token_mode_undone_on_failure(address):
+    if address and use_token_auth() and not token_available():
       raise UserError(
-          f"The Ray already initialised in this process offers {have} but the run needs at least "
-          f"{want}; call ray.shutdown() before the run, or ray.init with those resources."
+          "RAY_AUTH_MODE=token but no Ray auth token was found; copy the head's "
+          "~/.ray/auth_token here, or point RAY_AUTH_TOKEN_PATH at it."
       )
-  if ray.is_initialized():
-    log.info("Ray is already initialised in this process; reusing it.")
-    started_locally = not address
-  else:
-    if address:
-      kwargs = dict(address=address, log_to_driver=log_to_driver)
+    if address and address != "auto":
+      host, port = check_reachable(address, min(timeout_s, 10.0))
+      if not address.startswith("ray://"):
+        _probe_gcs(f"{host}:{port}", min(timeout_s, 10.0))
+    want_cpus = num_cpus or generator_cpus + trainer_cpus * trainer_processes
+    want = {"CPU": want_cpus, generation_pool: 1, training_pool: trainer_processes}
+    if ray.is_initialized() and not address:
+      have = ray.cluster_resources()
+      short = {k: v for k, v in want.items() if have.get(k, 0) < v}
+      if short and _local_ray_started_here():
+        # A local Ray of an earlier run in this process, sized for that run:
+        # its CPUs would be held by this run's trainer and the generators
+        # would wait forever. Start one sized for this run.
+        log.info(
+            "Restarting this process's local Ray: it offers %s, this run needs %s.", have, want
+        )
+        ray.shutdown()
+      elif short:
+        raise UserError(
+            f"The Ray already initialised in this process offers {have} but the run needs at least "
+            f"{want}; call ray.shutdown() before the run, or ray.init with those resources."
+        )
+    if ray.is_initialized():
+      log.info("Ray is already initialised in this process; reusing it.")
+      started_locally = not address
     else:
-      kwargs = dict(
-          # A new Ray of this process's own, even when `ray start` left a
-          # cluster's address in /tmp/ray/ray_current_cluster.
-          address="local",
-          num_cpus=want_cpus,
-          resources={generation_pool: generation_slots, training_pool: trainer_processes},
-          include_dashboard=False,
-          log_to_driver=log_to_driver,
-      )
-    try:
-      ray.init(**kwargs)
-    except Exception as e:  # pylint: disable=broad-except
-      if address and "auth" in str(e).lower():
-        raise UnreachableClusterError(_TOKEN_REFUSED.format(address=address)) from None
-      if not isinstance(e, (ConnectionError, RuntimeError)):
-        raise
       if address:
-        raise UnreachableClusterError(
-            f"Could not join the Ray cluster at {address!r} ({' '.join(str(e).split())[:300]}); check it "
-            "with `ray status --address=...` or fix --config.cluster.address."
-        ) from e
-      raise ConnectionError(f"Could not start a local Ray: {e}") from e
-    started_locally = not address
-    _LOCAL_RAY["session"] = _ray_session(ray) if started_locally else None
-  resources = ray.cluster_resources()
-  if generation_pool not in resources:
-    raise UserError(
-        f"No node of the Ray cluster at {address!r} offers {generation_pool!r}; start the "
-        f"generation nodes with `ray start --resources='{{\"{generation_pool}\": 8}}'` "
-        "(or launch/cluster.py up)."
+        kwargs = dict(address=address, log_to_driver=log_to_driver)
+      else:
+        kwargs = dict(
+            # A new Ray of this process's own, even when `ray start` left a
+            # cluster's address in /tmp/ray/ray_current_cluster.
+            address="local",
+            num_cpus=want_cpus,
+            resources={generation_pool: generation_slots, training_pool: trainer_processes},
+            include_dashboard=False,
+            log_to_driver=log_to_driver,
+        )
+      try:
+        ray.init(**kwargs)
+      except Exception as e:  # pylint: disable=broad-except
+        if address and "auth" in str(e).lower():
+          raise UnreachableClusterError(_TOKEN_REFUSED.format(address=address)) from None
+        if not isinstance(e, (ConnectionError, RuntimeError)):
+          raise
+        if address:
+          raise UnreachableClusterError(
+              f"Could not join the Ray cluster at {address!r} ({' '.join(str(e).split())[:300]}); check it "
+              "with `ray status --address=...` or fix --config.cluster.address."
+          ) from e
+        raise ConnectionError(f"Could not start a local Ray: {e}") from e
+      started_locally = not address
+      _LOCAL_RAY["session"] = _ray_session(ray) if started_locally else None
+    resources = ray.cluster_resources()
+    if generation_pool not in resources:
+      raise UserError(
+          f"No node of the Ray cluster at {address!r} offers {generation_pool!r}; start the "
+          f"generation nodes with `ray start --resources='{{\"{generation_pool}\": 8}}'` "
+          "(or launch/cluster.py up)."
+      )
+    shares = plan_cpu_shares(generator_cpus, trainer_cpus) if started_locally else None
+    return ClusterInfo(
+        address=address or None,
+        started_locally=started_locally,
+        shares=shares,
+        generator_cpus=generator_cpus,
+        trainer_cpus=trainer_cpus,
+        resources=dict(resources),
     )
-  shares = plan_cpu_shares(generator_cpus, trainer_cpus) if started_locally else None
-  return ClusterInfo(
-      address=address or None,
-      started_locally=started_locally,
-      shares=shares,
-      generator_cpus=generator_cpus,
-      trainer_cpus=trainer_cpus,
-      resources=dict(resources),
-  )
-
 
 # The session directory of the local Ray that init_ray itself started in this
 # process (None when the current Ray is someone else's).
@@ -466,6 +469,20 @@ def token_available() -> bool:
     return True
   path = os.environ.get("RAY_AUTH_TOKEN_PATH") or os.path.expanduser("~/.ray/auth_token")
   return os.path.isfile(path)
+
+
+@contextlib.contextmanager
+def _token_mode_undone_on_failure(address):
+  """A join that fails leaves this process as it was: RAY_AUTH_MODE=token set
+  by `use_token_auth` for the attempt is removed again, so that a local Ray
+  started later in the process does not expect a token."""
+  set_here = bool(address) and "RAY_AUTH_MODE" not in os.environ
+  try:
+    yield
+  except BaseException:
+    if set_here:
+      os.environ.pop("RAY_AUTH_MODE", None)
+    raise
 
 
 def use_token_auth() -> bool:

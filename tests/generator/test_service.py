@@ -5,6 +5,7 @@ slow part). The tests that kill instances come last, in file order.
 """
 
 import collections
+import os
 import socket
 import subprocess
 import sys
@@ -92,6 +93,23 @@ def test_unreachable_address_fails_with_one_sentence():
     cluster.init_ray(f"127.0.0.1:{port}", timeout_s=3)
   with pytest.raises(ValueError, match="host:port"):
     cluster.init_ray("127.0.0.1:notaport", timeout_s=3)
+
+
+def test_a_failed_join_leaves_the_auth_mode_as_it_was(monkeypatch):
+  # A join turns token auth on when a token exists; a join that fails must
+  # not leave it on for a local Ray this process starts later.
+  monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+  monkeypatch.setattr(cluster, "token_available", lambda: True)
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  with pytest.raises(ConnectionError, match="Cannot reach"):
+    cluster.init_ray(f"127.0.0.1:{port}", timeout_s=3)
+  assert "RAY_AUTH_MODE" not in os.environ
+  monkeypatch.setenv("RAY_AUTH_MODE", "token")  # set by the user: kept
+  with pytest.raises(ConnectionError, match="Cannot reach"):
+    cluster.init_ray(f"127.0.0.1:{port}", timeout_s=3)
+  assert os.environ["RAY_AUTH_MODE"] == "token"
 
 
 # -- the service ---------------------------------------------------------------
