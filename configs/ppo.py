@@ -7,8 +7,9 @@ a long-tailed work-trace task.
 
 The first runs StreamRL: a vLLM generator streams finished samples to the
 trainer one weight version ahead (pipeline.mode=async), the ranker sends the
-likely-longest prompts first, and each new policy reaches the generator
-through the transfer service. The second is the verl-like colocated, FIFO
+likely-longest prompts first, a round's unfinished long responses resume in
+the next round instead of holding it up (partial rollouts), and each new
+policy reaches the generator through the transfer service. The second is the verl-like colocated, FIFO
 baseline on the same workload.
 
 The workload (task.kind=trace, streamrl/data/tasks.py): a response works for
@@ -56,6 +57,10 @@ def get_config() -> ml_collections.ConfigDict:
   # Continuous batching replayed per instance: on this workload it beats the
   # paper's wave formula (experiments/bench_skew.py, README).
   c.generation.dispatch_latency_model = "simulate"
+  # Partial rollouts in async mode (streamrl/pipeline/partial.py): a round
+  # stops once enough groups finished and the long tail resumes next round
+  # under the new weights; "auto" leaves them off when the mode is overridden.
+  c.generation.partial = "auto"
   c.transfer.enabled = True
   return c
 

@@ -187,7 +187,7 @@ class Workload:
         cluster=self.cluster(s),
         stall_timeout_s=s.pipeline.stall_timeout_s,
         transfer=s.transfer,
-        stoppable=s.pipeline.partial == "on",
+        stoppable=s.partial_rollouts,
     )
 
   def rollout(self, s, engine_threads: int = 1):

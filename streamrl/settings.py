@@ -251,7 +251,9 @@ class Pipeline:
   # stops the round once enough groups finished and resumes the unfinished
   # responses next round under the new weights. A token more than
   # `max_token_version_gap` versions older than the weights it is trained
-  # with is never trained on: its response starts again.
+  # with is never trained on: its response starts again. "auto": on in
+  # async mode, off in the others (the run configs' choice, so that
+  # `--config.pipeline.mode=sync` needs nothing else).
   partial: str = _key("generation.partial", "off")
   partial_oversample: float = _key("generation.partial_oversample", 0.25)
   max_token_version_gap: int = _key("generation.max_token_version_gap", 2)
@@ -384,6 +386,12 @@ class Settings:
     if self.loss.rollout_correction != "auto":
       return self.loss.rollout_correction
     return "tis" if self.pipeline.mode == "async" else "none"
+
+  @property
+  def partial_rollouts(self) -> bool:
+    """Whether rounds resume unfinished responses (`auto` resolved by mode)."""
+    partial = self.pipeline.partial
+    return partial == "on" or (partial == "auto" and self.pipeline.mode == "async")
 
   @property
   def gpus_needed(self) -> int:
@@ -708,8 +716,8 @@ def validate(s: Settings, *, check_files: bool = True) -> None:
       "off-policy at least).",
   )
   _positive("pipeline.stall_timeout_s", s.pipeline.stall_timeout_s)
-  _one_of("generation.partial", s.pipeline.partial, ("off", "on"))
-  if s.pipeline.partial == "on":
+  _one_of("generation.partial", s.pipeline.partial, ("off", "on", "auto"))
+  if s.partial_rollouts:
     _need(
         s.pipeline.mode == "async",
         f"generation.partial='on' resumes responses under newer weights, which only "

@@ -137,6 +137,25 @@ def test_rollout_correction_auto_follows_the_mode():
   assert s.rollout_correction == "mis"
 
 
+def test_partial_auto_resumes_responses_in_async_only():
+  def with_(mode, partial):
+    s = settings.Settings()
+    return s.replace(pipeline=dataclasses.replace(s.pipeline, mode=mode, partial=partial))
+
+  assert with_("async", "auto").partial_rollouts and with_("async", "on").partial_rollouts
+  assert not with_("async", "off").partial_rollouts
+  for mode in ("colocated", "sync", "stream"):
+    s = with_(mode, "auto")
+    settings.validate(s, check_files=False)  # auto is fine in every mode
+    assert not s.partial_rollouts
+    with pytest.raises(ValueError, match="generation.partial=off"):
+      settings.validate(with_(mode, "on"), check_files=False)
+  bad = with_("async", "auto")
+  bad = bad.replace(pipeline=dataclasses.replace(bad.pipeline, partial_oversample=0.0))
+  with pytest.raises(ValueError, match="partial_oversample"):
+    settings.validate(bad, check_files=False)
+
+
 _GROUPS = {
     "model",
     "warmstart",

@@ -35,5 +35,5 @@ def make_rollout(s, model_dir: str, cluster=None, workdir: str | None = None):
       log_dir=workdir,
       placement=s.cluster,
       max_instances=s.elastic.max_instances if s.elastic.enabled else None,
-      stoppable=s.pipeline.partial == "on",
+      stoppable=s.partial_rollouts,
   )

@@ -29,7 +29,7 @@ def make_mode(s, rollout, scheduler, rounds) -> base.Mode:
   if mode == "stream":
     return stream.StreamMode(rollout, scheduler, rounds, **kw)
   kw.update(max_staleness=s.pipeline.max_staleness, num_iterations=s.trainer.num_iterations)
-  if s.pipeline.partial == "on":
+  if s.partial_rollouts:
     buffer = partial.PartialBuffer.from_settings(s, s.advantage.group_size)
     return partial.PartialAsyncMode(rollout, scheduler, rounds, buffer=buffer, **kw)
   return stream.AsyncMode(rollout, scheduler, rounds, **kw)

@@ -65,6 +65,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from streamrl.scheduling import dispatch, fifo_plan
+from streamrl.scheduling.dispatch import rank_quantiles
 from streamrl.sim.costs import GenCostModel, TrainCostModel
 from streamrl.sim.lengths import LengthDistribution
 from streamrl.sim.ranker_model import noisy_scores
@@ -487,6 +488,12 @@ def _plan_queues(
   else:
     rng = np.random.default_rng([config.seed, j, 1])
     scores = noisy_scores(out, config.ranker_sigma, rng)
+    history = None
+    if config.dispatch_latency_model == "simulate":
+      # The ranker's error as a run records it: the previous round's lengths
+      # at the ranks a ranker of the same noise gave them.
+      seen = noisy_scores(recent, config.ranker_sigma, np.random.default_rng([config.seed, j, 4]))
+      history = list(zip(rank_quantiles(seen), recent))
     plan = dispatch(
         np.exp(scores),
         n_inst,
@@ -496,6 +503,8 @@ def _plan_queues(
         objective=config.dispatch_objective,
         max_batch_size=max_bs,
         latency_model=config.dispatch_latency_model,
+        rank_history=history,
+        seed=_mix(config.seed, j, 5),
     )
   return plan.assignments, plan.batch_sizes
 

@@ -175,3 +175,36 @@ def test_bad_config_errors():
     _trivial("bogus")
   with pytest.raises(ValueError, match="scheduler"):
     _trivial("sync", scheduler="lifo")
+
+
+def test_the_simulate_latency_model_gets_the_noisy_rankers_error_on_recent_lengths(monkeypatch):
+  # As in a run, "simulate" times splits over the ranker's real error: the
+  # recent round's lengths at the ranks a ranker of the same noise gives them.
+  from streamrl.scheduling.dispatch import MIN_RANK_HISTORY
+
+  seen = []
+  real = engine.dispatch
+  monkeypatch.setattr(engine, "dispatch", lambda *a, **kw: seen.append(kw) or real(*a, **kw))
+  rng = np.random.default_rng(0)
+  out = rng.integers(1, 300, size=256)
+  recent = rng.integers(1, 300, size=256)
+  for model in ("simulate", "paper"):
+    r = simulate_generation(
+        _gen(),
+        4,
+        [8] * 256,
+        out,
+        scheduler="skew",
+        ranker_sigma=0.5,
+        recent_lengths=recent,
+        latency_model=model,
+    )
+    assert np.all(np.isfinite(r.finish_times)) and r.makespan > 0
+  sim, paper = seen
+  assert paper["rank_history"] is None
+  hist = np.asarray(sim["rank_history"])
+  assert len(hist) == len(recent) >= MIN_RANK_HISTORY
+  assert sorted(hist[:, 1]) == sorted(recent)  # the recent lengths, not this round's
+  assert sorted(hist[:, 0]) == [k / len(recent) for k in range(len(recent))]
+  # Noisy, yet the ranks follow the lengths.
+  assert np.corrcoef(hist[:, 0], hist[:, 1])[0, 1] > 0.5
