@@ -310,7 +310,7 @@ def replay(plan, lengths, profile, hints=None, shared=False):
     if not running[i]:
       end[i] = t
       continue
-    t += profile.ptl(len(running[i]))
+    t += profile.ptl(len(running[i])) + profile.context_s_per_token * sum(running[i].values())
     for p in list(running[i]):
       running[i][p] += 1
       done = running[i][p] >= lengths[p]
@@ -389,9 +389,8 @@ def main(argv):
   recent = np.asarray([n for _, n in pairs], np.float64)
 
   prof_path = os.path.join(workdir, f"profile_{_CLOCK.value}.json")
-  if os.path.exists(prof_path):
-    profile = LatencyProfile.from_json(prof_path)
-  else:
+  profile = LatencyProfile.from_json(prof_path) if os.path.exists(prof_path) else None
+  if profile is None or not profile.context_s_per_token:  # measured before the context term
     clock = time.process_time if _CLOCK.value == "cpu" else time.perf_counter
     profile = profile_instance(
         gen,

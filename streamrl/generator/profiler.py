@@ -8,7 +8,9 @@ once. Timing two generation lengths L1 < L2 and taking
 
 cancels what does not scale with the number of decode steps (prefill, request
 set-up, the first step). Prefill cost per prompt token comes from BS requests
-with long prompts and one output token. Each timing is the median of `reps`
+with long prompts and one output token. The context cost per token held in
+flight is the same slope at the largest BS with long prompts, less PTL(BS),
+per token of the extra context. Each timing is the median of `reps`
 runs, since the machine may be shared.
 
 Fixed-length decoding ignores EOS (`GeneratorInstance.generate(...,
@@ -53,6 +55,7 @@ def profile_instance(
     gen_lens: tuple[int, int] = (8, 40),
     prefill_prompt_len: int = 128,
     prefill_batch: int = 8,
+    context_prompt_len: int | None = None,
     reps: int = 3,
     seed: int = 0,
     token_range: tuple[int, int] | None = None,
@@ -68,6 +71,8 @@ def profile_instance(
     prompt_len: prompt tokens of the decode measurements.
     gen_lens: two decode lengths (L1 < L2); PTL is the slope between them.
     prefill_prompt_len, prefill_batch: shape of the prefill measurement.
+    context_prompt_len: prompt tokens of the context measurement (default:
+      as long as max_model_len allows); 0 skips it.
     reps: repetitions per timing (median).
     token_range: [lo, hi) of prompt token ids (default: 4 .. vocab size, which
       skips the special tokens of the character tokenizer).
@@ -94,6 +99,13 @@ def profile_instance(
         f"prompt_len + gen_lens[1] and prefill_prompt_len + 1 must fit max_model_len="
         f"{instance.max_model_len}; shorten them."
     )
+  if context_prompt_len is None:
+    context_prompt_len = instance.max_model_len - l2
+  if context_prompt_len + l2 > instance.max_model_len:
+    raise ValueError(
+        f"context_prompt_len + gen_lens[1] must fit max_model_len={instance.max_model_len}; "
+        "shorten it."
+    )
   lo, hi = token_range or (4, instance.model_config.vocab_size)
   rng = np.random.default_rng(seed)
   next_id = [10_000_000]
@@ -103,20 +115,23 @@ def profile_instance(
     next_id[0] += n
     return out
 
-  ptl = []
-  _time_batch(instance, prompts(sizes[-1], prompt_len), l1, seed, clock)  # Warm-up, untimed.
-  for bs in sizes:
+  def decode_slope(bs, plen):
     t = {l1: [], l2: []}
     for _ in range(reps):
       for length in (l1, l2):  # Interleaved, so drifting load hits both.
-        dt, ntok = _time_batch(instance, prompts(bs, prompt_len), length, seed, clock)
+        dt, ntok = _time_batch(instance, prompts(bs, plen), length, seed, clock)
         if ntok != bs * length:
           raise RuntimeError(
               f"expected {bs * length} tokens at BS={bs}, got {ntok}: the engine "
               "stopped early, so fixed-length decoding is not in effect."
           )
         t[length].append(dt)
-    slope = (statistics.median(t[l2]) - statistics.median(t[l1])) / (l2 - l1)
+    return (statistics.median(t[l2]) - statistics.median(t[l1])) / (l2 - l1)
+
+  ptl = []
+  _time_batch(instance, prompts(sizes[-1], prompt_len), l1, seed, clock)  # Warm-up, untimed.
+  for bs in sizes:
+    slope = decode_slope(bs, prompt_len)
     # On a busy machine the difference can come out <= 0; floor it at a tiny
     # positive value so the profile stays valid, and say so.
     if slope <= 0:
@@ -124,6 +139,11 @@ def profile_instance(
       slope = 1e-6
     ptl.append(slope)
     _log.info("PTL(BS=%d) = %.2f ms", bs, 1e3 * slope)
+  context = 0.0
+  if context_prompt_len > prompt_len:
+    extra = decode_slope(sizes[-1], context_prompt_len) - ptl[-1]
+    context = max(0.0, extra) / (sizes[-1] * (context_prompt_len - prompt_len))
+    _log.info("decode cost per context token in flight: %.3g us", 1e6 * context)
   pre = []
   for _ in range(reps):
     dt_long, _ = _time_batch(instance, prompts(prefill_batch, prefill_prompt_len), 1, seed, clock)
@@ -134,6 +154,7 @@ def profile_instance(
       ptl_s=tuple(ptl),
       prefill_s_per_token=statistics.median(pre),
       name=name,
+      context_s_per_token=context,
   )
   if path:
     profile.to_json(path)

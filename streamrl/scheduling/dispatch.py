@@ -31,8 +31,12 @@ of equal-length requests, but an instance doing continuous batching finishes
 when its *longest* request does, and that request decodes at the batch size
 of whatever is still running. `latency_model="simulate"` (ours) therefore
 replays each instance's queue through `continuous_batching_time` with
-estimated per-prompt lengths. On the simulator's paper-scale workloads this
-avoids splits the formula gets wrong (see the skew report in experiments/).
+estimated per-prompt lengths, each step costing PTL(n) plus the profile's
+cost per token of context in flight (an instance holding the long tail holds
+long contexts). On the simulator's paper-scale workloads this avoids splits
+the formula gets wrong (see the skew report in experiments/). With the
+makespan objective it also weighs N_l = 0: no long-tail group, every
+instance balanced over all prompts in LPT order.
 
 Lengths: predictions are used only through their order (a pairwise-trained
 ranker is not calibrated). Each prompt's length is estimated as the recent
@@ -216,28 +220,37 @@ def continuous_batching_time(
 
   Requests are admitted in the given order, at most `max_in_flight` at once,
   a new one whenever one finishes; while n requests run every decode step
-  takes PTL(n). Prefill is ignored (small next to decoding long outputs).
+  takes PTL(n), plus `profile.context_s_per_token` for every token the
+  running requests have generated so far (their context; prompts are left
+  out). Prefill is ignored (small next to decoding long outputs).
 
   Args:
     lengths: [M] output lengths in admission order.
     max_in_flight: the cap (>= 1).
-    profile: PTL curve.
+    profile: PTL curve (and context cost).
   Returns:
     Time until the last request finishes; 0 for no requests.
   """
   pending = [max(0.0, float(x)) for x in lengths]
   cap = max(1, int(max_in_flight))
-  running: list[float] = []  # Heap of finish positions (in decode steps).
+  per_ctx = profile.context_s_per_token
+  running: list[tuple[float, float]] = []  # Heap of (finish, start), in decode steps.
+  starts = 0.0  # Sum of the running requests' starts.
   now_steps, now_s, k = 0.0, 0.0, 0
   while k < len(pending) or running:
     while k < len(pending) and len(running) < cap:
-      heapq.heappush(running, now_steps + pending[k])
+      heapq.heappush(running, (now_steps + pending[k], now_steps))
+      starts += now_steps
       k += 1
-    finish = running[0]
-    now_s += (finish - now_steps) * profile.ptl(len(running))
-    now_steps = finish
-    while running and running[0] <= now_steps:
-      heapq.heappop(running)
+    n = len(running)
+    steps = running[0][0] - now_steps
+    now_s += steps * profile.ptl(n)
+    if per_ctx:
+      # Steps j = 0 .. steps-1 hold n * (now + j) - starts tokens of context.
+      now_s += per_ctx * (steps * (n * now_steps - starts) + n * steps * (steps - 1) / 2)
+    now_steps = running[0][0]
+    while running and running[0][0] <= now_steps:
+      starts -= heapq.heappop(running)[1]
   return now_s
 
 
@@ -437,7 +450,12 @@ def dispatch(
     )
 
   if long_ids and reg_ids:
-    candidates = range(1, num_instances)
+    # The simulate model also weighs no long-tail group at all (every
+    # instance balanced, LPT order) against the makespan, since spreading the
+    # tail can beat dedicating instances to it once long contexts cost what
+    # they cost. (A sum over groups would favour one group by construction.)
+    no_split = simulate and objective == "makespan"
+    candidates = range(0 if no_split else 1, num_instances)
   elif long_ids:
     candidates = range(num_instances, num_instances + 1)
   else:
@@ -462,9 +480,12 @@ def dispatch(
     return c, t if draws is not None else float(t[0])
 
   def split(n_l):
-    buckets = _balance(long_ids, est, n_l, groups) + _balance(
-        reg_ids, est, num_instances - n_l, groups
-    )
+    if n_l == 0:
+      buckets = _balance(order, est, num_instances, groups)
+    else:
+      buckets = _balance(long_ids, est, n_l, groups) + _balance(
+          reg_ids, est, num_instances - n_l, groups
+      )
     caps, times = zip(*(cap_and_time(b) for b in buckets))
     return buckets, list(caps), list(times)
 

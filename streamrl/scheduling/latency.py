@@ -37,6 +37,11 @@ class LatencyProfile:
     prefill_s_per_token: prefill cost per prompt token in seconds (0 if not
       measured). Used by the simulator; the dispatcher ignores it because
       prefill is small next to long decodes.
+    context_s_per_token: what a decode step costs on top of PTL(BS) per token
+      of context held by the sequences in flight (attention reads every
+      earlier token), in seconds (0 if not measured). PTL(BS) is measured at
+      short contexts; an instance given the long tail holds long contexts, so
+      without this term its steps look cheaper than they are.
     name: free-form label (model and machine), for logs and plots.
   """
 
@@ -44,6 +49,7 @@ class LatencyProfile:
   ptl_s: tuple[float, ...]
   prefill_s_per_token: float = 0.0
   name: str = ""
+  context_s_per_token: float = 0.0
 
   def __post_init__(self):
     # Normalise lists (e.g. from JSON) to tuples so the dataclass stays
@@ -70,8 +76,10 @@ class LatencyProfile:
       raise ValueError(
           f"LatencyProfile latencies {ptl} must be positive and finite; " "re-run the profiler."
       )
-    if not (self.prefill_s_per_token >= 0 and math.isfinite(self.prefill_s_per_token)):
-      raise ValueError("LatencyProfile.prefill_s_per_token must be >= 0; re-run the profiler.")
+    for field in ("prefill_s_per_token", "context_s_per_token"):
+      value = getattr(self, field)
+      if not (value >= 0 and math.isfinite(value)):
+        raise ValueError(f"LatencyProfile.{field} must be >= 0; re-run the profiler.")
 
   def ptl(self, batch_size: float) -> float:
     """Per-token decode latency (s) at `batch_size` sequences in flight.
@@ -102,6 +110,7 @@ class LatencyProfile:
         "batch_sizes": list(self.batch_sizes),
         "ptl_s": list(self.ptl_s),
         "prefill_s_per_token": self.prefill_s_per_token,
+        "context_s_per_token": self.context_s_per_token,
     }
 
   @classmethod
@@ -110,13 +119,14 @@ class LatencyProfile:
     if missing:
       raise ValueError(
           f"latency profile is missing {missing}; expected keys "
-          "batch_sizes, ptl_s (and optionally prefill_s_per_token, name)."
+          "batch_sizes, ptl_s (and optionally prefill_s_per_token, context_s_per_token, name)."
       )
     return cls(
         batch_sizes=tuple(d["batch_sizes"]),
         ptl_s=tuple(d["ptl_s"]),
         prefill_s_per_token=float(d.get("prefill_s_per_token", 0.0)),
         name=str(d.get("name", "")),
+        context_s_per_token=float(d.get("context_s_per_token", 0.0)),
     )
 
   def to_json(self, path: str | os.PathLike) -> None:

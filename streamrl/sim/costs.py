@@ -399,15 +399,25 @@ class GenCostModel:
     )
 
   def latency_profile(
-      self, context_tokens: float, batch_sizes: Sequence[int] = (1, 8, 16, 32, 64, 128, 256, 512)
+      self,
+      context_tokens: float,
+      batch_sizes: Sequence[int] = (1, 8, 16, 32, 64, 128, 256, 512),
+      *,
+      growing_context: bool = False,
   ) -> LatencyProfile:
-    """PTL(BS) at a fixed per-sequence context, for the Algorithm 2 dispatcher."""
+    """PTL(BS) at a fixed per-sequence context, for the Algorithm 2 dispatcher.
+
+    `growing_context`: the profile also carries the cost per context token
+    (`context_s_per_token`), for a replay that adds the tokens generated so
+    far itself; `context_tokens` is then the prompt alone.
+    """
     ptl = tuple(self.step_time(b, b * context_tokens) for b in batch_sizes)
     return LatencyProfile(
         batch_sizes=tuple(batch_sizes),
         ptl_s=ptl,
         prefill_s_per_token=self.prefill_s_per_token,
         name=self.name,
+        context_s_per_token=self.per_ctx_token_s if growing_context else 0.0,
     )
 
   @classmethod

@@ -490,6 +490,8 @@ def _plan_queues(
     scores = noisy_scores(out, config.ranker_sigma, rng)
     history = None
     if config.dispatch_latency_model == "simulate":
+      # The replay adds each request's context as it grows.
+      profile = config.gen.latency_profile(float(np.mean(prompt)), growing_context=True)
       # The ranker's error as a run records it: the previous round's lengths
       # at the ranks a ranker of the same noise gave them.
       seen = noisy_scores(recent, config.ranker_sigma, np.random.default_rng([config.seed, j, 4]))

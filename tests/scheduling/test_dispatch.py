@@ -1,3 +1,4 @@
+import dataclasses
 import importlib
 import logging
 import math
@@ -157,27 +158,42 @@ def test_plan_generation_by_name():
 
 
 def _stepwise_time(lengths, cap, profile):
-  """Reference: one decode step at a time (integer lengths)."""
-  pending, running, t = list(lengths), [], 0.0
+  """Reference: one decode step at a time (integer lengths); a step costs
+  PTL(running) plus the context cost of the tokens they generated so far."""
+  pending, running, t = list(lengths), [], 0.0  # running: [left, done]
   while pending or running:
     while pending and len(running) < cap:
-      running.append(pending.pop(0))
-    t += profile.ptl(len(running))
-    running = [r - 1 for r in running if r > 1]
+      running.append([pending.pop(0), 0])
+    t += profile.ptl(len(running)) + profile.context_s_per_token * sum(d for _, d in running)
+    running = [[left - 1, done + 1] for left, done in running if left > 1]
   return t
 
 
+# STEEP whose steps also cost 0.2 ms per token of context in flight.
+STEEP_CTX = dataclasses.replace(STEEP, context_s_per_token=2e-4)
+
+
+@pytest.mark.parametrize("profile", [STEEP, STEEP_CTX], ids=["ptl", "ptl+context"])
 @pytest.mark.parametrize("seed", range(10))
-def test_continuous_batching_time_matches_stepwise(seed):
+def test_continuous_batching_time_matches_stepwise(seed, profile):
   from streamrl.scheduling.dispatch import continuous_batching_time
 
   rng = np.random.default_rng(seed)
   lengths = rng.integers(1, 30, size=int(rng.integers(1, 25))).tolist()
   cap = int(rng.integers(1, 9))
-  assert continuous_batching_time(lengths, cap, STEEP) == pytest.approx(
-      _stepwise_time(lengths, cap, STEEP)
+  assert continuous_batching_time(lengths, cap, profile) == pytest.approx(
+      _stepwise_time(lengths, cap, profile)
   )
-  assert continuous_batching_time([], cap, STEEP) == 0.0
+  assert continuous_batching_time([], cap, profile) == 0.0
+
+
+def test_context_cost_makes_long_requests_together_slower_than_apart():
+  from streamrl.scheduling.dispatch import continuous_batching_time
+
+  # Four 300-token requests at once: PTL alone says 300 steps at PTL(4); with
+  # context every step also reads what all four wrote so far.
+  t = continuous_batching_time([300] * 4, 4, STEEP_CTX)
+  assert t == pytest.approx(300 * STEEP.ptl(4) + 2e-4 * 4 * 300 * 299 / 2)
 
 
 def test_calibrated_lengths_follow_predicted_rank():
@@ -217,8 +233,14 @@ def test_simulate_model_matches_brute_force(objective, seed):
   est[order] = np.quantile(recent, 1 - (np.arange(p) + 0.5) / p)
   n_long = math.ceil(0.2 * p - 1e-9)
   best = math.inf
-  for n_l in range(1 if n_long < p else n, n if n_long < p else n + 1):
-    buckets = _greedy(order[:n_long], est, n_l) + _greedy(order[n_long:], est, n - n_l)
+  # n_l = 0 (makespan only): no long-tail group, every instance balanced over all prompts.
+  first = 0 if objective == "makespan" else 1
+  for n_l in range(first if n_long < p else n, n if n_long < p else n + 1):
+    buckets = (
+        _greedy(order, est, n)
+        if n_l == 0
+        else _greedy(order[:n_long], est, n_l) + _greedy(order[n_long:], est, n - n_l)
+    )
     # continuous_batching_time is checked against the stepwise reference above.
     # Caps tried: the wave-optimal one and the largest; the faster replay wins.
     times = [
@@ -332,8 +354,12 @@ def test_simulate_with_rank_history_matches_brute_force_over_the_same_draws(obje
   order = np.argsort(-pred, kind="stable")
   n_long = math.ceil(0.2 * p - 1e-9)
   best = math.inf
-  for n_l in range(1, n):
-    buckets = _greedy(order[:n_long], est, n_l) + _greedy(order[n_long:], est, n - n_l)
+  for n_l in range(0 if objective == "makespan" else 1, n):
+    buckets = (
+        _greedy(order, est, n)
+        if n_l == 0
+        else _greedy(order[:n_long], est, n_l) + _greedy(order[n_long:], est, n - n_l)
+    )
     per = []  # per instance: [draws] times at the cap with the least mean
     for b in buckets:
       caps = (_brute_batch(STEEP, len(b), max_bs), max(1, min(max_bs, len(b))))
@@ -341,7 +367,7 @@ def test_simulate_with_rank_history_matches_brute_force_over_the_same_draws(obje
       per.append(min(runs, key=lambda t: t.mean()))
     per = np.asarray(per)
     span = per.max(axis=0).mean()
-    total = per[:n_l].max(axis=0).mean() + per[n_l:].max(axis=0).mean()
+    total = (per[:n_l].max(axis=0).mean() if n_l else 0.0) + per[n_l:].max(axis=0).mean()
     best = min(best, span if objective == "makespan" else total)
   assert plan.objective_value == pytest.approx(best, rel=1e-9)
   assert sorted(i for a in plan.assignments for i in a) == list(range(p))

@@ -38,6 +38,7 @@ def test_profile_is_valid_and_saved(instance, tmp_path):
   assert profile.batch_sizes == (1, 4)
   assert all(p > 0 for p in profile.ptl_s)
   assert profile.prefill_s_per_token >= 0
+  assert profile.context_s_per_token >= 0
   assert LatencyProfile.from_json(path) == profile
   # Fixed-length decoding is per request: normal requests may stop at EOS as before.
   samples = list(instance.generate([(0, [1, 5, 6])], SamplingConfig(max_tokens=4, seed=0)))
@@ -53,3 +54,5 @@ def test_bad_arguments_refused(instance):
     profile_instance(instance, [1], gen_lens=(6, 2))
   with pytest.raises(ValueError, match="max_model_len"):
     profile_instance(instance, [1], prompt_len=60, gen_lens=(2, 10))
+  with pytest.raises(ValueError, match="context_prompt_len"):
+    profile_instance(instance, [1], gen_lens=(2, 10), prefill_prompt_len=16, context_prompt_len=60)

@@ -184,13 +184,15 @@ def test_the_simulate_latency_model_gets_the_noisy_rankers_error_on_recent_lengt
 
   seen = []
   real = engine.dispatch
-  monkeypatch.setattr(engine, "dispatch", lambda *a, **kw: seen.append(kw) or real(*a, **kw))
+  monkeypatch.setattr(
+      engine, "dispatch", lambda *a, **kw: seen.append(dict(kw, profile=a[2])) or real(*a, **kw)
+  )
   rng = np.random.default_rng(0)
   out = rng.integers(1, 300, size=256)
   recent = rng.integers(1, 300, size=256)
   for model in ("simulate", "paper"):
     r = simulate_generation(
-        _gen(),
+        _gen(c=1e-5),
         4,
         [8] * 256,
         out,
@@ -202,6 +204,10 @@ def test_the_simulate_latency_model_gets_the_noisy_rankers_error_on_recent_lengt
     assert np.all(np.isfinite(r.finish_times)) and r.makespan > 0
   sim, paper = seen
   assert paper["rank_history"] is None
+  # The replay grows each request's context itself: PTL at the prompt alone
+  # plus the cost per context token; the paper formula's PTL holds a context.
+  assert sim["profile"].context_s_per_token == 1e-5 and paper["profile"].context_s_per_token == 0
+  assert sim["profile"].ptl(8) < paper["profile"].ptl(8)
   hist = np.asarray(sim["rank_history"])
   assert len(hist) == len(recent) >= MIN_RANK_HISTORY
   assert sorted(hist[:, 1]) == sorted(recent)  # the recent lengths, not this round's
