@@ -80,6 +80,7 @@ def test_the_run_configs_are_streamrl_and_the_baseline_differs_only_in_how_it_ru
   # StreamRL: disaggregated async generation, the ranker with skew-aware
   # dispatch, weights through the transfer service, on long-tailed traces.
   assert s.pipeline.mode == "async" and s.scheduler.kind == "skew" and s.transfer.enabled
+  assert s.partial_rollouts  # the long tail resumes next round
   assert s.task.kind == "trace" and s.trainer.micro_batch_size < s.trainer.mini_batch_size
   # The warm-up's traces leave the sampled policy headroom before the limit.
   budget = train.trace_config(s).max_tokens
@@ -87,6 +88,7 @@ def test_the_run_configs_are_streamrl_and_the_baseline_differs_only_in_how_it_ru
   base = _settings(f"colocated.py:{name}")
   assert base.pipeline.mode == "colocated" and base.scheduler.kind == "fifo"
   assert not base.transfer.enabled and not base.elastic.enabled
+  assert not base.partial_rollouts  # "auto" follows the mode
   same_otherwise = base.replace(pipeline=s.pipeline, scheduler=s.scheduler, transfer=s.transfer)
   assert same_otherwise == s
 
