@@ -1,8 +1,9 @@
 r"""GRPO, StreamRL's way, on the long-tailed work-trace task of configs/ppo.py.
 
-Group-relative advantages (8 samples per prompt, normalised within each
+Group-relative advantages (4 samples per prompt, normalised within each
 group), no critic; the KL to the reference goes into the loss (k3). The same
-async generation, ranker and transfer service as configs/ppo.py.
+async generation with partial rollouts, ranker and transfer service as
+configs/ppo.py.
 
   python launch/main.py --config=configs/grpo.py --workdir=workdirs/grpo
   python launch/main.py --config=configs/colocated.py:grpo --workdir=workdirs/grpo_colocated
@@ -23,16 +24,18 @@ from streamrl import config_utils
 def get_config() -> ml_collections.ConfigDict:
   c = config_utils.load_config(os.path.join(os.path.dirname(__file__), "ppo.py"))
   c.algo.advantage = "grpo"
-  c.algo.group_size = 8
+  # 32 prompts x 4 samples: at equal samples, 16 x 8 learned less (README).
+  c.algo.group_size = 4
   c.algo.use_critic = False
   c.algo.kl_in_reward = False
   c.algo.kl_estimator = "k3"
   c.algo.kl_coef = 0.01
   c.algo.whiten_advantages = False
-  c.trainer.prompts_per_iteration = 16  # 16 prompts x 8 samples = 128 samples
+  c.trainer.prompts_per_iteration = 32  # 32 prompts x 4 samples = 128 samples
   c.trainer.mini_batch_size = 64
   c.trainer.lr = 3e-4
-  c.trainer.num_iterations = 150
+  c.trainer.num_iterations = 180
+  c.log.eval_every = 60
   return c
 
 
