@@ -215,6 +215,13 @@ def _greedy(ids, est, n):
   return buckets
 
 
+def _split(order, est, n, n_l, n_long):
+  # n_l = 0: no long-tail group, every instance balanced over all prompts.
+  if n_l == 0:
+    return _greedy(order, est, n)
+  return _greedy(order[:n_long], est, n_l) + _greedy(order[n_long:], est, n - n_l)
+
+
 @pytest.mark.parametrize("objective", ["makespan", "sum"])
 @pytest.mark.parametrize("seed", range(15))
 def test_simulate_model_matches_brute_force(objective, seed):
@@ -236,11 +243,7 @@ def test_simulate_model_matches_brute_force(objective, seed):
   # n_l = 0 (makespan only): no long-tail group, every instance balanced over all prompts.
   first = 0 if objective == "makespan" else 1
   for n_l in range(first if n_long < p else n, n if n_long < p else n + 1):
-    buckets = (
-        _greedy(order, est, n)
-        if n_l == 0
-        else _greedy(order[:n_long], est, n_l) + _greedy(order[n_long:], est, n - n_l)
-    )
+    buckets = _split(order, est, n, n_l, n_long)
     # continuous_batching_time is checked against the stepwise reference above.
     # Caps tried: the wave-optimal one and the largest; the faster replay wins.
     times = [
@@ -355,11 +358,7 @@ def test_simulate_with_rank_history_matches_brute_force_over_the_same_draws(obje
   n_long = math.ceil(0.2 * p - 1e-9)
   best = math.inf
   for n_l in range(0 if objective == "makespan" else 1, n):
-    buckets = (
-        _greedy(order, est, n)
-        if n_l == 0
-        else _greedy(order[:n_long], est, n_l) + _greedy(order[n_long:], est, n - n_l)
-    )
+    buckets = _split(order, est, n, n_l, n_long)
     per = []  # per instance: [draws] times at the cap with the least mean
     for b in buckets:
       caps = (_brute_batch(STEEP, len(b), max_bs), max(1, min(max_bs, len(b))))
