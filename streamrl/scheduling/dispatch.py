@@ -74,10 +74,13 @@ _log = logging.getLogger(__name__)
 OBJECTIVES = ("makespan", "sum")
 LATENCY_MODELS = ("paper", "simulate")
 # Rank bins of `rank_history`, the pairs it needs before "simulate" uses it
-# (about 20 per bin), and the length draws each candidate split is timed on.
+# (about 20 per bin), and the length draws each candidate split is timed on:
+# RANK_DRAWS, fewer (2 at least) where the replays of all candidate splits
+# would pass REPLAY_BUDGET (many instances).
 RANK_BINS = 10
 MIN_RANK_HISTORY = 20 * RANK_BINS
 RANK_DRAWS = 16
+REPLAY_BUDGET = 4096
 
 # Set after the first "no length history" warning so that the FIFO fallback
 # is announced once per process, not once per iteration.
@@ -425,9 +428,12 @@ def dispatch(
     n_long = sum(groups[p] in cut for p in order)
   long_ids, reg_ids = order[:n_long], order[n_long:]
   simulate = latency_model == "simulate"
-  draws = None  # [RANK_DRAWS, P] lengths at the ranker's real error
+  draws = None  # [draws, P] lengths at the ranker's real error
   if simulate and rank_history is not None and len(rank_history) >= MIN_RANK_HISTORY:
-    est, draws = _rank_draws(pred, rank_bins(rank_history), RANK_DRAWS, seed)
+    # Replays per draw: each candidate split's instances at two caps.
+    per_draw = 2 * num_instances * max(1, num_instances)
+    n_draws = max(2, min(RANK_DRAWS, REPLAY_BUDGET // per_draw))
+    est, draws = _rank_draws(pred, rank_bins(rank_history), n_draws, seed)
 
   if num_instances == 1:
     # One instance serves everything, in LPT order.

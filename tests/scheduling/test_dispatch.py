@@ -405,3 +405,24 @@ def test_the_scheduler_records_each_requests_rank_with_the_length_it_had():
   assert gs.rank_history.maxlen >= MIN_RANK_HISTORY
   gs.observe(samples)  # each request's rank is used once
   assert len(gs.rank_history) == len(reqs)
+
+
+def test_many_instances_time_their_splits_on_fewer_draws(monkeypatch):
+  # 64 instances: 64 candidate splits x 64 instances x 2 caps replays per
+  # draw, so the draws shrink to stay near REPLAY_BUDGET (2 at least).
+  used = []
+  real = dispatch_mod._rank_draws
+  monkeypatch.setattr(
+      dispatch_mod,
+      "_rank_draws",
+      lambda pred, bins, n, seed: used.append(n) or real(pred, bins, n, seed),
+  )
+  rng = np.random.default_rng(0)
+  history = list(zip(rng.random(400), rng.integers(1, 100, size=400).astype(float)))
+  recent = [n for _, n in history]
+  for n_inst in (4, 64):
+    plan = dispatch(
+        rng.random(256), n_inst, STEEP, recent, latency_model="simulate", rank_history=history
+    )
+    assert sorted(i for a in plan.assignments for i in a) == list(range(256))
+  assert used == [dispatch_mod.RANK_DRAWS, 2]
