@@ -157,7 +157,7 @@ class GenerationScheduler:
         recent_lengths=list(self.recent) or None,
         alpha=self.alpha,
         objective=self.objective,
-        latency_model=self.latency_model,
+        latency_model=self._latency_model(),
         seed=seed,
         groups=groups,
         rank_history=list(self.rank_history) or None,
@@ -166,6 +166,13 @@ class GenerationScheduler:
       requests = with_length_hints(requests, groups, plan.lengths)
     assignments = [[requests[i] for i in part] for part in plan.assignments]
     return assignments, list(plan.batch_sizes)
+
+  def _latency_model(self) -> str:
+    """The configured model; "paper" while "simulate" lacks the rank history
+    that tells it how far to trust the ranker's order (the first rounds)."""
+    if self.latency_model == "simulate" and len(self.rank_history) < MIN_RANK_HISTORY:
+      return "paper"
+    return self.latency_model
 
   def observe(self, samples) -> dict:
     """Records this round's lengths and refreshes the ranker on them."""

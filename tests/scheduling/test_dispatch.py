@@ -405,6 +405,11 @@ def test_the_scheduler_records_each_requests_rank_with_the_length_it_had():
   assert gs.rank_history.maxlen >= MIN_RANK_HISTORY
   gs.observe(samples)  # each request's rank is used once
   assert len(gs.rank_history) == len(reqs)
+  # Until the history is long enough, simulate would trust the order: the
+  # paper formula plans instead.
+  assert gs._latency_model() == "paper"
+  gs.rank_history.extend([(0.5, 10.0)] * MIN_RANK_HISTORY)
+  assert gs._latency_model() == "simulate"
 
 
 def test_many_instances_time_their_splits_on_fewer_draws(monkeypatch):
