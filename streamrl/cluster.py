@@ -355,6 +355,7 @@ def init_ray(
         resources=dict(resources),
     )
 
+
 # The session directory of the local Ray that init_ray itself started in this
 # process (None when the current Ray is someone else's).
 _LOCAL_RAY: dict = {"session": None}

@@ -44,6 +44,8 @@ def load(name, **overrides):
       "trainer.num_iterations": 3,
       # One of the 8 faked devices: sharding is tested in tests/trainer.
       "mesh.fsdp": 1,
+      # The plain modes; the partial-rollout tests below turn it on.
+      "generation.partial": "off",
   }
   return config_utils.apply_overrides(module.get_config(), {**base, **overrides})
 
