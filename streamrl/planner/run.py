@@ -338,7 +338,7 @@ def long_tail_split(w: Workload, gen: GenCostModel, num_instances: int) -> dict:
   rng = np.random.default_rng([w.seed, 11])
   prompt, out = w.lengths.sample(rng, w.batch_size)
   recent = w.lengths.sample(rng, w.batch_size)[1]
-  max_bs, profile = dispatch_inputs(gen, prompt, recent)
+  max_bs, profile = dispatch_inputs(gen, prompt, recent, w.calib.dispatch_latency_model)
   d = dispatch(
       out.astype(np.float64),
       max(1, num_instances),

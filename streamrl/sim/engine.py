@@ -466,14 +466,20 @@ class _GenPhase:
     return sum(inst.done_t - inst.start_t for inst in self.instances[: self.num_used])
 
 
-def dispatch_inputs(gen: GenCostModel, prompt: np.ndarray, recent: np.ndarray):
+def dispatch_inputs(
+    gen: GenCostModel, prompt: np.ndarray, recent: np.ndarray, latency_model: str = "paper"
+):
   """(max_batch_size, PTL profile) the simulator hands to Algorithm 2.
 
   max_batch_size: the most sequences an instance runs at once (engine cap and
   KV reservations, at the batch's mean prompt). The profile is PTL(BS) at a
-  per-sequence context of the mean prompt plus half the mean recent output.
+  per-sequence context of the mean prompt plus half the mean recent output;
+  for the "simulate" model, whose replay adds each request's context as it
+  grows, PTL(BS) at the mean prompt plus the cost per context token.
   """
   max_bs = gen.max_concurrent(float(np.mean(prompt)))
+  if latency_model == "simulate":
+    return max_bs, gen.latency_profile(float(np.mean(prompt)), growing_context=True)
   ctx = float(np.mean(prompt)) + 0.5 * float(np.mean(recent))
   return max_bs, gen.latency_profile(ctx)
 
@@ -482,7 +488,7 @@ def _plan_queues(
     config: SimConfig, j: int, n_inst: int, prompt: np.ndarray, out: np.ndarray, recent: np.ndarray
 ) -> tuple[tuple, tuple]:
   """Prompt queues per instance via the project's scheduler."""
-  max_bs, profile = dispatch_inputs(config.gen, prompt, recent)
+  max_bs, profile = dispatch_inputs(config.gen, prompt, recent, config.dispatch_latency_model)
   if config.scheduler == "fifo":
     plan = fifo_plan(len(out), n_inst, max_bs, seed=_mix(config.seed, j, 2))
   else:
@@ -490,8 +496,6 @@ def _plan_queues(
     scores = noisy_scores(out, config.ranker_sigma, rng)
     history = None
     if config.dispatch_latency_model == "simulate":
-      # The replay adds each request's context as it grows.
-      profile = config.gen.latency_profile(float(np.mean(prompt)), growing_context=True)
       # The ranker's error as a run records it: the previous round's lengths
       # at the ranks a ranker of the same noise gave them.
       seen = noisy_scores(recent, config.ranker_sigma, np.random.default_rng([config.seed, j, 4]))
