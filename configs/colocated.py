@@ -19,7 +19,7 @@ from streamrl import config_utils
 def get_config(arg: str = "ppo") -> ml_collections.ConfigDict:
   c = config_utils.load_config(os.path.join(os.path.dirname(__file__), f"{arg}.py"))
   c.pipeline.mode = "colocated"
-  c.generation.scheduler = "fifo"
+  c.scheduler.kind = "fifo"
   c.transfer.enabled = False
   c.elastic.enabled = False
   return c

@@ -23,21 +23,21 @@ from streamrl import config_utils
 
 def get_config() -> ml_collections.ConfigDict:
   c = config_utils.load_config(os.path.join(os.path.dirname(__file__), "ppo.py"))
-  c.algo.advantage = "grpo"
+  c.advantage.estimator = "grpo"
   # 32 prompts x 4 samples: at equal samples, 16 x 8 learned less (README).
-  c.algo.group_size = 4
-  c.algo.use_critic = False
-  c.algo.kl_in_reward = False
-  c.algo.kl_estimator = "k3"
-  c.algo.kl_coef = 0.01
-  c.algo.whiten_advantages = False
+  c.advantage.group_size = 4
+  c.advantage.use_critic = False
+  c.kl.in_reward = False
+  c.kl.estimator = "k3"
+  c.kl.coef = 0.01
+  c.advantage.whiten = False
   c.trainer.prompts_per_iteration = 32  # 32 prompts x 4 samples = 128 samples
   c.trainer.mini_batch_size = 64
-  c.trainer.lr = 3e-4
+  c.optimizer.lr = 3e-4
   c.trainer.num_iterations = 180
   c.log.eval_every = 60
   return c
 
 
 def get_sweep():
-  return [{"algo.group_size": g, "trainer.prompts_per_iteration": 128 // g} for g in (4, 8)]
+  return [{"advantage.group_size": g, "trainer.prompts_per_iteration": 128 // g} for g in (4, 8)]

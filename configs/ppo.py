@@ -23,7 +23,7 @@ Expected on a 2-core CPU laptop: about 9 minutes (2 of them the warm-up);
 held-out accuracy (sampled, temperature 1) rises by about 20 points over the
 warm-start policy (the `eval/accuracy` scalars: `tensorboard --logdir
 workdirs`). Measured: 9 min 11 s, 0.211 -> 0.438 (+22.7 points). Any field can be
-overridden, e.g. `--config.trainer.lr=3e-4`.
+overridden, e.g. `--config.optimizer.lr=3e-4`.
 """
 
 import ml_collections
@@ -37,17 +37,17 @@ def get_config() -> ml_collections.ConfigDict:
   # print(settings.default_config())"`.
   c = settings.default_config()
   # Actor + critic (GAE) + frozen reference, KL penalty in the reward.
-  c.algo.advantage = "gae"
-  c.algo.use_critic = True
-  c.algo.use_reference = True
-  c.algo.kl_in_reward = True
+  c.advantage.estimator = "gae"
+  c.advantage.use_critic = True
+  c.kl.use_reference = True
+  c.kl.in_reward = True
   # Long-tailed work traces: the warm-up's fit 288 tokens (0.9 of 320), so a
   # sampled trace that runs a little long still finishes.
   c.task.kind = "trace"
   c.task.trace_token_fraction = 0.9
   c.task.num_eval = 128
-  c.generation.max_tokens = 320
-  c.generation.max_model_len = 512
+  c.sampling.max_tokens = 320
+  c.engine.max_model_len = 512
   # Micro-batches of a length-sorted mini-batch train at their own length.
   c.trainer.micro_batch_size = 8
   # 260 iterations of 64 samples: partial rollouts make them fit the time
@@ -56,18 +56,18 @@ def get_config() -> ml_collections.ConfigDict:
   c.log.eval_every = 65
   # StreamRL: colocated | sync | stream | async (streamrl/pipeline/__init__.py).
   c.pipeline.mode = "async"
-  c.generation.scheduler = "skew"
+  c.scheduler.kind = "skew"
   # Continuous batching replayed per instance: on this workload it beats the
   # paper's wave formula (experiments/bench_skew.py, README).
-  c.generation.dispatch_latency_model = "simulate"
+  c.scheduler.latency_model = "simulate"
   # Partial rollouts in async mode (streamrl/pipeline/partial.py): a round
   # stops once enough groups finished and the long tail resumes next round
   # under the new weights; "auto" leaves them off when the mode is overridden.
-  c.generation.partial = "auto"
+  c.pipeline.partial = "auto"
   c.transfer.enabled = True
   return c
 
 
 def get_sweep():
   """`python launch/sweep.py --config=configs/ppo.py`: a small lr x KL grid."""
-  return [{"trainer.lr": lr, "algo.kl_coef": kl} for lr in (1e-4, 3e-4) for kl in (0.0, 0.01)]
+  return [{"optimizer.lr": lr, "kl.coef": kl} for lr in (1e-4, 3e-4) for kl in (0.0, 0.01)]

@@ -18,7 +18,7 @@ The 8 GPUs, disaggregated (async): 6 generate, 2 train.
   and Adam state ~25 GB, bf16 compute with layer remat).
 For one GPU instead, use the colocated baseline:
   --config=configs/colocated.py:ppo_qwen2_5_1_5b --config.cluster.trainer_gpus=0 \
-  --config.generation.num_instances=1 --config.generation.gpu_memory_utilization=0.4
+  --config.engine.num_instances=1 --config.engine.gpu_memory_utilization=0.4
 (tests/test_configs.py checks that every GPU config adds up to its NUM_GPUS.)
 """
 
@@ -40,20 +40,20 @@ def get_config() -> ml_collections.ConfigDict:
   c.task.jsonl_path = "/data/gsm8k_train.jsonl"
   c.task.reward = "math_verify"
   c.task.num_eval = 500
-  c.generation.max_tokens = 2048
-  c.generation.max_model_len = 3072
-  c.generation.max_num_seqs = 256
-  c.generation.num_instances = 6
-  c.generation.gpus_per_instance = 1
-  c.generation.tensor_parallel_size = 1
-  c.generation.gpu_memory_utilization = 0.9
-  c.algo.kl_coef = 0.001
+  c.sampling.max_tokens = 2048
+  c.engine.max_model_len = 3072
+  c.engine.max_num_seqs = 256
+  c.engine.num_instances = 6
+  c.engine.gpus_per_instance = 1
+  c.engine.tensor_parallel_size = 1
+  c.engine.gpu_memory_utilization = 0.9
+  c.kl.coef = 0.001
   c.trainer.num_iterations = 200
   c.trainer.prompts_per_iteration = 128
   c.trainer.mini_batch_size = 64
   c.trainer.micro_batch_size = 16  # 8 sequences per fsdp shard, 4 accumulation steps
-  c.trainer.lr = 1e-6
-  c.trainer.critic_lr = 1e-5
+  c.optimizer.lr = 1e-6
+  c.optimizer.critic_lr = 1e-5
   c.mesh = dict(data=1, fsdp=2, tensor=1)
   c.trainer.remat = "dots"  # keep the projections, recompute attention scores
   c.cluster.trainer_gpus = 2
@@ -61,9 +61,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.cluster.generator_cpus = 24
   c.pipeline.mode = "async"
   # FIFO dispatch and weights through Ray's object store, as this recipe was
-  # checked; the ranker (generation.scheduler=skew) and the transfer service
+  # checked; the ranker (scheduler.kind=skew) and the transfer service
   # (transfer.enabled=True) of configs/ppo.py are one override each.
-  c.generation.scheduler = "fifo"
+  c.scheduler.kind = "fifo"
   c.transfer.enabled = False
   c.checkpoint.every = 20
   c.log.eval_every = 20

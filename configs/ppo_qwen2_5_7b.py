@@ -17,7 +17,7 @@ The 8 GPUs, disaggregated (async): 4 generate, 4 train.
   compute with layer remat.
 The paper gives generation the larger share (40:24 for 32B on 64 GPUs,
 80:48 for 72B on 128); at 8 GPUs the 7B training state needs 4 GPUs, so
-the split here is 4:4. Sweep `generation.num_instances` against
+the split here is 4:4. Sweep `engine.num_instances` against
 `cluster.trainer_gpus` (and the mesh) to rebalance; the totals must stay 8
 (tests/test_configs.py checks every GPU config's budget).
 """
@@ -40,20 +40,20 @@ def get_config() -> ml_collections.ConfigDict:
   c.task.jsonl_path = "/data/gsm8k_train.jsonl"
   c.task.reward = "math_verify"
   c.task.num_eval = 500
-  c.generation.max_tokens = 1024
-  c.generation.max_model_len = 2048
-  c.generation.max_num_seqs = 256
-  c.generation.num_instances = 4
-  c.generation.gpus_per_instance = 1
-  c.generation.tensor_parallel_size = 1
-  c.generation.gpu_memory_utilization = 0.9
-  c.algo.kl_coef = 0.001
+  c.sampling.max_tokens = 1024
+  c.engine.max_model_len = 2048
+  c.engine.max_num_seqs = 256
+  c.engine.num_instances = 4
+  c.engine.gpus_per_instance = 1
+  c.engine.tensor_parallel_size = 1
+  c.engine.gpu_memory_utilization = 0.9
+  c.kl.coef = 0.001
   c.trainer.num_iterations = 200
   c.trainer.prompts_per_iteration = 256
   c.trainer.mini_batch_size = 64
   c.trainer.micro_batch_size = 8  # 2 sequences per fsdp shard, 8 accumulation steps
-  c.trainer.lr = 1e-6
-  c.trainer.critic_lr = 1e-5
+  c.optimizer.lr = 1e-6
+  c.optimizer.critic_lr = 1e-5
   c.mesh = dict(data=1, fsdp=4, tensor=1)
   c.trainer.remat = "dots"  # keep the projections, recompute attention scores
   c.cluster.trainer_gpus = 4
@@ -61,9 +61,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.cluster.generator_cpus = 16
   c.pipeline.mode = "async"
   # FIFO dispatch and weights through Ray's object store, as this recipe was
-  # checked; the ranker (generation.scheduler=skew) and the transfer service
+  # checked; the ranker (scheduler.kind=skew) and the transfer service
   # (transfer.enabled=True) of configs/ppo.py are one override each.
-  c.generation.scheduler = "fifo"
+  c.scheduler.kind = "fifo"
   c.transfer.enabled = False
   c.checkpoint.every = 20
   c.log.eval_every = 20

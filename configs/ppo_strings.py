@@ -21,7 +21,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.task.kind = "synthetic"
   c.task.trace_token_fraction = 1.0
   c.task.num_eval = 256
-  c.generation.max_tokens = 56
-  c.generation.max_model_len = 128
+  c.sampling.max_tokens = 56
+  c.engine.max_model_len = 128
   c.trainer.micro_batch_size = 32
   return c

@@ -29,7 +29,7 @@ What it does:
      --observe, no schedule: every change is the policy's. The workload is
      generation-bound: the tiny PPO policy (actor, critic, reference) without
      warm start (outputs of ~30-43 of max_tokens=56 tokens), one request in
-     flight per instance (generation.max_num_seqs=1), one PPO epoch over one
+     flight per instance (engine.max_num_seqs=1), one PPO epoch over one
      mini-batch of the 64 samples: generation ~4x training per iteration.
      So the policy adds an instance after its first full window; the two
      instances time-share the generation node's core, save nothing, and
@@ -156,9 +156,9 @@ _MINI = flags.DEFINE_integer(
     "mini_batch", 64, "trainer.mini_batch_size (= micro_batch_size); one PPO epoch."
 )
 _MAX_NUM_SEQS = flags.DEFINE_integer(
-    "max_num_seqs", 1, "generation.max_num_seqs: requests in flight per instance."
+    "max_num_seqs", 1, "engine.max_num_seqs: requests in flight per instance."
 )
-_MAX_TOKENS = flags.DEFINE_integer("max_tokens", 56, "generation.max_tokens.")
+_MAX_TOKENS = flags.DEFINE_integer("max_tokens", 56, "sampling.max_tokens.")
 _WARMSTART = flags.DEFINE_integer(
     "warmstart_steps", 0, "warmstart.steps (0: untrained policy, long outputs)."
 )
@@ -322,9 +322,9 @@ def workload_overrides() -> dict:
       "trainer.mini_batch_size": _MINI.value,
       "trainer.micro_batch_size": _MINI.value,
       "trainer.ppo_epochs": 1,
-      "generation.max_num_seqs": _MAX_NUM_SEQS.value,
-      "generation.max_tokens": _MAX_TOKENS.value,
-      "generation.num_instances": 1,
+      "engine.max_num_seqs": _MAX_NUM_SEQS.value,
+      "sampling.max_tokens": _MAX_TOKENS.value,
+      "engine.num_instances": 1,
       "transfer.enabled": True,
       "elastic.enabled": True,
       "elastic.min_instances": 1,
@@ -705,7 +705,7 @@ def policy_kwargs(s) -> dict:
   """ElasticPolicy's keywords from the run's settings, as ElasticPolicy.from_settings
   maps them (every constructor keyword that names an `elastic.*` field)."""
   import inspect  # pylint: disable=g-import-not-at-top
-  from streamrl.planner.elastic import ElasticPolicy  # pylint: disable=g-import-not-at-top
+  from streamrl.elastic.policy import ElasticPolicy  # pylint: disable=g-import-not-at-top
 
   names = inspect.signature(ElasticPolicy.__init__).parameters
   out = {n: getattr(s.elastic, n) for n in names if hasattr(s.elastic, n)}

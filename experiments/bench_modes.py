@@ -43,7 +43,7 @@ Workload (defaults): every size from configs/ppo.py, the StreamRL default
 mini-batches of 32 in ragged micro-batches of 8, 2 PPO epochs, max_tokens
 320); the disaggregated arms use its scheduler (ranker + skew dispatch) and
 transfer service, colocated is the FIFO baseline without transfer
-(configs/colocated.py). `async_partial` is async with `generation.partial=on`
+(configs/colocated.py). `async_partial` is async with `pipeline.partial=on`
 (streamrl/pipeline/partial.py); its unfinished responses are carried from
 one block to the next, as a resumed run carries them. Each mini-batch is
 padded to its longest sample: sync/async/colocated cut the length-sorted
@@ -110,7 +110,7 @@ min(generation alone, training alone); the last two when that arm runs).
 
 The string-task workload of earlier rounds (`--max_num_seqs=4
 --max_tokens=56 --mini_batch=16 --ppo_epochs=1 --override=task.kind=synthetic
---override=generation.max_model_len=128 --override=generation.scheduler=fifo
+--override=engine.max_model_len=128 --override=scheduler.kind=fifo
 --override=transfer.enabled=False`), quiet machine (load 1.2-1.8), about 4
 min per run, 2 blocks x (1 untimed + 8 timed) iterations per arm:
   RESULT colocated=1.00 sync=0.73 stream=0.76 async=1.23 pipeline_efficiency=0.88
@@ -191,9 +191,9 @@ _MINI = flags.DEFINE_integer(
     "mini_batch", None, "trainer.mini_batch_size (= micro_batch_size; config's: 32 and 8)."
 )
 _MAX_NUM_SEQS = flags.DEFINE_integer(
-    "max_num_seqs", None, "generation.max_num_seqs: requests in flight per instance."
+    "max_num_seqs", None, "engine.max_num_seqs: requests in flight per instance."
 )
-_MAX_TOKENS = flags.DEFINE_integer("max_tokens", None, "generation.max_tokens (config's: 320).")
+_MAX_TOKENS = flags.DEFINE_integer("max_tokens", None, "sampling.max_tokens (config's: 320).")
 _PPO_EPOCHS = flags.DEFINE_integer("ppo_epochs", None, "trainer.ppo_epochs (config's: 2).")
 _OVERRIDES = flags.DEFINE_multi_string(
     "override", [], "Extra config overrides, key=value (configs/ppo.py keys)."

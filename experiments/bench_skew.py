@@ -32,7 +32,7 @@ What runs (everything real, on this machine):
        grouped   ranker, makespan, each prompt's samples on one instance, LPT,
        sibling   the grouped plan, each instance admitting one sample per prompt
                  first, then by the lengths of finished and running siblings
-                 blended with the ranker's estimate (generation.sibling_lengths=on),
+                 blended with the ranker's estimate (scheduler.sibling_lengths=on),
        oracle    true lengths -> Algorithm 2 (makespan) -> LPT,
        oracle_sim  true lengths, latency_model="simulate" (exact ranks).
      Sampling is seeded per prompt, so every arm generates the same tokens.
@@ -131,7 +131,7 @@ _MAX_ANSWER = flags.DEFINE_integer(
     "max_answer_len", None, "Longest task answer (default: 48 for traces, 96 for strings)."
 )
 _TRACE_MAX_TOKENS = flags.DEFINE_integer(
-    "trace_max_tokens", 320, "generation.max_tokens for traces (the warm-up's fit 0.9 of it)."
+    "trace_max_tokens", 320, "sampling.max_tokens for traces (the warm-up's fit 0.9 of it)."
 )
 _ALPHA = flags.DEFINE_float("alpha", 0.2, "Long-tail fraction for Algorithm 2.")
 _CLOCK = flags.DEFINE_enum("clock", "cpu", ["cpu", "wall"], "Which time the makespan ratios use.")

@@ -32,8 +32,8 @@ def with_mode(s, mode: str):
   """Settings `s` with `pipeline.mode=mode`, validated again (the effective
   rollout correction, for one, depends on the mode). colocated is the
   baseline of configs/colocated.py: FIFO order, weights loaded in process;
-  async_partial is async with `generation.partial=on`, and
-  async_partial_sibling that with `generation.sibling_lengths=on`."""
+  async_partial is async with `pipeline.partial=on`, and
+  async_partial_sibling that with `scheduler.sibling_lengths=on`."""
   from streamrl import settings as settings_lib  # pylint: disable=g-import-not-at-top
 
   partial = "on" if mode.startswith("async_partial") else "off"
@@ -221,8 +221,8 @@ class Workload:
 STRING_WORKLOAD = {
     "task.kind": "synthetic",
     "task.trace_token_fraction": 1.0,
-    "generation.max_model_len": 128,
-    "generation.scheduler": "fifo",
+    "engine.max_model_len": 128,
+    "scheduler.kind": "fifo",
     "transfer.enabled": False,
 }
 
@@ -252,8 +252,8 @@ def make_settings(
       "trainer.prompts_per_iteration": prompts,
       "trainer.mini_batch_size": mini_batch,
       "trainer.micro_batch_size": mini_batch,
-      "generation.max_num_seqs": max_num_seqs,
-      "generation.max_tokens": max_tokens,
+      "engine.max_num_seqs": max_num_seqs,
+      "sampling.max_tokens": max_tokens,
   }
   values = {
       **{k: v for k, v in sizes.items() if v is not None},

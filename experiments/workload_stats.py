@@ -14,7 +14,7 @@ and reports what the trainer and the generators would see:
   cv_within              median over prompts of the coefficient of variation
                          of their samples' lengths (goal >= 0.3: lengths vary
                          between samples of one prompt, as reasoning traces do)
-  truncated              share of samples cut at generation.max_tokens
+  truncated              share of samples cut at sampling.max_tokens
   accuracy               share of samples whose verified answer is right
 
 and the same for the task's own distribution (what the warm-up teaches; for

@@ -1,7 +1,7 @@
 r"""Runs one RL experiment.
 
   python launch/main.py --config=configs/ppo.py --workdir=workdirs/ppo \
-      --config.trainer.lr=3e-4
+      --config.optimizer.lr=3e-4
 
 Running again with the same --workdir resumes from its last checkpoint.
 

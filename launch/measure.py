@@ -1,7 +1,7 @@
 r"""Measures this machine's generation and training costs for the planner.
 
   python launch/measure.py --config=configs/ppo.py --out=costs.json [--workdir=workdirs/measure] \
-      [--config.generation.max_num_seqs=16 ...]
+      [--config.engine.max_num_seqs=16 ...]
 
 What the run config describes, measured one part at a time in this process:
 
@@ -54,7 +54,7 @@ _WORKDIR = flags.DEFINE_string(
 )
 _REPS = flags.DEFINE_integer("reps", 3, "Timed repetitions per measurement (median).")
 _MAX_BATCH = flags.DEFINE_integer(
-    "max_batch", 32, "Largest batch size profiled (at most generation.max_num_seqs)."
+    "max_batch", 32, "Largest batch size profiled (at most engine.max_num_seqs)."
 )
 
 
@@ -70,7 +70,7 @@ def profile_batch_sizes(max_num_seqs: int, cap: int) -> list[int]:
 
 def measure_generator(engine, e, prompt_len: int, reps: int):
   """PTL(BS) and prefill cost of `engine` (engine settings `e`), decode lengths
-  fitting generation.max_model_len, as experiments/calibrate_sim.py chooses them."""
+  fitting engine.max_model_len, as experiments/calibrate_sim.py chooses them."""
   from streamrl.generator.profiler import profile_instance  # pylint: disable=g-import-not-at-top
 
   prompt_len = max(1, min(prompt_len, e.max_model_len // 2))
@@ -78,7 +78,7 @@ def measure_generator(engine, e, prompt_len: int, reps: int):
   l1 = max(1, l2 // 6)
   if l2 <= l1:
     raise errors.UserError(
-        f"generation.max_model_len={e.max_model_len} leaves no room to time decoding; raise it."
+        f"engine.max_model_len={e.max_model_len} leaves no room to time decoding; raise it."
     )
   sizes = profile_batch_sizes(e.max_num_seqs, _MAX_BATCH.value)
   return profile_instance(

@@ -8,7 +8,7 @@ override dicts where a list value is a grid axis (see
 `streamrl.config_utils.expand_sweep`). Each point's overrides go onto
 `get_config()` plus any `--config.x=y` given here (a key set by both is
 refused), and the run goes to `<workdir>/<run_name(overrides)>/` — e.g.
-`workdirs/sweep/trainer.lr=3e-06,algo.kl_coef=0.01/` — so TensorBoard pointed
+`workdirs/sweep/optimizer.lr=3e-06,kl.coef=0.01/` — so TensorBoard pointed
 at `<workdir>` shows the points side by side. Every point is validated before
 the first one starts. Starting the same sweep again resumes each run from its
 own checkpoints (the run function resumes from its workdir).
@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import app, flags
 from ml_collections import config_flags
 
-from streamrl import config_utils, errors, metrics
+from streamrl import config_utils, errors, metrics, renames
 
 _CONFIG = config_utils.define_config_file(
     "config", None, "Config file defining get_config() and get_sweep()."
@@ -91,8 +91,20 @@ def _resolve_run_fn(spec: str | None):
 def _plan():
   """[(run name, overrides, config)] for every point, all validated."""
   flag = flags.FLAGS["config"]
-  points = config_utils.load_sweep(config_flags.get_config_filename(flag))
+  given = config_utils.load_sweep(config_flags.get_config_filename(flag))
+  # Keys renamed in 0.1 under their new names (streamrl/renames.py).
+  points = [{config_utils.renamed(_CONFIG.value, k): v for k, v in p.items()} for p in given]
   names = config_utils.check_run_names(points)
+  # A point started before the rename resumes in the directory it was named then.
+  workdir = _WORKDIR.value
+  for i, (old, point) in enumerate(zip(given, points)):
+    if os.path.exists(os.path.join(workdir, names[i])):
+      continue
+    for old_name in (config_utils.run_name(old), config_utils.run_name(renames.legacy_name(point))):
+      if old_name != names[i] and os.path.isdir(os.path.join(workdir, old_name)):
+        print(f"sweep: resuming {old_name} (named before the 0.1 key rename)", flush=True)
+        names[i] = old_name
+        break
   cli = config_flags.get_override_values(flag)
   plan = []
   for name, point in zip(names, points):

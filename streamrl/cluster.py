@@ -18,7 +18,7 @@ CPU shares on one machine (what is actually enforced):
   (`OMP_NUM_THREADS` before torch loads, `torch.set_num_threads` before the
   engine starts; vLLM forbids changing it afterwards). With the engine in the
   actor's process (VLLM_ENABLE_V1_MULTIPROCESSING=0, the default here) that
-  is all there is. With worker processes (cluster.engine_in_process=False)
+  is all there is. With worker processes (engine.in_process=False)
   `VLLM_CPU_OMP_THREADS_BIND` is set to the same cores, so vLLM binds its
   worker there, and the actor pins its engine-core process tree as well.
 - The trainer process calls `bound_trainer_threads(cores)` before JAX creates
@@ -55,6 +55,7 @@ import sys
 import threading
 from collections.abc import Sequence
 
+from streamrl.config_checks import positive
 from streamrl.errors import UnreachableClusterError, UserError
 
 log = logging.getLogger(__name__)
@@ -413,7 +414,7 @@ def _probe_gcs(address: str, timeout_s: float) -> None:
 
 
 def init_ray_for(c, gpus_needed: int = 0, trainer_processes: int = 1) -> ClusterInfo:
-  """Starts or joins Ray as `c` (a `streamrl.settings.Cluster`) says, and
+  """Starts or joins Ray as `c` (a `Cluster`) says, and
   checks that the cluster has the `gpus_needed` GPUs and the training-pool
   slots for `trainer_processes` the run will ask for (an actor asking for
   more than exist would wait forever)."""
@@ -515,9 +516,49 @@ def parse_labels(text: str) -> dict[str, str]:
   return out
 
 
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+  """Ray (`cluster.*`): an empty address starts a local Ray where each side
+  gets its own cores; the trainer runs as a Ray actor on the `training_pool`
+  unless trainer_actor is False (handy under a debugger)."""
+
+  address: str = ""
+  generator_cpus: int = 1
+  trainer_cpus: int = 1
+  trainer_gpus: int = 0
+  # Trainer processes (Ray actors, one JAX runtime; streamrl/trainer/multihost.py).
+  trainer_processes: int = 1
+  connect_timeout_s: float = 30.0
+  trainer_actor: bool = True
+  # Placement on a multi-node cluster (launch/cluster.py starts one on a
+  # single machine). Each generator instance takes one unit of the Ray
+  # resource `generation_pool`, each trainer process one of `training_pool`;
+  # the *_labels (comma-separated key=value, e.g. "datacenter=dc1,
+  # accelerator=H20") further restrict them to Ray nodes carrying those
+  # labels (`ray start --labels=...`). A process's datacenter is its node's
+  # `datacenter` label ("dc0" when it has none).
+  generation_pool: str = "generation_pool"
+  training_pool: str = "training_pool"
+  generation_labels: str = ""
+  training_labels: str = ""
+
+  def check(self) -> None:
+    positive("cluster.generator_cpus", self.generator_cpus)
+    positive("cluster.trainer_cpus", self.trainer_cpus)
+    positive("cluster.trainer_gpus", self.trainer_gpus, zero_ok=True)
+    positive("cluster.trainer_processes", self.trainer_processes)
+    positive("cluster.connect_timeout_s", self.connect_timeout_s)
+    for key in ("generation_labels", "training_labels"):
+      value = getattr(self, key)
+      try:
+        parse_labels(value)
+      except ValueError as e:
+        raise UserError(f"cluster.{key}={value!r}: {e}") from None
+
+
 def check_placement(c, nodes: list[dict]) -> None:
   """Some alive node offers each side's pool with each side's labels (`c`: a
-  `streamrl.settings.Cluster`; `nodes`: `ray.nodes()`), so that no actor
+  `Cluster`; `nodes`: `ray.nodes()`), so that no actor
   waits forever for a node that does not exist."""
   for side, pool, text in (
       ("generation", c.generation_pool, c.generation_labels),
@@ -544,7 +585,7 @@ def check_gpus(needed: int, resources: dict) -> None:
   have = int(resources.get("GPU", 0))
   if needed > have:
     raise UserError(
-        f"The run asks for {needed} GPUs (cluster.trainer_gpus + generation.num_instances x "
-        f"generation.gpus_per_instance) but the Ray cluster has {have}; lower those settings "
+        f"The run asks for {needed} GPUs (cluster.trainer_gpus + engine.num_instances x "
+        f"engine.gpus_per_instance) but the Ray cluster has {have}; lower those settings "
         "or add GPU nodes."
     )

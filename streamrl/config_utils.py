@@ -1,9 +1,9 @@
 """ml_collections helpers: checked overrides, one-sentence flag errors, sweeps, run names.
 
-  config = apply_overrides(get_config(), ["trainer.lr=3e-6", "trainer.num_iterations=2"])
+  config = apply_overrides(get_config(), ["optimizer.lr=3e-6", "trainer.num_iterations=2"])
   run_main(main)   # in launch scripts, instead of app.run(main)
-  points = expand_sweep([{"trainer.lr": [1e-6, 3e-6], "algo.kl_coef": 0.01}])
-  run_name(points[0])  # 'trainer.lr=1e-06,algo.kl_coef=0.01'
+  points = expand_sweep([{"optimizer.lr": [1e-6, 3e-6], "kl.coef": 0.01}])
+  run_name(points[0])  # 'optimizer.lr=1e-06,kl.coef=0.01'
 
 String overrides are parsed the way `config_flags.DEFINE_config_file` parses
 `--config.key=value` (by the type of the field being overridden: absl's
@@ -38,6 +38,7 @@ import ml_collections
 from absl import app, flags
 from ml_collections.config_flags import config_flags, tuple_parser
 
+from streamrl import renames
 from streamrl.errors import MissingFileError, RunStopped, UserError, debug_requested, user_message
 
 # ----------------------------------------------------------------- overrides
@@ -107,7 +108,7 @@ def _locate(config: Any, key: str) -> tuple[Any, str]:
   """(parent node, leaf name) of dotted `key`, or ValueError naming close keys."""
   parts = key.split(".")
   if not all(parts):
-    raise UserError(f"malformed config key {key!r}; use dotted names like trainer.lr.")
+    raise UserError(f"malformed config key {key!r}; use dotted names like optimizer.lr.")
   node = config
   for i, part in enumerate(parts):
     if not _is_node(node) or part not in node:
@@ -183,9 +184,27 @@ def _check_value(key: str, value: Any, want: type, current: Any) -> Any:
   return value
 
 
+def _has(config: Any, key: str) -> bool:
+  node = config
+  for part in key.split("."):
+    if not _is_node(node) or part not in node:
+      return False
+    node = node[part]
+  return True
+
+
+def renamed(config: Any, key: str) -> str:
+  """`key`, or its new name when it is a key renamed in 0.1 (streamrl/renames.py)
+  that `config` only has under the new name (printing one line that says so)."""
+  new = renames.OLD_TO_NEW.get(key)
+  if new is None or _has(config, key) or not _has(config, new):
+    return key
+  return renames.new_key(key)
+
+
 def _split_override(item: str) -> tuple[str, str]:
   if not isinstance(item, str) or "=" not in item:
-    raise UserError(f"override {item!r} must look like key=value, e.g. trainer.lr=3e-6.")
+    raise UserError(f"override {item!r} must look like key=value, e.g. optimizer.lr=3e-6.")
   key, raw = item.split("=", 1)
   return key.strip(), raw
 
@@ -197,8 +216,8 @@ def apply_overrides(
 
   Args:
     config: the base config (locked or not; no new keys can be added either way).
-    overrides: ["trainer.lr=3e-6", ...] strings parsed by field type, or a
-      {"trainer.lr": 3e-6} mapping of Python values (a string value for a
+    overrides: ["optimizer.lr=3e-6", ...] strings parsed by field type, or a
+      {"optimizer.lr": 3e-6} mapping of Python values (a string value for a
       non-string field is parsed like the command line).
 
   Raises:
@@ -209,6 +228,7 @@ def apply_overrides(
   items = [_split_override(o) for o in overrides] if from_strings else list(overrides.items())
   out = copy.deepcopy(config)
   for key, value in items:
+    key = renamed(out, key)
     parent, name = _locate(out, key)
     want = _field_type(parent, name)
     current = parent[name]
@@ -378,6 +398,27 @@ def _check_configs_loaded(flag_values: flags.FlagValues) -> None:
       raise OSError(f"config for --{flag.name} could not be loaded")
 
 
+def _rename_flag_keys(argv: Sequence[str], flag_values: flags.FlagValues) -> list[str]:
+  """argv with each `--<config>.<key renamed in 0.1>` under its new name
+  (streamrl/renames.py), where the config file has only the new one."""
+  argv = list(argv)
+  for name, default in _config_specs(flag_values):
+    prefix = re.compile(rf"^(--?(?:no)?{re.escape(name)}\.)([^=]+)(.*)$", re.S)
+    hits = [(i, m) for i, m in enumerate(map(prefix.match, argv)) if m and i]
+    if not any(renames.OLD_TO_NEW.get(m.group(2)) for _, m in hits):
+      continue
+    path = _config_arg(argv, name, default)
+    if not path or not os.path.isfile(path.split(":", 1)[0]):
+      continue
+    try:
+      config = config_flags.ConfigFileFlagParser(name, lock_config=False).parse(path)
+    except Exception:  # pylint: disable=broad-except
+      continue  # Its own error is reported when absl parses it.
+    for i, m in hits:
+      argv[i] = m.group(1) + renamed(config, m.group(2)) + m.group(3)
+  return argv
+
+
 def parse_flags_or_exit(
     argv: Sequence[str], flag_values: flags.FlagValues = flags.FLAGS
 ) -> list[str]:
@@ -391,6 +432,7 @@ def parse_flags_or_exit(
   time are reported the same way. `run_main` uses this parser.
   """
   try:
+    argv = _rename_flag_keys(argv, flag_values)
     rest = flag_values(list(argv))
     _check_configs_loaded(flag_values)
     return rest
@@ -484,7 +526,7 @@ def expand_sweep(sweep: Sequence[Mapping[str, Any]] | Mapping[str, Any]) -> list
     sweep = [sweep]
   if not isinstance(sweep, (list, tuple)) or not sweep:
     raise UserError(
-        f"a sweep is a non-empty list of override dicts like [{{'trainer.lr': [1e-6, 3e-6]}}], "
+        f"a sweep is a non-empty list of override dicts like [{{'optimizer.lr': [1e-6, 3e-6]}}], "
         f"got {sweep!r}."
     )
   points = []
@@ -494,7 +536,7 @@ def expand_sweep(sweep: Sequence[Mapping[str, Any]] | Mapping[str, Any]) -> list
     keys = list(grid)
     for k in keys:
       if not isinstance(k, str) or not k:
-        raise UserError(f"sweep keys are dotted config names like 'trainer.lr', got {k!r}.")
+        raise UserError(f"sweep keys are dotted config names like 'optimizer.lr', got {k!r}.")
     axes = []
     for k in keys:
       v = grid[k]
@@ -519,7 +561,7 @@ def _format_value(v: Any) -> str:
 def run_name(overrides: Mapping[str, Any], max_len: int = 120) -> str:
   """A readable, filesystem-safe, deterministic directory name for one sweep point.
 
-  'trainer.lr=3e-06,algo.kl_coef=0.01' (keys in the given order; floats as
+  'optimizer.lr=3e-06,kl.coef=0.01' (keys in the given order; floats as
   repr; tuples joined by '_'). Characters other than letters, digits and
   `._,=+-` become '_'; whenever that changed the text, or it is longer than
   `max_len` (then truncated), an 8-hex hash of the exact overrides is
@@ -579,7 +621,7 @@ def load_sweep(config_spec: str) -> list[dict[str, Any]]:
   if not callable(get_sweep):
     raise UserError(
         f"{path} defines no get_sweep(); add one returning a list of override dicts, e.g. "
-        "[{'trainer.lr': [1e-6, 3e-6]}]."
+        "[{'optimizer.lr': [1e-6, 3e-6]}]."
     )
   takes_arg = any(
       p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)

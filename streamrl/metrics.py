@@ -24,6 +24,7 @@ the Python warnings they raise go to `<workdir>/libraries.log` instead.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -35,7 +36,22 @@ from typing import Any, Iterator, Mapping, Sequence, TextIO
 
 import numpy as np
 
+from streamrl.errors import UserError
+
 JSONL_NAME = "metrics.jsonl"
+
+
+@dataclasses.dataclass(frozen=True)
+class Log:
+  """What a run logs (`log.*`): held-out evaluation every `eval_every`
+  iterations (0: never), and the progress bar."""
+
+  eval_every: int = 25
+  progress: bool = True
+
+  def check(self) -> None:
+    if self.eval_every < 0:
+      raise UserError(f"log.eval_every={self.eval_every!r} must be >= 0; fix --config.log.eval_every.")
 
 
 def _scalar(name: str, value: Any) -> float:
@@ -574,9 +590,9 @@ def results_table(
   """A plain-text table of runs and their final metrics, best first.
 
     rank  run                       eval/accuracy  eval/accuracy_greedy  reward/mean
-       1  trainer.lr=3e-06                 0.5312                0.5625       0.4410
-       2  trainer.lr=1e-06                 0.4219                     -       0.3902
-       -  trainer.lr=1e-05 (failed)             -                     -            -
+       1  optimizer.lr=3e-06                 0.5312                0.5625       0.4410
+       2  optimizer.lr=1e-06                 0.4219                     -       0.3902
+       -  optimizer.lr=1e-05 (failed)             -                     -            -
 
   Args:
     runs: (run name, final metrics) pairs; metrics None for a run that left

@@ -409,13 +409,13 @@ def run(
   elif carry and carry.get("groups"):
     log.warning(
         "The checkpoint holds %d prompt groups of unfinished partial responses; this run "
-        "(generation.partial=off) drops them. Resume with generation.partial=on to keep them.",
+        "(pipeline.partial=off) drops them. Resume with pipeline.partial=on to keep them.",
         len(carry["groups"]),
     )
   write_placement(workdir, placement, rollout)
   elastic = None
   if s.elastic.enabled:
-    from streamrl.generator.elastic import ElasticGeneration  # pylint: disable=g-import-not-at-top
+    from streamrl.elastic.controller import ElasticGeneration  # pylint: disable=g-import-not-at-top
 
     elastic = ElasticGeneration(s.elastic, rollout, pool=s.cluster.generation_pool, workdir=workdir)
   if start:

@@ -87,16 +87,16 @@ def test_elastic_generation_scales_up_and_back_by_the_policy(tmp_path):
               "pipeline.mode": "sync",
               "trainer.num_iterations": 6,
               # Actor only (no critic, no reference): training stays cheap.
-              "algo.advantage": "grpo",
-              "algo.group_size": 4,
-              "algo.use_critic": False,
-              "algo.use_reference": False,
-              "algo.kl_coef": 0.0,
+              "advantage.estimator": "grpo",
+              "advantage.group_size": 4,
+              "advantage.use_critic": False,
+              "kl.use_reference": False,
+              "kl.coef": 0.0,
               "trainer.prompts_per_iteration": 12,
               "trainer.mini_batch_size": 48,
               "trainer.micro_batch_size": 48,
               "trainer.ppo_epochs": 1,
-              "generation.max_num_seqs": 1,
+              "engine.max_num_seqs": 1,
               # The trainer may use both cores (sync: the sides take turns),
               # the generators have one.
               "cluster.trainer_cpus": 2,
@@ -161,8 +161,8 @@ def test_partial_rollouts_carry_unfinished_responses_across_a_resume(tmp_path, m
   cfg = load(
       **{
           "pipeline.mode": "async",
-          "generation.partial": "on",
-          "generation.partial_oversample": 0.5,
+          "pipeline.partial": "on",
+          "pipeline.partial_oversample": 0.5,
           "trainer.num_iterations": 3,
           "cluster.trainer_actor": False,  # in this process, so the stop can be scripted
       }

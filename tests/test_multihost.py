@@ -28,8 +28,8 @@ MESH = {"pipeline.mode": "sync", "mesh.fsdp": 2, "mesh.tensor": 1}
 # Fewer programs to compile (no reference model, one micro-batch per
 # mini-batch, one epoch): compiling sharded programs is most of these runs.
 LEAN = {
-    "algo.use_reference": False,
-    "algo.kl_coef": 0.0,
+    "kl.use_reference": False,
+    "kl.coef": 0.0,
     "trainer.ppo_epochs": 1,
     "trainer.micro_batch_size": 8,
 }

@@ -60,7 +60,7 @@ def test_sync_run_across_nodes_and_datacenters(two_dc_cluster, tmp_path):
       "trainer.num_iterations": 3,
       "pipeline.mode": "sync",
       "cluster.address": c.address,
-      "generation.num_instances": 2,
+      "engine.num_instances": 2,
       # Placed by node labels as well as by pool.
       "cluster.generation_labels": "datacenter=dc1,pool=generation",
       "cluster.training_labels": "datacenter=dc0",

@@ -134,7 +134,7 @@ def test_emitted_overrides_validate_on_ppo(path, target, reports, tmp_path, monk
     assert 1 <= s.engine.num_instances == min(2, p["generation"]["instances"])
     assert s.cluster.generation_labels == s.cluster.training_labels == ""
     scaled = p["cpu_stand_in"]["scaled"]
-    assert scaled["generation.num_instances"]["plan"] == p["generation"]["instances"]
+    assert scaled["engine.num_instances"]["plan"] == p["generation"]["instances"]
     assert scaled["cluster.trainer_gpus"] == {"plan": b.train_gpus, "emitted": 0}
 
 
@@ -143,7 +143,7 @@ def test_cpu_target_keeps_at_least_one_instance(reports):
   n = report.result.best.gen_gpus // report.tp
   for cap, want in ((1, 1), (3, min(3, n)), (10_000, n)):
     o = emit.build_plan(report, target="cpu", max_instances=cap)["overrides"]
-    assert o["generation.num_instances"] == want
+    assert o["engine.num_instances"] == want
   with pytest.raises(errors.UserError, match="max_instances"):
     emit.build_plan(report, target="cpu", max_instances=0)
   with pytest.raises(errors.UserError, match="emit_target"):
@@ -175,12 +175,12 @@ def _plan_file(tmp_path, overrides, name="plan.json"):
 def test_command_line_overrides_win_over_the_plan(tmp_path):
   path = _plan_file(
       tmp_path,
-      {"pipeline.mode": "async", "generation.num_instances": 2, "transfer.enabled": True},
+      {"pipeline.mode": "async", "engine.num_instances": 2, "transfer.enabled": True},
   )
   p = emit.load_plan(path)
   for cli in (
-      {"pipeline.mode": "sync", "trainer.lr": 1e-4},
-      ["pipeline.mode=sync", "trainer.lr=1e-4"],
+      {"pipeline.mode": "sync", "optimizer.lr": 1e-4},
+      ["pipeline.mode=sync", "optimizer.lr=1e-4"],
   ):
     merged = emit.apply_plan(_ppo(), p, cli, path=path)
     s = settings.from_config(merged, check_files=False)
@@ -211,26 +211,26 @@ def test_bad_plan_files(tmp_path):
     (tmp_path / name).write_text(text)
     with pytest.raises(errors.UserError, match=message):
       emit.load_plan(str(tmp_path / name))
-  unknown = emit.load_plan(_plan_file(tmp_path, {"trainer.lrr": 1e-4}, "unknown.json"))
+  unknown = emit.load_plan(_plan_file(tmp_path, {"optimizer.lrr": 1e-4}, "unknown.json"))
   with pytest.raises(
-      errors.UserError, match=r"'trainer.lrr', which is not a StreamRL .*trainer.lr\?"
+      errors.UserError, match=r"'optimizer.lrr', which is not a StreamRL .*optimizer.lr\?"
   ):
     emit.apply_plan(_ppo(), unknown, path="unknown.json")
   group = emit.load_plan(_plan_file(tmp_path, {"trainer": 1}, "group.json"))
   with pytest.raises(errors.UserError, match="not a StreamRL setting"):
     emit.apply_plan(_ppo(), group, path="group.json")
-  typed = emit.load_plan(_plan_file(tmp_path, {"generation.num_instances": "two"}, "typed.json"))
-  with pytest.raises(errors.UserError, match="generation.num_instances.*fix that value"):
+  typed = emit.load_plan(_plan_file(tmp_path, {"engine.num_instances": "two"}, "typed.json"))
+  with pytest.raises(errors.UserError, match="engine.num_instances.*fix that value"):
     emit.apply_plan(_ppo(), typed, path="typed.json")
 
 
 def test_record_plan_copies_the_file_and_validates(tmp_path, monkeypatch):
   path = _plan_file(
-      tmp_path, {"pipeline.mode": "async", "generation.num_instances": 2}, "emitted.json"
+      tmp_path, {"pipeline.mode": "async", "engine.num_instances": 2}, "emitted.json"
   )
   workdir = tmp_path / "w"
   workdir.mkdir()
-  config = emit.apply_plan(_ppo(), emit.load_plan(path), {"trainer.lr": 1e-4}, path=path)
+  config = emit.apply_plan(_ppo(), emit.load_plan(path), {"optimizer.lr": 1e-4}, path=path)
   monkeypatch.chdir(ROOT)  # ranker config paths are relative to the checkout
   s = emit.record_plan(path, str(workdir), config)
   assert s.pipeline.mode == "async" and s.engine.num_instances == 2 and s.optimizer.lr == 1e-4
@@ -255,12 +255,12 @@ def test_main_reports_plan_errors_in_one_line(tmp_path):
   _one_line_error(
       _run([MAIN, "--config=configs/ppo.py", f"--plan={unknown}", f"--workdir={wd}"]),
       "'generation.num_instance', which is not a StreamRL setting",
-      "did you mean generation.num_instances?",
+      "did you mean engine.num_instances?",
   )
   assert not wd.exists()
   # The plan's two instances and the command line's mode (it wins) meet in
   # settings' check, which fails before anything is written but the log.
-  two = _plan_file(tmp_path, {"pipeline.mode": "async", "generation.num_instances": 2}, "two.json")
+  two = _plan_file(tmp_path, {"pipeline.mode": "async", "engine.num_instances": 2}, "two.json")
   res = _run(
       [
           MAIN,
@@ -270,7 +270,7 @@ def test_main_reports_plan_errors_in_one_line(tmp_path):
           "--config.pipeline.mode=colocated",
       ]
   )
-  _one_line_error(res, "pipeline.mode='colocated'", "generation.num_instances=1", "for 2")
+  _one_line_error(res, "pipeline.mode='colocated'", "engine.num_instances=1", "for 2")
   assert os.listdir(wd) == ["libraries.log"]
 
 
@@ -324,7 +324,7 @@ def test_measured_costs_drive_the_planner(tmp_path):
   assert slow_gen.cost_model.startswith("measured") and "cost models: measured" in slow_gen.text
   assert b.gen_gpus > b.train_gpus and slow_gen.tp == 2
   o = emit.build_plan(slow_gen)["overrides"]
-  assert o["generation.gpus_per_instance"] == 2 and o["generation.num_instances"] == b.gen_gpus // 2
+  assert o["engine.gpus_per_instance"] == 2 and o["engine.num_instances"] == b.gen_gpus // 2
   assert emit.build_plan(slow_gen)["plan"]["cost_model"] == slow_gen.cost_model
   # Fast generation, costly training: most GPUs train.
   slow_train = run(_costs(ptl=(1e-4, 1.2e-4, 2e-4), fwd=1e-3, upd=4e-3))
@@ -362,9 +362,9 @@ def test_measure_script_writes_costs_the_planner_reads(tmp_path):
       "--config.trainer.mini_batch_size=8",
       "--config.trainer.micro_batch_size=8",
       "--config.trainer.ppo_epochs=1",
-      "--config.generation.max_tokens=16",
-      "--config.generation.max_num_seqs=4",
-      "--config.generation.max_model_len=64",
+      "--config.sampling.max_tokens=16",
+      "--config.engine.max_num_seqs=4",
+      "--config.engine.max_model_len=64",
   ]
   res = _run(
       [
@@ -423,8 +423,8 @@ def test_a_planned_run_end_to_end(tmp_path):
   with open(os.path.join(workdir, "config.json")) as f:
     config = json.load(f)
   o = planned["overrides"]
-  assert len(placement["generators"]) == o["generation.num_instances"] >= 1
+  assert len(placement["generators"]) == o["engine.num_instances"] >= 1
   assert placement["plan"] == planned["plan"]
   assert config["pipeline"]["mode"] == o["pipeline.mode"]
-  assert config["generation"]["scheduler"] == o["generation.scheduler"] == "skew"
+  assert config["scheduler"]["kind"] == o["scheduler.kind"] == "skew"
   assert config["transfer"]["enabled"] is True

@@ -82,7 +82,7 @@ def test_grpo_survives_a_raising_reward_function(tmp_path, monkeypatch):
   )
   cfg = load(
       "grpo",
-      **{"algo.group_size": 2, "trainer.prompts_per_iteration": 4, "trainer.num_iterations": 1},
+      **{"advantage.group_size": 2, "trainer.prompts_per_iteration": 4, "trainer.num_iterations": 1},
   )
   final = experiment.run(cfg, str(tmp_path / "grpo"))
   # Every sample scored 0 and was counted; the run finished.
@@ -104,7 +104,7 @@ def _actor_leaves(workdir, cfg):
 
 
 def test_resume_continues_where_it_stopped(tmp_path, monkeypatch):
-  cfg = load("ppo", **{"algo.use_critic": True})
+  cfg = load("ppo", **{"advantage.use_critic": True})
   straight = str(tmp_path / "straight")
   experiment.run(cfg, straight)
 
@@ -150,7 +150,7 @@ def test_bad_configs_fail_before_any_engine_starts(tmp_path):
   with pytest.raises(UserError, match="mini_batch_size"):
     check(**{"trainer.mini_batch_size": 5})
   with pytest.raises(UserError, match="needs a critic"):
-    check(**{"algo.use_critic": False})
+    check(**{"advantage.use_critic": False})
   with pytest.raises(UserError, match="pipeline.mode"):
     check(**{"pipeline.mode": "turbo"})
   with pytest.raises(UserError, match="no.jsonl"):
@@ -163,7 +163,7 @@ def test_ratio_is_one_before_the_update_at_any_temperature(tmp_path):
   # the loss computed log-probabilities at T=1). vLLM's sampled-token
   # logprobs must agree with the trainer's recomputation on the same tokens.
   workdir = str(tmp_path / "t07")
-  experiment.run(load("ppo", **{"generation.temperature": 0.7, "trainer.ppo_epochs": 1}), workdir)
+  experiment.run(load("ppo", **{"sampling.temperature": 0.7, "trainer.ppo_epochs": 1}), workdir)
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     rows = [json.loads(line) for line in f]
   rows = [r for r in rows if "train/ratio_mean" in r]
@@ -197,7 +197,7 @@ def test_a_work_trace_run_trains_on_ragged_micro_batches(tmp_path, monkeypatch):
           "ppo",
           **{
               "task.kind": "trace",
-              "generation.max_tokens": 96,
+              "sampling.max_tokens": 96,
               "trainer.micro_batch_size": 2,
               "warmstart.steps": 30,
           },

@@ -9,11 +9,11 @@ from __future__ import annotations
 import time
 
 from streamrl import lifecycle
-from streamrl import settings as settings_lib
+from streamrl.generator.config import Engine, Sampling
 from streamrl.generator.rollout import SamplingConfig, UpdateHandle
 
 
-def engine_kwargs(engine: settings_lib.Engine, *, dtype: str, seed: int) -> dict:
+def engine_kwargs(engine: Engine, *, dtype: str, seed: int) -> dict:
   """`GeneratorInstance` keyword arguments for one engine."""
   return dict(
       max_num_seqs=engine.max_num_seqs,
@@ -27,7 +27,7 @@ def engine_kwargs(engine: settings_lib.Engine, *, dtype: str, seed: int) -> dict
   )
 
 
-def sampling_for(sampling: settings_lib.Sampling, seed: int, iteration: int) -> SamplingConfig:
+def sampling_for(sampling: Sampling, seed: int, iteration: int) -> SamplingConfig:
   """The sampling of one training round: a fresh seed per iteration (each
   request adds its id to it), so a resumed run samples what it would have."""
   return SamplingConfig(
@@ -41,7 +41,7 @@ def sampling_for(sampling: settings_lib.Sampling, seed: int, iteration: int) -> 
 class LocalRollout:
   """One `GeneratorInstance` in this process."""
 
-  def __init__(self, model_dir: str, engine: settings_lib.Engine, *, dtype: str, seed: int):
+  def __init__(self, model_dir: str, engine: Engine, *, dtype: str, seed: int):
     # vLLM's engine-core and worker processes die with this one (a no-op
     # when the run already guards this process).
     lifecycle.guard_children()

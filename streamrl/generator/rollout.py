@@ -8,7 +8,7 @@ Two implementations, both in this package:
 Both stream finished `Sample`s as they finish, take new weights through
 `update` (which returns an `UpdateHandle` at once), and report their live and
 dead instances. The service's instances may change between rounds (elastic
-generation: `add_instance` / `remove_instance`, streamrl/generator/elastic.py);
+generation: `add_instance` / `remove_instance`, streamrl/elastic/controller.py);
 ids are never reused, and `assignments` name instances by id. Nothing here
 imports torch or vLLM.
 """

@@ -32,7 +32,9 @@ import ray
 
 from streamrl import cluster as cluster_lib
 from streamrl import lifecycle
-from streamrl import settings as settings_lib
+from streamrl.cluster import Cluster
+from streamrl.generator.config import Engine
+from streamrl.transfer.config import Transfer
 from streamrl.errors import UserError
 from streamrl.generator import local
 from streamrl.generator.rollout import (
@@ -304,16 +306,16 @@ class StoppableGeneratorActor(_GeneratorActor):
 
 
 def actor_options(
-    engine: settings_lib.Engine,
+    engine: Engine,
     generator_cpus: float,
     num_instances: int,
-    placement: settings_lib.Cluster | None = None,
+    placement: Cluster | None = None,
 ) -> dict:
   """The Ray resources of one `GeneratorActor`: its share of the generator
   CPUs, one slot of the generation pool and `engine.gpus_per_instance` GPUs
   (Ray then sets the actor's CUDA_VISIBLE_DEVICES to GPUs of its own), on a
   node carrying `placement.generation_labels`."""
-  placement = placement or settings_lib.Cluster()
+  placement = placement or Cluster()
   options = dict(
       num_cpus=round(generator_cpus / num_instances, 4),
       num_gpus=engine.gpus_per_instance,
@@ -361,23 +363,23 @@ class StreamGenerationService:
   def __init__(
       self,
       model_dir: str,
-      engine: settings_lib.Engine,
+      engine: Engine,
       *,
       dtype: str,
       seed: int,
       cluster: cluster_lib.ClusterInfo,
       stall_timeout_s: float = 600.0,
-      transfer: settings_lib.Transfer | None = None,
+      transfer: Transfer | None = None,
       num_instances: int | None = None,
       start_timeout_s: float = 600.0,
       log_dir: str | None = None,
-      placement: settings_lib.Cluster | None = None,
+      placement: Cluster | None = None,
       max_instances: int | None = None,
       stoppable: bool = False,
   ):
     num_instances = int(num_instances or engine.num_instances)
     if num_instances < 1:
-      raise UserError(f"generation.num_instances={num_instances} must be >= 1.")
+      raise UserError(f"engine.num_instances={num_instances} must be >= 1.")
     self.stall_timeout_s = float(stall_timeout_s)
     # Partial rollouts: streams that `stop_generation` can end early.
     self._actor_cls = StoppableGeneratorActor if stoppable else GeneratorActor

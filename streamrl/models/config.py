@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from streamrl.config_checks import one_of, positive
+
 # vLLM's CPU attention kernels exist for these head sizes only.
 CPU_SUPPORTED_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
@@ -149,3 +151,40 @@ class ComputeConfig:
       raise ValueError(f"remat policy {self.remat!r} is unknown; use one of {REMAT_POLICIES}.")
     if self.logprob_chunk < 0:
       raise ValueError(f"logprob_chunk={self.logprob_chunk} must be >= 0 (0: unchunked).")
+
+
+# ------------------------------------------------------------ run settings
+TINY_MODELS = ("qwen2", "llama")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+  """The policy (`model.*`): a local HF directory, or (empty path) the tiny default."""
+
+  path: str = ""
+  tiny: str = "qwen2"
+  # The generators' weights and activations (the trainer keeps fp32 weights).
+  dtype: str = "float32"
+
+  def check(self) -> None:
+    one_of("model.dtype", self.dtype, DTYPES)
+    if not self.path:
+      one_of("model.tiny", self.tiny, TINY_MODELS)
+
+
+@dataclasses.dataclass(frozen=True)
+class Warmstart:
+  """Supervised warm-up of the tiny policy (`warmstart.*`; cached in the workdir)."""
+
+  steps: int = 150
+  batch_size: int = 64
+  lr: float = 3e-3
+  num_examples: int = 20000
+
+  def check(self) -> None:
+    positive("warmstart.steps", self.steps, zero_ok=True)
+    if self.steps:
+      positive("warmstart.batch_size", self.batch_size)
+      positive("warmstart.lr", self.lr)
+      positive("warmstart.num_examples", self.num_examples)

@@ -19,7 +19,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from streamrl import settings as settings_lib
+from streamrl.data.config import Task
+from streamrl.models.config import Model, Warmstart
 from streamrl.data import tasks
 from streamrl.data import tokenizer as char_tok
 from streamrl.models import config as model_config_lib
@@ -35,9 +36,9 @@ def fingerprint(obj) -> str:
 
 
 def prepare_model_dir(
-    model: settings_lib.Model,
-    warm: settings_lib.Warmstart,
-    task: settings_lib.Task,
+    model: Model,
+    warm: Warmstart,
+    task: Task,
     *,
     seed: int,
     workdir: str,

@@ -4,7 +4,7 @@
   sync       engines on Ray actors; the trainer waits for the whole batch (sync.py)
   stream     samples trained on as they arrive, weights pushed per iteration (stream.py)
   async      generation of i+1 overlaps training of i (stream.py); with
-             generation.partial=on, rounds stop early and resume the
+             pipeline.partial=on, rounds stop early and resume the
              unfinished responses next round (partial.py)
 
 A mode only decides order and overlap; `streamrl/train.py` runs the iteration.

@@ -12,7 +12,7 @@ import dataclasses
 import time
 from collections.abc import Callable, Iterator
 
-from streamrl import settings as settings_lib
+from streamrl.generator.config import Sampling
 from streamrl.generator import local
 from streamrl.generator.rollout import Rollout, Sample, UpdateHandle, request_hint, with_hint
 
@@ -76,7 +76,7 @@ class Mode:
       scheduler,
       rounds: Callable[[int], Round],
       *,
-      sampling: settings_lib.Sampling,
+      sampling: Sampling,
       seed: int,
       group_size: int,
       mini_batch_size: int,

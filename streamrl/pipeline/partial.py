@@ -1,7 +1,7 @@
 """Partial rollouts: async rounds that stop early and resume the long tail.
 
-`generation.partial=on` (async only). Each round starts more prompt groups
-than it trains on (`generation.partial_oversample` more); once
+`pipeline.partial=on` (async only). Each round starts more prompt groups
+than it trains on (`pipeline.partial_oversample` more); once
 `prompts_per_iteration` groups have finished, the generators stop
 (`Rollout.stop_generation`) and every response still running comes back with
 the tokens it has. Those responses are kept in a `PartialBuffer` and resumed
@@ -12,9 +12,9 @@ it is finished in the next one while new prompts fill the engine.
 
 Every token keeps the weight version that sampled it and its behaviour
 log-probability (`Sample.token_versions`, `Sample.logprobs`), so the
-trainer's truncated importance weights (`algo.rollout_correction=tis`)
+trainer's truncated importance weights (`loss.rollout_correction=tis`)
 correct each token against the policy it trains. A token older than
-`generation.max_token_version_gap` versions at training time is never
+`pipeline.max_token_version_gap` versions at training time is never
 trained on: when carrying a response into a round would make its oldest
 token too old, the response starts again (its tokens are counted as
 wasted). Nothing is lost or counted twice: every started response is
@@ -252,7 +252,7 @@ class PartialBuffer:
       if len(members) != self.group_size:
         raise ValueError(
             f"The checkpoint's partial responses come in groups of {len(members)}, this "
-            f"run's algo.group_size is {self.group_size}; resume with the same group size."
+            f"run's advantage.group_size is {self.group_size}; resume with the same group size."
         )
       self.groups.append(
           Group(Example(**g["example"]), tuple(g["prompt_ids"]), members, g["born"], g["done_seq"])
@@ -261,7 +261,7 @@ class PartialBuffer:
 
 
 class PartialAsyncMode(stream.AsyncMode):
-  """Async with partial rollouts (`generation.partial=on`)."""
+  """Async with partial rollouts (`pipeline.partial=on`)."""
 
   def __init__(self, *args, buffer: PartialBuffer, **kwargs):
     super().__init__(*args, **kwargs)
@@ -309,5 +309,5 @@ class PartialAsyncMode(stream.AsyncMode):
     if gap > self.buffer.max_gap:
       raise RuntimeError(
           f"A token trained in iteration {it} is {gap} versions old, beyond "
-          f"generation.max_token_version_gap={self.buffer.max_gap}; this is a bug."
+          f"pipeline.max_token_version_gap={self.buffer.max_gap}; this is a bug."
       )

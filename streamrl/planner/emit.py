@@ -11,7 +11,7 @@ A plan file is JSON with two parts:
                 tensor-parallel size, the trainer's processes and mesh, the
                 long-tail split, the weight-transfer topology, which cost
                 models it came from, and for a CPU stand-in what was scaled;
-   "overrides": {"pipeline.mode": "async", "generation.num_instances": 16, ...}}
+   "overrides": {"pipeline.mode": "async", "engine.num_instances": 16, ...}}
 
 `overrides` are ordinary StreamRL config keys (streamrl/settings.py) with
 their values; launch/main.py applies them onto the run config before the
@@ -19,9 +19,9 @@ command line's --config.* overrides, so the command line wins. The mapping
 (target "gpu"):
 
   pipeline.mode                      the mode the simulator predicts fastest
-  generation.num_instances           generation GPUs / tensor-parallel size
-  generation.gpus_per_instance,      the planner's tensor-parallel size
-    generation.tensor_parallel_size
+  engine.num_instances           generation GPUs / tensor-parallel size
+  engine.gpus_per_instance,      the planner's tensor-parallel size
+    engine.tensor_parallel_size
   cluster.trainer_gpus               training GPUs
   cluster.trainer_processes          one per machine (GPUs per machine of the
                                      pool's GPU type; the smallest count that
@@ -33,8 +33,8 @@ command line's --config.* overrides, so the command line wins. The mapping
                                      the rest; no tensor parallelism
   cluster.generation_labels,         "datacenter=<pool's DC>,accelerator=<GPU>":
     cluster.training_labels          the Ray node labels our launcher sets
-  generation.scheduler,              "skew" (ranker + Algorithm 2) with the
-    generation.long_tail_alpha       long-tail fraction the planner simulated
+  scheduler.kind,              "skew" (ranker + Algorithm 2) with the
+    scheduler.long_tail_alpha       long-tail fraction the planner simulated
   transfer.enabled, .topology,       the checkpoint-transfer service as the
     .fanout, .delta_cross_dc         planner models it: broadcast tree (fanout
                                      2), relay and deltas across datacenters
@@ -119,9 +119,9 @@ def build_plan(report, *, target: str = "gpu", max_instances: int = 2, source: s
   gen_nodes = math.ceil(b.gen_gpus / gen_spec.gpus_per_machine)
   overrides = {
       "pipeline.mode": report.mode,
-      "generation.num_instances": instances,
-      "generation.gpus_per_instance": tp,
-      "generation.tensor_parallel_size": tp,
+      "engine.num_instances": instances,
+      "engine.gpus_per_instance": tp,
+      "engine.tensor_parallel_size": tp,
       "cluster.trainer_gpus": b.train_gpus,
       "cluster.trainer_processes": processes,
       "mesh.data": mesh["data"],
@@ -129,8 +129,8 @@ def build_plan(report, *, target: str = "gpu", max_instances: int = 2, source: s
       "mesh.tensor": mesh["tensor"],
       "cluster.generation_labels": _labels(gen_pool.datacenter, b.gen_gpu),
       "cluster.training_labels": _labels(train_pool.datacenter, b.train_gpu),
-      "generation.scheduler": "skew",
-      "generation.long_tail_alpha": float(report.long_tail["alpha"]),
+      "scheduler.kind": "skew",
+      "scheduler.long_tail_alpha": float(report.long_tail["alpha"]),
       "transfer.enabled": True,
       "transfer.topology": "tree",
       "transfer.fanout": TRANSFER_FANOUT,
@@ -178,9 +178,9 @@ def build_plan(report, *, target: str = "gpu", max_instances: int = 2, source: s
   }
   if target == "cpu":
     cpu = {
-        "generation.num_instances": max(1, min(max_instances, instances)),
-        "generation.gpus_per_instance": 0,
-        "generation.tensor_parallel_size": 1,
+        "engine.num_instances": max(1, min(max_instances, instances)),
+        "engine.gpus_per_instance": 0,
+        "engine.tensor_parallel_size": 1,
         "cluster.trainer_gpus": 0,
         "cluster.trainer_processes": 1,
         "mesh.data": 1,
@@ -233,7 +233,7 @@ def summary(plan: Mapping[str, Any]) -> str:
   )
   if p["target"] == "cpu":
     return (
-        f"plan: {p['mode']}, CPU stand-in: {o['generation.num_instances']} CPU generator "
+        f"plan: {p['mode']}, CPU stand-in: {o['engine.num_instances']} CPU generator "
         f"instance(s) + a CPU trainer (planned: {planned})"
     )
   return f"plan: {p['mode']}, {planned}"

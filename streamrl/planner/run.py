@@ -38,7 +38,7 @@ from streamrl.sim.ranker_model import sigma_for_recall
 from streamrl.sim.systems import SystemCalibration, disaggregated_config
 
 # The long-tail fraction of Algorithm 2 in every simulation the planner runs
-# (the simulator's default; a plan hands it to generation.long_tail_alpha).
+# (the simulator's default; a plan hands it to scheduler.long_tail_alpha).
 LONG_TAIL_ALPHA = {f.name: f.default for f in dataclasses.fields(SimConfig)}["alpha"]
 
 

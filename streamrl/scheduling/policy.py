@@ -1,7 +1,7 @@
 """A scheduler's name -> a DispatchPlan: "fifo" | "skew" | "oracle".
 
 `plan_generation` is what `GenerationScheduler` (streamrl/scheduling/
-scheduler.py) calls each round with the run's `generation.scheduler`:
+scheduler.py) calls each round with the run's `scheduler.kind`:
 "fifo" is `fifo_plan`; "skew" and "oracle" run `dispatch` (Algorithm 2 +
 LPT) on predicted or true lengths. The simulator calls `fifo_plan` and
 `dispatch` directly.
@@ -52,7 +52,7 @@ def plan_generation(
   if scheduler not in SCHEDULERS:
     raise ValueError(
         f"generation scheduler must be one of {SCHEDULERS}, got {scheduler!r}; "
-        "set config.generation.scheduler."
+        "set config.scheduler.kind."
     )
   if scheduler == "fifo":
     return fifo_plan(num_prompts, num_instances, max_batch_size, seed=seed)

@@ -20,7 +20,7 @@ import os
 
 import numpy as np
 
-from streamrl import settings as settings_lib
+from streamrl.scheduling.config import Scheduler
 from streamrl.data import tasks
 from streamrl.generator import rollout
 from streamrl.scheduling import ranker_actor
@@ -50,7 +50,7 @@ class GenerationScheduler:
 
   def __init__(
       self,
-      sched: settings_lib.Scheduler,
+      sched: Scheduler,
       *,
       model_dir: str,
       workdir: str | None,
@@ -88,9 +88,9 @@ class GenerationScheduler:
       self.profile = LatencyProfile.from_json(sched.latency_profile)
     else:
       # Only the curve's shape matters for the split; measure the real one
-      # with streamrl.generator.profiler and set generation.latency_profile.
+      # with streamrl.generator.profiler and set scheduler.latency_profile.
       self.profile = LatencyProfile.from_paper()
-      log.info("generation.latency_profile is empty: using the paper's PTL(BS) shape.")
+      log.info("scheduler.latency_profile is empty: using the paper's PTL(BS) shape.")
     if self.kind == "skew":
       if helper is not None and sched.ranker_side == "generators":
         options, cores = helper
@@ -130,7 +130,7 @@ class GenerationScheduler:
       exs = [examples_by_id[rid] for rid, _ in requests]
       if any(e.task == "jsonl" for e in exs):
         raise ValueError(
-            "generation.scheduler='oracle' needs a synthetic task with known "
+            "scheduler.kind='oracle' needs a synthetic task with known "
             "answer lengths; use 'skew' for real data."
         )
       # Work traces: the expected length (it varies between samples); plain

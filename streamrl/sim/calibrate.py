@@ -199,7 +199,8 @@ def predict_elastic_throughput(
       reason, first_round} (first_round: the first generation round that ran
       on the new count; None if none started after the decision).
   """
-  from streamrl.planner.elastic import ElasticPolicy, policy_controller
+  from streamrl.elastic.policy import ElasticPolicy  # pylint: disable=g-import-not-at-top
+  from streamrl.sim.elastic import policy_controller  # pylint: disable=g-import-not-at-top
 
   if not 0 <= warmup < iterations:
     raise ValueError(

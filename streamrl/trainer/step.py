@@ -45,7 +45,7 @@ class LossConfig:
       mode (see `micro_batch_weights`).
     norm_constant: the fixed divisor of agg="token_sum_norm" (Dr. GRPO): the
       loss is sum of token losses / (rows · norm_constant). Use the
-      maximum response length (generation.max_tokens); it must be > 0 in
+      maximum response length (sampling.max_tokens); it must be > 0 in
       that mode and is ignored in the others.
     rollout_correction: "none", "tis" or "mis": per-token weights for the
       trainer/generator mismatch (`rl.rollout_correction_weights`).
@@ -76,7 +76,7 @@ class LossConfig:
   def __post_init__(self):
     if self.agg not in rl.AGG_MODES:
       raise ValueError(
-          f"Unknown loss aggregation {self.agg!r}; set algo.loss_agg to "
+          f"Unknown loss aggregation {self.agg!r}; set loss.agg to "
           f"one of {list(rl.AGG_MODES)}."
       )
     if self.agg == "token_sum_norm" and not self.norm_constant > 0:

@@ -150,8 +150,8 @@ def test_inconsistent_gpu_settings_are_refused(overrides, match):
     cfg.cluster.trainer_gpus = overrides["trainer_gpus"]
   else:
     cfg.pipeline.mode = overrides["mode"]
-    cfg.generation.gpus_per_instance = overrides["gpus"]
-    cfg.generation.gpu_memory_utilization = overrides["util"]
+    cfg.engine.gpus_per_instance = overrides["gpus"]
+    cfg.engine.gpu_memory_utilization = overrides["util"]
   with pytest.raises(UserError, match=match) as info:
     settings.from_config(cfg)
   assert "\n" not in str(info.value)

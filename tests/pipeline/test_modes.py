@@ -45,7 +45,7 @@ def load(name, **overrides):
       # One of the 8 faked devices: sharding is tested in tests/trainer.
       "mesh.fsdp": 1,
       # The plain modes; the partial-rollout tests below turn it on.
-      "generation.partial": "off",
+      "pipeline.partial": "off",
   }
   return config_utils.apply_overrides(module.get_config(), {**base, **overrides})
 
@@ -162,7 +162,7 @@ def params_of(trainer):
 
 def test_stream_with_one_step_per_iteration_equals_sync(model_dir):
   # One optimizer step per iteration: the mini-batch is the whole batch.
-  overrides = {"trainer.mini_batch_size": 8, "algo.group_size": 1}
+  overrides = {"trainer.mini_batch_size": 8, "advantage.group_size": 1}
   t_sync, _, _ = run_mode(load("ppo", **{"pipeline.mode": "sync", **overrides}), model_dir, 2)
   t_stream, _, _ = run_mode(load("ppo", **{"pipeline.mode": "stream", **overrides}), model_dir, 2)
   for a, b in zip(params_of(t_sync), params_of(t_stream)):
@@ -175,7 +175,7 @@ def test_every_sample_trained_on_exactly_once(model_dir, mode):
       "grpo",
       **{
           "pipeline.mode": mode,
-          "algo.group_size": 2,
+          "advantage.group_size": 2,
           "trainer.prompts_per_iteration": 8,
           "trainer.mini_batch_size": 4,
           "trainer.micro_batch_size": 2,
@@ -210,7 +210,7 @@ def test_bubbles_are_reported(model_dir):
 
 
 def test_skew_scheduler_dispatches_learns_and_saves_pairs(model_dir, tmp_path):
-  cfg = load("ppo", **{"pipeline.mode": "sync", "generation.scheduler": "skew"})
+  cfg = load("ppo", **{"pipeline.mode": "sync", "scheduler.kind": "skew"})
   _, rollout, outs = run_mode(cfg, model_dir, 2, workdir=str(tmp_path))
   # Every round went out as per-instance assignments covering each request once.
   assert len(rollout.assignments) == 2
@@ -225,7 +225,7 @@ def test_skew_scheduler_dispatches_learns_and_saves_pairs(model_dir, tmp_path):
 
 
 def test_oracle_scheduler_puts_the_longest_prompt_first(model_dir):
-  cfg = load("ppo", **{"pipeline.mode": "sync", "generation.scheduler": "oracle"})
+  cfg = load("ppo", **{"pipeline.mode": "sync", "scheduler.kind": "oracle"})
   _, rollout, _ = run_mode(cfg, model_dir, 1)
   by_len = {}
   for e in tasks.make_examples(64, 0):
@@ -270,9 +270,9 @@ def test_partial_rollouts_train_every_response_once_and_whole(model_dir):
       "grpo",
       **{
           "pipeline.mode": "async",
-          "generation.partial": "on",
-          "generation.partial_oversample": 0.5,
-          "algo.group_size": 2,
+          "pipeline.partial": "on",
+          "pipeline.partial_oversample": 0.5,
+          "advantage.group_size": 2,
           "trainer.prompts_per_iteration": 8,
           "trainer.mini_batch_size": 4,
           "trainer.micro_batch_size": 2,
@@ -307,6 +307,6 @@ def test_partial_rollouts_train_every_response_once_and_whole(model_dir):
 
 
 def test_partial_rollouts_are_async_only():
-  cfg = load("ppo", **{"pipeline.mode": "stream", "generation.partial": "on"})
+  cfg = load("ppo", **{"pipeline.mode": "stream", "pipeline.partial": "on"})
   with pytest.raises(UserError, match="pipeline.mode=async"):
     settings.from_config(cfg)

@@ -151,7 +151,7 @@ def test_plan_generation_by_name():
   assert plan_generation("oracle", **kw, true_lengths=true) == dispatch(
       true, 2, PAPER, true, max_batch_size=4
   )
-  with pytest.raises(ValueError, match="config.generation.scheduler"):
+  with pytest.raises(ValueError, match="config.scheduler.kind"):
     plan_generation("random", **kw)
   with pytest.raises(ValueError, match="predicted_lengths"):
     plan_generation("skew", **kw)

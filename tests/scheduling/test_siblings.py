@@ -126,12 +126,12 @@ def test_requests_carry_their_groups_mean_estimate_and_resumed_ones_count_their_
 
 def test_sibling_lengths_needs_a_length_predicting_scheduler():
   cfg = settings.to_config(settings.Settings())
-  cfg.generation.sibling_lengths = "on"
-  with pytest.raises(UserError, match="generation.scheduler=skew"):
+  cfg.scheduler.sibling_lengths = "on"
+  with pytest.raises(UserError, match="scheduler.kind=skew"):
     settings.from_config(cfg)
-  cfg.generation.scheduler = "skew"
+  cfg.scheduler.kind = "skew"
   assert settings.from_config(cfg).scheduler.sibling_lengths == "on"
-  cfg.generation.sibling_lengths = "maybe"
+  cfg.scheduler.sibling_lengths = "maybe"
   with pytest.raises(UserError, match="sibling_lengths"):
     settings.from_config(cfg)
 

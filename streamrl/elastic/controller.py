@@ -3,7 +3,7 @@
 After every iteration `train.run` calls `ElasticGeneration.after_iteration`
 with the iteration's measured stage times. It first replaces instances that
 died since the last look (`elastic.replace_dead`), then asks
-`streamrl.planner.elastic.ElasticPolicy` (the same rule the simulator
+`streamrl.elastic.policy.ElasticPolicy` (the same rule the simulator
 replays) whether to add or release one, and applies the answer:
 
   add      `StreamGenerationService.add_instance`: a new Ray actor on a free
@@ -25,7 +25,7 @@ import logging
 import os
 import time
 
-from streamrl.planner.elastic import ElasticPolicy, StageTimes
+from streamrl.elastic.policy import ElasticPolicy, StageTimes
 
 log = logging.getLogger(__name__)
 

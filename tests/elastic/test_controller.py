@@ -15,7 +15,7 @@ from flax import nnx
 
 from streamrl import cluster, settings
 from streamrl.generator import service
-from streamrl.generator.elastic import ElasticGeneration
+from streamrl.elastic.controller import ElasticGeneration
 from streamrl.generator.vllm_engine import SamplingConfig
 from streamrl.models import config as model_config
 from streamrl.models import hf, tiny, transformer

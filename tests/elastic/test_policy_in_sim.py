@@ -9,7 +9,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from streamrl.planner.elastic import ElasticPolicy, StageTimes, policy_controller
+from streamrl.elastic.policy import ElasticPolicy, StageTimes
+from streamrl.sim.elastic import policy_controller
 from streamrl.sim.calibrate import from_measured, predict_elastic_throughput
 from streamrl.sim.costs import GenCostModel, TrainCostModel
 from streamrl.sim.engine import SimConfig, simulate, simulate_generation

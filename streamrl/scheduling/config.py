@@ -1,0 +1,84 @@
+"""The generation scheduler's settings (`scheduler.*`): which instance
+generates which prompt, in which order."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from streamrl.config_checks import need, one_of, positive
+from streamrl.scheduling.policy import SCHEDULERS
+
+DISPATCH_OBJECTIVES = ("makespan", "mean")
+LATENCY_MODELS = ("paper", "simulate")
+
+
+@dataclasses.dataclass(frozen=True)
+class Scheduler:
+  """Which instance generates which prompt, in which order.
+
+  kind: fifo | skew (ranker + Algorithm 2 dispatch + LPT) | oracle (true
+  lengths, synthetic tasks). latency_model: "paper" (PTL(BS) * L_avg *
+  ceil(M/BS)) or "simulate" (replays continuous batching through the profile).
+  """
+
+  kind: str = "fifo"
+  long_tail_alpha: float = 0.2
+  objective: str = "makespan"
+  latency_model: str = "paper"
+  latency_profile: str = ""
+  ranker_config: str = "configs/ranker.py:tiny"
+  ranker_checkpoint: str = ""
+  length_history: int = 1024
+  # Where the skew scheduler's ranker predicts and refreshes when the
+  # generators are Ray actors: "generators" (its own process beside them, so
+  # the trainer's cores only train) or "trainer" (in the trainer's process).
+  ranker_side: str = "generators"
+  # Group-aware length prediction (streamrl/scheduling/siblings.py): "on"
+  # keeps each prompt's samples on one instance, which admits one per prompt
+  # first and orders the rest by what their finished siblings say.
+  sibling_lengths: str = "off"
+
+  def check(self) -> None:
+    one_of("scheduler.kind", self.kind, SCHEDULERS)
+    need(
+        0 <= self.long_tail_alpha <= 1,
+        f"scheduler.long_tail_alpha={self.long_tail_alpha} must be in [0, 1].",
+    )
+    one_of("scheduler.objective", self.objective, DISPATCH_OBJECTIVES)
+    one_of("scheduler.latency_model", self.latency_model, LATENCY_MODELS)
+    positive("scheduler.length_history", self.length_history)
+    one_of("scheduler.ranker_side", self.ranker_side, ("generators", "trainer"))
+    one_of("scheduler.sibling_lengths", self.sibling_lengths, ("off", "on"))
+    need(
+        self.sibling_lengths == "off" or self.kind != "fifo",
+        "scheduler.sibling_lengths='on' refines the length predictions of the skew or "
+        "oracle scheduler; set scheduler.kind=skew or scheduler.sibling_lengths=off.",
+    )
+
+  def check_files(self) -> None:
+    if self.kind != "fifo" and self.latency_profile:
+      need(
+          os.path.isfile(self.latency_profile),
+          f"scheduler.latency_profile={self.latency_profile!r} does not exist; measure one "
+          "with streamrl.generator.profiler or leave it empty for the paper's curve.",
+      )
+    if self.kind != "skew":
+      return
+    if self.ranker_checkpoint:
+      from streamrl.ranker import train as ranker_train  # pylint: disable=g-import-not-at-top
+
+      ckpts = os.path.join(self.ranker_checkpoint, ranker_train.CHECKPOINT_DIR)
+      need(
+          os.path.isdir(ckpts) and any(n.isdigit() for n in os.listdir(ckpts)),
+          f"scheduler.ranker_checkpoint={self.ranker_checkpoint!r} holds no ranker "
+          "checkpoint; train one with launch/train_ranker.py --workdir=... or leave it "
+          "empty to learn online.",
+      )
+    else:
+      path = self.ranker_config.split(":", 1)[0]
+      need(
+          os.path.isfile(path),
+          f"scheduler.ranker_config={self.ranker_config!r}: no file {path!r}; use "
+          "configs/ranker.py:tiny or a path to a ranker config.",
+      )

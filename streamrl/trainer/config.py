@@ -1,0 +1,112 @@
+"""The trainer's settings: iterations, batches and compute (`trainer.*`), the
+optimizer (`optimizer.*`), the device mesh (`mesh.*`) and checkpoints
+(`checkpoint.*`)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from streamrl.config_checks import need, one_of, positive
+from streamrl.models.config import COMPUTE_DTYPES, DEFAULT_LOGPROB_CHUNK, REMAT_POLICIES
+
+
+@dataclasses.dataclass(frozen=True)
+class Trainer:
+  """Iterations and batch sizes (in samples), and how the trainer computes.
+
+  Weights and optimizer state are always fp32. compute_dtype: the dtype of
+  activations and matmuls ("auto": bfloat16 when the generators run bf16,
+  i.e. model.dtype, else float32). fp32_lm_head: the last norm, LM head and
+  log-softmax in fp32 even under bf16 compute (closer to the generators'
+  logprobs). remat: what each decoder block keeps for the backward pass
+  ("none", "full": only its input, "dots": the weight matmuls' outputs).
+  logprob_chunk: score this many positions at a time, so no fp32 [batch,
+  time, vocab] logits exist for a whole sequence (0: all at once).
+  """
+
+  num_iterations: int = 250
+  prompts_per_iteration: int = 64
+  mini_batch_size: int = 32
+  micro_batch_size: int = 32
+  ppo_epochs: int = 2
+  compute_dtype: str = "auto"
+  fp32_lm_head: bool = True
+  remat: str = "none"
+  logprob_chunk: int = DEFAULT_LOGPROB_CHUNK
+
+  def check(self) -> None:
+    for key in (
+        "num_iterations",
+        "prompts_per_iteration",
+        "mini_batch_size",
+        "micro_batch_size",
+        "ppo_epochs",
+    ):
+      positive(f"trainer.{key}", getattr(self, key))
+    need(
+        self.mini_batch_size % self.micro_batch_size == 0,
+        f"trainer.mini_batch_size={self.mini_batch_size} is not a multiple of "
+        f"trainer.micro_batch_size={self.micro_batch_size}; change one of them.",
+    )
+    need(
+        self.compute_dtype in ("auto",) + COMPUTE_DTYPES,
+        f"trainer.compute_dtype={self.compute_dtype!r} is not supported; use one of "
+        f"{('auto',) + COMPUTE_DTYPES} (float16 training would need loss scaling).",
+    )
+    one_of("trainer.remat", self.remat, REMAT_POLICIES)
+    need(
+        self.logprob_chunk >= 0,
+        f"trainer.logprob_chunk={self.logprob_chunk} must be >= 0 (positions scored at a "
+        "time; 0 scores all at once).",
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Optimizer:
+  """AdamW, warm-up then cosine decay, global-norm clipping (`optimizer.*`).
+
+  `critic_lr` is the critic's learning rate (its schedule is the actor's;
+  checked only when there is a critic).
+  """
+
+  lr: float = 3e-4
+  critic_lr: float = 1e-3
+  warmup_steps: int = 5
+  weight_decay: float = 0.0
+  grad_clip: float = 1.0
+
+  def check(self) -> None:
+    positive("optimizer.lr", self.lr)
+    positive("optimizer.warmup_steps", self.warmup_steps, zero_ok=True)
+    positive("optimizer.weight_decay", self.weight_decay, zero_ok=True)
+    positive("optimizer.grad_clip", self.grad_clip)
+
+
+@dataclasses.dataclass(frozen=True)
+class Mesh:
+  """The trainer's device mesh (-1: all remaining devices)."""
+
+  data: int = 1
+  fsdp: int = -1
+  tensor: int = 1
+
+  def axes(self) -> dict:
+    return {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}
+
+  def check(self) -> None:
+    for axis, size in self.axes().items():
+      need(size >= 1 or size == -1, f"mesh.{axis}={size} must be >= 1, or -1 for the rest.")
+    need(sum(v == -1 for v in self.axes().values()) <= 1, "at most one mesh axis may be -1.")
+
+
+@dataclasses.dataclass(frozen=True)
+class Checkpoint:
+  """Orbax checkpoints in <workdir>/checkpoints: every `every` iterations, the
+  newest `keep` kept."""
+
+  every: int = 25
+  keep: int = 2
+
+  def check(self) -> None:
+    positive("checkpoint.every", self.every)
+    positive("checkpoint.keep", self.keep)
