@@ -57,7 +57,7 @@ def main(argv):
   from streamrl import experiment  # pylint: disable=g-import-not-at-top
 
   if _PLAN.value:
-    config = emit.record_plan(_PLAN.value, workdir, config)  # validated; W/plan.json
+    config = experiment.record_plan(_PLAN.value, workdir, config)  # validated; W/plan.json
   final = experiment.run(config, workdir)
   print({k: round(v, 4) for k, v in final.items() if "eval" in k})
 

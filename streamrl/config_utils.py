@@ -432,7 +432,10 @@ def parse_flags_or_exit(
   time are reported the same way. `run_main` uses this parser.
   """
   try:
-    argv = _rename_flag_keys(argv, flag_values)
+    renamed_argv = _rename_flag_keys(argv, flag_values)
+    if list(argv) == sys.argv:  # config_flags reads its overrides from sys.argv.
+      sys.argv[:] = renamed_argv
+    argv = renamed_argv
     rest = flag_values(list(argv))
     _check_configs_loaded(flag_values)
     return rest

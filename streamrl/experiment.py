@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shutil
 import socket
 import sys
 
@@ -372,3 +373,15 @@ def _death_reason(e: Exception) -> str:
 def _last_line(e: Exception) -> str:
   msg = str(getattr(e, "error_msg", None) or e).strip().splitlines()
   return msg[-1] if msg else e.__class__.__name__
+
+
+def record_plan(path: str, workdir: str, config) -> settings_lib.Settings:
+  """Validates `config` (a plan file applied: streamrl/planner/emit.py), refuses
+  a workdir whose checkpoints another config wrote (nothing is written then),
+  copies the plan file to <workdir>/plan.json and returns the run's Settings."""
+  s = settings_lib.from_config(config)
+  train.open_checkpoints(s, workdir).close()
+  dst = os.path.join(workdir, "plan.json")
+  if not (os.path.exists(dst) and os.path.samefile(path, dst)):
+    shutil.copyfile(path, dst)
+  return s

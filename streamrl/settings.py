@@ -4,13 +4,13 @@ and the `ConfigDict` both ways.
 Each part of the system owns a frozen dataclass of its settings, with its
 defaults and its own checks, next to the code that reads it:
 
-  model, warmstart              streamrl/models/config.py
+  model                         streamrl/models/config.py
   task                          streamrl/data/config.py
   sampling, engine              streamrl/generator/config.py
   scheduler                     streamrl/scheduling/config.py
   advantage, kl, loss           streamrl/rl/config.py
   trainer, optimizer, mesh,
-  checkpoint                    streamrl/trainer/config.py
+  checkpoint, warmstart         streamrl/trainer/config.py
   pipeline                      streamrl/pipeline/config.py
   cluster                       streamrl/cluster.py
   transfer                      streamrl/transfer/config.py
@@ -47,11 +47,11 @@ from streamrl.elastic.config import Elastic
 from streamrl.errors import UserError
 from streamrl.generator.config import Engine, Sampling
 from streamrl.metrics import Log
-from streamrl.models.config import Model, Warmstart
+from streamrl.models.config import Model
 from streamrl.pipeline.config import PIPELINE_MODES, Pipeline
 from streamrl.rl.config import Advantage, Kl, Loss
 from streamrl.scheduling.config import Scheduler
-from streamrl.trainer.config import Checkpoint, Mesh, Optimizer, Trainer
+from streamrl.trainer.config import Checkpoint, Mesh, Optimizer, Trainer, Warmstart
 from streamrl.transfer.config import Transfer
 
 __all__ = [

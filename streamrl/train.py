@@ -39,13 +39,14 @@ from streamrl.data.rewards import Rewarder, get_reward_fn
 from streamrl.data.tokenizer import Tokenizer
 from streamrl.generator import make_rollout
 from streamrl.generator.rollout import SamplingConfig
-from streamrl.models import hf, warmstart
+from streamrl.models import hf
+from streamrl.trainer import warmstart
 from streamrl.pipeline import base as mode_base
 from streamrl.pipeline import make_mode
 from streamrl.pipeline.timeline import Timeline
 from streamrl.scheduling.scheduler import GenerationScheduler
 from streamrl.trainer import multihost
-from streamrl.trainer.checkpoint import Checkpointer
+from streamrl.trainer.checkpoint import Checkpointer, drop_defaults
 from streamrl.trainer.rl_trainer import RLTrainer
 
 log = logging.getLogger(__name__)
@@ -107,7 +108,13 @@ def make_rewarder(s: settings_lib.Settings, tokenizer) -> Rewarder:
 
 
 def fingerprint(s: settings_lib.Settings) -> dict:
-  """What must match for a workdir's checkpoints to be resumed."""
+  """What must match for a workdir's checkpoints to be resumed, without the
+  fields at their default (so a new field never stops an old workdir)."""
+  return drop_defaults(full_fingerprint(s), full_fingerprint(settings_lib.Settings()))
+
+
+def full_fingerprint(s: settings_lib.Settings) -> dict:
+  """Every field the fingerprint covers (what checkpoints held before 0.1)."""
   asdict = dataclasses.asdict
   return {
       "model": {"path": s.model.path, "tiny": s.model.tiny},
@@ -131,7 +138,10 @@ def fingerprint(s: settings_lib.Settings) -> dict:
 def open_checkpoints(s: settings_lib.Settings, workdir: str) -> Checkpointer:
   """The workdir's checkpoints; refuses one written by an incompatible config."""
   return Checkpointer(
-      os.path.join(workdir, "checkpoints"), keep=s.checkpoint.keep, fingerprint=fingerprint(s)
+      os.path.join(workdir, "checkpoints"),
+      keep=s.checkpoint.keep,
+      fingerprint=fingerprint(s),
+      defaults=full_fingerprint(settings_lib.Settings()),
   )
 
 

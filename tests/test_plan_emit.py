@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from streamrl import cluster, config_utils, errors, settings
+from streamrl import cluster, config_utils, errors, experiment, settings
 from streamrl.planner import emit
 from streamrl.planner.allocation import StageEstimator, plan
 from streamrl.planner.run import (
@@ -232,14 +232,14 @@ def test_record_plan_copies_the_file_and_validates(tmp_path, monkeypatch):
   workdir.mkdir()
   config = emit.apply_plan(_ppo(), emit.load_plan(path), {"optimizer.lr": 1e-4}, path=path)
   monkeypatch.chdir(ROOT)  # ranker config paths are relative to the checkout
-  s = emit.record_plan(path, str(workdir), config)
+  s = experiment.record_plan(path, str(workdir), config)
   assert s.pipeline.mode == "async" and s.engine.num_instances == 2 and s.optimizer.lr == 1e-4
   assert (workdir / "plan.json").read_bytes() == open(path, "rb").read()
-  emit.record_plan(str(workdir / "plan.json"), str(workdir), config)  # the same file: fine
+  experiment.record_plan(str(workdir / "plan.json"), str(workdir), config)  # the same file: fine
   bad = config_utils.apply_overrides(config, {"pipeline.mode": "colocated"})
   os.remove(workdir / "plan.json")
   with pytest.raises(errors.UserError, match="num_instances"):
-    emit.record_plan(path, str(workdir), bad)
+    experiment.record_plan(path, str(workdir), bad)
   assert not (workdir / "plan.json").exists()  # nothing copied for a refused config
 
 

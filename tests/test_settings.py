@@ -180,11 +180,24 @@ def test_lower_modules_never_read_the_config_dict():
   assert offenders == []
 
 
-def _imports(path, modules):
-  """streamrl modules `path` imports, at module level or inside functions."""
-  tree = ast.parse(open(path).read())
+def _type_only(tree):
+  """Nodes under `if typing.TYPE_CHECKING:` (annotations; nothing at run time)."""
   out = set()
   for node in ast.walk(tree):
+    if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+      out |= {id(n) for stmt in node.body for n in ast.walk(stmt)}
+  return out
+
+
+def _imports(path, modules, *, runtime_only=False):
+  """streamrl modules `path` imports, at module level or inside functions
+  (`runtime_only`: leaving out imports for type annotations only)."""
+  tree = ast.parse(open(path).read())
+  skip = _type_only(tree) if runtime_only else set()
+  out = set()
+  for node in ast.walk(tree):
+    if id(node) in skip:
+      continue
     if isinstance(node, ast.Import):
       names = [a.name for a in node.names]
     elif isinstance(node, ast.ImportFrom) and node.module:
@@ -223,3 +236,178 @@ def test_no_import_cycles_in_streamrl_counting_function_level_imports():
     if m not in state:
       visit(m, [])
   assert cycles == []
+
+
+# ------------------------------------------------- the key is the attribute
+def _read(s, key):
+  """The Settings attribute at dotted path `key`."""
+  out = s
+  for name in key.split("."):
+    out = getattr(out, name)
+  return out
+
+
+def _assert_keys_are_attributes(config, points=()):
+  """Each leaf key of `config` (and of each override point) reads back as
+  the attribute of the same dotted path, with the value it was given."""
+  s = settings.from_config(config, check_files=False)
+  for key in leaves(config):
+    want = _lookup(config, key)
+    assert _read(s, key) == (tuple(want) if isinstance(want, list) else want), key
+  for point in points:
+    cfg = config_utils.apply_overrides(config, point)
+    s = settings.from_config(cfg, check_files=False)
+    for key, value in point.items():
+      got = _read(s, key)
+      assert got == (tuple(value) if isinstance(value, list) else value), (key, got, value)
+
+
+def _lookup(config, key):
+  node = config
+  for name in key.split("."):
+    node = node[name]
+  return node
+
+
+@pytest.mark.parametrize("path", rl_configs(), ids=os.path.basename)
+def test_every_key_is_its_attribute_path_in_configs_and_their_sweeps(path):
+  cfg = config_utils.load_config(path)
+  spec = path
+  points = []
+  module_text = open(path).read()
+  if "def get_sweep" in module_text:
+    points = config_utils.load_sweep(spec)
+    for point in points:
+      assert all(k in set(settings.config_keys()) for k in point), point
+  _assert_keys_are_attributes(cfg, points)
+
+
+def test_every_key_of_an_emitted_plan_is_its_attribute_path(tmp_path, monkeypatch):
+  from streamrl.planner import emit
+  from streamrl.planner.run import run_plan
+
+  monkeypatch.chdir(ROOT)
+  plan_cfg = config_utils.load_config(os.path.join(CONFIGS, "plan", "qwen7b_single_dc.py"))
+  for target in emit.TARGETS:
+    plan = emit.build_plan(run_plan(plan_cfg), target=target, max_instances=2)
+    path = str(tmp_path / f"{target}.json")
+    emit.write_plan(plan, path)
+    overrides = emit.load_plan(path)["overrides"]
+    assert set(overrides) <= set(settings.config_keys())
+    _assert_keys_are_attributes(config_utils.load_config("configs/ppo.py"), [overrides])
+
+
+def test_every_part_field_is_a_key_and_no_group_is_read_under_another_name():
+  for part, cls in settings.PARTS.items():
+    assert isinstance(getattr(settings.Settings(), part), cls)
+    for f in dataclasses.fields(cls):
+      assert f"{part}.{f.name}" in settings.config_keys()
+  assert set(settings.default_config().keys()) == set(settings.PARTS) | {"seed"}
+
+
+# ------------------------------------------------------ keys renamed in 0.1
+def test_old_keys_map_to_their_new_names_and_say_so(capfd):
+  from streamrl import renames
+
+  renames._noted.clear()
+  assert set(renames.OLD_TO_NEW.values()) <= set(settings.config_keys())
+  assert not set(renames.OLD_TO_NEW) & set(settings.config_keys())
+  base = settings.default_config()
+  # Overrides (the command line, sweeps, plans go through apply_overrides).
+  cfg = config_utils.apply_overrides(base, ["generation.partial=on", "pipeline.mode=async"])
+  cfg = config_utils.apply_overrides(cfg, {"algo.kl_coef": 0.0, "trainer.lr": 1e-4})
+  s = settings.from_config(cfg)
+  assert (s.pipeline.partial, s.kl.coef, s.optimizer.lr) == ("on", 0.0, 1e-4)
+  err = capfd.readouterr().err
+  assert "'generation.partial' is now 'pipeline.partial'" in err
+  assert "'algo.kl_coef' is now 'kl.coef'" in err and "'trainer.lr' is now 'optimizer.lr'" in err
+  # A config.json saved before the rename maps onto the same settings.
+  old = {"generation": {"partial": "on", "max_tokens": 40}, "pipeline": {"mode": "async"}}
+  s = settings.from_config(old)
+  assert (s.pipeline.partial, s.sampling.max_tokens) == ("on", 40)
+  # Both names at once is refused with the name to keep.
+  with pytest.raises(UserError, match="keep only 'pipeline.partial'"):
+    settings.from_config({"generation": {"partial": "on"}, "pipeline": {"partial": "off"}})
+  # Each old key's note comes once per process.
+  renames._noted.clear()
+  config_utils.apply_overrides(base, ["generation.top_p=0.9"])
+  config_utils.apply_overrides(base, ["generation.top_p=0.8"])
+  assert capfd.readouterr().err.count("'generation.top_p' is now") == 1
+
+
+def test_old_keys_on_the_command_line_are_renamed_for_run_configs_only():
+  from absl import flags
+
+  fv = flags.FlagValues()
+  config_utils.define_config_file("config", None, "c", flag_values=fv)
+  argv = ["main.py", "--config=configs/ppo.py", "--config.generation.partial=off",
+          "--config.trainer.lr=1e-4", "--config.trainer.num_iterations=3"]
+  new = config_utils._rename_flag_keys(argv, fv)
+  assert new[2:] == ["--config.pipeline.partial=off", "--config.optimizer.lr=1e-4",
+                     "--config.trainer.num_iterations=3"]
+  # A config of another schema that has the old key keeps it.
+  other = ["train_ranker.py", "--config=configs/ranker.py:tiny", "--config.steps=3"]
+  assert config_utils._rename_flag_keys(other, fv) == other
+
+
+def test_fingerprints_leave_out_defaults_so_new_fields_never_block_a_resume():
+  from streamrl import train
+
+  s = settings.Settings()
+  assert train.fingerprint(s) == {}
+  changed = s.replace(kl=dataclasses.replace(s.kl, coef=0.0))
+  assert train.fingerprint(changed) == {"kl": {"coef": 0.0}}
+
+
+def test_a_workdir_with_a_full_pre_rename_fingerprint_still_resumes(tmp_path):
+  import numpy as np
+
+  from streamrl import train
+  from streamrl.trainer.checkpoint import Checkpointer
+
+  s = settings.from_config(config_utils.load_config(os.path.join(CONFIGS, "grpo.py")))
+  old = Checkpointer(str(tmp_path / "checkpoints"), keep=1, fingerprint=train.full_fingerprint(s))
+  old.save(1, {"w": np.zeros(2, np.float32)}, {"it": 1})
+  old.close()
+  ckpt = train.open_checkpoints(s, str(tmp_path))  # no UserError: the same run
+  assert ckpt.restore({"w": np.zeros(2, np.float32)})[0] == 1
+  ckpt.close()
+  other = s.replace(kl=dataclasses.replace(s.kl, coef=s.kl.coef + 0.5))
+  with pytest.raises(UserError, match="kl.coef"):
+    train.open_checkpoints(other, str(tmp_path))
+
+
+# The layers of streamrl/, lowest first: a module may import its own layer
+# and those below, never one above (function-level imports included).
+LAYERS = (
+    {"errors", "config_checks", "renames", "config_utils", "metrics", "lifecycle"},
+    {"cluster", "local_cluster", "data", "rl", "transfer", "elastic", "models", "ranker"},
+    {"trainer", "scheduling"},
+    {"generator"},
+    {"pipeline", "sim"},
+    {"settings"},
+    {"planner"},
+    {"train"},
+    {"experiment"},
+)
+
+
+def _layer(module):
+  name = module.split(".")[1] if "." in module else module
+  return next(i for i, names in enumerate(LAYERS) if name in names)
+
+
+def test_no_module_imports_a_layer_above_its_own():
+  base = os.path.join(ROOT, "streamrl")
+  modules = {}
+  for path in glob.glob(os.path.join(base, "**", "*.py"), recursive=True):
+    rel = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".")
+    modules[rel[: -len(".__init__")] if rel.endswith(".__init__") else rel] = path
+  modules.pop("streamrl")
+  upward = [
+      f"{m} -> {n}"
+      for m, p in sorted(modules.items())
+      for n in sorted(_imports(p, modules, runtime_only=True))
+      if n != "streamrl" and _layer(n) > _layer(m)
+  ]
+  assert upward == []

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from streamrl.config_checks import one_of, positive
+from streamrl.config_checks import one_of
 
 # vLLM's CPU attention kernels exist for these head sizes only.
 CPU_SUPPORTED_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
@@ -171,20 +171,3 @@ class Model:
     one_of("model.dtype", self.dtype, DTYPES)
     if not self.path:
       one_of("model.tiny", self.tiny, TINY_MODELS)
-
-
-@dataclasses.dataclass(frozen=True)
-class Warmstart:
-  """Supervised warm-up of the tiny policy (`warmstart.*`; cached in the workdir)."""
-
-  steps: int = 150
-  batch_size: int = 64
-  lr: float = 3e-3
-  num_examples: int = 20000
-
-  def check(self) -> None:
-    positive("warmstart.steps", self.steps, zero_ok=True)
-    if self.steps:
-      positive("warmstart.batch_size", self.batch_size)
-      positive("warmstart.lr", self.lr)
-      positive("warmstart.num_examples", self.num_examples)

@@ -53,7 +53,6 @@ import difflib
 import json
 import math
 import os
-import shutil
 from typing import Any, Mapping, Sequence
 
 from streamrl.errors import MissingFileError, UserError
@@ -326,17 +325,3 @@ def apply_plan(
         f"{_fix(path)}."
     ) from None
   return config_utils.apply_overrides(merged, cli_overrides)
-
-
-def record_plan(path: str, workdir: str, config):
-  """Validates `config` (the plan applied), refuses a workdir whose
-  checkpoints another config wrote (nothing is written then), copies the plan
-  file to <workdir>/plan.json and returns the run's Settings."""
-  from streamrl import settings, train  # pylint: disable=g-import-not-at-top
-
-  s = settings.from_config(config)
-  train.open_checkpoints(s, workdir).close()
-  dst = os.path.join(workdir, "plan.json")
-  if not (os.path.exists(dst) and os.path.samefile(path, dst)):
-    shutil.copyfile(path, dst)
-  return s

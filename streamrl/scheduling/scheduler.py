@@ -22,7 +22,7 @@ import numpy as np
 
 from streamrl.scheduling.config import Scheduler
 from streamrl.data import tasks
-from streamrl.generator import rollout
+from streamrl.scheduling.request import with_hint
 from streamrl.scheduling import ranker_actor
 from streamrl.scheduling.dispatch import MIN_RANK_HISTORY, rank_quantiles
 from streamrl.scheduling.latency import LatencyProfile
@@ -40,7 +40,7 @@ def with_length_hints(requests, groups, lengths) -> list:
     total[g] += n
     count[g] += 1
   return [
-      rollout.with_hint(r, LengthHint(group=g, prior=total[g] / count[g]))
+      with_hint(r, LengthHint(group=g, prior=total[g] / count[g]))
       for r, g in zip(requests, groups)
   ]
 

@@ -77,6 +77,22 @@ def _first_difference(saved: Any, given: Any, path: str = "") -> tuple[str, Any,
   return None if saved == given else (path or "<root>", saved, given)
 
 
+def drop_defaults(tree: Any, defaults: Any) -> Any:
+  """`tree` without the leaves equal to `defaults`' at the same path (empty
+  dicts dropped too): a fingerprint that names only what a run changed, so
+  adding a setting never stops an older workdir from resuming."""
+  if not isinstance(tree, dict) or not isinstance(defaults, dict):
+    return tree
+  out = {}
+  for key, value in tree.items():
+    if key in defaults and _to_json(value, "fingerprint") == _to_json(defaults[key], "fingerprint"):
+      continue
+    value = drop_defaults(value, defaults.get(key))
+    if value != {}:
+      out[key] = value
+  return out
+
+
 def _layout(tree: Any) -> dict[str, list[int]]:
   """{key path: shape} of every array leaf (arrays, ShapeDtypeStructs, scalars)."""
   leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
@@ -110,6 +126,9 @@ class Checkpointer:
     fingerprint: JSON-able dict of everything that must match to resume
       (model shapes, algorithm, critic on/off, ...). Compared after a JSON
       round trip, so tuples and lists are equal.
+    defaults: the fingerprint of a run at every default; leaves equal to it
+      are left out on both sides (a checkpoint written with a full
+      fingerprint, or before a field existed, compares the same).
 
   Raises:
     UserError: `directory` already holds a checkpoint with another
@@ -117,7 +136,9 @@ class Checkpointer:
       is a file; nothing is modified.
   """
 
-  def __init__(self, directory: str, *, keep: int = 3, fingerprint: dict):
+  def __init__(
+      self, directory: str, *, keep: int = 3, fingerprint: dict, defaults: dict | None = None
+  ):
     if int(keep) < 1:
       raise ValueError(f"keep must be >= 1, got {keep}.")
     if not isinstance(fingerprint, dict):
@@ -126,7 +147,8 @@ class Checkpointer:
     # Remote paths (gs://...) go to Orbax as they are.
     self.directory = directory if "://" in directory else os.path.abspath(directory)
     self.keep = int(keep)
-    self.fingerprint = _to_json(fingerprint, "fingerprint")
+    self.defaults = _to_json(defaults or {}, "fingerprint defaults")
+    self.fingerprint = drop_defaults(_to_json(fingerprint, "fingerprint"), self.defaults)
     if "://" not in self.directory:
       _check_not_under_file(self.directory)
     # Check with a read-only manager first: the read-write one may create
@@ -168,7 +190,8 @@ class Checkpointer:
               f"{self.directory} holds a checkpoint (step {step}) that was not written by "
               "streamrl's Checkpointer; use a new --workdir."
           )
-        diff = _first_difference(info.get("fingerprint"), self.fingerprint)
+        saved = drop_defaults(info.get("fingerprint"), self.defaults)
+        diff = _first_difference(saved, self.fingerprint)
         if diff is not None:
           key, was, now = diff
           raise UserError(
@@ -264,7 +287,7 @@ class Checkpointer:
           f"checkpoint step {step} in {self.directory} was not written by streamrl's "
           "Checkpointer; use a new --workdir."
       )
-    diff = _first_difference(info["fingerprint"], self.fingerprint)
+    diff = _first_difference(drop_defaults(info["fingerprint"], self.defaults), self.fingerprint)
     if diff is not None:  # Only reachable if files changed since __init__.
       raise UserError(
           f"checkpoint step {step} in {self.directory} has another fingerprint at {diff[0]}; "

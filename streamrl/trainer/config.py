@@ -1,6 +1,6 @@
 """The trainer's settings: iterations, batches and compute (`trainer.*`), the
-optimizer (`optimizer.*`), the device mesh (`mesh.*`) and checkpoints
-(`checkpoint.*`)."""
+optimizer (`optimizer.*`), the device mesh (`mesh.*`), checkpoints
+(`checkpoint.*`) and the tiny policy's supervised warm-up (`warmstart.*`)."""
 
 from __future__ import annotations
 
@@ -110,3 +110,20 @@ class Checkpoint:
   def check(self) -> None:
     positive("checkpoint.every", self.every)
     positive("checkpoint.keep", self.keep)
+
+
+@dataclasses.dataclass(frozen=True)
+class Warmstart:
+  """Supervised warm-up of the tiny policy (`warmstart.*`; cached in the workdir)."""
+
+  steps: int = 150
+  batch_size: int = 64
+  lr: float = 3e-3
+  num_examples: int = 20000
+
+  def check(self) -> None:
+    positive("warmstart.steps", self.steps, zero_ok=True)
+    if self.steps:
+      positive("warmstart.batch_size", self.batch_size)
+      positive("warmstart.lr", self.lr)
+      positive("warmstart.num_examples", self.num_examples)

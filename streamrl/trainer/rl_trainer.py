@@ -23,6 +23,8 @@ directly in its sharding.
 
 from __future__ import annotations
 
+import typing
+
 import dataclasses
 from collections.abc import Sequence
 
@@ -32,11 +34,13 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from streamrl import rl
-from streamrl import settings as settings_lib
 from streamrl.models import hf
 from streamrl.models.config import ComputeConfig
 from streamrl.models.transformer import Critic, Transformer, read_dtype_cast
 from streamrl.trainer import experience, multihost, sharding, step as step_lib
+
+if typing.TYPE_CHECKING:  # The run's settings are read here, never imported at run time.
+  from streamrl import settings as settings_lib
 
 
 def loss_config(s: settings_lib.Settings) -> step_lib.LossConfig:

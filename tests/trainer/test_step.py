@@ -191,10 +191,23 @@ def test_remat_and_logprob_chunks_leave_the_update_unchanged(remat):
   assert metrics.keys() == plain.keys()
   for k, v in plain.items():
     assert metrics[k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
-  # Adam divides by sqrt(v): a weight whose gradient is ~0 moves by a ratio of
-  # two tiny numbers, so compare the moves to the step size (lr).
-  for a, b in zip(jax.tree.leaves(plain_after), jax.tree.leaves(after)):
-    np.testing.assert_allclose(b, a, atol=OPTIM.lr * 1e-2)
+  # One Adam step moves a weight by lr * g / (|g| + eps_adam): about lr * sign(g)
+  # wherever the gradient is clear of zero, so there the two updates agree to a
+  # small fraction of lr. A gradient within fp32 summation error of zero
+  # (each entry sums B*T positions pairwise: ceil(log2(B*T)) * eps * the
+  # entry's magnitude scale) may change sign between two orders of the same
+  # sums; such a weight can move anywhere within Adam's bound of lr either way.
+  grads = reference_grads("seq_mean_token_mean")
+  eps = np.finfo(np.float32).eps
+  for a, b, g in zip(
+      jax.tree.leaves(plain_after), jax.tree.leaves(after), jax.tree.leaves(grads)
+  ):
+    g = np.abs(np.asarray(g))
+    noise = np.ceil(np.log2(B * T)) * eps * max(g.max(), 1e-30) * B * T
+    clear = g > noise
+    np.testing.assert_allclose(b[clear], a[clear], atol=OPTIM.lr * 1e-2)
+    np.testing.assert_array_less(np.abs(b - a)[~clear], 2 * OPTIM.lr * (1 + 1e-3))
+    assert clear.mean() > 0.5  # The bound leaves most weights to the tight check.
 
 
 def test_bf16_compute_update_is_close_and_keeps_fp32_state():

@@ -20,7 +20,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from streamrl.data.config import Task
-from streamrl.models.config import Model, Warmstart
+from streamrl.models.config import Model
+from streamrl.trainer.config import Warmstart
 from streamrl.data import tasks
 from streamrl.data import tokenizer as char_tok
 from streamrl.models import config as model_config_lib
