@@ -130,9 +130,7 @@ _WARMUP = flags.DEFINE_integer("warmup", 1, "Untimed iterations per mode.")
 _ITERATIONS = flags.DEFINE_integer("iterations", 8, "Timed iterations per mode.")
 _PROMPTS = flags.DEFINE_integer("prompts", 64, "trainer.prompts_per_iteration.")
 _MINI = flags.DEFINE_integer("mini_batch", 16, "trainer.mini_batch_size (= micro_batch_size).")
-_MAX_NUM_SEQS = flags.DEFINE_integer(
-    "max_num_seqs", 4, "engine.max_num_seqs: requests in flight."
-)
+_MAX_NUM_SEQS = flags.DEFINE_integer("max_num_seqs", 4, "engine.max_num_seqs: requests in flight.")
 _MAX_TOKENS = flags.DEFINE_integer("max_tokens", 56, "sampling.max_tokens.")
 _PROFILE_REPS = flags.DEFINE_integer("profile_reps", 5, "Repetitions per PTL timing (median).")
 _SIM_ITERATIONS = flags.DEFINE_integer(

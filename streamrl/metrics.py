@@ -51,7 +51,9 @@ class Log:
 
   def check(self) -> None:
     if self.eval_every < 0:
-      raise UserError(f"log.eval_every={self.eval_every!r} must be >= 0; fix --config.log.eval_every.")
+      raise UserError(
+          f"log.eval_every={self.eval_every!r} must be >= 0; fix --config.log.eval_every."
+      )
 
 
 def _scalar(name: str, value: Any) -> float:

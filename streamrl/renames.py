@@ -95,9 +95,7 @@ def upgrade_flat(values: Mapping[str, Any], *, where: str = "the config") -> dic
   for key, value in values.items():
     new = new_key(key)
     if new in out and new != key:
-      raise ValueError(
-          f"{where} sets both {key!r} and its new name {new!r}; keep only {new!r}."
-      )
+      raise ValueError(f"{where} sets both {key!r} and its new name {new!r}; keep only {new!r}.")
     if new in out and new == key and NEW_TO_OLD.get(key) in values:
       raise ValueError(
           f"{where} sets both {NEW_TO_OLD[key]!r} and its new name {key!r}; keep only {key!r}."

@@ -16,3 +16,50 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
   os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="streamrl-test-xla-")
   atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+
+
+# ------------------------------------------------------------------ tiers
+# What each module starts beyond this process: a vLLM engine (`engine`), a
+# Ray cluster (`ray`), a whole run of launch/main.py or the library in other
+# processes (`e2e`; the old `slow` marker means the same). The fast lane for
+# local iteration leaves them out:
+#   pytest -q tests -m "not engine and not ray and not e2e"
+# The README's command (what CI runs) is the whole suite.
+TIERS = {
+    "tests/generator/test_vllm_engine.py": ("engine",),
+    "tests/scheduling/test_profiler.py": ("engine",),
+    "tests/generator/test_service.py": ("engine", "ray"),
+    "tests/generator/test_service_transfer.py": ("engine", "ray"),
+    "tests/generator/test_placement.py": ("ray",),
+    "tests/elastic/test_controller.py": ("engine", "ray"),
+    "tests/scheduling/test_ranker_actor.py": ("ray",),
+    "tests/test_experiment.py": ("engine", "ray", "e2e"),
+    "tests/test_train.py": ("engine",),
+    "tests/test_launch.py": ("e2e",),
+    "tests/test_multihost.py": ("e2e",),
+    "tests/test_multinode.py": ("ray", "e2e"),
+    "tests/transfer/test_processes.py": ("e2e",),
+    "tests/trainer/test_gpu_check.py": ("e2e",),
+    "tests/test_orphans.py": ("e2e",),
+}
+
+
+def pytest_configure(config):
+  for name, what in (
+      ("engine", "starts a real vLLM engine"),
+      ("ray", "starts or joins a Ray cluster"),
+      ("e2e", "runs launch/ scripts or the library in other processes"),
+  ):
+    config.addinivalue_line("markers", f"{name}: {what}")
+
+
+def pytest_collection_modifyitems(config, items):
+  import pytest  # pylint: disable=g-import-not-at-top
+
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  for item in items:
+    rel = os.path.relpath(str(item.path), root)
+    for name in TIERS.get(rel, ()):
+      item.add_marker(getattr(pytest.mark, name))
+    if item.get_closest_marker("slow"):
+      item.add_marker(pytest.mark.e2e)

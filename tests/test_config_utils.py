@@ -207,6 +207,7 @@ def _run(args, cwd, extra_path=()):
   )
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("default", [None, "cfg.py"])
 def test_launcher_reports_bad_overrides_in_one_line(tmp_path, default):
   (tmp_path / "cfg.py").write_text(CONFIG_PY)
@@ -261,6 +262,7 @@ def _sweep(tmp_path, *args):
   )
 
 
+@pytest.mark.e2e
 def test_sweep_dry_run_plans_run_dirs(tmp_path):
   (tmp_path / "cfg.py").write_text(CONFIG_PY + SWEEP_PY)
   wd = tmp_path / "wd"
@@ -296,6 +298,7 @@ def run(config, workdir):
 """
 
 
+@pytest.mark.e2e
 def test_sweep_runs_each_point_in_its_dir(tmp_path):
   (tmp_path / "cfg.py").write_text(CONFIG_PY + SWEEP_PY)
   (tmp_path / "fake_train.py").write_text(RUN_FN_PY)
@@ -317,6 +320,7 @@ def test_sweep_runs_each_point_in_its_dir(tmp_path):
   assert seen == {"lr": 1e-6, "kl": 0.0, "algo": "grpo", "iters": 2, "mesh": [2, 4]}
 
 
+@pytest.mark.e2e
 def test_sweep_refuses_bad_sweeps_before_running_anything(tmp_path):
   (tmp_path / "fake_train.py").write_text(RUN_FN_PY)
   (tmp_path / "nosweep.py").write_text(CONFIG_PY)

@@ -225,9 +225,7 @@ def test_bad_plan_files(tmp_path):
 
 
 def test_record_plan_copies_the_file_and_validates(tmp_path, monkeypatch):
-  path = _plan_file(
-      tmp_path, {"pipeline.mode": "async", "engine.num_instances": 2}, "emitted.json"
-  )
+  path = _plan_file(tmp_path, {"pipeline.mode": "async", "engine.num_instances": 2}, "emitted.json")
   workdir = tmp_path / "w"
   workdir.mkdir()
   config = emit.apply_plan(_ppo(), emit.load_plan(path), {"optimizer.lr": 1e-4}, path=path)
@@ -243,6 +241,7 @@ def test_record_plan_copies_the_file_and_validates(tmp_path, monkeypatch):
   assert not (workdir / "plan.json").exists()  # nothing copied for a refused config
 
 
+@pytest.mark.e2e
 def test_main_reports_plan_errors_in_one_line(tmp_path):
   wd = tmp_path / "wd"
   missing = str(tmp_path / "nope.json")
@@ -274,6 +273,7 @@ def test_main_reports_plan_errors_in_one_line(tmp_path):
   assert os.listdir(wd) == ["libraries.log"]
 
 
+@pytest.mark.e2e
 def test_plan_script_emits_both_targets(tmp_path):
   cfg = "configs/plan/qwen7b_single_dc.py"
   small = ["--config.batch_size=128", "--config.lengths.max_output=4096"]
@@ -351,6 +351,7 @@ def test_bad_measured_costs(tmp_path):
     load_measured({"profile": _costs()["profile"], "trainer": {"fwd_s_per_token": 1.0}})
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 def test_measure_script_writes_costs_the_planner_reads(tmp_path):
   out = tmp_path / "costs.json"
@@ -390,6 +391,7 @@ def test_measure_script_writes_costs_the_planner_reads(tmp_path):
   assert report.cost_model.startswith(f"measured ({out})") and report.predicted[report.mode] > 0
 
 
+@pytest.mark.e2e
 def test_a_planned_run_end_to_end(tmp_path):
   """plan.py --emit (CPU stand-in of the 7B plan) then main.py --plan: the
   run uses the planned split, and placement.json shows it."""

@@ -340,11 +340,19 @@ def test_old_keys_on_the_command_line_are_renamed_for_run_configs_only():
 
   fv = flags.FlagValues()
   config_utils.define_config_file("config", None, "c", flag_values=fv)
-  argv = ["main.py", "--config=configs/ppo.py", "--config.generation.partial=off",
-          "--config.trainer.lr=1e-4", "--config.trainer.num_iterations=3"]
+  argv = [
+      "main.py",
+      "--config=configs/ppo.py",
+      "--config.generation.partial=off",
+      "--config.trainer.lr=1e-4",
+      "--config.trainer.num_iterations=3",
+  ]
   new = config_utils._rename_flag_keys(argv, fv)
-  assert new[2:] == ["--config.pipeline.partial=off", "--config.optimizer.lr=1e-4",
-                     "--config.trainer.num_iterations=3"]
+  assert new[2:] == [
+      "--config.pipeline.partial=off",
+      "--config.optimizer.lr=1e-4",
+      "--config.trainer.num_iterations=3",
+  ]
   # A config of another schema that has the old key keeps it.
   other = ["train_ranker.py", "--config=configs/ranker.py:tiny", "--config.steps=3"]
   assert config_utils._rename_flag_keys(other, fv) == other

@@ -82,7 +82,11 @@ def test_grpo_survives_a_raising_reward_function(tmp_path, monkeypatch):
   )
   cfg = load(
       "grpo",
-      **{"advantage.group_size": 2, "trainer.prompts_per_iteration": 4, "trainer.num_iterations": 1},
+      **{
+          "advantage.group_size": 2,
+          "trainer.prompts_per_iteration": 4,
+          "trainer.num_iterations": 1,
+      },
   )
   final = experiment.run(cfg, str(tmp_path / "grpo"))
   # Every sample scored 0 and was counted; the run finished.

@@ -40,8 +40,7 @@ def with_length_hints(requests, groups, lengths) -> list:
     total[g] += n
     count[g] += 1
   return [
-      with_hint(r, LengthHint(group=g, prior=total[g] / count[g]))
-      for r, g in zip(requests, groups)
+      with_hint(r, LengthHint(group=g, prior=total[g] / count[g])) for r, g in zip(requests, groups)
   ]
 
 

@@ -76,8 +76,7 @@ class LossConfig:
   def __post_init__(self):
     if self.agg not in rl.AGG_MODES:
       raise ValueError(
-          f"Unknown loss aggregation {self.agg!r}; set loss.agg to "
-          f"one of {list(rl.AGG_MODES)}."
+          f"Unknown loss aggregation {self.agg!r}; set loss.agg to " f"one of {list(rl.AGG_MODES)}."
       )
     if self.agg == "token_sum_norm" and not self.norm_constant > 0:
       raise ValueError(

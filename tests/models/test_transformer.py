@@ -174,7 +174,9 @@ def test_chunked_logprobs_and_gradients_equal_unchunked(make, chunk):
   # (ceil(log2 n) * eps * sum |terms|); a bound, not one CPU's measurement.
   w = np.abs(np.asarray(jax.random.normal(jax.random.key(9), tokens.shape)))
   logp, ent = (np.asarray(x, np.float64) for x in full[1:3])
-  d_logp, d_ent = (np.abs(np.asarray(b, np.float64) - a).max() for a, b in zip((logp, ent), chunked[1:3]))
+  d_logp, d_ent = (
+      np.abs(np.asarray(b, np.float64) - a).max() for a, b in zip((logp, ent), chunked[1:3])
+  )
   terms = np.concatenate([(w * np.abs(logp)).ravel(), (0.3 * w[::-1] * np.abs(ent)).ravel()])
   eps = np.finfo(np.float32).eps
   bound = w.sum() * (d_logp + 0.3 * d_ent) + np.ceil(np.log2(terms.size)) * eps * terms.sum()

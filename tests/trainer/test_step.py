@@ -199,9 +199,7 @@ def test_remat_and_logprob_chunks_leave_the_update_unchanged(remat):
   # sums; such a weight can move anywhere within Adam's bound of lr either way.
   grads = reference_grads("seq_mean_token_mean")
   eps = np.finfo(np.float32).eps
-  for a, b, g in zip(
-      jax.tree.leaves(plain_after), jax.tree.leaves(after), jax.tree.leaves(grads)
-  ):
+  for a, b, g in zip(jax.tree.leaves(plain_after), jax.tree.leaves(after), jax.tree.leaves(grads)):
     g = np.abs(np.asarray(g))
     noise = np.ceil(np.log2(B * T)) * eps * max(g.max(), 1e-30) * B * T
     clear = g > noise
