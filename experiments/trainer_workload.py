@@ -246,7 +246,9 @@ def measure(spec: dict) -> dict:
   b, t = spec["batch"], spec["seq_len"]
   mesh = sharding.make_mesh({"fsdp": -1})
   policy = sharding.init_sharded(lambda: Transformer(cfg, rngs=nnx.Rngs(spec["seed"])), mesh)
-  models, state = step.init_state(policy, step.OptimConfig(lr=1e-5), compute=compute)
+  models, state = step.init_state(
+      policy, step.OptimConfig(lr=1e-5, warmup_steps=0), compute=compute
+  )
   del policy
   put = lambda x: jax.device_put(x, sharding.batch_sharding(mesh, x.ndim, shape=x.shape))
   batch = {k: put(v) for k, v in random_batch(cfg, b, t, spec["seed"]).items()}

@@ -386,7 +386,9 @@ def test_a_workdir_with_a_full_pre_rename_fingerprint_still_resumes(tmp_path):
 
 
 # The layers of streamrl/, lowest first: a module may import its own layer
-# and those below, never one above (function-level imports included).
+# and those below, never one above (function-level imports included). Each
+# part's config module (`streamrl/<part>/config.py`: plain frozen dataclasses)
+# may be read from any layer.
 LAYERS = (
     {"errors", "config_checks", "renames", "config_utils", "metrics", "lifecycle"},
     {"cluster", "local_cluster", "data", "rl", "transfer", "elastic", "models", "ranker"},
@@ -416,6 +418,73 @@ def test_no_module_imports_a_layer_above_its_own():
       f"{m} -> {n}"
       for m, p in sorted(modules.items())
       for n in sorted(_imports(p, modules, runtime_only=True))
-      if n != "streamrl" and _layer(n) > _layer(m)
+      if n != "streamrl" and _layer(n) > _layer(m) and not n.endswith(".config")
   ]
   assert upward == []
+
+
+# Each component config that mirrors run settings, field by field: its
+# default must be the run config's (streamrl/settings.py builds the run
+# config from the parts' dataclasses, so this compares with those).
+def _mirrors():
+  from streamrl.generator.rollout import SamplingConfig
+  from streamrl.trainer.experience import AdvantageConfig
+  from streamrl.trainer.step import LossConfig, OptimConfig
+  from streamrl.transfer.service import TransferConfig
+
+  return {
+      SamplingConfig: {f: f"sampling.{f}" for f in ("temperature", "top_p", "max_tokens")},
+      OptimConfig: {
+          f: f"optimizer.{f}" for f in ("lr", "warmup_steps", "weight_decay", "grad_clip")
+      },
+      LossConfig: {
+          **{f: f"loss.{f}" for f in ("clip_low", "clip_high", "agg", "entropy_coef", "vf_clip")},
+          **{f: f"loss.{f}" for f in ("is_cap", "mis_threshold")},
+          "temperature": "sampling.temperature",
+      },
+      AdvantageConfig: {
+          **{f: f"advantage.{f}" for f in ("estimator", "gamma", "lam", "group_size", "whiten")},
+          "kl_estimator": "kl.estimator",
+          "kl_in_reward": "kl.in_reward",
+      },
+      TransferConfig: {
+          f: f"transfer.{f}"
+          for f in ("chunk_bytes", "topology", "fanout", "use_shm", "delta_cross_dc")
+          + ("uplink_bytes_per_s", "cross_dc_bytes_per_s")
+      },
+  }
+
+
+# Fields that share a setting's name but hold it translated.
+_TRANSLATED = {
+    ("LossConfig", "dual_clip"): "0 (off) is None",
+    ("LossConfig", "rollout_correction"): "auto resolved by the mode",
+}
+
+
+def test_no_default_is_defined_twice():
+  config = settings.default_config()
+  for cls, fields in _mirrors().items():
+    defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+    for name, key in fields.items():
+      assert defaults[name] == _lookup(config, key), f"{cls.__name__}.{name} vs {key}"
+    # A field named like a setting of the part it mirrors is a mirror too.
+    parts = {k.split(".")[0] for k in fields.values()}
+    for name in set(defaults) - set(fields) - {n for c, n in _TRANSLATED if c == cls.__name__}:
+      for part in parts:
+        assert not (
+            name in {f.name for f in dataclasses.fields(settings.PARTS[part])}
+            and defaults[name] != getattr(settings.PARTS[part](), name)
+        ), f"{cls.__name__}.{name} repeats {part}.{name} with another default"
+
+
+def test_settings_functions_are_short():
+  # validate is each part's check() plus a list of small cross-part rules.
+  paths = [os.path.join(ROOT, "streamrl", "settings.py")]
+  paths += glob.glob(os.path.join(ROOT, "streamrl", "**", "config.py"), recursive=True)
+  long = []
+  for path in paths:
+    for node in ast.walk(ast.parse(open(path).read())):
+      if isinstance(node, ast.FunctionDef) and node.end_lineno - node.lineno + 1 > 60:
+        long.append(f"{os.path.relpath(path, ROOT)}:{node.name}")
+  assert long == []

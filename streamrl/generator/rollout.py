@@ -21,7 +21,10 @@ from typing import Protocol
 
 import numpy as np
 
+from streamrl.generator.config import Sampling
 from streamrl.scheduling.request import Request, request_hint, request_parts, with_hint  # noqa: F401  (re-exported)
+
+_SAMPLING = Sampling()
 
 # The finish_reason of a response stopped before it finished
 # (`Rollout.stop_generation`): its tokens so far, to be resumed later.
@@ -30,9 +33,12 @@ PARTIAL = "partial"
 
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:
-  temperature: float = 1.0
-  top_p: float = 1.0
-  max_tokens: int = 64
+  """One generate call's sampling (`sampling.*`, streamrl/generator/config.py,
+  holds the defaults) and its seed."""
+
+  temperature: float = _SAMPLING.temperature
+  top_p: float = _SAMPLING.top_p
+  max_tokens: int = _SAMPLING.max_tokens
   # With a seed, request i of prompt p samples with seed + p: the same prompt
   # id gives the same tokens whatever else is in the batch.
   seed: int | None = None

@@ -20,6 +20,9 @@ import jax
 import numpy as np
 
 from streamrl import rl
+from streamrl.rl.config import Advantage, Kl
+
+_ADVANTAGE, _KL = Advantage(), Kl()
 
 
 def bucket_length(n: int, multiple: int = 32) -> int:
@@ -49,14 +52,17 @@ def pad_samples(samples: Sequence, seq_len: int | None = None, pad_id: int = 0) 
 
 @dataclasses.dataclass(frozen=True)
 class AdvantageConfig:
-  estimator: str = "gae"
-  gamma: float = 1.0
-  lam: float = 0.95
-  group_size: int = 1
+  """The advantage step's options; defaults from `advantage.*` and `kl.*`
+  (streamrl/rl/config.py). kl_coef is the reward penalty's (0: none)."""
+
+  estimator: str = _ADVANTAGE.estimator
+  gamma: float = _ADVANTAGE.gamma
+  lam: float = _ADVANTAGE.lam
+  group_size: int = _ADVANTAGE.group_size
   kl_coef: float = 0.0
-  kl_estimator: str = "k1"
-  kl_in_reward: bool = True
-  whiten: bool = True
+  kl_estimator: str = _KL.estimator
+  kl_in_reward: bool = _KL.in_reward
+  whiten: bool = _ADVANTAGE.whiten
   normalize_std: bool = True
 
 

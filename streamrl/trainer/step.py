@@ -33,6 +33,12 @@ from flax import nnx
 from streamrl import rl
 from streamrl.models.config import ComputeConfig
 from streamrl.models.transformer import next_token_logprobs
+from streamrl.generator.config import Sampling
+from streamrl.rl.config import Loss
+from streamrl.trainer.config import Optimizer
+
+# The run settings own these defaults; the step's configs take them from there.
+_LOSS, _OPTIMIZER, _SAMPLING = Loss(), Optimizer(), Sampling()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,21 +63,21 @@ class LossConfig:
       divided by it, as in `policy_logprobs`.
   """
 
-  clip_low: float = 0.2
-  clip_high: float = 0.2
-  dual_clip: float | None = None
-  agg: str = "token_mean"
+  clip_low: float = _LOSS.clip_low
+  clip_high: float = _LOSS.clip_high
+  dual_clip: float | None = None  # loss.dual_clip, with 0 (off) as None
+  agg: str = _LOSS.agg
   norm_constant: float = 0.0
-  entropy_coef: float = 0.0
+  entropy_coef: float = _LOSS.entropy_coef
   kl_coef: float = 0.0
   kl_estimator: str = "k3"
   kl_in_loss: bool = False  # GRPO style; PPO puts the KL penalty in the reward
-  vf_clip: float = 0.2
-  rollout_correction: str = "none"
-  is_cap: float = 2.0
+  vf_clip: float = _LOSS.vf_clip
+  rollout_correction: str = "none"  # loss.rollout_correction with "auto" resolved
+  is_cap: float = _LOSS.is_cap
   is_level: str = "token"
-  mis_threshold: float = 2.0
-  temperature: float = 1.0
+  mis_threshold: float = _LOSS.mis_threshold
+  temperature: float = _SAMPLING.temperature
 
   def __post_init__(self):
     if self.agg not in rl.AGG_MODES:
@@ -92,12 +98,15 @@ class LossConfig:
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
-  lr: float = 1e-4
-  warmup_steps: int = 0
+  """One optimizer (actor or critic); the run's values come from `optimizer.*`
+  (streamrl/trainer/config.py), which also holds these defaults."""
+
+  lr: float = _OPTIMIZER.lr
+  warmup_steps: int = _OPTIMIZER.warmup_steps
   decay_steps: int = 1000
   min_lr_ratio: float = 0.1
-  weight_decay: float = 0.0
-  grad_clip: float = 1.0
+  weight_decay: float = _OPTIMIZER.weight_decay
+  grad_clip: float = _OPTIMIZER.grad_clip
   b1: float = 0.9
   b2: float = 0.95
 

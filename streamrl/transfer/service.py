@@ -94,6 +94,7 @@ from typing import Any, Optional
 import ml_collections
 import numpy as np
 
+from streamrl.transfer.config import Transfer
 from streamrl.transfer.manifest import (
     Manifest,
     SchemaLike,
@@ -142,6 +143,10 @@ def _peer(sock: socket.socket) -> str:
     return "?"
 
 
+# The run's `transfer.*` settings (streamrl/transfer/config.py) own the defaults.
+_TRANSFER = Transfer()
+
+
 @dataclasses.dataclass(frozen=True)
 class TransferConfig:
   """Service settings (plain data; ``from_mapping`` accepts an ml_collections ConfigDict).
@@ -156,15 +161,15 @@ class TransferConfig:
   repair_interval_s: how often the publisher re-announces to receivers that have not acked.
   """
 
-  chunk_bytes: int = 4 << 20
-  topology: str = "tree"
-  fanout: int = 2
-  use_shm: bool = True
-  delta_cross_dc: bool = False
+  chunk_bytes: int = _TRANSFER.chunk_bytes
+  topology: str = _TRANSFER.topology
+  fanout: int = _TRANSFER.fanout
+  use_shm: bool = _TRANSFER.use_shm
+  delta_cross_dc: bool = _TRANSFER.delta_cross_dc
   delta_level: int = 1
   delta_threads: int = 2
-  uplink_bytes_per_s: float = 0.0
-  cross_dc_bytes_per_s: float = 0.0
+  uplink_bytes_per_s: float = _TRANSFER.uplink_bytes_per_s
+  cross_dc_bytes_per_s: float = _TRANSFER.cross_dc_bytes_per_s
   keep_versions: int = 2
   max_retries: int = 3
   connect_timeout_s: float = 2.0

@@ -23,7 +23,7 @@ from streamrl.trainer import step
 VOCAB, B, T = 16, 4, 12
 TEMPERATURE = 0.7
 NORM = 10.0  # token_sum_norm's constant: a max response length, != tokens / rows
-OPTIM = step.OptimConfig(lr=1e-3)
+OPTIM = step.OptimConfig(lr=1e-3, warmup_steps=0)
 # (first column, length) of each row's response in mask_bt.
 RESPONSES = ((2, 5), (2, 2), (0, 0), (3, 8))
 
@@ -271,10 +271,13 @@ def test_loss_config_validates():
 def test_equal_models_and_configs_share_the_compiled_step():
   batch = {k: jnp.asarray(v) for k, v in make_batch().items()}
   cfg = loss_config("token_mean")
-  built = [step.init_state(make_model(seed), step.OptimConfig(lr=1e-3)) for seed in (0, 1)]
+  built = [
+      step.init_state(make_model(seed), step.OptimConfig(lr=1e-3, warmup_steps=0))
+      for seed in (0, 1)
+  ]
   (models_a, state_a), (models_b, state_b) = built
   assert models_a == models_b and hash(models_a) == hash(models_b)
-  assert models_a != step.Models(models_a.actor_def, step.OptimConfig(lr=2e-3))
+  assert models_a != step.Models(models_a.actor_def, step.OptimConfig(lr=2e-3, warmup_steps=0))
   step.update_step(state_a, batch, models=models_a, cfg=cfg)
   compiled = step.update_step._cache_size()
   step.update_step(state_b, batch, models=models_b, cfg=cfg)
