@@ -33,7 +33,7 @@ from streamrl import lifecycle
 from streamrl import metrics
 from streamrl import settings as settings_lib
 from streamrl import train
-from streamrl.trainer import multihost
+from streamrl.trainer import multihost, protocol
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +148,7 @@ class TrainerActor:
       workdir: str,
       info: cluster_lib.ClusterInfo,
       processes: list[dict] | None = None,
-      followers: multihost.Followers | None = None,
+      followers: protocol.Followers | None = None,
   ) -> dict:
     self.open_log(workdir)
     processes = processes or [self.where()]
@@ -332,7 +332,7 @@ def _start_processes(actors, c: settings_lib.Cluster, workdir: str, logs: list[s
       (Queue(actor_options={"num_cpus": 0}), Queue(actor_options={"num_cpus": 0}))
       for _ in actors[1:]
   ]
-  followers = multihost.Followers(
+  followers = protocol.Followers(
       commands=[q[0] for q in queues],
       replies=[q[1] for q in queues],
       hosts=[p["host"] for p in processes[1:]],

@@ -45,7 +45,7 @@ from streamrl.pipeline import base as mode_base
 from streamrl.pipeline import make_mode
 from streamrl.pipeline.timeline import Timeline
 from streamrl.scheduling.scheduler import GenerationScheduler
-from streamrl.trainer import multihost
+from streamrl.trainer import protocol
 from streamrl.trainer.checkpoint import Checkpointer, drop_defaults
 from streamrl.trainer.rl_trainer import RLTrainer
 
@@ -366,7 +366,7 @@ def run(
     workdir: str,
     cluster=None,
     placement: dict | None = None,
-    followers: multihost.Followers | None = None,
+    followers: protocol.Followers | None = None,
 ) -> dict:
   """Runs (or resumes) the experiment in `workdir` with the trainer in this
   process; returns the final metrics.
@@ -386,15 +386,15 @@ def run(
   tokenizer = Tokenizer(model_dir)
   rewarder = make_rewarder(s, tokenizer)
   if followers:
-    followers.send("setup", model_dir, socket.gethostname())
+    followers.send(protocol.Setup(model_dir, socket.gethostname()))
   trainer = RLTrainer.from_settings(policy, s)
   if followers:
-    trainer = multihost.Leader(trainer, followers)
+    trainer = protocol.Leader(trainer, followers)
   loader = PromptLoader(train_examples, s.trainer.prompts_per_iteration, seed=s.seed)
   start, carry = 0, None
   if ckpt.latest_step() is not None:
     if followers:
-      followers.send("restore")
+      followers.send(protocol.Restore())
     start, arrays, meta = ckpt.restore(trainer.checkpoint_arrays())
     trainer.load_checkpoint_arrays(arrays)
     loader.set_state(meta["loader"])
@@ -484,7 +484,7 @@ def run(
         if x.generated.round.carry is not None:
           meta["partial"] = x.generated.round.carry
         if followers:
-          followers.send("save", it + 1, meta)
+          followers.send(protocol.Save(it + 1, meta))
         ckpt.save(it + 1, trainer.checkpoint_arrays(), meta)
       final.update({k: v for k, v in scalars.items() if not k.startswith("eval/")})
   finally:
@@ -496,7 +496,7 @@ def run(
       rollout.close()
       ckpt.close()
       if followers:
-        followers.send("stop")
+        followers.send(protocol.Stop())
   with open(os.path.join(workdir, "final_metrics.json"), "w") as f:
     json.dump(final, f, indent=2, sort_keys=True)
   return final
@@ -504,40 +504,11 @@ def run(
 
 def follow(s: settings_lib.Settings, workdir: str, commands, reply) -> None:
   """Trainer process k > 0 of a multi-process trainer: replays, on its own
-  shards of the mesh, every trainer operation process 0's `run` sends (see
-  streamrl/trainer/multihost.py), until told to stop."""
+  shards of the mesh, every trainer operation process 0's `run` sends
+  (streamrl/trainer/protocol.py), until told to stop."""
   ckpt = open_checkpoints(s, workdir)  # Orbax, like `run`: every process takes part.
-  trainer = exporter = old = leader_host = None
-  minis: dict[int, list] = {}
   try:
-    while True:
-      op, *args = commands.get()
-      if op == "setup":
-        model_dir, leader_host = args
-        _, policy = hf.load_hf(model_dir)
-        trainer = RLTrainer.from_settings(policy, s)
-        exporter = multihost.ShardExporter(trainer.mesh, trainer.export_dtype)
-      elif op == "restore":
-        _, arrays, _ = ckpt.restore(trainer.checkpoint_arrays())
-        trainer.load_checkpoint_arrays(arrays)
-      elif op == "snapshot":
-        old = trainer.snapshot(*args)
-        minis.clear()
-      elif op == "prepare":
-        key, samples, rewards = args
-        minis[key], _ = trainer.prepare(samples, rewards, old)
-      elif op == "update":
-        key, j = args
-        trainer.update(minis[key][j])
-      elif op == "export":
-        name, manifest = args
-        multihost.follower_export(exporter, trainer.policy(), name, manifest, leader_host, reply)
-      elif op == "save":
-        step, meta = args
-        ckpt.save(step, trainer.checkpoint_arrays(), meta)
-      elif op == "stop":
-        return
-      else:
-        raise ValueError(f"unknown trainer operation {op!r}")
+    make = lambda policy: RLTrainer.from_settings(policy, s)
+    protocol.follow(protocol.Follower(make, ckpt, reply), commands)
   finally:
     ckpt.close()

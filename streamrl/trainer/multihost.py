@@ -6,9 +6,10 @@ all their devices (`initialize`; the same logical -> physical rules as one
 process). JAX is multi-controller: every process must run the same jitted
 computations in the same order. So the RL loop (`streamrl/train.py`) runs
 on process 0 only -- it owns the rollout, the rewards, the metrics and the
-logs -- and its trainer is a `Leader`: before each trainer operation it
+logs -- and its trainer is a `protocol.Leader`: before each trainer operation it
 sends the operation and its inputs to every other process (a Ray queue
-each), whose `streamrl.train.follow` replays it on its own `RLTrainer`.
+each: the typed operations of streamrl/trainer/protocol.py), whose
+`protocol.follow` replays it on its own `RLTrainer`.
 
 Data: samples arrive at process 0, where the rollout streams them and the
 rewards are computed, and each chunk is forwarded with its rewards to the
@@ -34,12 +35,10 @@ which one died and where its log is.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import re
 import socket
-from collections.abc import Sequence
 
 import jax
 import numpy as np
@@ -48,7 +47,6 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from streamrl.models import hf, safetensors_io
-from streamrl.trainer import sharding
 
 log = logging.getLogger(__name__)
 
@@ -168,89 +166,6 @@ class ShardExporter:
         else:
           dst[pos : pos + data.size] = data
     return parts
-
-
-@dataclasses.dataclass
-class Followers:
-  """Process 0's line to the other trainer processes: one command queue and
-  one reply queue each (Ray queues), in process order."""
-
-  commands: Sequence
-  replies: Sequence
-  hosts: Sequence[str]
-
-  def send(self, op: str, *args) -> None:
-    for q in self.commands:
-      q.put((op, *args))
-
-  def remote_hosts(self) -> list[int]:
-    """Indices of the followers on another host than this process."""
-    me = socket.gethostname()
-    return [i for i, h in enumerate(self.hosts) if h != me]
-
-
-class Leader:
-  """Process 0's trainer: each operation is sent to the followers, then run here.
-
-  Same interface as `RLTrainer` for the loop (`snapshot`, `prepare`,
-  `update`, `export_weights`); the followers keep the mini-batches their own
-  `prepare` made, and `update` names one by (prepare call, index).
-  """
-
-  def __init__(self, trainer, followers: Followers):
-    self.trainer = trainer
-    self.followers = followers
-    self.exporter = ShardExporter(trainer.mesh, trainer.export_dtype)
-    self._where: dict[int, tuple[int, int]] = {}
-    self._keep: list = []
-
-  def __getattr__(self, name):
-    return getattr(self.trainer, name)
-
-  def snapshot(self, copy: bool = True):
-    self.followers.send("snapshot", copy)
-    self._where.clear()
-    self._keep.clear()
-    return self.trainer.snapshot(copy)
-
-  def prepare(self, samples, rewards, old):
-    key = len(self._keep)
-    self.followers.send("prepare", key, list(samples), [float(r) for r in rewards])
-    minis, metrics = self.trainer.prepare(samples, rewards, old)
-    self._keep.append(minis)
-    for j, mini in enumerate(minis):
-      self._where[id(mini)] = (key, j)
-    return minis, metrics
-
-  def update(self, mini: dict) -> dict:
-    key, j = self._where[id(mini)]
-    self.followers.send("update", key, j)
-    return self.trainer.update(mini)
-
-  def export_weights(self, dtype=None):
-    """The policy in the generators' dtype as a filled `WeightsFile`, written
-    by every process (see the module docstring)."""
-    from streamrl.transfer import WeightsFile  # pylint: disable=g-import-not-at-top
-    from streamrl.transfer.manifest import plan_payload  # pylint: disable=g-import-not-at-top
-
-    assert dtype is None or dtype == self.trainer.export_dtype, "one export dtype per run"
-    policy = self.trainer.policy()
-    manifest = plan_payload(hf.HFTensors(policy, self.trainer.export_dtype), 0, 4 << 20)
-    weights = WeightsFile.empty(manifest)
-    try:
-      self.followers.send("export", weights.name, manifest)
-      self.exporter.write(policy, manifest, weights.buf)
-      multihost_utils.sync_global_devices("streamrl_export")
-      dst = np.frombuffer(weights.buf, np.uint8)
-      for i in self.followers.remote_hosts():
-        import ray  # pylint: disable=g-import-not-at-top
-
-        for pos, data in ray.get(self.followers.replies[i].get()):
-          dst[pos : pos + data.size] = data
-    except BaseException:
-      weights.unlink()
-      raise
-    return weights
 
 
 def follower_export(exporter: ShardExporter, policy, name: str, manifest, leader_host: str, reply):

@@ -142,3 +142,42 @@ def test_ray_death_notices_are_shortened_to_their_exit_type_and_detail():
   )
   reason = experiment._death_reason(RuntimeError(msg))  # pylint: disable=protected-access
   assert reason == "SYSTEM_ERROR: Worker unexpectedly exits with a connection error code 2."
+
+
+def test_followers_replay_typed_operations_in_order_until_stop():
+  import queue
+
+  from streamrl.trainer import protocol
+
+  calls = []
+
+  class Trainer:
+
+    def snapshot(self, copy):
+      calls.append(("snapshot", copy))
+      return "old"
+
+    def prepare(self, samples, rewards, old):
+      calls.append(("prepare", tuple(samples), tuple(rewards), old))
+      return ["m0", "m1"], {}
+
+    def update(self, mini):
+      calls.append(("update", mini))
+
+  commands = queue.Queue()
+  f = protocol.Follower(make_trainer=None, checkpoints=None, reply=None, trainer=Trainer())
+  for op in (
+      protocol.Snapshot(False),
+      protocol.Prepare(0, [7], [1.0]),
+      protocol.Update(0, 1),
+      protocol.Stop(),
+      protocol.Update(0, 0),  # never read: the follower stopped
+  ):
+    commands.put(op)
+  protocol.follow(f, commands)
+  assert calls == [("snapshot", False), ("prepare", (7,), (1.0,), "old"), ("update", "m1")]
+  assert commands.qsize() == 1
+  old_style = queue.Queue()
+  old_style.put(("update", 0, 0))  # the old string commands are refused by name
+  with pytest.raises(TypeError, match="unknown trainer operation"):
+    protocol.follow(protocol.Follower(None, None, None), old_style)
