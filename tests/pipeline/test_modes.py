@@ -10,7 +10,6 @@ samples and check versions exactly.
 
 import importlib.util
 import os
-import threading
 
 import jax
 import numpy as np
@@ -23,7 +22,8 @@ from streamrl.data import rewards, tasks
 from streamrl.data.loader import PromptLoader
 from streamrl.data.rewards import Rewarder
 from streamrl.data.tokenizer import Tokenizer
-from streamrl.generator.rollout import PARTIAL, Sample, UpdateHandle
+from streamrl.generator.fake import FakeRollout
+from streamrl.generator.rollout import PARTIAL
 from streamrl.models import config as model_config
 from streamrl.models import tiny
 from streamrl.models.transformer import Transformer
@@ -50,70 +50,6 @@ def load(name, **overrides):
   return config_utils.apply_overrides(module.get_config(), {**base, **overrides})
 
 
-class ScriptedRollout:
-  """Deterministic answers, shuffled finish order, real weight versions.
-
-  Stoppable (partial rollouts): after `stop_generation`, every request not
-  yielded yet comes back PARTIAL with a prefix of its answer; a request
-  with its own budget (a resumed one) answers with at most that many tokens.
-  """
-
-  def __init__(self, seed=0):
-    self.version = 0
-    self.rng = np.random.default_rng(seed)
-    self.busy_intervals = []
-    self.dead_instances = []
-    self.live_instances = [0, 1]
-    self.placement = {}
-    self.updates = []
-    self.lock = threading.Lock()
-    self.produced = []
-    self.assignments = []
-    self.num_instances = 2
-    self._stop = False
-
-  def stop_generation(self):
-    self._stop = True
-
-  def generate(self, requests, sampling, *, assignments=None, caps=None, stoppable=False):
-    if assignments is not None:
-      self.assignments.append(assignments)
-      requests = [r for part in assignments for r in part]
-    order = self.rng.permutation(len(requests))
-    self._stop = False
-    for j in order:
-      rid, ids, *budget = requests[j]
-      r = np.random.default_rng(rid + 7 * len(ids))
-      n = int(r.integers(1, 12))
-      tokens = tuple(int(t) for t in r.integers(4, 40, n)) + (2,)
-      reason = "stop"
-      if budget and len(tokens) > budget[0]:
-        tokens, reason = tokens[: budget[0]], "length"
-      if stoppable and self._stop:
-        tokens, reason = tokens[: int(r.integers(0, len(tokens)))], PARTIAL
-      with self.lock:
-        version = self.version
-        self.produced.append((rid, tuple(ids), tokens, reason, version))
-      yield Sample(
-          prompt_id=rid,
-          prompt_token_ids=tuple(ids),
-          token_ids=tokens,
-          logprobs=tuple(float(x) for x in -r.uniform(0.1, 3.0, len(tokens))),
-          finish_reason=reason,
-          weight_version=version,
-          instance_id=0,
-      )
-
-  def update(self, tensors, version):
-    with self.lock:
-      self.version = version
-      self.updates.append(version)
-    return UpdateHandle.done(version, {0: version})
-
-  def close(self):
-    pass
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
   return tiny.build_tiny_model_dir(str(tmp_path_factory.mktemp("tiny")), seed=3)
@@ -124,7 +60,7 @@ def run_mode(config, model_dir, iterations, workdir=None, start=0):
   s = settings.from_config(config)
   policy = Transformer(model_config.tiny_qwen2(64), rngs=nnx.Rngs(1))
   trainer = RLTrainer.from_settings(policy, s)
-  rollout = ScriptedRollout()
+  rollout = FakeRollout()
   examples = tasks.make_examples(64, 0)
   loader = PromptLoader(examples, s.trainer.prompts_per_iteration, seed=0)
   tok = Tokenizer(model_dir)
