@@ -134,7 +134,6 @@ import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 from absl import app, flags, logging as absl_logging  # pylint: disable=wrong-import-position
 
@@ -408,8 +407,7 @@ def generator_alone_child(args: dict) -> None:
   the new instance's first round. Nothing else runs on the cluster. Writes
   the batch times and lengths to args["out"]."""
   os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-  sys.path.insert(0, os.path.join(ROOT, "experiments"))
-  from modes_workload import Workload  # pylint: disable=g-import-not-at-top
+  from streamrl.workload import Workload  # pylint: disable=g-import-not-at-top
   from streamrl import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
   from streamrl.generator.local import sampling_for  # pylint: disable=g-import-not-at-top
   from streamrl.generator.service import StreamGenerationService  # pylint: disable=g-import-not-at-top

@@ -145,11 +145,7 @@ import json
 import os
 import re
 import statistics
-import sys
 import time
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # modes_workload
 
 # The colocated engine runs in this process (as the Ray actors run theirs):
 # no engine-core process, fast start-up. Set before vLLM is imported.
@@ -159,7 +155,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from absl import app, flags, logging as absl_logging  # noqa: E402
 
-from modes_workload import (
+from streamrl.workload import (
     MODES,
     Workload,
     config_json,
@@ -663,7 +659,7 @@ def main(argv):
   with open(os.path.join(_OUT.value, "summary.json"), "w") as f:
     json.dump(summary, f, indent=1, default=str)
   if _PLOT.value:
-    import plot_timeline  # pylint: disable=g-import-not-at-top  # experiments/ is on sys.path
+    from experiments import plot_timeline  # pylint: disable=g-import-not-at-top
 
     pngs = plot_timeline.plot_summary(_OUT.value)
     for p in pngs:

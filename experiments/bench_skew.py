@@ -85,10 +85,7 @@ earlier workload):
 import json
 import os
 import statistics
-import sys
 import time
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # One compute thread, engine in this process: stable CPU-time measurements on
 # a shared machine (set before torch / vLLM are imported).

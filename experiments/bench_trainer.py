@@ -40,15 +40,9 @@ peak of its baseline (remat_*: remat_* / default; chunk: default / unchunked)
 and *_speed_ratio the same for tokens/s.
 """
 
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 from absl import app, flags  # noqa: E402
 
-import trainer_workload as tw  # noqa: E402
+from experiments import trainer_workload as tw  # noqa: E402
 
 _LAYERS = flags.DEFINE_integer("layers", None, "Decoder layers (default: 24 on GPU, 2 on CPU).")
 _SEQ_LEN = flags.DEFINE_integer("seq_len", 1024, "Tokens per sequence.")

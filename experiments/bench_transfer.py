@@ -56,10 +56,8 @@ host_copies_per_update=.. tcp_copies_per_update=..``.
 """
 
 import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
 

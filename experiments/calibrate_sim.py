@@ -82,10 +82,6 @@ import gc
 import json
 import os
 import statistics
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # modes_workload
 
 # The profiled engine runs in this process with one thread (as the Ray
 # actors run theirs). Set before vLLM is imported.
@@ -95,7 +91,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from absl import app, flags, logging as absl_logging  # noqa: E402
 
-from modes_workload import (
+from streamrl.workload import (
     MODES,
     Workload,
     config_json,

@@ -28,7 +28,6 @@ import tempfile
 from absl import app, flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 _FAMILY = flags.DEFINE_enum("family", "qwen2", ["qwen2", "llama"], "Architecture to save.")
 _ITERATIONS = flags.DEFINE_integer("iterations", 3, "RL iterations of the run.")

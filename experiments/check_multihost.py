@@ -30,7 +30,6 @@ import numpy as np
 from absl import app, flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 _ITERATIONS = flags.DEFINE_integer("iterations", 8, "RL iterations of each run.")
 _MODE = flags.DEFINE_string("mode", "sync", "pipeline.mode of both runs (not colocated).")

@@ -39,10 +39,8 @@ delta_bytes_ratio_bf16_k4=<mean k=4>`` (means over the iterations measured).
 """
 
 import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
 

@@ -33,16 +33,13 @@ Ends with one line
 finite, the DLPack check fails or vLLM was imported.
 """
 
-import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # noqa: E402
 
-import trainer_workload as tw  # noqa: E402
+from experiments import trainer_workload as tw  # noqa: E402
 
 _SMOKE = flags.DEFINE_bool("smoke", False, "Tiny shapes (seconds on a CPU), same code path.")
 _SEQ_LEN = flags.DEFINE_integer("seq_len", 1024, "Tokens per sequence.")

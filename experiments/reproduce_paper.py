@@ -37,11 +37,8 @@ is the colocated FIFO baseline, not the trainer or the split).
 
 import dataclasses
 import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # paper_figures
 
 import matplotlib
 
@@ -50,7 +47,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 
-import paper_figures as paper  # noqa: E402
+from experiments import paper_figures as paper  # noqa: E402
 from streamrl.planner import ElasticController, Workload, run_elastic  # noqa: E402
 from streamrl.sim import costs, engine  # noqa: E402
 from streamrl.sim.engine import simulate  # noqa: E402

@@ -42,8 +42,6 @@ import sys
 import time
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _ROOT not in sys.path:
-  sys.path.insert(0, _ROOT)
 
 # Dense bf16 peak FLOP/s by a substring of `device.device_kind`, first match
 # wins (no sparsity): NVIDIA's datasheets.

@@ -38,7 +38,6 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Runnable as `python launch/measure.py` from a checkout without installing;
 # experiments/ holds the trainer-side timing shared with the benchmarks.
 sys.path.insert(0, _ROOT)
-sys.path.insert(1, os.path.join(_ROOT, "experiments"))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from absl import app, flags  # pylint: disable=wrong-import-position
@@ -95,7 +94,7 @@ def measure_generator(engine, e, prompt_len: int, reps: int):
 
 def measure_trainer(work, samples, by_id, reps: int) -> dict:
   """Forward-only and update seconds per token of the config's trainer on `samples`."""
-  from modes_workload import train_alone  # pylint: disable=g-import-not-at-top
+  from streamrl.workload import train_alone  # pylint: disable=g-import-not-at-top
 
   s = work.s
   trainer = work.trainer(s)
@@ -156,7 +155,7 @@ def main(argv):
     # memory as it needs it instead of 75 % up front.
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
   t_start = time.perf_counter()
-  from modes_workload import Workload  # pylint: disable=g-import-not-at-top
+  from streamrl.workload import Workload  # pylint: disable=g-import-not-at-top
   from streamrl.generator.local import sampling_for  # pylint: disable=g-import-not-at-top
 
   work = Workload(s, workdir)

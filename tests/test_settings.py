@@ -398,7 +398,7 @@ LAYERS = (
     {"settings"},
     {"planner"},
     {"train"},
-    {"experiment"},
+    {"experiment", "workload"},
 )
 
 

@@ -1,4 +1,5 @@
-"""What bench_modes.py and calibrate_sim.py share: the tiny PPO workload.
+"""The tiny PPO workload the benchmarks (experiments/bench_modes.py,
+calibrate_sim.py, bench_elastic.py) and launch/measure.py share.
 
 `Workload` holds the typed settings, the examples, the warm-started policy
 directory and the tokenizer, and builds everything else through the public
