@@ -22,7 +22,6 @@ import collections
 import dataclasses
 import logging
 import os
-import socket
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -36,6 +35,7 @@ from streamrl.cluster import Cluster
 from streamrl.generator.config import Engine
 from streamrl.transfer.config import Transfer
 from streamrl.errors import UserError
+from streamrl.generator import delivery as delivery_lib
 from streamrl.generator import local
 from streamrl.generator.rollout import (
     PARTIAL,
@@ -420,25 +420,20 @@ class StreamGenerationService:
     self._start_timeout_s = float(start_timeout_s)
     ids = [self._start_actor() for _ in range(num_instances)]
     self._wait_ready(ids, start_timeout_s)
-    self.publisher = None
-    self._transfer_joined = False
-    self._schema = None
-    # (WeightsFile, its load calls) of Ray-path updates, unlinked once loaded.
-    self._weight_files: list = []
-    if transfer is not None and transfer.enabled:
-      from streamrl.transfer import Publisher, TransferConfig, new_secret  # pylint: disable=g-import-not-at-top
+    backend = delivery_lib.backend_for(transfer)
+    self.delivery = delivery_lib.BACKENDS[backend](
+        self.actor,
+        lambda: sorted(self._live),
+        self._finish_update,
+        transfer=transfer,
+        start_version=min(self._versions.values(), default=0),
+        stall_timeout_s=self.stall_timeout_s,
+    )
 
-      self._transfer_config = transfer.service_options()
-      self._transfer_bind = transfer.bind
-      # Per run: every receiver checks it before loading anything.
-      self._transfer_secret = new_secret()
-      self.publisher = Publisher(
-          TransferConfig.from_mapping(self._transfer_config),
-          dc=cluster_lib.where_am_i()["datacenter"],
-          start_version=min(self._versions.values(), default=0),
-          bind=transfer.bind,
-          secret=self._transfer_secret,
-      )
+  @property
+  def publisher(self):
+    """The transfer service's publisher (None with the Ray backend)."""
+    return getattr(self.delivery, "publisher", None)
 
   def helper_placement(self) -> tuple[dict, tuple[int, ...] | None]:
     """Where a helper process of the generation side (the ranker,
@@ -513,9 +508,7 @@ class StreamGenerationService:
     with self._lock:
       self._live.clear()
       self._draining.clear()
-    self._remove_loaded_weight_files(all_files=True)
-    if self.publisher is not None:
-      self.publisher.close()
+    self.delivery.close()
 
   @property
   def live_instances(self) -> list[int]:
@@ -535,7 +528,7 @@ class StreamGenerationService:
     from the model directory, so only before the first update. It takes
     work from the next `generate` call on.
     """
-    if self.publisher is None and max(self._versions.values(), default=0) > 0:
+    if not self.delivery.can_catch_up and max(self._versions.values(), default=0) > 0:
       raise RuntimeError(
           "An instance added after a weight update needs the current weights from the "
           "checkpoint-transfer service; set transfer.enabled=True."
@@ -544,13 +537,8 @@ class StreamGenerationService:
     refs = [self._actors[i].info.remote()]
     try:
       info = ray.get(refs[0], timeout=self._start_timeout_s)
-      version = info["weight_version"]
-      if self._transfer_joined:
-        version = self._join_transfer([i])[0]
-        version = ray.get(self._actors[i].apply_staged.remote(), timeout=self._start_timeout_s)
-        want = self.publisher.latest_version
-        if version != want:
-          raise RuntimeError(f"it loaded weight version {version}, the trainer's is {want}")
+      version = self.delivery.catch_up(i, self._start_timeout_s)
+      version = info["weight_version"] if version is None else version
     except Exception as e:  # pylint: disable=broad-except
       self._stop([i])
       why = (
@@ -601,8 +589,7 @@ class StreamGenerationService:
       self._live.discard(i)
       self._versions.pop(i, None)
     ray.kill(self._actors[i], no_restart=True)
-    if self.publisher is not None:
-      self.publisher.forget(f"generator{i}")
+    self.delivery.forget(i)
     self.retired.append((i, reason, time.perf_counter()))
     log.info("Generator instance %d removed%s.", i, f" ({reason})" if reason else "")
 
@@ -627,111 +614,22 @@ class StreamGenerationService:
 
     Each instance loads them after the stream it is running now, and before
     any generate call made after this one: a stream started later carries
-    the new version in all its samples. `tensors` may be lazy
-    (`hf.HFTensors`): each tensor is read once, in the generators' dtype,
-    straight into the one buffer that carries it, a safetensors file in
-    /dev/shm. Through Ray, every instance's engine loads that file (when
-    every Ray node is this machine; otherwise the object store carries its
-    tensors and each instance writes a file of its own). Through the
-    transfer service, the publisher's file is verified and staged by each
-    instance's receiver while it generates, and every host receives it
-    once (see streamrl/transfer). `tensors` may also be a filled
-    `transfer.WeightsFile` (a multi-process trainer's export), which is
-    then handed on as it is.
+    the new version in all its samples. How they travel is the delivery
+    backend's (streamrl/generator/delivery.py: Ray, or the transfer
+    service); `tensors` may be lazy (`hf.HFTensors`) or a filled
+    `transfer.WeightsFile` (a multi-process trainer's export).
     """
     if not self._live:
       raise RuntimeError("All generator instances are dead; nothing to update.")
-    from streamrl.transfer import WeightsFile  # pylint: disable=g-import-not-at-top
+    return self.delivery.push(tensors, int(version))
 
-    version = int(version)
-    self._remove_loaded_weight_files()
-    if self.publisher is not None:
-      if not self._transfer_joined:
-        from streamrl.transfer import schema_of  # pylint: disable=g-import-not-at-top
-
-        self._schema = schema_of(tensors.tensors() if isinstance(tensors, WeightsFile) else tensors)
-        self._join_transfer(sorted(self._live))
-        self._transfer_joined = True
-      # A WeightsFile (a multi-process trainer's export) becomes the payload as it is.
-      self.publisher.publish(tensors, version)
-      return UpdateHandle(
-          version, delivered=lambda t: self._await_acks(version, t), loaded=self._apply_staged
-      )
-    return self._update_through_ray(tensors, version, shared_file=self._on_one_host())
-
-  def _join_transfer(self, ids: Sequence[int]) -> list[int]:
-    """Each instance in `ids` starts its receiver, registers with the
-    publisher and pulls (verified) the latest version; returns their versions."""
-    return ray.get(
-        [
-            self._actors[i].join_transfer.remote(
-                self.publisher.address,
-                self._schema,
-                self._transfer_config,
-                bind=self._transfer_bind,
-                secret=self._transfer_secret,
-            )
-            for i in ids
-        ]
-    )
-
-  def _update_through_ray(
-      self, tensors: Mapping[str, np.ndarray], version: int, *, shared_file: bool
-  ) -> UpdateHandle:
-    """shared_file: every instance loads this process's file (they all see its /dev/shm)."""
-    from streamrl.transfer import WeightsFile  # pylint: disable=g-import-not-at-top
-
-    weights = tensors if isinstance(tensors, WeightsFile) else WeightsFile(tensors)
-    if shared_file:
-      calls = {
-          i: self._actors[i].update_weights_from_file.remote(weights.path, version)
-          for i in sorted(self._live)
-      }
-      self._weight_files.append((weights, list(calls.values())))
-    else:
-      ref = ray.put(weights.tensors())
-      weights.unlink()
-      calls = {i: self._actors[i].update_weights.remote(ref, version) for i in sorted(self._live)}
-    # Ray runs the load before any later stream on each actor: nothing to deliver.
-    return UpdateHandle(
-        version, delivered=lambda t: None, loaded=lambda t: self._finish_update(calls, t)
-    )
-
-  @staticmethod
-  def _on_one_host() -> bool:
-    """Whether every live Ray node is this machine (so every instance sees this /dev/shm)."""
-    me = socket.gethostname()
-    return all(n.get("NodeManagerHostname") == me for n in ray.nodes() if n.get("Alive"))
-
-  def _remove_loaded_weight_files(self, *, all_files: bool = False) -> None:
-    """Unlinks the weight files every instance has finished loading (all of them: `all_files`)."""
-    keep = []
-    for weights, calls in self._weight_files:
-      if all_files or len(ray.wait(calls, num_returns=len(calls), timeout=0)[0]) == len(calls):
-        weights.unlink()
-      else:
-        keep.append((weights, calls))
-    self._weight_files = keep
-
-  def _await_acks(self, version: int, timeout_s: float | None) -> None:
-    """Every live instance has verified and staged `version`."""
-    pub = self.publisher
-    if not pub.wait_acks(version, timeout=timeout_s or self.stall_timeout_s):
-      raise TimeoutError(
-          f"Weight version {version} not delivered to "
-          f"{pub.missing_acks(version)}; errors: {pub.errors}."
-      )
-
-  def _apply_staged(self, timeout_s: float | None) -> dict[int, int]:
-    calls = {i: self._actors[i].apply_staged.remote() for i in sorted(self._live)}
-    return self._finish_update(calls, timeout_s)
-
-  def _finish_update(self, calls: dict, timeout_s: float | None) -> dict[int, int]:
+  def _finish_update(self, calls: Mapping, timeout_s: float | None) -> dict[int, int]:
+    """{instance: version} of the load `calls` (the delivery's `finish`); an
+    instance that died meanwhile is marked dead."""
     try:
       ray.wait(list(calls.values()), num_returns=len(calls), timeout=timeout_s)
     except ray.exceptions.RayError:
       pass  # Read each result below.
-    self._remove_loaded_weight_files()
     for i, call in calls.items():
       try:
         self._versions[i] = ray.get(call, timeout=0 if timeout_s is not None else None)

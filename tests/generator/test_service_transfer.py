@@ -16,7 +16,7 @@ from streamrl.generator.vllm_engine import SamplingConfig
 from streamrl.models import config as model_config
 from streamrl.models import hf, tiny, transformer
 from streamrl import cluster, settings
-from streamrl.generator import service
+from streamrl.generator import delivery, service
 
 PROMPTS = [(i, [1] + [4 + (5 * i + j) % 40 for j in range(3 + i % 4)]) for i in range(6)]
 
@@ -89,7 +89,9 @@ def test_a_wrong_shape_is_refused_and_the_old_version_keeps_serving(svc):
 def test_ray_path_loads_one_file_per_host_and_removes_it(svc, shared_file):
   version = max(svc.versions().values()) + 1
   model = transformer.Transformer(svc.model_cfg, rngs=nnx.Rngs(20 + version))
-  handle = svc._update_through_ray(hf.HFTensors(model, "float32"), version, shared_file=shared_file)
+  # The Ray backend beside this service's transfer one (streamrl/generator/delivery.py).
+  ray_delivery = delivery.RayDelivery(svc.actor, lambda: svc.live_instances, svc._finish_update)
+  handle = ray_delivery.push(hf.HFTensors(model, "float32"), version, shared_file=shared_file)
   assert handle.wait() == {0: version, 1: version}
   a, b = _files(svc)
   # One file for both instances; through the object store (other hosts) each writes its own.
