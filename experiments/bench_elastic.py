@@ -100,23 +100,7 @@ What it does:
 About 5-6 minutes on the 2-core machine, ~10 when other jobs keep a core
 busy.
 
-Measured (2-core VM shared with other jobs; the last two runs with this
-code, earlier ones while it took shape): in all 7 runs the policy added the
-second instance after iteration 3 and released it after iteration 6, in the
-run and in the simulator alike; lost, duplicated and version_errors were 0
-every time.
-  RESULT ... calib_rel_err=0.164 measured_samples_per_s=5.132
-         predicted_samples_per_s=5.974 two_instance_slowdown=0.79 other_cores=0.26
-  RESULT ... calib_rel_err=0.111 measured_samples_per_s=3.513
-         predicted_samples_per_s=3.905 two_instance_slowdown=1.38 other_cores=1.00
-  (earlier: 0.260, 0.094, 0.037, 0.003, 0.359). The spread is this
-  machine's: the same batch alone takes 6.4-18 s from one run to the next,
-  and the run's generation on one instance a median 2.7-4.7 ms per token.
-  Two instances time-sharing the core took 1.09-1.66x one instance's time
-  per token in the runs (0.79-1.65x in the generator-alone check), where
-  the simulator's gen_cores model says 1.0. Adding an instance stalls the loop
-  16-21 s (`gap s`), which neither time/iteration_s nor the simulator
-  counts: wall-clock samples/s are 16-21 % below the measured ones.
+Measured results: experiments/RESULTS.md (section bench_elastic.py).
 """
 
 from __future__ import annotations

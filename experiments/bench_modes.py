@@ -52,35 +52,12 @@ samples arrive (`stream.LengthBatcher`). Every arm trains its own policy
 from the same warm start, so their response lengths drift apart over the
 iterations; the response tokens/s line compares the arms on tokens.
 
-Measured (quiet 2-core machine, 24 min, default flags):
-  RESULT colocated=1.00 sync=0.77 stream=0.49 async=1.01 pipeline_efficiency=1.12 async_partial=1.45 partial_vs_async=1.43
-  (response tokens/s vs colocated: sync 0.77, stream 0.97, async 1.12,
-  async_partial 1.35; mean response length of the timed iterations: 12-15
-  tokens for async, 8-12 for async_partial, up to 34 for stream.)
-Why: this workload is training-bound on one core. Training alone on the
-trainer's core does 27.8 samples/s, 0.90 of colocated, which trains on both
-cores (1.17 s per iteration against 1.92 s for async's trainer) and
-generates 64 prompts in 0.83 s; async is bounded by training alone and
-reaches it. Partial rollouts train the groups that finished first and carry
-the long tail to the next round, so the trained batch is shorter: 1.43 x
-async in samples/s, 1.20 x in tokens/s. Stream's policy drifted to longer
-responses (mean 26-34 tokens against 12-19 for sync at the same iterations),
-which costs it in samples/s; in tokens/s it is 1.27 x sync.
-With the sibling arm (`--modes=colocated,async,async_partial,async_partial_sibling`,
-quiet machine, 32 min with the 10 min precompile):
-  RESULT colocated=1.00 sync=nan stream=nan async=0.92 pipeline_efficiency=0.92
-  async_partial=1.40 partial_vs_async=1.52 async_partial_sibling=1.48 sibling_vs_async=1.60
-  (response tokens/s vs colocated: async 1.03, async_partial 1.32,
-  async_partial_sibling 1.41). On this workload the two partial arms differ by
-  noise and policy drift only: PPO samples each prompt once, so every group has
-  one member and the sibling order is the ranker's LPT order, and with
-  max_num_seqs 128 above the 80 requests of a round every request is admitted
-  at once, so no order matters (per-iteration samples/s 24-60 and 35-54).
-Before the ranker compiled its programs at start (`RankerTrainer.compile_all`),
-the first refreshes compiled on the generators' core and stalled rounds 1 and
-3 of every block by 10-13 s in async_partial, async and sync alike (the run
-was stopped there; those were the "6-10 s generation" iterations of earlier
-notes).
+The string-task workload of earlier rounds is `--max_num_seqs=4
+--max_tokens=56 --mini_batch=16 --ppo_epochs=1 --override=task.kind=synthetic
+--override=engine.max_model_len=128 --override=scheduler.kind=fifo
+--override=transfer.enabled=False`.
+
+Measured results: experiments/RESULTS.md (section bench_modes.py).
 
 The trainer runs in this process (the loop is called directly, so
 `cluster.trainer_actor` does not apply): one set of compiled functions then
@@ -107,38 +84,6 @@ Ends with
          async_partial_sibling=<x> sibling_vs_async=<x>
 (mode throughputs in samples/s / colocated's; efficiency = async /
 min(generation alone, training alone); the last two when that arm runs).
-
-The string-task workload of earlier rounds (`--max_num_seqs=4
---max_tokens=56 --mini_batch=16 --ppo_epochs=1 --override=task.kind=synthetic
---override=engine.max_model_len=128 --override=scheduler.kind=fifo
---override=transfer.enabled=False`), quiet machine (load 1.2-1.8), about 4
-min per run, 2 blocks x (1 untimed + 8 timed) iterations per arm:
-  RESULT colocated=1.00 sync=0.73 stream=0.76 async=1.23 pipeline_efficiency=0.88
-  RESULT colocated=1.00 sync=0.71 stream=0.86 async=1.08 pipeline_efficiency=0.89
-  (--modes=colocated,sync,async: async=1.23 pipeline_efficiency=0.88)
-  stream = 1.04-1.22 x sync. Generation alone moved most between runs
-  (130-234 samples/s); training alone 136-155.
-With 3 blocks x (1 + 3) iterations (the earlier default) the same code gave
-  RESULT colocated=1.00 sync=0.70 stream=0.86 async=1.14 pipeline_efficiency=0.80
-  RESULT colocated=1.00 sync=0.68 stream=0.86 async=1.13 pipeline_efficiency=0.80
-  -- a fresh generator's first iterations are slow beyond the one untimed
-  iteration, and with 3 timed iterations per block that start-up weighs on
-  async most; 8 per block measure the steady state a long run lives in.
-Before stream mode filled mini-batches per length bucket (arrival order, so
-most were padded to 64-96 tokens instead of 32) the short blocks gave
-  RESULT colocated=1.00 sync=0.76 stream=0.71 async=1.11 pipeline_efficiency=0.77.
-What is left in stream: the longest samples finish last, so the last
-mini-batch (the longest bucket, ~0.2 s) always trains after generation ends,
-and the trainer idles while the first bucket fills (~0.1 s).
-Why async stays below 1.5 x colocated here: colocated trains on both cores
-(0.28 s per iteration against 0.41-0.48 s on the trainer's one core), so
-even a perfect async pipeline is bounded by training alone: 1.27-1.40 x
-colocated in these runs. In async the trainer's core is the bottleneck
-(idle 0.03-0.07), with 0.46-0.52 CPU-s per iteration against 0.41-0.47
-training alone: the two sides slow each other a little (calibrate_sim:
-update cost per token 4 % higher while the generator runs) and the
-pipeline's own Python runs on that core (the thread reading the generator's
-stream, weight export and push, metrics).
 """
 
 import json

@@ -53,33 +53,7 @@ measured profile: sum over steps of PTL(requests in flight).
 Ends with
   RESULT fifo=1.00 ranker=<x> oracle=<x> recall20=<x> recall10=<x> recall5=<x> spearman=<x> ...
 
-Measured on this 2-core machine, work traces, `--compare_losses=mse --reps=5`
-(about 9 min), 128 prompts x 4 samples, on a quiet machine:
-  RESULT fifo=1.00 ranker=0.95 sibling=0.99 oracle=0.89 grouped=1.00 ...
-  recall20=0.52 recall10=0.45 recall5=0.42 spearman=0.66 ranker_sum=0.95 lpt_only=1.03
-  ranker_sim=0.90 oracle_sim=0.84 ranker_trace=0.97 oracle_trace=0.93 ... expected_recall20=0.63
-and with another job on the second core (the profile measured under it):
-ranker=0.81 oracle=0.82 lpt_only=0.81 ranker_sim=0.77 oracle_sim=0.74. Random
-FIFO orders alone spread 0.91-1.09 of their mean, so arms move by about 0.1
-between runs; the order of the arms is what repeats. ranker_sim is the
-`simulate` model of the run configs: with the ranker's real error (rank
-history) and the context cost it keeps all instances balanced (N_long 0) in
-both runs. Before them it trusted the ranker's order and lost to FIFO
-(ranker_sim=1.28 last stop, 1.15 this stop before the change; its replay,
-`ranker_sim_exact`, is printed for comparison).
-Group-aware prediction does not beat the ranker alone on this workload: keeping
-a prompt's samples together costs 7 % of balance (grouped 1.00 against ranker
-0.93), and the sibling-aware order wins back 4 % of it. A step-level replay of
-the same lengths through the profile (it reproduces the trace column: ranker
-0.898, grouped 0.935, sibling 0.952) bounds what any admission order can do:
-the oracle's true lengths give 0.895 against the ranker's 0.898, because the
-makespan is set by the few responses that hit max_tokens, and the replay's
-variants (siblings spread over instances with their lengths shared between
-instances, with or without probing) stay within 0.896-0.899 at 4 samples per
-prompt. With 1 sample per prompt (`--group_size=1 --num_prompts=512`, the
-earlier workload):
-  RESULT fifo=1.00 ranker=0.93 oracle=1.02 recall20=0.48 recall10=0.45 recall5=0.31
-  spearman=0.65 ranker_sim=0.89 oracle_sim=0.87 ... expected_recall20=0.61
+Measured results: experiments/RESULTS.md (section bench_skew.py).
 """
 
 import json

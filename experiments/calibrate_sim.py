@@ -69,12 +69,7 @@ summary.json (every timing). Ends with
 (signed: predicted / measured - 1). About 4-5 minutes at a load average of 5-10
 on the 2-core machine (most of it Ray and engine start-ups and JIT warm-up).
 
-Measured (quiet machine, load 0.7-2.0, after stream mode took per-length
-mini-batches and generators began coalescing samples):
-  RESULT calib_colocated_rel_err=-0.028 calib_sync_rel_err=-0.020 calib_stream_rel_err=+0.127
-         calib_async_rel_err=+0.022 calib_max_abs_rel_err=0.127 ... calib_max_abs_rel_err_median=0.082
-  (measured samples/s: colocated 79.7, sync 53.8, stream 63.6, async 73.8 -- two PPO
-  epochs here, so training dominates more than in bench_modes).
+Measured results: experiments/RESULTS.md (section calibrate_sim.py).
 """
 
 import dataclasses

@@ -20,19 +20,9 @@ and colocation's offload bandwidth (on the sync/async-vs-colocation ratios),
 and verl's per-step decode overhead (on verl-vs-colocation). 32B and 72B are
 held out. Takes about 30 s on two cores.
 
-Measured (seed 0, 4 iterations): RESULT fig8_max_rel_err=0.320
-table3_max_abs_err=0.215 fig9_max_abs_err=0.142 fig12_max_rel_err=0.114
-(goals 0.15 / 0.08 / 0.08 / 0.15; before max-output reservation:
-0.313 / 0.177 / 0.293 / 0.111). Fig. 9's ranker column is within 0.05 of
-the paper for every model; its oracle column, Fig. 8 (verl 32B 10K/20K,
-async 32B 5K) and Table 3 stay above their goals, with the reasons in the
-report's "Unmet goals" section. Two diagnostics back them: Fig. 9's "best
-split in hindsight" (Algorithm 2 with true lengths and every long/regular
-split simulated: 0.887 / 0.787 / 0.827 for 7B / 32B / 72B, still above the
-paper's oracle 0.81 / 0.67 / 0.69, so no choice of split closes it), and
-Table 3's absolute iteration times (StreamRL-sync / -async within 4 % of
-the paper's Fig. 8 cell, colocation 15 % faster than the paper's: the gap
-is the colocated FIFO baseline, not the trainer or the split).
+Goals: 0.15 / 0.08 / 0.08 / 0.15 (fig8 / table3 / fig9 / fig12).
+
+Measured results: experiments/RESULTS.md (section reproduce_paper.py).
 """
 
 import dataclasses
