@@ -45,7 +45,7 @@ def test_main_reports_input_errors_in_one_line(tmp_path):
   cases = [
       (
           ["--config=configs/ppo.py", "--config.trainer.lrr=1", wd],
-          "error: --config: unknown config key 'trainer.lrr'; did you mean optimizer.lr?",
+          "error: --config: unknown config key 'trainer.lrr'; did you mean optimizer.lr, warmstart.lr?",
       ),
       (
           ["--config=configs/nope.py", wd],
@@ -122,10 +122,10 @@ import ml_collections
 def get_config():
   c = ml_collections.ConfigDict()
   c.trainer = ml_collections.ConfigDict()
-  c.optimizer.lr = 1e-6
+  c.trainer.lr = 1e-6
   return c
 def get_sweep():
-  return [{"optimizer.lr": [1e-6, 3e-6, 1e-5, 1e-2]}]
+  return [{"trainer.lr": [1e-6, 3e-6, 1e-5, 1e-2]}]
 """
 
 FAKE_TRAIN_PY = """
@@ -134,10 +134,10 @@ from absl import logging as absl_logging
 from streamrl.errors import UserError
 
 def run(config, workdir):
-  lr = config.optimizer.lr
+  lr = config.trainer.lr
   absl_logging.info("Saving checkpoint at step 1")  # Orbax's way of logging.
   if lr > 1e-3:
-    raise UserError(f"optimizer.lr={lr} is too large; use at most 1e-3.")
+    raise UserError(f"trainer.lr={lr} is too large; use at most 1e-3.")
   acc = {1e-6: 0.3, 3e-6: 0.6, 1e-5: 0.45}[lr]
   final = {"eval/accuracy": acc, "eval/accuracy_greedy": acc + 0.1, "reward/mean": acc / 2}
   with open(os.path.join(workdir, "final_metrics.json"), "w") as f:
@@ -162,23 +162,23 @@ def test_sweep_ends_with_a_table_best_first(tmp_path, keep_going):
       args + (["--keep_going"] if keep_going else []), cwd=tmp_path, extra_path=[str(tmp_path)]
   )
   assert _table(res.stdout) == [
-      ["1", "optimizer.lr=3e-06", "0.6000", "0.7000", "0.3000"],
-      ["2", "optimizer.lr=1e-05", "0.4500", "0.5500", "0.2250"],
-      ["3", "optimizer.lr=1e-06", "0.3000", "0.4000", "0.1500"],
-      ["-", "optimizer.lr=0.01", "(failed)", "-", "-", "-"],
+      ["1", "trainer.lr=3e-06", "0.6000", "0.7000", "0.3000"],
+      ["2", "trainer.lr=1e-05", "0.4500", "0.5500", "0.2250"],
+      ["3", "trainer.lr=1e-06", "0.3000", "0.4000", "0.1500"],
+      ["-", "trainer.lr=0.01", "(failed)", "-", "-", "-"],
   ], res.stdout
-  message = "optimizer.lr=0.01 is too large; use at most 1e-3."
+  message = "trainer.lr=0.01 is too large; use at most 1e-3."
   if keep_going:
     assert res.returncode == 1
     assert res.stderr.splitlines() == [
-        f"error: optimizer.lr=0.01: {message}",
-        "error: 1 of 4 sweep runs failed: optimizer.lr=0.01",
+        f"error: trainer.lr=0.01: {message}",
+        "error: 1 of 4 sweep runs failed: trainer.lr=0.01",
     ]
   else:
     _assert_one_line(res, f"error: {message}")
   # absl's (Orbax's) INFO lines went to each run's library log, not the console.
   assert "Saving checkpoint" not in res.stdout + res.stderr
-  assert "Saving checkpoint" in (wd / "optimizer.lr=1e-06" / "libraries.log").read_text()
+  assert "Saving checkpoint" in (wd / "trainer.lr=1e-06" / "libraries.log").read_text()
 
 
 def test_sweep_refuses_a_workdir_that_is_a_file(tmp_path):
