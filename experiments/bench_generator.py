@@ -25,9 +25,15 @@ memory is below what it was measured to need (see _COPIES_UPDATE).
 By default the engines run vLLM's multiprocess engine core, which is what users
 get; `--in_process` sets VLLM_ENABLE_V1_MULTIPROCESSING=0 instead.
 
+Part 3 (0.5B shapes) times the updates a run makes: the local engine from the
+trainer's lazy export (`hf.HFTensors`, converted tensor by tensor into the
+file), and `StreamGenerationService.update(...).wait()` with one Ray instance
+for each weight-delivery backend (`ray`, `transfer`; --nobackends skips it).
+
 Ends with `RESULT generator_overhead_ratio=.. weight_update_s_tiny=..
-weight_update_s_0p5b=..` (weight updates: median of --updates runs, total of
-conversion + reload).
+weight_update_s_0p5b=.. weight_update_s_0p5b_lazy=.. weight_update_s_0p5b_ray=..
+weight_update_s_0p5b_transfer=.. load_avg_1m=..` (weight updates: median of
+--updates runs; weight_update_s_0p5b is conversion + reload).
 """
 
 import os
@@ -51,6 +57,9 @@ _MAX_NUM_SEQS = flags.DEFINE_integer("max_num_seqs", 64, "Engine max_num_seqs (b
 _MAX_MODEL_LEN = flags.DEFINE_integer("max_model_len", 256, "Engine max_model_len (both engines).")
 _UPDATES = flags.DEFINE_integer("updates", 3, "Weight updates timed per model.")
 _SKIP_BIG = flags.DEFINE_bool("skip_0p5b", False, "Skip the 0.5B weight-update measurement.")
+_BACKENDS = flags.DEFINE_bool(
+    "backends", True, "Also time each weight-delivery backend (one Ray instance) at 0.5B shapes."
+)
 _BIG_LAYERS = flags.DEFINE_integer(
     "big_layers", 24, "Layers of the 0.5B-shaped model (--quick: 2)."
 )
@@ -253,6 +262,57 @@ def time_updates(gen, models) -> list[tuple[float, float]]:
   return out
 
 
+def time_lazy_updates(gen, models) -> list[float]:
+  """Seconds of gen.update_weights(hf.HFTensors(m)) per model: the path a run
+  takes (the trainer's lazy export, converted tensor by tensor into the file)."""
+  from streamrl.models import hf  # pylint: disable=g-import-not-at-top
+
+  out = []
+  for model in models:
+    t0 = time.perf_counter()
+    gen.update_weights(hf.HFTensors(model, "float32"))
+    out.append(time.perf_counter() - t0)
+    print(f"[bench] lazy update -> v{gen.weight_version}: {out[-1]:.3f}s", flush=True)
+  return out
+
+
+def time_backends(model_dir: str, model, updates: int) -> dict[str, list[float]]:
+  """Seconds of `StreamGenerationService.update(HFTensors).wait()` per update, one
+  instance, for each weight-delivery backend (streamrl/generator/delivery.py)."""
+  import ray  # pylint: disable=g-import-not-at-top
+
+  from streamrl import cluster, settings  # pylint: disable=g-import-not-at-top
+  from streamrl.generator.service import StreamGenerationService  # pylint: disable=g-import-not-at-top
+  from streamrl.models import hf  # pylint: disable=g-import-not-at-top
+
+  out = {}
+  info = cluster.init_ray(None, generator_cpus=1, trainer_cpus=1)
+  try:
+    for name, transfer in (
+        ("ray", settings.Transfer()),
+        ("transfer", settings.Transfer(enabled=True)),
+    ):
+      engine = settings.Engine(
+          max_num_seqs=8, max_model_len=_MAX_MODEL_LEN.value, kv_cache_gib=1.0, num_instances=1
+      )
+      svc = StreamGenerationService(
+          model_dir, engine, dtype="float32", seed=SEED, cluster=info, transfer=transfer
+      )
+      try:
+        times = []
+        for version in range(1, updates + 1):
+          t0 = time.perf_counter()
+          svc.update(hf.HFTensors(model, "float32"), version).wait()
+          times.append(time.perf_counter() - t0)
+          print(f"[bench] {name} backend update -> v{version}: {times[-1]:.3f}s", flush=True)
+        out[name] = times
+      finally:
+        svc.close()
+  finally:
+    ray.shutdown()
+  return out
+
+
 def _available_gib() -> float:
   import psutil  # pylint: disable=g-import-not-at-top
 
@@ -440,7 +500,7 @@ def _main(argv):
   big_cfg = big_config(_BIG_LAYERS.value)
   big_name = f"0.5B shapes, {big_cfg.num_layers} layers"
   weights_gib = big_cfg.num_params * 4 / 2**30
-  notes, peaks = [], {}
+  notes, peaks, lazy, backends = [], {}, [], {}
   if not _SKIP_BIG.value:
     big_dir = build_big_dir(
         os.path.join(_WORKDIR.value, f"qwen2_0p5b_l{big_cfg.num_layers}"), big_cfg
@@ -465,9 +525,13 @@ def _main(argv):
       with _PeakMemory() as mem:
         upd[big_name] = time_updates(big_gen, [big_model] * _UPDATES.value)
       peaks[big_name] = mem.extra_gib
+      lazy = time_lazy_updates(big_gen, [big_model] * _UPDATES.value)
     _check_generates(big_gen, tok.VOCAB_SIZE)
     _stop(big_gen.close)
-    del big_gen, big_model
+    del big_gen
+    if _BACKENDS.value and lazy:
+      backends = time_backends(big_dir, big_model, _UPDATES.value)
+    del big_model
 
   def med(xs, i):
     return statistics.median(x[i] for x in xs)
@@ -523,9 +587,19 @@ def _main(argv):
   for note in notes:
     print(note)
   big_s = f"{tot(upd[big_name]):.3f}" if big_name in upd else "nan"
+  median = lambda xs: f"{statistics.median(xs):.3f}" if xs else "nan"
+  print(
+      "0.5B updates the way a run makes them (median, s): local engine from the lazy export "
+      f"{median(lazy)}; one Ray instance per backend: "
+      + ", ".join(f"{k} {median(v)}" for k, v in backends.items())
+  )
   print(
       f"RESULT generator_overhead_ratio={info['ratio']:.3f} "
-      f"weight_update_s_tiny={tot(upd['tiny']):.3f} weight_update_s_0p5b={big_s}"
+      f"weight_update_s_tiny={tot(upd['tiny']):.3f} weight_update_s_0p5b={big_s} "
+      f"weight_update_s_0p5b_lazy={median(lazy)} "
+      f"weight_update_s_0p5b_ray={median(backends.get('ray'))} "
+      f"weight_update_s_0p5b_transfer={median(backends.get('transfer'))} "
+      f"load_avg_1m={os.getloadavg()[0]:.2f}"
   )
 
 

@@ -46,6 +46,11 @@ class Engine:
   gpu_memory_utilization: float = 0.85
   # GPU engines capture CUDA graphs unless True; CPU engines always run eager.
   enforce_eager: bool = False
+  # Weights handed to an engine directly (colocated, or Ray's object store):
+  # keep its /dev/shm weights file and rewrite it in place for each update
+  # (faster updates, one more copy of the weights in RAM), or write a new
+  # file per update and remove it after the load.
+  keep_weights_file: bool = True
 
   def check(self) -> None:
     positive("engine.max_model_len", self.max_model_len)

@@ -24,6 +24,7 @@ def engine_kwargs(engine: Engine, *, dtype: str, seed: int) -> dict:
       tensor_parallel_size=engine.tensor_parallel_size,
       gpu_memory_utilization=engine.gpu_memory_utilization,
       enforce_eager=engine.enforce_eager,
+      keep_weights_file=engine.keep_weights_file,
   )
 
 

@@ -201,12 +201,49 @@ def _file_tensors(path: str) -> Iterator[tuple[str, "torch.Tensor"]]:
       )
 
 
+def _shared_file_tensors(buf, path: str) -> Iterator[tuple[str, "torch.Tensor"]]:
+  """(name, tensor) views of a read-only shared mapping `buf` of safetensors file `path`."""
+  import warnings  # pylint: disable=g-import-not-at-top
+
+  import torch  # pylint: disable=g-import-not-at-top
+
+  header, start = safetensors_io.read_header(path)
+  for name, info in header.items():
+    begin, end = info["data_offsets"]
+    data = np.frombuffer(buf, np.uint8, count=end - begin, offset=start + begin)
+    with warnings.catch_warnings():
+      warnings.simplefilter("ignore")  # read-only: vLLM's loader only copies from it
+      t = torch.from_numpy(data).view(getattr(torch, _TORCH_DTYPES[info["dtype"]]))
+    yield name, t.reshape(tuple(info["shape"]))
+
+
 class WorkerExtension:
   """Mixed into every vLLM worker (`worker_extension_cls`), called by name over
   `collective_rpc`: only a method name, a file path and a few names cross the
   process boundary, never a pickled function or a tensor."""
 
-  def streamrl_reload(self, path: str) -> list[str]:
+  def _kept_mapping(self, path: str):
+    """One read-only, pre-faulted shared mapping of the engine's own weights
+    file, kept across updates (the file is rewritten in place between them):
+    no page faults and no new mapping per update."""
+    import mmap  # pylint: disable=g-import-not-at-top
+
+    kept = getattr(self, "_streamrl_kept", None)
+    if kept is not None and kept[0] == path:
+      return kept[1]
+    if kept is not None:
+      kept[1].close()
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+      size = os.fstat(fd).st_size
+      flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+      buf = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ)
+    finally:
+      os.close(fd)
+    self._streamrl_kept = (path, buf)
+    return buf
+
+  def streamrl_reload(self, path: str, kept: bool = False) -> list[str]:
     """A safetensors file (HF names) -> in-place reload of this worker's model.
 
     The file (in /dev/shm, often shared by every engine of the host) is
@@ -225,7 +262,11 @@ class WorkerExtension:
     for lg in loggers:
       lg.addFilter(quiet)
     try:
-      self.reload_weights(weights_iterator=_file_tensors(path))
+      if kept:  # The engine's own file, rewritten in place for each update.
+        tensors = _shared_file_tensors(self._kept_mapping(path), path)
+      else:
+        tensors = _file_tensors(path)
+      self.reload_weights(weights_iterator=tensors)
     finally:
       for lg in loggers:
         lg.removeFilter(quiet)
@@ -271,6 +312,7 @@ class GeneratorInstance:
       enable_prefix_caching: bool = True,
       tensor_parallel_size: int = 1,
       gpu_memory_utilization: float = 0.85,
+      keep_weights_file: bool = True,
   ):
     from vllm.platforms import current_platform  # pylint: disable=g-import-not-at-top
 
@@ -319,6 +361,10 @@ class GeneratorInstance:
     self.max_model_len = max_model_len
     self.weight_version = 0
     self.last_weights_file: str | None = None  # the file the last update loaded
+    # update_weights' own /dev/shm file, kept and rewritten in place between
+    # updates (keep_weights_file), or written and removed for each one.
+    self.keep_weights_file = bool(keep_weights_file)
+    self._own_file = None
     self._eos = self._read_eos(model_dir)
     self._request_ids = itertools.count()
     self._in_flight = 0
@@ -496,6 +542,9 @@ class GeneratorInstance:
     KV cache until the process ends.
     """
     engine, self._engine = getattr(self, "_engine", None), None
+    own, self._own_file = getattr(self, "_own_file", None), None
+    if own is not None:
+      own.unlink()
     if engine is None:
       return
     core = getattr(engine, "engine_core", None)
@@ -507,26 +556,41 @@ class GeneratorInstance:
 
     `hf_tensors` may be lazy (`hf.HFTensors`): each tensor is read once and
     written straight into one safetensors file in /dev/shm, which the
-    engine's workers load and which is removed afterwards. Only between
-    generations: a sample is produced by exactly one version.
+    engine's workers load. With `keep_weights_file` (the default) the file
+    stays and the next update of the same layout rewrites it in place, and
+    the workers keep one read-only mapping of it: no new 4-byte-per-param
+    file and no page faults per update, for one more copy of the weights in
+    RAM (/dev/shm) while the engine lives. Without it the file is removed
+    after each load. Only between generations: a sample is produced by
+    exactly one version.
     """
     new_version = self._next_version(version)
     from streamrl.transfer.payload import WeightsFile  # pylint: disable=g-import-not-at-top
 
-    weights = WeightsFile(hf_tensors)
+    own = self._own_file
+    if own is None or not own.rewrite(hf_tensors):
+      if own is not None:
+        own.unlink()
+      self._own_file = own = None
+      own = WeightsFile(hf_tensors)
+      if self.keep_weights_file:
+        self._own_file = own
     try:
-      return self.update_weights_from_file(weights.path, new_version)
+      return self._reload(own.path, new_version, kept=self.keep_weights_file)
     finally:
-      weights.unlink()
+      if not self.keep_weights_file:
+        own.unlink()
 
   def update_weights_from_file(self, path: str, version: int | None = None) -> int:
     """`update_weights` from a safetensors file (HF names) on this host, e.g. the one file the
     weight transfer left in /dev/shm for every engine of the host. The file is only read."""
-    new_version = self._next_version(version)
+    return self._reload(path, self._next_version(version))
+
+  def _reload(self, path: str, new_version: int, kept: bool = False) -> int:
     # A path, not tensors: torch tensors don't survive the RPC to worker
     # processes, and bytes would be copied once per process on the way. The
     # engine's workers are always on this host.
-    hidden = self._engine.collective_rpc("streamrl_reload", args=(path,))
+    hidden = self._engine.collective_rpc("streamrl_reload", args=(path, kept))
     _explain_hidden_reload_warnings(sorted({n for names in hidden or () for n in names or ()}))
     # KV computed with the old weights must never be reused.
     self._engine.reset_prefix_cache()

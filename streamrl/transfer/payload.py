@@ -398,6 +398,18 @@ class WeightsFile:
     """Zero-copy read-only views of the file's tensors."""
     return read_payload(self._segment.buf, self.manifest)
 
+  def rewrite(self, tensors: Mapping[str, np.ndarray]) -> bool:
+    """Writes `tensors` over this file's bytes, in place, when they have its
+    layout (same names, shapes and dtypes); False (nothing written) if not.
+    Readers must not be reading it meanwhile (an engine reloads only between
+    updates)."""
+    manifest = plan_payload(tensors, 0, self.manifest.chunk_bytes)
+    if manifest.tensors != self.manifest.tensors:
+      return False
+    for _ in write_tensors(tensors, self.manifest, self._segment.buf):
+      pass
+    return True
+
   def unlink(self) -> None:
     self._segment.unlink()
 

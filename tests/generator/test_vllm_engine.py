@@ -148,7 +148,9 @@ def test_a_stopped_response_resumes_under_new_weights_with_each_versions_logprob
   assert all(s.finish_reason == vllm_engine.PARTIAL for s in first)
   assert all(0 < len(s.token_ids) < 24 and s.weight_version == v_old for s in first)
   assert gen.in_flight == 0
+  first_file = gen.last_weights_file
   v_new = gen.update_weights(hf.to_hf_tensors(new))
+  assert gen.last_weights_file == first_file  # the same file, rewritten in place
   resume = [(s.prompt_id, s.prompt_token_ids + s.token_ids, 24 - len(s.token_ids)) for s in first]
   rest = {s.prompt_id: s for s in gen.generate(resume, sampling, ignore_eos=True)}
   for a in first:
@@ -161,8 +163,8 @@ def test_a_stopped_response_resumes_under_new_weights_with_each_versions_logprob
     assert np.abs(flax_logprobs(old, b, 0.8) - np.array(b.logprobs)).max() > 0.1
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_lazy_update_equals_an_engine_started_from_those_weights(dtype, tmp_path):
+@pytest.mark.parametrize("dtype, keep", [("float32", True), ("bfloat16", False)])
+def test_lazy_update_equals_an_engine_started_from_those_weights(dtype, keep, tmp_path):
   """The trainer's path: a lazy export in the engine's dtype, streamed tensor by tensor into one
   file the engine loads in place. Afterwards the engine samples exactly what an engine started
   from a checkpoint of the same weights samples. (Its own engines, closed at the end: a closed
@@ -171,13 +173,16 @@ def test_lazy_update_equals_an_engine_started_from_those_weights(dtype, tmp_path
   new_model = transformer.Transformer(cfg, rngs=nnx.Rngs(77))
   sampling = SamplingConfig(temperature=1.0, max_tokens=12, seed=5)
   kwargs = dict(max_num_seqs=8, max_model_len=128, seed=0, dtype=dtype)
-  gen = GeneratorInstance(tiny.build_tiny_model_dir(str(tmp_path / "old"), cfg, seed=7), **kwargs)
+  old_dir = tiny.build_tiny_model_dir(str(tmp_path / "old"), cfg, seed=7)
+  gen = GeneratorInstance(old_dir, keep_weights_file=keep, **kwargs)
   try:
     gen.update_weights(hf.HFTensors(new_model, dtype))
-    assert not os.path.exists(gen.last_weights_file)  # removed once loaded
+    # Kept for the next update (rewritten in place), or removed once loaded.
+    assert os.path.exists(gen.last_weights_file) == keep
     updated = {s.prompt_id: s for s in gen.generate(PROMPTS, sampling)}
   finally:
     gen.close()
+  assert not os.path.exists(gen.last_weights_file)  # never outlives the engine
   new_dir = hf.save_hf(
       new_model,
       str(tmp_path / "new"),
