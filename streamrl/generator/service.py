@@ -188,6 +188,10 @@ class _GeneratorActor:
     """Loads a weights file on this host (one file for every instance here)."""
     return self._gen.update_weights_from_file(path, version)
 
+  def release_weights_file(self) -> None:
+    """Removes the engine's kept weights file (before the actor is stopped)."""
+    self._gen.release_weights_file()
+
   def last_weights_file(self) -> str | None:
     """The file the engine last loaded weights from (for tests and diagnostics)."""
     return self._gen.last_weights_file
@@ -500,6 +504,10 @@ class StreamGenerationService:
         self._live.add(info["instance_id"])
 
   def _stop(self, ids: Sequence[int]) -> None:
+    # A kill leaves no time to clean up: first each engine removes the weights
+    # file it keeps in /dev/shm (a dead or stuck one is killed all the same).
+    refs = [self._actors[i].release_weights_file.remote() for i in ids]
+    ray.wait(refs, num_returns=len(refs), timeout=10)
     for i in ids:
       ray.kill(self._actors[i], no_restart=True)
 
@@ -588,7 +596,7 @@ class StreamGenerationService:
       self._draining.discard(i)
       self._live.discard(i)
       self._versions.pop(i, None)
-    ray.kill(self._actors[i], no_restart=True)
+    self._stop([i])
     self.delivery.forget(i)
     self.retired.append((i, reason, time.perf_counter()))
     log.info("Generator instance %d removed%s.", i, f" ({reason})" if reason else "")

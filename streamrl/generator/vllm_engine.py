@@ -542,14 +542,18 @@ class GeneratorInstance:
     KV cache until the process ends.
     """
     engine, self._engine = getattr(self, "_engine", None), None
-    own, self._own_file = getattr(self, "_own_file", None), None
-    if own is not None:
-      own.unlink()
+    self.release_weights_file()
     if engine is None:
       return
     core = getattr(engine, "engine_core", None)
     if core is not None and hasattr(core, "shutdown"):
       core.shutdown()
+
+  def release_weights_file(self) -> None:
+    """Removes the weights file kept between updates (the next update writes a new one)."""
+    own, self._own_file = getattr(self, "_own_file", None), None
+    if own is not None:
+      own.unlink()
 
   def update_weights(self, hf_tensors: Mapping[str, np.ndarray], version: int | None = None) -> int:
     """Loads new weights in place, drops the prefix cache, bumps the version.
