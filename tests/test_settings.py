@@ -210,12 +210,17 @@ def _imports(path, modules, *, runtime_only=False):
   return out
 
 
-def test_no_import_cycles_in_streamrl_counting_function_level_imports():
-  base = os.path.join(ROOT, "streamrl")
+def _streamrl_modules():
+  """{dotted module name: path} of every module under streamrl/ (packages by their name)."""
   modules = {}
-  for path in glob.glob(os.path.join(base, "**", "*.py"), recursive=True):
+  for path in glob.glob(os.path.join(ROOT, "streamrl", "**", "*.py"), recursive=True):
     rel = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".")
     modules[rel[: -len(".__init__")] if rel.endswith(".__init__") else rel] = path
+  return modules
+
+
+def test_no_import_cycles_in_streamrl_counting_function_level_imports():
+  modules = _streamrl_modules()
   graph = {m: _imports(p, modules) - {m} for m, p in modules.items()}
   # A package's __init__ importing its own submodules is not a cycle with them
   # when they import siblings: count edges between real modules only.
@@ -408,11 +413,7 @@ def _layer(module):
 
 
 def test_no_module_imports_a_layer_above_its_own():
-  base = os.path.join(ROOT, "streamrl")
-  modules = {}
-  for path in glob.glob(os.path.join(base, "**", "*.py"), recursive=True):
-    rel = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".")
-    modules[rel[: -len(".__init__")] if rel.endswith(".__init__") else rel] = path
+  modules = _streamrl_modules()
   modules.pop("streamrl")
   upward = [
       f"{m} -> {n}"
