@@ -393,7 +393,7 @@ def generator_alone_child(args: dict) -> None:
   os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
   from streamrl.workload import Workload  # pylint: disable=g-import-not-at-top
   from streamrl import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
-  from streamrl.generator.local import sampling_for  # pylint: disable=g-import-not-at-top
+  from streamrl.generator.local import round_seed  # pylint: disable=g-import-not-at-top
   from streamrl.generator.service import StreamGenerationService  # pylint: disable=g-import-not-at-top
 
   s = typed_settings(args["overrides"])
@@ -417,7 +417,10 @@ def generator_alone_child(args: dict) -> None:
 
     def batch(k: int) -> dict:
       t0 = now()
-      got = {q.prompt_id: q for q in svc.generate(requests, sampling_for(s.sampling, s.seed, k))}
+      got = {
+          q.prompt_id: q
+          for q in svc.generate(requests, s.sampling, seed=round_seed(s.seed, k))
+      }
       dt = now() - t0
       order = [got[rid] for rid, _ in requests]
       return {

@@ -125,7 +125,7 @@ def _plain_params(eos: list[int], prompts, max_tokens: int):
 def _run_ours(gen, prompts, sampling):
   """(wall s, CPU s of this process, {prompt id: tokens})."""
   t0, c0 = time.perf_counter(), time.process_time()
-  samples = list(gen.generate(prompts, sampling))
+  samples = list(gen.generate(prompts, sampling, seed=SEED))
   dt, cpu = time.perf_counter() - t0, time.process_time() - c0
   tokens = {s.prompt_id: tuple(s.token_ids) for s in samples}
   return dt, cpu, tokens
@@ -146,11 +146,12 @@ def bench_throughput(model_dir: str, vocab_size: int):
   import numpy as np  # pylint: disable=g-import-not-at-top
   from vllm import LLM  # pylint: disable=g-import-not-at-top
 
-  from streamrl.generator.vllm_engine import GeneratorInstance, SamplingConfig  # pylint: disable=g-import-not-at-top
+  from streamrl.generator.config import Sampling  # pylint: disable=g-import-not-at-top
+  from streamrl.generator.vllm_engine import GeneratorInstance  # pylint: disable=g-import-not-at-top
 
   n, max_tokens = _NUM_PROMPTS.value, _MAX_TOKENS.value
   prompts = _prompts(n, vocab_size)
-  sampling = SamplingConfig(temperature=TEMPERATURE, top_p=1.0, max_tokens=max_tokens, seed=SEED)
+  sampling = Sampling(temperature=TEMPERATURE, top_p=1.0, max_tokens=max_tokens)
 
   t0 = time.perf_counter()
   gen = GeneratorInstance(
@@ -364,11 +365,9 @@ class _PeakMemory:
 
 def _check_generates(gen, vocab_size: int, max_tokens: int = 8) -> None:
   """The engine still serves after the updates, at the new weight version."""
-  from streamrl.generator.vllm_engine import SamplingConfig  # pylint: disable=g-import-not-at-top
+  from streamrl.generator.config import Sampling  # pylint: disable=g-import-not-at-top
 
-  samples = list(
-      gen.generate(_prompts(4, vocab_size), SamplingConfig(max_tokens=max_tokens, seed=SEED))
-  )
+  samples = list(gen.generate(_prompts(4, vocab_size), Sampling(max_tokens=max_tokens), seed=SEED))
   assert len(samples) == 4 and all(s.weight_version == gen.weight_version for s in samples)
 
 

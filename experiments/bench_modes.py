@@ -19,7 +19,7 @@ mode exactly as a real run (`streamrl.train.run`) runs it:
     from `train.setup_mode` (generation scheduler + `pipeline.make_mode`)
     with `rounds(it)` from `train.make_rounds`, and every iteration is
     `train.train_iteration` + `train.iteration_scalars` on a `Timeline`.
-    Same prompts (PromptLoader seed) and sampling seeds (`local.sampling_for`)
+    Same prompts (PromptLoader seed) and sampling seeds (`local.round_seed`)
     in every mode; the `it0 digest` column hashes iteration 0's samples
     (same weights everywhere): equal digests, identical generations.
   * Blocks: in each of `--blocks` blocks every arm runs `--warmup` untimed +
@@ -375,7 +375,7 @@ class AloneArms:
 
   Generation: one Ray generator instance on the generator core (started per
   block, like the modes' instances), the same prompt batches and sampling
-  seeds as the modes (`local.sampling_for`), nothing else running.
+  seeds as the modes (`local.round_seed`), nothing else running.
   Training: a trainer of its own, in this process pinned to the trainer
   core, doing the trainer's side of `train.train_iteration` on those
   samples (`modes_workload.train_alone`: rewards, snapshot, prepare, PPO
@@ -394,7 +394,7 @@ class AloneArms:
     self.digest_it0 = None
 
   def run_block(self, n: int, untimed: int) -> None:
-    from streamrl.generator.local import sampling_for  # pylint: disable=g-import-not-at-top
+    from streamrl.generator.local import round_seed  # pylint: disable=g-import-not-at-top
 
     s = self.s
     svc = self.work.rollout(s)  # this process pinned to the trainer's core
@@ -406,7 +406,8 @@ class AloneArms:
         requests, by_id = self.work.requests(next(self.loader))
         c0, t0 = proc_cpu_s(gen_pid), now()
         samples = sorted(
-            svc.generate(requests, sampling_for(s.sampling, s.seed, it)), key=lambda q: q.prompt_id
+            svc.generate(requests, s.sampling, seed=round_seed(s.seed, it)),
+            key=lambda q: q.prompt_id,
         )
         t1, c1 = now(), proc_cpu_s(gen_pid)
         if it == 0:

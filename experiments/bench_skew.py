@@ -193,7 +193,7 @@ def build_policy(workdir: str) -> str:
 def generate_lengths(gen, prompts, sampling) -> dict[int, int]:
   return {
       s.prompt_id: len(s.token_ids)
-      for s in gen.generate(prompts, sampling, max_in_flight=_MAX_BS.value)
+      for s in gen.generate(prompts, sampling, seed=_SEED, max_in_flight=_MAX_BS.value)
   }
 
 
@@ -318,7 +318,7 @@ def run_instance(gen, trace, prompts_by_id, ids, batch_size, sampling, profile, 
   try:
     c0, w0 = time.process_time(), time.perf_counter()
     reqs = [(i, prompts_by_id[i]) + ((None, hints[i]) if hints else ()) for i in ids]
-    for s in gen.generate(reqs, sampling, max_in_flight=batch_size):
+    for s in gen.generate(reqs, sampling, seed=_SEED, max_in_flight=batch_size):
       lengths[s.prompt_id] = len(s.token_ids)
     cpu, wall = time.process_time() - c0, time.perf_counter() - w0
   finally:
@@ -343,8 +343,9 @@ def main(argv):
 
   from streamrl.data import tasks
   from streamrl.data.loader import make_prompts
+  from streamrl.generator.config import Sampling
   from streamrl.generator.profiler import profile_instance
-  from streamrl.generator.vllm_engine import GeneratorInstance, SamplingConfig
+  from streamrl.generator.vllm_engine import GeneratorInstance
   from streamrl.ranker.metrics import ranking_metrics
   from streamrl.scheduling import DispatchPlan, LatencyProfile, dispatch, fifo_plan, lpt_order
   from streamrl.scheduling.dispatch import rank_quantiles
@@ -356,7 +357,7 @@ def main(argv):
   os.makedirs(workdir, exist_ok=True)
   n_inst, max_bs = _NUM_INSTANCES.value, _MAX_BS.value
   policy = build_policy(workdir)
-  sampling = SamplingConfig(temperature=1.0, top_p=1.0, max_tokens=_max_tokens(), seed=_SEED)
+  sampling = Sampling(temperature=1.0, top_p=1.0, max_tokens=_max_tokens())
   gen = GeneratorInstance(
       policy,
       max_num_seqs=max(64, max_bs),

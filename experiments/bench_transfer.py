@@ -178,7 +178,7 @@ def _copies(pub, version, model_bytes, receivers=N_RECEIVERS, timeout=10.0):
 
 def bench_bandwidth(tensors, chunk, reps, skip_tcp):
   import numpy as np
-  from streamrl.transfer import Publisher, TransferConfig, schema_of
+  from streamrl.transfer import Publisher, Transfer, schema_of
   from streamrl.transfer.manifest import payload_size
 
   model_bytes = sum(t.nbytes for t in tensors.values())
@@ -215,7 +215,7 @@ def bench_bandwidth(tensors, chunk, reps, skip_tcp):
     res["checksum_s"] = min(res["checksum_s"], t2 - t1)
   del buf
 
-  cfg = TransferConfig(chunk_bytes=chunk, use_shm=True)
+  cfg = Transfer(chunk_bytes=chunk, use_shm=True)
   pub = Publisher(cfg, dc="A", host="bench-host")
   procs = _receivers(pub, cfg, "A", lambda i: "bench-host", schema_of(tensors))
   try:
@@ -230,7 +230,7 @@ def bench_bandwidth(tensors, chunk, reps, skip_tcp):
     pub.close()
 
   if not skip_tcp:
-    cfg = TransferConfig(chunk_bytes=chunk, use_shm=False, fanout=2)
+    cfg = Transfer(chunk_bytes=chunk, use_shm=False, fanout=2)
     pub = Publisher(cfg, dc="A", host="bench-host")
     procs = _receivers(pub, cfg, "A", lambda i: f"host{i}", schema_of(tensors))
     try:
@@ -244,11 +244,11 @@ def bench_bandwidth(tensors, chunk, reps, skip_tcp):
 
 
 def bench_link(tensors, chunk, link_bytes_per_s, lr):
-  from streamrl.transfer import Publisher, TransferConfig, schema_of
+  from streamrl.transfer import Publisher, Transfer, schema_of
 
   res = {}
   for topology in ("direct", "tree"):
-    cfg = TransferConfig(
+    cfg = Transfer(
         chunk_bytes=chunk,
         use_shm=False,
         topology=topology,

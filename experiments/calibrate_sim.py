@@ -274,12 +274,12 @@ class Components:
     self.per_batch: list[dict] = []
 
   def __call__(self, live: Live, it: int, timed: bool, pipeline_samples) -> None:
-    from streamrl.generator.local import sampling_for  # pylint: disable=g-import-not-at-top
+    from streamrl.generator.local import round_seed  # pylint: disable=g-import-not-at-top
 
     s = self.s
     requests, by_id = self.work.requests(self.batches[it])
     t0 = now()
-    regenerated = list(live.rollout.generate(requests, sampling_for(s.sampling, s.seed, it)))
+    regenerated = list(live.rollout.generate(requests, s.sampling, seed=round_seed(s.seed, it)))
     gen_s = now() - t0
     fwd_s, upd_s = self._trainer(it, pipeline_samples, by_id)
     rec = {
@@ -332,14 +332,16 @@ class Components:
     async's generation thread does.
     """
     import threading  # pylint: disable=g-import-not-at-top
-    from streamrl.generator.local import sampling_for  # pylint: disable=g-import-not-at-top
+    from streamrl.generator.local import round_seed  # pylint: disable=g-import-not-at-top
 
     s = self.s
     out = {}
 
     def generate():
       t0 = now()
-      out["samples"] = list(live.rollout.generate(requests, sampling_for(s.sampling, s.seed, it)))
+      out["samples"] = list(
+          live.rollout.generate(requests, s.sampling, seed=round_seed(s.seed, it))
+      )
       out["gen_s"] = now() - t0
 
     thread = threading.Thread(target=generate, name="calibrate-generate")

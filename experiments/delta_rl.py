@@ -63,7 +63,7 @@ _CHUNK_MIB = flags.DEFINE_integer(
     "chunk_mib", 4, "Payload chunk size, MiB (the service's default)."
 )
 _LEVEL = flags.DEFINE_integer(
-    "level", 1, "zlib level of the delta encoder (TransferConfig.delta_level)."
+    "level", 1, "zlib level of the delta encoder (transfer.delta_level)."
 )
 
 LAGS = (1, 2, 4)
@@ -89,19 +89,11 @@ def load_config(quick: bool):
 
 
 def lr_at(s, step: int) -> float:
-  """The actor's lr at optimizer step ``step``: the schedule of step_lib.make_optimizer
-  with the trainer's own optimizer config (``rl_trainer.optim_configs``)."""
-  import optax
-  from streamrl.trainer.rl_trainer import optim_configs
+  """The actor's lr at optimizer step ``step`` of run settings ``s``
+  (``step_lib.lr_schedule``, as the trainer builds it)."""
+  from streamrl.trainer import step as step_lib
 
-  o, _ = optim_configs(s)
-  sched = optax.warmup_cosine_decay_schedule(
-      init_value=0.0 if o.warmup_steps else o.lr,
-      peak_value=o.lr,
-      warmup_steps=o.warmup_steps,
-      decay_steps=max(o.decay_steps, o.warmup_steps + 1),
-      end_value=o.lr * o.min_lr_ratio,
-  )
+  sched = step_lib.lr_schedule(s.optimizer, lr=s.optimizer.lr, decay_steps=s.optimizer_steps)
   return float(sched(step))
 
 

@@ -237,7 +237,9 @@ def measure(spec: dict) -> dict:
 
   from streamrl.models.config import ComputeConfig  # pylint: disable=g-import-not-at-top
   from streamrl.models.transformer import Transformer  # pylint: disable=g-import-not-at-top
+  from streamrl.rl.config import Loss  # pylint: disable=g-import-not-at-top
   from streamrl.trainer import sharding, step  # pylint: disable=g-import-not-at-top
+  from streamrl.trainer.config import Optimizer  # pylint: disable=g-import-not-at-top
 
   cfg = model_config(spec["model"], spec["layers"])
   compute = ComputeConfig(**spec["compute"])
@@ -245,16 +247,16 @@ def measure(spec: dict) -> dict:
   mesh = sharding.make_mesh({"fsdp": -1})
   policy = sharding.init_sharded(lambda: Transformer(cfg, rngs=nnx.Rngs(spec["seed"])), mesh)
   models, state = step.init_state(
-      policy, step.OptimConfig(lr=1e-5, warmup_steps=0), compute=compute
+      policy, Optimizer(lr=1e-5, warmup_steps=0), decay_steps=1000, compute=compute
   )
   del policy
   put = lambda x: jax.device_put(x, sharding.batch_sharding(mesh, x.ndim, shape=x.shape))
   batch = {k: put(v) for k, v in random_batch(cfg, b, t, spec["seed"]).items()}
-  loss_cfg = step.LossConfig()
+  loss = Loss(rollout_correction="none")  # the KL default sits in the reward: no loss term
 
   t0 = time.perf_counter()
   compiled = step.update_step.lower(
-      state, batch, models=models, cfg=loss_cfg, num_micro=spec["micro_batches"]
+      state, batch, models=models, loss=loss, num_micro=spec["micro_batches"]
   ).compile()
   compile_s = time.perf_counter() - t0
   mem = compiled.memory_analysis()

@@ -74,7 +74,7 @@ def main(argv):
   requests, by_id = make_requests(examples, tokenizer, _SAMPLES.value)
   rollout = local.LocalRollout(model_dir, s.engine, dtype=s.model.dtype, seed=s.seed)
   try:
-    samples = list(rollout.generate(requests, local.sampling_for(s.sampling, s.seed, 0)))
+    samples = list(rollout.generate(requests, s.sampling, seed=local.round_seed(s.seed, 0)))
   finally:
     rollout.close()
   groups: dict[int, list[int]] = {}

@@ -156,14 +156,14 @@ def main(argv):
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
   t_start = time.perf_counter()
   from streamrl.workload import Workload  # pylint: disable=g-import-not-at-top
-  from streamrl.generator.local import sampling_for  # pylint: disable=g-import-not-at-top
+  from streamrl.generator.local import round_seed  # pylint: disable=g-import-not-at-top
 
   work = Workload(s, workdir)
   try:
     rollout = work.local_rollout(threads=1)
     requests, by_id = work.requests(work.batches(1)[0])
     t0 = time.perf_counter()
-    samples = list(rollout.generate(requests, sampling_for(s.sampling, s.seed, 0)))
+    samples = list(rollout.generate(requests, s.sampling, seed=round_seed(s.seed, 0)))
     print(f"generated one batch: {len(samples)} samples ({time.perf_counter() - t0:.1f} s)")
     mean_prompt = statistics.fmean(len(q.prompt_token_ids) for q in samples)
     t0 = time.perf_counter()

@@ -112,11 +112,10 @@ class Settings:
     return self.trainer.prompts_per_iteration * self.advantage.group_size
 
   @property
-  def rollout_correction(self) -> str:
-    """The effective correction (`auto` resolved by mode)."""
-    if self.loss.rollout_correction != "auto":
-      return self.loss.rollout_correction
-    return "tis" if self.pipeline.mode == "async" else "none"
+  def optimizer_steps(self) -> int:
+    """Optimizer steps over the whole run (the learning rate decays over them)."""
+    tr = self.trainer
+    return tr.num_iterations * tr.ppo_epochs * max(1, self.samples_per_iteration // tr.mini_batch_size)
 
   @property
   def partial_rollouts(self) -> bool:

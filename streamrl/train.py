@@ -38,7 +38,6 @@ from streamrl.data.loader import PromptLoader, make_requests
 from streamrl.data.rewards import Rewarder, get_reward_fn
 from streamrl.data.tokenizer import Tokenizer
 from streamrl.generator import make_rollout
-from streamrl.generator.rollout import SamplingConfig
 from streamrl.models import hf
 from streamrl.trainer import warmstart
 from streamrl.pipeline import base as mode_base
@@ -150,10 +149,10 @@ def evaluate(rollout, examples, tokenizer, s: settings_lib.Settings) -> dict:
   requests, by_id = make_requests(examples, tokenizer, 1)
   out, read = {}, answer_of(s)
   for name, temp in (("accuracy", s.sampling.temperature), ("accuracy_greedy", 0.0)):
-    sampling = SamplingConfig(temperature=temp, max_tokens=s.sampling.max_tokens, seed=s.seed)
+    sampling = dataclasses.replace(s.sampling, temperature=temp)
     hits = [
         float(read(tokenizer.decode(x.token_ids)) == by_id[x.prompt_id].answer.strip())
-        for x in rollout.generate(requests, sampling)
+        for x in rollout.generate(requests, sampling, seed=s.seed)
     ]
     out[name] = float(np.mean(hits))
   return out

@@ -343,7 +343,6 @@ def precompile(work: Workload, settings_list, num_batches: int, streaming: bool 
   import numpy as np  # pylint: disable=g-import-not-at-top
   from streamrl.generator.rollout import Sample  # pylint: disable=g-import-not-at-top
   from streamrl.trainer import experience  # pylint: disable=g-import-not-at-top
-  from streamrl.trainer.rl_trainer import loss_config  # pylint: disable=g-import-not-at-top
 
   s0 = work.s
   longest = max(
@@ -355,7 +354,7 @@ def precompile(work: Workload, settings_list, num_batches: int, streaming: bool 
   lengths = sorted({experience.bucket_length(n) for n in range(1, top + 1)})
   distinct = {}
   for s in settings_list:
-    distinct.setdefault(loss_config(s), s)
+    distinct.setdefault(s.loss.resolved(s.pipeline.mode), s)
   mb, full = s0.trainer.mini_batch_size, s0.samples_per_iteration
   micro = s0.trainer.micro_batch_size
 

@@ -129,12 +129,12 @@ def test_a_missing_ranker_checkpoint_is_refused_before_anything_starts(tmp_path)
 
 
 def test_rollout_correction_auto_follows_the_mode():
-  s = settings.Settings()
-  assert s.rollout_correction == "none"
-  s = s.replace(pipeline=dataclasses.replace(s.pipeline, mode="async"))
-  assert s.rollout_correction == "tis"
-  s = s.replace(loss=dataclasses.replace(s.loss, rollout_correction="mis"))
-  assert s.rollout_correction == "mis"
+  loss = settings.Loss()
+  assert loss.resolved("sync").rollout_correction == "none"
+  assert loss.resolved("stream").rollout_correction == "none"
+  assert loss.resolved("async").rollout_correction == "tis"
+  mis = dataclasses.replace(loss, rollout_correction="mis")
+  assert mis.resolved("async") is mis
 
 
 def test_partial_auto_resumes_responses_in_async_only():
@@ -424,59 +424,80 @@ def test_no_module_imports_a_layer_above_its_own():
   assert upward == []
 
 
-# Each component config that mirrors run settings, field by field: its
-# default must be the run config's (streamrl/settings.py builds the run
-# config from the parts' dataclasses, so this compares with those).
-def _mirrors():
-  from streamrl.generator.rollout import SamplingConfig
-  from streamrl.trainer.experience import AdvantageConfig
-  from streamrl.trainer.step import LossConfig, OptimConfig
-  from streamrl.transfer.service import TransferConfig
-
-  return {
-      SamplingConfig: {f: f"sampling.{f}" for f in ("temperature", "top_p", "max_tokens")},
-      OptimConfig: {
-          f: f"optimizer.{f}" for f in ("lr", "warmup_steps", "weight_decay", "grad_clip")
-      },
-      LossConfig: {
-          **{f: f"loss.{f}" for f in ("clip_low", "clip_high", "agg", "entropy_coef", "vf_clip")},
-          **{f: f"loss.{f}" for f in ("is_cap", "mis_threshold")},
-          "temperature": "sampling.temperature",
-      },
-      AdvantageConfig: {
-          **{f: f"advantage.{f}" for f in ("estimator", "gamma", "lam", "group_size", "whiten")},
-          "kl_estimator": "kl.estimator",
-          "kl_in_reward": "kl.in_reward",
-      },
-      TransferConfig: {
-          f: f"transfer.{f}"
-          for f in ("chunk_bytes", "topology", "fanout", "use_shm", "delta_cross_dc")
-          + ("uplink_bytes_per_s", "cross_dc_bytes_per_s")
-      },
-  }
-
-
-# Fields that share a setting's name but hold it translated.
-_TRANSLATED = {
-    ("LossConfig", "dual_clip"): "0 (off) is None",
-    ("LossConfig", "rollout_correction"): "auto resolved by the mode",
+# Dataclasses outside the run's parts that share field names with one part.
+# Each is its own concept (why, below); a field they share with the part must
+# have the part's default, or be listed in _TRANSLATED. A new class that
+# repeats a part's fields fails here until it is deleted or listed.
+_MIRRORS = {
+    ("streamrl.models.config", "ComputeConfig"): (
+        "trainer",
+        "the models' forward-pass options; Trainer.compute builds it (auto dtype resolved)",
+    ),
+    ("streamrl.data.tasks", "TaskConfig"): (
+        "task",
+        "the synthetic task distribution, with shape fields the run does not set",
+    ),
+    ("streamrl.sim.engine", "SimConfig"): ("pipeline", "a simulated run, not a live one"),
+    ("streamrl.cluster", "ClusterInfo"): ("cluster", "the cluster found at start; no defaults"),
 }
+_TRANSLATED: dict = {}  # (class name, field): why its default differs
+
+
+def _dataclass_fields_by_class():
+  """{(module, class): field names} of every dataclass defined under streamrl/."""
+  out = {}
+  for mod, path in _streamrl_modules().items():
+    for node in ast.walk(ast.parse(open(path).read())):
+      if isinstance(node, ast.ClassDef) and any(
+          "dataclass" in ast.unparse(d) for d in node.decorator_list
+      ):
+        out[(mod, node.name)] = {
+            s.target.id
+            for s in node.body
+            if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)
+        }
+  return out
 
 
 def test_no_default_is_defined_twice():
-  config = settings.default_config()
-  for cls, fields in _mirrors().items():
-    defaults = {f.name: f.default for f in dataclasses.fields(cls)}
-    for name, key in fields.items():
-      assert defaults[name] == _lookup(config, key), f"{cls.__name__}.{name} vs {key}"
-    # A field named like a setting of the part it mirrors is a mirror too.
-    parts = {k.split(".")[0] for k in fields.values()}
-    for name in set(defaults) - set(fields) - {n for c, n in _TRANSLATED if c == cls.__name__}:
-      for part in parts:
-        assert not (
-            name in {f.name for f in dataclasses.fields(settings.PARTS[part])}
-            and defaults[name] != getattr(settings.PARTS[part](), name)
-        ), f"{cls.__name__}.{name} repeats {part}.{name} with another default"
+  import importlib  # pylint: disable=g-import-not-at-top
+
+  parts = {p: {f.name: f for f in dataclasses.fields(c)} for p, c in settings.PARTS.items()}
+  part_classes = {(c.__module__, c.__name__) for c in settings.PARTS.values()}
+  found = {}
+  for key, names in _dataclass_fields_by_class().items():
+    if key in part_classes:
+      continue
+    for part, fields in parts.items():
+      if len(names & set(fields)) >= 2:
+        found[key] = part
+  assert found == {k: part for k, (part, _) in _MIRRORS.items()}
+  for (mod, name), part in found.items():
+    cls = getattr(importlib.import_module(mod), name)
+    part_defaults = settings.PARTS[part]()
+    for f in dataclasses.fields(cls):
+      if f.name not in parts[part] or (name, f.name) in _TRANSLATED:
+        continue
+      if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+        continue
+      default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+      assert default == getattr(part_defaults, f.name), f"{name}.{f.name} vs {part}.{f.name}"
+
+
+def test_components_take_the_run_parts_themselves():
+  # What the duplicates were: none of these names exists any more.
+  from streamrl.generator import rollout  # pylint: disable=g-import-not-at-top
+  from streamrl.trainer import experience, rl_trainer, step  # pylint: disable=g-import-not-at-top
+  from streamrl.transfer import service  # pylint: disable=g-import-not-at-top
+
+  gone = {
+      rollout: ("SamplingConfig",),
+      step: ("LossConfig", "OptimConfig"),
+      experience: ("AdvantageConfig",),
+      service: ("TransferConfig",),
+      rl_trainer: ("loss_config", "advantage_config", "optim_configs", "compute_config"),
+  }
+  assert [f"{m.__name__}.{n}" for m, names in gone.items() for n in names if hasattr(m, n)] == []
 
 
 def test_settings_functions_are_short():

@@ -3,7 +3,7 @@
 The only package that imports torch and vLLM (inside `vllm_engine.py`, and
 only in the processes that run an engine):
 
-  rollout.py      the protocol, Sample, SamplingConfig, UpdateHandle
+  rollout.py      the protocol, Sample, UpdateHandle
   fake.py         FakeRollout: the protocol without an engine (tests of the loop)
   vllm_engine.py  one engine = one generator instance
   local.py        LocalRollout: one engine in the trainer's process

@@ -166,16 +166,16 @@ class TransferDelivery(Delivery):
       self, actor, live, finish, *, transfer: Transfer, start_version: int, stall_timeout_s: float
   ):
     super().__init__(actor, live, finish)
-    from streamrl.transfer import Publisher, TransferConfig, new_secret  # pylint: disable=g-import-not-at-top
+    from streamrl.transfer import Publisher, new_secret  # pylint: disable=g-import-not-at-top
 
-    self._config = transfer.service_options()
+    self._transfer = transfer
     self._bind = transfer.bind
     self._secret = new_secret()  # Per run: every receiver checks it before loading anything.
     self._stall_timeout_s = float(stall_timeout_s)
     self._schema = None
     self.joined = False
     self.publisher = Publisher(
-        TransferConfig.from_mapping(self._config),
+        transfer,
         dc=cluster_lib.where_am_i()["datacenter"],
         start_version=start_version,
         bind=transfer.bind,
@@ -190,7 +190,7 @@ class TransferDelivery(Delivery):
             self._actor(i).join_transfer.remote(
                 self.publisher.address,
                 self._schema,
-                self._config,
+                self._transfer,
                 bind=self._bind,
                 secret=self._secret,
             )

@@ -13,6 +13,7 @@ import threading
 
 import numpy as np
 
+from streamrl.generator.config import Sampling
 from streamrl.generator.rollout import PARTIAL, Sample, UpdateHandle
 
 
@@ -42,7 +43,18 @@ class FakeRollout:
   def stop_generation(self):
     self._stop = True
 
-  def generate(self, requests, sampling, *, assignments=None, caps=None, stoppable=False):
+  def generate(
+      self,
+      requests,
+      sampling: Sampling,
+      *,
+      seed: int | None = None,
+      assignments=None,
+      caps=None,
+      stoppable=False,
+  ):
+    """`rollout.Rollout.generate`; the answers depend on the request only
+    (`sampling` and `seed` are ignored)."""
     if assignments is not None:
       self.assignments.append(assignments)
       requests = [r for part in assignments for r in part]

@@ -10,7 +10,7 @@ import time
 
 from streamrl import lifecycle
 from streamrl.generator.config import Engine, Sampling
-from streamrl.generator.rollout import SamplingConfig, UpdateHandle
+from streamrl.generator.rollout import UpdateHandle
 
 
 def engine_kwargs(engine: Engine, *, dtype: str, seed: int) -> dict:
@@ -28,15 +28,11 @@ def engine_kwargs(engine: Engine, *, dtype: str, seed: int) -> dict:
   )
 
 
-def sampling_for(sampling: Sampling, seed: int, iteration: int) -> SamplingConfig:
-  """The sampling of one training round: a fresh seed per iteration (each
-  request adds its id to it), so a resumed run samples what it would have."""
-  return SamplingConfig(
-      temperature=sampling.temperature,
-      top_p=sampling.top_p,
-      max_tokens=sampling.max_tokens,
-      seed=seed * 1_000_003 + iteration * 100_003,
-  )
+def round_seed(seed: int, iteration: int) -> int:
+  """The sampling seed of one training round (`generate(..., seed=...)`): a
+  fresh one per iteration (each request adds its prompt id to it), so a
+  resumed run samples what it would have."""
+  return seed * 1_000_003 + iteration * 100_003
 
 
 class LocalRollout:
@@ -67,13 +63,17 @@ class LocalRollout:
   def dead_instances(self) -> list:
     return []
 
-  def generate(self, requests, sampling, *, assignments=None, caps=None):
+  def generate(
+      self, requests, sampling: Sampling, *, seed: int | None = None, assignments=None, caps=None
+  ):
+    """`rollout.Rollout.generate` on the one engine (with a `seed`, the
+    request of prompt id p samples with seed + p; None: unseeded)."""
     if assignments is not None:
       requests = [r for part in assignments for r in part]
     cap = caps[0] if caps else None
     start, n = time.perf_counter(), 0
     try:
-      for s in self.engine.generate(requests, sampling, max_in_flight=cap):
+      for s in self.engine.generate(requests, sampling, seed=seed, max_in_flight=cap):
         n += 1
         yield s
     finally:

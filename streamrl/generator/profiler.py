@@ -26,7 +26,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from streamrl.generator.vllm_engine import GeneratorInstance, SamplingConfig
+from streamrl.generator.config import Sampling
+from streamrl.generator.vllm_engine import GeneratorInstance
 from streamrl.scheduling.latency import LatencyProfile
 
 _log = logging.getLogger(__name__)
@@ -40,9 +41,13 @@ def _random_prompts(
 
 
 def _time_batch(instance, prompts, max_tokens: int, seed: int, clock) -> tuple[float, int]:
-  sampling = SamplingConfig(temperature=1.0, max_tokens=max_tokens, seed=seed)
+  sampling = Sampling(temperature=1.0, max_tokens=max_tokens)
   t0 = clock()
-  samples = list(instance.generate(prompts, sampling, max_in_flight=len(prompts), ignore_eos=True))
+  samples = list(
+      instance.generate(
+          prompts, sampling, seed=seed, max_in_flight=len(prompts), ignore_eos=True
+      )
+  )
   dt = clock() - t0
   return dt, sum(len(s.token_ids) for s in samples)
 

@@ -24,24 +24,9 @@ import numpy as np
 from streamrl.generator.config import Sampling
 from streamrl.scheduling.request import Request, request_hint, request_parts, with_hint  # noqa: F401  (re-exported)
 
-_SAMPLING = Sampling()
-
 # The finish_reason of a response stopped before it finished
 # (`Rollout.stop_generation`): its tokens so far, to be resumed later.
 PARTIAL = "partial"
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplingConfig:
-  """One generate call's sampling (`sampling.*`, streamrl/generator/config.py,
-  holds the defaults) and its seed."""
-
-  temperature: float = _SAMPLING.temperature
-  top_p: float = _SAMPLING.top_p
-  max_tokens: int = _SAMPLING.max_tokens
-  # With a seed, request i of prompt p samples with seed + p: the same prompt
-  # id gives the same tokens whatever else is in the batch.
-  seed: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,17 +112,22 @@ class Rollout(Protocol):
   def generate(
       self,
       requests: Sequence[Request] | None,
-      sampling: SamplingConfig,
+      sampling: Sampling,
       *,
+      seed: int | None = None,
       assignments: Sequence[Sequence[Request]] | None = None,
       caps: Sequence[int | None] | None = None,
       stoppable: bool = False,
   ) -> Iterator[Sample]:
     """Yields one Sample per request as soon as an instance finishes it.
 
-    `assignments` (one list per instance, run in order) replaces the
-    round-robin split of `requests`; `caps` bounds each instance's requests
-    in flight; `stoppable` lets `stop_generation` end this call early.
+    `sampling` is the run's `sampling.*` (streamrl/generator/config.py).
+    With a `seed`, a request of prompt id p samples with seed + p: the same
+    prompt id gives the same tokens whatever else is in the batch (None:
+    unseeded). `assignments` (one list per instance, run in order) replaces
+    the round-robin split of `requests`; `caps` bounds each instance's
+    requests in flight; `stoppable` lets `stop_generation` end this call
+    early.
     """
 
   def stop_generation(self) -> None:

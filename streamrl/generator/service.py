@@ -32,7 +32,7 @@ import ray
 from streamrl import cluster as cluster_lib
 from streamrl import lifecycle
 from streamrl.cluster import Cluster
-from streamrl.generator.config import Engine
+from streamrl.generator.config import Engine, Sampling
 from streamrl.transfer.config import Transfer
 from streamrl.errors import UserError
 from streamrl.generator import delivery as delivery_lib
@@ -131,12 +131,17 @@ class _GeneratorActor:
   def generate(
       self,
       requests: Sequence[Request],
-      sampling,
+      sampling: Sampling,
       max_in_flight: int | None = None,
       coalesce_s: float = 0.0,
       stop_key: int | None = None,
+      *,
+      seed: int | None = None,
   ):
     """Ray streaming generator: yields lists of finished Samples.
+
+    `sampling` and `seed` as in `GeneratorInstance.generate` (with a seed,
+    the request of prompt id p samples with seed + p; None: unseeded).
 
     Samples that finish within `coalesce_s` of the first one not yet sent
     travel together as one Ray object (0: each on its own). One object per
@@ -150,7 +155,9 @@ class _GeneratorActor:
     self.apply_staged()  # Between streams: the newest verified weights, if any.
     fault, self._fault = self._fault, None
     stop = None if stop_key is None else (lambda: self._stop_key == stop_key)
-    stream = self._gen.generate(requests, sampling, max_in_flight=max_in_flight, stop=stop)
+    stream = self._gen.generate(
+        requests, sampling, seed=seed, max_in_flight=max_in_flight, stop=stop
+    )
     self._peak_in_flight = self._num_yielded = 0
     pending: list = []
     first_at = 0.0
@@ -199,7 +206,7 @@ class _GeneratorActor:
   # -- checkpoint-transfer service (config.transfer.enabled) -----------------
 
   def join_transfer(
-      self, address, schema, transfer_config: dict, *, bind: str = "127.0.0.1", secret=None
+      self, address, schema, transfer: Transfer, *, bind: str = "127.0.0.1", secret=None
   ) -> int:
     """Starts this instance's transfer Receiver and joins the publisher.
 
@@ -210,7 +217,7 @@ class _GeneratorActor:
     the verified file itself: the publisher's on its host, else the one
     file its host's first receiver received (see streamrl/transfer).
     """
-    from streamrl.transfer import Receiver, TransferConfig  # pylint: disable=g-import-not-at-top
+    from streamrl.transfer import Receiver  # pylint: disable=g-import-not-at-top
 
     self._stage_lock = threading.Lock()
     self._staged = None
@@ -219,7 +226,7 @@ class _GeneratorActor:
         cluster_lib.where_am_i()["datacenter"],
         self._stage,
         expected_schema=schema,
-        config=TransferConfig.from_mapping(transfer_config),
+        config=transfer,
         initial_version=self._gen.weight_version,
         bind=bind,
         secret=secret,
@@ -669,8 +676,9 @@ class StreamGenerationService:
   def generate(
       self,
       requests: Sequence[Request] | None,
-      sampling,
+      sampling: Sampling,
       *,
+      seed: int | None = None,
       assignments: Sequence[Sequence[Request]] | None = None,
       caps: Sequence[int | None] | None = None,
       stall_timeout_s: float | None = None,
@@ -681,7 +689,9 @@ class StreamGenerationService:
     Args:
       requests: (request id, prompt token ids) pairs with unique ids; split
         round-robin over the live instances unless `assignments` is given.
-      sampling: a `SamplingConfig`.
+      sampling: the run's `sampling.*` (`config.Sampling`).
+      seed: with a seed, the request of prompt id p samples with seed + p
+        (the same tokens whatever instance or batch runs it); None: unseeded.
       assignments: one request list per instance id (0..N-1), run in the
         given order (e.g. LPT order from the skew scheduler). `requests` may
         then be None; if given it must hold the same ids.
@@ -708,7 +718,9 @@ class StreamGenerationService:
             "generate(stoppable=True) needs a StreamGenerationService(stoppable=True)."
         )
       stop_key = self._stoppable_key = next(self._stop_keys)
-    return self._run(plan, sampling, caps, float(stall_timeout_s or self.stall_timeout_s), stop_key)
+    return self._run(
+        plan, sampling, seed, caps, float(stall_timeout_s or self.stall_timeout_s), stop_key
+    )
 
   def stop_generation(self) -> None:
     """Ends the running stoppable `generate` call early (see
@@ -762,7 +774,8 @@ class StreamGenerationService:
   def _run(
       self,
       plan: dict[int, list],
-      sampling,
+      sampling: Sampling,
+      seed: int | None,
       caps: list,
       stall_timeout_s: float,
       stop_key: int | None = None,
@@ -790,7 +803,7 @@ class StreamGenerationService:
         gen = (
             self._actors[i]
             .generate.options(num_returns="streaming")
-            .remote(reqs, sampling, caps[i], self.coalesce_s, stop_key)
+            .remote(reqs, sampling, caps[i], self.coalesce_s, stop_key, seed=seed)
         )
         active[gen] = _Stream(i, reqs, time.perf_counter())
 

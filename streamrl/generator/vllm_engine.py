@@ -19,7 +19,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from streamrl.generator.rollout import PARTIAL, Sample, SamplingConfig, request_hint, request_parts  # pylint: disable=unused-import
+from streamrl.generator.config import Sampling
+from streamrl.generator.rollout import PARTIAL, Sample, request_hint, request_parts  # pylint: disable=unused-import
 from streamrl.models import hf as hf_lib
 from streamrl.models import safetensors_io
 from streamrl.models.config import CPU_SUPPORTED_HEAD_DIMS
@@ -415,7 +416,8 @@ class GeneratorInstance:
 
   def _params(
       self,
-      sampling: SamplingConfig,
+      sampling: Sampling,
+      seed: int | None,
       prompt_id: int,
       ignore_eos: bool = False,
       max_tokens: int | None = None,
@@ -430,7 +432,7 @@ class GeneratorInstance:
         detokenize=False,
         stop_token_ids=[] if ignore_eos else self._eos,
         ignore_eos=ignore_eos,
-        seed=None if sampling.seed is None else sampling.seed + prompt_id,
+        seed=None if seed is None else seed + prompt_id,
     )
 
   def _sample(self, prompt_id: int, ids: tuple, completion, finish_reason: str) -> Sample:
@@ -449,13 +451,19 @@ class GeneratorInstance:
   def generate(
       self,
       prompts: Sequence[tuple],
-      sampling: SamplingConfig,
+      sampling: Sampling,
       *,
+      seed: int | None = None,
       max_in_flight: int | None = None,
       ignore_eos: bool = False,
       stop: Callable[[], bool] | None = None,
   ) -> Iterator[Sample]:
     """Streams one Sample per prompt as each finishes.
+
+    `sampling` is the run's `sampling.*` (streamrl/generator/config.py).
+    With a `seed`, the request of prompt id p samples with seed + p, so the
+    same prompt id gives the same tokens whatever else is in the batch;
+    None: unseeded.
 
     Prompts are `rollout.Request`s, admitted in the given order; at most
     `max_in_flight` run at once (default: the engine's max_num_seqs) and a
@@ -499,7 +507,7 @@ class GeneratorInstance:
           self._engine.add_request(
               rid,
               {"prompt_token_ids": list(ids)},
-              self._params(sampling, prompt_id, ignore_eos, max_tokens),
+              self._params(sampling, seed, prompt_id, ignore_eos, max_tokens),
           )
           running[rid] = (prompt_id, ids)
         self._in_flight = len(running)

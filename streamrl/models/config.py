@@ -137,7 +137,7 @@ class ComputeConfig:
   dtype: str = "float32"
   fp32_lm_head: bool = True
   remat: str = "none"
-  logprob_chunk: int = 0
+  logprob_chunk: int = DEFAULT_LOGPROB_CHUNK
 
   @property
   def head_dtype(self) -> str:

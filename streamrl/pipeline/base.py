@@ -115,7 +115,8 @@ class Mode:
     kw = {"stoppable": True} if stoppable else {}
     return self.rollout.generate(
         None if assignments else [rnd.resume.get(r[0], r) for r in rnd.requests],
-        local.sampling_for(self.sampling, self.seed, rnd.it),
+        self.sampling,
+        seed=local.round_seed(self.seed, rnd.it),
         assignments=assignments,
         caps=caps,
         **kw,

@@ -11,6 +11,7 @@ from streamrl.rl.kl import KL_ESTIMATORS
 ADVANTAGES = ("gae", "grpo", "rloo", "reinforce_pp")
 LOSS_AGGS = ("token_mean", "token_sum_norm", "seq_mean_token_mean", "seq_mean_token_sum")
 ROLLOUT_CORRECTIONS = ("auto", "none", "tis", "mis")
+IS_LEVELS = ("token", "sequence")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,6 +24,9 @@ class Advantage:
   group_size: int = 1
   whiten: bool = True
   use_critic: bool = True
+  # grpo: divide each group's centred scores by their std (False: Dr. GRPO's
+  # unscaled advantages).
+  normalize_std: bool = True
 
   def check(self) -> None:
     one_of("advantage.estimator", self.estimator, ADVANTAGES)
@@ -52,6 +56,16 @@ class Kl:
   in_reward: bool = True
   use_reference: bool = True
 
+  @property
+  def reward_coef(self) -> float:
+    """The penalty's weight in the reward (0 without a reference or when it is a loss term)."""
+    return self.coef if self.use_reference and self.in_reward else 0.0
+
+  @property
+  def loss_coef(self) -> float:
+    """The KL term's weight in the policy loss (GRPO style; 0 otherwise)."""
+    return self.coef if self.use_reference and not self.in_reward else 0.0
+
   def check(self) -> None:
     one_of("kl.estimator", self.estimator, KL_ESTIMATORS)
     positive("kl.coef", self.coef, zero_ok=True)
@@ -80,7 +94,16 @@ class Loss:
   vf_clip: float = 0.2
   rollout_correction: str = "auto"
   is_cap: float = 2.0
+  # tis weights per token, or one per sequence (the product of its ratios, capped).
+  is_level: str = "token"
   mis_threshold: float = 2.0
+
+  def resolved(self, mode: str) -> "Loss":
+    """This loss with `rollout_correction="auto"` decided by the pipeline
+    mode: tis in async mode (samples come from older weights), none otherwise."""
+    if self.rollout_correction != "auto":
+      return self
+    return dataclasses.replace(self, rollout_correction="tis" if mode == "async" else "none")
 
   def check(self) -> None:
     positive("loss.clip_low", self.clip_low)
@@ -94,4 +117,5 @@ class Loss:
     positive("loss.vf_clip", self.vf_clip, zero_ok=True)
     one_of("loss.rollout_correction", self.rollout_correction, ROLLOUT_CORRECTIONS)
     need(self.is_cap >= 1, f"loss.is_cap={self.is_cap} must be >= 1.")
+    one_of("loss.is_level", self.is_level, IS_LEVELS)
     need(self.mis_threshold > 1, f"loss.mis_threshold={self.mis_threshold} must be > 1.")

@@ -7,7 +7,12 @@ from __future__ import annotations
 import dataclasses
 
 from streamrl.config_checks import need, one_of, positive
-from streamrl.models.config import COMPUTE_DTYPES, DEFAULT_LOGPROB_CHUNK, REMAT_POLICIES
+from streamrl.models.config import (
+    COMPUTE_DTYPES,
+    DEFAULT_LOGPROB_CHUNK,
+    REMAT_POLICIES,
+    ComputeConfig,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +38,20 @@ class Trainer:
   fp32_lm_head: bool = True
   remat: str = "none"
   logprob_chunk: int = DEFAULT_LOGPROB_CHUNK
+
+  def compute(self, model_dtype: str) -> ComputeConfig:
+    """How the forward passes run; compute_dtype="auto" follows the generators
+    (`model.dtype`): bfloat16 when they run bf16, else float32 (a float16
+    generator gets an fp32 trainer: fp16 training would need loss scaling)."""
+    dtype = self.compute_dtype
+    if dtype == "auto":
+      dtype = "bfloat16" if model_dtype == "bfloat16" else "float32"
+    return ComputeConfig(
+        dtype=dtype,
+        fp32_lm_head=self.fp32_lm_head,
+        remat=self.remat,
+        logprob_chunk=self.logprob_chunk,
+    )
 
   def check(self) -> None:
     for key in (
@@ -74,9 +93,18 @@ class Optimizer:
   warmup_steps: int = 5
   weight_decay: float = 0.0
   grad_clip: float = 1.0
+  # The cosine decay ends at lr * min_lr_ratio after the run's optimizer steps.
+  min_lr_ratio: float = 0.1
+  b1: float = 0.9
+  b2: float = 0.95
 
   def check(self) -> None:
     positive("optimizer.lr", self.lr)
+    need(0 <= self.min_lr_ratio <= 1, f"optimizer.min_lr_ratio={self.min_lr_ratio} must be in [0, 1].")
+    need(
+        0 <= self.b1 < 1 and 0 <= self.b2 < 1,
+        f"optimizer.b1={self.b1} and optimizer.b2={self.b2} must be in [0, 1).",
+    )
     positive("optimizer.warmup_steps", self.warmup_steps, zero_ok=True)
     positive("optimizer.weight_decay", self.weight_decay, zero_ok=True)
     positive("optimizer.grad_clip", self.grad_clip)

@@ -12,7 +12,6 @@ once per released chunk of samples (whole groups, for group estimators).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from collections.abc import Sequence
 
@@ -22,7 +21,6 @@ import numpy as np
 from streamrl import rl
 from streamrl.rl.config import Advantage, Kl
 
-_ADVANTAGE, _KL = Advantage(), Kl()
 
 
 def bucket_length(n: int, multiple: int = 32) -> int:
@@ -50,47 +48,32 @@ def pad_samples(samples: Sequence, seq_len: int | None = None, pad_id: int = 0) 
   return {"tokens_bt": tokens, "mask_bt": mask, "gen_logp_bt": gen_logp}
 
 
-@dataclasses.dataclass(frozen=True)
-class AdvantageConfig:
-  """The advantage step's options; defaults from `advantage.*` and `kl.*`
-  (streamrl/rl/config.py). kl_coef is the reward penalty's (0: none)."""
-
-  estimator: str = _ADVANTAGE.estimator
-  gamma: float = _ADVANTAGE.gamma
-  lam: float = _ADVANTAGE.lam
-  group_size: int = _ADVANTAGE.group_size
-  kl_coef: float = 0.0
-  kl_estimator: str = _KL.estimator
-  kl_in_reward: bool = _KL.in_reward
-  whiten: bool = _ADVANTAGE.whiten
-  normalize_std: bool = True
-
-
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def compute_advantages(batch: dict, scores_b: jax.Array, *, cfg: AdvantageConfig) -> dict:
-  """Token rewards (score at the last token, minus a KL penalty) -> advantages.
+@functools.partial(jax.jit, static_argnames=("advantage", "kl"))
+def compute_advantages(batch: dict, scores_b: jax.Array, *, advantage: Advantage, kl: Kl) -> dict:
+  """Token rewards (score at the last token, minus the KL penalty when
+  `kl.in_reward`) -> advantages (`advantage.*`).
 
   Whitening uses the statistics of the whole batch passed in, so the stream
   pipeline calls this once per complete mini-batch (or group, for GRPO).
   """
   mask = batch["mask_bt"]
-  kl = None
-  if cfg.kl_in_reward and cfg.kl_coef:
-    kl = rl.get_kl_estimator(cfg.kl_estimator)(batch["old_logp_bt"], batch["ref_logp_bt"]) * mask
-  rewards = rl.token_level_rewards(scores_b, mask, kl, cfg.kl_coef)
-  estimator = rl.get_advantage_estimator(cfg.estimator)
+  penalty, coef = None, kl.reward_coef
+  if coef:
+    penalty = rl.get_kl_estimator(kl.estimator)(batch["old_logp_bt"], batch["ref_logp_bt"]) * mask
+  rewards = rl.token_level_rewards(scores_b, mask, penalty, coef)
+  estimator = rl.get_advantage_estimator(advantage.estimator)
   adv, returns = estimator(
       rewards,
       mask,
       values_bt=batch.get("old_values_bt"),
-      group_size=cfg.group_size,
-      gamma=cfg.gamma,
-      lam=cfg.lam,
-      normalize_std=cfg.normalize_std,
+      group_size=advantage.group_size,
+      gamma=advantage.gamma,
+      lam=advantage.lam,
+      normalize_std=advantage.normalize_std,
   )
-  if cfg.whiten and cfg.estimator in ("gae",):
+  if advantage.whiten and advantage.estimator in ("gae",):
     adv = rl.whiten(adv, mask)
   out = {"advantages_bt": adv * mask, "returns_bt": returns * mask}
-  if kl is not None:
-    out["kl_bt"] = kl
+  if penalty is not None:
+    out["kl_bt"] = penalty
   return out

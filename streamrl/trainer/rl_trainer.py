@@ -13,8 +13,8 @@ its own bucket), which on CPU is several times cheaper than padding all to
 the longest, and measures the trainer/generator mismatch (`mismatch/*`).
 
 Memory: the actor and critic train with fp32 master weights and optimizer
-state and compute in `compute_config(s)` (bf16 when the generators run
-bf16). The frozen copies -- the reference model and the iteration's old
+state and compute as `trainer.compute(model.dtype)` says (bf16 when the
+generators run bf16). The frozen copies -- the reference model and the iteration's old
 policy -- are stored in the dtypes the forward pass reads (bf16 matmul
 weights under bf16 compute; `transformer.read_dtype_cast`), half the bytes of
 an fp32 copy with identical log-probabilities. The critic is created
@@ -35,79 +35,14 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from streamrl import rl
 from streamrl.models import hf
-from streamrl.models.config import ComputeConfig
+from streamrl.generator.config import Sampling
+from streamrl.rl.config import Advantage, Kl, Loss
+from streamrl.trainer.config import Optimizer, Trainer
 from streamrl.models.transformer import Critic, Transformer, read_dtype_cast
 from streamrl.trainer import experience, multihost, sharding, step as step_lib
 
 if typing.TYPE_CHECKING:  # The run's settings are read here, never imported at run time.
   from streamrl import settings as settings_lib
-
-
-def loss_config(s: settings_lib.Settings) -> step_lib.LossConfig:
-  """The jitted step's loss options (temperature: the generators')."""
-  loss, kl = s.loss, s.kl
-  return step_lib.LossConfig(
-      clip_low=loss.clip_low,
-      clip_high=loss.clip_high,
-      dual_clip=loss.dual_clip or None,
-      agg=loss.agg,
-      norm_constant=float(s.sampling.max_tokens),
-      entropy_coef=loss.entropy_coef,
-      kl_coef=kl.coef if kl.use_reference else 0.0,
-      kl_estimator=kl.estimator,
-      kl_in_loss=not kl.in_reward,
-      vf_clip=loss.vf_clip,
-      rollout_correction=s.rollout_correction,
-      is_cap=loss.is_cap,
-      mis_threshold=loss.mis_threshold,
-      temperature=s.sampling.temperature,
-  )
-
-
-def advantage_config(s: settings_lib.Settings) -> experience.AdvantageConfig:
-  adv, kl = s.advantage, s.kl
-  return experience.AdvantageConfig(
-      estimator=adv.estimator,
-      gamma=adv.gamma,
-      lam=adv.lam,
-      group_size=adv.group_size,
-      kl_coef=kl.coef if kl.use_reference else 0.0,
-      kl_estimator=kl.estimator,
-      kl_in_reward=kl.in_reward,
-      whiten=adv.whiten,
-  )
-
-
-def optim_configs(s: settings_lib.Settings) -> tuple[step_lib.OptimConfig, step_lib.OptimConfig]:
-  """(actor, critic) optimizer configs, decaying over the run's optimizer steps."""
-  o, tr = s.optimizer, s.trainer
-  total = tr.num_iterations * tr.ppo_epochs * max(1, s.samples_per_iteration // tr.mini_batch_size)
-  common = dict(
-      warmup_steps=o.warmup_steps,
-      decay_steps=total,
-      weight_decay=o.weight_decay,
-      grad_clip=o.grad_clip,
-  )
-  return (step_lib.OptimConfig(lr=o.lr, **common), step_lib.OptimConfig(lr=o.critic_lr, **common))
-
-
-def compute_config(s: settings_lib.Settings) -> ComputeConfig:
-  """How the trainer's forward passes run (dtype, LM head, remat, chunks).
-
-  trainer.compute_dtype="auto" follows the generators (model.dtype):
-  bfloat16 when they run bf16, else float32 -- a float16 generator gets an
-  fp32 trainer, since fp16 training would need loss scaling.
-  """
-  tr = s.trainer
-  dtype = tr.compute_dtype
-  if dtype == "auto":
-    dtype = "bfloat16" if s.model.dtype == "bfloat16" else "float32"
-  return ComputeConfig(
-      dtype=dtype,
-      fp32_lm_head=tr.fp32_lm_head,
-      remat=tr.remat,
-      logprob_chunk=tr.logprob_chunk,
-  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,50 +82,57 @@ class RLTrainer:
   before any update); stored like this it costs half an fp32 copy and gives
   exactly the log-probabilities the initial policy has in the trainer.
 
+  Every option comes from the run's own parts (streamrl/settings.py lists
+  them; `from_settings` passes a run's):
+
   Args:
     policy: the actor, unsharded.
-    loss, advantage: the step's and the advantage estimator's options.
-    actor_optim, critic_optim: optimizer configs (critic_optim None: no critic).
-    mini_batch_size, micro_batch_size: in samples.
-    use_reference: keep a frozen copy of the initial policy for the KL term.
-    export_dtype: the generators' dtype, in which `export_weights` hands weights over.
+    loss: the policy / value loss (`loss.*`), with rollout_correction resolved
+      (`Loss.resolved(mode)`).
+    kl: the KL to the reference (`kl.*`): a reward penalty or a loss term; a
+      frozen reference is kept when `kl.use_reference`.
+    advantage: the estimator (`advantage.*`); `use_critic` adds a critic.
+    sampling: the generators' sampling (`sampling.*`): the trainer scores at
+      their temperature and token_sum_norm divides by their max_tokens.
+    optimizer: AdamW for actor (`lr`) and critic (`critic_lr`), decaying over
+      `optimizer_steps`.
+    trainer: mini / micro batch sizes and how the forward passes run
+      (`Trainer.compute`; parameters and optimizer state stay fp32).
+    export_dtype: the generators' dtype (`model.dtype`), in which
+      `export_weights` hands weights over; compute_dtype="auto" follows it.
     mesh: the device mesh (default: `mesh_axes` over all devices).
-    compute: dtype, LM-head precision, remat and logprob chunking of every
-      forward pass (parameters and optimizer state stay fp32).
   """
 
   def __init__(
       self,
       policy: Transformer,
       *,
-      loss: step_lib.LossConfig,
-      advantage: experience.AdvantageConfig,
-      actor_optim: step_lib.OptimConfig,
-      critic_optim: step_lib.OptimConfig | None,
-      mini_batch_size: int,
-      micro_batch_size: int,
-      use_reference: bool,
+      loss: Loss,
+      kl: Kl,
+      advantage: Advantage,
+      sampling: Sampling,
+      optimizer: Optimizer,
+      trainer: Trainer,
+      optimizer_steps: int,
       seed: int = 0,
       mesh: jax.sharding.Mesh | None = None,
       mesh_axes: dict | None = None,
       export_dtype: str = "float32",
-      compute: ComputeConfig = ComputeConfig(),
   ):
+    step_lib.check_loss(loss)
     self.export_dtype = export_dtype
-    self.compute = compute
+    self.compute = trainer.compute(export_dtype)
     self.model_cfg = policy.cfg
     self.mesh = mesh or sharding.make_mesh(dict(mesh_axes or {"fsdp": -1}))
-    self.loss_cfg = loss
-    self.adv_cfg = advantage
-    self.mini_batch_size = mini_batch_size
-    self.num_micro = mini_batch_size // micro_batch_size
-    self.temperature = loss.temperature
+    self.loss, self.kl, self.advantage, self.sampling = loss, kl, advantage, sampling
+    self.mini_batch_size = trainer.mini_batch_size
+    self.num_micro = trainer.mini_batch_size // trainer.micro_batch_size
     policy = sharding.shard_module(policy, self.mesh)
     critic = None
-    if critic_optim is not None:
+    if advantage.use_critic:
       critic = critic_from_policy(policy, seed, self.mesh)
     self.models, state = step_lib.init_state(
-        policy, actor_optim, critic, critic_optim, compute=compute
+        policy, optimizer, optimizer_steps, critic, compute=self.compute
     )
     # Scalars (step, optimizer counts) default to one device; replicate them on
     # the mesh so a restored (committed) state has one consistent device set.
@@ -201,27 +143,26 @@ class RLTrainer:
         else jax.device_put(x, replicated),
         state,
     )
-    self.ref = self._frozen(self.state.actor) if use_reference else None
+    self.ref = self._frozen(self.state.actor) if kl.use_reference else None
 
   @classmethod
   def from_settings(
       cls, policy: Transformer, s: settings_lib.Settings, mesh: jax.sharding.Mesh | None = None
   ) -> "RLTrainer":
-    actor_optim, critic_optim = optim_configs(s)
+    """The trainer of run settings `s`: each part passed as it is."""
     return cls(
         policy,
-        loss=loss_config(s),
-        advantage=advantage_config(s),
-        actor_optim=actor_optim,
-        critic_optim=critic_optim if s.advantage.use_critic else None,
-        mini_batch_size=s.trainer.mini_batch_size,
-        micro_batch_size=s.trainer.micro_batch_size,
-        use_reference=s.kl.use_reference,
+        loss=s.loss.resolved(s.pipeline.mode),
+        kl=s.kl,
+        advantage=s.advantage,
+        sampling=s.sampling,
+        optimizer=s.optimizer,
+        trainer=s.trainer,
+        optimizer_steps=s.optimizer_steps,
         seed=s.seed,
         mesh=mesh,
         mesh_axes=s.mesh.axes(),
         export_dtype=s.model.dtype,
-        compute=compute_config(s),
     )
 
   # ------------------------------------------------------------ per-sample work
@@ -253,7 +194,9 @@ class RLTrainer:
     """Old / reference logprobs and values of samples (one padded batch)."""
     batch = experience.pad_samples(samples)
     tokens = self._put(batch["tokens_bt"])
-    score = dict(graphdef=self.models.actor_def, temperature=self.temperature, compute=self.compute)
+    score = dict(
+        graphdef=self.models.actor_def, temperature=self.sampling.temperature, compute=self.compute
+    )
     logp, _ = step_lib.policy_logprobs(old.actor, tokens, **score)
     batch["old_logp_bt"] = multihost.host_array(logp)
     if self.ref is not None:
@@ -304,7 +247,7 @@ class RLTrainer:
       block_len[c[0]] = p["tokens_bt"].shape[1]
       for k, v in p.items():
         full[k][c, : v.shape[1]] = v
-    adv = experience.compute_advantages(full, np.asarray(rewards, np.float32), cfg=self.adv_cfg)
+    adv = experience.compute_advantages(full, np.asarray(rewards, np.float32), advantage=self.advantage, kl=self.kl)
     for k, v in adv.items():
       full[k] = np.asarray(v)
     minis = []
@@ -334,6 +277,10 @@ class RLTrainer:
     return minis, metrics
 
   # ----------------------------------------------------------------- updates
+  def _step_parts(self) -> dict:
+    """The jitted step's static arguments: the models and the run's parts."""
+    return dict(models=self.models, loss=self.loss, kl=self.kl, sampling=self.sampling)
+
   def update(self, mini: dict) -> dict:
     """One optimizer step on a mini-batch; returns its metrics (device arrays).
 
@@ -344,15 +291,15 @@ class RLTrainer:
     if micros is None:
       batch = {k: self._put(v) for k, v in mini.items()}
       self.state, metrics = step_lib.update_step(
-          self.state, batch, models=self.models, cfg=self.loss_cfg, num_micro=self.num_micro
+          self.state, batch, num_micro=self.num_micro, **self._step_parts()
       )
       return metrics
     weights = step_lib.micro_batch_weights(
-        mini["mask_bt"][:, :-1], self.num_micro, self.loss_cfg.agg
+        mini["mask_bt"][:, :-1], self.num_micro, self.loss.agg
     )
     micros = [{k: self._put(v) for k, v in m.items()} for m in micros]
     self.state, metrics = step_lib.ragged_update(
-        self.state, micros, weights, models=self.models, cfg=self.loss_cfg
+        self.state, micros, weights, **self._step_parts()
     )
     return metrics
 

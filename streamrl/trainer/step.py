@@ -34,95 +34,49 @@ from streamrl import rl
 from streamrl.models.config import ComputeConfig
 from streamrl.models.transformer import next_token_logprobs
 from streamrl.generator.config import Sampling
-from streamrl.rl.config import Loss
+from streamrl.rl.config import Kl, Loss
 from streamrl.trainer.config import Optimizer
 
-# The run settings own these defaults; the step's configs take them from there.
-_LOSS, _OPTIMIZER, _SAMPLING = Loss(), Optimizer(), Sampling()
+# The jitted step reads the run's own parts, which are frozen dataclasses and
+# hash by value: `loss` (streamrl/rl/config.py; `rollout_correction` resolved
+# by `Loss.resolved`), `kl` (its coef counts in the loss only when
+# `kl.in_reward` is False; PPO puts the penalty in the reward instead) and
+# `sampling` (streamrl/generator/config.py: the generators' temperature,
+# which divides the logits as in `policy_logprobs`, and `max_tokens`, the
+# fixed divisor of loss.agg="token_sum_norm", Dr. GRPO's).
+_KL, _SAMPLING = Kl(), Sampling()
 
 
-@dataclasses.dataclass(frozen=True)
-class LossConfig:
-  """Loss options; static in the jitted step, so equal configs share its code.
-
-  Attributes:
-    agg: how token losses become one number (`rl.AGG_MODES`). Splitting a
-      mini-batch into micro-batches gives the same loss and gradient in every
-      mode (see `micro_batch_weights`).
-    norm_constant: the fixed divisor of agg="token_sum_norm" (Dr. GRPO): the
-      loss is sum of token losses / (rows · norm_constant). Use the
-      maximum response length (sampling.max_tokens); it must be > 0 in
-      that mode and is ignored in the others.
-    rollout_correction: "none", "tis" or "mis": per-token weights for the
-      trainer/generator mismatch (`rl.rollout_correction_weights`).
-    is_cap: the cap of the "tis" weights.
-    is_level: "token" or "sequence" weights for "tis".
-    mis_threshold: "mis" keeps a sequence whose geometric-mean ratio
-      trainer/generator lies in [1 / mis_threshold, mis_threshold].
-    temperature: the generator's sampling temperature; the logits are
-      divided by it, as in `policy_logprobs`.
-  """
-
-  clip_low: float = _LOSS.clip_low
-  clip_high: float = _LOSS.clip_high
-  dual_clip: float | None = None  # loss.dual_clip, with 0 (off) as None
-  agg: str = _LOSS.agg
-  norm_constant: float = 0.0
-  entropy_coef: float = _LOSS.entropy_coef
-  kl_coef: float = 0.0
-  kl_estimator: str = "k3"
-  kl_in_loss: bool = False  # GRPO style; PPO puts the KL penalty in the reward
-  vf_clip: float = _LOSS.vf_clip
-  rollout_correction: str = "none"  # loss.rollout_correction with "auto" resolved
-  is_cap: float = _LOSS.is_cap
-  is_level: str = "token"
-  mis_threshold: float = _LOSS.mis_threshold
-  temperature: float = _SAMPLING.temperature
-
-  def __post_init__(self):
-    if self.agg not in rl.AGG_MODES:
-      raise ValueError(
-          f"Unknown loss aggregation {self.agg!r}; set loss.agg to " f"one of {list(rl.AGG_MODES)}."
-      )
-    if self.agg == "token_sum_norm" and not self.norm_constant > 0:
-      raise ValueError(
-          "agg='token_sum_norm' divides by a fixed norm_constant, got "
-          f"{self.norm_constant}; set it to the maximum response length."
-      )
-    if self.rollout_correction not in rl.ROLLOUT_CORRECTIONS:
-      raise ValueError(
-          f"Unknown rollout correction {self.rollout_correction!r}; use "
-          f"one of {list(rl.ROLLOUT_CORRECTIONS)}."
-      )
+def check_loss(loss: Loss) -> None:
+  """Refuses a loss the step cannot run (a ValueError naming the fix)."""
+  if loss.agg not in rl.AGG_MODES:
+    raise ValueError(f"Unknown loss aggregation {loss.agg!r}; set loss.agg to one of {list(rl.AGG_MODES)}.")
+  if loss.rollout_correction not in rl.ROLLOUT_CORRECTIONS:
+    raise ValueError(
+        f"loss.rollout_correction={loss.rollout_correction!r} cannot reach the train step; "
+        f"resolve 'auto' with Loss.resolved(mode) or use one of {list(rl.ROLLOUT_CORRECTIONS)}."
+    )
 
 
-@dataclasses.dataclass(frozen=True)
-class OptimConfig:
-  """One optimizer (actor or critic); the run's values come from `optimizer.*`
-  (streamrl/trainer/config.py), which also holds these defaults."""
-
-  lr: float = _OPTIMIZER.lr
-  warmup_steps: int = _OPTIMIZER.warmup_steps
-  decay_steps: int = 1000
-  min_lr_ratio: float = 0.1
-  weight_decay: float = _OPTIMIZER.weight_decay
-  grad_clip: float = _OPTIMIZER.grad_clip
-  b1: float = 0.9
-  b2: float = 0.95
-
-
-def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
-  """AdamW with linear warmup, cosine decay and global-norm clipping."""
-  schedule = optax.warmup_cosine_decay_schedule(
-      init_value=0.0 if cfg.warmup_steps else cfg.lr,
-      peak_value=cfg.lr,
-      warmup_steps=cfg.warmup_steps,
-      decay_steps=max(cfg.decay_steps, cfg.warmup_steps + 1),
-      end_value=cfg.lr * cfg.min_lr_ratio,
+def lr_schedule(opt: Optimizer, *, lr: float, decay_steps: int) -> optax.Schedule:
+  """Linear warmup over `optimizer.warmup_steps`, then cosine decay to
+  lr * `optimizer.min_lr_ratio` at `decay_steps` optimizer steps."""
+  return optax.warmup_cosine_decay_schedule(
+      init_value=0.0 if opt.warmup_steps else lr,
+      peak_value=lr,
+      warmup_steps=opt.warmup_steps,
+      decay_steps=max(decay_steps, opt.warmup_steps + 1),
+      end_value=lr * opt.min_lr_ratio,
   )
+
+
+def make_optimizer(opt: Optimizer, *, lr: float, decay_steps: int) -> optax.GradientTransformation:
+  """AdamW on `lr_schedule` with global-norm clipping (`optimizer.*`; the
+  actor's lr is `opt.lr`, the critic's `opt.critic_lr`)."""
+  schedule = lr_schedule(opt, lr=lr, decay_steps=decay_steps)
   return optax.chain(
-      optax.clip_by_global_norm(cfg.grad_clip),
-      optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay),
+      optax.clip_by_global_norm(opt.grad_clip),
+      optax.adamw(schedule, b1=opt.b1, b2=opt.b2, weight_decay=opt.weight_decay),
   )
 
 
@@ -137,8 +91,10 @@ class TrainState:
 
 @dataclasses.dataclass(frozen=True)
 class Models:
-  """The static half of the train state: graph definitions, optimizer configs
-  and how the forward passes run (`compute`: dtype, remat, logprob chunks).
+  """The static half of the train state: graph definitions, the optimizer
+  (`optimizer.*`, decaying over `decay_steps`; the critic trains with
+  `optimizer.critic_lr`) and how the forward passes run (`compute`: dtype,
+  remat, logprob chunks).
 
   Every field compares and hashes by value (nnx GraphDefs and frozen
   configs), so two trainers with equal models and configs share the
@@ -146,17 +102,23 @@ class Models:
   """
 
   actor_def: nnx.GraphDef
-  actor_optim: OptimConfig
+  optimizer: Optimizer
+  decay_steps: int
   critic_def: nnx.GraphDef | None = None
-  critic_optim: OptimConfig | None = None
   compute: ComputeConfig = ComputeConfig()
+
+  def actor_tx(self) -> optax.GradientTransformation:
+    return make_optimizer(self.optimizer, lr=self.optimizer.lr, decay_steps=self.decay_steps)
+
+  def critic_tx(self) -> optax.GradientTransformation:
+    return make_optimizer(self.optimizer, lr=self.optimizer.critic_lr, decay_steps=self.decay_steps)
 
 
 def init_state(
     actor: nnx.Module,
-    actor_optim: OptimConfig,
+    optimizer: Optimizer,
+    decay_steps: int,
     critic: nnx.Module | None = None,
-    critic_optim: OptimConfig | None = None,
     compute: ComputeConfig = ComputeConfig(),
 ) -> tuple[Models, TrainState]:
   """Splits the models into (static Models, TrainState with fresh optimizer state).
@@ -165,26 +127,24 @@ def init_state(
   `compute` says how the step's forward passes run.
   """
   actor_def, actor_params = nnx.split(actor, nnx.Param)
-  models = Models(actor_def, actor_optim, compute=compute)
+  models = Models(actor_def, optimizer, decay_steps, compute=compute)
   state = TrainState(
       step=jnp.zeros((), jnp.int32),
       actor=actor_params,
-      actor_opt=jax.jit(make_optimizer(actor_optim).init)(actor_params),
+      actor_opt=jax.jit(models.actor_tx().init)(actor_params),
   )
   if critic is not None:
-    if critic_optim is None:
-      raise ValueError("init_state got a critic but no critic_optim; pass its OptimConfig.")
     critic_def, critic_params = nnx.split(critic, nnx.Param)
-    models = dataclasses.replace(models, critic_def=critic_def, critic_optim=critic_optim)
+    models = dataclasses.replace(models, critic_def=critic_def)
     state = state.replace(
-        critic=critic_params, critic_opt=jax.jit(make_optimizer(critic_optim).init)(critic_params)
+        critic=critic_params, critic_opt=jax.jit(models.critic_tx().init)(critic_params)
     )
   return models, state
 
 
-def _actor_loss(params, graphdef, batch, cfg: LossConfig, compute: ComputeConfig):
+def _actor_loss(params, graphdef, batch, compute: ComputeConfig, loss: Loss, kl: Kl, sampling: Sampling):
   model = nnx.merge(graphdef, params)
-  logp, entropy = next_token_logprobs(model, batch["tokens_bt"], cfg.temperature, compute)
+  logp, entropy = next_token_logprobs(model, batch["tokens_bt"], sampling.temperature, compute)
   logp, entropy = logp[:, :-1], entropy[:, :-1]
   mask = batch["mask_bt"][:, :-1]
   old_logp = batch["old_logp_bt"][:, :-1]
@@ -192,34 +152,35 @@ def _actor_loss(params, graphdef, batch, cfg: LossConfig, compute: ComputeConfig
       old_logp,
       batch["gen_logp_bt"][:, :-1],
       mask,
-      cfg.rollout_correction,
-      is_cap=cfg.is_cap,
-      mis_threshold=cfg.mis_threshold,
-      level=cfg.is_level,
+      loss.rollout_correction,
+      is_cap=loss.is_cap,
+      mis_threshold=loss.mis_threshold,
+      level=loss.is_level,
   )
-  agg = dict(agg=cfg.agg, norm_constant=cfg.norm_constant)
-  loss, metrics = rl.ppo_policy_loss(
+  agg = dict(agg=loss.agg, norm_constant=float(sampling.max_tokens))
+  value, metrics = rl.ppo_policy_loss(
       logp,
       old_logp,
       batch["advantages_bt"][:, :-1],
       mask,
-      clip_low=cfg.clip_low,
-      clip_high=cfg.clip_high,
-      dual_clip=cfg.dual_clip,
+      clip_low=loss.clip_low,
+      clip_high=loss.clip_high,
+      dual_clip=loss.dual_clip or None,
       is_weights_bt=is_w,
       **agg,
   )
-  ent = rl.aggregate(entropy, mask, mode=cfg.agg, norm_constant=cfg.norm_constant)
-  loss = loss - cfg.entropy_coef * ent
+  ent = rl.aggregate(entropy, mask, mode=loss.agg, norm_constant=agg["norm_constant"])
+  value = value - loss.entropy_coef * ent
   metrics["entropy"] = ent
-  if cfg.kl_in_loss and cfg.kl_coef:
-    kl, _ = rl.kl_loss(logp, batch["ref_logp_bt"][:, :-1], mask, estimator=cfg.kl_estimator, **agg)
-    loss = loss + cfg.kl_coef * kl
-    metrics["kl_loss"] = kl
-  return loss, metrics
+  if kl.loss_coef:
+    kl_term, _ = rl.kl_loss(logp, batch["ref_logp_bt"][:, :-1], mask, estimator=kl.estimator, **agg)
+    value = value + kl.loss_coef * kl_term
+    metrics["kl_loss"] = kl_term
+  return value, metrics
 
 
-def _critic_loss(params, graphdef, batch, cfg: LossConfig, compute: ComputeConfig):
+def _critic_loss(params, graphdef, batch, compute: ComputeConfig, loss: Loss, kl: Kl, sampling: Sampling):
+  del kl  # The critic's loss reads the policy loss's aggregation and value clip only.
   model = nnx.merge(graphdef, params)
   values = model(batch["tokens_bt"], compute=compute)[:, :-1]
   return rl.value_loss(
@@ -227,9 +188,9 @@ def _critic_loss(params, graphdef, batch, cfg: LossConfig, compute: ComputeConfi
       batch["old_values_bt"][:, :-1],
       batch["returns_bt"][:, :-1],
       batch["mask_bt"][:, :-1],
-      clip=cfg.vf_clip,
-      agg=cfg.agg,
-      norm_constant=cfg.norm_constant,
+      clip=loss.vf_clip,
+      agg=loss.agg,
+      norm_constant=float(sampling.max_tokens),
   )
 
 
@@ -268,12 +229,13 @@ def combine_micro_metrics(metrics: dict, weights_k: jax.Array) -> dict:
   return {k: v.max() if k.endswith("_max") else jnp.sum(weights_k * v) for k, v in metrics.items()}
 
 
-def _weighted_grad(loss_fn, graphdef, cfg, compute):
-  """(params, micro-batch, weight) -> ((weight * loss, metrics), gradient)."""
+def _weighted_grad(loss_fn, graphdef, compute, parts):
+  """(params, micro-batch, weight) -> ((weight * loss, metrics), gradient);
+  `parts` = (loss, kl, sampling)."""
 
   def weighted_loss(p, mb, w):
-    loss, metrics = loss_fn(p, graphdef, mb, cfg, compute)
-    return w * loss, metrics
+    value, metrics = loss_fn(p, graphdef, mb, compute, *parts)
+    return w * value, metrics
 
   return jax.value_and_grad(weighted_loss, has_aux=True)
 
@@ -281,29 +243,29 @@ def _weighted_grad(loss_fn, graphdef, cfg, compute):
 def _optimizer_step(state: TrainState, grads: dict, models: Models) -> tuple[TrainState, dict]:
   """AdamW on {"actor": grads[, "critic": grads]}; returns the new state and
   the gradient norms."""
-  actor_tx = make_optimizer(models.actor_optim)
+  actor_tx = models.actor_tx()
   updates, actor_opt = actor_tx.update(grads["actor"], state.actor_opt, state.actor)
   state = state.replace(
       step=state.step + 1, actor=optax.apply_updates(state.actor, updates), actor_opt=actor_opt
   )
   norms = {"actor_grad_norm": optax.global_norm(grads["actor"])}
   if "critic" in grads:
-    critic_tx = make_optimizer(models.critic_optim)
+    critic_tx = models.critic_tx()
     updates, critic_opt = critic_tx.update(grads["critic"], state.critic_opt, state.critic)
     state = state.replace(critic=optax.apply_updates(state.critic, updates), critic_opt=critic_opt)
     norms["critic_grad_norm"] = optax.global_norm(grads["critic"])
   return state, norms
 
 
-def _accumulate(loss_fn, params, graphdef, batch, num_micro, cfg, compute):
+def _accumulate(loss_fn, params, graphdef, batch, num_micro, compute, parts):
   """Loss and gradient of a mini-batch, summed over micro-batches with lax.scan.
 
   Micro-batch k's loss is scaled by `micro_batch_weights`, so the result equals
   the full-batch loss and gradient in every aggregation mode.
   """
   micro = jax.tree.map(lambda x: x.reshape((num_micro, -1) + x.shape[1:]), batch)
-  weights_k = micro_batch_weights(batch["mask_bt"][:, :-1], num_micro, cfg.agg)
-  grad_fn = _weighted_grad(loss_fn, graphdef, cfg, compute)
+  weights_k = micro_batch_weights(batch["mask_bt"][:, :-1], num_micro, parts[0].agg)
+  grad_fn = _weighted_grad(loss_fn, graphdef, compute, parts)
 
   def body(carry, xs):
     grads, loss_sum = carry
@@ -315,18 +277,29 @@ def _accumulate(loss_fn, params, graphdef, batch, num_micro, cfg, compute):
   return loss, grads, combine_micro_metrics(metrics, weights_k)
 
 
-@functools.partial(jax.jit, static_argnames=("models", "cfg", "num_micro"), donate_argnums=(0,))
+@functools.partial(
+    jax.jit, static_argnames=("models", "loss", "kl", "sampling", "num_micro"), donate_argnums=(0,)
+)
 def update_step(
-    state: TrainState, batch: dict, *, models: Models, cfg: LossConfig, num_micro: int = 1
+    state: TrainState,
+    batch: dict,
+    *,
+    models: Models,
+    loss: Loss,
+    kl: Kl = _KL,
+    sampling: Sampling = _SAMPLING,
+    num_micro: int = 1,
 ) -> tuple[TrainState, dict]:
   """One optimizer step of the actor (and critic) on one mini-batch."""
-  loss, grads, metrics = _accumulate(
-      _actor_loss, state.actor, models.actor_def, batch, num_micro, cfg, models.compute
+  check_loss(loss)
+  parts = (loss, kl, sampling)
+  value, grads, metrics = _accumulate(
+      _actor_loss, state.actor, models.actor_def, batch, num_micro, models.compute, parts
   )
-  grads, metrics = {"actor": grads}, dict(metrics, actor_loss=loss)
+  grads, metrics = {"actor": grads}, dict(metrics, actor_loss=value)
   if models.critic_def is not None:
     vloss, vgrads, vmetrics = _accumulate(
-        _critic_loss, state.critic, models.critic_def, batch, num_micro, cfg, models.compute
+        _critic_loss, state.critic, models.critic_def, batch, num_micro, models.compute, parts
     )
     grads["critic"] = vgrads
     metrics.update(vmetrics, critic_loss=vloss)
@@ -342,15 +315,23 @@ def update_step(
 # sum, with the same weights as `update_step`'s scan, so the step is the same.
 
 
-@functools.partial(jax.jit, static_argnames=("models", "cfg"))
+@functools.partial(jax.jit, static_argnames=("models", "loss", "kl", "sampling"))
 def micro_grads(
-    state: TrainState, micro: dict, weight: jax.Array, *, models: Models, cfg: LossConfig
+    state: TrainState,
+    micro: dict,
+    weight: jax.Array,
+    *,
+    models: Models,
+    loss: Loss,
+    kl: Kl = _KL,
+    sampling: Sampling = _SAMPLING,
 ):
   """Weighted loss, gradient and metrics of one micro-batch, for the actor
   and (when there is one) the critic: ({"actor": grads[, "critic": grads]},
   {"actor": loss[, "critic": loss]}, metrics)."""
 
-  grad_fn = functools.partial(_weighted_grad, cfg=cfg, compute=models.compute)
+  check_loss(loss)
+  grad_fn = functools.partial(_weighted_grad, compute=models.compute, parts=(loss, kl, sampling))
   (loss, metrics), grads = grad_fn(_actor_loss, models.actor_def)(state.actor, micro, weight)
   grads, losses = {"actor": grads}, {"actor": loss}
   if models.critic_def is not None:
@@ -367,14 +348,21 @@ apply_grads = jax.jit(_optimizer_step, static_argnames=("models",), donate_argnu
 
 
 def ragged_update(
-    state: TrainState, micros: list[dict], weights_k, *, models: Models, cfg: LossConfig
+    state: TrainState,
+    micros: list[dict],
+    weights_k,
+    *,
+    models: Models,
+    loss: Loss,
+    kl: Kl = _KL,
+    sampling: Sampling = _SAMPLING,
 ) -> tuple[TrainState, dict]:
   """`update_step` on micro-batches of different lengths (`weights_k` from
   `micro_batch_weights` of the whole mini-batch's mask)."""
   grads = losses = None
   metrics = []
   for micro, w in zip(micros, weights_k):
-    g, l, m = micro_grads(state, micro, w, models=models, cfg=cfg)
+    g, l, m = micro_grads(state, micro, w, models=models, loss=loss, kl=kl, sampling=sampling)
     grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
     losses = l if losses is None else jax.tree.map(jnp.add, losses, l)
     metrics.append(m)

@@ -4,7 +4,8 @@ Modules: manifest (payload format, chunks, checksums, schema), payload (a
 version's bytes as a shared-memory safetensors file, verification progress,
 pins), delta (XOR+zlib chunk deltas), transports (framing, rate limits, TCP
 and shared-memory data planes), topology (broadcast/relay plan, one receiving
-receiver per host), service (Publisher, Receiver).
+receiver per host), service (Publisher, Receiver), config (Transfer: the
+`transfer.*` settings both take).
 
 Security: a node that listens beyond loopback needs the run's shared secret
 (``new_secret()``, passed as ``secret=`` to the Publisher and every
@@ -36,6 +37,7 @@ counts as ready; manifests, versions, topology, acks and retries stay as they
 are, and ``Receiver.load_fn`` becomes ``finish_weight_update``.
 """
 
+from streamrl.transfer.config import Transfer
 from streamrl.transfer.manifest import (
     ChecksumError,
     Manifest,
@@ -46,13 +48,7 @@ from streamrl.transfer.manifest import (
     schema_of,
 )
 from streamrl.transfer.payload import Pin, VersionTensors, WeightsFile
-from streamrl.transfer.service import (
-    Publisher,
-    Receiver,
-    TransferConfig,
-    default_config,
-    spawn_receiver,
-)
+from streamrl.transfer.service import Publisher, Receiver, spawn_receiver
 from streamrl.transfer.topology import ReceiverInfo, TreeNode, plan_direct, plan_topology
 from streamrl.transfer.transports import AuthenticationError, new_secret
 
@@ -66,13 +62,12 @@ __all__ = [
     "ReceiverInfo",
     "SchemaMismatch",
     "TensorSpec",
-    "TransferConfig",
+    "Transfer",
     "TransferError",
     "TreeNode",
     "VersionTensors",
     "WeightsFile",
     "check_schema",
-    "default_config",
     "new_secret",
     "plan_direct",
     "plan_topology",

@@ -1,10 +1,12 @@
-"""The checkpoint-transfer service's settings as a run reads them (`transfer.*`)."""
+"""The checkpoint-transfer service's settings (`transfer.*`): the run reads
+them, and `Publisher` / `Receiver` (streamrl/transfer/service.py) take them as
+they are."""
 
 from __future__ import annotations
 
 import dataclasses
 
-from streamrl.config_checks import need, one_of, positive
+from streamrl.config_checks import in_range, need, one_of, positive
 
 
 @dataclasses.dataclass(frozen=True)
@@ -12,12 +14,32 @@ class Transfer:
   """Weights to Ray generators through the checkpoint-transfer service
   (streamrl/transfer) instead of Ray's object store."""
 
+  # The run sends weights through this service (else Ray's object store).
   enabled: bool = False
+  # Payload chunk size in bytes (a multiple of 8).
   chunk_bytes: int = 4 << 20
+  # "tree" (relays fan out) or "direct" (the publisher sends to every receiver).
   topology: str = "tree"
+  # Children per node of the tree inside a datacenter.
   fanout: int = 2
+  # Same-host receivers map the sender's shared-memory file instead of a TCP copy.
   use_shm: bool = True
+  # Send XOR deltas over cross-datacenter links when the far side holds the base.
   delta_cross_dc: bool = False
+  # zlib level of the delta encoder (-1 to 9; 1 is fast and compresses XOR deltas well).
+  delta_level: int = 1
+  # Threads per node that encode deltas.
+  delta_threads: int = 2
+  # Versions the publisher keeps (2: the latest and a delta base).
+  keep_versions: int = 2
+  # Extra attempts per version after a failed one (then the receiver nacks).
+  max_retries: int = 3
+  # Seconds to wait for a TCP connection to a peer.
+  connect_timeout_s: float = 2.0
+  # Seconds without progress after which a stream counts as dead.
+  io_timeout_s: float = 30.0
+  # Seconds between the publisher's re-announces to receivers that have not acked.
+  repair_interval_s: float = 2.0
   # The address the publisher and receivers listen on. Beyond loopback every
   # receiver checks a per-run shared secret before it loads anything.
   bind: str = "127.0.0.1"
@@ -26,17 +48,21 @@ class Transfer:
   cross_dc_bytes_per_s: float = 0.0
   uplink_bytes_per_s: float = 0.0
 
-  def service_options(self) -> dict:
-    """The streamrl.transfer.TransferConfig fields."""
-    return {k: v for k, v in dataclasses.asdict(self).items() if k not in ("enabled", "bind")}
-
   def check(self) -> None:
     need(
         self.chunk_bytes > 0 and self.chunk_bytes % 8 == 0,
-        f"transfer.chunk_bytes={self.chunk_bytes} must be a positive multiple of 8.",
+        f"transfer.chunk_bytes={self.chunk_bytes} must be a positive multiple of 8; "
+        "fix --config.transfer.chunk_bytes.",
     )
     one_of("transfer.topology", self.topology, ("tree", "direct"))
     positive("transfer.fanout", self.fanout)
+    in_range("transfer.delta_level", self.delta_level, -1, 9)  # zlib's levels
+    positive("transfer.delta_threads", self.delta_threads)
+    positive("transfer.keep_versions", self.keep_versions)
+    positive("transfer.max_retries", self.max_retries, zero_ok=True)
+    positive("transfer.connect_timeout_s", self.connect_timeout_s)
+    positive("transfer.io_timeout_s", self.io_timeout_s)
+    positive("transfer.repair_interval_s", self.repair_interval_s)
     need(
         bool(self.bind.strip()),
         "transfer.bind is empty; use 127.0.0.1 (this machine only) or the address the "

@@ -25,7 +25,7 @@ Format choices (and why):
   and memory faults (random damage passes with probability 2^-64 per chunk);
   it is not a defence against a malicious peer, which needs an authenticated
   channel.
-- **Chunks** (default 4 MiB, ``TransferConfig.chunk_bytes``): large enough that
+- **Chunks** (default 4 MiB, ``Transfer.chunk_bytes``): large enough that
   per-chunk Python overhead is negligible (~250 chunks per GB), small enough to
   stay in cache between copy and checksum (measured on 1 GiB: copy+XXH3
   7.1 GiB/s with 4 MiB chunks vs 6.0 GiB/s with 64 MiB) and to make pipelined forwarding

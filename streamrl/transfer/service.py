@@ -91,7 +91,6 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
 
-import ml_collections
 import numpy as np
 
 from streamrl.transfer.config import Transfer
@@ -143,64 +142,6 @@ def _peer(sock: socket.socket) -> str:
     return "?"
 
 
-# The run's `transfer.*` settings (streamrl/transfer/config.py) own the defaults.
-_TRANSFER = Transfer()
-
-
-@dataclasses.dataclass(frozen=True)
-class TransferConfig:
-  """Service settings (plain data; ``from_mapping`` accepts an ml_collections ConfigDict).
-
-  chunk_bytes: payload chunk size (multiple of 8). topology: "tree" or "direct".
-  fanout: children per node inside a datacenter. use_shm: same-host shared-memory path.
-  delta_cross_dc: send deltas over cross-datacenter links when the far side's base matches.
-  uplink_bytes_per_s / cross_dc_bytes_per_s: emulated link rates per node (0 = unlimited).
-  keep_versions: versions the publisher keeps (>= 2: the latest and a delta base).
-  max_retries: extra attempts per version after a failed one.
-  io_timeout_s: a stream with no progress for this long is dead.
-  repair_interval_s: how often the publisher re-announces to receivers that have not acked.
-  """
-
-  chunk_bytes: int = _TRANSFER.chunk_bytes
-  topology: str = _TRANSFER.topology
-  fanout: int = _TRANSFER.fanout
-  use_shm: bool = _TRANSFER.use_shm
-  delta_cross_dc: bool = _TRANSFER.delta_cross_dc
-  delta_level: int = 1
-  delta_threads: int = 2
-  uplink_bytes_per_s: float = _TRANSFER.uplink_bytes_per_s
-  cross_dc_bytes_per_s: float = _TRANSFER.cross_dc_bytes_per_s
-  keep_versions: int = 2
-  max_retries: int = 3
-  connect_timeout_s: float = 2.0
-  io_timeout_s: float = 30.0
-  repair_interval_s: float = 2.0
-
-  def __post_init__(self):
-    if self.chunk_bytes <= 0 or self.chunk_bytes % 8:
-      raise ValueError(f"transfer.chunk_bytes={self.chunk_bytes} must be a positive multiple of 8.")
-    if self.topology not in ("tree", "direct"):
-      raise ValueError(f"transfer.topology={self.topology!r} must be 'tree' or 'direct'.")
-    if self.fanout < 1:
-      raise ValueError(f"transfer.fanout={self.fanout} must be at least 1.")
-    if self.keep_versions < 1 or self.max_retries < 0:
-      raise ValueError("transfer.keep_versions must be >= 1 and transfer.max_retries >= 0.")
-
-  @classmethod
-  def from_mapping(cls, cfg: Mapping[str, Any] | ml_collections.ConfigDict) -> "TransferConfig":
-    d = dict(cfg.to_dict() if isinstance(cfg, ml_collections.ConfigDict) else cfg)
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(d) - known)
-    if unknown:
-      raise ValueError(f"unknown transfer setting {unknown[0]!r}; valid ones are {sorted(known)}.")
-    return cls(**d)
-
-
-def default_config() -> ml_collections.ConfigDict:
-  """The defaults as a ConfigDict, to nest as ``config.transfer``."""
-  return ml_collections.ConfigDict(dataclasses.asdict(TransferConfig()))
-
-
 class _Node:
   """Listening socket, per-connection threads and link limiters shared by Publisher and Receiver."""
 
@@ -209,11 +150,14 @@ class _Node:
       name: str,
       dc: str,
       host: Optional[str],
-      config: TransferConfig,
-      bind: str,
+      config: Optional[Transfer],
+      bind: Optional[str],
       port: int,
       secret: Optional[bytes],
   ):
+    config = config if config is not None else Transfer()
+    config.check()  # a standalone user gets the run's errors too
+    bind = config.bind if bind is None else bind
     self.name, self.dc, self.config = name, dc, config
     self._secret = check_secret(secret, bind, f"{type(self).__name__} {name!r}")
     self.host = host if host is not None else socket.gethostname()
@@ -427,8 +371,11 @@ class _Peer:
 class Publisher(_Node):
   """The trainer side: publishes versions and tracks who has loaded what.
 
-  dc/host: this node's datacenter and host labels. start_version: the
-  version the generators start with (a publish gets start_version + 1, ...).
+  config: the run's ``transfer.*`` settings (``Transfer``; checked here, so a
+  bad value fails with the run's message); ``enabled`` is not read.
+  bind: the address to listen on (default ``config.bind``). dc/host: this
+  node's datacenter and host labels. start_version: the version the
+  generators start with (a publish gets start_version + 1, ...).
   expected_schema: if given, publish refuses tensors that do not match it.
   secret: the run's shared secret (``new_secret()``; the same bytes for every
   Receiver): required to bind beyond loopback (ValueError otherwise). With it
@@ -438,18 +385,18 @@ class Publisher(_Node):
 
   def __init__(
       self,
-      config: Optional[TransferConfig] = None,
+      config: Optional[Transfer] = None,
       *,
       dc: str = "dc0",
       host: Optional[str] = None,
       name: str = "publisher",
-      bind: str = "127.0.0.1",
+      bind: Optional[str] = None,
       port: int = 0,
       start_version: int = 0,
       expected_schema: Optional[SchemaLike] = None,
       secret: Optional[bytes] = None,
   ):
-    super().__init__(name, dc, host, config or TransferConfig(), bind, port, secret)
+    super().__init__(name, dc, host, config, bind, port, secret)
     self._cond = threading.Condition()
     self._versions: dict[int, Payload] = {}
     self._accepted = self._next = start_version  # highest version number a publish has claimed
@@ -793,6 +740,7 @@ class Receiver(_Node):
   ``payload.Pin`` on ``.path`` until done, or copy them.
   expected_schema: the model's tensor specs (TensorSpecs or {name: (shape, dtype)});
   a version that differs is refused. initial_version: what the generator serves now.
+  config: the ``transfer.*`` settings, as for the Publisher. bind: default ``config.bind``.
   host: host label (same label and same datacenter as the sender -> shared memory).
   secret: the run's shared secret, the publisher's bytes: required to bind
   beyond loopback. With it every request this node makes or serves is
@@ -808,14 +756,14 @@ class Receiver(_Node):
       load_fn: LoadFn,
       expected_schema: Optional[SchemaLike] = None,
       *,
-      config: Optional[TransferConfig] = None,
+      config: Optional[Transfer] = None,
       host: Optional[str] = None,
       initial_version: int = 0,
-      bind: str = "127.0.0.1",
+      bind: Optional[str] = None,
       port: int = 0,
       secret: Optional[bytes] = None,
   ):
-    super().__init__(name, dc, host, config or TransferConfig(), bind, port, secret)
+    super().__init__(name, dc, host, config, bind, port, secret)
     self.load_fn = load_fn
     self._expected = as_schema(expected_schema) if expected_schema is not None else None
     self._cond = threading.Condition()
@@ -1229,10 +1177,10 @@ def spawn_receiver(
     publisher: Address,
     *,
     expected_schema: Optional[SchemaLike] = None,
-    config: Optional[TransferConfig] = None,
+    config: Optional[Transfer] = None,
     host: Optional[str] = None,
     initial_version: int = 0,
-    bind: str = "127.0.0.1",
+    bind: Optional[str] = None,
     secret: Optional[bytes] = None,
 ) -> multiprocessing.Process:
   """Starts a Receiver in a fresh ``spawn`` process that joins ``publisher`` and serves until
@@ -1243,13 +1191,16 @@ def spawn_receiver(
   process's own spawn pipe (never over the transfer network). The child
   exits when its parent dies.
   """
-  check_secret(secret, bind, f"receiver {name!r}")  # fail here, not in the child
+  config = config if config is not None else Transfer()
+  config.check()  # fail here, not in the child
+  bind = config.bind if bind is None else bind
+  check_secret(secret, bind, f"receiver {name!r}")
   schema = (
       None
       if expected_schema is None
       else [[s.name, list(s.shape), s.dtype] for s in as_schema(expected_schema)]
   )
-  cfg = dataclasses.asdict(config or TransferConfig())
+  cfg = dataclasses.asdict(config)
   proc = multiprocessing.get_context("spawn").Process(
       target=_receiver_main,
       name=f"receiver-{name}",
@@ -1274,7 +1225,7 @@ def _receiver_main(
       dc,
       load_fn,
       expected,
-      config=TransferConfig(**cfg),
+      config=Transfer(**cfg),
       host=host,
       initial_version=initial_version,
       bind=bind,

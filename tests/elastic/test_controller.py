@@ -16,11 +16,12 @@ from flax import nnx
 from streamrl import cluster, settings
 from streamrl.generator import service
 from streamrl.elastic.controller import ElasticGeneration
-from streamrl.generator.vllm_engine import SamplingConfig
+from streamrl.generator.config import Sampling
 from streamrl.models import config as model_config
 from streamrl.models import hf, tiny, transformer
 
-SAMPLING = SamplingConfig(temperature=1.0, max_tokens=8, seed=3)
+SAMPLING = Sampling(temperature=1.0, max_tokens=8)
+SEED = 3
 
 
 def requests(n):
@@ -67,7 +68,7 @@ def test_an_added_instance_catches_up_and_samples_from_the_current_weights(svc):
   # Verified and loaded before it counts as live: it serves version 1 from its first sample.
   assert i == 1 and svc.live_instances == [0, 1]
   assert svc.versions() == {0: 1, 1: 1} and svc.query_versions() == {0: 1, 1: 1}
-  samples = list(svc.generate(requests(8), SAMPLING))
+  samples = list(svc.generate(requests(8), SAMPLING, seed=SEED))
   assert collections.Counter(s.prompt_id for s in samples) == collections.Counter(range(8))
   new = [s for s in samples if s.instance_id == 1]
   assert new and all(s.weight_version == 1 for s in samples)
@@ -81,7 +82,7 @@ def test_an_added_instance_catches_up_and_samples_from_the_current_weights(svc):
 def test_an_instance_removed_mid_stream_drains_first(svc):
   assert svc.live_instances == [0, 1]
   out, removed = [], None
-  for s in svc.generate(requests(12), SAMPLING):
+  for s in svc.generate(requests(12), SAMPLING, seed=SEED):
     out.append(s)
     if removed is None:
       removed = svc.remove_instance(reason="test")
@@ -95,7 +96,7 @@ def test_an_instance_removed_mid_stream_drains_first(svc):
   # The publisher no longer waits for the removed one's acks.
   model = transformer.Transformer(svc.model_cfg, rngs=nnx.Rngs(13))
   assert svc.update(hf.HFTensors(model, "float32"), 3).wait(timeout_s=120) == {0: 3}
-  later = list(svc.generate(requests(4), SAMPLING))
+  later = list(svc.generate(requests(4), SAMPLING, seed=SEED))
   assert {s.instance_id for s in later} == {0}
 
 
@@ -121,7 +122,7 @@ def test_a_dead_instance_is_replaced(svc, tmp_path):
   ctl = ElasticGeneration(el, svc, pool=cluster.GENERATION_POOL, workdir=str(tmp_path))
   victim = svc.live_instances[-1]
   ray.get(svc.actor(victim).inject_fault.remote("crash", after_samples=1))
-  out = list(svc.generate(requests(8), SAMPLING))
+  out = list(svc.generate(requests(8), SAMPLING, seed=SEED))
   # Its unfinished requests ran on the survivor: each request once.
   assert collections.Counter(s.prompt_id for s in out) == collections.Counter(range(8))
   assert [d.instance_id for d in svc.dead_instances] == [victim]

@@ -15,13 +15,14 @@ import pytest
 import ray
 from flax import nnx
 
-from streamrl.generator.vllm_engine import SamplingConfig
+from streamrl.generator.config import Sampling
 from streamrl.models import config as model_config
 from streamrl.models import hf, tiny, transformer
 from streamrl import cluster, settings
 from streamrl.generator import service
 
-SAMPLING = SamplingConfig(temperature=1.0, max_tokens=8, seed=11)
+SAMPLING = Sampling(temperature=1.0, max_tokens=8)
+SEED = 11
 
 
 def requests(n, start=0):
@@ -125,7 +126,7 @@ def test_instances_are_placed_on_generator_cores(svc):
 
 def test_every_request_exactly_once_across_two_instances(svc):
   reqs = requests(12)
-  samples = list(svc.generate(reqs, SAMPLING))
+  samples = list(svc.generate(reqs, SAMPLING, seed=SEED))
   assert count_ids(samples) == collections.Counter(range(12))
   # Default split: round-robin over the live instances.
   assert all(s.instance_id == s.prompt_id % 2 for s in samples)
@@ -133,11 +134,11 @@ def test_every_request_exactly_once_across_two_instances(svc):
   assert {iv[0] for iv in svc.busy_intervals} == {0, 1}
   # Same seeds, another split: identical tokens (a sample doesn't depend on
   # its instance or its batch-mates).
-  again = list(svc.generate(reqs, SAMPLING, assignments=[reqs[6:], reqs[:6]]))
+  again = list(svc.generate(reqs, SAMPLING, seed=SEED, assignments=[reqs[6:], reqs[:6]]))
   by_id = {s.prompt_id: s.token_ids for s in samples}
   assert all(by_id[s.prompt_id] == s.token_ids for s in again)
   with pytest.raises(ValueError, match="unique"):
-    svc.generate(reqs + reqs[:1], SAMPLING)
+    svc.generate(reqs + reqs[:1], SAMPLING, seed=SEED)
 
 
 @pytest.mark.parametrize("coalesce_s, most_objects", [(0.0, 12), (60.0, 2)])
@@ -145,7 +146,7 @@ def test_coalescing_sends_fewer_objects_and_loses_nothing(svc, coalesce_s, most_
   before, svc.coalesce_s = svc.coalesce_s, coalesce_s
   try:
     n0 = svc.num_objects
-    samples = list(svc.generate(requests(12, start=100), SAMPLING))
+    samples = list(svc.generate(requests(12, start=100), SAMPLING, seed=SEED))
     objects = svc.num_objects - n0
   finally:
     svc.coalesce_s = before
@@ -157,13 +158,13 @@ def test_coalescing_sends_fewer_objects_and_loses_nothing(svc, coalesce_s, most_
 
 def test_update_reaches_every_instance_and_samples_carry_the_version(svc):
   reqs = requests(8)
-  before = {s.prompt_id: s.token_ids for s in svc.generate(reqs, SAMPLING)}
+  before = {s.prompt_id: s.token_ids for s in svc.generate(reqs, SAMPLING, seed=SEED)}
   new = hf.to_hf_tensors(transformer.Transformer(svc.model_cfg, rngs=nnx.Rngs(99)))
   assert svc.update(new, version=2).wait() == {0: 2, 1: 2}
   assert svc.query_versions() == {0: 2, 1: 2}
   # Not waited for: the instances still load it before the next stream.
   pending = svc.update(new, version=3)
-  after = list(svc.generate(reqs, SAMPLING))
+  after = list(svc.generate(reqs, SAMPLING, seed=SEED))
   assert pending.wait() == {0: 3, 1: 3}
   assert count_ids(after) == collections.Counter(range(8))
   assert all(s.weight_version == 3 for s in after)
@@ -174,7 +175,7 @@ def test_update_reaches_every_instance_and_samples_carry_the_version(svc):
 def test_explicit_assignments_and_caps_are_respected(svc):
   reqs = requests(10)
   assignments = [reqs[:7], reqs[7:]]
-  samples = list(svc.generate(None, SAMPLING, assignments=assignments, caps=[1, None]))
+  samples = list(svc.generate(None, SAMPLING, seed=SEED, assignments=assignments, caps=[1, None]))
   assert count_ids(samples) == collections.Counter(range(10))
   for s in samples:
     assert s.instance_id == (0 if s.prompt_id < 7 else 1)
@@ -183,9 +184,9 @@ def test_explicit_assignments_and_caps_are_respected(svc):
   stats = ray.get([svc.actor(i).last_stream_stats.remote() for i in (0, 1)])
   assert stats[0]["peak_in_flight"] == 1 and stats[1]["peak_in_flight"] == 3
   with pytest.raises(ValueError, match="exactly the given requests"):
-    svc.generate(reqs[:3], SAMPLING, assignments=assignments)
+    svc.generate(reqs[:3], SAMPLING, seed=SEED, assignments=assignments)
   with pytest.raises(ValueError, match="one .* per instance"):
-    svc.generate(None, SAMPLING, assignments=[reqs])
+    svc.generate(None, SAMPLING, seed=SEED, assignments=[reqs])
 
 
 def test_length_hints_travel_to_the_instance_which_probes_each_group_first(svc):
@@ -194,7 +195,7 @@ def test_length_hints_travel_to_the_instance_which_probes_each_group_first(svc):
   reqs = requests(6)  # groups: 0 1 2 on instance 0 (priors 1, 9, 5), 3 4 5 on instance 1
   hinted = [r + (None, LengthHint(k % 3, [1.0, 9.0, 5.0][k % 3])) for k, r in enumerate(reqs)]
   hinted = [hinted[k] for k in (0, 3, 1, 4, 2, 5)]  # two samples of a group in a row
-  samples = list(svc.generate(None, SAMPLING, assignments=[hinted, []], caps=[1, None]))
+  samples = list(svc.generate(None, SAMPLING, seed=SEED, assignments=[hinted, []], caps=[1, None]))
   assert count_ids(samples) == collections.Counter(range(6))
   # One at a time: a sample of every group before a second of any, highest prior first.
   assert [s.prompt_id % 3 for s in samples[:3]] == [1, 2, 0]
@@ -203,23 +204,23 @@ def test_length_hints_travel_to_the_instance_which_probes_each_group_first(svc):
 def test_closing_the_stream_early_cancels_and_the_service_stays_usable(svc):
   # Each instance pauses for 120 s after its first sample, unless cancelled.
   ray.get([svc.actor(i).inject_fault.remote("stall", after_samples=1, seconds=120) for i in (0, 1)])
-  stream = svc.generate(requests(16), SAMPLING)
+  stream = svc.generate(requests(16), SAMPLING, seed=SEED)
   first = [next(stream), next(stream)]
   stream.close()
   assert {s.instance_id for s in first} == {0, 1}
   # Answered only once the cancelled streams have ended (not after 120 s).
   stats = ray.get([svc.actor(i).last_stream_stats.remote() for i in (0, 1)], timeout=60)
   assert [st["num_samples"] for st in stats] == [1, 1]
-  samples = list(svc.generate(requests(6, start=100), SAMPLING))
+  samples = list(svc.generate(requests(6, start=100), SAMPLING, seed=SEED))
   assert count_ids(samples) == collections.Counter(range(100, 106))
 
 
 def test_a_bad_request_raises_the_engines_error(svc):
   too_long = [(0, [1] * 60)]  # + max_tokens 8 > max_model_len 64
   with pytest.raises(ValueError, match="max_model_len"):
-    list(svc.generate(too_long + requests(3, start=1), SAMPLING))
+    list(svc.generate(too_long + requests(3, start=1), SAMPLING, seed=SEED))
   assert svc.dead_instances == []
-  assert count_ids(svc.generate(requests(4), SAMPLING)) == collections.Counter(range(4))
+  assert count_ids(svc.generate(requests(4), SAMPLING, seed=SEED)) == collections.Counter(range(4))
 
 
 def test_stall_fails_with_timeout_naming_the_instance(svc):
@@ -227,11 +228,11 @@ def test_stall_fails_with_timeout_naming_the_instance(svc):
   reqs = requests(4)
   with pytest.raises(TimeoutError, match=r"instance 1 produced no sample .*stall_timeout_s"):
     for _ in svc.generate(
-        None, SAMPLING, assignments=[[], reqs], caps=[None, 1], stall_timeout_s=2
+        None, SAMPLING, seed=SEED, assignments=[[], reqs], caps=[None, 1], stall_timeout_s=2
     ):
       pass
   # The cancelled stall ends, and the instance serves the next call.
-  samples = list(svc.generate(reqs, SAMPLING))
+  samples = list(svc.generate(reqs, SAMPLING, seed=SEED))
   assert count_ids(samples) == collections.Counter(range(4))
   assert svc.dead_instances == []
 
@@ -241,7 +242,7 @@ def test_killed_instance_work_finishes_on_the_survivor_exactly_once(svc):
   # Instance 1 pauses after two samples, so the kill lands mid-stream.
   ray.get(svc.actor(1).inject_fault.remote("stall", after_samples=2, seconds=120))
   samples, killed = [], False
-  for s in svc.generate(None, SAMPLING, assignments=[reqs[:6], reqs[6:]], caps=[2, 1]):
+  for s in svc.generate(None, SAMPLING, seed=SEED, assignments=[reqs[:6], reqs[6:]], caps=[2, 1]):
     samples.append(s)
     if not killed and sum(x.instance_id == 1 for x in samples) == 2:
       ray.kill(svc.actor(1))
@@ -253,7 +254,7 @@ def test_killed_instance_work_finishes_on_the_survivor_exactly_once(svc):
   # The four undelivered requests of instance 1 ran on instance 0.
   assert sum(s.instance_id == 1 for s in samples) == 2
   # Later calls use the survivor only, even when assignments name the dead one.
-  later = list(svc.generate(None, SAMPLING, assignments=[reqs[:2], reqs[2:5]]))
+  later = list(svc.generate(None, SAMPLING, seed=SEED, assignments=[reqs[:2], reqs[2:5]]))
   assert count_ids(later) == collections.Counter(range(5))
   assert {s.instance_id for s in later} == {0}
 
@@ -261,7 +262,7 @@ def test_killed_instance_work_finishes_on_the_survivor_exactly_once(svc):
 def test_all_instances_dead_is_a_clear_error(svc):
   ray.get(svc.actor(0).inject_fault.remote("crash", after_samples=1))
   with pytest.raises(RuntimeError, match="All 2 generator instances are dead"):
-    list(svc.generate(requests(4), SAMPLING))
+    list(svc.generate(requests(4), SAMPLING, seed=SEED))
   assert [d.instance_id for d in svc.dead_instances] == [1, 0]
   with pytest.raises(RuntimeError, match="dead"):
-    svc.generate(requests(2), SAMPLING)
+    svc.generate(requests(2), SAMPLING, seed=SEED)

@@ -12,7 +12,7 @@ import pytest
 import ray
 from flax import nnx
 
-from streamrl.generator.vllm_engine import SamplingConfig
+from streamrl.generator.config import Sampling
 from streamrl.models import config as model_config
 from streamrl.models import hf, tiny, transformer
 from streamrl import cluster, settings
@@ -45,7 +45,7 @@ def svc(tmp_path_factory):
 
 
 def _check_generations(svc, model, version):
-  samples = list(svc.generate(PROMPTS, SamplingConfig(temperature=1.0, max_tokens=8, seed=3)))
+  samples = list(svc.generate(PROMPTS, Sampling(temperature=1.0, max_tokens=8), seed=3))
   assert sorted(s.prompt_id for s in samples) == list(range(6))
   assert {s.instance_id for s in samples} == {0, 1}
   for s in samples:
@@ -81,7 +81,7 @@ def test_a_wrong_shape_is_refused_and_the_old_version_keeps_serving(svc):
   bad["model.norm.weight"] = np.zeros((7,), np.float32)
   with pytest.raises((TimeoutError, ValueError)):
     svc.update(bad, max(before.values()) + 1).delivered(timeout_s=20)
-  samples = list(svc.generate(PROMPTS[:2], SamplingConfig(max_tokens=4, seed=1)))
+  samples = list(svc.generate(PROMPTS[:2], Sampling(max_tokens=4), seed=1))
   assert {s.weight_version for s in samples} == set(before.values())
 
 

@@ -12,7 +12,8 @@ from flax import nnx
 
 from streamrl.data import tokenizer as tok
 from streamrl.generator import vllm_engine
-from streamrl.generator.vllm_engine import GeneratorInstance, SamplingConfig, check_model_dir
+from streamrl.generator.config import Sampling
+from streamrl.generator.vllm_engine import GeneratorInstance, check_model_dir
 from streamrl.models import config, hf, tiny, transformer
 
 PROMPTS = [(i, [1] + [4 + (3 * i + j) % 40 for j in range(2 + 2 * i)]) for i in range(8)]
@@ -27,7 +28,7 @@ def flax_logprobs(model, sample, temperature, compute=config.ComputeConfig()):
 
 def max_logprob_error(generator, model, temperature=0.8, seed=0):
   samples = list(
-      generator.generate(PROMPTS, SamplingConfig(temperature=temperature, max_tokens=24, seed=seed))
+      generator.generate(PROMPTS, Sampling(temperature=temperature, max_tokens=24), seed=seed)
   )
   assert sorted(s.prompt_id for s in samples) == [p for p, _ in PROMPTS]
   errs = [
@@ -91,7 +92,7 @@ def test_bf16_engine_logprobs_match_the_bf16_trainer(family, tmp_path):
   bf16 = config.ComputeConfig(dtype="bfloat16")
 
   def errors(m):
-    samples = list(gen.generate(PROMPTS, SamplingConfig(temperature=0.8, max_tokens=24, seed=0)))
+    samples = list(gen.generate(PROMPTS, Sampling(temperature=0.8, max_tokens=24), seed=0))
     return np.concatenate(
         [np.abs(flax_logprobs(m, s, 0.8, bf16) - np.array(s.logprobs)) for s in samples]
     )
@@ -112,7 +113,7 @@ def test_bf16_engine_logprobs_match_the_bf16_trainer(family, tmp_path):
 def test_weight_update_takes_effect_and_drops_prefix_cache(engine):
   gen, old_model, cfg = engine
   # Warm the prefix cache with the old weights on exactly these prompts.
-  list(gen.generate(PROMPTS, SamplingConfig(max_tokens=4, seed=1)))
+  list(gen.generate(PROMPTS, Sampling(max_tokens=4), seed=1))
   before = gen.weight_version
   new_model = transformer.Transformer(cfg, rngs=nnx.Rngs(123))
   assert gen.update_weights(hf.to_hf_tensors(new_model)) == before + 1
@@ -136,12 +137,16 @@ def test_a_stopped_response_resumes_under_new_weights_with_each_versions_logprob
   old = transformer.Transformer(cfg, rngs=nnx.Rngs(41))
   new = transformer.Transformer(cfg, rngs=nnx.Rngs(42))
   v_old = gen.update_weights(hf.to_hf_tensors(old))
-  sampling = SamplingConfig(temperature=0.8, max_tokens=24, seed=5)
+  sampling, seed = Sampling(temperature=0.8, max_tokens=24), 5
   steps = []
   # Stop after 6 engine steps; EOS ignored, so no response is done by then.
   first = list(
       gen.generate(
-          PROMPTS, sampling, ignore_eos=True, stop=lambda: steps.append(1) or len(steps) > 6
+          PROMPTS,
+          sampling,
+          seed=seed,
+          ignore_eos=True,
+          stop=lambda: steps.append(1) or len(steps) > 6,
       )
   )
   assert sorted(s.prompt_id for s in first) == [p for p, _ in PROMPTS]
@@ -152,7 +157,7 @@ def test_a_stopped_response_resumes_under_new_weights_with_each_versions_logprob
   v_new = gen.update_weights(hf.to_hf_tensors(new))
   assert gen.last_weights_file == first_file  # the same file, rewritten in place
   resume = [(s.prompt_id, s.prompt_token_ids + s.token_ids, 24 - len(s.token_ids)) for s in first]
-  rest = {s.prompt_id: s for s in gen.generate(resume, sampling, ignore_eos=True)}
+  rest = {s.prompt_id: s for s in gen.generate(resume, sampling, seed=seed, ignore_eos=True)}
   for a in first:
     b = rest[a.prompt_id]
     assert b.weight_version == v_new and b.finish_reason == "length"
@@ -171,7 +176,7 @@ def test_lazy_update_equals_an_engine_started_from_those_weights(dtype, keep, tm
   in-process engine takes vLLM's process-wide state with it, so this runs apart from `engine`.)"""
   cfg = config.tiny_qwen2(64)
   new_model = transformer.Transformer(cfg, rngs=nnx.Rngs(77))
-  sampling = SamplingConfig(temperature=1.0, max_tokens=12, seed=5)
+  sampling, seed = Sampling(temperature=1.0, max_tokens=12), 5
   kwargs = dict(max_num_seqs=8, max_model_len=128, seed=0, dtype=dtype)
   old_dir = tiny.build_tiny_model_dir(str(tmp_path / "old"), cfg, seed=7)
   gen = GeneratorInstance(old_dir, keep_weights_file=keep, **kwargs)
@@ -179,7 +184,7 @@ def test_lazy_update_equals_an_engine_started_from_those_weights(dtype, keep, tm
     gen.update_weights(hf.HFTensors(new_model, dtype))
     # Kept for the next update (rewritten in place), or removed once loaded.
     assert os.path.exists(gen.last_weights_file) == keep
-    updated = {s.prompt_id: s for s in gen.generate(PROMPTS, sampling)}
+    updated = {s.prompt_id: s for s in gen.generate(PROMPTS, sampling, seed=seed)}
   finally:
     gen.close()
   assert not os.path.exists(gen.last_weights_file)  # never outlives the engine
@@ -194,7 +199,7 @@ def test_lazy_update_equals_an_engine_started_from_those_weights(dtype, keep, tm
   tok.save_hf_tokenizer(new_dir, model_max_length=cfg.max_position_embeddings)
   fresh = GeneratorInstance(new_dir, **kwargs)
   try:
-    started = {s.prompt_id: s for s in fresh.generate(PROMPTS, sampling)}
+    started = {s.prompt_id: s for s in fresh.generate(PROMPTS, sampling, seed=seed)}
   finally:
     fresh.close()
   assert sorted(updated) == sorted(started) == [p for p, _ in PROMPTS]
@@ -213,7 +218,7 @@ def test_never_runs_more_than_the_cap(engine, monkeypatch):
     return real_add(*args, **kwargs)
 
   monkeypatch.setattr(gen._engine, "add_request", add)
-  samples = list(gen.generate(PROMPTS, SamplingConfig(max_tokens=12, seed=0), max_in_flight=3))
+  samples = list(gen.generate(PROMPTS, Sampling(max_tokens=12), seed=0, max_in_flight=3))
   assert sorted(s.prompt_id for s in samples) == [p for p, _ in PROMPTS]
   assert len(seen) == len(PROMPTS) and max(seen) == 3
 
@@ -222,8 +227,8 @@ def test_stream_yields_before_batch_end(engine):
   gen, _, _ = engine
   # Two prompts with max_tokens 3 and one that runs 40: the first yields
   # while the long one is still running.
-  long_cfg = SamplingConfig(temperature=1.0, max_tokens=40, seed=3)
-  it = gen.generate([(0, [1, 5, 6]), (1, [1, 7, 8])], long_cfg, max_in_flight=2)
+  long_cfg = Sampling(temperature=1.0, max_tokens=40)
+  it = gen.generate([(0, [1, 5, 6]), (1, [1, 7, 8])], long_cfg, seed=3, max_in_flight=2)
   first = next(it)
   # Closing early aborts the rest and leaves the engine idle.
   it.close()
@@ -313,7 +318,7 @@ def test_public_views_step_callback_and_ignore_eos(engine):
   try:
     samples = list(
         gen.generate(
-            PROMPTS, SamplingConfig(max_tokens=12, seed=0), max_in_flight=3, ignore_eos=True
+            PROMPTS, Sampling(max_tokens=12), seed=0, max_in_flight=3, ignore_eos=True
         )
     )
   finally:
@@ -325,7 +330,7 @@ def test_public_views_step_callback_and_ignore_eos(engine):
   assert sorted(s.prompt_id for s in samples) == [p for p, _ in PROMPTS]
   assert all(len(s.token_ids) == 12 for s in samples)
   calls = len(seen)
-  list(gen.generate(PROMPTS[:2], SamplingConfig(max_tokens=4, seed=0)))
+  list(gen.generate(PROMPTS[:2], Sampling(max_tokens=4), seed=0))
   assert len(seen) == calls  # A removed callback is not called.
 
 
@@ -357,13 +362,13 @@ def test_many_long_seeded_prompts_do_not_kill_the_cpu_engine(tmp_path):
   path = tiny.build_tiny_model_dir(str(tmp_path / "m"), config.tiny_qwen2(64), seed=2)
   gen = GeneratorInstance(path, max_num_seqs=64, max_model_len=128, seed=0)
   prompts = [(i, [1] + [4 + (7 * i + j) % 40 for j in range(60)]) for i in range(96)]
-  samples = list(gen.generate(prompts, SamplingConfig(max_tokens=8, seed=3)))
+  samples = list(gen.generate(prompts, Sampling(max_tokens=8), seed=3))
   assert sorted(s.prompt_id for s in samples) == list(range(96))
   # close() frees the engine; using the instance afterwards says so.
   gen.close()
   gen.close()  # idempotent
   with pytest.raises(RuntimeError, match="closed"):
-    list(gen.generate(prompts[:1], SamplingConfig(max_tokens=2, seed=3)))
+    list(gen.generate(prompts[:1], Sampling(max_tokens=2), seed=3))
   with pytest.raises(RuntimeError, match="closed"):
     gen.update_weights({}, 5)
 
@@ -382,12 +387,15 @@ def test_length_hints_admit_one_sample_per_prompt_first_then_by_their_siblings(e
       (k, prompts[g], lengths[g], LengthHint(g, priors[g]))
       for k, g in enumerate(["a", "a", "b", "b", "c", "c"])
   ]
-  sampling = SamplingConfig(max_tokens=24, seed=0)
-  hinted = list(gen.generate(reqs, sampling, max_in_flight=1, ignore_eos=True))
+  sampling, seed = Sampling(max_tokens=24), 0
+  hinted = list(gen.generate(reqs, sampling, seed=seed, max_in_flight=1, ignore_eos=True))
   # Estimates after the probes: a (10 + 2) / 2 = 6, b (5 + 20) / 2 = 12.5, c (1 + 3) / 2 = 2.
   assert [s.prompt_id for s in hinted] == [0, 2, 4, 3, 1, 5]
-  plain = {s.prompt_id: s for s in gen.generate([r[:3] for r in reqs], sampling, ignore_eos=True)}
+  plain = {
+      s.prompt_id: s
+      for s in gen.generate([r[:3] for r in reqs], sampling, seed=seed, ignore_eos=True)
+  }
   for s in hinted:  # per-request seeds: the order changes nothing else
     assert s.token_ids == plain[s.prompt_id].token_ids and len(s.token_ids) == reqs[s.prompt_id][2]
   with pytest.raises(ValueError, match="every request"):
-    list(gen.generate([reqs[0], reqs[1][:3]], sampling))
+    list(gen.generate([reqs[0], reqs[1][:3]], sampling, seed=seed))

@@ -19,8 +19,8 @@ def instance(tmp_path_factory):
 
 
 def test_profile_is_valid_and_saved(instance, tmp_path):
+  from streamrl.generator.config import Sampling
   from streamrl.generator.profiler import profile_instance
-  from streamrl.generator.vllm_engine import SamplingConfig
 
   path = tmp_path / "profile.json"
   # Raises inside if any request stops before its fixed length (EOS not ignored).
@@ -41,7 +41,7 @@ def test_profile_is_valid_and_saved(instance, tmp_path):
   assert profile.context_s_per_token >= 0
   assert LatencyProfile.from_json(path) == profile
   # Fixed-length decoding is per request: normal requests may stop at EOS as before.
-  samples = list(instance.generate([(0, [1, 5, 6])], SamplingConfig(max_tokens=4, seed=0)))
+  samples = list(instance.generate([(0, [1, 5, 6])], Sampling(max_tokens=4), seed=0))
   assert len(samples) == 1 and 1 <= len(samples[0].token_ids) <= 4
 
 

@@ -56,7 +56,7 @@ def policy(seed=1):
 def test_compute_dtype_auto_follows_the_generators(model_dtype, compute_dtype, want):
   s = make_settings(compute_dtype=compute_dtype, remat="dots", logprob_chunk=64)
   s = s.replace(model=dataclasses.replace(s.model, dtype=model_dtype))
-  c = rl_trainer.compute_config(s)
+  c = s.trainer.compute(s.model.dtype)
   assert c == model_config.ComputeConfig(want, True, "dots", 64)
 
 

@@ -16,30 +16,31 @@ import pytest
 from flax import nnx
 
 from streamrl import rl
+from streamrl.generator.config import Sampling
 from streamrl.models.config import ComputeConfig, tiny_qwen2
 from streamrl.models.transformer import Transformer
+from streamrl.rl.config import Kl, Loss
 from streamrl.trainer import step
+from streamrl.trainer.config import Optimizer
 
 VOCAB, B, T = 16, 4, 12
 TEMPERATURE = 0.7
-NORM = 10.0  # token_sum_norm's constant: a max response length, != tokens / rows
-OPTIM = step.OptimConfig(lr=1e-3, warmup_steps=0)
+NORM = 10  # token_sum_norm's constant (sampling.max_tokens), != tokens / rows
+OPTIM = Optimizer(lr=1e-3, warmup_steps=0)
+DECAY = 1000  # optimizer steps the learning rate decays over
+KL = Kl(coef=0.1, estimator="k3", in_reward=False)  # a loss term, GRPO style
+SAMPLING = Sampling(temperature=TEMPERATURE, max_tokens=NORM)
 # (first column, length) of each row's response in mask_bt.
 RESPONSES = ((2, 5), (2, 2), (0, 0), (3, 8))
 
 
-def loss_config(agg: str) -> step.LossConfig:
-  return step.LossConfig(
-      agg=agg,
-      norm_constant=NORM,
-      entropy_coef=0.05,
-      kl_coef=0.1,
-      kl_estimator="k3",
-      kl_in_loss=True,
-      rollout_correction="tis",
-      is_cap=1.2,
-      temperature=TEMPERATURE,
-  )
+def loss_config(agg: str) -> Loss:
+  return Loss(agg=agg, entropy_coef=0.05, rollout_correction="tis", is_cap=1.2)
+
+
+def parts(cfg: Loss) -> dict:
+  """The step's static run parts for loss `cfg`."""
+  return dict(loss=cfg, kl=KL, sampling=SAMPLING)
 
 
 def make_model(seed: int = 0) -> Transformer:
@@ -85,9 +86,9 @@ def numpy_aggregate(x, mask, agg):
   return x.sum() / (len(x) * NORM)
 
 
-def numpy_loss(logits_btv, batch, cfg: step.LossConfig) -> float:
+def numpy_loss(logits_btv, batch, cfg: Loss) -> float:
   """The actor loss of the whole batch, by hand, from the model's logits."""
-  z = np.asarray(logits_btv, np.float64)[:, :-1] / cfg.temperature
+  z = np.asarray(logits_btv, np.float64)[:, :-1] / TEMPERATURE
   z = z - z.max(-1, keepdims=True)
   logp_all = z - np.log(np.exp(z).sum(-1, keepdims=True))
   logp = np.take_along_axis(logp_all, batch["tokens_bt"][:, 1:, None], -1)[..., 0]
@@ -104,7 +105,7 @@ def numpy_loss(logits_btv, batch, cfg: step.LossConfig) -> float:
   d = ref - logp
   k3 = np.exp(d) - 1 - d
   agg = functools.partial(numpy_aggregate, mask=mask, agg=cfg.agg)
-  return agg(policy) - cfg.entropy_coef * agg(entropy) + cfg.kl_coef * agg(k3)
+  return agg(policy) - cfg.entropy_coef * agg(entropy) + KL.coef * agg(k3)
 
 
 @functools.lru_cache(maxsize=None)
@@ -116,7 +117,7 @@ def reference_grads(agg: str):
   old, gen, ref = (batch[k][:, :-1] for k in ("old_logp_bt", "gen_logp_bt", "ref_logp_bt"))
 
   def loss_fn(p):
-    logits = nnx.merge(graphdef, p)(batch["tokens_bt"])[:, :-1] / cfg.temperature
+    logits = nnx.merge(graphdef, p)(batch["tokens_bt"])[:, :-1] / TEMPERATURE
     logp_all = jax.nn.log_softmax(logits, -1)
     logp = jnp.take_along_axis(logp_all, batch["tokens_bt"][:, 1:, None], -1)[..., 0]
     entropy = -jnp.sum(jnp.exp(logp_all) * logp_all, -1)
@@ -127,7 +128,7 @@ def reference_grads(agg: str):
     )
     kl, _ = rl.kl_loss(logp, ref, mask, estimator="k3", **kw)
     ent = rl.aggregate(entropy, mask, agg, NORM)
-    return policy - cfg.entropy_coef * ent + cfg.kl_coef * kl
+    return policy - cfg.entropy_coef * ent + KL.coef * kl
 
   return jax.jit(jax.grad(loss_fn))(params)
 
@@ -139,13 +140,13 @@ def initial_logits() -> np.ndarray:
   return np.asarray(step.critic_values(params, make_batch()["tokens_bt"], graphdef=graphdef))
 
 
-def run_update_step(cfg: step.LossConfig, num_micro: int, compute=ComputeConfig()):
+def run_update_step(cfg: Loss, num_micro: int, compute=ComputeConfig()):
   """(logits, params before, params after, metrics) of one update_step."""
   logits = initial_logits()
-  models, state = step.init_state(make_model(), OPTIM, compute=compute)
+  models, state = step.init_state(make_model(), OPTIM, DECAY, compute=compute)
   before = jax.tree.map(np.asarray, state.actor)  # the step donates the state
   batch = {k: jnp.asarray(v) for k, v in make_batch().items()}
-  state, metrics = step.update_step(state, batch, models=models, cfg=cfg, num_micro=num_micro)
+  state, metrics = step.update_step(state, batch, models=models, num_micro=num_micro, **parts(cfg))
   after = jax.tree.map(np.asarray, state.actor)
   return logits, before, after, {k: float(v) for k, v in metrics.items()}
 
@@ -170,7 +171,7 @@ def test_update_step_matches_loss_and_gradient_by_hand(agg, num_micro):
   # The parameters move as the optimizer moves them for the reference gradient.
   # Adam's first step is about lr · sign(gradient); weights whose gradient is
   # within float noise of 0 (update well below lr) are left out.
-  tx = step.make_optimizer(OPTIM)
+  tx = step.make_optimizer(OPTIM, lr=OPTIM.lr, decay_steps=DECAY)
   updates, _ = tx.update(grads, tx.init(grads), grads)
   checked = total = 0
   for b, a, u in zip(jax.tree.leaves(before), jax.tree.leaves(after), jax.tree.leaves(updates)):
@@ -213,9 +214,11 @@ def test_bf16_compute_update_is_close_and_keeps_fp32_state():
   gradients stay fp32 (a bf16 update of 1e-3 to weights ~0.02 would round)."""
   cfg = loss_config("token_mean")
   _, before, plain_after, plain = run_update_step(cfg, 1)
-  models, state = step.init_state(make_model(), OPTIM, compute=ComputeConfig(dtype="bfloat16"))
+  models, state = step.init_state(
+      make_model(), OPTIM, DECAY, compute=ComputeConfig(dtype="bfloat16")
+  )
   batch = {k: jnp.asarray(v) for k, v in make_batch().items()}
-  state, metrics = step.update_step(state, batch, models=models, cfg=cfg)
+  state, metrics = step.update_step(state, batch, models=models, **parts(cfg))
   floats = [x for x in jax.tree.leaves((state.actor, state.actor_opt)) if x.dtype != jnp.int32]
   assert floats and all(x.dtype == jnp.float32 for x in floats)
   assert float(metrics["actor_loss"]) == pytest.approx(plain["actor_loss"], abs=1e-2)
@@ -259,34 +262,34 @@ def test_micro_batch_weights_reproduce_the_whole_batch(agg):
   )
 
 
-def test_loss_config_validates():
-  with pytest.raises(ValueError, match="norm_constant"):
-    step.LossConfig(agg="token_sum_norm")
+def test_the_step_refuses_a_loss_it_cannot_run():
   with pytest.raises(ValueError, match="loss aggregation"):
-    step.LossConfig(agg="mean")
-  with pytest.raises(ValueError, match="rollout correction"):
-    step.LossConfig(rollout_correction="is")
+    step.check_loss(Loss(agg="mean"))
+  with pytest.raises(ValueError, match="Loss.resolved"):
+    step.check_loss(Loss(rollout_correction="auto"))
+  step.check_loss(Loss().resolved("async"))
 
 
 def test_equal_models_and_configs_share_the_compiled_step():
   batch = {k: jnp.asarray(v) for k, v in make_batch().items()}
   cfg = loss_config("token_mean")
   built = [
-      step.init_state(make_model(seed), step.OptimConfig(lr=1e-3, warmup_steps=0))
+      step.init_state(make_model(seed), Optimizer(lr=1e-3, warmup_steps=0), DECAY)
       for seed in (0, 1)
   ]
   (models_a, state_a), (models_b, state_b) = built
   assert models_a == models_b and hash(models_a) == hash(models_b)
-  assert models_a != step.Models(models_a.actor_def, step.OptimConfig(lr=2e-3, warmup_steps=0))
-  step.update_step(state_a, batch, models=models_a, cfg=cfg)
+  assert models_a != step.Models(models_a.actor_def, Optimizer(lr=2e-3, warmup_steps=0), DECAY)
+  step.update_step(state_a, batch, models=models_a, **parts(cfg))
   compiled = step.update_step._cache_size()
-  step.update_step(state_b, batch, models=models_b, cfg=cfg)
+  step.update_step(state_b, batch, models=models_b, **parts(cfg))
   assert step.update_step._cache_size() == compiled
 
 
-def test_trainer_loss_config_scores_at_the_sampling_temperature():
+def test_the_trainer_scores_at_the_sampling_temperature():
   # The loss must score tokens at the temperature the generators sampled
-  # with, or the PPO ratio is not 1 even before the first update.
+  # with, or the PPO ratio is not 1 even before the first update; and
+  # token_sum_norm divides by the generators' max_tokens.
   from streamrl import settings  # pylint: disable=g-import-not-at-top
   from streamrl.trainer import rl_trainer  # pylint: disable=g-import-not-at-top
 
@@ -294,6 +297,9 @@ def test_trainer_loss_config_scores_at_the_sampling_temperature():
       sampling=settings.Sampling(temperature=TEMPERATURE, max_tokens=40),
       loss=settings.Loss(agg="token_sum_norm"),
   )
-  cfg = rl_trainer.loss_config(s)
-  assert cfg.temperature == TEMPERATURE
-  assert cfg.norm_constant == 40.0
+  trainer = rl_trainer.RLTrainer.from_settings(make_model(), s)
+  parts = trainer._step_parts()  # pylint: disable=protected-access
+  assert parts["sampling"].temperature == TEMPERATURE
+  assert parts["sampling"].max_tokens == 40
+  assert parts["loss"].agg == "token_sum_norm"
+  assert parts["loss"].rollout_correction == "none"  # auto, resolved for sync mode

@@ -7,7 +7,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from streamrl.transfer import Publisher, Receiver, TransferConfig
+from streamrl.transfer import Publisher, Receiver, Transfer
 
 NAMES = [
     "model.embed_tokens.weight",
@@ -95,7 +95,7 @@ class Cluster:
       n.close()
 
 
-def config(**overrides) -> TransferConfig:
+def config(**overrides) -> Transfer:
   base = dict(
       chunk_bytes=1024,
       fanout=2,
@@ -105,7 +105,7 @@ def config(**overrides) -> TransferConfig:
       repair_interval_s=60.0,
   )
   base.update(overrides)
-  return TransferConfig(**base)
+  return Transfer(**base)
 
 
 @pytest.fixture

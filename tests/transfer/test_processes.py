@@ -16,9 +16,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 # The sender process: paced uplink so that version 1 takes ~2 s; prints its address, publishes on "go".
 SENDER = """
 import sys, time
-from streamrl.transfer import Publisher, TransferConfig
+from streamrl.transfer import Publisher, Transfer
 import numpy as np
-pub = Publisher(TransferConfig(chunk_bytes=1024, use_shm=False, uplink_bytes_per_s=4000.0), dc="A", host="t")
+pub = Publisher(Transfer(chunk_bytes=1024, use_shm=False, uplink_bytes_per_s=4000.0), dc="A", host="t")
 print(pub.address[1], flush=True)
 sys.stdin.readline()
 pub.publish({"w": np.arange(2048, dtype=np.float32)})
