@@ -417,10 +417,7 @@ def generator_alone_child(args: dict) -> None:
 
     def batch(k: int) -> dict:
       t0 = now()
-      got = {
-          q.prompt_id: q
-          for q in svc.generate(requests, s.sampling, seed=round_seed(s.seed, k))
-      }
+      got = {q.prompt_id: q for q in svc.generate(requests, s.sampling, seed=round_seed(s.seed, k))}
       dt = now() - t0
       order = [got[rid] for rid, _ in requests]
       return {

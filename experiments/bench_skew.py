@@ -349,7 +349,6 @@ def main(argv):
   from streamrl.ranker.metrics import ranking_metrics
   from streamrl.scheduling import DispatchPlan, LatencyProfile, dispatch, fifo_plan, lpt_order
   from streamrl.scheduling.dispatch import rank_quantiles
-  from streamrl.generator.rollout import request_hint, request_parts
   from streamrl.scheduling.scheduler import with_length_hints
 
   # Everything cached depends on the policy, hence on these two settings.
@@ -440,10 +439,7 @@ def main(argv):
     )
 
   grouped = alg2(pred, groups=groups)
-  hints = {
-      request_parts(r)[0]: request_hint(r)
-      for r in with_length_hints(prompts, groups, grouped.lengths)
-  }
+  hints = {r.id: r.hint for r in with_length_hints(prompts, groups, grouped.lengths)}
   hinted = {"sibling"}  # arms that run with length hints
   plans = {
       **fifo_plans,
@@ -566,10 +562,7 @@ def main(argv):
   # The replay (noise-free, instances in parallel): the bound of admission
   # order (oracle) and siblings shared between instances (sibling_shared: the
   # ranker's plan, siblings spread over instances, each seeing all of them).
-  spread_hints = {
-      request_parts(r)[0]: request_hint(r)
-      for r in with_length_hints(prompts, groups, plans["ranker"].lengths)
-  }
+  spread_hints = {r.id: r.hint for r in with_length_hints(prompts, groups, plans["ranker"].lengths)}
   fifo_r = statistics.mean(replay(plans[f], true_len, profile) for f in fifo_plans)
   rep = {
       "ranker": replay(plans["ranker"], true_len, profile),

@@ -62,9 +62,7 @@ _QUICK = flags.DEFINE_bool(
 _CHUNK_MIB = flags.DEFINE_integer(
     "chunk_mib", 4, "Payload chunk size, MiB (the service's default)."
 )
-_LEVEL = flags.DEFINE_integer(
-    "level", 1, "zlib level of the delta encoder (transfer.delta_level)."
-)
+_LEVEL = flags.DEFINE_integer("level", 1, "zlib level of the delta encoder (transfer.delta_level).")
 
 LAGS = (1, 2, 4)
 DTYPES = ("fp32", "bf16")

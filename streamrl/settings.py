@@ -115,7 +115,9 @@ class Settings:
   def optimizer_steps(self) -> int:
     """Optimizer steps over the whole run (the learning rate decays over them)."""
     tr = self.trainer
-    return tr.num_iterations * tr.ppo_epochs * max(1, self.samples_per_iteration // tr.mini_batch_size)
+    return (
+        tr.num_iterations * tr.ppo_epochs * max(1, self.samples_per_iteration // tr.mini_batch_size)
+    )
 
   @property
   def partial_rollouts(self) -> bool:

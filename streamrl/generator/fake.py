@@ -14,7 +14,7 @@ import threading
 import numpy as np
 
 from streamrl.generator.config import Sampling
-from streamrl.generator.rollout import PARTIAL, Sample, UpdateHandle
+from streamrl.generator.rollout import PARTIAL, Sample, UpdateHandle, as_requests
 
 
 class FakeRollout:
@@ -58,16 +58,17 @@ class FakeRollout:
     if assignments is not None:
       self.assignments.append(assignments)
       requests = [r for part in assignments for r in part]
+    requests = as_requests(requests)
     order = self.rng.permutation(len(requests))
     self._stop = False
     for j in order:
-      rid, ids, *budget = requests[j]
+      rid, ids, budget = requests[j].id, requests[j].prompt, requests[j].max_tokens
       r = np.random.default_rng(rid + 7 * len(ids))
       n = int(r.integers(1, 12))
       tokens = tuple(int(t) for t in r.integers(4, 40, n)) + (2,)
       reason = "stop"
-      if budget and len(tokens) > budget[0]:
-        tokens, reason = tokens[: budget[0]], "length"
+      if budget is not None and len(tokens) > budget:
+        tokens, reason = tokens[:budget], "length"
       if stoppable and self._stop:
         tokens, reason = tokens[: int(r.integers(0, len(tokens)))], PARTIAL
       with self.lock:

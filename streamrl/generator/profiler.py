@@ -44,9 +44,7 @@ def _time_batch(instance, prompts, max_tokens: int, seed: int, clock) -> tuple[f
   sampling = Sampling(temperature=1.0, max_tokens=max_tokens)
   t0 = clock()
   samples = list(
-      instance.generate(
-          prompts, sampling, seed=seed, max_in_flight=len(prompts), ignore_eos=True
-      )
+      instance.generate(prompts, sampling, seed=seed, max_in_flight=len(prompts), ignore_eos=True)
   )
   dt = clock() - t0
   return dt, sum(len(s.token_ids) for s in samples)

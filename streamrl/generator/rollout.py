@@ -22,7 +22,7 @@ from typing import Protocol
 import numpy as np
 
 from streamrl.generator.config import Sampling
-from streamrl.scheduling.request import Request, request_hint, request_parts, with_hint  # noqa: F401  (re-exported)
+from streamrl.scheduling.request import Request, as_requests  # noqa: F401  (re-exported)
 
 # The finish_reason of a response stopped before it finished
 # (`Rollout.stop_generation`): its tokens so far, to be resumed later.
@@ -121,6 +121,7 @@ class Rollout(Protocol):
   ) -> Iterator[Sample]:
     """Yields one Sample per request as soon as an instance finishes it.
 
+    A request is a `Request` or an (id, prompt token ids) tuple.
     `sampling` is the run's `sampling.*` (streamrl/generator/config.py).
     With a `seed`, a request of prompt id p samples with seed + p: the same
     prompt id gives the same tokens whatever else is in the batch (None:

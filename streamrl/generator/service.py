@@ -43,9 +43,7 @@ from streamrl.generator.rollout import (
     Request,
     Sample,
     UpdateHandle,
-    request_hint,
-    request_parts,
-    with_hint,
+    as_requests,
 )
 
 log = logging.getLogger(__name__)
@@ -736,7 +734,7 @@ class StreamGenerationService:
     if assignments is None:
       if requests is None:
         raise ValueError("generate needs requests or assignments.")
-      reqs = [_request(r) for r in requests]
+      reqs = as_requests(requests)
       live = self.live_instances
       plan = {i: [] for i in range(self.num_instances)}
       for k, req in enumerate(reqs):
@@ -747,14 +745,14 @@ class StreamGenerationService:
             f"assignments has {len(assignments)} lists for "
             f"{self.num_instances} instances; give one (maybe empty) per instance."
         )
-      plan = {i: [_request(r) for r in a] for i, a in enumerate(assignments)}
+      plan = {i: as_requests(a) for i, a in enumerate(assignments)}
       reqs = [r for i in range(self.num_instances) for r in plan[i]]
-    ids = [r[0] for r in reqs]
+    ids = [r.id for r in reqs]
     if len(set(ids)) != len(ids):
       dup = next(r for r, c in collections.Counter(ids).items() if c > 1)
       raise ValueError(f"Request id {dup} appears more than once; request ids must be unique.")
     if assignments is not None and requests is not None:
-      if sorted(int(r[0]) for r in requests) != sorted(ids):
+      if sorted(r.id for r in as_requests(requests)) != sorted(ids):
         raise ValueError("assignments must hold exactly the given requests, each once.")
     # Work planned for instances that are dead or removed goes to the live ones.
     live = set(self.live_instances)
@@ -788,7 +786,7 @@ class StreamGenerationService:
         queued[i].append(reqs)
     undelivered: dict[int, dict[int, Request]] = collections.defaultdict(dict)
     for i, reqs in plan.items():
-      undelivered[i].update((r[0], r) for r in reqs)
+      undelivered[i].update((r.id, r) for r in reqs)
     delivered: set[int] = set()
     active: dict = {}  # ObjectRefGenerator -> _Stream
 
@@ -830,7 +828,7 @@ class StreamGenerationService:
       self._spread(leftover, moved)
       for j, reqs in moved.items():
         queued[j].append(reqs)
-        undelivered[j].update((r[0], r) for r in reqs)
+        undelivered[j].update((r.id, r) for r in reqs)
         start(j)
 
     with self._lock:
@@ -948,15 +946,9 @@ class StreamGenerationService:
     )
 
 
-def _request(r) -> tuple:
-  """A Request as a tuple with an int id (and its own max_tokens and length hint, if any)."""
-  return with_hint(r, request_hint(r))
-
-
-def _unstarted(r) -> Sample:
+def _unstarted(r: Request) -> Sample:
   """The PARTIAL sample of a request stopped before any instance ran it."""
-  rid, ids, _ = request_parts(r)
-  return Sample(rid, ids, (), (), PARTIAL, weight_version=-1, instance_id=-1)
+  return Sample(r.id, r.prompt, (), (), PARTIAL, weight_version=-1, instance_id=-1)
 
 
 def _failed(ref) -> bool:

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 import numpy as np
 
 from streamrl.generator.config import Sampling
-from streamrl.generator.rollout import PARTIAL, Sample, request_hint, request_parts  # pylint: disable=unused-import
+from streamrl.generator.rollout import PARTIAL, Sample, as_requests
 from streamrl.models import hf as hf_lib
 from streamrl.models import safetensors_io
 from streamrl.models.config import CPU_SUPPORTED_HEAD_DIMS
@@ -465,7 +465,7 @@ class GeneratorInstance:
     same prompt id gives the same tokens whatever else is in the batch;
     None: unseeded.
 
-    Prompts are `rollout.Request`s, admitted in the given order; at most
+    Prompts are `rollout.Request`s (or (id, prompt ids) tuples), admitted in the given order; at most
     `max_in_flight` run at once (default: the engine's max_num_seqs) and a
     new one is admitted on every finish. A request with its own max_tokens
     (a resumed partial response) decodes at most that many. Closing the
@@ -629,8 +629,9 @@ def _pending_queue(prompts):
   """(pending, hints): the requests of one `generate` call not admitted yet,
   in the given order or, when they carry length hints, a `SiblingQueue` (see
   its module); and request id -> LengthHint ({} without hints)."""
-  parts = [request_parts(p) for p in prompts]
-  hints = [request_hint(p) for p in prompts]
+  requests = as_requests(prompts)
+  parts = [(r.id, r.prompt, r.max_tokens) for r in requests]
+  hints = [r.hint for r in requests]
   if not any(h is not None for h in hints):
     return collections.deque(parts), {}
   if any(h is None for h in hints):

@@ -14,7 +14,8 @@ from collections.abc import Callable, Iterator
 
 from streamrl.generator.config import Sampling
 from streamrl.generator import local
-from streamrl.generator.rollout import Rollout, Sample, UpdateHandle, request_hint, with_hint
+from streamrl.generator.rollout import Rollout, Sample, UpdateHandle
+from streamrl.scheduling.request import Request, as_requests
 
 
 @dataclasses.dataclass
@@ -22,15 +23,19 @@ class Round:
   """One iteration's prompts, as generator requests."""
 
   it: int
-  requests: list  # (request id, prompt token ids)
+  requests: list[Request]  # (id, prompt) tuples are turned into Requests
   examples_by_id: dict  # request id -> Example
   loader_state: dict  # the loader position a checkpoint after this round holds
   # Partial rollouts: request id -> the request actually sent (prompt plus
   # the response so far, and the budget left) for resumed responses.
-  resume: dict = dataclasses.field(default_factory=dict)
+  resume: dict = dataclasses.field(default_factory=dict)  # request id -> Request
   # Partial rollouts: what a checkpoint after this round saves of the
   # unfinished responses (`partial.PartialBuffer.state`); None otherwise.
   carry: dict | None = None
+
+  def __post_init__(self):
+    self.requests = as_requests(self.requests)
+    self.resume = {int(k): Request.of(r) for k, r in self.resume.items()}
 
 
 @dataclasses.dataclass
@@ -43,16 +48,16 @@ class Generated:
   scheduler_metrics: dict = dataclasses.field(default_factory=dict)
 
 
-def _as_sent(rnd: Round, request) -> tuple:
+def _as_sent(rnd: Round, request: Request) -> Request:
   """A planned request as sent: a resumed response continues from its tokens
   so far, keeping the plan's length hint (which then counts those tokens)."""
-  resumed = rnd.resume.get(request[0])
+  resumed = rnd.resume.get(request.id)
   if resumed is None:
     return request
-  hint = request_hint(request)
+  hint = request.hint
   if hint is not None:
-    hint = dataclasses.replace(hint, done=len(resumed[1]) - len(request[1]))
-  return with_hint(resumed, hint)
+    hint = dataclasses.replace(hint, done=len(resumed.prompt) - len(request.prompt))
+  return resumed.with_hint(hint)
 
 
 def now() -> float:
@@ -114,7 +119,7 @@ class Mode:
       assignments, caps = full, full_caps
     kw = {"stoppable": True} if stoppable else {}
     return self.rollout.generate(
-        None if assignments else [rnd.resume.get(r[0], r) for r in rnd.requests],
+        None if assignments else [rnd.resume.get(r.id, r) for r in rnd.requests],
         self.sampling,
         seed=local.round_seed(self.seed, rnd.it),
         assignments=assignments,

@@ -37,6 +37,7 @@ import numpy as np
 
 from streamrl.data.tasks import Example
 from streamrl.generator.rollout import PARTIAL, Sample
+from streamrl.scheduling.request import Request
 from streamrl.pipeline import base, stream
 
 
@@ -71,8 +72,8 @@ class Group:
 class RoundPlan:
   """What `PartialBuffer.start_round` asks the generators for."""
 
-  requests: list  # (request id, prompt ids): what the scheduler plans on
-  resume: dict  # request id -> (request id, prompt + tokens so far, budget left)
+  requests: list[Request]  # what the scheduler plans on
+  resume: dict  # request id -> Request(id, prompt + tokens so far, budget left)
   examples_by_id: dict
   wasted_tokens: int  # dropped by the version-gap bound this round
 
@@ -144,9 +145,11 @@ class PartialBuffer:
         self._ids[rid] = (g, k)
         if m.finish_reason is not None:
           continue
-        requests.append((rid, g.prompt_ids))
+        requests.append(Request(rid, g.prompt_ids))
         if m.tokens:
-          resume[rid] = (rid, g.prompt_ids + tuple(m.tokens), self.max_tokens - len(m.tokens))
+          resume[rid] = Request(
+              rid, g.prompt_ids + tuple(m.tokens), self.max_tokens - len(m.tokens)
+          )
     self._wasted = wasted
     return RoundPlan(requests, resume, by_id, wasted)
 
@@ -278,7 +281,7 @@ class PartialAsyncMode(stream.AsyncMode):
   def _pull(self, it: int) -> list:
     rnd = self.rounds(it)
     self._loader_state = rnd.loader_state
-    return [(rnd.examples_by_id[rid], ids) for rid, ids in rnd.requests[:: self.group_size]]
+    return [(rnd.examples_by_id[r.id], r.prompt) for r in rnd.requests[:: self.group_size]]
 
   def _next_round(self, it: int) -> base.Round:
     plan = self.buffer.start_round(it, lambda: self._pull(it))

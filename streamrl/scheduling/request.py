@@ -1,39 +1,69 @@
 """A generation request as the scheduler, the pipeline and the engines pass it.
 
-(request id, prompt token ids), or with a third element: that request's own
-max_tokens or None (a resumed partial response: its prompt holds the tokens
-it already has, and only the rest of the budget is left), and a fourth: its
-length hint (`scheduling.siblings.LengthHint`: its group of samples of one
-prompt and the dispatcher's length estimate), which makes the instance order
-its pending requests by what their finished siblings say.
+`Request(id, prompt)` asks for one sample of `prompt` (token ids) under
+request id `id`. Two optional fields:
+
+- `max_tokens`: this request's own budget, None for the sampling's
+  `max_tokens`. A resumed partial response sets it: its prompt holds the
+  tokens it already has, and only the rest of the budget is left.
+- `hint`: its length hint (`scheduling.siblings.LengthHint`: its group of
+  samples of one prompt and the dispatcher's length estimate), which makes
+  the instance order its pending requests by what their finished siblings
+  say.
+
+The generate entry points also take plain `(id, prompt)` tuples (and
+`(id, prompt, max_tokens)`), so a user calling a rollout directly need not
+build Requests; `Request.of` turns either into a Request.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
-Request = (
-    tuple[int, Sequence[int]]
-    | tuple[int, Sequence[int], int | None]
-    | tuple[int, Sequence[int], int | None, object]
-)
+from streamrl.scheduling.siblings import LengthHint
 
 
-def request_parts(request) -> tuple[int, tuple[int, ...], int | None]:
-  """(request id, prompt token ids, its own max_tokens or None) of a Request."""
-  rid, ids, *rest = request
-  budget = rest[0] if rest else None
-  return int(rid), tuple(int(t) for t in ids), (None if budget is None else int(budget))
+@dataclasses.dataclass(frozen=True)
+class Request:
+  """One sample to generate: its id, prompt token ids, budget and length hint."""
+
+  id: int
+  prompt: tuple[int, ...]
+  max_tokens: int | None = None
+  hint: LengthHint | None = None
+
+  def __post_init__(self):
+    # Coerced once here, so ids from numpy or a list compare and hash alike.
+    object.__setattr__(self, "id", int(self.id))
+    object.__setattr__(self, "prompt", tuple(int(t) for t in self.prompt))
+    if self.max_tokens is not None:
+      if int(self.max_tokens) < 0:
+        raise ValueError(
+            f"Request {self.id} has max_tokens={self.max_tokens}; give a budget >= 0 or None."
+        )
+      object.__setattr__(self, "max_tokens", int(self.max_tokens))
+    if self.hint is not None and not isinstance(self.hint, LengthHint):
+      raise TypeError(
+          f"Request {self.id}'s hint is a {type(self.hint).__name__}; give a "
+          "scheduling.siblings.LengthHint or None."
+      )
+
+  @classmethod
+  def of(cls, request) -> Request:
+    """`request` as a Request: a Request, or an (id, prompt[, max_tokens[, hint]]) tuple."""
+    if isinstance(request, Request):
+      return request
+    if isinstance(request, (tuple, list)) and 2 <= len(request) <= 4:
+      return cls(*request)
+    raise TypeError(
+        f"A request is a Request(id, prompt) or an (id, prompt token ids) tuple, not {request!r}."
+    )
+
+  def with_hint(self, hint: LengthHint | None) -> Request:
+    return dataclasses.replace(self, hint=hint)
 
 
-def request_hint(request):
-  """A Request's length hint (`scheduling.siblings.LengthHint`), or None."""
-  return request[3] if len(request) > 3 else None
-
-
-def with_hint(request, hint) -> tuple:
-  """`request` carrying `hint` (None: without one)."""
-  rid, ids, budget = request_parts(request)
-  if hint is not None:
-    return (rid, ids, budget, hint)
-  return (rid, ids) if budget is None else (rid, ids, budget)
+def as_requests(requests: Sequence) -> list[Request]:
+  """Each of `requests` as a Request (see `Request.of`)."""
+  return [Request.of(r) for r in requests]

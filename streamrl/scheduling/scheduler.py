@@ -22,7 +22,7 @@ import numpy as np
 
 from streamrl.scheduling.config import Scheduler
 from streamrl.data import tasks
-from streamrl.scheduling.request import with_hint
+from streamrl.scheduling.request import as_requests
 from streamrl.scheduling import ranker_actor
 from streamrl.scheduling.dispatch import MIN_RANK_HISTORY, rank_quantiles
 from streamrl.scheduling.latency import LatencyProfile
@@ -40,7 +40,8 @@ def with_length_hints(requests, groups, lengths) -> list:
     total[g] += n
     count[g] += 1
   return [
-      with_hint(r, LengthHint(group=g, prior=total[g] / count[g])) for r, g in zip(requests, groups)
+      r.with_hint(LengthHint(group=g, prior=total[g] / count[g]))
+      for r, g in zip(as_requests(requests), groups)
   ]
 
 
@@ -109,7 +110,8 @@ class GenerationScheduler:
     num_instances = int(num_instances or self.num_instances)
     if self.kind == "fifo":
       return None, None
-    prompts = [list(ids) for _, ids, *_ in requests]
+    requests = as_requests(requests)
+    prompts = [list(r.prompt) for r in requests]
     groups = None
     if self.siblings:  # samples of one prompt form a group
       keys: dict = {}
@@ -126,7 +128,7 @@ class GenerationScheduler:
       else:
         predicted = self.ranker.predict(prompts)
     else:
-      exs = [examples_by_id[rid] for rid, _ in requests]
+      exs = [examples_by_id[r.id] for r in requests]
       if any(e.task == "jsonl" for e in exs):
         raise ValueError(
             "scheduler.kind='oracle' needs a synthetic task with known "
@@ -140,9 +142,9 @@ class GenerationScheduler:
           else tasks.oracle_answer_length(e.prompt) + 1
           for e in exs
       ]
-    for (rid, *_), q in zip(requests, rank_quantiles(predicted if true is None else true)):
-      self._ranked[rid] = float(q)
-      self._ranked.move_to_end(rid)
+    for r, q in zip(requests, rank_quantiles(predicted if true is None else true)):
+      self._ranked[r.id] = float(q)
+      self._ranked.move_to_end(r.id)
     while len(self._ranked) > 4 * self.rank_history.maxlen:  # never observed (dropped)
       self._ranked.popitem(last=False)
     plan = plan_generation(

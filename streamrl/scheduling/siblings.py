@@ -59,7 +59,7 @@ def group_estimate(
 class SiblingQueue:
   """Requests not yet admitted on one instance, longest estimate first.
 
-  Items are opaque (the engine's request tuples); `hints[i]` is item i's
+  Items are opaque (the engine's pending requests); `hints[i]` is item i's
   `LengthHint`. The engine's generate loop admits from it and reports to it.
   """
 

@@ -100,7 +100,10 @@ class Optimizer:
 
   def check(self) -> None:
     positive("optimizer.lr", self.lr)
-    need(0 <= self.min_lr_ratio <= 1, f"optimizer.min_lr_ratio={self.min_lr_ratio} must be in [0, 1].")
+    need(
+        0 <= self.min_lr_ratio <= 1,
+        f"optimizer.min_lr_ratio={self.min_lr_ratio} must be in [0, 1].",
+    )
     need(
         0 <= self.b1 < 1 and 0 <= self.b2 < 1,
         f"optimizer.b1={self.b1} and optimizer.b2={self.b2} must be in [0, 1).",

@@ -22,7 +22,6 @@ from streamrl import rl
 from streamrl.rl.config import Advantage, Kl
 
 
-
 def bucket_length(n: int, multiple: int = 32) -> int:
   """Rounds up so few distinct shapes reach the jitted step (fewer compiles)."""
   return max(multiple, -(-n // multiple) * multiple)

@@ -247,7 +247,9 @@ class RLTrainer:
       block_len[c[0]] = p["tokens_bt"].shape[1]
       for k, v in p.items():
         full[k][c, : v.shape[1]] = v
-    adv = experience.compute_advantages(full, np.asarray(rewards, np.float32), advantage=self.advantage, kl=self.kl)
+    adv = experience.compute_advantages(
+        full, np.asarray(rewards, np.float32), advantage=self.advantage, kl=self.kl
+    )
     for k, v in adv.items():
       full[k] = np.asarray(v)
     minis = []
@@ -294,13 +296,9 @@ class RLTrainer:
           self.state, batch, num_micro=self.num_micro, **self._step_parts()
       )
       return metrics
-    weights = step_lib.micro_batch_weights(
-        mini["mask_bt"][:, :-1], self.num_micro, self.loss.agg
-    )
+    weights = step_lib.micro_batch_weights(mini["mask_bt"][:, :-1], self.num_micro, self.loss.agg)
     micros = [{k: self._put(v) for k, v in m.items()} for m in micros]
-    self.state, metrics = step_lib.ragged_update(
-        self.state, micros, weights, **self._step_parts()
-    )
+    self.state, metrics = step_lib.ragged_update(self.state, micros, weights, **self._step_parts())
     return metrics
 
   def ragged_micros(self, mini: dict) -> list[dict] | None:

@@ -50,7 +50,9 @@ _KL, _SAMPLING = Kl(), Sampling()
 def check_loss(loss: Loss) -> None:
   """Refuses a loss the step cannot run (a ValueError naming the fix)."""
   if loss.agg not in rl.AGG_MODES:
-    raise ValueError(f"Unknown loss aggregation {loss.agg!r}; set loss.agg to one of {list(rl.AGG_MODES)}.")
+    raise ValueError(
+        f"Unknown loss aggregation {loss.agg!r}; set loss.agg to one of {list(rl.AGG_MODES)}."
+    )
   if loss.rollout_correction not in rl.ROLLOUT_CORRECTIONS:
     raise ValueError(
         f"loss.rollout_correction={loss.rollout_correction!r} cannot reach the train step; "
@@ -142,7 +144,9 @@ def init_state(
   return models, state
 
 
-def _actor_loss(params, graphdef, batch, compute: ComputeConfig, loss: Loss, kl: Kl, sampling: Sampling):
+def _actor_loss(
+    params, graphdef, batch, compute: ComputeConfig, loss: Loss, kl: Kl, sampling: Sampling
+):
   model = nnx.merge(graphdef, params)
   logp, entropy = next_token_logprobs(model, batch["tokens_bt"], sampling.temperature, compute)
   logp, entropy = logp[:, :-1], entropy[:, :-1]
@@ -179,7 +183,9 @@ def _actor_loss(params, graphdef, batch, compute: ComputeConfig, loss: Loss, kl:
   return value, metrics
 
 
-def _critic_loss(params, graphdef, batch, compute: ComputeConfig, loss: Loss, kl: Kl, sampling: Sampling):
+def _critic_loss(
+    params, graphdef, batch, compute: ComputeConfig, loss: Loss, kl: Kl, sampling: Sampling
+):
   del kl  # The critic's loss reads the policy loss's aggregation and value clip only.
   model = nnx.merge(graphdef, params)
   values = model(batch["tokens_bt"], compute=compute)[:, :-1]

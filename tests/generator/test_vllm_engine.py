@@ -317,9 +317,7 @@ def test_public_views_step_callback_and_ignore_eos(engine):
   gen.set_step_callback(seen.append)
   try:
     samples = list(
-        gen.generate(
-            PROMPTS, Sampling(max_tokens=12), seed=0, max_in_flight=3, ignore_eos=True
-        )
+        gen.generate(PROMPTS, Sampling(max_tokens=12), seed=0, max_in_flight=3, ignore_eos=True)
     )
   finally:
     gen.set_step_callback(None)

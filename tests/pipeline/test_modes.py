@@ -151,7 +151,7 @@ def test_skew_scheduler_dispatches_learns_and_saves_pairs(model_dir, tmp_path):
   # Every round went out as per-instance assignments covering each request once.
   assert len(rollout.assignments) == 2
   for plan in rollout.assignments:
-    ids = sorted(r for part in plan for r, _ in part)
+    ids = sorted(r.id for part in plan for r in part)
     assert ids == list(range(8)) and len(plan) == 2
   # The (prompt, length) pairs of both rounds were saved for the ranker.
   from streamrl.ranker.data import load_pairs
@@ -169,7 +169,7 @@ def test_oracle_scheduler_puts_the_longest_prompt_first(model_dir):
   from streamrl.data import tokenizer as char_tok
 
   for part in rollout.assignments[0]:
-    lengths = [by_len[char_tok.decode(ids[1:])] for _, ids in part]
+    lengths = [by_len[char_tok.decode(r.prompt[1:])] for r in part]
     assert lengths == sorted(lengths, reverse=True)
 
 

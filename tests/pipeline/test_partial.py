@@ -13,6 +13,7 @@ import pytest
 
 from streamrl.data.tasks import Example
 from streamrl.generator.rollout import PARTIAL, Sample
+from streamrl.scheduling.request import Request
 from streamrl.pipeline.partial import PartialBuffer
 
 GROUP = 2
@@ -48,8 +49,9 @@ def run_round(buf, it, loader, version, per_round):
   for j, g in enumerate(buf.groups):
     for k in range(GROUP):
       member_of[j * GROUP + k] = (g.prompt_ids, k)
-  for rid, ids in plan.requests:
-    sent = plan.resume.get(rid, (rid, ids))[1]
+  for r in plan.requests:
+    rid = r.id
+    sent = plan.resume.get(rid, r).prompt
     prompt, k = member_of[rid]
     assert sent[: len(prompt)] == prompt
     have = len(sent) - len(prompt)
@@ -103,15 +105,15 @@ def test_every_response_is_trained_once_whole_with_its_versions():
 def test_a_group_waits_for_its_unfinished_sibling():
   buf = new_buffer()
   plan = buf.start_round(0, Loader())
-  rid, ids = plan.requests[0]
+  rid, ids = plan.requests[0].id, plan.requests[0].prompt
   buf.add(Sample(rid, ids, (5, 2), (-1.0, -1.0), "stop", weight_version=0, instance_id=0))
   assert buf.num_done == 0
   buf.add(Sample(rid + 1, ids, (6,), (-1.0,), PARTIAL, weight_version=0, instance_id=0))
   assert buf.num_done == 0
   plan = buf.start_round(1, Loader())
   # Only the unfinished sibling is asked for again, resumed after its token.
-  assert plan.resume[rid + 1] == (rid + 1, ids + (6,), 15)
-  assert all(r != rid for r, _ in plan.requests)
+  assert plan.resume[rid + 1] == Request(rid + 1, ids + (6,), 15)
+  assert all(r.id != rid for r in plan.requests)
   with pytest.raises(RuntimeError, match="second sample"):
     buf.add(Sample(rid, ids, (5,), (-1.0,), "stop", weight_version=1, instance_id=0))
   buf.add(

@@ -6,7 +6,7 @@ import pytest
 
 from streamrl import settings
 from streamrl.errors import UserError
-from streamrl.generator.rollout import request_hint, request_parts, with_hint
+from streamrl.generator.rollout import Request
 from streamrl.pipeline import base
 from streamrl.scheduling import LatencyProfile, dispatch
 from streamrl.scheduling.scheduler import with_length_hints
@@ -104,12 +104,12 @@ def test_dispatch_keeps_each_group_on_one_instance_and_cuts_the_long_tail_at_gro
 def test_requests_carry_their_groups_mean_estimate_and_resumed_ones_count_their_tokens():
   reqs = [(7, (1, 2)), (8, (1, 2)), (9, (3,))]
   hinted = with_length_hints(reqs, [0, 0, 1], [10.0, 20.0, 5.0])
-  assert [request_hint(r) for r in hinted] == [
+  assert [r.hint for r in hinted] == [
       LengthHint(0, 15.0),
       LengthHint(0, 15.0),
       LengthHint(1, 5.0),
   ]
-  assert request_parts(hinted[0]) == (7, (1, 2), None)
+  assert hinted[0] == Request(7, (1, 2), None, LengthHint(0, 15.0))
   rnd = base.Round(
       it=0,
       requests=reqs,
@@ -118,10 +118,24 @@ def test_requests_carry_their_groups_mean_estimate_and_resumed_ones_count_their_
       resume={8: (8, (1, 2, 40, 41, 42), 5)},
   )
   sent = base._as_sent(rnd, hinted[1])
-  assert request_parts(sent) == (8, (1, 2, 40, 41, 42), 5)
-  assert request_hint(sent) == LengthHint(0, 15.0, done=3)
+  assert sent == Request(8, (1, 2, 40, 41, 42), 5, LengthHint(0, 15.0, done=3))
   assert base._as_sent(rnd, hinted[0]) == hinted[0]
-  assert with_hint((8, (1, 2), 5), None) == (8, (1, 2), 5)
+  assert sent.with_hint(None) == Request(8, (1, 2, 40, 41, 42), 5)
+
+
+def test_a_request_is_a_dataclass_and_tuples_are_accepted_where_users_call():
+  assert Request.of((3, [1, 2])) == Request(3, (1, 2))
+  assert Request.of((3, (1,), 4)).max_tokens == 4
+  r = Request(5, (1,))
+  assert Request.of(r) is r
+  with pytest.raises(TypeError, match="Request"):
+    Request.of((3,))
+  with pytest.raises(TypeError, match="Request"):
+    Request.of("3 1 2")
+  with pytest.raises(ValueError, match="max_tokens"):
+    Request(1, (1,), -2)
+  with pytest.raises(TypeError, match="LengthHint"):
+    Request(1, (1,), None, 7.0)
 
 
 def test_sibling_lengths_needs_a_length_predicting_scheduler():
@@ -149,11 +163,11 @@ def test_the_scheduler_sends_each_prompts_samples_to_one_instance_with_length_hi
   assignments, caps = gs.plan(reqs, by_id, seed=0)
   assert len(assignments) == len(caps) == 3
   sent = [r for part in assignments for r in part]
-  assert sorted(request_parts(r)[0] for r in sent) == list(range(24))
+  assert sorted(r.id for r in sent) == list(range(24))
   for part in assignments:
-    hints = [request_hint(r) for r in part]
+    hints = [r.hint for r in part]
     assert all(isinstance(h, LengthHint) and h.prior > 0 for h in hints)
     groups = {h.group for h in hints}
     for g in groups:  # a group is whole on this instance
-      assert sum(request_hint(r).group == g for r in sent) == sum(h.group == g for h in hints)
-  assert len({request_hint(r).group for r in sent}) == 6
+      assert sum(r.hint.group == g for r in sent) == sum(h.group == g for h in hints)
+  assert len({r.hint.group for r in sent}) == 6
