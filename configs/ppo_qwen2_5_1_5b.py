@@ -7,7 +7,7 @@ that iterates quickly. Needs a local HF checkpoint and a JSONL file of
   STREAMRL_REQUIREMENTS=requirements-gpu.txt bash install.sh
   python launch/main.py --config=configs/ppo_qwen2_5_1_5b.py --workdir=workdirs/qwen1_5b \
       --config.model.path=/models/Qwen2.5-1.5B-Instruct \
-      --config.task.jsonl_path=/data/gsm8k_train.jsonl
+      --config.task.train_path=/data/gsm8k_train.jsonl --config.task.eval_path=/data/gsm8k_test.jsonl
 
 The 8 GPUs, disaggregated (async): 6 generate, 2 train.
 - Generation: 6 vLLM instances x 1 GPU (bf16, CUDA graphs). Long reasoning
@@ -36,8 +36,12 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.path = "/models/Qwen2.5-1.5B-Instruct"
   c.model.dtype = "bfloat16"
   c.warmstart.steps = 0
-  c.task.kind = "jsonl"
-  c.task.jsonl_path = "/data/gsm8k_train.jsonl"
+  c.task.kind = "file"
+  c.task.train_path = "/data/gsm8k_train.jsonl"
+  c.task.eval_path = "/data/gsm8k_test.jsonl"
+  c.task.prompt_key = "question"  # raw GSM8K rows: {"question", "answer"}
+  # Rendered with the Instruct model's chat template (task.chat_template=auto).
+  c.task.system_prompt = "Please reason step by step, and put your final answer within \\boxed{}."
   c.task.reward = "math_verify"
   c.task.num_eval = 500
   c.sampling.max_tokens = 2048

@@ -1,12 +1,13 @@
 r"""PPO on Qwen2.5-7B with a GSM8K/MATH-style JSONL dataset, one 8-GPU node.
 
-Needs a local HF checkpoint directory and a JSONL file of
-{"prompt": ..., "answer": ...} rows (nothing is downloaded):
+Needs a local HF checkpoint directory and GSM8K's train and test files as
+JSONL (or Parquet) rows of {"question": ..., "answer": ...} (nothing is
+downloaded; the reward reads the answer's `#### x` part):
 
   STREAMRL_REQUIREMENTS=requirements-gpu.txt bash install.sh
   python launch/main.py --config=configs/ppo_qwen2_5_7b.py --workdir=workdirs/qwen7b \
       --config.model.path=/models/Qwen2.5-7B-Instruct \
-      --config.task.jsonl_path=/data/gsm8k_train.jsonl
+      --config.task.train_path=/data/gsm8k_train.jsonl --config.task.eval_path=/data/gsm8k_test.jsonl
 
 The 8 GPUs, disaggregated (async): 4 generate, 4 train.
 - Generation: 4 vLLM instances x 1 GPU (bf16, CUDA graphs; a 7B model fits
@@ -36,8 +37,12 @@ def get_config() -> ml_collections.ConfigDict:
   c.model.path = "/models/Qwen2.5-7B-Instruct"
   c.model.dtype = "bfloat16"
   c.warmstart.steps = 0
-  c.task.kind = "jsonl"
-  c.task.jsonl_path = "/data/gsm8k_train.jsonl"
+  c.task.kind = "file"
+  c.task.train_path = "/data/gsm8k_train.jsonl"
+  c.task.eval_path = "/data/gsm8k_test.jsonl"
+  c.task.prompt_key = "question"  # raw GSM8K rows: {"question", "answer"}
+  # Rendered with the Instruct model's chat template (task.chat_template=auto).
+  c.task.system_prompt = "Please reason step by step, and put your final answer within \\boxed{}."
   c.task.reward = "math_verify"
   c.task.num_eval = 500
   c.sampling.max_tokens = 1024

@@ -179,7 +179,6 @@ def main(argv):
   import numpy as np
   from streamrl import train
   from streamrl.data.loader import PromptLoader
-  from streamrl.data.tokenizer import Tokenizer
   from streamrl.generator.local import LocalRollout
   from streamrl.models import hf
   from streamrl.pipeline.timeline import Timeline
@@ -194,7 +193,7 @@ def main(argv):
   train_examples, _ = train.load_examples(s)
   model_dir = train.policy_dir(s, workdir, train_examples)
   _, policy = hf.load_hf(model_dir)
-  tokenizer = Tokenizer(model_dir)
+  tokenizer = train.make_tokenizer(s, model_dir)
   rewarder = train.make_rewarder(s, tokenizer)
   trainer = RLTrainer.from_settings(policy, s)
   loader = PromptLoader(train_examples, s.trainer.prompts_per_iteration, seed=s.seed)

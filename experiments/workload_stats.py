@@ -60,7 +60,6 @@ def main(argv):
   from streamrl import config_utils, settings, train
   from streamrl.data import tasks
   from streamrl.data.loader import make_requests
-  from streamrl.data.tokenizer import Tokenizer
   from streamrl.generator import local
 
   config = config_utils.load_config(_CONFIG.value)
@@ -69,7 +68,7 @@ def main(argv):
   os.makedirs(_WORKDIR.value, exist_ok=True)
   train_examples, _ = train.load_examples(s)
   model_dir = train.policy_dir(s, _WORKDIR.value, train_examples)
-  tokenizer = Tokenizer(model_dir)
+  tokenizer = train.make_tokenizer(s, model_dir)
   examples = train_examples[: _PROMPTS.value]
   requests, by_id = make_requests(examples, tokenizer, _SAMPLES.value)
   rollout = local.LocalRollout(model_dir, s.engine, dtype=s.model.dtype, seed=s.seed)

@@ -65,10 +65,14 @@ OLD_TO_NEW = {
     "generation.partial": "pipeline.partial",
     "generation.partial_oversample": "pipeline.partial_oversample",
     "generation.max_token_version_gap": "pipeline.max_token_version_gap",
+    "task.jsonl_path": "task.train_path",
 }
+# Values renamed with their key: (key today, old value) -> value today.
+OLD_VALUES = {("task.kind", "jsonl"): "file"}
 NEW_TO_OLD = {new: old for old, new in OLD_TO_NEW.items()}
 
 _noted: set[str] = set()
+_noted_values: set[tuple] = set()
 
 
 def new_key(key: str, *, note: bool = True) -> str:
@@ -100,6 +104,15 @@ def upgrade_flat(values: Mapping[str, Any], *, where: str = "the config") -> dic
       raise ValueError(
           f"{where} sets both {NEW_TO_OLD[key]!r} and its new name {key!r}; keep only {key!r}."
       )
+    renamed = OLD_VALUES.get((new, value)) if isinstance(value, str) else None
+    if renamed is not None:
+      if (new, value) not in _noted_values:
+        _noted_values.add((new, value))
+        sys.stderr.write(
+            f"note: {new}={value!r} is now {new}={renamed!r}; the old value works until "
+            f"StreamRL {REMOVED_IN}.\n"
+        )
+      value = renamed
     out[new] = value
   return out
 

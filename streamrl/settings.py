@@ -277,7 +277,7 @@ def _oracle_knows_lengths(s: Settings) -> None:
   need(
       s.scheduler.kind != "oracle" or s.task.kind in ("synthetic", "trace"),
       "scheduler.kind='oracle' needs the synthetic task's known answer lengths; use 'skew' "
-      "for task.kind='jsonl'.",
+      "for task.kind='file'.",
   )
 
 

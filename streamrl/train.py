@@ -33,9 +33,9 @@ import numpy as np
 
 from streamrl import metrics as metrics_lib
 from streamrl import settings as settings_lib
-from streamrl.data import jsonl, tasks as tasks_lib
+from streamrl.data import dataset, tasks as tasks_lib
 from streamrl.data.loader import PromptLoader, make_requests
-from streamrl.data.rewards import Rewarder, get_reward_fn
+from streamrl.data.rewards import Rewarder
 from streamrl.data.tokenizer import Tokenizer
 from streamrl.generator import make_rollout
 from streamrl.models import hf
@@ -65,7 +65,12 @@ def load_examples(s: settings_lib.Settings) -> tuple[list, list]:
     if trace is not None:
       train, evals = tasks_lib.add_traces(train, trace), tasks_lib.add_traces(evals, trace)
     return train, evals
-  examples = jsonl.load_jsonl(task.jsonl_path)
+  keys = dict(prompt_key=task.prompt_key, answer_key=task.answer_key)
+  examples = dataset.load_file(task.train_path, **keys)
+  if task.eval_path:
+    # Held-out rows of their own file, ids apart from the training rows'.
+    evals = dataset.load_file(task.eval_path, first_id=len(examples), **keys)
+    return examples, evals[: task.num_eval]
   n_eval = min(task.num_eval, len(examples) // 10)
   return examples[n_eval:], examples[:n_eval]
 
@@ -101,9 +106,23 @@ def policy_dir(s: settings_lib.Settings, workdir: str, train_examples) -> str:
   )
 
 
+def make_tokenizer(s: settings_lib.Settings, model_dir: str) -> Tokenizer:
+  """The policy's tokenizer, rendering prompts with its chat template as the
+  task says."""
+  return Tokenizer(model_dir, chat_template=s.task.chat_template, system_prompt=s.task.system_prompt)
+
+
 def make_rewarder(s: settings_lib.Settings, tokenizer) -> Rewarder:
-  """The task's verifier over decoded responses (reading what `answer_of` cuts)."""
-  return Rewarder(get_reward_fn(s.task.reward), tokenizer, answer_of(s))
+  """The task's verifier over decoded responses (reading what `answer_of`
+  cuts), in `task.reward_workers` processes; close() it."""
+  return Rewarder(
+      s.task.reward,
+      tokenizer,
+      answer_of(s),
+      workers=s.task.reward_workers,
+      timeout_s=s.task.reward_timeout_s,
+      correct_threshold=s.task.correct_threshold,
+  )
 
 
 def fingerprint(s: settings_lib.Settings) -> dict:
@@ -144,17 +163,27 @@ def open_checkpoints(s: settings_lib.Settings, workdir: str) -> Checkpointer:
   )
 
 
-def evaluate(rollout, examples, tokenizer, s: settings_lib.Settings) -> dict:
-  """Held-out exact-match accuracy: sampled (the policy's pass@1) and greedy."""
+def accuracy_by_source(name: str, samples, correct, by_id) -> dict:
+  """`name` over all samples, and `name/<data_source>` per source when the
+  rows carry one."""
+  out = {name: float(np.mean(correct))}
+  sources = [by_id[x.prompt_id].source for x in samples]
+  for src in sorted({x for x in sources if x is not None}):
+    out[f"{name}/{src}"] = float(np.mean([c for c, x in zip(correct, sources) if x == src]))
+  return out
+
+
+def evaluate(rollout, examples, tokenizer, rewarder: Rewarder, s: settings_lib.Settings) -> dict:
+  """Held-out accuracy by the task's verifier: sampled (the policy's pass@1)
+  and greedy, and per data source when the rows name one."""
   requests, by_id = make_requests(examples, tokenizer, 1)
-  out, read = {}, answer_of(s)
+  out = {}
   for name, temp in (("accuracy", s.sampling.temperature), ("accuracy_greedy", 0.0)):
     sampling = dataclasses.replace(s.sampling, temperature=temp)
-    hits = [
-        float(read(tokenizer.decode(x.token_ids)) == by_id[x.prompt_id].answer.strip())
-        for x in rollout.generate(requests, sampling, seed=s.seed)
-    ]
-    out[name] = float(np.mean(hits))
+    samples = list(rollout.generate(requests, sampling, seed=s.seed))
+    _, correct = rewarder(samples, by_id)
+    out.update(accuracy_by_source(name, samples, correct, by_id))
+  rewarder.metrics()  # The eval's reward metrics are not the training iteration's.
   return out
 
 
@@ -247,6 +276,7 @@ class Iteration:
   t1: float
   training_s: float
   weight_update_s: float
+  examples_by_id: dict = dataclasses.field(default_factory=dict)
 
 
 def train_iteration(
@@ -264,8 +294,10 @@ def train_iteration(
   rng = np.random.default_rng([seed, it])
   old = trainer.snapshot(copy=not mode.scores_up_front)
   minis, prep, updates, samples, rewards, correct = [], [], [], [], [], []
+  by_id = {}
   training_s = 0.0
   for chunk in mode.chunks(it):
+    by_id.update({q.prompt_id: mode.round.examples_by_id[q.prompt_id] for q in chunk})
     start = mode_base.now()
     with timeline.busy(TRAINER, f"train {it}"):
       r, c = rewarder(chunk, mode.round.examples_by_id)
@@ -303,6 +335,7 @@ def train_iteration(
       t1=t1,
       training_s=training_s,
       weight_update_s=t1 - t_push,
+      examples_by_id=by_id,
   )
 
 
@@ -314,7 +347,6 @@ def iteration_scalars(x: Iteration, timeline: Timeline, rollout) -> dict:
   staleness = np.array([x.it - s.weight_version for s in x.samples], np.float64)
   out = {
       "reward/mean": float(np.mean(x.rewards)),
-      "accuracy": float(np.mean(x.correct)),
       "response_length/mean": lengths.mean(),
       "response_length/p50": float(np.percentile(lengths, 50)),
       "response_length/p90": float(np.percentile(lengths, 90)),
@@ -330,6 +362,7 @@ def iteration_scalars(x: Iteration, timeline: Timeline, rollout) -> dict:
       "generators/instances": len(rollout.live_instances),
       "generators/dead": len(rollout.dead_instances),
   }
+  out.update(accuracy_by_source("accuracy", x.samples, x.correct, x.examples_by_id))
   ids = [s.prompt_id for s in x.samples]
   out["samples/count"] = len(ids)
   # Exactly once: no request's sample reached the trainer twice.
@@ -382,7 +415,7 @@ def run(
   train_examples, eval_examples = load_examples(s)
   model_dir = policy_dir(s, workdir, train_examples)
   _, policy = hf.load_hf(model_dir)
-  tokenizer = Tokenizer(model_dir)
+  tokenizer = make_tokenizer(s, model_dir)
   rewarder = make_rewarder(s, tokenizer)
   if followers:
     followers.send(protocol.Setup(model_dir, socket.gethostname()))
@@ -401,7 +434,11 @@ def run(
     carry = meta.get("partial")
     log.info("Resumed from iteration %d", start)
 
-  rollout = make_rollout(s, model_dir, cluster, workdir)
+  try:
+    rollout = make_rollout(s, model_dir, cluster, workdir)
+  except BaseException:
+    rewarder.close()
+    raise
   try:
     mode = setup_mode(
         s,
@@ -412,7 +449,9 @@ def run(
     )
   except BaseException:
     rollout.close()
+    rewarder.close()
     raise
+  mode.on_sample = rewarder.submit  # Rewards are scored as samples arrive.
   if start and hasattr(mode, "restore"):
     mode.restore(carry, meta["loader"])
   elif carry and carry.get("groups"):
@@ -441,7 +480,7 @@ def run(
   num_it = s.trainer.num_iterations
   try:
     if start == 0:
-      initial = evaluate(rollout, eval_examples, tokenizer, s)
+      initial = evaluate(rollout, eval_examples, tokenizer, rewarder, s)
       writer.scalars(0, {f"eval/{k}": v for k, v in initial.items()})
       final.update({f"initial_eval/{k}": v for k, v in initial.items()})
       log.info("Warm-start eval: %s", initial)
@@ -451,6 +490,7 @@ def run(
       )
       scalars = iteration_scalars(x, timeline, rollout)
       scalars["reward/errors_total"] = rewarder.errors
+      scalars.update(rewarder.metrics())
       served_by = mode.round_instances.pop(it, None)
       if served_by is not None:
         # The instances that generated this iteration's samples.
@@ -467,7 +507,7 @@ def run(
           write_placement(workdir, placement, rollout)
       if s.log.eval_every and (it + 1) % s.log.eval_every == 0 or it + 1 == num_it:
         mode.quiesce()
-        ev = evaluate(rollout, eval_examples, tokenizer, s)
+        ev = evaluate(rollout, eval_examples, tokenizer, rewarder, s)
         scalars.update({f"eval/{k}": v for k, v in ev.items()})
         final.update({f"eval/{k}": v for k, v in ev.items()})
       writer.scalars(it + 1, scalars)
@@ -493,6 +533,7 @@ def run(
       mode.close()
     finally:
       rollout.close()
+      rewarder.close()
       ckpt.close()
       if followers:
         followers.send(protocol.Stop())

@@ -105,7 +105,6 @@ class Workload:
 
   def __init__(self, s, workdir: str):
     from streamrl import train  # pylint: disable=g-import-not-at-top
-    from streamrl.data.tokenizer import Tokenizer  # pylint: disable=g-import-not-at-top
 
     self.s = s
     self.workdir = workdir
@@ -113,7 +112,7 @@ class Workload:
     t0 = now()
     self.model_dir = train.policy_dir(s, workdir, self.train_examples)
     print(f"policy: {self.model_dir} ({now() - t0:.0f} s)", flush=True)
-    self.tokenizer = Tokenizer(self.model_dir)
+    self.tokenizer = train.make_tokenizer(self.s, self.model_dir)
     self._local = None
     self._cluster = None
 

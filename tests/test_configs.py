@@ -59,7 +59,7 @@ def test_gpu_config_adds_up_to_the_gpus_it_claims(name):
   assert s.samples_per_iteration % tr.mini_batch_size == 0
   assert tr.micro_batch_size % data_parallel == 0
   assert s.sampling.max_tokens < e.max_model_len
-  assert s.task.kind == "jsonl" and s.model.path and s.model.dtype == "bfloat16"
+  assert s.task.kind == "file" and s.model.path and s.model.dtype == "bfloat16"
   assert s.pipeline.mode != "colocated"
 
 

@@ -395,7 +395,7 @@ def test_a_workdir_with_a_full_pre_rename_fingerprint_still_resumes(tmp_path):
 # part's config module (`streamrl/<part>/config.py`: plain frozen dataclasses)
 # may be read from any layer.
 LAYERS = (
-    {"errors", "config_checks", "renames", "config_utils", "metrics", "lifecycle"},
+    {"errors", "config_checks", "renames", "config_utils", "metrics", "lifecycle", "usercode"},
     {"cluster", "local_cluster", "data", "rl", "transfer", "elastic", "models", "ranker"},
     {"trainer", "scheduling"},
     {"generator"},

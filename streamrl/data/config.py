@@ -7,13 +7,15 @@ import os
 
 from streamrl.config_checks import need, one_of, positive
 from streamrl.data import rewards, tasks
+from streamrl.data.tokenizer import CHAT_TEMPLATE_MODES
 
-TASK_KINDS = ("trace", "synthetic", "jsonl")
+TASK_KINDS = ("trace", "synthetic", "file")
 
 
 @dataclasses.dataclass(frozen=True)
 class Task:
-  """Prompts and their verifier: synthetic string tasks or a JSONL file."""
+  """Prompts and their verifier: synthetic string tasks, or a dataset file
+  (`kind="file"`: JSONL or Parquet, streamrl/data/dataset.py)."""
 
   kind: str = "synthetic"
   ops: tuple = ("cpy", "rev", "dbl")
@@ -26,8 +28,23 @@ class Task:
   # a sampled trace that overshoots still finishes instead of being cut
   # (reward 0), so RL is not pushed to drop the long traces.
   trace_token_fraction: float = 1.0
+  # A built-in name (streamrl/data/rewards.py) or the user's function,
+  # `package.module:function` or `path/to/file.py:function`.
   reward: str = "partial_match"
-  jsonl_path: str = ""
+  # Worker processes scoring rewards (0: in the trainer's process, no deadline).
+  reward_workers: int = 1
+  reward_timeout_s: float = 10.0
+  # A score at or above it counts as correct (unless the reward says is_correct).
+  correct_threshold: float = 1.0
+  # kind="file": the training rows, and the held-out rows ("" holds out the
+  # first num_eval // 10-capped rows of train_path, as before).
+  train_path: str = ""
+  eval_path: str = ""
+  prompt_key: str = "prompt"
+  answer_key: str = "answer"
+  # Chat template of the model's tokenizer: auto (when it has one) | on | off.
+  chat_template: str = "auto"
+  system_prompt: str = ""
   num_eval: int = 256
 
   def check(self) -> None:
@@ -48,15 +65,23 @@ class Task:
           f"task.ops={self.ops!r} has unknown ops {bad}; use some of {tuple(tasks.KNOWN_OPS)}.",
       )
       positive("task.max_answer_len", self.max_answer_len)
-    need(
-        self.reward in rewards.known_reward_fns(),
-        f"task.reward={self.reward!r} is unknown; use one of {rewards.known_reward_fns()}.",
-    )
+    try:
+      rewards.check_reward_name(self.reward)
+    except ValueError as err:
+      need(False, str(err))
+    positive("task.reward_workers", self.reward_workers, zero_ok=True)
+    positive("task.reward_timeout_s", self.reward_timeout_s)
+    one_of("task.chat_template", self.chat_template, CHAT_TEMPLATE_MODES)
+    for key in ("prompt_key", "answer_key"):
+      need(bool(getattr(self, key)), f"task.{key} is empty; name the dataset's column.")
 
   def check_files(self) -> None:
-    if self.kind == "jsonl":
+    if self.kind != "file":
+      return
+    for key in ("train_path", "eval_path"):
+      path = getattr(self, key)
       need(
-          bool(self.jsonl_path) and os.path.isfile(self.jsonl_path),
-          f"task.jsonl_path={self.jsonl_path!r} does not exist; point it at a JSONL file of "
-          '{"prompt": ..., "answer": ...} rows.',
+          (bool(path) or key == "eval_path") and (not path or os.path.isfile(path)),
+          f"task.{key}={path!r} does not exist; point it at a JSONL file of "
+          '{"prompt": ..., "answer": ...} rows or a Parquet file.',
       )

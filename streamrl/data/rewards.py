@@ -1,37 +1,56 @@
-"""Rule-based reward functions (verifiers), chosen by name.
+"""Reward functions (verifiers): built-in ones by name, or the user's own.
 
-Every reward function has the signature `fn(response: str, answer: str) ->
-float`, where `response` is the decoded policy output (already cut at EOS) and
-`answer` the reference from the dataset. Names:
+`task.reward` is a built-in name or a function the user wrote,
+`package.module:function` or `path/to/file.py:function`. A reward function
+is called `fn(response, answer, **fields)`: the decoded policy output
+(already cut at EOS; for work traces the part after the trace), the row's
+reference answer, and the row's other columns as keywords (only those the
+function names, or all with `**kwargs`). It returns a score, or a dict with
+`score` and optionally `is_correct` (bool) and other numbers, which are
+logged as `reward_fn/<name>` means.
 
-  exact_match    1.0 if the stripped response equals the answer, else 0.0.
-  partial_match  exact_match, plus partial credit for near misses on the
-                 synthetic tasks: `partial_weight * (characters right at the
-                 right position) / max(len(answer), len(response))`
-                 (default weight 0.5, so a near miss never beats a hit and
-                 padding the output with junk lowers the credit).
-  math_verify    GSM8K / MATH style: extracts the final answer (last
-                 `\\boxed{...}`, else `#### x`, else the last number) from
-                 the response and compares it with the reference (its
-                 boxed / `####` part, else all of it), numerically when
-                 both parse ("1,000" == "1000.0", "1/2" == "0.5" == "\\frac{1}{2}").
+Built-in names:
 
-The loop calls rewards through `safe_reward`, so a verifier that raises costs
-one sample its reward (0.0, counted) instead of killing the run.
+  exact_match        1.0 if the stripped response equals the answer, else 0.0.
+  partial_match      exact_match, plus partial credit for near misses on the
+                     synthetic tasks: `partial_weight * (characters right at
+                     the right position) / max(len(answer), len(response))`
+                     (default weight 0.5, so a near miss never beats a hit).
+  math_verify        HF's `math-verify` package: the response's final answer
+                     against the reference (its `\\boxed{}` or GSM8K `####`
+                     part, else all of it), as mathematical objects
+                     (`\\sqrt 2` = `\\sqrt{2}`, `x=5` = `5`, `0.5` = `\\frac12`).
+  math_verify_light  the same idea without the dependency: the last
+                     `\\boxed{}` / `####` / number, compared as exact
+                     fractions or normalised strings (fast, no sympy).
+
+Correctness — the `accuracy` metrics — is the verifier's: the function's
+`is_correct` where it returns one, else `score >= task.correct_threshold`
+(1.0: a built-in scores 1 exactly when it counts the answer right).
+
+`Rewarder` calls the function through `streamrl.usercode.WorkerPool`: in
+worker processes, each call with a deadline, as samples arrive. A reward
+that raises, hangs or returns garbage costs that sample its reward (0.0),
+is counted (`reward/errors_total`) and logged once per kind.
 """
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import fractions
 import functools
 import logging
 import math
 import re
-from typing import Any, Callable
+import threading
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
-RewardFn = Callable[[str, str], float]
+from streamrl import usercode
+
+RewardFn = Callable[..., Any]
 
 _log = logging.getLogger(__name__)
 
@@ -139,7 +158,7 @@ def parse_number(ans: str) -> fractions.Fraction | None:
     return None
 
 
-def math_verify(response: str, answer: str) -> float:
+def math_verify_light(response: str, answer: str) -> float:
   """1.0 if the response's final answer equals the reference's, else 0.0.
 
   The reference may be a bare answer ("72", "\\frac{3}{4}", used whole) or a
@@ -161,32 +180,113 @@ def math_verify(response: str, answer: str) -> float:
   return float(normalize_answer(got) == normalize_answer(want))
 
 
+def _reference(answer: str) -> str:
+  """The part of a reference the verifier compares: its boxed / `####` part,
+  else all of it (a bare "\\frac{3}{4}" is the answer, not its last number)."""
+  want = _marked_answer(answer)
+  return answer.strip() if want is None else want
+
+
+def math_verify(response: str, answer: str) -> float:
+  """1.0 if `math-verify` finds the response's final answer equal to the
+  reference's, else 0.0. The reference (its marked part) is read as LaTeX
+  math; the response as the package reads model output (boxed answers,
+  `$...$` math, else the last expression)."""
+  import math_verify as mv  # pylint: disable=g-import-not-at-top
+
+  want = _reference(answer)
+  if not want or not response.strip():
+    return 0.0
+  # Signal-based timeouts work only in a main thread (a worker process's is).
+  kw = {} if threading.current_thread() is threading.main_thread() else {"parsing_timeout": None}
+  gold = mv.parse(want if "$" in want or "\\boxed" in want else f"${want}$", **kw)
+  pred = mv.parse(response, **kw)
+  if not gold or not pred:
+    return 0.0
+  vkw = {} if not kw else {"timeout_seconds": None}
+  return float(mv.verify(gold, pred, **vkw))
+
+
 # -------------------------------------------------------------------- registry
 
 _REGISTRY: dict[str, Callable[..., float]] = {
     "exact_match": exact_match,
     "partial_match": partial_match,
     "math_verify": math_verify,
+    "math_verify_light": math_verify_light,
 }
 
 
 def known_reward_fns() -> list[str]:
-  """Names accepted by `get_reward_fn`."""
+  """Built-in names (a `module:function` or `file.py:function` works too)."""
   return sorted(_REGISTRY)
 
 
-def get_reward_fn(name: str, **kwargs: Any) -> RewardFn:
-  """Reward function registered as `name`, with keyword options bound.
-
-  Example: `get_reward_fn("partial_match", partial_weight=0.3)`.
-  Raises ValueError listing the known names for an unknown one.
-  """
+def check_reward_name(name: str) -> None:
+  """ValueError unless `name` is a built-in or names a user's function."""
+  if usercode.is_spec(name):
+    usercode.split_spec(name)
+    return
   if name not in _REGISTRY:
     raise ValueError(
-        f"Unknown reward function {name!r}; set the reward name to one of " f"{known_reward_fns()}."
+        f"task.reward={name!r} is unknown; use one of {known_reward_fns()}, or your own "
+        "function as `package.module:function` or `path/to/file.py:function`."
     )
+
+
+def get_reward_fn(name: str, **kwargs: Any) -> RewardFn:
+  """The built-in reward `name` (keyword options bound), or the user's
+  function a `module:function` / `file.py:function` spec names.
+
+  Example: `get_reward_fn("partial_match", partial_weight=0.3)`.
+  """
+  if usercode.is_spec(name):
+    return usercode.load_function(name, what="reward function")
+  check_reward_name(name)
   fn = _REGISTRY[name]
   return functools.partial(fn, **kwargs) if kwargs else fn
+
+
+def spec_of(name: str) -> str:
+  """The `module:function` a worker process loads for reward `name`."""
+  return name if usercode.is_spec(name) else f"{__name__}:{name}"
+
+
+# ---------------------------------------------------------------- results
+
+@dataclasses.dataclass(frozen=True)
+class Score:
+  """One verdict: the reward, whether the answer is right, extra metrics."""
+
+  reward: float
+  correct: bool
+  metrics: Mapping[str, float] = dataclasses.field(default_factory=dict)
+
+
+def to_score(value: Any, threshold: float = 1.0) -> Score:
+  """A reward function's result as a Score; ValueError for anything else
+  (a non-number, a non-finite score, a dict without a numeric `score`)."""
+  metrics = {}
+  correct = None
+  if isinstance(value, Mapping):
+    if "score" not in value:
+      raise ValueError(f"returned a dict without 'score' (keys {sorted(value)[:8]})")
+    for k, v in value.items():
+      if k in ("score", "is_correct"):
+        continue
+      if isinstance(v, (bool, int, float, np.number)) and math.isfinite(float(v)):
+        metrics[str(k)] = float(v)
+    if value.get("is_correct") is not None:
+      correct = bool(value["is_correct"])
+    value = value["score"]
+  if isinstance(value, (bool, np.bool_)):
+    value = float(value)
+  if not isinstance(value, (int, float, np.number)):
+    raise ValueError(f"returned {type(value).__name__}, not a number")
+  reward = float(value)
+  if not math.isfinite(reward):
+    raise ValueError(f"returned the non-finite score {reward}")
+  return Score(reward, reward >= threshold if correct is None else correct, metrics)
 
 
 # ---------------------------------------------------------------- safe calling
@@ -194,57 +294,158 @@ def get_reward_fn(name: str, **kwargs: Any) -> RewardFn:
 _warned: set[str] = set()
 
 
-def safe_reward(fn: RewardFn, response: str, example: Any) -> tuple[float, bool]:
-  """Calls `fn(response, example.answer)` and never raises.
+def _log_failure_once(name: str, kind: str, message: str, prompt_id: Any) -> None:
+  if kind not in _warned:
+    _warned.add(kind)
+    _log.warning(
+        "Reward function %s failed with %s: %s (sample %s gets reward 0; further %s "
+        "failures are counted in reward/errors_total, not logged).",
+        name,
+        kind,
+        message,
+        prompt_id,
+        kind,
+    )
 
-  Returns:
-    (reward, failed): on an exception, or a result that is not a finite
-    number, (0.0, True) and a warning is logged once per error kind, so the
-    loop can count failures without flooding the log.
-  """
+
+def safe_reward(fn: RewardFn, response: str, example: Any) -> tuple[float, bool]:
+  """Calls `fn(response, example.answer, **example.fields)` in this process
+  and never raises: (reward, failed), with (0.0, True) and a warning once per
+  error kind when it raises or returns no finite number."""
   try:
-    value = float(fn(response, example.answer))
-    if not math.isfinite(value):
-      raise ValueError(f"reward function returned non-finite value {value}")
-    return value, False
+    fields = dict(getattr(example, "fields", {}) or {})
+    return to_score(usercode.call_with_fields(fn, (response, example.answer), fields)).reward, False
   except Exception as err:  # pylint: disable=broad-except
-    kind = type(err).__name__
-    if kind not in _warned:
-      _warned.add(kind)
-      _log.warning(
-          "Reward function %s raised %s: %s (sample %s gets reward 0; further "
-          "%s errors are counted, not logged).",
-          getattr(fn, "__name__", repr(fn)),
-          kind,
-          err,
-          getattr(example, "prompt_id", "?"),
-          kind,
-      )
+    name = getattr(fn, "__name__", repr(fn))
+    _log_failure_once(name, type(err).__name__, str(err), getattr(example, "prompt_id", "?"))
     return 0.0, True
 
 
 class Rewarder:
-  """Scores samples with the task's verifier; a raising verifier scores 0
-  and is counted in `errors` (logged as reward/errors_total)."""
+  """Scores samples with the task's verifier, in worker processes.
 
-  def __init__(self, reward_fn: RewardFn, tokenizer, answer_of: Callable[[str], str] | None = None):
-    """`answer_of` cuts the part the verifier reads out of a decoded response
-    (work traces: what follows the last `#`); None gives it all of it."""
-    self.reward_fn = reward_fn
+  `submit(samples, examples_by_id)` starts scoring samples as they arrive
+  (the pipeline calls it from the thread that receives them); calling the
+  rewarder on a chunk waits for those scores (scoring what was not
+  submitted). A failed call (raised, timed out, garbage) scores 0, counts
+  in `errors` (by kind in `errors_by_kind`) and is logged once per kind.
+
+  Args:
+    reward: a built-in name or a `module:function` / `file.py:function` spec.
+    tokenizer: decodes responses (`decode(ids)`).
+    answer_of: cuts the part the verifier reads out of a decoded response
+      (work traces: what follows the last `#`); None: all of it.
+    workers: worker processes (0: call in this process, without deadline).
+    timeout_s: deadline of one call.
+    correct_threshold: a score at or above it is correct, unless the
+      function says `is_correct`.
+  """
+
+  def __init__(
+      self,
+      reward: str,
+      tokenizer,
+      answer_of: Callable[[str], str] | None = None,
+      *,
+      workers: int = 1,
+      timeout_s: float | None = 10.0,
+      correct_threshold: float = 1.0,
+      base_dir: str | None = None,
+  ):
+    check_reward_name(reward)
+    self.name = reward
     self.tokenizer = tokenizer
     self.answer_of = answer_of
+    self.correct_threshold = correct_threshold
+    self.pool = usercode.WorkerPool(
+        spec_of(reward), workers=workers, timeout_s=timeout_s, base_dir=base_dir
+    )
     self.errors = 0
+    self.errors_by_kind: collections.Counter = collections.Counter()
+    self._pending: collections.OrderedDict = collections.OrderedDict()
+    self._lock = threading.Lock()
+    self._metrics: list[Mapping[str, float]] = []
+
+  @staticmethod
+  def _key(sample) -> tuple:
+    return (sample.prompt_id, tuple(sample.token_ids))
+
+  def text(self, sample) -> str:
+    """What the verifier reads of a sample's response."""
+    text = self.tokenizer.decode(sample.token_ids)
+    return self.answer_of(text) if self.answer_of is not None else text
+
+  def _start(self, sample, example):
+    fields = dict(example.fields or {})
+    return self.pool.submit(self.text(sample), example.answer, **fields)
+
+  def submit(self, samples, examples_by_id) -> None:
+    """Starts scoring `samples` (finished ones) now."""
+    with self._lock:
+      for s in samples:
+        key = self._key(s)
+        if key not in self._pending and s.prompt_id in examples_by_id:
+          self._pending[key] = self._start(s, examples_by_id[s.prompt_id])
+      # Scores never asked for (a sample dropped by the pipeline) do not pile up.
+      while len(self._pending) > 65536:
+        self._pending.popitem(last=False)
+
+  def scores(self, samples, examples_by_id) -> list[Score]:
+    """The verdict on each sample (waiting for submitted ones)."""
+    futures = []
+    with self._lock:
+      for s in samples:
+        f = self._pending.pop(self._key(s), None)
+        futures.append(f or self._start(s, examples_by_id[s.prompt_id]))
+    out = []
+    for s, f in zip(samples, futures):
+      result = f.result()
+      try:
+        if isinstance(result, usercode.Failure):
+          raise _Failed(result.kind, result.message)
+        out.append(to_score(result, self.correct_threshold))
+      except (_Failed, ValueError) as err:
+        kind, message = (err.kind, err.message) if isinstance(err, _Failed) else ("Garbage", str(err))
+        self.errors += 1
+        self.errors_by_kind[kind] += 1
+        _log_failure_once(self.name, kind, message, s.prompt_id)
+        out.append(Score(0.0, False))
+    return out
 
   def __call__(self, samples, examples_by_id) -> tuple[np.ndarray, np.ndarray]:
-    """(reward, exact-match correctness) per sample, float32."""
-    scores, correct = [], []
-    for s in samples:
-      ex = examples_by_id[s.prompt_id]
-      text = self.tokenizer.decode(s.token_ids)
-      if self.answer_of is not None:
-        text = self.answer_of(text)
-      r, failed = safe_reward(self.reward_fn, text, ex)
-      self.errors += int(failed)
-      scores.append(r)
-      correct.append(float(text.strip() == ex.answer.strip()))
-    return np.asarray(scores, np.float32), np.asarray(correct, np.float32)
+    """(reward, correctness) per sample, float32; extra metrics kept for `metrics()`."""
+    scores = self.scores(samples, examples_by_id)
+    self._metrics.extend(s.metrics for s in scores if s.metrics)
+    return (
+        np.asarray([s.reward for s in scores], np.float32),
+        np.asarray([s.correct for s in scores], np.float32),
+    )
+
+  def metrics(self) -> dict[str, float]:
+    """Means of the extra metrics reward functions returned since the last call,
+    as `reward_fn/<name>`, and the failure counts by kind (`reward/errors/<kind>`)."""
+    sums, counts = collections.defaultdict(float), collections.Counter()
+    for m in self._metrics:
+      for k, v in m.items():
+        sums[k] += v
+        counts[k] += 1
+    self._metrics = []
+    out = {f"reward_fn/{k}": sums[k] / counts[k] for k in sums}
+    out.update({f"reward/errors/{k}": float(n) for k, n in self.errors_by_kind.items()})
+    return out
+
+  def close(self) -> None:
+    self.pool.close()
+
+  def __enter__(self) -> "Rewarder":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+
+class _Failed(Exception):
+
+  def __init__(self, kind: str, message: str):
+    super().__init__(message)
+    self.kind, self.message = kind, message

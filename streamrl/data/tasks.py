@@ -64,7 +64,8 @@ class Example:
   """One prompt with its reference answer.
 
   `prompt_id` is unique within a dataset; `task` names the operation
-  (`cpy`, `rev`, ...) or the data source (`jsonl`).
+  (`cpy`, `rev`, ...) or `file` for a dataset row, whose prompt is text or a
+  tuple of chat messages (`{"role": ..., "content": ...}` dicts).
   """
 
   prompt_id: int
@@ -74,6 +75,10 @@ class Example:
   # Mean response length in tokens (EOS included) when the task knows it
   # (work traces: `expected_response_length`); the oracle scheduler's input.
   expected_length: float | None = None
+  # A dataset row's other columns, for the reward function (keyword arguments).
+  fields: dict = dataclasses.field(default_factory=dict, hash=False, compare=False)
+  # The row's `data_source` (accuracy is also reported per source).
+  source: str | None = None
 
 
 # op name -> (function on the input string, answer length per input char).

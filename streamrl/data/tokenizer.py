@@ -24,6 +24,8 @@ from typing import Iterable, Sequence
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, processors
 
+from streamrl.errors import UserError
+
 PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN = "<pad>", "<bos>", "<eos>", "<unk>"
 PAD_ID, BOS_ID, EOS_ID, UNK_ID = 0, 1, 2, 3
 SPECIAL_TOKENS = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN)
@@ -146,14 +148,149 @@ def save_hf_tokenizer(directory: str | os.PathLike, *, model_max_length: int = 4
   return directory
 
 
+CHAT_TEMPLATE_MODES = ("auto", "on", "off")
+
+
+def read_chat_template(model_dir: str) -> str | None:
+  """The chat template a tokenizer directory ships (chat_template.jinja, or
+  tokenizer_config.json's `chat_template`: a string, or a list of named
+  templates whose `default` is used), None without one."""
+  path = os.path.join(model_dir, "chat_template.jinja")
+  if os.path.isfile(path):
+    with open(path, encoding="utf-8") as f:
+      return f.read()
+  path = os.path.join(model_dir, "tokenizer_config.json")
+  if not os.path.isfile(path):
+    return None
+  with open(path, encoding="utf-8") as f:
+    template = json.load(f).get("chat_template")
+  if isinstance(template, list):
+    named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+    template = named.get("default")
+  return template if isinstance(template, str) and template.strip() else None
+
+
+def stop_token_ids(model_dir: str) -> list[int]:
+  """Token ids that end a sample: generation_config.json's `eos_token_id` (an
+  id or a list: Instruct models stop at their end-of-turn token too), then
+  config.json's, without repeats."""
+  out: list[int] = []
+  for name in ("generation_config.json", "config.json"):
+    path = os.path.join(model_dir, name)
+    if not os.path.isfile(path):
+      continue
+    with open(path, encoding="utf-8") as f:
+      eos = json.load(f).get("eos_token_id")
+    for i in eos if isinstance(eos, list) else [] if eos is None else [eos]:
+      if isinstance(i, int) and i not in out:
+        out.append(i)
+  return out
+
+
 class Tokenizer:
-  """Prompt encoding / response decoding with a model directory's tokenizer.json."""
+  """Prompts to token ids and responses to text, with a model directory's
+  tokenizer.
 
-  def __init__(self, model_dir: str):
-    self._tok = tokenizers.Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
+  Plain-text prompts are encoded with the model's own special tokens (BOS
+  where the model adds one). With a chat template (`chat_template`: "auto"
+  uses the tokenizer's when it has one, "on" requires it, "off" never uses
+  it), a prompt — text, or a list of `{"role", "content"}` messages — is
+  rendered as a conversation (a text prompt is the user's turn, led by
+  `system_prompt` when given) ending in the assistant's generation prompt,
+  and the rendering is encoded as it stands (the template writes its own
+  special tokens). `tokenizer.json` is read with the `tokenizers` library;
+  `transformers` (its tokenizer classes: SentencePiece-only directories,
+  the template's Jinja environment) is loaded only when needed.
+  """
 
-  def encode_prompt(self, text: str) -> list[int]:
-    return self._tok.encode(text, add_special_tokens=True).ids
+  def __init__(self, model_dir: str, *, chat_template: str = "auto", system_prompt: str = ""):
+    if chat_template not in CHAT_TEMPLATE_MODES:
+      raise UserError(
+          f"task.chat_template={chat_template!r} is unknown; use one of {CHAT_TEMPLATE_MODES}."
+      )
+    self.model_dir = model_dir
+    self.system_prompt = system_prompt
+    path = os.path.join(model_dir, "tokenizer.json")
+    self._fast = tokenizers.Tokenizer.from_file(path) if os.path.isfile(path) else None
+    self._hf = None
+    has_template = read_chat_template(model_dir) is not None
+    if chat_template == "on" and not has_template:
+      raise UserError(
+          f"task.chat_template='on' but the tokenizer in {model_dir!r} has no chat template; "
+          "add one to its tokenizer_config.json (or chat_template.jinja), or set "
+          "task.chat_template=off."
+      )
+    self.chat = has_template and chat_template != "off"
+    if system_prompt and not self.chat:
+      raise UserError(
+          "task.system_prompt needs a chat template, and this run renders none; use a "
+          "tokenizer with one (task.chat_template=auto/on) or leave task.system_prompt empty."
+      )
+    if self._fast is None:
+      self._load_hf()
+
+  def _load_hf(self):
+    if self._hf is None:
+      import transformers  # pylint: disable=g-import-not-at-top
+
+      try:
+        self._hf = transformers.AutoTokenizer.from_pretrained(
+            self.model_dir, local_files_only=True
+        )
+      except Exception as err:  # pylint: disable=broad-except
+        raise UserError(
+            f"No tokenizer could be loaded from {self.model_dir!r} ({type(err).__name__}: "
+            f"{err}); save the model's tokenizer there (tokenizer.save_pretrained)."
+        ) from None
+    return self._hf
+
+  def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+    if self._fast is not None:
+      return self._fast.encode(text, add_special_tokens=add_special_tokens).ids
+    return list(self._hf.encode(text, add_special_tokens=add_special_tokens))
+
+  def messages(self, prompt) -> list[dict]:
+    """The conversation a prompt stands for (a text prompt: the user's turn)."""
+    msgs = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+    if self.system_prompt and not any(m.get("role") == "system" for m in msgs):
+      msgs.insert(0, {"role": "system", "content": self.system_prompt})
+    return msgs
+
+  def render(self, messages, *, add_generation_prompt: bool = True) -> str:
+    """The chat template's text for a conversation."""
+    return self._load_hf().apply_chat_template(
+        list(messages), tokenize=False, add_generation_prompt=add_generation_prompt
+    )
+
+  def encode_prompt(self, prompt) -> list[int]:
+    """Token ids of a prompt (text, or chat messages), ready to generate from."""
+    if self.chat:
+      return self._encode(self.render(self.messages(prompt)), add_special_tokens=False)
+    if not isinstance(prompt, str):
+      raise UserError(
+          "A prompt is a list of chat messages but no chat template renders it; use a "
+          "tokenizer with a chat template (task.chat_template=auto/on) or text prompts."
+      )
+    return self._encode(prompt, add_special_tokens=True)
+
+  def turn_tokens(self, messages, message: dict, *, add_generation_prompt: bool = True) -> list[int]:
+    """Token ids one more turn adds after a conversation, without encoding the
+    conversation again: the template's text for `messages + [message]` (with
+    the next generation prompt) past its text for `messages`, encoded alone.
+    Raises ValueError when the template rewrites earlier turns (the longer
+    rendering does not start with the shorter one)."""
+    before = self.render(messages, add_generation_prompt=False)
+    after = self.render(
+        list(messages) + [message], add_generation_prompt=add_generation_prompt
+    )
+    if not after.startswith(before):
+      raise ValueError(
+          "The chat template renders the earlier turns differently once a turn is added; "
+          "appending tokens would drift from a re-rendering of the conversation."
+      )
+    return self._encode(after[len(before) :], add_special_tokens=False)
 
   def decode(self, ids: Sequence[int]) -> str:
-    return self._tok.decode(list(ids), skip_special_tokens=True)
+    if self._fast is not None:
+      return self._fast.decode(list(ids), skip_special_tokens=True)
+    return self._hf.decode(list(ids), skip_special_tokens=True)

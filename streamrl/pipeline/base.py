@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 
 from streamrl.generator.config import Sampling
 from streamrl.generator import local
-from streamrl.generator.rollout import Rollout, Sample, UpdateHandle
+from streamrl.generator.rollout import PARTIAL, Rollout, Sample, UpdateHandle
 from streamrl.scheduling.request import Request, as_requests
 
 
@@ -74,6 +74,9 @@ class Mode:
   """
 
   scores_up_front = True
+  # Called with ([sample], its round's examples_by_id) for each finished sample
+  # as it arrives (the run starts scoring its reward there).
+  on_sample: Callable[[list[Sample], dict], None] | None = None
 
   def __init__(
       self,
@@ -118,7 +121,7 @@ class Mode:
         full[i], full_caps[i] = [_as_sent(rnd, r) for r in part], cap
       assignments, caps = full, full_caps
     kw = {"stoppable": True} if stoppable else {}
-    return self.rollout.generate(
+    stream = self.rollout.generate(
         None if assignments else [rnd.resume.get(r.id, r) for r in rnd.requests],
         self.sampling,
         seed=local.round_seed(self.seed, rnd.it),
@@ -126,6 +129,18 @@ class Mode:
         caps=caps,
         **kw,
     )
+    return stream if self.on_sample is None else self._tap(stream, rnd)
+
+  def _tap(self, stream: Iterator[Sample], rnd: Round) -> Iterator[Sample]:
+    try:
+      for sample in stream:
+        if sample.finish_reason != PARTIAL:
+          self.on_sample([sample], rnd.examples_by_id)
+        yield sample
+    finally:
+      close = getattr(stream, "close", None)
+      if close is not None:
+        close()
 
   def push(self, tensors, version: int) -> UpdateHandle:
     """Sends new weights; on-policy modes wait until every instance loaded them."""

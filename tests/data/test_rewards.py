@@ -51,19 +51,39 @@ def test_partial_match():
         ("\\boxed{71}", "72", 0.0),
         ("first 72 then 73", "72", 0.0),
         ("no number here", "72", 0.0),
-        ("cut off \\boxed{7", "7", 1.0),  # unbalanced box: falls back to numbers
         ("\\boxed{(1,2)}", "(1,2)", 1.0),
         ("\\boxed{(1,2)}", "(12)", 0.0),
         ("the answer is 5, done", "5", 1.0),
         ("$1,234.50", "1234.5", 1.0),
     ],
 )
-def test_math_verify(response, answer, want):
+def test_both_math_verifiers(response, answer, want):
   assert rewards.math_verify(response, answer) == want
+  assert rewards.math_verify_light(response, answer) == want
+
+
+@pytest.mark.parametrize(
+    "response,answer,package,light",
+    [
+        # The bug report: boxed response vs a raw GSM8K answer.
+        ("... The answer is \\boxed{72}.", "6*12=72 #### 72", 1.0, 1.0),
+        # Equivalences only the package knows.
+        ("so $\\sqrt 2$", "\\sqrt{2}", 1.0, 0.0),
+        ("\\boxed{x=5}", "5", 1.0, 0.0),
+        ("\\boxed{0.5}", "\\frac12", 1.0, 0.0),
+        ("\\boxed{10^{3}}", "1000", 1.0, 0.0),
+        # A box the response never closed (cut at max_tokens) is no answer to
+        # the package; the light one falls back to the last number.
+        ("cut off \\boxed{7", "7", 0.0, 1.0),
+    ],
+)
+def test_math_verify_uses_the_package(response, answer, package, light):
+  assert rewards.math_verify(response, answer) == package
+  assert rewards.math_verify_light(response, answer) == light
 
 
 def test_registry_and_unknown_name():
-  for name in ("exact_match", "partial_match", "math_verify"):
+  for name in ("exact_match", "partial_match", "math_verify", "math_verify_light"):
     assert name in rewards.known_reward_fns()
     assert rewards.get_reward_fn(name)("7", "7") == 1.0
   with pytest.raises(ValueError, match="exact_match") as err:
@@ -100,23 +120,78 @@ def test_safe_reward_catches_and_warns_once_per_error_type(caplog):
   assert len(messages) == 2
 
 
+class _Chars:
+
+  def decode(self, ids):
+    return "".join(map(chr, ids))
+
+
+class _S:
+
+  def __init__(self, text, prompt_id=0):
+    self.prompt_id, self.token_ids = prompt_id, tuple(ord(c) for c in text)
+
+
 def test_the_rewarder_scores_what_answer_of_cuts():
   """Work traces: the verifier and the correctness read the final answer only."""
   from streamrl.data import tasks
-  from streamrl.data.rewards import Rewarder
-
-  class Chars:
-
-    def decode(self, ids):
-      return "".join(map(chr, ids))
-
-  class S:
-
-    def __init__(self, text):
-      self.prompt_id, self.token_ids = 0, [ord(c) for c in text]
 
   ex = tasks.Example(0, "rev:ab=", "ba", "trace-rev")
-  rw = Rewarder(rewards.get_reward_fn("partial_match"), Chars(), tasks.final_answer)
-  score, correct = rw([S("ab|ab|#ba"), S("ab|ba"), S("#bx")], {0: ex})
+  with rewards.Rewarder("partial_match", _Chars(), tasks.final_answer, workers=0) as rw:
+    score, correct = rw([_S("ab|ab|#ba"), _S("ab|ba"), _S("#bx")], {0: ex})
   np.testing.assert_allclose(score, [1.0, 0.0, 0.25])
   np.testing.assert_allclose(correct, [1.0, 0.0, 0.0])
+
+
+def test_accuracy_follows_the_verifier_not_the_answer_string():
+  """The reported bug: math_verify scores the boxed response 1 against a raw
+  GSM8K answer; the accuracy is 1 with it (it compared strings before)."""
+  ex = Example(0, "q", "6*12=72 #### 72", "file")
+  with rewards.Rewarder("math_verify", _Chars(), str.strip, workers=1) as rw:
+    score, correct = rw([_S("... The answer is \\boxed{72}."), _S("\\boxed{71}")], {0: ex})
+  np.testing.assert_array_equal(score, [1.0, 0.0])
+  np.testing.assert_array_equal(correct, [1.0, 0.0])
+
+
+def test_a_users_reward_reads_columns_and_its_verdicts_are_kept(tmp_path):
+  """`file.py:function` with an extra column; is_correct wins over the score;
+  extra numbers are logged; raising, hanging and garbage cost one sample each."""
+  (tmp_path / "rw.py").write_text(
+      "import time\n"
+      "def score(response, answer, weight, **rest):\n"
+      "  if response == 'hang':\n"
+      "    time.sleep(600)\n"
+      "  if response == 'raise':\n"
+      "    raise KeyError('no such key')\n"
+      "  if response == 'junk':\n"
+      "    return {'points': 3}\n"
+      "  return {'score': weight * (response == answer), 'is_correct': response == answer,\n"
+      "          'n_rest': len(rest)}\n"
+  )
+  ex = Example(0, "q", "ab", "file", fields={"weight": 0.5, "data_source": "gsm"})
+  texts = ["ab", "hang", "raise", "junk", "zz", "hang"]
+  with rewards.Rewarder(
+      f"{tmp_path / 'rw.py'}:score", _Chars(), workers=2, timeout_s=0.5, correct_threshold=0.1
+  ) as rw:
+    rw.submit([_S(t, 0) for t in texts[:2]], {0: ex})  # Started as they arrive.
+    score, correct = rw([_S(t, 0) for t in texts], {0: ex})
+    metrics = rw.metrics()
+  # 0.5 >= correct_threshold, but is_correct says so anyway; "zz" scores 0.
+  np.testing.assert_allclose(score, [0.5, 0, 0, 0, 0, 0])
+  np.testing.assert_array_equal(correct, [1, 0, 0, 0, 0, 0])
+  assert rw.errors == 4
+  assert dict(rw.errors_by_kind) == {"Timeout": 2, "KeyError": 1, "Garbage": 1}
+  assert metrics["reward_fn/n_rest"] == 1.0  # data_source reached **rest.
+  assert metrics["reward/errors/Timeout"] == 2.0
+
+
+def test_an_unloadable_reward_is_refused_before_the_run(tmp_path):
+  from streamrl.errors import UserError
+
+  with pytest.raises(UserError, match="does not exist"):
+    rewards.Rewarder(f"{tmp_path}/none.py:score", _Chars())
+  (tmp_path / "m.py").write_text("x = 1\n")
+  with pytest.raises(UserError, match="has no function 'score'"):
+    rewards.Rewarder(f"{tmp_path}/m.py:score", _Chars())
+  with pytest.raises(ValueError, match="unknown"):
+    rewards.Rewarder("exactmatch", _Chars())

@@ -18,7 +18,7 @@ from flax import nnx
 
 from streamrl import config_utils, settings, train
 from streamrl.errors import UserError
-from streamrl.data import rewards, tasks
+from streamrl.data import tasks
 from streamrl.data.loader import PromptLoader
 from streamrl.data.rewards import Rewarder
 from streamrl.data.tokenizer import Tokenizer
@@ -64,7 +64,7 @@ def run_mode(config, model_dir, iterations, workdir=None, start=0):
   examples = tasks.make_examples(64, 0)
   loader = PromptLoader(examples, s.trainer.prompts_per_iteration, seed=0)
   tok = Tokenizer(model_dir)
-  rewarder = Rewarder(rewards.get_reward_fn("partial_match"), tok)
+  rewarder = Rewarder("partial_match", tok, workers=0)
   mode = train.setup_mode(
       s,
       rollout,
