@@ -10,7 +10,6 @@ import pytest
 
 from streamrl import config_utils, experiment, settings, train
 from streamrl.errors import UserError
-from streamrl.data import rewards as rewards_lib
 
 CONFIGS = os.path.join(os.path.dirname(__file__), "..", "configs")
 
@@ -70,28 +69,50 @@ def test_ppo_two_iterations_log_and_checkpoint(tmp_path):
   assert len(glob.glob(os.path.join(workdir, "warmstart-*"))) == 1
 
 
-def test_grpo_survives_a_raising_reward_function(tmp_path, monkeypatch):
-  def broken(response, answer):
-    raise RuntimeError("verifier crashed")
+def test_a_users_reward_reads_a_column_and_a_hanging_one_is_cut_every_call(tmp_path):
+  """GRPO on a JSONL dataset with a `file.py:function` reward: it reads the
+  rows' `bonus` column (every training reward is bonus + correctness, so
+  their mean is at least the bonus), and on the eval rows (`hang`) it sleeps
+  forever: each of those calls is cut at task.reward_timeout_s, scores 0,
+  is counted and logged, and the run finishes."""
+  from streamrl.data import tasks
 
-  real = rewards_lib.get_reward_fn
-  monkeypatch.setattr(
-      train,
-      "get_reward_fn",
-      lambda name, **kw: broken if name == "partial_match" else real(name, **kw),
+  (tmp_path / "my_reward.py").write_text(
+      "import time\n"
+      "def score(response, answer, bonus, hang=False):\n"
+      "  if hang:\n"
+      "    time.sleep(3600)\n"
+      "  return {'score': bonus + float(response.strip() == answer), 'length': len(response)}\n"
   )
+  for name, n, extra in (("train", 16, {"bonus": 3.0}), ("eval", 2, {"bonus": 0.0, "hang": True})):
+    with open(tmp_path / f"{name}.jsonl", "w") as f:
+      for ex in tasks.make_examples(n, seed=len(name)):
+        f.write(json.dumps({"question": ex.prompt, "solution": ex.answer, **extra}) + "\n")
   cfg = load(
       "grpo",
       **{
+          "task.kind": "file",
+          "task.train_path": str(tmp_path / "train.jsonl"),
+          "task.eval_path": str(tmp_path / "eval.jsonl"),
+          "task.prompt_key": "question",
+          "task.answer_key": "solution",
+          "task.reward": f"{tmp_path / 'my_reward.py'}:score",
+          "task.reward_timeout_s": 0.5,
           "advantage.group_size": 2,
           "trainer.prompts_per_iteration": 4,
           "trainer.num_iterations": 1,
       },
   )
-  final = experiment.run(cfg, str(tmp_path / "grpo"))
-  # Every sample scored 0 and was counted; the run finished.
-  assert final["reward/errors_total"] == 8
-  assert final["reward/mean"] == 0.0
+  workdir = str(tmp_path / "run")
+  final = experiment.run(cfg, workdir)
+  assert final["samples/count"] == 8 and 3.0 <= final["reward/mean"] <= 4.0
+  assert final["reward_fn/length"] > 0
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    rows = [json.loads(line) for line in f]
+  # The first eval (2 rows, sampled and greedy) timed out in all 4 calls.
+  (step1,) = [r for r in rows if r["step"] == 1]
+  assert step1["reward/errors_total"] == step1["reward/errors/Timeout"] == 4
+  assert final["eval/accuracy"] == final["eval/accuracy_greedy"] == 0.0
 
 
 def _actor_leaves(workdir, cfg):

@@ -1,4 +1,8 @@
-"""Character-level tokenizer for the tiny default policy.
+"""Tokenizers: the character tokenizer of the tiny default policy, and
+`Tokenizer`, which encodes prompts (text or chat messages, through the chat
+template) and decodes responses with any model directory's tokenizer.
+
+The character tokenizer:
 
 One token per character, built with the `tokenizers` library (nothing is
 downloaded). Ids are fixed:
@@ -149,6 +153,53 @@ def save_hf_tokenizer(directory: str | os.PathLike, *, model_max_length: int = 4
 
 
 CHAT_TEMPLATE_MODES = ("auto", "on", "off")
+# A chat template for tokenizers that ship none: BOS, then each turn `<|role|>`
+# and its content, ended by the tokenizer's EOS (so the assistant's turn ends
+# where generation stops), then the assistant's header as the generation prompt.
+TURNS_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{{ eos_token }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+def save_sentencepiece_tokenizer(
+    directory: str | os.PathLike,
+    model_file: str | None = None,
+    *,
+    chat_template: str | None = TURNS_TEMPLATE,
+) -> str:
+  """Writes a real SentencePiece tokenizer as an HF tokenizer directory
+  (tokenizer.model, tokenizer.json, tokenizer_config.json with
+  `chat_template`). `model_file` defaults to the 32,000-piece Llama/Mistral
+  model `mistral-common` ships (installed with vLLM); `transformers`
+  converts it to tokenizer.json offline (a few seconds). Returns `directory`."""
+  import shutil  # pylint: disable=g-import-not-at-top
+
+  import transformers  # pylint: disable=g-import-not-at-top
+
+  if model_file is None:
+    import mistral_common  # pylint: disable=g-import-not-at-top
+
+    model_file = os.path.join(os.path.dirname(mistral_common.__file__), "data", "tokenizer.model.v1")
+  directory = os.fspath(directory)
+  os.makedirs(directory, exist_ok=True)
+  shutil.copyfile(model_file, os.path.join(directory, "tokenizer.model"))
+  config = {
+      "tokenizer_class": "LlamaTokenizer",
+      "bos_token": "<s>",
+      "eos_token": "</s>",
+      "unk_token": "<unk>",
+      "add_bos_token": True,
+      "add_eos_token": False,
+      "legacy": False,
+  }
+  with open(os.path.join(directory, "tokenizer_config.json"), "w") as f:
+    json.dump(config, f, indent=2)
+  hf = transformers.AutoTokenizer.from_pretrained(directory, local_files_only=True)
+  if chat_template is not None:
+    hf.chat_template = chat_template
+  hf.save_pretrained(directory)
+  return directory
 
 
 def read_chat_template(model_dir: str) -> str | None:

@@ -21,6 +21,7 @@ import numpy as np
 
 from streamrl.generator.config import Sampling
 from streamrl.generator.rollout import PARTIAL, Sample, as_requests
+from streamrl.data import tokenizer as tokenizer_lib
 from streamrl.models import hf as hf_lib
 from streamrl.models import safetensors_io
 from streamrl.models.config import CPU_SUPPORTED_HEAD_DIMS
@@ -373,7 +374,8 @@ class GeneratorInstance:
 
   @property
   def eos_token_ids(self) -> tuple[int, ...]:
-    """Token ids that end a sample (config.json's eos_token_id), in order."""
+    """Token ids that end a sample (generation_config.json's eos_token_id, then
+    config.json's), in order."""
     return tuple(self._eos)
 
   @property
@@ -408,11 +410,7 @@ class GeneratorInstance:
 
   @staticmethod
   def _read_eos(model_dir: str) -> list[int]:
-    with open(os.path.join(model_dir, "config.json")) as f:
-      eos = json.load(f).get("eos_token_id")
-    if eos is None:
-      return []
-    return list(eos) if isinstance(eos, list) else [eos]
+    return tokenizer_lib.stop_token_ids(model_dir)
 
   def _params(
       self,

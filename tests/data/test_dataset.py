@@ -73,3 +73,69 @@ def test_missing_file(tmp_path):
   missing = tmp_path / "nope.jsonl"
   with pytest.raises(FileNotFoundError, match="nope.jsonl"):
     dataset.load_file(missing)
+
+
+def test_parquet_rows_with_chat_prompts_and_columns_for_the_reward(tmp_path):
+  import pyarrow as pa
+  import pyarrow.parquet as pq
+
+  chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}]
+  table = pa.table(
+      {
+          "question": [json.dumps(None), "Half of 3?", "Seven"],
+          "messages": [chat, [{"role": "user", "content": "1+1?"}], None],
+          "solution": ["4", "1.5", "7"],
+          "data_source": ["gsm", "math", "gsm"],
+          "level": [1, 2, 3],
+      }
+  )
+  pq.write_table(table, tmp_path / "d.parquet")
+  examples = dataset.load_file(
+      tmp_path / "d.parquet", prompt_key="messages", answer_key="solution", max_bad_fraction=0.4
+  )
+  # The third row's prompt is null: counted and skipped like a bad JSONL line.
+  assert [ex.prompt_id for ex in examples] == [0, 1]
+  assert examples[0].prompt == tuple(chat) and examples[1].answer == "1.5"
+  assert examples[0].fields == {"question": "null", "data_source": "gsm", "level": 1}
+  assert [ex.source for ex in examples] == ["gsm", "math"]
+  assert {ex.task for ex in examples} == {"file"}
+
+
+def test_a_jsonl_chat_prompt_must_be_messages(tmp_path):
+  rows = [
+      {"prompt": [{"role": "user", "content": "hi"}], "answer": "a"},
+      {"prompt": [{"role": "user"}], "answer": "b"},
+      {"prompt": [], "answer": "c"},
+      {"prompt": "plain", "answer": "d", "meta": {"k": [1, 2]}},
+  ]
+  path = _write(tmp_path / "c.jsonl", [json.dumps(r) for r in rows])
+  examples = dataset.load_file(path)
+  assert [ex.answer for ex in examples] == ["a", "d"]
+  assert examples[1].fields == {"meta": {"k": [1, 2]}}
+
+
+def test_a_parquet_path_that_is_not_parquet_is_a_user_error(tmp_path):
+  from streamrl.errors import UserError
+
+  (tmp_path / "x.parquet").write_text("not parquet")
+  with pytest.raises(UserError, match="not a readable Parquet file"):
+    dataset.load_file(tmp_path / "x.parquet")
+
+
+def test_eval_rows_come_from_their_own_file(tmp_path):
+  from streamrl import settings, train
+
+  for name, n in (("train", 30), ("test", 5)):
+    rows = [{"q": f"{name} {i}", "a": str(i)} for i in range(n)]
+    _write(tmp_path / f"{name}.jsonl", [json.dumps(r) for r in rows])
+  s = settings.Settings()
+  task = dict(kind="file", prompt_key="q", answer_key="a", num_eval=3)
+  s = s.replace(task=settings.Task(train_path=str(tmp_path / "train.jsonl"), **task))
+  train_ex, eval_ex = train.load_examples(s)
+  assert len(train_ex) == 27 and [e.prompt for e in eval_ex] == ["train 0", "train 1", "train 2"]
+  s = s.replace(task=settings.Task(
+      train_path=str(tmp_path / "train.jsonl"), eval_path=str(tmp_path / "test.jsonl"), **task
+  ))
+  train_ex, eval_ex = train.load_examples(s)
+  assert len(train_ex) == 30 and [e.prompt for e in eval_ex] == ["test 0", "test 1", "test 2"]
+  assert {e.prompt_id for e in train_ex}.isdisjoint(e.prompt_id for e in eval_ex)

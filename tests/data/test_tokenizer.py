@@ -59,3 +59,76 @@ def test_auto_tokenizer_loads_with_same_ids(tmp_path):
     assert hf.decode(ids, skip_special_tokens=True) == ex.answer
   assert hf.convert_ids_to_tokens(tok.encode("a b")) == ["a", " ", "b"]
   assert hf.decode(tok.encode("a b, c")) == "a b, c"
+
+
+# ------------------------------------------------- real tokenizers, chat templates
+@pytest.fixture(scope="module")
+def sentencepiece_dir(tmp_path_factory):
+  """mistral-common's 32,000-piece SentencePiece model as an HF directory,
+  with the turns chat template (it ships none)."""
+  return tok.save_sentencepiece_tokenizer(tmp_path_factory.mktemp("sp32k"))
+
+
+def test_a_real_sentencepiece_tokenizer_renders_chats(sentencepiece_dir):
+  import tokenizers
+  import transformers
+
+  hf = transformers.AutoTokenizer.from_pretrained(sentencepiece_dir, local_files_only=True)
+  assert len(hf) == 32000
+  t = tok.Tokenizer(sentencepiece_dir, system_prompt="Answer briefly.")
+  assert t.chat
+  chat = [{"role": "user", "content": "What is 12*3?"}]
+  ids = t.encode_prompt("What is 12*3?")
+  # A text prompt is the user's turn, led by the system prompt; rendered by
+  # the template, then encoded without adding special tokens a second time.
+  want = hf.apply_chat_template(
+      [{"role": "system", "content": "Answer briefly."}] + chat,
+      tokenize=False,
+      add_generation_prompt=True,
+  )
+  assert want.startswith("<s><|system|>\nAnswer briefly.</s>") and want.endswith("<|assistant|>\n")
+  assert ids == hf.encode(want, add_special_tokens=False) == t.encode_prompt(chat)
+  assert ids[0] == hf.bos_token_id and ids.count(hf.bos_token_id) == 1
+  assert t.decode(hf.encode("The answer is 36.", add_special_tokens=False)) == "The answer is 36."
+  # Without the template: the raw text with the model's own BOS.
+  raw = tok.Tokenizer(sentencepiece_dir, chat_template="off")
+  assert raw.encode_prompt("12*3?") == hf.encode("12*3?")
+  with pytest.raises(Exception, match="chat messages"):
+    raw.encode_prompt(chat)
+  # tokenizer.json read by `tokenizers` alone gives the same ids.
+  fast = tokenizers.Tokenizer.from_file(f"{sentencepiece_dir}/tokenizer.json")
+  assert fast.encode(want, add_special_tokens=False).ids == ids
+
+
+def test_one_more_turn_appends_tokens_without_re_encoding(sentencepiece_dir):
+  t = tok.Tokenizer(sentencepiece_dir)
+  convo = [{"role": "user", "content": "Add 2 and 3."}, {"role": "assistant", "content": "add(2,3)"}]
+  tool = {"role": "tool", "content": "5"}
+  turn = t.turn_tokens(convo, tool)
+  assert t.decode(turn) == "<|tool|>\n5\n<|assistant|>\n"
+  # The text of the longer conversation is the shorter one's plus this turn's.
+  assert t.render(convo + [tool]) == t.render(convo, add_generation_prompt=False) + (
+      "<|tool|>\n5</s>\n<|assistant|>\n"
+  )
+
+
+def test_chat_template_modes_refuse_what_they_cannot_do(tmp_path, sentencepiece_dir):
+  from streamrl.errors import UserError
+
+  char_dir = tok.save_hf_tokenizer(tmp_path / "chars")
+  assert not tok.Tokenizer(char_dir).chat  # auto: no template, raw text
+  with pytest.raises(UserError, match="has no chat template"):
+    tok.Tokenizer(char_dir, chat_template="on")
+  with pytest.raises(UserError, match="system_prompt needs a chat template"):
+    tok.Tokenizer(char_dir, system_prompt="Be brief.")
+  with pytest.raises(UserError, match="unknown"):
+    tok.Tokenizer(sentencepiece_dir, chat_template="yes")
+
+
+def test_stop_tokens_come_from_generation_config(tmp_path):
+  import json
+
+  (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 7}))
+  assert tok.stop_token_ids(str(tmp_path)) == [7]
+  (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [9, 7]}))
+  assert tok.stop_token_ids(str(tmp_path)) == [9, 7]
