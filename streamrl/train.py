@@ -33,7 +33,7 @@ import numpy as np
 
 from streamrl import metrics as metrics_lib
 from streamrl import settings as settings_lib
-from streamrl.data import dataset, tasks as tasks_lib
+from streamrl.data import dataset, gym, tasks as tasks_lib
 from streamrl.data.loader import PromptLoader, make_requests
 from streamrl.data.rewards import Rewarder
 from streamrl.data.tokenizer import Tokenizer
@@ -64,6 +64,10 @@ def load_examples(s: settings_lib.Settings) -> tuple[list, list]:
     trace = trace_config(s)
     if trace is not None:
       train, evals = tasks_lib.add_traces(train, trace), tasks_lib.add_traces(evals, trace)
+    return train, evals
+  if task.kind == "gym":
+    train = gym.make_examples(task.gym_dataset, task.gym_size, s.seed)
+    evals = gym.make_examples(task.gym_dataset, task.num_eval, s.seed + 10_000, first_id=10**6)
     return train, evals
   keys = dict(prompt_key=task.prompt_key, answer_key=task.answer_key)
   examples = dataset.load_file(task.train_path, **keys)

@@ -208,7 +208,11 @@ class _Worker:
         return "timeout", None
       chunk = os.read(out.fileno(), need - len(buf))
       if not chunk:
-        return "died", f"exit code {self.proc.poll()}"
+        try:
+          code = self.proc.wait(timeout=2.0)
+        except subprocess.TimeoutExpired:
+          code = None
+        return "died", f"exit code {code}"
       buf += chunk
       if size is None and len(buf) == _HEADER.size:
         (size,) = _HEADER.unpack(buf)

@@ -6,16 +6,17 @@ import dataclasses
 import os
 
 from streamrl.config_checks import need, one_of, positive
-from streamrl.data import rewards, tasks
+from streamrl.data import gym, rewards, tasks
 from streamrl.data.tokenizer import CHAT_TEMPLATE_MODES
 
-TASK_KINDS = ("trace", "synthetic", "file")
+TASK_KINDS = ("trace", "synthetic", "file", "gym")
 
 
 @dataclasses.dataclass(frozen=True)
 class Task:
-  """Prompts and their verifier: synthetic string tasks, or a dataset file
-  (`kind="file"`: JSONL or Parquet, streamrl/data/dataset.py)."""
+  """Prompts and their verifier: synthetic string tasks, a dataset file
+  (`kind="file"`: JSONL or Parquet, streamrl/data/dataset.py), or rows a
+  reasoning-gym generator makes offline (`kind="gym"`, streamrl/data/gym.py)."""
 
   kind: str = "synthetic"
   ops: tuple = ("cpy", "rev", "dbl")
@@ -41,6 +42,10 @@ class Task:
   train_path: str = ""
   eval_path: str = ""
   prompt_key: str = "prompt"
+  # kind="gym": the reasoning-gym generator and how many training rows it makes
+  # (the num_eval held-out rows come from another seed).
+  gym_dataset: str = "gsm_symbolic"
+  gym_size: int = 1024
   answer_key: str = "answer"
   # Chat template of the model's tokenizer: auto (when it has one) | on | off.
   chat_template: str = "auto"
@@ -72,6 +77,13 @@ class Task:
     positive("task.reward_workers", self.reward_workers, zero_ok=True)
     positive("task.reward_timeout_s", self.reward_timeout_s)
     one_of("task.chat_template", self.chat_template, CHAT_TEMPLATE_MODES)
+    if self.kind == "gym":
+      positive("task.gym_size", self.gym_size)
+      need(
+          gym.known(self.gym_dataset),
+          f"task.gym_dataset={self.gym_dataset!r} is not a reasoning-gym generator; name one "
+          "(reasoning_gym.factory.DATASETS lists them), e.g. gsm_symbolic.",
+      )
     for key in ("prompt_key", "answer_key"):
       need(bool(getattr(self, key)), f"task.{key} is empty; name the dataset's column.")
 

@@ -23,6 +23,8 @@ Built-in names:
   math_verify_light  the same idea without the dependency: the last
                      `\\boxed{}` / `####` / number, compared as exact
                      fractions or normalised strings (fast, no sympy).
+  reasoning_gym      rows made by reasoning-gym (task.kind="gym"): the
+                     generator's own scorer on the final answer.
 
 Correctness — the `accuracy` metrics — is the verifier's: the function's
 `is_correct` where it returns one, else `score >= task.correct_threshold`
@@ -49,6 +51,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from streamrl import usercode
+from streamrl.data import gym
 
 RewardFn = Callable[..., Any]
 
@@ -214,6 +217,8 @@ _REGISTRY: dict[str, Callable[..., float]] = {
     "partial_match": partial_match,
     "math_verify": math_verify,
     "math_verify_light": math_verify_light,
+    # Rows of task.kind="gym": the reasoning-gym generator's own scorer.
+    "reasoning_gym": gym.score,
 }
 
 

@@ -129,7 +129,7 @@ class GenerationScheduler:
         predicted = self.ranker.predict(prompts)
     else:
       exs = [examples_by_id[r.id] for r in requests]
-      if any(e.task == "file" for e in exs):
+      if any(e.task in ("file", "gym") for e in exs):
         raise ValueError(
             "scheduler.kind='oracle' needs a synthetic task with known "
             "answer lengths; use 'skew' for real data."
