@@ -39,7 +39,7 @@ from streamrl.data.rewards import Rewarder
 from streamrl.data.tokenizer import Tokenizer
 from streamrl.generator import make_rollout
 from streamrl.models import hf
-from streamrl.trainer import warmstart
+from streamrl.trainer import export, warmstart
 from streamrl.pipeline import base as mode_base
 from streamrl.pipeline import make_mode
 from streamrl.pipeline.timeline import Timeline
@@ -51,6 +51,7 @@ from streamrl.trainer.rl_trainer import RLTrainer
 log = logging.getLogger(__name__)
 
 TRAINER = "trainer"
+HF_DIR = "hf"  # <workdir>/hf: the trained policy, for transformers and vLLM.
 
 
 # ------------------------------------------------------------------- setup
@@ -113,7 +114,9 @@ def policy_dir(s: settings_lib.Settings, workdir: str, train_examples) -> str:
 def make_tokenizer(s: settings_lib.Settings, model_dir: str) -> Tokenizer:
   """The policy's tokenizer, rendering prompts with its chat template as the
   task says."""
-  return Tokenizer(model_dir, chat_template=s.task.chat_template, system_prompt=s.task.system_prompt)
+  return Tokenizer(
+      model_dir, chat_template=s.task.chat_template, system_prompt=s.task.system_prompt
+  )
 
 
 def make_rewarder(s: settings_lib.Settings, tokenizer) -> Rewarder:
@@ -530,6 +533,8 @@ def run(
           followers.send(protocol.Save(it + 1, meta))
         ckpt.save(it + 1, trainer.checkpoint_arrays(), meta)
       final.update({k: v for k, v in scalars.items() if not k.startswith("eval/")})
+    if s.checkpoint.export_hf:
+      export_hf(s, workdir, trainer, model_dir, multi_process=bool(followers))
   finally:
     progress.close()
     writer.close()
@@ -544,6 +549,20 @@ def run(
   with open(os.path.join(workdir, "final_metrics.json"), "w") as f:
     json.dump(final, f, indent=2, sort_keys=True)
   return final
+
+
+def export_hf(s: settings_lib.Settings, workdir: str, trainer, model_dir: str, *, multi_process):
+  """The trained policy as a Hugging Face directory, <workdir>/hf (replaced
+  whole on a rerun). A multi-process trainer's shards live in several
+  processes: its export reads the final checkpoint instead."""
+  out = os.path.join(workdir, HF_DIR)
+  if multi_process:
+    export.export_checkpoint(workdir, out, overwrite=True)
+  else:
+    export.export_policy(
+        trainer.policy(), model_dir=model_dir, out=out, dtype=s.model.dtype, overwrite=True
+    )
+  log.info("Trained policy exported to %s", out)
 
 
 def follow(s: settings_lib.Settings, workdir: str, commands, reply) -> None:

@@ -40,6 +40,7 @@ TIERS = {
     "tests/test_multinode.py": ("ray", "e2e"),
     "tests/transfer/test_processes.py": ("e2e",),
     "tests/trainer/test_gpu_check.py": ("e2e",),
+    "tests/trainer/test_export_launch.py": ("engine", "e2e"),
     "tests/test_orphans.py": ("e2e",),
 }
 

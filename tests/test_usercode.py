@@ -12,8 +12,7 @@ import pytest
 from streamrl import usercode
 from streamrl.errors import UserError
 
-FUNCS = textwrap.dedent(
-    """
+FUNCS = textwrap.dedent("""
     import os, time
     def echo(x, y=None, **kw):
       return (x, y, sorted(kw))
@@ -31,8 +30,7 @@ FUNCS = textwrap.dedent(
       return lambda: x
     def pid(x):
       return os.getpid()
-    """
-)
+    """)
 
 
 @pytest.fixture
@@ -106,16 +104,14 @@ def test_prints_unpicklable_results_and_in_process_calls(funcs):
 
 def test_workers_exit_with_their_parent(funcs):
   """A killed run leaves no reward worker behind, even one mid-call."""
-  code = textwrap.dedent(
-      f"""
+  code = textwrap.dedent(f"""
       import sys, time
       from streamrl import usercode
       pool = usercode.WorkerPool({str(funcs / "funcs.py")!r} + ":pid", workers=1)
       print(pool.submit(0).result(), flush=True)
       pool.submit(0)
       time.sleep(60)
-      """
-  )
+      """)
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   parent = subprocess.Popen(
       [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=root

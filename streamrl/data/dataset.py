@@ -43,9 +43,7 @@ def _messages(prompt: list, key: str) -> tuple[dict, ...]:
   out = []
   for m in prompt:
     if not (
-        isinstance(m, dict)
-        and isinstance(m.get("role"), str)
-        and isinstance(m.get("content"), str)
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
     ):
       raise ValueError(f"{key!r} is a list but not of {{'role': str, 'content': str}} messages")
     out.append(dict(m))
@@ -203,4 +201,3 @@ def load_file(
           f"with a {prompt_key!r} (string or chat messages) and a {answer_key!r} field."
       )
   return examples
-

@@ -259,6 +259,7 @@ def spec_of(name: str) -> str:
 
 # ---------------------------------------------------------------- results
 
+
 @dataclasses.dataclass(frozen=True)
 class Score:
   """One verdict: the reward, whether the answer is right, extra metrics."""
@@ -410,7 +411,9 @@ class Rewarder:
           raise _Failed(result.kind, result.message)
         out.append(to_score(result, self.correct_threshold))
       except (_Failed, ValueError) as err:
-        kind, message = (err.kind, err.message) if isinstance(err, _Failed) else ("Garbage", str(err))
+        kind, message = (
+            (err.kind, err.message) if isinstance(err, _Failed) else ("Garbage", str(err))
+        )
         self.errors += 1
         self.errors_by_kind[kind] += 1
         _log_failure_once(self.name, kind, message, s.prompt_id)

@@ -180,7 +180,9 @@ def save_sentencepiece_tokenizer(
   if model_file is None:
     import mistral_common  # pylint: disable=g-import-not-at-top
 
-    model_file = os.path.join(os.path.dirname(mistral_common.__file__), "data", "tokenizer.model.v1")
+    model_file = os.path.join(
+        os.path.dirname(mistral_common.__file__), "data", "tokenizer.model.v1"
+    )
   directory = os.fspath(directory)
   os.makedirs(directory, exist_ok=True)
   shutil.copyfile(model_file, os.path.join(directory, "tokenizer.model"))
@@ -285,9 +287,7 @@ class Tokenizer:
       import transformers  # pylint: disable=g-import-not-at-top
 
       try:
-        self._hf = transformers.AutoTokenizer.from_pretrained(
-            self.model_dir, local_files_only=True
-        )
+        self._hf = transformers.AutoTokenizer.from_pretrained(self.model_dir, local_files_only=True)
       except Exception as err:  # pylint: disable=broad-except
         raise UserError(
             f"No tokenizer could be loaded from {self.model_dir!r} ({type(err).__name__}: "
@@ -324,16 +324,16 @@ class Tokenizer:
       )
     return self._encode(prompt, add_special_tokens=True)
 
-  def turn_tokens(self, messages, message: dict, *, add_generation_prompt: bool = True) -> list[int]:
+  def turn_tokens(
+      self, messages, message: dict, *, add_generation_prompt: bool = True
+  ) -> list[int]:
     """Token ids one more turn adds after a conversation, without encoding the
     conversation again: the template's text for `messages + [message]` (with
     the next generation prompt) past its text for `messages`, encoded alone.
     Raises ValueError when the template rewrites earlier turns (the longer
     rendering does not start with the shorter one)."""
     before = self.render(messages, add_generation_prompt=False)
-    after = self.render(
-        list(messages) + [message], add_generation_prompt=add_generation_prompt
-    )
+    after = self.render(list(messages) + [message], add_generation_prompt=add_generation_prompt)
     if not after.startswith(before):
       raise ValueError(
           "The chat template renders the earlier turns differently once a turn is added; "

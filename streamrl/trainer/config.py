@@ -133,10 +133,13 @@ class Mesh:
 @dataclasses.dataclass(frozen=True)
 class Checkpoint:
   """Orbax checkpoints in <workdir>/checkpoints: every `every` iterations, the
-  newest `keep` kept."""
+  newest `keep` kept; at the end the trained policy as a Hugging Face
+  directory, <workdir>/hf (`export_hf`; `launch/export.py` writes one of any
+  saved step)."""
 
   every: int = 25
   keep: int = 2
+  export_hf: bool = True
 
   def check(self) -> None:
     positive("checkpoint.every", self.every)

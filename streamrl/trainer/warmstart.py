@@ -36,6 +36,29 @@ def fingerprint(obj) -> str:
   return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
+def tiny_model_dir(
+    model: Model, warm: Warmstart, task: Task, *, seed: int, workdir: str, trace=None
+) -> str:
+  """Where `prepare_model_dir` keeps the warm-started tiny policy of these
+  settings: <workdir>/warmstart-<key>, the key covering only what changes its
+  weights (not, say, the eval set size). Nothing is created or checked."""
+  key = fingerprint(
+      {
+          "tiny": model.tiny,
+          "warm": dataclasses.asdict(warm),
+          "ops": list(task.ops),
+          "max_answer_len": task.max_answer_len,
+          "seed": seed,
+          **(
+              {"trace": dataclasses.asdict(trace), "trace_format": tasks.TRACE_FORMAT}
+              if trace is not None
+              else {}
+          ),
+      }
+  )
+  return os.path.join(workdir, f"warmstart-{key}")
+
+
 def prepare_model_dir(
     model: Model,
     warm: Warmstart,
@@ -53,22 +76,7 @@ def prepare_model_dir(
   if model.path:
     hf.read_config(model.path)  # clear error for a bad path / arch
     return model.path
-  # Only what changes the warm-started weights (not, say, the eval set size).
-  key = fingerprint(
-      {
-          "tiny": model.tiny,
-          "warm": dataclasses.asdict(warm),
-          "ops": list(task.ops),
-          "max_answer_len": task.max_answer_len,
-          "seed": seed,
-          **(
-              {"trace": dataclasses.asdict(trace), "trace_format": tasks.TRACE_FORMAT}
-              if trace is not None
-              else {}
-          ),
-      }
-  )
-  path = os.path.join(workdir, f"warmstart-{key}")
+  path = tiny_model_dir(model, warm, task, seed=seed, workdir=workdir, trace=trace)
   if os.path.isfile(os.path.join(path, "model.safetensors")):
     log.info("Reusing warm-started policy %s", path)
     return path

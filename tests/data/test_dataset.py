@@ -133,9 +133,11 @@ def test_eval_rows_come_from_their_own_file(tmp_path):
   s = s.replace(task=settings.Task(train_path=str(tmp_path / "train.jsonl"), **task))
   train_ex, eval_ex = train.load_examples(s)
   assert len(train_ex) == 27 and [e.prompt for e in eval_ex] == ["train 0", "train 1", "train 2"]
-  s = s.replace(task=settings.Task(
-      train_path=str(tmp_path / "train.jsonl"), eval_path=str(tmp_path / "test.jsonl"), **task
-  ))
+  s = s.replace(
+      task=settings.Task(
+          train_path=str(tmp_path / "train.jsonl"), eval_path=str(tmp_path / "test.jsonl"), **task
+      )
+  )
   train_ex, eval_ex = train.load_examples(s)
   assert len(train_ex) == 30 and [e.prompt for e in eval_ex] == ["test 0", "test 1", "test 2"]
   assert {e.prompt_id for e in train_ex}.isdisjoint(e.prompt_id for e in eval_ex)

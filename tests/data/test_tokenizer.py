@@ -102,7 +102,10 @@ def test_a_real_sentencepiece_tokenizer_renders_chats(sentencepiece_dir):
 
 def test_one_more_turn_appends_tokens_without_re_encoding(sentencepiece_dir):
   t = tok.Tokenizer(sentencepiece_dir)
-  convo = [{"role": "user", "content": "Add 2 and 3."}, {"role": "assistant", "content": "add(2,3)"}]
+  convo = [
+      {"role": "user", "content": "Add 2 and 3."},
+      {"role": "assistant", "content": "add(2,3)"},
+  ]
   tool = {"role": "tool", "content": "5"}
   turn = t.turn_tokens(convo, tool)
   assert t.decode(turn) == "<|tool|>\n5\n<|assistant|>\n"

@@ -1,0 +1,350 @@
+"""The trained policy as a Hugging Face model directory.
+
+  python launch/export.py --workdir=W --out=DIR [--step=N] [--overwrite]
+
+  export_checkpoint(W, DIR, step=None)      # checkpoint N (default: newest) of run W
+  export_policy(trainer.policy(), model_dir=policy_dir, out=DIR, dtype=s.model.dtype)
+
+DIR then holds what `transformers.AutoModelForCausalLM.from_pretrained(DIR)`
+and `vllm.LLM(DIR)` read:
+
+  config.json              the architecture (`hf.save_hf`), with the run's policy
+                           directory's bos / eos / pad ids
+  model.safetensors        the actor in `model.dtype` (the generators' dtype)
+  generation_config.json   the policy directory's own, else its token ids
+  tokenizer files          copied from the policy directory, whichever it has
+
+From a workdir, the run's saved config (<workdir>/config.json) says where its
+policy directory is (`model.path`, or the warm-started tiny model cached in
+the workdir), and only the actor's parameters are read from the checkpoint
+(an Orbax partial restore, onto the host): no trainer, mesh or optimizer
+state is built, so the export runs on any machine that can read the files.
+
+DIR is written next to itself under a temporary name and renamed into place,
+so a crash never leaves half a model there; a DIR that exists and is not
+empty is refused unless `overwrite`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import tokenizers
+from flax import nnx
+
+from streamrl import settings as settings_lib
+from streamrl.errors import MissingFileError, UserError
+from streamrl.models import hf
+from streamrl.models.transformer import Transformer
+from streamrl.trainer import warmstart
+
+# Tokenizer files a model directory may ship (sentencepiece, BPE, WordPiece,
+# chat templates); each one present is copied as it is.
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "vocab.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+# Named chat templates (transformers keeps them in this folder).
+TOKENIZER_DIRS = ("additional_chat_templates",)
+GENERATION_CONFIG = "generation_config.json"
+_TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+# Where the actor's arrays sit in a checkpoint: `RLTrainer.checkpoint_arrays()`
+# is {"state": TrainState}, and this is the key path (jax.tree_util.keystr)
+# of its `actor` field, as `Checkpointer.save` records it in the layout.
+_ACTOR = "['state'].actor"
+
+
+# ------------------------------------------------------------- the run's files
+def read_settings(workdir: str) -> settings_lib.Settings:
+  """The settings a run saved in <workdir>/config.json.
+
+  Raises:
+    MissingFileError: no such directory, or no config.json in it.
+    UserError: config.json is not a run config this version reads.
+  """
+  if not os.path.isdir(workdir):
+    raise MissingFileError(
+        f"workdir {workdir} does not exist; pass the --workdir of a training run."
+    )
+  path = os.path.join(workdir, "config.json")
+  if not os.path.isfile(path):
+    raise MissingFileError(
+        f"{workdir} has no config.json, so it is not the workdir of a training run; pass "
+        "the --workdir that launch/main.py wrote."
+    )
+  try:
+    with open(path, encoding="utf-8") as f:
+      config = json.load(f)
+  except json.JSONDecodeError as e:
+    raise UserError(f"{path} is not valid JSON ({e.msg} at line {e.lineno}).") from None
+  # The data and profile files the run read need not exist where it is exported.
+  return settings_lib.from_config(config, check_files=False)
+
+
+def policy_dir(s: settings_lib.Settings, workdir: str) -> str:
+  """The run's policy directory, as `streamrl.train.policy_dir` chose it,
+  without creating anything: `model.path`, or the warm-started tiny model in
+  the workdir."""
+  if s.model.path:
+    path = s.model.path
+    if not os.path.isdir(path):
+      raise MissingFileError(
+          f"model.path={path} (from {workdir}/config.json) does not exist here; export on a "
+          "machine that has the run's policy directory at that path."
+      )
+    return path
+  # Imported here: the loop in streamrl/train.py calls export_policy at its end.
+  from streamrl import train  # pylint: disable=g-import-not-at-top
+
+  path = warmstart.tiny_model_dir(
+      s.model,
+      s.warmstart,
+      s.task,
+      seed=s.seed,
+      workdir=workdir,
+      trace=train.trace_config(s),
+  )
+  if not os.path.isfile(os.path.join(path, "config.json")):
+    raise MissingFileError(
+        f"the run's warm-started policy directory {path} is missing (its config and "
+        "tokenizer are exported with the weights); resuming the run recreates it."
+    )
+  return path
+
+
+def checkpoint_steps(workdir: str) -> list[int]:
+  """The checkpointed steps of a run, ascending (empty when there are none)."""
+  directory = os.path.join(workdir, "checkpoints")
+  if not os.path.isdir(directory):
+    return []
+  return sorted(
+      int(d)
+      for d in os.listdir(directory)
+      if d.isdigit() and os.path.isdir(os.path.join(directory, d, "arrays"))
+  )
+
+
+def _pick_step(workdir: str, step: int | None) -> int:
+  steps = checkpoint_steps(workdir)
+  if not steps:
+    raise MissingFileError(
+        f"{workdir} has no checkpoints (nothing under {workdir}/checkpoints); train first, "
+        "or pass the workdir of a run that saved one."
+    )
+  if step is None:
+    return steps[-1]
+  if int(step) not in steps:
+    raise UserError(
+        f"{workdir} has no checkpoint of step {step}; pick one of the saved steps "
+        f"{', '.join(map(str, steps))}."
+    )
+  return int(step)
+
+
+def _check_actor_layout(step_dir: str, abstract, model_dir: str) -> None:
+  """UserError unless the checkpoint's actor has exactly `abstract`'s arrays.
+
+  Reads the layout `Checkpointer.save` records (key path -> shape) rather
+  than trusting a partial restore, which would silently leave out arrays the
+  template lacks (a bias, say)."""
+  info_dir = os.path.join(step_dir, "info")
+  if not os.path.isdir(info_dir):
+    raise UserError(
+        f"checkpoint {step_dir} was not written by streamrl's Checkpointer, so its actor "
+        "cannot be found; export a checkpoint of a StreamRL run."
+    )
+  layout = ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(info_dir)["layout"]
+  saved = {k[len(_ACTOR) :]: v for k, v in layout.items() if k.startswith(_ACTOR + "[")}
+  wanted = {
+      jax.tree_util.keystr(path): list(leaf.shape)
+      for path, leaf in jax.tree_util.tree_leaves_with_path(abstract)
+  }
+  for key in list(wanted) + [k for k in saved if k not in wanted]:
+    if key not in saved:
+      problem = "has no"
+    elif key not in wanted:
+      problem = f"has an array the model of {model_dir} lacks,"
+    elif list(saved[key]) != wanted[key]:
+      problem = f"has shape {tuple(saved[key])} (not {tuple(wanted[key])}) for"
+    else:
+      continue
+    raise UserError(
+        f"checkpoint {step_dir} {problem} the actor's {key}: it was not trained from the "
+        f"policy directory {model_dir} as it is now; export it with the one the run used."
+    )
+
+
+def restore_actor(workdir: str, model_dir: str, step: int) -> Transformer:
+  """The actor of checkpoint `step` as a Transformer with host (numpy) weights.
+
+  Reads only the actor's arrays (`RLTrainer.checkpoint_arrays()["state"].actor`)
+  of the step's Orbax item; the optimizer state and the critic stay on disk.
+  The model's shapes come from `model_dir`'s config.json.
+  """
+  cfg = hf.read_config(model_dir)
+  graphdef, abstract = nnx.split(
+      nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))), nnx.Param
+  )
+  step_dir = os.path.join(os.path.abspath(workdir), "checkpoints", str(step))
+  _check_actor_layout(step_dir, abstract, model_dir)
+  item = {"state": {"actor": abstract}}
+  restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), item)
+  restored = ocp.PyTreeCheckpointer().restore(
+      os.path.join(step_dir, "arrays"),
+      args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True),
+  )
+  return nnx.merge(graphdef, restored["state"]["actor"])
+
+
+# --------------------------------------------------------------------- writing
+def _check_out(out: str, *, overwrite: bool, model_dir: str) -> str:
+  out = os.path.abspath(out)
+  if os.path.exists(out):
+    if not os.path.isdir(out):
+      raise UserError(f"the output {out} is a file; pass a directory path (a new one is made).")
+    if os.listdir(out) and not overwrite:
+      raise UserError(
+          f"the output {out} exists and is not empty; pass another directory, or "
+          "overwrite it (launch/export.py --overwrite)."
+      )
+  if os.path.realpath(out) == os.path.realpath(model_dir):
+    raise UserError(f"the output {out} is the run's own policy directory; pass another directory.")
+  return out
+
+
+def _token_ids(model_dir: str) -> dict:
+  """bos / eos / pad ids of `model_dir`: config.json's, the missing ones
+  looked up from the tokenizer's special tokens (None where neither has one)."""
+  with open(os.path.join(model_dir, "config.json"), encoding="utf-8") as f:
+    config = json.load(f)
+  ids = {k: config.get(k) for k in _TOKEN_IDS}
+  tokenizer_json = os.path.join(model_dir, "tokenizer.json")
+  if all(v is not None for v in ids.values()) or not os.path.isfile(tokenizer_json):
+    return ids
+  special = {}
+  for name in ("tokenizer_config.json", "special_tokens_map.json"):  # the latter wins
+    path = os.path.join(model_dir, name)
+    if os.path.isfile(path):
+      with open(path, encoding="utf-8") as f:
+        special.update({k: v for k, v in json.load(f).items() if k.endswith("_token")})
+  tok = tokenizers.Tokenizer.from_file(tokenizer_json)
+  for key in _TOKEN_IDS:
+    token = special.get(key.removesuffix("_id"))
+    token = token.get("content") if isinstance(token, dict) else token
+    if ids[key] is None and isinstance(token, str):
+      ids[key] = tok.token_to_id(token)
+  return ids
+
+
+def _write(model: Transformer, directory: str, model_dir: str, dtype: str) -> None:
+  ids = _token_ids(model_dir)
+  hf.save_hf(model, directory, dtype=dtype, **ids)
+  for name in TOKENIZER_FILES:
+    src = os.path.join(model_dir, name)
+    if os.path.isfile(src):
+      shutil.copyfile(src, os.path.join(directory, name))
+  for name in TOKENIZER_DIRS:
+    src = os.path.join(model_dir, name)
+    if os.path.isdir(src):
+      shutil.copytree(src, os.path.join(directory, name))
+  generation = os.path.join(model_dir, GENERATION_CONFIG)
+  if os.path.isfile(generation):
+    shutil.copyfile(generation, os.path.join(directory, GENERATION_CONFIG))
+  else:
+    with open(os.path.join(directory, GENERATION_CONFIG), "w", encoding="utf-8") as f:
+      json.dump({k: v for k, v in ids.items() if v is not None}, f, indent=2)
+
+
+def _move_into_place(tmp: str, out: str) -> None:
+  if not os.path.isdir(out) or not os.listdir(out):
+    os.replace(tmp, out)  # rename(2) takes the place of a missing or empty directory
+    return
+  # Replacing a full directory takes two renames; the old copy goes only once
+  # the new one is in place.
+  old = f"{tmp}.old"
+  os.replace(out, old)
+  try:
+    os.replace(tmp, out)
+  except BaseException:
+    os.replace(old, out)
+    raise
+  shutil.rmtree(old, ignore_errors=True)
+
+
+def export_policy(
+    model: Transformer,
+    *,
+    model_dir: str,
+    out: str,
+    dtype: str = "float32",
+    overwrite: bool = False,
+) -> str:
+  """Writes `model` as the Hugging Face directory `out` (see the module docstring).
+
+  Args:
+    model: the policy (the live, possibly sharded actor, or `restore_actor`'s);
+      read one tensor at a time (`hf.HFTensors`), so read it before the next
+      train step donates its parameters.
+    model_dir: the run's policy directory, whose tokenizer files, token ids
+      and generation config go with the weights.
+    out: the directory to write; created with its parents.
+    dtype: the safetensors' dtype ("float32", "bfloat16", "float16"): the
+      run's `model.dtype`.
+    overwrite: replace `out` if it exists and is not empty.
+
+  Returns:
+    `out` as an absolute path.
+
+  Raises:
+    UserError: `out` is a file, is not empty (without `overwrite`), or is
+      `model_dir` itself.
+  """
+  out = _check_out(out, overwrite=overwrite, model_dir=model_dir)
+  parent, name = os.path.split(out)
+  os.makedirs(parent, exist_ok=True)
+  tmp = os.path.join(parent, f".{name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+  os.makedirs(tmp)
+  try:
+    _write(model, tmp, model_dir, dtype)
+    _move_into_place(tmp, out)
+  except BaseException:
+    shutil.rmtree(tmp, ignore_errors=True)
+    raise
+  return out
+
+
+def export_checkpoint(
+    workdir: str, out: str, *, step: int | None = None, overwrite: bool = False
+) -> int:
+  """Writes the actor of run `workdir`'s checkpoint `step` (default: the
+  newest) as the Hugging Face directory `out`, in the run's `model.dtype`.
+
+  Returns:
+    The step exported.
+
+  Raises:
+    UserError: no such workdir (or not a run's), no checkpoints, no
+      checkpoint of `step` (the message lists the saved ones), the run's
+      policy directory is gone, or `out` is refused (`export_policy`).
+  """
+  s = read_settings(workdir)
+  step = _pick_step(workdir, step)
+  model_dir = policy_dir(s, workdir)
+  _check_out(out, overwrite=overwrite, model_dir=model_dir)  # before the restore
+  model = restore_actor(workdir, model_dir, step)
+  export_policy(model, model_dir=model_dir, out=out, dtype=s.model.dtype, overwrite=overwrite)
+  return step
