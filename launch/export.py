@@ -31,13 +31,13 @@ _OVERWRITE = flags.DEFINE_bool("overwrite", False, "Replace --out if it is not e
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments {argv[1:]}; flags look like --name=value.")
-  from streamrl.trainer import export  # pylint: disable=g-import-not-at-top
+  from streamrl import train  # pylint: disable=g-import-not-at-top
 
   workdir = _WORKDIR.value
-  export.read_settings(workdir)  # A missing workdir fails before a log file is made there.
+  train.read_settings(workdir)  # A missing workdir fails before a log file is made there.
   # A read-only workdir (someone else's run) still exports; Orbax then logs here.
   metrics.configure_logging(workdir if os.access(workdir, os.W_OK) else None)
-  step = export.export_checkpoint(workdir, _OUT.value, step=_STEP.value, overwrite=_OVERWRITE.value)
+  step = train.export_checkpoint(workdir, _OUT.value, step=_STEP.value, overwrite=_OVERWRITE.value)
   print(f"wrote {os.path.abspath(_OUT.value)}: the policy of {workdir} at step {step}")
 
 

@@ -3,7 +3,11 @@ r"""Runs one RL experiment.
   python launch/main.py --config=configs/ppo.py --workdir=workdirs/ppo \
       --config.optimizer.lr=3e-4
 
-Running again with the same --workdir resumes from its last checkpoint.
+Running again with the same --workdir resumes from its last checkpoint. Each
+--config.<key>=<value> overrides one key of the config file; a two-iteration
+smoke run:
+
+  python launch/main.py --config=configs/ppo.py --config.trainer.num_iterations=2
 
   python launch/main.py --config=configs/ppo.py --plan=plan.json --workdir=W
 
@@ -30,7 +34,11 @@ from ml_collections.config_flags import config_flags  # pylint: disable=g-import
 from streamrl import config_utils, errors  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 _CONFIG = config_utils.define_config_file(
-    "config", None, "Experiment config file.", lock_config=True
+    "config",
+    None,
+    "The experiment's config file, path.py or path.py:arg (a relative path missing here is "
+    "looked up in the checkout); --config.<key>=<value> overrides one of its keys.",
+    lock_config=True,
 )
 _WORKDIR = flags.DEFINE_string("workdir", "workdirs/default", "Logs and checkpoints go here.")
 _PLAN = flags.DEFINE_string(
@@ -47,18 +55,19 @@ def main(argv):
 
     cli = config_flags.get_override_values(flags.FLAGS["config"])
     config = emit.apply_plan(config, emit.load_plan(_PLAN.value), cli, path=_PLAN.value)
-  # Checked before the heavy imports, so a wrong path fails at once.
+  # Both checked before anything is written: a refused run leaves no workdir behind.
   workdir = errors.check_workdir(_WORKDIR.value)
+  from streamrl import settings  # pylint: disable=g-import-not-at-top
+
+  s = settings.from_config(config)
   from streamrl import metrics  # pylint: disable=g-import-not-at-top
 
-  metrics.configure_logging(
-      workdir
-  )  # Before the heavy imports, so JAX's and vLLM's lines go to the file.
+  metrics.configure_logging(workdir)  # Creates it; before vLLM and Ray log anything.
   from streamrl import experiment  # pylint: disable=g-import-not-at-top
 
   if _PLAN.value:
-    config = experiment.record_plan(_PLAN.value, workdir, config)  # validated; W/plan.json
-  final = experiment.run(config, workdir)
+    s = experiment.record_plan(_PLAN.value, workdir, config)  # W/plan.json
+  final = experiment.run(s, workdir)
   print({k: round(v, 4) for k, v in final.items() if "eval" in k})
 
 

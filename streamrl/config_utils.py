@@ -41,6 +41,26 @@ from ml_collections.config_flags import config_flags, tuple_parser
 from streamrl import renames
 from streamrl.errors import MissingFileError, RunStopped, UserError, debug_requested, user_message
 
+# -------------------------------------------------------------- config files
+
+# The checkout: configs/ beside the streamrl package.
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def find_config_file(spec: str) -> str:
+  """`spec` ("path.py" or "path.py:arg"), its path made absolute in the checkout
+  when it is relative, missing from the working directory and present under
+  REPO_ROOT: `--config=configs/ppo.py` (and the `configs/ranker.py:tiny`
+  default of scheduler.ranker_config) work from any directory. Otherwise
+  `spec` unchanged."""
+  path, sep, arg = spec.partition(":")
+  if path and not os.path.isabs(path) and not os.path.exists(path):
+    in_repo = os.path.join(REPO_ROOT, path)
+    if os.path.exists(in_repo):
+      return in_repo + sep + arg
+  return spec
+
+
 # ----------------------------------------------------------------- overrides
 
 _NoneType = type(None)
@@ -380,15 +400,25 @@ def define_config_file(
 
   Needed besides `parse_flags_or_exit` because a config flag with a default
   path is parsed — overrides from sys.argv included — when it is defined,
-  i.e. at import time of the launch script, before `app.run` starts.
+  i.e. at import time of the launch script, before `app.run` starts. A
+  relative default is found like a relative --config value (`find_config_file`).
   """
+  if isinstance(default, str):
+    default = find_config_file(default)
   try:
-    return config_flags.DEFINE_config_file(name, default, help_string, **kwargs)
+    holder = config_flags.DEFINE_config_file(name, default, help_string, **kwargs)
   except _USER_ERRORS as e:
     message = _explain(e, sys.argv, [(name, default)])
     if message is None or debug_requested(sys.argv):
       raise
     _exit_with(message)
+  # A key flag of the script that defines it, so its --help lists it.
+  caller = sys._getframe(1).f_globals.get("__name__")  # pylint: disable=protected-access
+  flag_values = kwargs.get("flag_values", flags.FLAGS)
+  flag_values.register_key_flag_for_module(
+      sys.argv[0] if caller == "__main__" else caller, flag_values[name]
+  )
+  return holder
 
 
 def _check_configs_loaded(flag_values: flags.FlagValues) -> None:
@@ -419,6 +449,20 @@ def _rename_flag_keys(argv: Sequence[str], flag_values: flags.FlagValues) -> lis
   return argv
 
 
+def _find_config_args(argv: Sequence[str], flag_values: flags.FlagValues) -> list[str]:
+  """argv with each config flag's value passed through `find_config_file`."""
+  names = [name for name, _ in _config_specs(flag_values)]
+  out = list(argv)
+  for i in range(1, len(out)):
+    for name in names:
+      m = re.match(rf"^(--?{re.escape(name)}=)(.*)$", out[i], re.S)
+      if m:
+        out[i] = m.group(1) + find_config_file(m.group(2))
+      elif out[i] in (f"--{name}", f"-{name}") and i + 1 < len(out):
+        out[i + 1] = find_config_file(out[i + 1])
+  return out
+
+
 def parse_flags_or_exit(
     argv: Sequence[str], flag_values: flags.FlagValues = flags.FLAGS
 ) -> list[str]:
@@ -432,7 +476,7 @@ def parse_flags_or_exit(
   time are reported the same way. `run_main` uses this parser.
   """
   try:
-    renamed_argv = _rename_flag_keys(argv, flag_values)
+    renamed_argv = _rename_flag_keys(_find_config_args(argv, flag_values), flag_values)
     if list(argv) == sys.argv:  # config_flags reads its overrides from sys.argv.
       sys.argv[:] = renamed_argv
     argv = renamed_argv
@@ -467,6 +511,21 @@ def use_compile_cache(environ: dict[str, str] | None = None) -> str:
   return environ.setdefault(COMPILE_CACHE_ENV, default)
 
 
+_HELP_ARGS = {"-h": False, "-?": False, "--help": False, "-help": False, "--helpshort": False}
+_HELP_ARGS.update({"-helpshort": False, "--helpfull": True, "-helpfull": True})
+
+
+def help_requested(argv: Sequence[str]) -> bool | None:
+  """None when argv asks for no help; else whether it asks for every flag
+  (--helpfull) rather than the script's own (--help, -h, --helpshort)."""
+  for arg in list(argv)[1:]:
+    if arg == "--":
+      break
+    if arg in _HELP_ARGS:
+      return _HELP_ARGS[arg]
+  return None
+
+
 def run_main(main: Callable[[list[str]], Any], argv: Sequence[str] | None = None) -> NoReturn:
   """Runs a launch script's `main(argv)` under absl, reporting user errors in one line.
 
@@ -479,6 +538,8 @@ def run_main(main: Callable[[list[str]], Any], argv: Sequence[str] | None = None
   (USER_ERROR_EXIT_CODE). A `streamrl.errors.RunStopped` (a process of the run died) is printed the same way with status 1. Any other exception keeps its traceback. Defines a
   `--debug` flag (unless the script has one): with it, or with the
   environment variable STREAMRL_DEBUG=1, user errors show their traceback too.
+  `--help` (or -h) prints the script's docstring and its own flags and exits
+  with status 0, before any flag is parsed; `--helpfull` adds every library's.
 
   Args:
     main: called with the arguments left after flag parsing (argv[0] first);
@@ -492,6 +553,14 @@ def run_main(main: Callable[[list[str]], Any], argv: Sequence[str] | None = None
         "Show the traceback of errors caused by the input (bad config "
         "value, missing file, ...) instead of one line; same as STREAMRL_DEBUG=1.",
     )
+    flags.FLAGS.register_key_flag_for_module(sys.argv[0], flags.FLAGS[DEBUG_FLAG])
+  full_help = help_requested(sys.argv if argv is None else argv)
+  if full_help is not None:
+    # absl's own --help exits with status 1; asking for help is no error.
+    app.usage(shorthelp=not full_help, writeto_stdout=True)
+    if not full_help:
+      print("\nTry --helpfull to see the flags of every library too.")
+    sys.exit(0)
 
   use_compile_cache()
 
@@ -611,7 +680,7 @@ def load_sweep(config_spec: str) -> list[dict[str, Any]]:
   import importlib.util
   import inspect
 
-  path, sep, arg = config_spec.partition(":")
+  path, sep, arg = find_config_file(config_spec).partition(":")
   if not os.path.isfile(path):
     raise MissingFileError(
         f"config file {path!r} does not exist; pass the path of a config .py file."
@@ -636,15 +705,11 @@ def load_sweep(config_spec: str) -> list[dict[str, Any]]:
 
 def load_config(spec: str) -> ml_collections.ConfigDict:
   """ "path/to/config.py[:arg]" -> its get_config(arg). A relative path is
-  looked up from the working directory, then from the repository root, so
-  config files can build on each other (configs/grpo.py on configs/ppo.py)."""
+  looked up from the working directory, then from the repository root
+  (`find_config_file`)."""
   import importlib.util  # pylint: disable=g-import-not-at-top
-  import os  # pylint: disable=g-import-not-at-top
 
-  path, _, arg = spec.partition(":")
-  if not os.path.isabs(path) and not os.path.exists(path):
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    path = os.path.join(root, path)
+  path, _, arg = find_config_file(spec).partition(":")
   if not os.path.isfile(path):
     raise MissingFileError(
         f"Config file {spec!r} not found; give a path like " "configs/ranker.py:tiny."

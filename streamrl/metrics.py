@@ -10,7 +10,10 @@
 
 Scalars also go to `<logdir>/metrics.jsonl`, one line per `scalars` call:
 {"step": 3, "wall_time": 1.7e9, "reward/mean": 0.4, ...}; non-finite values
-are written as null (strict JSON, readable by jq and pandas alike).
+are written as null (strict JSON, readable by jq and pandas alike). With
+`MetricsWriter(..., log=s.log, run_config=config_dict)` and a
+`log.wandb_project`, scalars and histograms go to a Weights & Biases run in
+`<logdir>/wandb/` as well (offline unless `log.wandb_mode=online`).
 
 The console shows the progress bar and StreamRL's own log lines only:
 
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib.util
 import json
 import logging
 import math
@@ -41,18 +45,37 @@ from streamrl.errors import UserError
 JSONL_NAME = "metrics.jsonl"
 
 
+WANDB_MODES = ("offline", "online", "disabled")
+
+
 @dataclasses.dataclass(frozen=True)
 class Log:
   """What a run logs (`log.*`): held-out evaluation every `eval_every`
-  iterations (0: never), and the progress bar."""
+  iterations (0: never), and the progress bar.
+
+  wandb_project: when set, every scalar (and histogram) also goes to a
+  Weights & Biases run of this project, kept in <workdir>/wandb/, with the
+  run's config; empty (the default): wandb is never imported. wandb_mode:
+  "offline" (the default: nothing leaves the machine; `wandb sync
+  <workdir>/wandb/offline-run-*` uploads it later), "online", or "disabled".
+  """
 
   eval_every: int = 25
   progress: bool = True
+  wandb_project: str = ""
+  wandb_mode: str = "offline"
 
   def check(self) -> None:
     if self.eval_every < 0:
       raise UserError(
           f"log.eval_every={self.eval_every!r} must be >= 0; fix --config.log.eval_every."
+      )
+    if self.wandb_mode not in WANDB_MODES:
+      raise UserError(f"log.wandb_mode={self.wandb_mode!r} is unknown; use one of {WANDB_MODES}.")
+    if self.wandb_project and importlib.util.find_spec("wandb") is None:
+      raise UserError(
+          f"log.wandb_project={self.wandb_project!r} needs the wandb package; install it "
+          "(pip install -e '.[wandb]') or leave log.wandb_project empty."
       )
 
 
@@ -313,7 +336,8 @@ def adopt_library_loggers() -> list[str]:
 
 
 class MetricsWriter:
-  """TensorBoard event files (via tensorboardX) plus `metrics.jsonl` in `logdir`.
+  """TensorBoard event files (via tensorboardX) plus `metrics.jsonl` in `logdir`,
+  and a Weights & Biases run when `log.wandb_project` is set.
 
   Args:
     logdir: created if missing.
@@ -323,13 +347,26 @@ class MetricsWriter:
       step >= k — so curves have no doubled segments.
     enabled: False makes every call a no-op (non-zero processes of a
       multi-host job).
+    log: the run's `log.*` settings; with a `wandb_project`, scalars and
+      histograms also go to a W&B run in `<logdir>/wandb/` (a resumed run
+      starts a new W&B run, in the same group, named after the workdir).
+    run_config: the run's config as a plain dict, the W&B run's config.
   """
 
-  def __init__(self, logdir: str, *, purge_step: int | None = None, enabled: bool = True):
+  def __init__(
+      self,
+      logdir: str,
+      *,
+      purge_step: int | None = None,
+      enabled: bool = True,
+      log: Log | None = None,
+      run_config: Mapping[str, Any] | None = None,
+  ):
     self.logdir = os.fspath(logdir)
     self.enabled = enabled
     self._writer = None
     self._jsonl: TextIO | None = None
+    self._wandb = None
     if not enabled:
       return
     from tensorboardX import SummaryWriter  # Imported late: only loggers pay for it.
@@ -345,6 +382,8 @@ class MetricsWriter:
         self.logdir, purge_step=purge_step, flush_secs=30, filename_suffix=f".{time.time_ns():020d}"
     )
     self._jsonl = open(jsonl_path, "a", encoding="utf-8")
+    if log is not None and log.wandb_project:
+      self._wandb = _start_wandb(log, self.logdir, run_config)
 
   def scalars(self, step: int, values: Mapping[str, Any]) -> None:
     """Logs each value (python/numpy/jax scalar) under its name ("group/name" groups in TensorBoard)."""
@@ -357,6 +396,8 @@ class MetricsWriter:
     row = {"step": step, "wall_time": time.time()}
     row.update({k: (v if math.isfinite(v) else None) for k, v in floats.items()})
     self._jsonl.write(json.dumps(row) + "\n")
+    if self._wandb is not None:
+      self._wandb.log(floats, step=step)
 
   def histogram(self, step: int, name: str, values: Sequence[float] | np.ndarray) -> None:
     """A distribution (e.g. response lengths) at `step`; empty inputs are skipped."""
@@ -365,6 +406,10 @@ class MetricsWriter:
     arr = np.asarray(values, dtype=np.float64).reshape(-1)
     if arr.size:
       self._writer.add_histogram(name, arr, int(step))
+      if self._wandb is not None:
+        import wandb  # pylint: disable=g-import-not-at-top
+
+        self._wandb.log({name: wandb.Histogram(arr)}, step=int(step))
 
   def text(self, step: int, name: str, text: str) -> None:
     """Free text (markdown) in TensorBoard's Text tab, e.g. a decoded sample."""
@@ -382,12 +427,39 @@ class MetricsWriter:
       self._jsonl.close()
       self._writer = None
       self.enabled = False
+      if self._wandb is not None:
+        self._wandb.finish()
+        self._wandb = None
 
   def __enter__(self) -> "MetricsWriter":
     return self
 
   def __exit__(self, *exc) -> None:
     self.close()
+
+
+def _start_wandb(log: Log, logdir: str, run_config: Mapping[str, Any] | None):
+  """A W&B run of `log.wandb_project` kept in `<logdir>/wandb/`."""
+  import wandb  # pylint: disable=g-import-not-at-top  # Only runs that ask for it pay for it.
+
+  name = os.path.basename(os.path.abspath(logdir))
+  run = wandb.init(
+      project=log.wandb_project,
+      mode=log.wandb_mode,
+      dir=logdir,
+      name=name,
+      group=name,
+      config=dict(run_config or {}),
+      # Quiet on the console (this module says where the run is); the
+      # terminal's output, the machine's stats, code and git state stay out.
+      settings=wandb.Settings(
+          silent=True, console="off", x_disable_stats=True, save_code=False, disable_git=True
+      ),
+  )
+  if log.wandb_mode == "offline":
+    run_dir = os.path.dirname(run.dir)  # run.dir is its files/ folder.
+    logging.getLogger(__name__).info("Offline W&B run: `wandb sync %s` uploads it.", run_dir)
+  return run
 
 
 def _truncate_jsonl(path: str, purge_step: int) -> None:

@@ -39,6 +39,7 @@ from streamrl.data.rewards import Rewarder
 from streamrl.data.tokenizer import Tokenizer
 from streamrl.generator import make_rollout
 from streamrl.models import hf
+from streamrl.errors import MissingFileError, UserError
 from streamrl.trainer import export, warmstart
 from streamrl.pipeline import base as mode_base
 from streamrl.pipeline import make_mode
@@ -476,7 +477,12 @@ def run(
   if start:
     mode.push(trainer.export_weights(), start)
 
-  writer = metrics_lib.MetricsWriter(workdir, purge_step=start + 1 if start else None)
+  writer = metrics_lib.MetricsWriter(
+      workdir,
+      purge_step=start + 1 if start else None,
+      log=s.log,
+      run_config=settings_lib.to_config(s).to_dict(),
+  )
   metrics_lib.save_config(settings_lib.to_config(s), workdir)
   # log.progress=False: no bar (the scalars still go to metrics.jsonl).
   progress = metrics_lib.Progress(
@@ -557,12 +563,92 @@ def export_hf(s: settings_lib.Settings, workdir: str, trainer, model_dir: str, *
   processes: its export reads the final checkpoint instead."""
   out = os.path.join(workdir, HF_DIR)
   if multi_process:
-    export.export_checkpoint(workdir, out, overwrite=True)
+    export_checkpoint(workdir, out, overwrite=True)
   else:
     export.export_policy(
         trainer.policy(), model_dir=model_dir, out=out, dtype=s.model.dtype, overwrite=True
     )
   log.info("Trained policy exported to %s", out)
+
+
+# ------------------------------------------------------------------ export
+def read_settings(workdir: str) -> settings_lib.Settings:
+  """The settings a run saved in <workdir>/config.json.
+
+  Raises:
+    MissingFileError: no such directory, or no config.json in it.
+    UserError: config.json is not a run config this version reads.
+  """
+  if not os.path.isdir(workdir):
+    raise MissingFileError(
+        f"workdir {workdir} does not exist; pass the --workdir of a training run."
+    )
+  path = os.path.join(workdir, "config.json")
+  if not os.path.isfile(path):
+    raise MissingFileError(
+        f"{workdir} has no config.json, so it is not the workdir of a training run; pass "
+        "the --workdir that launch/main.py wrote."
+    )
+  try:
+    with open(path, encoding="utf-8") as f:
+      config = json.load(f)
+  except json.JSONDecodeError as e:
+    raise UserError(f"{path} is not valid JSON ({e.msg} at line {e.lineno}).") from None
+  # The data and profile files the run read need not exist where it is exported.
+  return settings_lib.from_config(config, check_files=False)
+
+
+def saved_policy_dir(s: settings_lib.Settings, workdir: str) -> str:
+  """The run's policy directory, as `policy_dir` chose it, without creating
+  anything: `model.path`, or the warm-started tiny model in
+  the workdir."""
+  if s.model.path:
+    path = s.model.path
+    if not os.path.isdir(path):
+      raise MissingFileError(
+          f"model.path={path} (from {workdir}/config.json) does not exist here; export on a "
+          "machine that has the run's policy directory at that path."
+      )
+    return path
+  path = warmstart.tiny_model_dir(
+      s.model,
+      s.warmstart,
+      s.task,
+      seed=s.seed,
+      workdir=workdir,
+      trace=trace_config(s),
+  )
+  if not os.path.isfile(os.path.join(path, "config.json")):
+    raise MissingFileError(
+        f"the run's warm-started policy directory {path} is missing (its config and "
+        "tokenizer are exported with the weights); resuming the run recreates it."
+    )
+  return path
+
+
+def export_checkpoint(
+    workdir: str, out: str, *, step: int | None = None, overwrite: bool = False
+) -> int:
+  """Writes the actor of run `workdir`'s checkpoint `step` (default: the
+  newest) as the Hugging Face directory `out`, in the run's `model.dtype`.
+
+  Returns:
+    The step exported.
+
+  Raises:
+    UserError: no such workdir (or not a run's), no checkpoints, no
+      checkpoint of `step` (the message lists the saved ones), the run's
+      policy directory is gone, or `out` is refused (`export.export_policy`).
+  """
+  s = read_settings(workdir)
+  step = export.pick_step(workdir, step)
+  model_dir = saved_policy_dir(s, workdir)
+  export.check_out(out, overwrite=overwrite, model_dir=model_dir)  # before the restore
+  model = export.restore_actor(workdir, model_dir, step)
+  export.export_policy(
+      model, model_dir=model_dir, out=out, dtype=s.model.dtype, overwrite=overwrite
+  )
+  return step
 
 
 def follow(s: settings_lib.Settings, workdir: str, commands, reply) -> None:

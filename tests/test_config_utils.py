@@ -7,7 +7,15 @@ import sys
 
 import pytest
 
-from streamrl.config_utils import apply_overrides, check_run_names, expand_sweep, load_sweep, run_name
+from streamrl.config_utils import (
+    apply_overrides,
+    check_run_names,
+    expand_sweep,
+    find_config_file,
+    load_config,
+    load_sweep,
+    run_name,
+)
 from streamrl.errors import MissingFileError, UserError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -165,6 +173,22 @@ def test_run_name_is_readable_safe_and_deterministic():
   assert name != run_name({**long, "group.key_39": 1.0})  # Differs only past the cut.
   with pytest.raises(UserError, match="same point twice"):
     check_run_names([{"a": 1}, {"a": 1}])
+
+
+def test_config_files_are_found_from_any_directory(tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  ppo = os.path.join(REPO, "configs", "ppo.py")
+  assert find_config_file("configs/ppo.py") == ppo
+  assert find_config_file("configs/ranker.py:tiny") == os.path.join(
+      REPO, "configs", "ranker.py:tiny"
+  )
+  for unchanged in (ppo, "configs/nope.py", "nope.py:arg", ""):
+    assert find_config_file(unchanged) == unchanged
+  assert load_config("configs/grpo.py").advantage.estimator == "grpo"  # It loads configs/ppo.py.
+  assert load_sweep("configs/ppo.py")
+  (tmp_path / "configs").mkdir()
+  (tmp_path / "configs" / "ppo.py").write_text(CONFIG_PY)
+  assert find_config_file("configs/ppo.py") == "configs/ppo.py"  # The working directory's wins.
 
 
 def test_load_sweep_from_file(tmp_path):

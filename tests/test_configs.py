@@ -37,6 +37,15 @@ def test_rl_configs_validate(name):
   assert s.pipeline.mode in settings.PIPELINE_MODES
 
 
+def test_run_configs_validate_from_any_directory(tmp_path, monkeypatch):
+  # Their paths (scheduler.ranker_config=configs/ranker.py:tiny, ...) do not
+  # depend on the working directory.
+  monkeypatch.chdir(tmp_path)
+  for spec in ("ppo.py", "grpo.py", "ppo_strings.py", "colocated.py:ppo"):
+    settings.from_config(config_utils.load_config(os.path.join(CONFIGS, spec)))
+  assert not os.listdir(tmp_path)
+
+
 @pytest.mark.parametrize("name", GPU_CONFIGS)
 def test_gpu_config_adds_up_to_the_gpus_it_claims(name):
   spec = importlib.util.spec_from_file_location(

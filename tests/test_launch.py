@@ -5,6 +5,7 @@ The launch scripts run as subprocesses, and every case here fails (or
 finishes) before any engine, Ray or JAX starts.
 """
 
+import ast
 import json
 import os
 import socket
@@ -66,11 +67,42 @@ def test_main_reports_input_errors_in_one_line(tmp_path):
 
 
 def test_main_reports_a_bad_setting_in_one_line(tmp_path):
-  # streamrl.settings checks values when the config is read, before anything starts.
-  res = _run([MAIN, "--config=configs/ppo.py", f"--workdir={tmp_path}", "--config.optimizer.lr=-1"])
-  _assert_one_line(res, "error: ")
-  assert "optimizer.lr" in res.stderr
-  assert os.listdir(tmp_path) == ["libraries.log"]  # Nothing else was written.
+  # streamrl.settings checks values when the config is read, before anything starts;
+  # from another directory, the relative config path is found in the checkout.
+  args = [MAIN, "--config=configs/ppo.py", "--workdir=wd", "--config.optimizer.lr=-1"]
+  res = _run(args, cwd=tmp_path)
+  _assert_one_line(res, "error: optimizer.lr=-1.0 ")
+  assert not os.listdir(tmp_path)  # A refused run leaves no workdir behind.
+
+
+LAUNCH_SCRIPTS = sorted(f for f in os.listdir(os.path.join(REPO, "launch")) if f.endswith(".py"))
+
+
+@pytest.mark.parametrize("script", LAUNCH_SCRIPTS)
+def test_help_exits_0(tmp_path, script):
+  path = os.path.join(REPO, "launch", script)
+  with open(path) as f:
+    doc = ast.get_docstring(ast.parse(f.read()))
+  res = _run([path, "--help"], cwd=tmp_path)
+  assert res.returncode == 0, res.stderr
+  # The script's docstring, then its own flags (--debug comes with run_main).
+  assert doc.splitlines()[0] in res.stdout and "--[no]debug" in res.stdout, res.stdout
+
+
+def test_main_help_shows_the_config_flag_and_starts_nothing_heavy(tmp_path):
+  code = (
+      "import atexit, runpy, sys\n"
+      "atexit.register(lambda: print('IMPORTED', sorted({'jax', 'ray', 'torch', 'vllm'}"
+      " & set(sys.modules))))\n"
+      f"sys.argv = [{MAIN!r}, '-h']\n"
+      f"runpy.run_path({MAIN!r}, run_name='__main__')\n"
+  )
+  res = _run(["-c", code], cwd=tmp_path)
+  assert res.returncode == 0, res.stderr
+  assert "--config: " in res.stdout
+  assert "--config=configs/ppo.py --config.trainer.num_iterations=2" in res.stdout
+  assert res.stdout.splitlines()[-1] == "IMPORTED []"
+  assert not os.listdir(tmp_path)
 
 
 @pytest.mark.parametrize("how", ["env", "flag"])
@@ -239,18 +271,18 @@ def test_unreachable_cluster_is_a_user_error():
 
 
 def test_jsonl_file_errors_are_user_errors(tmp_path):
-  from streamrl.data import jsonl  # pylint: disable=g-import-not-at-top
+  from streamrl.data import dataset  # pylint: disable=g-import-not-at-top
 
   with pytest.raises(errors.MissingFileError):
-    jsonl.load_jsonl(tmp_path / "missing.jsonl")
+    dataset.load_file(tmp_path / "missing.jsonl")
   with pytest.raises(errors.UserError, match="is a directory"):
-    jsonl.load_jsonl(tmp_path)
+    dataset.load_file(tmp_path)
   (tmp_path / "bad.jsonl").write_text("not json\n")
   with pytest.raises(errors.UserError, match="malformed rows"):
-    jsonl.load_jsonl(tmp_path / "bad.jsonl")
+    dataset.load_file(tmp_path / "bad.jsonl")
   (tmp_path / "latin1.jsonl").write_bytes(b'{"prompt": "caf\xe9", "answer": "1"}\n')
   with pytest.raises(errors.UserError, match="not UTF-8"):
-    jsonl.load_jsonl(tmp_path / "latin1.jsonl")
+    dataset.load_file(tmp_path / "latin1.jsonl")
 
 
 def test_model_path_errors_are_user_errors(tmp_path):

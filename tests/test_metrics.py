@@ -6,6 +6,7 @@ import io
 import json
 import math
 import os
+import struct
 import subprocess
 import sys
 
@@ -14,7 +15,9 @@ import numpy as np
 import pytest
 from tensorboard.backend.event_processing import event_accumulator
 
+from streamrl.errors import UserError
 from streamrl.metrics import (
+    Log,
     MetricsWriter,
     Progress,
     percentiles,
@@ -100,6 +103,85 @@ def test_scalars_reject_arrays_and_disabled_writer_writes_nothing(tmp_path):
   w.histogram(0, "h", [1, 2])
   w.close()
   assert not (tmp_path / "b").exists()
+
+
+def _wandb_records(path):
+  """The records of a W&B run file (`run-<id>.wandb`): a LevelDB-style log of
+  32 KiB blocks after a 7-byte header, each record a protobuf in one or more
+  chunks (type 1 whole, 2 first, 3 middle, 4 last)."""
+  from wandb.proto import wandb_internal_pb2  # pylint: disable=g-import-not-at-top
+
+  data = path.read_bytes()
+  assert data[:4] == b":W&B", data[:8]
+  pos, chunk, out = 7, b"", []
+  while pos + 7 <= len(data):
+    if 32768 - pos % 32768 < 7:  # Too little room for a chunk header: padding.
+      pos += 32768 - pos % 32768
+      continue
+    _, size, kind = struct.unpack("<IHB", data[pos : pos + 7])
+    chunk += data[pos + 7 : pos + 7 + size]
+    pos += 7 + size
+    if kind in (1, 4):
+      record = wandb_internal_pb2.Record()
+      record.ParseFromString(chunk)
+      out.append(record)
+      chunk = b""
+  return out
+
+
+def test_wandb_offline_run_gets_every_scalar_and_the_config(tmp_path, monkeypatch):
+  import wandb  # pylint: disable=g-import-not-at-top
+
+  # Nothing may leave the machine: offline, and any server it might try is a closed port.
+  for name, value in {
+      "WANDB_SILENT": "true",
+      "WANDB_MODE": "offline",
+      "WANDB_BASE_URL": "http://127.0.0.1:9",
+      "WANDB_CONFIG_DIR": str(tmp_path / "wandb_config"),
+      "WANDB_CACHE_DIR": str(tmp_path / "wandb_cache"),
+      "WANDB_DATA_DIR": str(tmp_path / "wandb_data"),
+  }.items():
+    monkeypatch.setenv(name, value)
+  monkeypatch.delenv("WANDB_API_KEY", raising=False)
+  workdir = tmp_path / "run"
+  log = Log(wandb_project="streamrl-test")
+  try:
+    with MetricsWriter(str(workdir), log=log, run_config={"optimizer": {"lr": 3e-6}}) as w:
+      w.scalars(1, {"reward/mean": 0.25, "kl": np.float32(0.5)})
+      w.scalars(2, {"reward/mean": 0.5, "kl": float("nan")})
+      w.histogram(2, "response_length", [3, 5, 8])
+  finally:
+    wandb.teardown()
+  (run_file,) = (workdir / "wandb").glob("offline-run-*/run-*.wandb")
+  records = _wandb_records(run_file)
+  history = {}
+  for r in records:
+    if r.WhichOneof("record_type") == "history":
+      items = {"/".join(i.nested_key) or i.key: json.loads(i.value_json) for i in r.history.item}
+      history[r.history.step.num] = items
+  assert sorted(history) == [1, 2]
+  assert history[1]["reward/mean"] == 0.25 and history[1]["kl"] == 0.5
+  assert history[2]["reward/mean"] == 0.5 and math.isnan(history[2]["kl"])
+  assert history[2]["response_length/_type"] == "histogram"
+  (run,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
+  assert run.project == "streamrl-test" and run.display_name == "run"
+  config = {u.key: json.loads(u.value_json) for u in run.config.update}
+  assert config["optimizer"] == {"lr": 3e-6}
+  # The writer's own files are there as without W&B.
+  assert len((workdir / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+def test_wandb_is_never_imported_without_a_project(tmp_path, monkeypatch):
+  monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` would raise.
+  with MetricsWriter(str(tmp_path), log=Log()) as w:
+    w.scalars(1, {"x": 1.0})
+    w.histogram(1, "h", [1.0, 2.0])
+  assert not (tmp_path / "wandb").exists()
+  Log(wandb_mode="online").check()
+  with pytest.raises(UserError, match="log.wandb_mode='cloud' is unknown"):
+    Log(wandb_mode="cloud").check()
+  with pytest.raises(UserError, match="needs the wandb package"):
+    Log(wandb_project="p").check()  # find_spec finds no module where sys.modules holds None.
 
 
 def test_save_config_writes_json_and_text(tmp_path):

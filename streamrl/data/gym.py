@@ -43,16 +43,3 @@ def known(name: str) -> bool:
   except Exception:  # pylint: disable=broad-except
     return False
   return True
-
-
-def score(response: str, answer: str, metadata: dict, gym_dataset: str) -> float:
-  """The generator's own score of the response's final answer (the last
-  `\\boxed{}`, `#### x` or number in it: the scorers read the first number
-  of what they are given)."""
-  import reasoning_gym  # pylint: disable=g-import-not-at-top
-
-  from streamrl.data.rewards import extract_final_answer  # pylint: disable=g-import-not-at-top
-
-  final = extract_final_answer(response)
-  entry = {"answer": answer, "metadata": metadata}
-  return float(reasoning_gym.get_score_answer_fn(gym_dataset)(final, entry))

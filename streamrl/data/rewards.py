@@ -51,7 +51,6 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from streamrl import usercode
-from streamrl.data import gym
 
 RewardFn = Callable[..., Any]
 
@@ -210,6 +209,18 @@ def math_verify(response: str, answer: str) -> float:
   return float(mv.verify(gold, pred, **vkw))
 
 
+def reasoning_gym_score(response: str, answer: str, metadata: dict, gym_dataset: str) -> float:
+  """A reasoning-gym row's score (streamrl/data/gym.py): the generator's own
+  scorer on the response's final answer (the last `\\boxed{}`, `#### x` or
+  number in it; the scorers read the first number of what they are given)."""
+  import reasoning_gym  # pylint: disable=g-import-not-at-top
+
+  entry = {"answer": answer, "metadata": metadata}
+  return float(
+      reasoning_gym.get_score_answer_fn(gym_dataset)(extract_final_answer(response), entry)
+  )
+
+
 # -------------------------------------------------------------------- registry
 
 _REGISTRY: dict[str, Callable[..., float]] = {
@@ -218,7 +229,7 @@ _REGISTRY: dict[str, Callable[..., float]] = {
     "math_verify": math_verify,
     "math_verify_light": math_verify_light,
     # Rows of task.kind="gym": the reasoning-gym generator's own scorer.
-    "reasoning_gym": gym.score,
+    "reasoning_gym": reasoning_gym_score,
 }
 
 

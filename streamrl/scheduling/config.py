@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from streamrl import config_utils
 from streamrl.config_checks import need, one_of, positive
 from streamrl.scheduling.policy import SCHEDULERS
 
@@ -76,7 +77,8 @@ class Scheduler:
           "empty to learn online.",
       )
     else:
-      path = self.ranker_config.split(":", 1)[0]
+      # configs/ranker.py:tiny names a file of the checkout, from any directory.
+      path = config_utils.find_config_file(self.ranker_config).split(":", 1)[0]
       need(
           os.path.isfile(path),
           f"scheduler.ranker_config={self.ranker_config!r}: no file {path!r}; use "

@@ -2,7 +2,7 @@
 
   python launch/export.py --workdir=W --out=DIR [--step=N] [--overwrite]
 
-  export_checkpoint(W, DIR, step=None)      # checkpoint N (default: newest) of run W
+  streamrl.train.export_checkpoint(W, DIR, step=None)   # checkpoint N (default: newest) of run W
   export_policy(trainer.policy(), model_dir=policy_dir, out=DIR, dtype=s.model.dtype)
 
 DIR then holds what `transformers.AutoModelForCausalLM.from_pretrained(DIR)`
@@ -38,11 +38,9 @@ import orbax.checkpoint as ocp
 import tokenizers
 from flax import nnx
 
-from streamrl import settings as settings_lib
 from streamrl.errors import MissingFileError, UserError
 from streamrl.models import hf
 from streamrl.models.transformer import Transformer
-from streamrl.trainer import warmstart
 
 # Tokenizer files a model directory may ship (sentencepiece, BPE, WordPiece,
 # chat templates); each one present is copied as it is.
@@ -69,63 +67,6 @@ _ACTOR = "['state'].actor"
 
 
 # ------------------------------------------------------------- the run's files
-def read_settings(workdir: str) -> settings_lib.Settings:
-  """The settings a run saved in <workdir>/config.json.
-
-  Raises:
-    MissingFileError: no such directory, or no config.json in it.
-    UserError: config.json is not a run config this version reads.
-  """
-  if not os.path.isdir(workdir):
-    raise MissingFileError(
-        f"workdir {workdir} does not exist; pass the --workdir of a training run."
-    )
-  path = os.path.join(workdir, "config.json")
-  if not os.path.isfile(path):
-    raise MissingFileError(
-        f"{workdir} has no config.json, so it is not the workdir of a training run; pass "
-        "the --workdir that launch/main.py wrote."
-    )
-  try:
-    with open(path, encoding="utf-8") as f:
-      config = json.load(f)
-  except json.JSONDecodeError as e:
-    raise UserError(f"{path} is not valid JSON ({e.msg} at line {e.lineno}).") from None
-  # The data and profile files the run read need not exist where it is exported.
-  return settings_lib.from_config(config, check_files=False)
-
-
-def policy_dir(s: settings_lib.Settings, workdir: str) -> str:
-  """The run's policy directory, as `streamrl.train.policy_dir` chose it,
-  without creating anything: `model.path`, or the warm-started tiny model in
-  the workdir."""
-  if s.model.path:
-    path = s.model.path
-    if not os.path.isdir(path):
-      raise MissingFileError(
-          f"model.path={path} (from {workdir}/config.json) does not exist here; export on a "
-          "machine that has the run's policy directory at that path."
-      )
-    return path
-  # Imported here: the loop in streamrl/train.py calls export_policy at its end.
-  from streamrl import train  # pylint: disable=g-import-not-at-top
-
-  path = warmstart.tiny_model_dir(
-      s.model,
-      s.warmstart,
-      s.task,
-      seed=s.seed,
-      workdir=workdir,
-      trace=train.trace_config(s),
-  )
-  if not os.path.isfile(os.path.join(path, "config.json")):
-    raise MissingFileError(
-        f"the run's warm-started policy directory {path} is missing (its config and "
-        "tokenizer are exported with the weights); resuming the run recreates it."
-    )
-  return path
-
-
 def checkpoint_steps(workdir: str) -> list[int]:
   """The checkpointed steps of a run, ascending (empty when there are none)."""
   directory = os.path.join(workdir, "checkpoints")
@@ -138,7 +79,7 @@ def checkpoint_steps(workdir: str) -> list[int]:
   )
 
 
-def _pick_step(workdir: str, step: int | None) -> int:
+def pick_step(workdir: str, step: int | None) -> int:
   steps = checkpoint_steps(workdir)
   if not steps:
     raise MissingFileError(
@@ -211,7 +152,7 @@ def restore_actor(workdir: str, model_dir: str, step: int) -> Transformer:
 
 
 # --------------------------------------------------------------------- writing
-def _check_out(out: str, *, overwrite: bool, model_dir: str) -> str:
+def check_out(out: str, *, overwrite: bool, model_dir: str) -> str:
   out = os.path.abspath(out)
   if os.path.exists(out):
     if not os.path.isdir(out):
@@ -313,7 +254,7 @@ def export_policy(
     UserError: `out` is a file, is not empty (without `overwrite`), or is
       `model_dir` itself.
   """
-  out = _check_out(out, overwrite=overwrite, model_dir=model_dir)
+  out = check_out(out, overwrite=overwrite, model_dir=model_dir)
   parent, name = os.path.split(out)
   os.makedirs(parent, exist_ok=True)
   tmp = os.path.join(parent, f".{name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}")
@@ -325,26 +266,3 @@ def export_policy(
     shutil.rmtree(tmp, ignore_errors=True)
     raise
   return out
-
-
-def export_checkpoint(
-    workdir: str, out: str, *, step: int | None = None, overwrite: bool = False
-) -> int:
-  """Writes the actor of run `workdir`'s checkpoint `step` (default: the
-  newest) as the Hugging Face directory `out`, in the run's `model.dtype`.
-
-  Returns:
-    The step exported.
-
-  Raises:
-    UserError: no such workdir (or not a run's), no checkpoints, no
-      checkpoint of `step` (the message lists the saved ones), the run's
-      policy directory is gone, or `out` is refused (`export_policy`).
-  """
-  s = read_settings(workdir)
-  step = _pick_step(workdir, step)
-  model_dir = policy_dir(s, workdir)
-  _check_out(out, overwrite=overwrite, model_dir=model_dir)  # before the restore
-  model = restore_actor(workdir, model_dir, step)
-  export_policy(model, model_dir=model_dir, out=out, dtype=s.model.dtype, overwrite=overwrite)
-  return step
