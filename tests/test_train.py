@@ -66,7 +66,12 @@ def test_ppo_two_iterations_log_and_checkpoint(tmp_path):
   assert sorted(os.listdir(os.path.join(workdir, "checkpoints")))[-1] == "2"
   # The trained policy as a Hugging Face directory (tests/trainer/test_export*.py load it).
   hf_files = set(os.listdir(os.path.join(workdir, train.HF_DIR)))
-  assert {"config.json", "model.safetensors", "tokenizer.json", "generation_config.json"} <= hf_files
+  assert {
+      "config.json",
+      "model.safetensors",
+      "tokenizer.json",
+      "generation_config.json",
+  } <= hf_files
   assert 0.0 <= final["eval/accuracy"] <= 1.0
   # The warm start is cached and reused.
   assert len(glob.glob(os.path.join(workdir, "warmstart-*"))) == 1
