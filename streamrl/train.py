@@ -143,7 +143,7 @@ def full_fingerprint(s: settings_lib.Settings) -> dict:
   """Every field the fingerprint covers (what checkpoints held before 0.1)."""
   asdict = dataclasses.asdict
   return {
-      "model": {"path": s.model.path, "tiny": s.model.tiny},
+      "model": {"path": s.model.path, "tiny": s.model.tiny, "tokenizer": s.model.tokenizer},
       "warmstart": asdict(s.warmstart),
       # The trace settings only where they matter (and a workdir written
       # before they existed still resumes).

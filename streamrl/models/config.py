@@ -1,4 +1,4 @@
-"""Shape and numerics of the Qwen2 / Llama decoder family."""
+"""Shape and numerics of the Qwen2 / Qwen3 / Llama / Mistral decoder family."""
 
 from __future__ import annotations
 
@@ -22,13 +22,64 @@ REMAT_POLICIES = ("none", "full", "dots")
 DEFAULT_LOGPROB_CHUNK = 512
 
 
+FAMILIES = ("qwen2", "qwen3", "llama", "mistral")
+# RoPE variants the model implements (`RopeScaling.rope_type`); "default" is
+# unscaled RoPE, written as `rope_scaling=None`.
+ROPE_SCALING_TYPES = ("linear", "llama3")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+  """A scaled RoPE's parameters, as HF's `rope_scaling` / `rope_parameters`.
+
+  Attributes:
+    rope_type: "linear" (every inverse frequency divided by `factor`) or
+      "llama3" (Llama 3.1: wavelengths longer than
+      original_max_position_embeddings / low_freq_factor divided by `factor`,
+      shorter than original_max_position_embeddings / high_freq_factor kept,
+      and the ones in between interpolated).
+    factor: the context-extension factor.
+    low_freq_factor, high_freq_factor, original_max_position_embeddings:
+      llama3 only (ignored by "linear").
+  """
+
+  rope_type: str
+  factor: float
+  low_freq_factor: float = 1.0
+  high_freq_factor: float = 4.0
+  original_max_position_embeddings: int = 8192
+
+  def __post_init__(self):
+    if self.rope_type not in ROPE_SCALING_TYPES:
+      raise ValueError(
+          f"RoPE scaling {self.rope_type!r} is not implemented; use one of {ROPE_SCALING_TYPES}."
+      )
+    if self.factor <= 0:
+      raise ValueError(f"RoPE scaling factor={self.factor} must be > 0.")
+    if self.rope_type == "llama3" and self.high_freq_factor <= self.low_freq_factor:
+      raise ValueError(
+          f"llama3 RoPE needs high_freq_factor ({self.high_freq_factor}) > low_freq_factor "
+          f"({self.low_freq_factor})."
+      )
+
+  def hf_dict(self) -> dict:
+    """The `rope_scaling` entry of an HF config.json."""
+    out = {"rope_type": self.rope_type, "factor": self.factor}
+    if self.rope_type == "llama3":
+      out["low_freq_factor"] = self.low_freq_factor
+      out["high_freq_factor"] = self.high_freq_factor
+      out["original_max_position_embeddings"] = self.original_max_position_embeddings
+    return out
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  """Hyper-parameters of a decoder-only transformer (Qwen2 or Llama style).
+  """Hyper-parameters of a decoder-only transformer (Qwen2/3, Llama, Mistral).
 
-  `family` decides the HF architecture name written on export; the math is the
-  same for both, the differences are the flags (`qkv_bias`, `tie_embeddings`,
-  `rope_theta`).
+  `family` decides the HF architecture name written on export; the math is
+  shared, the differences are the flags: `qkv_bias` (Qwen2), `qk_norm` (Qwen3:
+  a per-head RMSNorm on queries and keys before RoPE), `tie_embeddings`,
+  `rope_theta` and `rope_scaling` (Llama 3.1+). Mistral is Llama-shaped.
   """
 
   vocab_size: int
@@ -43,15 +94,29 @@ class ModelConfig:
   tie_embeddings: bool = False
   qkv_bias: bool = False
   max_position_embeddings: int = 4096
-  family: str = "qwen2"  # "qwen2" | "llama"
+  family: str = "qwen2"  # one of FAMILIES
+  qk_norm: bool = False
+  rope_scaling: RopeScaling | None = None  # None: default (unscaled) RoPE
 
   def __post_init__(self):
-    if self.family not in ("qwen2", "llama"):
-      raise ValueError(f"Unsupported model family {self.family!r}; use 'qwen2' or 'llama'.")
+    if self.family not in FAMILIES:
+      raise ValueError(f"Unsupported model family {self.family!r}; use one of {FAMILIES}.")
     if self.num_heads % self.num_kv_heads:
       raise ValueError(
           f"num_heads={self.num_heads} must be a multiple of "
           f"num_kv_heads={self.num_kv_heads} for grouped-query attention."
+      )
+    # The HF architecture written on export fixes these two flags.
+    if self.qk_norm != (self.family == "qwen3"):
+      raise ValueError(
+          f"qk_norm={self.qk_norm} does not fit family {self.family!r}: Qwen3 always has "
+          "q/k norms and the other families never do."
+      )
+    if self.qkv_bias and self.family in ("qwen3", "mistral"):
+      raise ValueError(f"family {self.family!r} has no q/k/v bias; set qkv_bias=False.")
+    if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+      raise ValueError(
+          f"rope_scaling must be a RopeScaling or None, not {type(self.rope_scaling).__name__}."
       )
 
   @property
@@ -66,6 +131,8 @@ class ModelConfig:
     attn = d * h * hd + 2 * d * k * hd + h * hd * d
     if self.qkv_bias:
       attn += h * hd + 2 * k * hd
+    if self.qk_norm:
+      attn += 2 * hd
     layer = attn + 3 * d * i + 2 * d
     emb = self.vocab_size * d * (1 if self.tie_embeddings else 2)
     return self.num_layers * layer + emb + d
@@ -106,6 +173,64 @@ def tiny_llama(vocab_size: int = 64) -> ModelConfig:
       qkv_bias=False,
       max_position_embeddings=512,
       family="llama",
+  )
+
+
+def tiny_qwen3(vocab_size: int = 64) -> ModelConfig:
+  """Qwen3-style test config: q/k norms, no bias, tied, head_dim 32 wider than
+  hidden_size / num_heads (16), as Qwen3's explicit head_dim allows."""
+  return ModelConfig(
+      vocab_size=vocab_size,
+      hidden_size=64,
+      intermediate_size=192,
+      num_layers=2,
+      num_heads=4,
+      num_kv_heads=2,
+      head_dim=32,
+      rope_theta=1000000.0,
+      rms_norm_eps=1e-6,
+      tie_embeddings=True,
+      qkv_bias=False,
+      max_position_embeddings=512,
+      family="qwen3",
+      qk_norm=True,
+  )
+
+
+def tiny_llama3(vocab_size: int = 64) -> ModelConfig:
+  """`tiny_llama` with Llama 3.1's RoPE scaling. The pre-training context (64)
+  is set so low that the 16 frequencies of head_dim 32 fall in all three
+  regimes (2 kept, 1 interpolated, 13 divided by the factor) and the scaling
+  shows within a few dozen positions."""
+  return dataclasses.replace(
+      tiny_llama(vocab_size),
+      rope_scaling=RopeScaling(
+          "llama3",
+          factor=8.0,
+          low_freq_factor=1.0,
+          high_freq_factor=4.0,
+          original_max_position_embeddings=64,
+      ),
+  )
+
+
+def tiny_mistral(vocab_size: int = 64) -> ModelConfig:
+  """Mistral-style test config (no sliding window): Llama-shaped, untied, and a
+  head_dim (64) that is not hidden_size / num_heads (32)."""
+  return ModelConfig(
+      vocab_size=vocab_size,
+      hidden_size=128,
+      intermediate_size=256,
+      num_layers=2,
+      num_heads=4,
+      num_kv_heads=1,
+      head_dim=64,
+      rope_theta=1000000.0,
+      rms_norm_eps=1e-5,
+      tie_embeddings=False,
+      qkv_bias=False,
+      max_position_embeddings=512,
+      family="mistral",
   )
 
 
@@ -154,7 +279,8 @@ class ComputeConfig:
 
 
 # ------------------------------------------------------------ run settings
-TINY_MODELS = ("qwen2", "llama")
+TINY_MODELS = ("qwen2", "llama", "qwen3")
+TINY_TOKENIZERS = ("chars", "sentencepiece")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -164,6 +290,10 @@ class Model:
 
   path: str = ""
   tiny: str = "qwen2"
+  # The tiny model's tokenizer: "chars" (the synthetic tasks' character
+  # tokenizer) or "sentencepiece" (mistral-common's real 32,000-piece one,
+  # with a chat template; the model's vocabulary follows it).
+  tokenizer: str = "chars"
   # The generators' weights and activations (the trainer keeps fp32 weights).
   dtype: str = "float32"
 
@@ -171,3 +301,4 @@ class Model:
     one_of("model.dtype", self.dtype, DTYPES)
     if not self.path:
       one_of("model.tiny", self.tiny, TINY_MODELS)
+      one_of("model.tokenizer", self.tokenizer, TINY_TOKENIZERS)

@@ -20,13 +20,31 @@ from flax import nnx
 
 from streamrl.errors import MissingFileError, UserError
 from streamrl.models import safetensors_io
-from streamrl.models.config import ModelConfig
+from streamrl.models.config import ModelConfig, RopeScaling
 from streamrl.models.transformer import Transformer
 
 SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
     "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
 }
+_FIX = "convert the model or pick a Qwen2, Qwen3, Llama or Mistral checkpoint."
+# Well-known architectures we can't run, each with what our decoder lacks.
+REFUSED_ARCHITECTURES = {
+    "Gemma2ForCausalLM": (
+        "Gemma 2 (Gemma2ForCausalLM) is not supported: its logit soft-capping, alternating "
+        "sliding-window layers, extra norms and scaled embeddings are not implemented; " + _FIX
+    ),
+    "Phi3ForCausalLM": (
+        "Phi-3 (Phi3ForCausalLM) is not supported: its fused qkv_proj / gate_up_proj weights "
+        "and longrope scaling are not implemented; " + _FIX
+    ),
+}
+# What transformers assumes when config.json leaves a field out, where it
+# differs from our defaults (Qwen's window is off unless use_sliding_window).
+_SLIDING_WINDOW_DEFAULT = {"mistral": 4096}
+_HEAD_DIM_DEFAULT = {"qwen3": 128}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +89,14 @@ def _layout(cfg: ModelConfig) -> Iterator[_Entry]:
             p + ("attn", f"b_{ours}_{bsuffix}"),
             hf + f"self_attn.{theirs}_proj.bias",
             *split_bias(heads),
+        )
+    if cfg.qk_norm:
+      for ours in ("q", "k"):
+        yield _Entry(
+            p + ("attn", f"{ours}_norm", "scale"),
+            hf + f"self_attn.{ours}_norm.weight",
+            _identity,
+            _identity,
         )
     yield _Entry(
         p + ("attn", "w_o_hnd"),
@@ -195,6 +221,11 @@ def from_hf_tensors(cfg: ModelConfig, tensors: Mapping[str, np.ndarray]) -> Tran
 def hf_config_dict(
     cfg: ModelConfig, *, bos_token_id: int = 1, eos_token_id: int = 2, pad_token_id: int = 0
 ) -> dict:
+  """The config.json of `cfg`, which transformers and vLLM load as the same model.
+
+  RoPE is written the transformers-4 way (`rope_theta`, `rope_scaling`),
+  which transformers 5 reads into its `rope_parameters` too.
+  """
   arch = {v: k for k, v in SUPPORTED_ARCHITECTURES.items()}[cfg.family]
   out = {
       "architectures": [arch],
@@ -216,15 +247,68 @@ def hf_config_dict(
       "eos_token_id": eos_token_id,
       "pad_token_id": pad_token_id,
   }
+  if cfg.rope_scaling is not None:
+    out["rope_scaling"] = cfg.rope_scaling.hf_dict()
   if cfg.family == "llama":
     out["attention_bias"] = False
     out["mlp_bias"] = False
+  if cfg.family == "qwen3":
+    out["attention_bias"] = False
+    out["use_sliding_window"] = False
+  if cfg.family in ("qwen3", "mistral"):
+    out["sliding_window"] = None  # both default to 4096 when it is absent
   return out
+
+
+def _rope_scaling(hf: Mapping, rope: Mapping) -> RopeScaling | None:
+  """The scaling in `rope` (HF's `rope_parameters` / `rope_scaling`; None: default RoPE)."""
+  if not isinstance(rope, Mapping) or (rope and all(isinstance(v, Mapping) for v in rope.values())):
+    raise UserError(
+        f"RoPE parameters {rope!r} (one set per layer type) are not supported; use a "
+        "checkpoint with one RoPE for all layers."
+    )
+  rope_type = rope.get("rope_type") or rope.get("type") or "default"
+  partial = rope.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
+  if partial not in (None, 1.0):
+    raise UserError(
+        f"partial_rotary_factor={partial} (RoPE on part of each head) is not supported; use a "
+        "checkpoint that rotates the whole head."
+    )
+  if rope_type == "default":
+    return None
+  if rope_type not in ("linear", "llama3"):
+    raise UserError(
+        f"RoPE scaling {rope_type!r} is not supported; use a checkpoint with default, "
+        "'linear' or 'llama3' RoPE."
+    )
+  try:
+    factor = float(rope["factor"])
+    if rope_type == "linear":
+      return RopeScaling("linear", factor)
+    return RopeScaling(
+        "llama3",
+        factor,
+        low_freq_factor=float(rope["low_freq_factor"]),
+        high_freq_factor=float(rope["high_freq_factor"]),
+        # What transformers falls back on when the field is absent.
+        original_max_position_embeddings=int(
+            rope.get("original_max_position_embeddings", hf.get("max_position_embeddings", 4096))
+        ),
+    )
+  except KeyError as e:
+    raise UserError(
+        f"{rope_type!r} RoPE scaling lacks {e.args[0]!r}; fix rope_scaling in config.json."
+    ) from None
+  except ValueError as e:
+    raise UserError(f"Bad {rope_type!r} RoPE scaling in config.json: {e}") from None
 
 
 def config_from_hf(hf: Mapping) -> ModelConfig:
   """Parses an HF config.json dict, refusing architectures we can't run."""
   archs = hf.get("architectures") or []
+  refused = next((REFUSED_ARCHITECTURES[a] for a in archs if a in REFUSED_ARCHITECTURES), None)
+  if refused:
+    raise UserError(refused)
   family = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
   if family is None:
     raise UserError(
@@ -236,13 +320,27 @@ def config_from_hf(hf: Mapping) -> ModelConfig:
         "Llama checkpoints with attention_bias/mlp_bias are not supported; "
         "use a checkpoint without biases."
     )
-  rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-  if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
+  if family == "qwen3" and hf.get("attention_bias"):
     raise UserError(
-        f"RoPE scaling {rope.get('rope_type')!r} is not supported; "
-        "use a checkpoint with default RoPE."
+        "Qwen3 checkpoints with attention_bias=true are not supported; use a checkpoint "
+        "without q/k/v/o biases (every released Qwen3 has none)."
     )
-  theta = hf.get("rope_theta", rope.get("rope_theta", 10000.0))
+  window = hf.get("sliding_window", _SLIDING_WINDOW_DEFAULT.get(family))
+  # Qwen configs carry a window that only use_sliding_window (default false)
+  # turns on; transformers' Mistral has no such switch and uses any window.
+  if family in ("qwen2", "qwen3"):
+    slides = window is not None and hf.get("use_sliding_window", False) is not False
+  else:
+    slides = window is not None
+  if slides:
+    raise UserError(
+        f"Sliding-window attention ({archs[0]}, sliding_window={window}) is not supported; "
+        "use a checkpoint with full attention (sliding_window: null)."
+    )
+  # transformers 5 writes rope_theta inside rope_parameters, 4 next to rope_scaling.
+  rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+  rope_scaling = _rope_scaling(hf, rope)
+  theta = hf.get("rope_theta") or rope.get("rope_theta") or 10000.0
   heads = hf["num_attention_heads"]
   return ModelConfig(
       vocab_size=hf["vocab_size"],
@@ -250,14 +348,16 @@ def config_from_hf(hf: Mapping) -> ModelConfig:
       intermediate_size=hf["intermediate_size"],
       num_layers=hf["num_hidden_layers"],
       num_heads=heads,
-      num_kv_heads=hf.get("num_key_value_heads", heads),
-      head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+      num_kv_heads=hf.get("num_key_value_heads") or heads,
+      head_dim=hf.get("head_dim") or _HEAD_DIM_DEFAULT.get(family) or hf["hidden_size"] // heads,
       rope_theta=float(theta),
       rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
       tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
       qkv_bias=family == "qwen2",
       max_position_embeddings=hf.get("max_position_embeddings", 4096),
       family=family,
+      qk_norm=family == "qwen3",
+      rope_scaling=rope_scaling,
   )
 
 
@@ -324,7 +424,7 @@ def load_hf_tensors(model_dir: str) -> dict[str, np.ndarray]:
 
 
 def load_hf(model_dir: str) -> tuple[ModelConfig, Transformer]:
-  """Loads any local Qwen2 / Llama HF checkpoint directory into Flax."""
+  """Loads any local Qwen2 / Qwen3 / Llama / Mistral HF checkpoint directory into Flax."""
   cfg = read_config(model_dir)
   tensors = load_hf_tensors(model_dir)
   if (

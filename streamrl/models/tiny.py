@@ -1,4 +1,5 @@
-"""The tiny default policy: random init + the character tokenizer, saved as a
+"""The tiny default policy: random init + the character tokenizer (or a real
+SentencePiece one), saved as a
 normal HF directory (config.json, model.safetensors, tokenizer files) so the
 trainer and vLLM load it like any real checkpoint. Nothing is downloaded."""
 
@@ -19,10 +20,18 @@ def build_tiny_model_dir(
     cfg: config_lib.ModelConfig | None = None,
     seed: int = 0,
     model: Transformer | None = None,
+    tokenizer: str = "chars",
 ) -> str:
-  """Writes a tiny model (random init unless `model` is given) to `path`."""
+  """Writes a tiny model (random init unless `model` is given) to `path`,
+  with the character tokenizer or (`tokenizer="sentencepiece"`) the real
+  32,000-piece one mistral-common ships, chat template included."""
   cfg = cfg or config_lib.tiny_qwen2(tok.VOCAB_SIZE)
   model = model or Transformer(cfg, rngs=nnx.Rngs(seed))
+  if tokenizer == "sentencepiece":
+    # Llama / Mistral ids: <unk> 0, <s> 1, </s> 2 (no pad token: <unk> pads).
+    hf.save_hf(model, path, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    tok.save_sentencepiece_tokenizer(path)
+    return os.fspath(path)
   hf.save_hf(model, path, bos_token_id=tok.BOS_ID, eos_token_id=tok.EOS_ID, pad_token_id=tok.PAD_ID)
   tok.save_hf_tokenizer(path, model_max_length=cfg.max_position_embeddings)
   return os.fspath(path)

@@ -1,4 +1,4 @@
-"""Qwen2 / Llama decoder in Flax NNX.
+"""Qwen2 / Qwen3 / Llama / Mistral decoder in Flax NNX.
 
 The model knows nothing of meshes or jit: every parameter carries logical axis
 names in its `logical_axes` metadata, and `streamrl.trainer.sharding` turns them
@@ -19,11 +19,13 @@ n head_dim, f MLP width, v vocab.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from streamrl.models.config import ComputeConfig, ModelConfig
+from streamrl.models.config import ComputeConfig, ModelConfig, RopeScaling
 
 _F32 = jnp.float32
 _DEFAULT_COMPUTE = ComputeConfig()
@@ -58,10 +60,40 @@ class RMSNorm(nnx.Module):
     return (x * self.scale[...].astype(_F32)).astype(out_dtype or x_btd.dtype)
 
 
-def rope(x_bthn: jax.Array, positions_bt: jax.Array, theta: float) -> jax.Array:
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None = None) -> jax.Array:
+  """RoPE's inverse frequencies [head_dim // 2] (fp32), scaled as HF does.
+
+  Default: theta^(-2i / head_dim). "linear" divides them all by the factor.
+  "llama3" (transformers' `_compute_llama3_parameters`, in the same fp32 op
+  order) works on wavelengths w = 2 pi / f against the pre-training context
+  L = original_max_position_embeddings: w < L / high_freq_factor keeps f,
+  w > L / low_freq_factor gives f / factor, and in between
+  f * ((1 - s) / factor + s) with s = (L / w - low) / (high - low).
+  """
+  inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=_F32) / head_dim))
+  if scaling is None:
+    return inv_freq
+  if scaling.rope_type == "linear":
+    return inv_freq / scaling.factor
+  factor, low, high = scaling.factor, scaling.low_freq_factor, scaling.high_freq_factor
+  context = scaling.original_max_position_embeddings
+  low_freq_wavelen, high_freq_wavelen = context / low, context / high
+  wavelen = 2 * math.pi / inv_freq
+  scaled = jnp.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+  smooth = (context / wavelen - low) / (high - low)
+  smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+  medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+  return jnp.where(medium, smoothed, scaled)
+
+
+def rope(
+    x_bthn: jax.Array,
+    positions_bt: jax.Array,
+    theta: float,
+    scaling: RopeScaling | None = None,
+) -> jax.Array:
   """Rotary embedding in the HF layout (halves rotated, not interleaved)."""
-  n = x_bthn.shape[-1]
-  inv_freq = 1.0 / (theta ** (jnp.arange(0, n, 2, dtype=jnp.float32) / n))
+  inv_freq = rope_inv_freq(x_bthn.shape[-1], theta, scaling)
   freqs_btn = positions_bt[..., None].astype(jnp.float32) * inv_freq
   cos = jnp.cos(freqs_btn)[:, :, None, :]
   sin = jnp.sin(freqs_btn)[:, :, None, :]
@@ -83,6 +115,9 @@ class Attention(nnx.Module):
       self.b_q_hn = _param(rngs, _zeros, (h, n), ("q_heads", "head_dim"))
       self.b_k_kn = _param(rngs, _zeros, (k, n), ("kv_heads", "head_dim"))
       self.b_v_kn = _param(rngs, _zeros, (k, n), ("kv_heads", "head_dim"))
+    if cfg.qk_norm:  # Qwen3: one [n] scale shared by all heads, for q and for k
+      self.q_norm = RMSNorm(n, cfg.rms_norm_eps, rngs=rngs)
+      self.k_norm = RMSNorm(n, cfg.rms_norm_eps, rngs=rngs)
 
   def __call__(self, x_btd: jax.Array, positions_bt: jax.Array) -> jax.Array:
     cfg, dt = self.cfg, x_btd.dtype
@@ -93,8 +128,11 @@ class Attention(nnx.Module):
       q = q + self.b_q_hn[...].astype(dt)
       k = k + self.b_k_kn[...].astype(dt)
       v = v + self.b_v_kn[...].astype(dt)
-    q = rope(q, positions_bt, cfg.rope_theta)
-    k = rope(k, positions_bt, cfg.rope_theta)
+    if cfg.qk_norm:  # over head_dim, after the projection and before RoPE, as HF's Qwen3
+      q = self.q_norm(q)
+      k = self.k_norm(k)
+    q = rope(q, positions_bt, cfg.rope_theta, cfg.rope_scaling)
+    k = rope(k, positions_bt, cfg.rope_theta, cfg.rope_scaling)
     b, t, h, n = q.shape
     g = h // cfg.num_kv_heads
     # Query head j uses kv head j // g, as in HF's repeat_kv.

@@ -29,7 +29,13 @@ from streamrl.models import hf, tiny
 
 log = logging.getLogger(__name__)
 
-_TINY = {"qwen2": model_config_lib.tiny_qwen2, "llama": model_config_lib.tiny_llama}
+_TINY = {
+    "qwen2": model_config_lib.tiny_qwen2,
+    "llama": model_config_lib.tiny_llama,
+    "qwen3": model_config_lib.tiny_qwen3,
+}
+# The tiny model's vocabulary follows its tokenizer (`model.tokenizer`).
+_VOCAB = {"chars": char_tok.VOCAB_SIZE, "sentencepiece": 32000}
 
 
 def fingerprint(obj) -> str:
@@ -45,6 +51,8 @@ def tiny_model_dir(
   key = fingerprint(
       {
           "tiny": model.tiny,
+          # Only when not the default, so the caches of earlier runs keep their names.
+          **({"tokenizer": model.tokenizer} if model.tokenizer != "chars" else {}),
           "warm": dataclasses.asdict(warm),
           "ops": list(task.ops),
           "max_answer_len": task.max_answer_len,
@@ -80,13 +88,18 @@ def prepare_model_dir(
   if os.path.isfile(os.path.join(path, "model.safetensors")):
     log.info("Reusing warm-started policy %s", path)
     return path
-  cfg = _TINY[model.tiny](char_tok.VOCAB_SIZE)
+  cfg = _TINY[model.tiny](_VOCAB[model.tokenizer])
   from flax import nnx  # pylint: disable=g-import-not-at-top
   from streamrl.models.transformer import Transformer  # pylint: disable=g-import-not-at-top
   from streamrl.trainer import sft  # pylint: disable=g-import-not-at-top
 
   policy = Transformer(cfg, rngs=nnx.Rngs(seed))
   if warm.steps:
+    if model.tokenizer != "chars":
+      raise ValueError(
+          "The warm-up teaches the synthetic tasks with the character tokenizer; set "
+          "warmstart.steps=0 with model.tokenizer=sentencepiece."
+      )
     if trace is None and any(e.task.startswith("trace-") for e in train_examples):
       raise ValueError(
           "Trace examples need the run's TraceConfig; pass trace=train.trace_config(s)."
@@ -113,7 +126,7 @@ def prepare_model_dir(
     )
     log.info("Warm-up: %d steps, final loss %.3f, %.0f s", warm.steps, loss, time.time() - t0)
   tmp = f"{path}.tmp{os.getpid()}"
-  tiny.build_tiny_model_dir(tmp, cfg, model=policy)
+  tiny.build_tiny_model_dir(tmp, cfg, model=policy, tokenizer=model.tokenizer)
   try:
     os.replace(tmp, path)  # Atomic: a reader never sees half a directory.
   except OSError:

@@ -37,15 +37,26 @@ def max_logprob_error(generator, model, temperature=0.8, seed=0):
   return max(errs), samples
 
 
+TINY = {
+    "qwen2": config.tiny_qwen2,
+    "llama": config.tiny_llama,
+    "qwen3": config.tiny_qwen3,
+    "llama3": config.tiny_llama3,  # Llama 3.1 RoPE scaling
+    "mistral": config.tiny_mistral,
+}
+
+
 @pytest.fixture(scope="module", params=["qwen2", "llama"])
 def engine(request, tmp_path_factory):
-  cfg = {"qwen2": config.tiny_qwen2, "llama": config.tiny_llama}[request.param](64)
+  cfg = TINY[request.param](64)
   path = tiny.build_tiny_model_dir(str(tmp_path_factory.mktemp(request.param)), cfg, seed=7)
   gen = GeneratorInstance(path, max_num_seqs=8, max_model_len=128, seed=0)
   _, model = hf.load_hf(path)
   return gen, model, cfg
 
 
+# The other architectures only here: each engine costs a start-up (~4 s).
+@pytest.mark.parametrize("engine", list(TINY), indirect=True)
 def test_sampled_logprobs_match_flax(engine):
   gen, model, _ = engine
   err, samples = max_logprob_error(gen, model)

@@ -30,14 +30,8 @@ def test_round_trip_is_bit_exact(tmp_path, make):
 @pytest.mark.parametrize("make", [config.tiny_qwen2, config.tiny_llama])
 def test_checkpoint_written_by_transformers_loads_and_matches_torch(tmp_path, make):
   torch = pytest.importorskip("torch")
-  transformers = pytest.importorskip("transformers")
   cfg = make(64)
-  hf_cfg = hf.hf_config_dict(cfg)
-  cls = {"qwen2": transformers.Qwen2ForCausalLM, "llama": transformers.LlamaForCausalLM}[cfg.family]
-  config_cls = {"qwen2": transformers.Qwen2Config, "llama": transformers.LlamaConfig}[cfg.family]
-  torch.manual_seed(0)
-  ref = cls(config_cls(**{k: v for k, v in hf_cfg.items() if k != "architectures"})).eval()
-  ref.save_pretrained(str(tmp_path), safe_serialization=True)
+  ref = save_with_transformers(cfg, tmp_path, torch.float32)
   _, model = hf.load_hf(str(tmp_path))
   tokens = np.array([[1, 5, 9, 13, 40, 2, 7, 30]])
   with torch.no_grad():
@@ -71,15 +65,27 @@ def test_shape_mismatch_names_the_parameter(tmp_path):
     hf.load_hf(str(tmp_path))
 
 
-def _save_with_transformers(cfg, path, torch_dtype):
-  """A random model of `cfg` saved by transformers itself in `torch_dtype`."""
+def save_with_transformers(cfg, path, torch_dtype, *, randomize_norms=False):
+  """A random model of `cfg`, built from our exported config.json by
+  transformers itself and saved by it in `torch_dtype`.
+
+  `randomize_norms` draws every RMSNorm scale from 1 + 0.2 N(0, 1) (HF
+  initialises them to ones), so a norm mapped to the wrong place shows.
+  """
   torch = pytest.importorskip("torch")
   transformers = pytest.importorskip("transformers")
   hf_cfg = hf.hf_config_dict(cfg)
-  cls = {"qwen2": transformers.Qwen2ForCausalLM, "llama": transformers.LlamaForCausalLM}[cfg.family]
-  config_cls = {"qwen2": transformers.Qwen2Config, "llama": transformers.LlamaConfig}[cfg.family]
+  kwargs = {k: v for k, v in hf_cfg.items() if k not in ("architectures", "model_type")}
   torch.manual_seed(0)
-  ref = cls(config_cls(**{k: v for k, v in hf_cfg.items() if k != "architectures"}))
+  ref = transformers.AutoModelForCausalLM.from_config(
+      transformers.AutoConfig.for_model(cfg.family, **kwargs)
+  )
+  assert type(ref).__name__ == hf_cfg["architectures"][0]
+  if randomize_norms:
+    with torch.no_grad():
+      for name, p in ref.named_parameters():
+        if name.endswith("norm.weight"):
+          p.copy_(1.0 + 0.2 * torch.randn_like(p))
   ref = ref.to(torch_dtype).eval()
   ref.save_pretrained(str(path), safe_serialization=True)
   return ref
@@ -90,7 +96,7 @@ def _save_with_transformers(cfg, path, torch_dtype):
 def test_half_precision_checkpoint_from_transformers_loads_bit_exactly(tmp_path, make, dtype):
   torch = pytest.importorskip("torch")
   cfg = make(64)
-  ref = _save_with_transformers(cfg, tmp_path, getattr(torch, dtype))
+  ref = save_with_transformers(cfg, tmp_path, getattr(torch, dtype))
   _, model = hf.load_hf(str(tmp_path))
   # Every weight is the checkpoint's half-precision value, exactly (fp32 holds it).
   ours = hf.to_hf_tensors(model, dtype)
@@ -111,7 +117,7 @@ def test_bf16_checkpoint_matches_transformers_bf16_logits(tmp_path):
   forward: they differ by bf16 rounding of activations only."""
   torch = pytest.importorskip("torch")
   cfg = config.tiny_qwen2(64)
-  ref = _save_with_transformers(cfg, tmp_path, torch.bfloat16)
+  ref = save_with_transformers(cfg, tmp_path, torch.bfloat16)
   _, model = hf.load_hf(str(tmp_path))
   tokens = np.array([[1, 5, 9, 13, 40, 2, 7, 30]])
   with torch.no_grad():
