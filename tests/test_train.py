@@ -243,3 +243,47 @@ def test_a_work_trace_run_trains_on_ragged_micro_batches(tmp_path, monkeypatch):
   assert final["response_length/max"] <= 96
   # Some mini-batch had micro-batches of different padded lengths.
   assert any(len(set(c)) > 1 for c in cuts), cuts
+
+
+def test_the_gsm_symbolic_example_runs_end_to_end(tmp_path):
+  """configs/gsm_symbolic.py in this process (colocated, short answers):
+  reasoning-gym rows, chat-formatted for a Qwen3-shaped model with the real
+  32k SentencePiece tokenizer, the generator's scorer as reward and accuracy,
+  three iterations, and the HF export that transformers loads and scores as
+  the trainer's Flax model does."""
+  import torch
+  import transformers
+
+  from streamrl.models import hf
+
+  cfg = config_utils.apply_overrides(
+      _load("gsm_symbolic"),
+      {
+          "pipeline.mode": "colocated",
+          "transfer.enabled": False,
+          "scheduler.kind": "fifo",
+          "pipeline.partial": "off",
+          "log.progress": False,
+          "task.num_eval": 4,
+          "sampling.max_tokens": 16,
+          "engine.max_num_seqs": 16,
+          "mesh.fsdp": 1,
+      },
+  )
+  workdir = str(tmp_path / "gsm")
+  final = experiment.run(cfg, workdir)
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    rows = [json.loads(line) for line in f]
+  assert [r["step"] for r in rows if "reward/mean" in r] == [1, 2, 3]
+  assert "accuracy/gsm_symbolic" in rows[-1] and "eval/accuracy/gsm_symbolic" in rows[-1]
+  assert final["samples/count"] == 16 and final["reward/errors_total"] == 0
+  out = os.path.join(workdir, train.HF_DIR)
+  model = transformers.AutoModelForCausalLM.from_pretrained(out, torch_dtype=torch.float32)
+  assert type(model).__name__ == "Qwen3ForCausalLM" and model.config.vocab_size == 32000
+  tok = transformers.AutoTokenizer.from_pretrained(out)
+  ids = tok.apply_chat_template([{"role": "user", "content": "What is 2+3?"}], tokenize=True)
+  ids = list(getattr(ids, "input_ids", ids))
+  with torch.no_grad():
+    want = model(torch.tensor([ids])).logits.numpy()
+  _, flax_model = hf.load_hf(out)
+  np.testing.assert_allclose(np.asarray(flax_model(np.asarray([ids]))), want, atol=1e-4)

@@ -265,7 +265,7 @@ def get_reward_fn(name: str, **kwargs: Any) -> RewardFn:
 
 def spec_of(name: str) -> str:
   """The `module:function` a worker process loads for reward `name`."""
-  return name if usercode.is_spec(name) else f"{__name__}:{name}"
+  return name if usercode.is_spec(name) else f"{__name__}:{_REGISTRY[name].__name__}"
 
 
 # ---------------------------------------------------------------- results
