@@ -384,8 +384,10 @@ class Rewarder:
     self._metrics: list[Mapping[str, float]] = []
 
   @staticmethod
-  def _key(sample) -> tuple:
-    return (sample.prompt_id, tuple(sample.token_ids))
+  def _key(sample, example) -> tuple:
+    # The example's own id too: an eval request and a training one share
+    # request ids, and two prompts may get the same response.
+    return (sample.prompt_id, example.prompt_id, tuple(sample.token_ids))
 
   def text(self, sample) -> str:
     """What the verifier reads of a sample's response."""
@@ -400,9 +402,12 @@ class Rewarder:
     """Starts scoring `samples` (finished ones) now."""
     with self._lock:
       for s in samples:
-        key = self._key(s)
-        if key not in self._pending and s.prompt_id in examples_by_id:
-          self._pending[key] = self._start(s, examples_by_id[s.prompt_id])
+        example = examples_by_id.get(s.prompt_id)
+        if example is None:
+          continue
+        key = self._key(s, example)
+        if key not in self._pending:
+          self._pending[key] = self._start(s, example)
       # Scores never asked for (a sample dropped by the pipeline) do not pile up.
       while len(self._pending) > 65536:
         self._pending.popitem(last=False)
@@ -412,8 +417,9 @@ class Rewarder:
     futures = []
     with self._lock:
       for s in samples:
-        f = self._pending.pop(self._key(s), None)
-        futures.append(f or self._start(s, examples_by_id[s.prompt_id]))
+        example = examples_by_id[s.prompt_id]
+        f = self._pending.pop(self._key(s, example), None)
+        futures.append(f or self._start(s, example))
     out = []
     for s, f in zip(samples, futures):
       result = f.result()

@@ -195,3 +195,14 @@ def test_an_unloadable_reward_is_refused_before_the_run(tmp_path):
     rewards.Rewarder(f"{tmp_path}/m.py:score", _Chars())
   with pytest.raises(ValueError, match="unknown"):
     rewards.Rewarder("exactmatch", _Chars())
+
+
+def test_a_pending_score_is_never_given_to_another_prompts_sample():
+  """Async runs submit the next round's samples before an eval whose
+  requests reuse the same ids: the same response to another prompt is
+  scored against its own answer."""
+  train_ex, eval_ex = Example(0, "q", "ab", "file"), Example(10**6, "p", "zz", "file")
+  with rewards.Rewarder("exact_match", _Chars(), workers=0) as rw:
+    rw.submit([_S("ab", 0)], {0: train_ex})
+    assert rw(([_S("ab", 0)]), {0: eval_ex})[0].tolist() == [0.0]
+    assert rw(([_S("ab", 0)]), {0: train_ex})[0].tolist() == [1.0]
