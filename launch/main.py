@@ -49,7 +49,11 @@ _PLAN = flags.DEFINE_string(
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments {argv[1:]}; flags look like --name=value.")
-  config = _CONFIG.value
+  # Relative paths in the config resolve against its file's directory (then the checkout).
+  config_file = config_utils.find_config_file(
+      config_flags.get_config_filename(flags.FLAGS["config"])
+  )
+  config = config_utils.resolve_paths(_CONFIG.value, os.path.dirname(config_file.split(":")[0]))
   if _PLAN.value:
     from streamrl.planner import emit  # pylint: disable=g-import-not-at-top
 

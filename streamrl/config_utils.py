@@ -61,6 +61,55 @@ def find_config_file(spec: str) -> str:
   return spec
 
 
+def _is_path_key(key: str) -> bool:
+  leaf = key.rsplit(".", 1)[-1]
+  return leaf == "path" or leaf.endswith("_path")
+
+
+def resolve_paths(config: ml_collections.ConfigDict, base_dir: str) -> ml_collections.ConfigDict:
+  """The config with relative file paths made absolute: every `*path` key and a
+  `file.py:function` reward (`task.reward`). A relative path resolves against
+  `base_dir` (the config file's directory), else the checkout, else the
+  working directory — the first where it exists (unchanged if none: the
+  settings' check names it)."""
+  roots = (base_dir, REPO_ROOT, os.getcwd())
+
+  def absolute(path: str) -> str:
+    if not path or os.path.isabs(path):
+      return path
+    for root in roots:
+      if os.path.exists(os.path.join(root, path)):
+        return os.path.abspath(os.path.join(root, path))
+    return path
+
+  def node_of(key: str):
+    node = config
+    for part in key.split(".")[:-1]:
+      node = node[part]
+    return node
+
+  updates = {}
+  for key in _all_keys(config):
+    value = node_of(key)[key.rsplit(".", 1)[-1]]
+    if not isinstance(value, str):
+      continue
+    if _is_path_key(key):
+      new = absolute(value)
+    elif key == "task.reward" and ".py:" in value:
+      where, _, name = value.rpartition(":")
+      new = f"{absolute(where)}:{name}"
+    else:
+      continue
+    if new != value:
+      updates[key] = new
+  if not updates:
+    return config
+  config = ml_collections.ConfigDict(config.to_dict())
+  for key, value in updates.items():
+    node_of(key)[key.rsplit(".", 1)[-1]] = value
+  return config
+
+
 # ----------------------------------------------------------------- overrides
 
 _NoneType = type(None)

@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import ml_collections
 import pytest
 
 from streamrl.config_utils import (
@@ -14,6 +15,7 @@ from streamrl.config_utils import (
     find_config_file,
     load_config,
     load_sweep,
+    resolve_paths,
     run_name,
 )
 from streamrl.errors import MissingFileError, UserError
@@ -376,3 +378,24 @@ def test_the_compile_cache_defaults_to_the_user_cache_and_keeps_a_set_value():
   assert path == os.path.join(os.path.expanduser("~"), ".cache", "streamrl", "xla")
   assert config_utils.use_compile_cache({config_utils.COMPILE_CACHE_ENV: "/x"}) == "/x"
   assert config_utils.use_compile_cache({config_utils.COMPILE_CACHE_ENV: ""}) == ""  # off
+
+
+def test_relative_paths_resolve_against_the_config_file_then_the_checkout(tmp_path, monkeypatch):
+  (tmp_path / "data").mkdir()
+  (tmp_path / "data" / "train.jsonl").write_text("{}\n")
+  (tmp_path / "rw.py").write_text("def f(r, a): return 0.0\n")
+  cfg = ml_collections.ConfigDict(
+      {
+          "task": {"train_path": "data/train.jsonl", "eval_path": "", "reward": "rw.py:f"},
+          "scheduler": {"ranker_config": "configs/ranker.py:tiny"},
+          "model": {"path": "/abs/model"},
+          "other": {"name": "data/train.jsonl"},
+      }
+  )
+  monkeypatch.chdir("/")
+  out = resolve_paths(cfg, str(tmp_path))
+  assert out.task.train_path == str(tmp_path / "data" / "train.jsonl")
+  assert out.task.reward == f"{tmp_path / 'rw.py'}:f"
+  assert out.task.eval_path == "" and out.model.path == "/abs/model"
+  assert out.other.name == "data/train.jsonl"  # not a path key
+  assert cfg.task.train_path == "data/train.jsonl"  # the input is left as it was
