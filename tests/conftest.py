@@ -10,6 +10,10 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 # Keeps the vLLM engine in the test process: ~2 s start-up instead of ~15 s.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Converted tokenizers (streamrl/data/tokenizer.py) built once per session.
+if "STREAMRL_CACHE" not in os.environ:
+  os.environ["STREAMRL_CACHE"] = tempfile.mkdtemp(prefix="streamrl-test-cache-")
+  atexit.register(shutil.rmtree, os.environ["STREAMRL_CACHE"], ignore_errors=True)
 # One persistent XLA compilation cache for the whole session, inherited by the
 # runs tests start (subprocesses, Ray actors): the tiny model's train and
 # logprob steps compile once per shape instead of once per test.

@@ -162,6 +162,12 @@ TURNS_TEMPLATE = (
 )
 
 
+def _cache_dir() -> str:
+  return os.environ.get("STREAMRL_CACHE") or os.path.join(
+      os.path.expanduser("~"), ".cache", "streamrl"
+  )
+
+
 def save_sentencepiece_tokenizer(
     directory: str | os.PathLike,
     model_file: str | None = None,
@@ -169,13 +175,14 @@ def save_sentencepiece_tokenizer(
     chat_template: str | None = TURNS_TEMPLATE,
 ) -> str:
   """Writes a real SentencePiece tokenizer as an HF tokenizer directory
-  (tokenizer.model, tokenizer.json, tokenizer_config.json with
-  `chat_template`). `model_file` defaults to the 32,000-piece Llama/Mistral
-  model `mistral-common` ships (installed with vLLM); `transformers`
-  converts it to tokenizer.json offline (a few seconds). Returns `directory`."""
+  (tokenizer.model, tokenizer.json, tokenizer_config.json, the chat
+  template). `model_file` defaults to the 32,000-piece Llama/Mistral model
+  `mistral-common` ships (installed with vLLM); `transformers` converts it to
+  tokenizer.json offline (several seconds), once per model file and template:
+  the result is kept in $STREAMRL_CACHE (default ~/.cache/streamrl) and
+  copied from there. Returns `directory`."""
+  import hashlib  # pylint: disable=g-import-not-at-top
   import shutil  # pylint: disable=g-import-not-at-top
-
-  import transformers  # pylint: disable=g-import-not-at-top
 
   if model_file is None:
     import mistral_common  # pylint: disable=g-import-not-at-top
@@ -184,6 +191,27 @@ def save_sentencepiece_tokenizer(
         os.path.dirname(mistral_common.__file__), "data", "tokenizer.model.v1"
     )
   directory = os.fspath(directory)
+  with open(model_file, "rb") as f:
+    key = hashlib.sha256(f.read() + repr(chat_template).encode()).hexdigest()[:16]
+  cached = os.path.join(_cache_dir(), f"sentencepiece-{key}")
+  if not os.path.isfile(os.path.join(cached, "tokenizer.json")):
+    tmp = f"{cached}.tmp{os.getpid()}"
+    _convert_sentencepiece(model_file, tmp, chat_template)
+    try:
+      os.replace(tmp, cached)  # Atomic: another process may have won the race.
+    except OSError:
+      shutil.rmtree(tmp, ignore_errors=True)
+  os.makedirs(directory, exist_ok=True)
+  for name in os.listdir(cached):
+    shutil.copyfile(os.path.join(cached, name), os.path.join(directory, name))
+  return directory
+
+
+def _convert_sentencepiece(model_file: str, directory: str, chat_template: str | None) -> None:
+  import shutil  # pylint: disable=g-import-not-at-top
+
+  import transformers  # pylint: disable=g-import-not-at-top
+
   os.makedirs(directory, exist_ok=True)
   shutil.copyfile(model_file, os.path.join(directory, "tokenizer.model"))
   config = {
@@ -201,7 +229,6 @@ def save_sentencepiece_tokenizer(
   if chat_template is not None:
     hf.chat_template = chat_template
   hf.save_pretrained(directory)
-  return directory
 
 
 def read_chat_template(model_dir: str) -> str | None:
