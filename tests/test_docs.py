@@ -6,7 +6,7 @@ import re
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DOCS = ["README.md", "experiments/RESULTS.md"]
+DOCS = ["README.md", "experiments/RESULTS.md", "docs/DESIGN.md"]
 
 _FENCE = re.compile(r"^(```|~~~).*?^\1", re.S | re.M)
 _CODE = re.compile(r"`+[^`]*`+")
