@@ -560,14 +560,24 @@ def run(
 def export_hf(s: settings_lib.Settings, workdir: str, trainer, model_dir: str, *, multi_process):
   """The trained policy as a Hugging Face directory, <workdir>/hf (replaced
   whole on a rerun). A multi-process trainer's shards live in several
-  processes: its export reads the final checkpoint instead."""
+  processes: every process writes its own into one weights file (the
+  collective `export_weights`, as for a weight push), which process 0 saves.
+  (Reading the final checkpoint instead would hang: Orbax waits for every
+  process of the run at each restore.)"""
   out = os.path.join(workdir, HF_DIR)
-  if multi_process:
-    export_checkpoint(workdir, out, overwrite=True)
-  else:
+  weights = trainer.export_weights() if multi_process else None
+  try:
     export.export_policy(
-        trainer.policy(), model_dir=model_dir, out=out, dtype=s.model.dtype, overwrite=True
+        trainer.policy(),
+        model_dir=model_dir,
+        out=out,
+        dtype=s.model.dtype,
+        overwrite=True,
+        tensors=None if weights is None else weights.tensors(),
     )
+  finally:
+    if weights is not None:
+      weights.unlink()
   log.info("Trained policy exported to %s", out)
 
 

@@ -18,6 +18,7 @@ import time
 
 import numpy as np
 import pytest
+from safetensors.numpy import load_file
 
 from streamrl.trainer.checkpoint import read_arrays
 
@@ -109,6 +110,11 @@ def test_two_trainer_processes_survive_a_kill_by_resuming_to_the_parameters_of_o
   assert a.keys() == b.keys() and len(a) > 100  # parameters and optimizer state
   worst = max(float(np.max(np.abs(a[k].astype(np.float64) - b[k]))) for k in a)
   assert worst <= 1e-5, worst
+  # The exported model: gathered from both processes, equal to the 1-process one.
+  hf_one = load_file(str(one / "hf" / "model.safetensors"))
+  hf_two = load_file(str(two / "hf" / "model.safetensors"))
+  assert hf_one.keys() == hf_two.keys() and hf_one
+  assert max(float(np.max(np.abs(hf_one[k] - hf_two[k]))) for k in hf_one) <= 1e-5
   # Every process is in placement.json, with its own pid and devices.
   placement = json.loads((two / "placement.json").read_text())
   procs = placement["trainer_processes"]

@@ -439,8 +439,19 @@ def load_hf(model_dir: str) -> tuple[ModelConfig, Transformer]:
   return cfg, from_hf_tensors(cfg, tensors)
 
 
-def save_hf(model: Transformer, model_dir: str, *, dtype="float32", **config_kwargs) -> str:
-  """Writes config.json + model.safetensors (in `dtype`) into `model_dir`."""
+def save_hf(
+    model: Transformer,
+    model_dir: str,
+    *,
+    dtype="float32",
+    tensors: Mapping[str, np.ndarray] | None = None,
+    **config_kwargs,
+) -> str:
+  """Writes config.json + model.safetensors (in `dtype`) into `model_dir`.
+
+  `tensors`: the model's Hugging Face tensors already in `dtype`, when they
+  were gathered elsewhere (a multi-process trainer's weights file); `model`
+  then gives only the architecture."""
   os.makedirs(model_dir, exist_ok=True)
   config = hf_config_dict(model.cfg, **config_kwargs)
   config["torch_dtype"] = str(safetensors_io.numpy_dtype(dtype))
@@ -448,7 +459,7 @@ def save_hf(model: Transformer, model_dir: str, *, dtype="float32", **config_kwa
     json.dump(config, f, indent=2)
   safetensors_io.save(
       os.path.join(model_dir, "model.safetensors"),
-      HFTensors(model, dtype),
+      HFTensors(model, dtype) if tensors is None else tensors,
       metadata={"format": "pt"},
   )
   return model_dir

@@ -31,6 +31,7 @@ import json
 import os
 import shutil
 import uuid
+from collections.abc import Mapping
 
 import jax
 import numpy as np
@@ -191,9 +192,9 @@ def _token_ids(model_dir: str) -> dict:
   return ids
 
 
-def _write(model: Transformer, directory: str, model_dir: str, dtype: str) -> None:
+def _write(model: Transformer, directory: str, model_dir: str, dtype: str, tensors) -> None:
   ids = _token_ids(model_dir)
-  hf.save_hf(model, directory, dtype=dtype, **ids)
+  hf.save_hf(model, directory, dtype=dtype, tensors=tensors, **ids)
   for name in TOKENIZER_FILES:
     src = os.path.join(model_dir, name)
     if os.path.isfile(src):
@@ -233,6 +234,7 @@ def export_policy(
     out: str,
     dtype: str = "float32",
     overwrite: bool = False,
+    tensors: Mapping[str, np.ndarray] | None = None,
 ) -> str:
   """Writes `model` as the Hugging Face directory `out` (see the module docstring).
 
@@ -246,6 +248,10 @@ def export_policy(
     dtype: the safetensors' dtype ("float32", "bfloat16", "float16"): the
       run's `model.dtype`.
     overwrite: replace `out` if it exists and is not empty.
+    tensors: the model's Hugging Face tensors in `dtype`, when they were
+      gathered already (a multi-process trainer's `export_weights()` file,
+      whose shards live in several processes); `model` then gives only the
+      architecture.
 
   Returns:
     `out` as an absolute path.
@@ -260,7 +266,7 @@ def export_policy(
   tmp = os.path.join(parent, f".{name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}")
   os.makedirs(tmp)
   try:
-    _write(model, tmp, model_dir, dtype)
+    _write(model, tmp, model_dir, dtype, tensors)
     _move_into_place(tmp, out)
   except BaseException:
     shutil.rmtree(tmp, ignore_errors=True)
