@@ -132,13 +132,20 @@ def adamw_like_step(tensors: dict, lr: float, wd: float = 0.01, seed: int = 1) -
   return out
 
 
-def _receivers(pub, cfg, dc, host_of, schema):
+def _receivers(pub, secret, cfg, dc, host_of, schema):
   from streamrl.transfer import spawn_receiver
   from streamrl.transfer.service import relay_only
 
   procs = [
       spawn_receiver(
-          f"r{i}", dc, relay_only, pub.address, expected_schema=schema, config=cfg, host=host_of(i)
+          f"r{i}",
+          dc,
+          relay_only,
+          pub.address,
+          expected_schema=schema,
+          config=cfg,
+          host=host_of(i),
+          secret=secret,
       )
       for i in range(N_RECEIVERS)
   ]
@@ -178,7 +185,7 @@ def _copies(pub, version, model_bytes, receivers=N_RECEIVERS, timeout=10.0):
 
 def bench_bandwidth(tensors, chunk, reps, skip_tcp):
   import numpy as np
-  from streamrl.transfer import Publisher, Transfer, schema_of
+  from streamrl.transfer import Publisher, Transfer, new_secret, schema_of
   from streamrl.transfer.manifest import payload_size
 
   model_bytes = sum(t.nbytes for t in tensors.values())
@@ -215,9 +222,10 @@ def bench_bandwidth(tensors, chunk, reps, skip_tcp):
     res["checksum_s"] = min(res["checksum_s"], t2 - t1)
   del buf
 
+  secret = new_secret()
   cfg = Transfer(chunk_bytes=chunk, use_shm=True)
-  pub = Publisher(cfg, dc="A", host="bench-host")
-  procs = _receivers(pub, cfg, "A", lambda i: "bench-host", schema_of(tensors))
+  pub = Publisher(cfg, dc="A", host="bench-host", secret=secret)
+  procs = _receivers(pub, secret, cfg, "A", lambda i: "bench-host", schema_of(tensors))
   try:
     for _ in range(2):  # warm-up: first connections, and the segment pool fills (2 segments)
       _timed_publish(pub, tensors)
@@ -231,8 +239,8 @@ def bench_bandwidth(tensors, chunk, reps, skip_tcp):
 
   if not skip_tcp:
     cfg = Transfer(chunk_bytes=chunk, use_shm=False, fanout=2)
-    pub = Publisher(cfg, dc="A", host="bench-host")
-    procs = _receivers(pub, cfg, "A", lambda i: f"host{i}", schema_of(tensors))
+    pub = Publisher(cfg, dc="A", host="bench-host", secret=secret)
+    procs = _receivers(pub, secret, cfg, "A", lambda i: f"host{i}", schema_of(tensors))
     try:
       # once: a second version doubles receiver memory
       res["tcp_s"], v = _timed_publish(pub, tensors)
@@ -244,7 +252,7 @@ def bench_bandwidth(tensors, chunk, reps, skip_tcp):
 
 
 def bench_link(tensors, chunk, link_bytes_per_s, lr):
-  from streamrl.transfer import Publisher, Transfer, schema_of
+  from streamrl.transfer import Publisher, Transfer, new_secret, schema_of
 
   res = {}
   for topology in ("direct", "tree"):
@@ -256,8 +264,9 @@ def bench_link(tensors, chunk, link_bytes_per_s, lr):
         cross_dc_bytes_per_s=link_bytes_per_s,
         delta_cross_dc=True,
     )
-    pub = Publisher(cfg, dc="A", host="trainer")
-    procs = _receivers(pub, cfg, "B", lambda i: f"b-host{i}", schema_of(tensors))
+    secret = new_secret()
+    pub = Publisher(cfg, dc="A", host="trainer", secret=secret)
+    procs = _receivers(pub, secret, cfg, "B", lambda i: f"b-host{i}", schema_of(tensors))
     try:
       res[f"{topology}_s"], _ = _timed_publish(pub, tensors)
       res[f"{topology}_wan_bytes"] = pub.stats["cross_dc_full_bytes"]

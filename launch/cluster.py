@@ -2,16 +2,24 @@ r"""Starts or stops a multi-node Ray cluster on this machine (tests and demos).
 
   python launch/cluster.py up [--dir=/tmp/streamrl_cluster] [--generation_slots=4]
       [--trainer_dc=dc0] [--generation_dc=dc1] [--gpus=0] [--no_auth]
+      [--node_ip_address=127.0.0.1]
   python launch/cluster.py down [--dir=/tmp/streamrl_cluster]
 
 `up` starts a head (no work of its own), a training node (`training_pool`,
 datacenter dc0) and a generation node (`generation_pool`, datacenter dc1), each
 a `ray start --block` of its own with its labels (datacenter, pool,
-accelerator), token authentication on, and prints what a run needs:
+accelerator), token authentication on, every node on 127.0.0.1 (its Ray
+servers listen on loopback only; `--node_ip_address` puts them on another
+address of this machine, open to its network), and prints what a run needs:
 
-  export RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH=/tmp/streamrl_cluster/auth_token
+  export RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH=/tmp/streamrl_cluster/auth_token \
+      RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0
   python launch/main.py --config=configs/ppo.py --config.pipeline.mode=sync \
       --config.cluster.address=127.0.0.1:PORT --config.transfer.enabled=True
+
+(RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 lets Ray's own clients, `ray status` and
+a plain `ray.init`, reach a head on 127.0.0.1; a run needs only the token,
+and `ray start --address` refuses to run with it set.)
 
 The run places the trainer on the training node and the generators on the
 generation node, and <workdir>/placement.json records each one's Ray node id
@@ -45,6 +53,12 @@ _GEN_DC = flags.DEFINE_string("generation_dc", "dc1", "Datacenter label of the g
 _CPUS = flags.DEFINE_integer("cpus_per_node", 1, "CPUs each worker node offers.")
 _GPUS = flags.DEFINE_integer("gpus", 0, "Fake GPUs each worker node offers.")
 _NO_AUTH = flags.DEFINE_bool("no_auth", False, "Start without token authentication.")
+_NODE_IP = flags.DEFINE_string(
+    "node_ip_address",
+    "127.0.0.1",
+    "Every node's address: 127.0.0.1 listens on this machine only; another address of it "
+    "opens the nodes to its network (Ray then listens on every interface).",
+)
 
 
 def _state_path() -> str:
@@ -57,6 +71,9 @@ def up() -> None:
         f"A cluster started from {_DIR.value} may still run; stop it with "
         f"`python launch/cluster.py down --dir={_DIR.value}` or choose another --dir."
     )
+  from streamrl import cluster  # pylint: disable=g-import-not-at-top
+
+  cluster.check_node_ip_address(_NODE_IP.value, key="--node_ip_address")
   nodes = local_cluster.default_nodes(
       trainer_dc=_TRAINER_DC.value,
       generation_dc=_GEN_DC.value,
@@ -65,7 +82,9 @@ def up() -> None:
       generator_cpus=_CPUS.value,
       gpus=_GPUS.value,
   )
-  c = local_cluster.LocalCluster(nodes, workdir=_DIR.value, auth=not _NO_AUTH.value).start()
+  c = local_cluster.LocalCluster(
+      nodes, workdir=_DIR.value, auth=not _NO_AUTH.value, node_ip_address=_NODE_IP.value
+  ).start()
   with open(_state_path(), "w") as f:
     json.dump(
         {"address": c.address, "env": c.env(), "pids": {n: p.pid for n, p in c.procs.items()}},

@@ -42,12 +42,23 @@ everything again (for debugging).
 A wrong `cluster.address` (unreachable, not a Ray head, no node offering
 `generation_pool`) fails fast with a `streamrl.errors.UserError` (for an
 unreachable one, an `UnreachableClusterError`, also a ConnectionError).
+
+Addresses: a local Ray's node address is `cluster.node_ip_address`, 127.0.0.1
+by default, and everything a run starts listens there: Ray's GCS, raylet,
+workers, agents and autoscaler metrics, the trainer's JAX coordinator and
+gloo collectives, and the generators' vLLM sockets, which each take their
+Ray node's address (`node_address`). Ray 2.60 replaces a loopback node or
+head address with the machine's network address
+(`ray._private.services.resolve_ip_for_localhost`) and then listens on every
+interface; `loopback_kept` stops that. Joining a cluster (`cluster.address`),
+each node keeps the address its `ray start` gave it (`--node-ip-address`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import ipaddress
 import logging
 import os
 import socket
@@ -55,7 +66,7 @@ import sys
 import threading
 from collections.abc import Sequence
 
-from streamrl.config_checks import positive
+from streamrl.config_checks import need, positive
 from streamrl.errors import UnreachableClusterError, UserError
 
 log = logging.getLogger(__name__)
@@ -63,6 +74,11 @@ log = logging.getLogger(__name__)
 GENERATION_POOL = "generation_pool"
 TRAINING_POOL = "training_pool"
 _DEFAULT_GCS_PORT = 6379
+# A local Ray's node address unless cluster.node_ip_address says otherwise.
+LOOPBACK = "127.0.0.1"
+# The node addresses on which Ray's servers listen on loopback only (with
+# any other, 127.0.0.2 included, they listen on every interface).
+_RAY_LOOPBACK = ("127.0.0.1", "::1", "localhost")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -246,6 +262,78 @@ def check_reachable(address: str, timeout_s: float) -> tuple[str, int]:
   return host, port
 
 
+def is_loopback(host: str) -> bool:
+  """Whether only this machine can reach `host`: 127.x.x.x, ::1 (also as
+  ::ffff:127.x.x.x) or localhost."""
+  if host == "localhost":
+    return True
+  try:
+    ip = ipaddress.ip_address(host.strip("[]"))
+  except ValueError:
+    return False
+  return (getattr(ip, "ipv4_mapped", None) or ip).is_loopback
+
+
+@contextlib.contextmanager
+def loopback_kept():
+  """While active, Ray keeps a loopback node or head address as it is given.
+
+  Ray 2.60 replaces 127.0.0.1, ::1 and localhost, given as a node's address
+  (`ray.init(_node_ip_address=...)`, `ray start --node-ip-address`) or as the
+  head's (`address`, `ray start --address`), with the machine's network
+  address, and a node with that address listens on every interface. With
+  the loopback address kept, the node's servers listen on loopback only.
+  """
+  from ray._private import services  # pylint: disable=g-import-not-at-top
+
+  resolve = services.resolve_ip_for_localhost
+  services.resolve_ip_for_localhost = lambda host: host if is_loopback(host) else resolve(host)
+  try:
+    yield
+  finally:
+    services.resolve_ip_for_localhost = resolve
+
+
+def node_address() -> str:
+  """This process's Ray node address (its servers listen there), 127.0.0.1 outside Ray."""
+  if "ray" in sys.modules:
+    import ray  # pylint: disable=g-import-not-at-top
+
+    if ray.is_initialized():
+      return ray.util.get_node_ip_address()
+  return LOOPBACK
+
+
+def interface_of(address: str) -> str | None:
+  """The network interface that carries `address` ("lo" for 127.0.0.1 on
+  Linux), or None when none of this machine's does."""
+  import psutil  # pylint: disable=g-import-not-at-top
+
+  for name, addrs in psutil.net_if_addrs().items():
+    if any(a.address.split("%")[0] == address for a in addrs):
+      return name
+  return None
+
+
+def check_node_ip_address(address: str, key: str = "cluster.node_ip_address") -> None:
+  """UserError naming `key` unless `address` can be a Ray node's address here."""
+  if address in _RAY_LOOPBACK or interface_of(address) is not None:
+    return
+  import psutil  # pylint: disable=g-import-not-at-top
+
+  ips = [
+      ipaddress.ip_address(a.address.split("%")[0])
+      for addrs in psutil.net_if_addrs().values()
+      for a in addrs
+      if a.family in (socket.AF_INET, socket.AF_INET6)
+  ]
+  mine = sorted(str(ip) for ip in ips if not (ip.is_loopback or ip.is_link_local))
+  raise UserError(
+      f"{key}={address!r} is neither 127.0.0.1 nor an address of this "
+      f"machine's interfaces; use 127.0.0.1 (this machine only) or one of {mine}."
+  )
+
+
 def init_ray(
     address: str | None = None,
     *,
@@ -258,14 +346,17 @@ def init_ray(
     log_to_driver: bool = False,
     generation_pool: str = GENERATION_POOL,
     training_pool: str = TRAINING_POOL,
+    node_ip_address: str = LOOPBACK,
 ) -> ClusterInfo:
   """Starts a local Ray (address None or empty) or joins the cluster at
   `address`, and returns where things may run.
 
   Local: the node offers `generation_pool=generation_slots` (at most that many
   generator instances) and `training_pool=trainer_processes`, and `num_cpus`
-  logical CPUs (default generator_cpus + trainer_cpus per trainer process). Remote: the nodes' own labels are
-  used, and at least one node must offer `generation_pool`.
+  logical CPUs (default generator_cpus + trainer_cpus per trainer process).
+  Its address is `node_ip_address`: on 127.0.0.1 every Ray server listens on
+  loopback only. Remote: the nodes' own labels and addresses are used, and at
+  least one node must offer `generation_pool`.
 
   `log_to_driver=False` (the default) keeps the actors' stdout/stderr out of
   this process's terminal (see the module docstring for where it goes). Ray's
@@ -274,12 +365,15 @@ def init_ray(
 
   Raises:
     UnreachableClusterError: `address` does not answer, or not as a Ray head.
-    UserError: `address` is malformed, or no node offers `generation_pool`.
+    UserError: `address` is malformed, no node offers `generation_pool`, or
+      `node_ip_address` is not an address of this machine.
   """
   import ray  # pylint: disable=g-import-not-at-top
   from streamrl import metrics  # pylint: disable=g-import-not-at-top
 
   metrics.adopt_library_loggers()  # Importing ray attached its console handler to "ray".
+  if not address:
+    check_node_ip_address(node_ip_address)
   with _token_mode_undone_on_failure(address):
     if address and use_token_auth() and not token_available():
       raise UserError(
@@ -323,9 +417,12 @@ def init_ray(
             resources={generation_pool: generation_slots, training_pool: trainer_processes},
             include_dashboard=False,
             log_to_driver=log_to_driver,
+            _node_ip_address=node_ip_address,
         )
       try:
-        ray.init(**kwargs)
+        # Kept: a local node on 127.0.0.1, or a head at 127.0.0.1 (launch/cluster.py up).
+        with loopback_kept():
+          ray.init(**kwargs)
       except Exception as e:  # pylint: disable=broad-except
         if address and "auth" in str(e).lower():
           raise UnreachableClusterError(_TOKEN_REFUSED.format(address=address)) from None
@@ -426,6 +523,7 @@ def init_ray_for(c, gpus_needed: int = 0, trainer_processes: int = 1) -> Cluster
       timeout_s=c.connect_timeout_s,
       generation_pool=c.generation_pool,
       training_pool=c.training_pool,
+      node_ip_address=c.node_ip_address,
   )
   check_gpus(gpus_needed, info.resources)
   import ray  # pylint: disable=g-import-not-at-top
@@ -541,6 +639,11 @@ class Cluster:
   training_pool: str = "training_pool"
   generation_labels: str = ""
   training_labels: str = ""
+  # The local Ray's node address (empty `address`), where Ray, the trainer's
+  # JAX coordinator and the generators' vLLM listen: 127.0.0.1 keeps them on
+  # this machine; another address of it opens them to its network (Ray then
+  # listens on every interface). On a cluster each node has its own.
+  node_ip_address: str = LOOPBACK
 
   def check(self) -> None:
     positive("cluster.generator_cpus", self.generator_cpus)
@@ -548,6 +651,12 @@ class Cluster:
     positive("cluster.trainer_gpus", self.trainer_gpus, zero_ok=True)
     positive("cluster.trainer_processes", self.trainer_processes)
     positive("cluster.connect_timeout_s", self.connect_timeout_s)
+    need(
+        not self.address or self.node_ip_address == LOOPBACK,
+        f"cluster.node_ip_address={self.node_ip_address!r} is the address of a local Ray, "
+        "but cluster.address joins a cluster whose nodes have the addresses `ray start "
+        "--node-ip-address` gave them; drop cluster.node_ip_address.",
+    )
     for key in ("generation_labels", "training_labels"):
       value = getattr(self, key)
       try:

@@ -119,13 +119,19 @@ class TrainerActor:
     return path
 
   def coordinator_address(self) -> str:
-    """Where process 0 will serve JAX's coordination service."""
-    return f"{ray.util.get_node_ip_address()}:{multihost.free_port()}"
+    """Where process 0 will serve JAX's coordination service: on its Ray
+    node's address (127.0.0.1 on a local Ray), the only one it listens on."""
+    return multihost.coordinator_address(cluster_lib.node_address())
 
   def init_distributed(self, coordinator: str, timeout_s: int) -> dict:
-    """Joins the trainer's JAX runtime; returns this process's placement."""
+    """Joins the trainer's JAX runtime; returns this process's placement.
+    Its gloo collectives listen on its Ray node's address."""
     multihost.initialize(
-        coordinator, self.num_processes, self.process_index, timeout_s=int(timeout_s)
+        coordinator,
+        self.num_processes,
+        self.process_index,
+        timeout_s=int(timeout_s),
+        host=cluster_lib.node_address(),
     )
     return self.where()
 

@@ -22,11 +22,12 @@ what is still there 2 s later):
 
 A process is known by its pid and creation time, so a reused pid is never
 hit. multiprocessing's resource tracker is ended last, so that it can first
-unlink what its dead users left in /dev/shm (vLLM's message queues). Then the
-watchdog exits. On a normal exit of the caller (`atexit`, which
-also runs after an uncaught exception or Ctrl-C) the guard tells the watchdog
-to stand down: nothing is killed, and the caller waits for the watchdog to
-exit, so none is left behind.
+unlink what its dead users left in /dev/shm (vLLM's message queues); then the
+watchdog removes the transfer service's /dev/shm files of dead processes
+that no tracker lived to unlink (`sweep_shm`) and exits. On a normal exit
+of the caller (`atexit`, which also runs after an uncaught exception or
+Ctrl-C) the guard tells the watchdog to stand down: nothing is killed, and
+the caller waits for the watchdog to exit, so none is left behind.
 
 Why a watchdog rather than the alternatives:
 - `prctl(PR_SET_PDEATHSIG)` is set by each child on itself, after fork. vLLM
@@ -57,9 +58,13 @@ Ray, measured here (Ray 2.60, vLLM CPU, `kill -9` of the driver):
 from __future__ import annotations
 
 import atexit
+import fcntl
 import os
+import re
+import secrets
 import select
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -288,6 +293,90 @@ def _kill_leftovers(known: set[psutil.Process], token: str, since: int) -> dict:
   return names
 
 
+# ------------------------------------------ shared-memory files of dead processes
+#
+# The transfer service's files in /dev/shm (streamrl/transfer/payload.py) are
+# named after the process that made them. multiprocessing's resource tracker
+# unlinks them when that process dies, unless the tracker dies with it (a
+# whole process group killed: Ray, systemd and docker do that); then they
+# would hold model-sized tmpfs memory until reboot. `sweep_shm` removes them:
+# a Publisher or Receiver runs it at start and when it makes a file, and the
+# watchdog once its owner died. Here, not in payload.py, because the watchdog
+# imports nothing but psutil.
+
+SHM_DIR = "/dev/shm"
+# srl_<pid>_<start ticks>_<pid namespace>_<random>: the start time tells the
+# creator from a later process with its pid, the namespace keeps a container
+# that shares /dev/shm from taking another one's pids for its own.
+_SHM_NAME = re.compile(r"srl_(\d+)_(\d+)_(\d+)_[0-9a-f]{12}")
+_OLD_SHM_NAME = re.compile(r"srl_(\d+)_[0-9a-f]{12}")  # Made before the name said more.
+
+
+def _pid_namespace() -> int:
+  try:
+    return os.stat("/proc/self/ns/pid").st_ino
+  except OSError:
+    return 0  # Unknown: then `sweep_shm` takes no file of ours for an orphan.
+
+
+def shm_name() -> str:
+  """A fresh name for a /dev/shm file of this process (see `sweep_shm`)."""
+  pid = os.getpid()
+  return f"srl_{pid}_{start_ticks(pid) or 0}_{_pid_namespace()}_{secrets.token_hex(6)}"
+
+
+def is_shm_name(name: str) -> bool:
+  """Whether `name` is one `shm_name` makes."""
+  return _SHM_NAME.fullmatch(name) is not None
+
+
+def _orphaned(name: str, namespace: int) -> bool:
+  """Whether the process that made /dev/shm/`name` is gone (False when unsure)."""
+  m = _SHM_NAME.fullmatch(name)
+  if m is not None:
+    pid, ticks, ns = (int(g) for g in m.groups())
+    # A zero: the creator did not know who it was, so nobody can tell it is gone.
+    return ns == namespace != 0 and ticks != 0 and start_ticks(pid) != ticks
+  m = _OLD_SHM_NAME.fullmatch(name)
+  # An old name has only the pid: its creator is gone only if nobody has that pid now.
+  return m is not None and not os.path.exists(f"/proc/{m.group(1)}")
+
+
+def sweep_shm() -> list[str]:
+  """Removes the transfer service's /dev/shm files whose creating process is gone.
+
+  Only regular files of this user (a symlink is never followed) that nobody
+  pins (`streamrl.transfer.Pin`: a generator still to load one keeps it);
+  processes that map one keep their mapping. Returns the names removed.
+  """
+  try:
+    names = os.listdir(SHM_DIR)
+  except OSError:
+    return []
+  namespace, removed = _pid_namespace(), []
+  for name in names:
+    if not name.startswith("srl_") or not _orphaned(name, namespace):
+      continue
+    path = os.path.join(SHM_DIR, name)
+    try:
+      fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+      continue  # Gone already, a symlink, or another user's.
+    try:
+      st = os.fstat(fd)
+      if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+        continue
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # Raises while someone pins it.
+      if os.path.samestat(st, os.lstat(path)):  # Still the file we checked.
+        os.unlink(path)
+        removed.append(name)
+    except OSError:
+      continue
+    finally:
+      os.close(fd)
+  return removed
+
+
 def _watch(pid: int, ticks: int, token: str, poll_s: float) -> int:
   """The watchdog's loop: see the module docstring."""
   known: set[psutil.Process] = set()
@@ -317,6 +406,10 @@ def _watch(pid: int, ticks: int, token: str, poll_s: float) -> int:
           )
         except OSError:
           pass  # Nobody reads our stderr any more.
+      try:
+        sweep_shm()  # The dead ones' files, if their resource tracker died with them.
+      except Exception:  # pylint: disable=broad-except
+        pass  # A watchdog that is done must exit all the same.
       return 0
     try:
       for child in owner.children(recursive=True):

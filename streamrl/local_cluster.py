@@ -4,16 +4,27 @@ Each node is one `ray start --block` process (its raylet, object store and
 workers), with its own CPU/GPU counts, custom resources (the pools) and node
 labels (datacenter, accelerator type, pool), exactly as on a real cluster:
 
-  ray start --head --port=P --num-cpus=0 --labels='{"datacenter":"dc0"}'
-  ray start --address=127.0.0.1:P --num-cpus=1 \
+  ray start --head --port=P --node-ip-address=127.0.0.1 --num-cpus=0 \
+      --labels='{"datacenter":"dc0"}'
+  ray start --address=127.0.0.1:P --node-ip-address=127.0.0.1 --num-cpus=1 \
       --resources='{"training_pool":1}' --labels='{"datacenter":"dc0",...}'
-  ray start --address=127.0.0.1:P --num-cpus=1 \
+  ray start --address=127.0.0.1:P --node-ip-address=127.0.0.1 --num-cpus=1 \
       --resources='{"generation_pool":4}' --labels='{"datacenter":"dc1",...}'
+
+Every node's address is 127.0.0.1 unless `node_ip_address` names another
+address of this machine, and on 127.0.0.1 every Ray server listens on
+loopback only. Ray 2.60 would replace that address with the machine's
+network address (and listen on every interface), so each node runs those
+lines as `python -m streamrl.local_cluster start ...`: Ray's own command line
+with the address kept (`streamrl.cluster.loopback_kept`).
 
 Token authentication is on by default, as `ray start --head` does when a
 token exists: every node and every process that joins gets RAY_AUTH_MODE=token
 and the token's path (`env()`); a run joins with those set (or with the token
 in ~/.ray/auth_token, which `streamrl.cluster.init_ray` then uses by itself).
+On loopback `env()` also has RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, Ray's
+single-machine switch, with which Ray's own clients (`ray status`, a plain
+`ray.init(address=...)`) keep 127.0.0.1 as the head's address too.
 Fake GPU counts are fine: Ray then sets CUDA_VISIBLE_DEVICES for actors that
 ask for GPUs, so placement can be tested without hardware.
 
@@ -29,7 +40,6 @@ import dataclasses
 import json
 import os
 import secrets
-import shutil
 import signal
 import socket
 import subprocess
@@ -84,9 +94,14 @@ def default_nodes(
   ]
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
+# Ray's single-machine switch: "0" makes its clients keep a loopback head address
+# (and makes `ray start --address` refuse to run, so the nodes never get it).
+_SINGLE_MACHINE = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+def _free_port(host: str = cluster_lib.LOOPBACK) -> int:
+  with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+    s.bind((host, 0))
     return s.getsockname()[1]
 
 
@@ -114,6 +129,8 @@ class LocalCluster:
     object_store_mb: each node's object store (keeps a many-node cluster
       within a small machine's memory).
     start_timeout_s: longest wait for a node to come up.
+    node_ip_address: every node's address: 127.0.0.1 (this machine only), or
+      another address of this machine, which opens the nodes to its network.
   """
 
   def __init__(
@@ -126,6 +143,7 @@ class LocalCluster:
       port: int = 0,
       object_store_mb: int = 256,
       start_timeout_s: float = 120.0,
+      node_ip_address: str = cluster_lib.LOOPBACK,
   ):
     if not nodes:
       raise ValueError("A cluster needs at least one node (the head).")
@@ -133,27 +151,41 @@ class LocalCluster:
     self.workdir = os.path.abspath(workdir)
     self.auth = auth
     self.token_path = token_path or os.path.join(self.workdir, "auth_token")
-    self.port = port or _free_port()
+    self.node_ip_address = node_ip_address
+    self.port = port or _free_port(node_ip_address)
     self.object_store_mb = object_store_mb
     self.start_timeout_s = start_timeout_s
     self.procs: dict[str, subprocess.Popen] = {}
 
   @property
   def address(self) -> str:
-    return f"127.0.0.1:{self.port}"
+    host = self.node_ip_address
+    return f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
 
   def env(self) -> dict[str, str]:
     """What a process that joins needs in its environment."""
-    if not self.auth:
-      return {}
-    return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": self.token_path}
+    out = {}
+    if self.auth:
+      out.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=self.token_path)
+    if cluster_lib.is_loopback(self.node_ip_address):
+      out[_SINGLE_MACHINE] = "0"
+    return out
 
-  def _ray(self) -> str:
-    exe = shutil.which("ray", path=os.path.dirname(sys.executable))
-    return exe or "ray"
+  def _node_env(self) -> dict[str, str]:
+    env = {**os.environ, **self.env()}
+    env.pop(_SINGLE_MACHINE, None)
+    # `python -m streamrl.local_cluster` from a checkout that is not installed.
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    return env
+
+  def _ray(self) -> list[str]:
+    """Ray's command line, with a loopback node address kept (`ray_cli`)."""
+    return [sys.executable, "-m", "streamrl.local_cluster"]
 
   def _command(self, node: NodeSpec, head: bool) -> list[str]:
-    cmd = [self._ray(), "start", "--block", "--disable-usage-stats"]
+    cmd = [*self._ray(), "start", "--block", "--disable-usage-stats"]
+    cmd += [f"--node-ip-address={self.node_ip_address}"]
     if head:
       cmd += ["--head", f"--port={self.port}", "--include-dashboard=false"]
     else:
@@ -171,7 +203,7 @@ class LocalCluster:
     if self.auth and not os.path.isfile(self.token_path):
       with open(os.open(self.token_path, os.O_WRONLY | os.O_CREAT, 0o600), "w") as f:
         f.write(secrets.token_hex(32))
-    env = {**os.environ, **self.env()}
+    env = self._node_env()
     try:
       for k, node in enumerate(self.nodes):
         log_path = os.path.join(self.workdir, f"{node.name}.log")
@@ -225,3 +257,17 @@ class LocalCluster:
 
   def __exit__(self, *exc) -> None:
     self.stop()
+
+
+def ray_cli(argv: list[str]) -> int:
+  """`ray <argv>` with a loopback node or head address kept as given
+  (`streamrl.cluster.loopback_kept`): what each node of a LocalCluster runs."""
+  from ray.scripts.scripts import main  # pylint: disable=g-import-not-at-top
+
+  sys.argv = ["ray", *argv]
+  with cluster_lib.loopback_kept():
+    return main()
+
+
+if __name__ == "__main__":
+  sys.exit(ray_cli(sys.argv[1:]))

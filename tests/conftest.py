@@ -46,6 +46,7 @@ TIERS = {
     "tests/trainer/test_gpu_check.py": ("e2e",),
     "tests/trainer/test_export_launch.py": ("engine", "e2e"),
     "tests/test_orphans.py": ("e2e",),
+    "tests/test_loopback.py": ("ray",),
 }
 
 
@@ -68,3 +69,20 @@ def pytest_collection_modifyitems(config, items):
       item.add_marker(getattr(pytest.mark, name))
     if item.get_closest_marker("slow"):
       item.add_marker(pytest.mark.e2e)
+
+
+import pytest  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_dead_processes_files_in_dev_shm():
+  """At the end of the session, removes the /dev/shm files of processes that died without
+  unlinking them (tests kill receivers, runs and their resource trackers): the next session,
+  and whatever else runs on this machine, would otherwise find model-sized leftovers there.
+
+  It sweeps rather than asserts: files of this process and of live ones are left alone.
+  """
+  yield
+  from streamrl import lifecycle  # pylint: disable=g-import-not-at-top
+
+  lifecycle.sweep_shm()

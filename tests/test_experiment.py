@@ -9,6 +9,7 @@ import ray
 
 from streamrl import config_utils, experiment
 from streamrl.errors import UserError
+from tests.test_loopback import ListenerWatch, exposed
 
 CONFIGS = os.path.join(os.path.dirname(__file__), "..", "configs")
 
@@ -35,8 +36,12 @@ def fresh_ray():
 
 def test_async_run_trains_on_a_trainer_actor(tmp_path):
   workdir = str(tmp_path / "async")
-  # The config's default: async with partial rollouts ("auto").
-  final = experiment.run(load(**{"pipeline.mode": "async"}), workdir)
+  # The config's default: async with partial rollouts ("auto"). Whatever the
+  # run starts (Ray, the trainer and generator actors, vLLM) listens on loopback only.
+  with ListenerWatch() as watch:
+    final = experiment.run(load(**{"pipeline.mode": "async"}), workdir)
+  assert exposed(watch.seen) == {}, watch.seen
+  assert {"gcs_server", "raylet"} <= {name for name, _ in watch.seen.values()}, watch.seen
   with open(os.path.join(workdir, "placement.json")) as f:
     placement = json.load(f)
   # The trainer ran in its own process (an actor), not in this one, and the

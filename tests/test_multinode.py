@@ -11,6 +11,7 @@ import pytest
 import ray
 
 from streamrl import local_cluster
+from tests.test_loopback import exposed, listening
 
 REPO = os.path.join(os.path.dirname(__file__), "..")
 TINY = json.loads(open(os.path.join(os.path.dirname(__file__), "tiny_run.json")).read())
@@ -39,6 +40,15 @@ def two_dc_cluster(tmp_path_factory):
   )
   with c:
     yield c
+
+
+def test_the_nodes_listen_on_loopback_only(two_dc_cluster):
+  c = two_dc_cluster
+  found = listening([p.pid for p in c.procs.values()])
+  assert exposed(found) == {}, found
+  assert {"gcs_server", "raylet"} <= {name for name, _ in found.values()}, found
+  # Ray's own clients reach the head at 127.0.0.1 too, with c.env().
+  assert len(_nodes(c)) == len(c.nodes)
 
 
 def test_a_run_without_the_token_is_refused_in_one_line(two_dc_cluster, tmp_path):

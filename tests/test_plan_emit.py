@@ -409,6 +409,7 @@ def test_a_planned_run_end_to_end(tmp_path):
     planned = json.load(f)
   workdir = str(tmp_path / "run")
   tiny = json.loads(open(os.path.join(os.path.dirname(__file__), "tiny_run.json")).read())
+  tiny["trainer.num_iterations"] = 1  # The split is what is checked, not training.
   res = _run(
       [
           "launch/main.py",

@@ -3,6 +3,7 @@
 import glob
 import json
 import os
+import shutil
 
 import jax
 import numpy as np
@@ -39,9 +40,52 @@ def event_scalars(workdir):
   return set(acc.Tags()["scalars"]), acc
 
 
-def test_ppo_two_iterations_log_and_checkpoint(tmp_path):
-  workdir = str(tmp_path / "ppo")
-  final = experiment.run(load("ppo"), workdir)
+# The tiny PPO run the logging, user-reward, ratio, resume and refusal tests
+# below all read (one run, not five): one mini-batch per iteration and one
+# PPO epoch at T=0.7, on a JSONL dataset with a user's `file.py:function`
+# reward that reads the rows' `bonus` column (every training reward is bonus +
+# correctness) and sleeps forever on the eval rows (`hang`).
+USER_REWARD = """
+import time
+def score(response, answer, bonus, hang=False):
+  if hang:
+    time.sleep(3600)
+  return {"score": bonus + float(response.strip() == answer), "length": len(response)}
+"""
+
+
+@pytest.fixture(scope="module")
+def ppo_run(tmp_path_factory):
+  """(config, workdir, final metrics) of the tiny PPO run: 2 iterations, a
+  checkpoint after each."""
+  from streamrl.data import tasks
+
+  root = tmp_path_factory.mktemp("ppo")
+  (root / "my_reward.py").write_text(USER_REWARD)
+  for name, n, extra in (("train", 32, {"bonus": 3.0}), ("eval", 2, {"bonus": 0.0, "hang": True})):
+    with open(root / f"{name}.jsonl", "w") as f:
+      for ex in tasks.make_examples(n, seed=len(name)):
+        f.write(json.dumps({"question": ex.prompt, "solution": ex.answer, **extra}) + "\n")
+  cfg = load(
+      "ppo",
+      **{
+          "sampling.temperature": 0.7,
+          "trainer.ppo_epochs": 1,
+          "task.kind": "file",
+          "task.train_path": str(root / "train.jsonl"),
+          "task.eval_path": str(root / "eval.jsonl"),
+          "task.prompt_key": "question",
+          "task.answer_key": "solution",
+          "task.reward": f"{root / 'my_reward.py'}:score",
+          "task.reward_timeout_s": 0.5,
+      },
+  )
+  workdir = str(root / "run")
+  return cfg, workdir, experiment.run(cfg, workdir)
+
+
+def test_ppo_two_iterations_log_and_checkpoint(ppo_run):
+  _, workdir, final = ppo_run
   assert glob.glob(os.path.join(workdir, "events.out.tfevents.*"))
   tags, acc = event_scalars(workdir)
   for tag in (
@@ -77,49 +121,21 @@ def test_ppo_two_iterations_log_and_checkpoint(tmp_path):
   assert len(glob.glob(os.path.join(workdir, "warmstart-*"))) == 1
 
 
-def test_a_users_reward_reads_a_column_and_a_hanging_one_is_cut_every_call(tmp_path):
-  """GRPO on a JSONL dataset with a `file.py:function` reward: it reads the
-  rows' `bonus` column (every training reward is bonus + correctness, so
-  their mean is at least the bonus), and on the eval rows (`hang`) it sleeps
-  forever: each of those calls is cut at task.reward_timeout_s, scores 0,
-  is counted and logged, and the run finishes."""
-  from streamrl.data import tasks
-
-  (tmp_path / "my_reward.py").write_text(
-      "import time\n"
-      "def score(response, answer, bonus, hang=False):\n"
-      "  if hang:\n"
-      "    time.sleep(3600)\n"
-      "  return {'score': bonus + float(response.strip() == answer), 'length': len(response)}\n"
-  )
-  for name, n, extra in (("train", 16, {"bonus": 3.0}), ("eval", 2, {"bonus": 0.0, "hang": True})):
-    with open(tmp_path / f"{name}.jsonl", "w") as f:
-      for ex in tasks.make_examples(n, seed=len(name)):
-        f.write(json.dumps({"question": ex.prompt, "solution": ex.answer, **extra}) + "\n")
-  cfg = load(
-      "grpo",
-      **{
-          "task.kind": "file",
-          "task.train_path": str(tmp_path / "train.jsonl"),
-          "task.eval_path": str(tmp_path / "eval.jsonl"),
-          "task.prompt_key": "question",
-          "task.answer_key": "solution",
-          "task.reward": f"{tmp_path / 'my_reward.py'}:score",
-          "task.reward_timeout_s": 0.5,
-          "advantage.group_size": 2,
-          "trainer.prompts_per_iteration": 4,
-          "trainer.num_iterations": 1,
-      },
-  )
-  workdir = str(tmp_path / "run")
-  final = experiment.run(cfg, workdir)
+def test_a_users_reward_reads_a_column_and_a_hanging_one_is_cut_every_call(ppo_run):
+  """The shared run's `file.py:function` reward reads the `bonus` column (so
+  the mean training reward is at least 3), and each of its calls on the eval
+  rows is cut at task.reward_timeout_s, scores 0, is counted and logged, and
+  the run finishes."""
+  _, workdir, final = ppo_run
   assert final["samples/count"] == 8 and 3.0 <= final["reward/mean"] <= 4.0
   assert final["reward_fn/length"] > 0
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     rows = [json.loads(line) for line in f]
-  # The first eval (2 rows, sampled and greedy) timed out in all 4 calls.
-  (step1,) = [r for r in rows if r["step"] == 1]
+  # The warm-start eval (2 rows, sampled and greedy) timed out in all 4 calls;
+  # training's calls none.
+  step1, step2 = [r for r in rows if r["step"] in (1, 2)]
   assert step1["reward/errors_total"] == step1["reward/errors/Timeout"] == 4
+  assert step2["reward/errors_total"] == 4
   assert final["eval/accuracy"] == final["eval/accuracy_greedy"] == 0.0
 
 
@@ -136,11 +152,10 @@ def _actor_leaves(workdir, cfg):
   return step, [np.asarray(x) for x in jax.tree.leaves(arrays["state"].actor)], meta
 
 
-def test_resume_continues_where_it_stopped(tmp_path, monkeypatch):
-  cfg = load("ppo", **{"advantage.use_critic": True})
-  straight = str(tmp_path / "straight")
-  experiment.run(cfg, straight)
-
+def test_resume_continues_where_it_stopped(ppo_run, tmp_path, monkeypatch):
+  """A run stopped after iteration 1 and rerun ends with the parameters and
+  data position of the straight run (the shared one; PPO with a critic)."""
+  cfg, straight, _ = ppo_run
   resumed = str(tmp_path / "resumed")
   real_iteration = train.train_iteration
 
@@ -166,10 +181,10 @@ def test_resume_continues_where_it_stopped(tmp_path, monkeypatch):
   assert steps.count(2) == 1
 
 
-def test_incompatible_workdir_is_refused_untouched(tmp_path):
+def test_incompatible_workdir_is_refused_untouched(ppo_run, tmp_path):
+  cfg, run_dir, _ = ppo_run
   workdir = tmp_path / "wd"
-  cfg = load("ppo", **{"trainer.num_iterations": 1})
-  experiment.run(cfg, str(workdir))
+  shutil.copytree(run_dir, workdir)
   before = sorted((p, os.path.getmtime(p)) for p in glob.glob(f"{workdir}/**", recursive=True))
   other = config_utils.apply_overrides(cfg, {"model.tiny": "llama"})
   with pytest.raises(ValueError, match="new --workdir"):
@@ -190,13 +205,12 @@ def test_bad_configs_fail_before_any_engine_starts(tmp_path):
     check(**{"task.kind": "jsonl", "task.jsonl_path": str(tmp_path / "no.jsonl")})
 
 
-def test_ratio_is_one_before_the_update_at_any_temperature(tmp_path):
+def test_ratio_is_one_before_the_update_at_any_temperature(ppo_run):
   # One mini-batch per iteration and one PPO epoch: the policy has not moved
   # when the ratio is taken, so it must be exactly 1 (it was 4-5 at T=0.7 when
   # the loss computed log-probabilities at T=1). vLLM's sampled-token
   # logprobs must agree with the trainer's recomputation on the same tokens.
-  workdir = str(tmp_path / "t07")
-  experiment.run(load("ppo", **{"sampling.temperature": 0.7, "trainer.ppo_epochs": 1}), workdir)
+  _, workdir, _ = ppo_run
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     rows = [json.loads(line) for line in f]
   rows = [r for r in rows if "train/ratio_mean" in r]
@@ -232,6 +246,7 @@ def test_a_work_trace_run_trains_on_ragged_micro_batches(tmp_path, monkeypatch):
               "task.kind": "trace",
               "sampling.max_tokens": 96,
               "trainer.micro_batch_size": 2,
+              "trainer.num_iterations": 1,
               "warmstart.steps": 30,
           },
       ),

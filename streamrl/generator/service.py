@@ -204,7 +204,7 @@ class _GeneratorActor:
   # -- checkpoint-transfer service (config.transfer.enabled) -----------------
 
   def join_transfer(
-      self, address, schema, transfer: Transfer, *, bind: str = "127.0.0.1", secret=None
+      self, address, schema, transfer: Transfer, *, bind: str = "127.0.0.1", secret: bytes
   ) -> int:
     """Starts this instance's transfer Receiver and joins the publisher.
 
@@ -214,6 +214,7 @@ class _GeneratorActor:
     in-place load itself and never mixes two versions. The engine loads
     the verified file itself: the publisher's on its host, else the one
     file its host's first receiver received (see streamrl/transfer).
+    `secret` is the run's transfer secret (TransferDelivery makes one per run).
     """
     from streamrl.transfer import Receiver  # pylint: disable=g-import-not-at-top
 

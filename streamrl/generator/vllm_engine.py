@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
+from streamrl import cluster as cluster_lib
 from streamrl.generator.config import Sampling
 from streamrl.generator.rollout import PARTIAL, Sample, as_requests
 from streamrl.data import tokenizer as tokenizer_lib
@@ -291,6 +292,22 @@ class WorkerExtension:
 _explained_hidden_reload_warnings = False
 
 
+def listen_on_node_address(env) -> dict[str, str]:
+  """Puts vLLM's own sockets on this process's Ray node address (127.0.0.1
+  on a local Ray and outside Ray) where `env` does not choose already:
+  VLLM_HOST_IP, which vLLM would take from the default route, and
+  GLOO_SOCKET_IFNAME, without which torch's gloo groups (one listener each)
+  listen on the address the hostname resolves to. Returns what it set."""
+  address = cluster_lib.node_address()
+  want = {"VLLM_HOST_IP": address}
+  interface = cluster_lib.interface_of(address)
+  if interface:
+    want["GLOO_SOCKET_IFNAME"] = interface
+  added = {k: v for k, v in want.items() if k not in env}
+  env.update(added)
+  return added
+
+
 class GeneratorInstance:
   """One vLLM engine that streams finished samples and reloads in place.
 
@@ -318,6 +335,7 @@ class GeneratorInstance:
   ):
     from vllm.platforms import current_platform  # pylint: disable=g-import-not-at-top
 
+    listen_on_node_address(os.environ)
     on_cpu = current_platform.is_cpu()
     self.model_config = check_model_dir(model_dir, on_cpu=on_cpu)
     memory = {}

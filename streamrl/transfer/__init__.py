@@ -7,10 +7,17 @@ and shared-memory data planes), topology (broadcast/relay plan, one receiving
 receiver per host), service (Publisher, Receiver), config (Transfer: the
 `transfer.*` settings both take).
 
-Security: a node that listens beyond loopback needs the run's shared secret
-(``new_secret()``, passed as ``secret=`` to the Publisher and every
-Receiver); with it every request is authenticated and every version's
-manifest is signed (transports.py).
+Security: every node needs the run's shared secret, on loopback too (any
+local process can reach 127.0.0.1); a node built without one refuses to start.
+Make one per run and pass the same bytes to the Publisher and every Receiver::
+
+  secret = new_secret()
+  pub = Publisher(config, secret=secret)
+  r = Receiver("gen0", "dc0", load_fn, config=config, secret=secret)
+
+Every request is then authenticated and every version's manifest is signed;
+until a peer has proven the secret it gets small frames, one handshake
+deadline and a bounded share of a node's connections (transports.py).
 
 Host path (what runs here): the trainer's lazy export is written once into a
 /dev/shm file, every host receives it once (same host: nothing; other hosts:

@@ -38,10 +38,17 @@ class Transfer:
   connect_timeout_s: float = 2.0
   # Seconds without progress after which a stream counts as dead.
   io_timeout_s: float = 30.0
+  # Seconds a connection gets, however its bytes are paced: a server's from accept to the
+  # peer's authenticated request; a client's control exchange (connect, handshake, reply).
+  handshake_timeout_s: float = 10.0
+  # Connections a node serves at once (one pooled thread each); more are closed at once.
+  max_connections: int = 256
+  # Connections a node serves at once from one peer address (same-host receivers share one).
+  max_connections_per_peer: int = 64
   # Seconds between the publisher's re-announces to receivers that have not acked.
   repair_interval_s: float = 2.0
-  # The address the publisher and receivers listen on. Beyond loopback every
-  # receiver checks a per-run shared secret before it loads anything.
+  # The address the publisher and receivers listen on. On loopback too, every
+  # node authenticates its peers with the run's secret (the run makes one).
   bind: str = "127.0.0.1"
   # Emulated link rates in bytes/s (0: unlimited), for tests and demos of a
   # cross-datacenter edge on one machine.
@@ -62,6 +69,9 @@ class Transfer:
     positive("transfer.max_retries", self.max_retries, zero_ok=True)
     positive("transfer.connect_timeout_s", self.connect_timeout_s)
     positive("transfer.io_timeout_s", self.io_timeout_s)
+    positive("transfer.handshake_timeout_s", self.handshake_timeout_s)
+    positive("transfer.max_connections", self.max_connections)
+    positive("transfer.max_connections_per_peer", self.max_connections_per_peer)
     positive("transfer.repair_interval_s", self.repair_interval_s)
     need(
         bool(self.bind.strip()),

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import struct
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Optional, Union
@@ -72,6 +73,9 @@ _DTYPES: dict[str, np.dtype] = {
 _CODES: dict[np.dtype, str] = {v: k for k, v in _DTYPES.items()}
 _U64 = struct.Struct("<Q")
 MAX_HEADER_BYTES = 100 << 20  # same bound the safetensors library applies
+# Largest payload (and so largest dimension) a manifest may describe: far beyond any model,
+# and small enough that every size and offset fits numpy's int64.
+MAX_PAYLOAD_BYTES = 1 << 50
 
 
 class TransferError(RuntimeError):
@@ -100,7 +104,8 @@ class TensorSpec:
 
   @property
   def nbytes(self) -> int:
-    return int(np.prod(self.shape, dtype=np.int64)) * self.itemsize
+    # Python ints: np.prod in int64 wraps ([2**32, 2**32] -> 0 bytes) or overflows.
+    return math.prod(self.shape) * self.itemsize
 
 
 Schema = tuple[TensorSpec, ...]
@@ -268,6 +273,10 @@ class Manifest:
       numpy_dtype(s.dtype)
       if any(x < 0 for x in s.shape):
         raise TransferError(f"malformed manifest: negative shape for {s.name!r}")
+      if any(x > MAX_PAYLOAD_BYTES for x in s.shape):
+        raise TransferError(f"malformed manifest: shape of {s.name!r} is out of range")
+    if m.total_bytes > MAX_PAYLOAD_BYTES:
+      raise TransferError(f"malformed manifest: {m.total_bytes} bytes is out of range")
     if m.checksums and len(m.checksums) != m.num_chunks:
       raise TransferError("malformed manifest: chunk table does not cover the payload")
     data = sum(t.nbytes for t in m.tensors)
@@ -398,9 +407,10 @@ def verify_chunk(
   a, b = manifest.chunk_range(i)
   got = checksum(buf[a:b])
   if got != expected:
+    # Which chunk, never its digest: the message goes to peers (nacks, error frames), and the
+    # XXH3 of a small chunk gives its bytes away (a peer could have named a file to checksum).
     raise ChecksumError(
-        f"chunk {i} of version {manifest.version} is corrupted "
-        f"(checksum {got:#018x}, expected {expected:#018x})"
+        f"chunk {i} of version {manifest.version} is corrupted (its checksum does not match)"
     )
   return got
 

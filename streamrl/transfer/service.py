@@ -48,17 +48,23 @@ edge by giving receivers another ``dc``. The plan still sends one copy per
 version over that edge, to the remote datacenter's relay, which fans out
 there (its same-host receivers map its staging file).
 
-Authentication (``secret``, transports.py): a node that listens beyond
-loopback must be given the run's shared secret (``new_secret()``; ValueError
-otherwise). With it every connection is authenticated both ways with
+Authentication (``secret``, transports.py): every node must be given the
+run's shared secret (``new_secret()``; ValueError otherwise, on loopback
+too, since any local process can reach 127.0.0.1). Every connection is
+authenticated both ways with
 HMAC-SHA256 challenge-response over fresh nonces, a request that fails is
 refused with an error frame before it is acted on (stats ``auth_refused``:
 no data, no registration), the publisher signs each version's complete
 manifest (every chunk's checksum), relays pass that tag on unchanged, and a
 receiver verifies it before it calls ``load_fn`` or hands the version on
 as complete. A wrong-secret source therefore fails the attempt (``last_error``
-says authentication) and the receiver keeps its old version. Without a
-secret (loopback only) the service behaves exactly as it did without one.
+says authentication) and the receiver keeps its old version.
+
+Hostile peers (``_Node``): until a peer has proven the secret it gets small
+frames, one deadline for its whole handshake (``handshake_timeout_s``) and
+a bounded share of the node's connections (``max_connections``,
+``max_connections_per_peer``); a client's exchanges have deadlines too, so
+whoever answers at a receiver's address cannot hold ``publish``.
 
 Memory: one copy per host. The publisher writes each version once, tensor by
 tensor (a lazy mapping is read one parameter at a time), into a
@@ -69,7 +75,14 @@ recycled between versions under the rules in payload.py (pins keep a file
 someone still reads from being rewritten), and a receiver that knows its
 schema faults its staging memory in at ``join``: on this VM, first touching
 1 GB of fresh memory costs more than moving it. Every file is unlinked on ``close`` (and by the resource
-tracker if its process dies).
+tracker if its process dies; if the tracker died too, by the next node that starts on the host, or
+the watchdog: ``payload.sweep_orphans``).
+
+Shared memory is the receiver's decision: it asks for it only from a node it knows is on its host
+and in its datacenter (the publisher's ping, an announce's ``source_host``/``source_dc``), refuses
+a header that offers it unasked, and maps only a regular file of its own user that this service
+named (payload.py). Nothing it computes from the bytes goes back to a peer: a failed chunk's
+error names the chunk, and acks and nacks go only to the publisher it joined.
 
 Where the data plane could be a GPU path (NCCL / CUDA IPC), see transports.py.
 """
@@ -116,6 +129,7 @@ from streamrl.transfer.payload import (
     WeightsFile,
     create_segment,
     shm_available,
+    sweep_orphans,
 )
 from streamrl.transfer.topology import Address, ReceiverInfo, TreeNode, plan_direct, plan_topology
 from streamrl.transfer.transports import (
@@ -143,7 +157,14 @@ def _peer(sock: socket.socket) -> str:
 
 
 class _Node:
-  """Listening socket, per-connection threads and link limiters shared by Publisher and Receiver."""
+  """Listening socket, the pool that serves its connections and link limiters shared by
+  Publisher and Receiver.
+
+  Connections are bounded before anyone is authenticated: at most ``max_connections`` at once
+  (``max_connections_per_peer`` from one address), each on a pooled thread; one more is closed
+  at accept (stats ``connections_refused``), and a connection that has not sent an
+  authenticated request ``handshake_timeout_s`` after accept is cut, however it paces its bytes.
+  """
 
   def __init__(
       self,
@@ -168,6 +189,11 @@ class _Node:
     self._closed = threading.Event()
     self._conns: set[socket.socket] = set()
     self._conns_lock = threading.Lock()
+    self._serving = 0  # accepted connections admitted to the pool and not finished (_conns_lock)
+    self._serving_from: collections.Counter = collections.Counter()  # the same, per peer address
+    # One worker per admitted connection and never more than max_connections: admission is
+    # capped at the pool's size, so a job never waits in its queue behind slow connections.
+    self._conn_pool = ThreadPoolExecutor(config.max_connections, thread_name_prefix=f"{name}-conn")
     self._stats: collections.Counter = collections.Counter()
     self._stats_lock = threading.Lock()
     # burst: 10 ms of link time (at most 256 KiB), so pacing holds even for small payloads
@@ -188,7 +214,8 @@ class _Node:
   @property
   def stats(self) -> dict[str, int]:
     """Counters: streams served (served_tcp/shm/local/cross_dc), bytes per kind of link,
-    auth_refused (requests refused for want of the secret), ...; with an emulated link rate,
+    auth_refused (requests refused for want of the secret), connections_refused (closed at
+    accept: max_connections or max_connections_per_peer reached), ...; with an emulated link rate,
     what its limiter let through (``<link>_limited_bytes``) and slept (``<link>_limited_ms``)."""
     with self._stats_lock:
       out = dict(self._stats)
@@ -216,33 +243,81 @@ class _Node:
 
   def _accept_loop(self) -> None:
     while not self.closed:
+      conn = None
       try:
-        conn, _ = self._listener.accept()
+        conn, addr = self._listener.accept()
+        self._admit(conn, str(addr[0]))
       except socket.timeout:
         continue
-      except OSError:
-        return
-      threading.Thread(target=self._handle_conn, args=(conn,), daemon=True).start()
+      except Exception as e:  # whatever one connection does, the node must keep accepting
+        if self.closed:
+          return
+        log.warning("%s: could not take a connection (%r); still accepting", self.name, e)
+        if conn is None:  # accept() itself failed (say, out of descriptors): let some close
+          self._closed.wait(0.1)
 
-  def _handle_conn(self, conn: socket.socket) -> None:
+  def _admit(self, conn: socket.socket, peer: str) -> None:
+    """Hands an accepted connection to the pool, or closes it at once when this node already
+    serves max_connections, or max_connections_per_peer from ``peer``."""
+    cfg = self.config
+    with self._conns_lock:
+      admit = (
+          self._serving < cfg.max_connections
+          and self._serving_from[peer] < cfg.max_connections_per_peer
+      )
+      if admit:
+        self._serving += 1
+        self._serving_from[peer] += 1
+    if not admit:
+      self._count("connections_refused")
+      log.debug("%s: refused a connection from %s: too many open", self.name, peer)
+      conn.close()
+      return
+    deadline = time.monotonic() + cfg.handshake_timeout_s  # from accept, not from a free worker
+    claim = threading.Lock()  # whoever takes it owns the connection: its handler, or this loop
+    try:
+      self._conn_pool.submit(self._handle_conn, conn, peer, deadline, claim)
+    except BaseException:
+      # The executor queues a job before it starts a thread for it, so a submit that failed
+      # may still run later: the claim lets exactly one side close it and free its slot.
+      if claim.acquire(blocking=False):
+        conn.close()
+        self._release(peer)
+      raise
+
+  def _release(self, peer: str) -> None:
+    with self._conns_lock:
+      self._serving -= 1
+      self._serving_from[peer] -= 1
+      if self._serving_from[peer] <= 0:
+        del self._serving_from[peer]
+
+  def _handle_conn(
+      self, conn: socket.socket, peer: str, deadline: float, claim: threading.Lock
+  ) -> None:
+    if not claim.acquire(blocking=False):
+      return  # the accept loop gave up on this connection and closed it
     try:
       self._track(conn)
-      conn.settimeout(self.config.io_timeout_s)
       try:
-        session, req = Session.accept(conn, self._secret)
+        session, req = Session.accept(conn, self._secret, deadline)
       except AuthenticationError as e:
         self._count("auth_refused")
         log.warning("%s: refused a request from %s: %s", self.name, _peer(conn), e)
         send_error(conn, str(e), auth=True)
         return
+      conn.settimeout(self.config.io_timeout_s)  # authenticated: from now on, progress counts
       self._dispatch(session, req)
-    except (OSError, TransferError, ValueError, KeyError, TypeError) as e:
-      log.debug("%s: connection ended: %r", self.name, e)  # peers come and go; they retry
+    except (OSError, TransferError, ValueError, KeyError, TypeError, RecursionError) as e:
+      # Peers come and go and retry; malformed input (a tree nested too deep included) is
+      # theirs to fix: one line, no traceback.
+      log.debug("%s: connection ended: %r", self.name, e)
     except Exception:  # a bug must not take the server down with it
       if not self.closed:  # (while closing, the delta executor refuses work: expected)
         log.exception("%s: unexpected error while serving a connection", self.name)
     finally:
       self._untrack(conn)
+      self._release(peer)
 
   def _dispatch(self, session: Session, req: dict) -> None:
     """Acts on an (authenticated) request; replies go through ``session.reply``."""
@@ -253,13 +328,14 @@ class _Node:
   ) -> Optional[dict]:
     """One request to another node (authenticated with our secret); its reply if ``reply``.
 
-    timeout: for each read (default: connect_timeout_s, as for a short control exchange).
+    timeout: seconds for the whole exchange, connect to reply (default handshake_timeout_s):
+    whoever answers at ``address`` cannot hold the caller longer, however it paces its bytes.
     """
-    with connect(address, self.config.connect_timeout_s) as sock:
-      if timeout is not None:
-        sock.settimeout(timeout)
-      session = Session.request(sock, self._secret, msg)
-      return session.recv_reply() if reply else None
+    budget = self.config.handshake_timeout_s if timeout is None else timeout
+    deadline = time.monotonic() + budget
+    with connect(address, min(self.config.connect_timeout_s, budget)) as sock:
+      session = Session.request(sock, self._secret, msg, deadline)
+      return session.recv_reply(deadline) if reply else None
 
   def close(self) -> None:
     """Stops serving and cuts every open connection (peers see the connection drop)."""
@@ -276,6 +352,7 @@ class _Node:
       except OSError:
         pass
     self._executor.shutdown(wait=False, cancel_futures=True)
+    self._conn_pool.shutdown(wait=False, cancel_futures=True)  # its workers end with their conns
 
   # -- serving and announcing
   def _limiters(self, client_dc: Any) -> tuple[RateLimiter, ...]:
@@ -328,6 +405,10 @@ class _Node:
         "op": "announce",
         "version": version,
         "source": list(self.address),
+        # Where the source is: the child asks it for shared memory only if that is its own host
+        # and datacenter (Receiver._fetch_from).
+        "source_host": self.host,
+        "source_dc": self.dc,
         "publisher": list(publisher),
         "children": [c.to_json() for c in child.children],
     }
@@ -378,9 +459,8 @@ class Publisher(_Node):
   generators start with (a publish gets start_version + 1, ...).
   expected_schema: if given, publish refuses tensors that do not match it.
   secret: the run's shared secret (``new_secret()``; the same bytes for every
-  Receiver): required to bind beyond loopback (ValueError otherwise). With it
-  every request is authenticated and every version's manifest is signed
-  (transports.py); without it (loopback only) nothing is.
+  Receiver): required, on loopback too (ValueError otherwise). Every request
+  is authenticated and every version's manifest is signed (transports.py).
   """
 
   def __init__(
@@ -458,7 +538,9 @@ class Publisher(_Node):
     checksummed in place, and belongs to the publisher from then on.
 
     Returns the version, once the snapshot is complete (the caller may then
-    modify its arrays) and the top-level receivers have been told. Chunks
+    modify its arrays) and the top-level receivers have been told, or at
+    most ``connect_timeout_s`` after the copy while one of them has not
+    answered (its announce then goes on in the background). Chunks
     are served while they are being written, so receivers verify and
     forward in parallel with the copy; ``wait_acks`` tells when they have
     loaded it. A version not newer than one already claimed is ignored.
@@ -498,6 +580,8 @@ class Publisher(_Node):
     with self._cond:
       if v < self._accepted:  # a concurrent publish claimed a newer version: newest wins
         payload.fail("superseded")
+        if payload.segment is not None:
+          payload.segment.end_rewrite()
         return v
       self._versions[v] = payload
       while len(self._versions) > max(self.config.keep_versions, 1):
@@ -528,8 +612,12 @@ class Publisher(_Node):
           del self._versions[v]
       raise
     finally:
+      if payload.segment is not None:  # a recycled file: written, so readers may pin it again
+        payload.segment.end_rewrite()
       t2 = time.perf_counter()
-      announcer.join()
+      # An honest receiver answers an announce in milliseconds; one that does not (slow, or not
+      # a receiver at all) must not hold the trainer: its announce goes on in the background.
+      announcer.join(self.config.connect_timeout_s)
     log.debug(
         "%s: version %d: allocate %.3fs, write+checksum %.3fs, announce wait %.3fs",
         self.name,
@@ -614,7 +702,9 @@ class Publisher(_Node):
   def _recyclable(self, old: Payload) -> bool:
     """May the segment holding ``old`` be rewritten now? (see payload.py)"""
     with self._cond:
-      keep = sorted(self._versions)[len(self._versions) - max(self.config.keep_versions - 1, 0) :]
+      # The versions still served once the new one is in, and always the newest: it is what
+      # every get is served until the new one replaces it (keep_versions=1 included).
+      keep = sorted(self._versions)[-max(self.config.keep_versions - 1, 1) :]
       if old.version in keep or old.streams or not (old.complete or old.failed):
         return False  # still served, being read, or still being written by another publish
       if old.shm_name is None:
@@ -742,10 +832,13 @@ class Receiver(_Node):
   a version that differs is refused. initial_version: what the generator serves now.
   config: the ``transfer.*`` settings, as for the Publisher. bind: default ``config.bind``.
   host: host label (same label and same datacenter as the sender -> shared memory).
-  secret: the run's shared secret, the publisher's bytes: required to bind
-  beyond loopback. With it every request this node makes or serves is
-  authenticated (its announces to its children too) and a version whose
-  manifest tag does not verify is never loaded.
+  secret: the run's shared secret, the publisher's bytes: required, on
+  loopback too (ValueError otherwise). Every request this node makes or
+  serves is authenticated (its announces to its children too) and a version
+  whose manifest tag does not verify is never loaded.
+  publisher: the publisher's address, the only one acks, nacks and suspicions go to (``join``
+  sets it; a receiver the publisher knows from ``add_receiver`` and that never joins needs
+  it). An announce names a source and a fallback to pull from, never where reports go.
   The server starts at construction; call ``join`` before serving prompts.
   """
 
@@ -762,8 +855,10 @@ class Receiver(_Node):
       bind: Optional[str] = None,
       port: int = 0,
       secret: Optional[bytes] = None,
+      publisher: Optional[Address] = None,
   ):
     super().__init__(name, dc, host, config, bind, port, secret)
+    sweep_orphans()  # what dead processes of this host left in /dev/shm goes
     self.load_fn = load_fn
     self._expected = as_schema(expected_schema) if expected_schema is not None else None
     self._cond = threading.Condition()
@@ -773,7 +868,13 @@ class Receiver(_Node):
     self._inflight: Optional[Payload] = None
     self._target = initial_version
     self._source: Optional[Address] = None
-    self._publisher: Optional[Address] = None
+    # Acks and nacks go to _publisher only, never to an address an announce names: a peer that
+    # announced itself as publisher would otherwise hear what every attempt found.
+    self._publisher: Optional[Address] = tuple(publisher) if publisher is not None else None
+    self._fallback: Optional[Address] = None  # where failed attempts retry (the last announce's)
+    # address -> (host, dc) of the nodes we may pull from, as they told us (ping, announce): we
+    # ask for shared memory only from one on our host and in our datacenter.
+    self._sites: "collections.OrderedDict[Address, tuple[str, str]]" = collections.OrderedDict()
     self._gave_up: dict[int, bool] = {}  # version -> permanent?
     self._fetching = False
     self._retired: list[Segment] = []  # our staging files no longer served: reused or unlinked
@@ -813,6 +914,8 @@ class Receiver(_Node):
         and hello.get("host") == self.host
         and hello.get("dc") == self.dc
     )
+    if shm:
+      self._note_site(self._publisher, self.host, self.dc)
     if self._expected is not None and not shm and self._spare is None:
       # Versions may land in our own staging file: fault it in now, before we serve, rather
       # than while the first version streams in (first-touching 1 GB costs seconds on a busy VM).
@@ -885,8 +988,10 @@ class Receiver(_Node):
     v = int(req["version"])
     source, publisher = tuple(req["source"]), tuple(req["publisher"])
     children = tuple(TreeNode.from_json(c) for c in req.get("children", ()))
+    if "source_host" in req:
+      self._note_site(source, str(req["source_host"]), str(req.get("source_dc")))
     with self._cond:
-      self._publisher = publisher
+      self._fallback = publisher  # a place to pull from; reports still go to self._publisher
       retry = v == self._target and not self._fetching and self._gave_up.get(v) is False
       if v > self._target or (retry and v > self._version):
         self._target, self._source = v, source
@@ -922,7 +1027,23 @@ class Receiver(_Node):
     self._tell_publisher({"op": "suspect", "name": info.name})
 
   # -- client side
+  MAX_SITES = 64  # nodes whose host and dc we remember (sources come and go)
+
+  def _note_site(self, address: Address, host: str, dc: str) -> None:
+    with self._cond:
+      self._sites[tuple(address)] = (host, dc)
+      self._sites.move_to_end(tuple(address))
+      while len(self._sites) > self.MAX_SITES:
+        self._sites.popitem(last=False)
+
+  def _same_site(self, address: Address) -> bool:
+    """Whether the node at ``address`` said it is on our host and in our datacenter (shared
+    memory is only worth asking, and only trusted, there)."""
+    with self._cond:
+      return shm_available() and self._sites.get(tuple(address)) == (self.host, self.dc)
+
   def _tell_publisher(self, msg: dict) -> None:
+    """An ack, nack or suspicion, to the publisher we joined (or were built with) only."""
     if self._publisher is None:
       return
     try:
@@ -961,8 +1082,9 @@ class Receiver(_Node):
     )
 
   def _fetch_version(self, v: int, first: Optional[Address]) -> None:
-    """Up to 1 + max_retries attempts: the announced source first, then the publisher."""
-    pub = self._publisher
+    """Up to 1 + max_retries attempts: the announced source first, then the publisher (the one
+    the last announce named, else ours)."""
+    pub = self._fallback if self._fallback is not None else self._publisher
     sources = [first] if first is not None and first != pub else []
     sources += [pub if pub is not None else first] * (1 + self.config.max_retries)
     sources = sources[: 1 + self.config.max_retries]
@@ -990,11 +1112,16 @@ class Receiver(_Node):
 
   def _fetch_from(self, src: Address, want: int, use_shm: bool) -> int:
     """One attempt; returns the version loaded afterwards. Raises on any damage."""
+    # Shared memory is our decision, not the sender's: only from a node we know is on our host
+    # and in our datacenter (the header then names a file we map, and we report on its bytes).
+    use_shm = use_shm and self._same_site(src)
+    # Connect, handshake and header have one deadline, whoever answers at ``src``; a source
+    # may hold the header up to io_timeout_s while the version reaches it (Receiver._handle_get).
+    deadline = time.monotonic() + self.config.handshake_timeout_s + self.config.io_timeout_s
     sock = connect(src, self.config.connect_timeout_s)
     self._track(sock)
     payload = None
     try:
-      sock.settimeout(self.config.io_timeout_s)
       base = self._current
       session = Session.request(
           sock,
@@ -1008,8 +1135,10 @@ class Receiver(_Node):
               "shm": use_shm,
               "base": base.version if base is not None else None,
           },
+          deadline,
       )
-      header = session.recv_reply()
+      header = session.recv_reply(deadline)
+      sock.settimeout(self.config.io_timeout_s)  # the stream: io_timeout_s without progress
       if header.get("status") != "ok":
         return self._version
       manifest = Manifest.from_json(header["manifest"])
@@ -1020,6 +1149,11 @@ class Receiver(_Node):
       plane = PLANES.get(header.get("plane"))
       if plane is None:
         raise TransferError(f"unknown data plane {header.get('plane')!r}")
+      if not plane.copies and not use_shm:
+        raise TransferError(
+            f"{src[0]}:{src[1]} answered with shared memory, which this receiver did not ask it "
+            "for; refused"
+        )
       if header.get("base") is not None and (
           base is None or header["base"] != base.version or base.manifest.layout != manifest.layout
       ):
@@ -1056,6 +1190,8 @@ class Receiver(_Node):
           self._retire(payload)
       raise
     finally:
+      if payload is not None and payload.segment is not None:
+        payload.segment.end_rewrite()  # our reused staging file is written: it may be pinned
       self._untrack(sock)
     self._load(payload, tensors, copied)
     return self._version
@@ -1087,10 +1223,12 @@ class Receiver(_Node):
       retired, self._retired = self._retired, []
     chosen, keep = None, []
     for seg in reversed(retired):
-      if (seg.payload is not None and seg.payload.streams) or seg.pinned():
+      if seg.payload is not None and seg.payload.streams:
         keep.append(seg)
-      elif chosen is None and len(seg.buf) == nbytes:
-        chosen = seg
+      elif chosen is None and len(seg.buf) == nbytes and seg.begin_rewrite():
+        chosen = seg  # locked until _fetch_from has written it: nobody pins it half-written
+      elif seg.pinned():
+        keep.append(seg)
       else:
         seg.unlink()
     with self._cond:
@@ -1187,9 +1325,9 @@ def spawn_receiver(
   terminated (``terminate()`` closes it cleanly, files included) or killed.
 
   load_fn must be a module-level function (the child imports it by name);
-  the schema and config travel as plain lists/dicts, the secret over the
-  process's own spawn pipe (never over the transfer network). The child
-  exits when its parent dies.
+  the schema and config travel as plain lists/dicts, the secret (required:
+  the publisher's bytes) over the process's own spawn pipe (never over the
+  transfer network). The child exits when its parent dies.
   """
   config = config if config is not None else Transfer()
   config.check()  # fail here, not in the child

@@ -27,19 +27,25 @@ Why TCP + shared memory (and not Ray's object store):
   emulate a real cross-datacenter edge (a publisher in dc0 and receivers in
   dc1, all on one host).
 
-Authentication (``Session``, ``manifest_tag``): nodes started with a shared
-per-run secret (``new_secret()``) authenticate every connection with a
+Authentication (``Session``, ``manifest_tag``): every node runs with the
+run's shared secret (``new_secret()``; ``check_secret`` refuses to start one
+without it, on loopback too: any local process can reach 127.0.0.1) and
+authenticates every connection with a
 challenge-response (HMAC-SHA256 over fresh nonces from both ends and the
 message), so neither a request nor a reply of a captured exchange is
 accepted on another connection; a node refuses unauthenticated requests
 before acting on them. The publisher also signs each version's complete
 manifest (every chunk's checksum); relays forward that tag unchanged in the
-end frame and every receiver checks it before it loads anything. A node
-that listens beyond loopback must have a secret (``check_secret``). Without
-a secret (loopback only) the wire is exactly the unauthenticated one. The
+end frame and every receiver checks it before it loads anything. The
 per-chunk checksum is XXH3-64, not a cryptographic hash: the tag proves the
 checksums came from a holder of the secret, and the per-connection MACs
 keep other parties out of the exchange, but bytes are not MACed one by one.
+
+Before a peer has proven the secret it costs little: its frames are capped
+(``MAX_HELLO_BYTES``, ``MAX_REQUEST_BYTES``; buffers grow only as bytes
+arrive, whatever a header claims), the whole handshake has one deadline
+however the bytes are paced, and malformed input of any kind (deep nesting
+included) is a TransferError. Servers bound their connections (service.py).
 
 Frames: 1-byte kind + 8-byte big-endian body length, then the body.
   J  JSON control message (requests, replies, the response header with the manifest)
@@ -91,7 +97,14 @@ _FRAME = struct.Struct("!cQ")
 _CHUNK = struct.Struct("!IBQ")
 _READY = struct.Struct("!IQ")
 CHUNK_FRAME_BYTES = _FRAME.size + _CHUNK.size  # wire bytes before each chunk's data (C frame)
-MAX_JSON_BYTES = 64 << 20
+MAX_JSON_BYTES = 64 << 20  # an authenticated exchange's control reply (a manifest header)
+# Frames read before the peer has proven the secret are small, so a stranger costs little:
+# the hello (and the nonce that answers it) is ~60 bytes; the largest request is an announce
+# that names the child's subtree, ~155 bytes per receiver with long host names (measured), so
+# 64 KiB fits ~400 receivers below one child.
+MAX_HELLO_BYTES = 1 << 10
+MAX_REQUEST_BYTES = 64 << 10
+_RECV_STEP = 64 << 10  # a receive buffer grows by at most its size, and only as bytes arrive
 _SEND_PIECE = 256 << 10  # rate-limited sends go out in pieces this big
 
 
@@ -105,36 +118,74 @@ def connect(address: Address, timeout: float) -> socket.socket:
   return sock
 
 
-def send_json(sock: socket.socket, obj: Any, kind: bytes = b"J") -> None:
+def _settimeout_until(sock: socket.socket, deadline: Optional[float]) -> None:
+  """Lets the next socket call wait only until ``deadline`` (time.monotonic); TransferError once
+  it has passed, so a peer that trickles bytes cannot stretch an exchange past it."""
+  if deadline is None:
+    return
+  left = deadline - time.monotonic()
+  if left <= 0:
+    raise TransferError("the peer did not finish the exchange before its deadline")
+  sock.settimeout(left)
+
+
+def send_json(
+    sock: socket.socket,
+    obj: Any,
+    kind: bytes = b"J",
+    deadline: Optional[float] = None,
+    limit: Optional[int] = None,
+) -> None:
+  """One JSON frame; ``limit``: TransferError instead of sending a body the peer would refuse."""
   body = json.dumps(obj, separators=(",", ":")).encode()
+  if limit is not None and len(body) > limit:
+    raise TransferError(
+        f"a {obj.get('op')!r} request of {len(body)} bytes is over the {limit}-byte limit that "
+        "nodes read before authentication; raise transports.MAX_REQUEST_BYTES on every node "
+        "(an announce names ~155 bytes per receiver below its child)."
+    )
+  _settimeout_until(sock, deadline)
   sock.sendall(_FRAME.pack(kind, len(body)) + body)
 
 
-def recv_exact_into(sock: socket.socket, view: memoryview) -> None:
+def recv_exact_into(
+    sock: socket.socket, view: memoryview, deadline: Optional[float] = None
+) -> None:
+  """Fills ``view``; deadline: when all of it must have arrived (else each recv's own timeout)."""
   while len(view):
+    _settimeout_until(sock, deadline)
     n = sock.recv_into(view)
     if n == 0:
       raise TransferError("connection closed mid-transfer")
     view = view[n:]
 
 
-def recv_exact(sock: socket.socket, n: int) -> bytearray:
-  buf = bytearray(n)
-  recv_exact_into(sock, memoryview(buf))
-  return buf
+def recv_exact(sock: socket.socket, n: int, deadline: Optional[float] = None) -> bytearray:
+  """The next ``n`` bytes. The buffer grows as they arrive (at most doubling), so a frame header
+  that claims more than the peer sends costs memory for what it sent, not what it claimed."""
+  buf = bytearray(min(n, _RECV_STEP))
+  start = 0
+  while True:
+    recv_exact_into(sock, memoryview(buf)[start:], deadline)
+    if len(buf) == n:
+      return buf
+    start = len(buf)
+    buf.extend(bytes(min(n - start, start)))
 
 
-def recv_frame_header(sock: socket.socket) -> tuple[bytes, int]:
-  kind, n = _FRAME.unpack(recv_exact(sock, _FRAME.size))
+def recv_frame_header(sock: socket.socket, deadline: Optional[float] = None) -> tuple[bytes, int]:
+  kind, n = _FRAME.unpack(recv_exact(sock, _FRAME.size, deadline))
   return kind, n
 
 
-def _read_json_body(sock: socket.socket, n: int) -> dict:
-  if n > MAX_JSON_BYTES:
-    raise TransferError(f"control frame of {n} bytes is too large")
+def _read_json_body(
+    sock: socket.socket, n: int, limit: int = MAX_JSON_BYTES, deadline: Optional[float] = None
+) -> dict:
+  if n > limit:
+    raise TransferError(f"control frame of {n} bytes is over the {limit}-byte limit")
   try:
-    obj = json.loads(bytes(recv_exact(sock, n)))
-  except ValueError:
+    obj = json.loads(recv_exact(sock, n, deadline))
+  except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser goes
     raise TransferError("control frame is not valid JSON") from None
   if not isinstance(obj, dict):
     raise TransferError("control frame is not a JSON object")
@@ -145,17 +196,23 @@ class AuthenticationError(TransferError):
   """A peer could not prove it holds the run's transfer secret (or did not try)."""
 
 
-def recv_json(sock: socket.socket) -> dict:
+def recv_json(
+    sock: socket.socket, limit: int = MAX_JSON_BYTES, deadline: Optional[float] = None
+) -> dict:
   """Next frame as JSON; TransferError if the peer sent an error frame or something else
-  (AuthenticationError if it refused to serve us for want of the secret)."""
-  kind, n = recv_frame_header(sock)
+  (AuthenticationError if it refused to serve us for want of the secret).
+
+  limit: the largest body accepted (a larger frame is refused before its body is read).
+  deadline: time.monotonic() by which the whole frame must have arrived.
+  """
+  kind, n = recv_frame_header(sock, deadline)
   if kind == b"X":
-    body = _read_json_body(sock, n)
+    body = _read_json_body(sock, n, limit, deadline)
     error = AuthenticationError if body.get("auth") else TransferError
     raise error(f"peer error: {body.get('reason')}")
   if kind != b"J":
     raise TransferError(f"expected a control frame, got {kind!r}")
-  return _read_json_body(sock, n)
+  return _read_json_body(sock, n, limit, deadline)
 
 
 def send_error(sock: socket.socket, reason: str, auth: bool = False) -> None:
@@ -192,22 +249,25 @@ def is_loopback(bind: str) -> bool:
   return addr.is_loopback or (mapped is not None and mapped.is_loopback)
 
 
-def check_secret(secret: Optional[bytes], bind: str, who: str) -> Optional[bytes]:
-  """The secret a node at ``bind`` runs with; ValueError if unusable, or missing off loopback."""
-  if secret is not None:
-    if not isinstance(secret, (bytes, bytearray)) or len(secret) < MIN_SECRET_BYTES:
-      raise ValueError(
-          f"{who}: secret must be at least {MIN_SECRET_BYTES} bytes; "
-          "pass streamrl.transfer.new_secret() (the same bytes to every node of the run)."
-      )
-    return bytes(secret)
-  if not is_loopback(bind):
+def check_secret(secret: Optional[bytes], bind: str, who: str) -> bytes:
+  """The secret a node at ``bind`` runs with; ValueError if it is missing or unusable.
+
+  Loopback gets no exception: any process on the machine (another user's, a sandboxed one)
+  can reach 127.0.0.1, and an unauthenticated node would serve it every version and take
+  its acks.
+  """
+  if secret is None:
+    where = "" if is_loopback(bind) else f" (it binds to {bind!r}, which other machines can reach)"
     raise ValueError(
-        f"{who} binds to {bind!r}, which other machines can reach, so it needs "
-        "secret=streamrl.transfer.new_secret() (the same bytes for the Publisher and every "
-        "Receiver of the run), or bind='127.0.0.1'."
+        f"{who} needs secret=streamrl.transfer.new_secret(){where}: pass the same bytes to the "
+        "Publisher and every Receiver of the run."
     )
-  return None
+  if not isinstance(secret, (bytes, bytearray)) or len(secret) < MIN_SECRET_BYTES:
+    raise ValueError(
+        f"{who}: secret must be at least {MIN_SECRET_BYTES} bytes; "
+        "pass streamrl.transfer.new_secret() (the same bytes to every node of the run)."
+    )
+  return bytes(secret)
 
 
 def _canonical(obj: dict) -> bytes:
@@ -235,8 +295,13 @@ def _check_mac(
 ) -> None:
   """Removes ``obj``'s "mac" and checks it against the rest; AuthenticationError if it differs."""
   got = obj.pop("mac", None)
-  want = _mac(secret, label, first, second, obj)
-  if not isinstance(got, str) or not hmac.compare_digest(got.encode(), want.encode()):
+  if not isinstance(got, str):
+    raise AuthenticationError(f"authentication failed: {what}")
+  try:
+    want = _mac(secret, label, first, second, obj)
+  except RecursionError:  # nested deeper than the encoder goes: nobody signed that
+    raise AuthenticationError(f"authentication failed: {what}") from None
+  if not hmac.compare_digest(got.encode(), want.encode()):
     raise AuthenticationError(f"authentication failed: {what}")
 
 
@@ -272,19 +337,26 @@ class Session:
     self._nc, self._ns = client_nonce, server_nonce
 
   @classmethod
-  def accept(cls, sock: socket.socket, secret: Optional[bytes]) -> tuple["Session", dict]:
-    """Server side: (session, the verified request). AuthenticationError if it is not authentic."""
+  def accept(
+      cls, sock: socket.socket, secret: Optional[bytes], deadline: Optional[float] = None
+  ) -> tuple["Session", dict]:
+    """Server side: (session, the verified request). AuthenticationError if it is not authentic.
+
+    Everything read here comes from a peer that has proven nothing yet: each frame is capped
+    (MAX_HELLO_BYTES, MAX_REQUEST_BYTES) and the whole exchange must end by ``deadline``
+    (time.monotonic()), however the peer paces its bytes.
+    """
     if secret is None:
-      return cls(sock, None), recv_json(sock)
-    hello = recv_json(sock)
+      return cls(sock, None), recv_json(sock, MAX_REQUEST_BYTES, deadline)
+    hello = recv_json(sock, MAX_HELLO_BYTES, deadline)
     if hello.get("op") != "hello":
       raise AuthenticationError(
           "authentication required: this node serves only requests signed with the run's "
           "transfer secret"
       )
     nc, ns = _nonce(hello), secrets.token_bytes(NONCE_BYTES)
-    send_json(sock, {"nonce": ns.hex()})
-    req = recv_json(sock)
+    send_json(sock, {"nonce": ns.hex()}, deadline=deadline)
+    req = recv_json(sock, MAX_REQUEST_BYTES, deadline)
     _check_mac(
         secret,
         b"request",
@@ -296,22 +368,30 @@ class Session:
     return cls(sock, secret, nc, ns), req
 
   @classmethod
-  def request(cls, sock: socket.socket, secret: Optional[bytes], obj: dict) -> "Session":
-    """Client side: sends ``obj`` (after the handshake when there is a secret)."""
+  def request(
+      cls,
+      sock: socket.socket,
+      secret: Optional[bytes],
+      obj: dict,
+      deadline: Optional[float] = None,
+  ) -> "Session":
+    """Client side: sends ``obj`` (after the handshake when there is a secret), all of it by
+    ``deadline`` (time.monotonic()): whoever answers at the address may be anyone."""
     if secret is None:
-      send_json(sock, obj)
+      send_json(sock, obj, deadline=deadline, limit=MAX_REQUEST_BYTES)
       return cls(sock, None)
     nc = secrets.token_bytes(NONCE_BYTES)
-    send_json(sock, {"op": "hello", "nonce": nc.hex()})
+    send_json(sock, {"op": "hello", "nonce": nc.hex()}, deadline=deadline)
     try:
-      ns = _nonce(recv_json(sock))
+      ns = _nonce(recv_json(sock, MAX_HELLO_BYTES, deadline))
     except AuthenticationError:
       raise
     except TransferError as e:
       raise AuthenticationError(
           f"authentication handshake failed ({e}); does the peer run with this run's secret?"
       ) from None
-    send_json(sock, {**obj, "mac": _mac(secret, b"request", ns, nc, obj)})
+    signed = {**obj, "mac": _mac(secret, b"request", ns, nc, obj)}
+    send_json(sock, signed, deadline=deadline, limit=MAX_REQUEST_BYTES)
     return cls(sock, secret, nc, ns)
 
   def reply(self, obj: dict) -> None:
@@ -320,9 +400,10 @@ class Session:
       obj = {**obj, "mac": _mac(self.secret, b"reply", self._nc, self._ns, obj)}
     send_json(self.sock, obj)
 
-  def recv_reply(self) -> dict:
-    """Client side: the server's reply; AuthenticationError unless it proves the secret."""
-    obj = recv_json(self.sock)
+  def recv_reply(self, deadline: Optional[float] = None) -> dict:
+    """Client side: the server's reply (whole by ``deadline``, if given); AuthenticationError
+    unless it proves the secret. Its buffer grows only as the bytes arrive."""
+    obj = recv_json(self.sock, MAX_JSON_BYTES, deadline)
     if self.secret is not None:
       _check_mac(
           self.secret,
@@ -574,9 +655,15 @@ class ShmPlane(DataPlane):
     return wire + _send_end(sock, payload, link)
 
   def open(self, header, manifest, buffer):
+    # Only a regular file of ours of the payload's size, whatever name the header gives
+    # (map_shared); the receiver refuses this plane where it did not ask for it (service.py).
     return map_shared(str(header.get("shm", "")), manifest)
 
   def fill(self, sock, header, payload, base, timeout):
+    if payload.pin is not None:
+      # Pin first, then verify: a recycled file is pinned only once its writer has rewritten
+      # it, so no chunk verified here can change afterwards.
+      payload.pin.hold(timeout)
     for i in range(payload.manifest.num_chunks):
       kind, n = recv_frame_header(sock)
       if kind == b"X":

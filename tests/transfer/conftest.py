@@ -7,7 +7,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from streamrl.transfer import Publisher, Receiver, Transfer
+from streamrl.transfer import Publisher, Receiver, Transfer, new_secret
 
 NAMES = [
     "model.embed_tokens.weight",
@@ -61,11 +61,14 @@ class Loads:
 
 
 class Cluster:
+  """Nodes that share one run secret (``self.secret``) unless a test passes another."""
 
   def __init__(self):
     self.nodes = []
+    self.secret = new_secret()
 
   def publisher(self, dc="A", host="trainer", bind="127.0.0.1", secret=None, **cfg):
+    secret = self.secret if secret is None else secret
     p = Publisher(config(**cfg), dc=dc, host=host, bind=bind, secret=secret)
     self.nodes.append(p)
     return p
@@ -82,7 +85,7 @@ class Cluster:
         config=config(**cfg),
         host=host or f"host-{name}",
         bind=bind,
-        secret=secret,
+        secret=self.secret if secret is None else secret,
     )
     r.loads = loads
     self.nodes.append(r)

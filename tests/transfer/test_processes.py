@@ -7,18 +7,21 @@ import subprocess
 import sys
 import time
 
-from streamrl.transfer import Publisher, Receiver, spawn_receiver
+from streamrl.transfer import Publisher, Receiver, new_secret, spawn_receiver
 from streamrl.transfer.service import relay_only
 from .conftest import Loads, config, make_tensors, wait_until
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 # The sender process: paced uplink so that version 1 takes ~2 s; prints its address, publishes on "go".
+# Its secret comes as hex on the first line of stdin (argv would show it to every local user).
 SENDER = """
 import sys, time
 from streamrl.transfer import Publisher, Transfer
 import numpy as np
-pub = Publisher(Transfer(chunk_bytes=1024, use_shm=False, uplink_bytes_per_s=4000.0), dc="A", host="t")
+secret = bytes.fromhex(sys.stdin.readline())
+cfg = Transfer(chunk_bytes=1024, use_shm=False, uplink_bytes_per_s=4000.0)
+pub = Publisher(cfg, dc="A", host="t", secret=secret)
 print(pub.address[1], flush=True)
 sys.stdin.readline()
 pub.publish({"w": np.arange(2048, dtype=np.float32)})
@@ -28,11 +31,14 @@ time.sleep(60)
 
 def test_killed_receiver_process_does_not_block_the_others():
   cfg = config(fanout=1, use_shm=False, uplink_bytes_per_s=8000.0, repair_interval_s=0.5)
-  pub = Publisher(cfg, dc="A", host="trainer")
+  secret = new_secret()
+  pub = Publisher(cfg, dc="A", host="trainer", secret=secret)
   procs = []
   try:
     procs = [
-        spawn_receiver(f"p{i}", "A", relay_only, pub.address, config=cfg, host=f"h{i}")
+        spawn_receiver(
+            f"p{i}", "A", relay_only, pub.address, config=cfg, host=f"h{i}", secret=secret
+        )
         for i in range(3)
     ]
     assert pub.wait_receivers(3, timeout=60)
@@ -63,10 +69,12 @@ def test_killed_sender_leaves_receiver_on_its_old_version():
       cwd=ROOT,
   )
   loads = Loads()
-  r = Receiver(
-      "r", "A", loads, config=config(use_shm=False, max_retries=1), host="h", initial_version=0
-  )
+  secret = new_secret()
+  cfg = config(use_shm=False, max_retries=1)
+  r = Receiver("r", "A", loads, config=cfg, host="h", initial_version=0, secret=secret)
   try:
+    proc.stdin.write(secret.hex() + "\n")
+    proc.stdin.flush()
     port = int(proc.stdout.readline())
     r.join(("127.0.0.1", port), timeout=30)
     proc.stdin.write("go\n")
