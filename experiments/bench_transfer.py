@@ -29,7 +29,14 @@ a long run where two staging files alternate (fresh shared memory costs
    label) is timed once for reference. For scale, the run also times the
    service's two CPU costs alone, in this process: the sender's one copy +
    checksum into a warm buffer (``fill_payload``) and one checksum pass
-   over the payload (what each receiver spends verifying).
+   over the payload (what each receiver spends verifying), and one BLAKE3
+   pass (``manifest.digest``: what a TCP receiver spends on top, checking the
+   publisher's signed digests; ``digest_cost_vs_checksum`` = its time / the
+   XXH3 pass's).
+   Cross-host path: the TCP run verifies every chunk's signed BLAKE3 digest
+   (``tcp_signed_ratio_vs_memcpy`` = memcpy time / its time); it is timed a
+   second time with ``transfer.tls="on"`` (TLS 1.3 on every connection,
+   ``tcp_tls_ratio_vs_memcpy``).
    Copies: ``host_copies_per_update`` = bytes written into host memory for one
    version / model bytes, as the service counts them on the real path (the
    publisher's write into its file, plus what each receiver reports copying
@@ -52,7 +59,8 @@ a long run where two staging files alternate (fresh shared memory costs
    version 1 (full). The other 3 receivers are stopped first to save memory.
 
 Ends with ``RESULT bandwidth_ratio_vs_memcpy=.. relay_speedup=.. delta_bytes_ratio=..
-host_copies_per_update=.. tcp_copies_per_update=..``.
+host_copies_per_update=.. tcp_copies_per_update=.. digest_cost_vs_checksum=..
+tcp_signed_ratio_vs_memcpy=.. tcp_tls_ratio_vs_memcpy=..``.
 """
 
 import os
@@ -146,6 +154,7 @@ def _receivers(pub, secret, cfg, dc, host_of, schema):
           config=cfg,
           host=host_of(i),
           secret=secret,
+          run_keys=pub.run_keys,
       )
       for i in range(N_RECEIVERS)
   ]
@@ -204,11 +213,11 @@ def bench_bandwidth(tensors, chunk, reps, skip_tcp):
   del dst
   res["memcpy_s"] = best
 
-  from streamrl.transfer.manifest import checksum, fill_payload, plan_payload
+  from streamrl.transfer.manifest import checksum, digest, fill_payload, plan_payload
 
   buf = np.zeros(res["payload_bytes"], np.uint8)
   m = plan_payload(tensors, 1, chunk)
-  res["fill_s"] = res["checksum_s"] = float("inf")
+  res["fill_s"] = res["checksum_s"] = res["digest_s"] = float("inf")
   for _ in range(reps):
     t0 = time.perf_counter()
     for _ in fill_payload(tensors, m, memoryview(buf)):
@@ -218,8 +227,13 @@ def bench_bandwidth(tensors, chunk, reps, skip_tcp):
       a, b = m.chunk_range(i)
       checksum(memoryview(buf)[a:b])
     t2 = time.perf_counter()
+    for i in range(m.num_chunks):
+      a, b = m.chunk_range(i)
+      digest(memoryview(buf)[a:b])
+    t3 = time.perf_counter()
     res["fill_s"] = min(res["fill_s"], t1 - t0)
     res["checksum_s"] = min(res["checksum_s"], t2 - t1)
+    res["digest_s"] = min(res["digest_s"], t3 - t2)
   del buf
 
   secret = new_secret()
@@ -237,14 +251,16 @@ def bench_bandwidth(tensors, chunk, reps, skip_tcp):
     _stop(procs)
     pub.close()
 
-  if not skip_tcp:
-    cfg = Transfer(chunk_bytes=chunk, use_shm=False, fanout=2)
+  # The cross-host path (signed BLAKE3 digests checked by every receiver), plain and over TLS.
+  for key, tls in (() if skip_tcp else (("tcp", "off"), ("tls", "on"))):
+    cfg = Transfer(chunk_bytes=chunk, use_shm=False, fanout=2, tls=tls)
     pub = Publisher(cfg, dc="A", host="bench-host", secret=secret)
     procs = _receivers(pub, secret, cfg, "A", lambda i: f"host{i}", schema_of(tensors))
     try:
       # once: a second version doubles receiver memory
-      res["tcp_s"], v = _timed_publish(pub, tensors)
-      res["tcp_copies"] = _copies(pub, v, model_bytes)
+      res[f"{key}_s"], v = _timed_publish(pub, tensors)
+      if key == "tcp":
+        res["tcp_copies"] = _copies(pub, v, model_bytes)
     finally:
       _stop(procs)
       pub.close()
@@ -318,12 +334,14 @@ def main(argv):
   rows = [("memcpy x4 (one process)", bw["memcpy_s"]), ("service, shared memory", bw["shm_s"])]
   if "tcp_s" in bw:
     rows.append(("service, TCP tree fanout 2", bw["tcp_s"]))
+    rows.append(("service, TCP tree fanout 2, TLS", bw["tls_s"]))
   print(f"\n{'same host, 4 receivers':<38}{'time s':>9}{'GB/s':>9}")
   for name, s in rows:
     print(f"{name:<38}{s:>9.3f}{total / s:>9.2f}")
   print(
       f"  (alone, one process: sender's copy + checksum {bw['fill_s']:.3f} s, one verify pass "
-      f"{bw['checksum_s']:.3f} s, one memcpy {bw['memcpy_s'] / N_RECEIVERS:.3f} s; "
+      f"{bw['checksum_s']:.3f} s, one BLAKE3 pass {bw['digest_s']:.3f} s, one memcpy "
+      f"{bw['memcpy_s'] / N_RECEIVERS:.3f} s; "
       f"{os.cpu_count()} cores)"
   )
   print(
@@ -344,6 +362,8 @@ def main(argv):
   delta_ratio = link["delta_wan_bytes"] / link["full_wan_bytes_v1"]
   extra = f" tcp_ratio={bw['memcpy_s'] / bw['tcp_s']:.3f}" if "tcp_s" in bw else ""
   tcp_copies = bw.get("tcp_copies", nan)
+  tcp_signed = bw["memcpy_s"] / bw["tcp_s"] if "tcp_s" in bw else nan
+  tcp_tls = bw["memcpy_s"] / bw["tls_s"] if "tls_s" in bw else nan
   print(
       f"host copies per update (bytes copied / model bytes): shared memory, 4 receivers on the "
       f"sender's host {bw['shm_copies']:.3f}; TCP, 4 receiver hosts {tcp_copies:.3f}"
@@ -355,7 +375,9 @@ def main(argv):
   print(
       f"RESULT bandwidth_ratio_vs_memcpy={ratio:.3f} relay_speedup={speedup:.2f} "
       f"delta_bytes_ratio={delta_ratio:.3f} host_copies_per_update={bw['shm_copies']:.3f} "
-      f"tcp_copies_per_update={tcp_copies:.3f}"
+      f"tcp_copies_per_update={tcp_copies:.3f} "
+      f"digest_cost_vs_checksum={bw['digest_s'] / bw['checksum_s']:.2f} "
+      f"tcp_signed_ratio_vs_memcpy={tcp_signed:.3f} tcp_tls_ratio_vs_memcpy={tcp_tls:.3f}"
   )
 
 

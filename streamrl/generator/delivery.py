@@ -193,6 +193,8 @@ class TransferDelivery(Delivery):
                 self._transfer,
                 bind=self._bind,
                 secret=self._secret,
+                # The publisher's public key and TLS certificate, through Ray like the secret.
+                run_keys=self.publisher.run_keys,
             )
             for i in ids
         ]

@@ -204,7 +204,14 @@ class _GeneratorActor:
   # -- checkpoint-transfer service (config.transfer.enabled) -----------------
 
   def join_transfer(
-      self, address, schema, transfer: Transfer, *, bind: str = "127.0.0.1", secret: bytes
+      self,
+      address,
+      schema,
+      transfer: Transfer,
+      *,
+      bind: str = "127.0.0.1",
+      secret: bytes,
+      run_keys,
   ) -> int:
     """Starts this instance's transfer Receiver and joins the publisher.
 
@@ -214,7 +221,9 @@ class _GeneratorActor:
     in-place load itself and never mixes two versions. The engine loads
     the verified file itself: the publisher's on its host, else the one
     file its host's first receiver received (see streamrl/transfer).
-    `secret` is the run's transfer secret (TransferDelivery makes one per run).
+    `secret` is the run's transfer secret (TransferDelivery makes one per run) and
+    `run_keys` the publisher's keys (`Publisher.run_keys`): only versions the
+    publisher signed are loaded.
     """
     from streamrl.transfer import Receiver  # pylint: disable=g-import-not-at-top
 
@@ -229,6 +238,7 @@ class _GeneratorActor:
         initial_version=self._gen.weight_version,
         bind=bind,
         secret=secret,
+        run_keys=run_keys,
     )
     return self._receiver.join(tuple(address))
 

@@ -8,15 +8,19 @@ receiver per host), service (Publisher, Receiver), config (Transfer: the
 `transfer.*` settings both take).
 
 Security: every node needs the run's shared secret, on loopback too (any
-local process can reach 127.0.0.1); a node built without one refuses to start.
-Make one per run and pass the same bytes to the Publisher and every Receiver::
+local process can reach 127.0.0.1), and every receiver the publisher's keys
+(made per run by the Publisher: its Ed25519 public key and the run's TLS
+certificate); a node built without them refuses to start::
 
   secret = new_secret()
   pub = Publisher(config, secret=secret)
-  r = Receiver("gen0", "dc0", load_fn, config=config, secret=secret)
+  r = Receiver("gen0", "dc0", load_fn, config=config, secret=secret, run_keys=pub.run_keys)
 
-Every request is then authenticated and every version's manifest is signed;
-until a peer has proven the secret it gets small frames, one handshake
+Every request is then authenticated, and only the publisher can sign an
+announce or a version's manifest (with every chunk's BLAKE3 digest, which TCP
+receivers check), so a node that holds the secret cannot make another load
+anything else; off loopback every connection is TLS (``transfer.tls``).
+Until a peer has proven the secret it gets small frames, one handshake
 deadline and a bounded share of a node's connections (transports.py).
 
 Host path (what runs here): the trainer's lazy export is written once into a
@@ -57,7 +61,7 @@ from streamrl.transfer.manifest import (
 from streamrl.transfer.payload import Pin, VersionTensors, WeightsFile
 from streamrl.transfer.service import Publisher, Receiver, spawn_receiver
 from streamrl.transfer.topology import ReceiverInfo, TreeNode, plan_direct, plan_topology
-from streamrl.transfer.transports import AuthenticationError, new_secret
+from streamrl.transfer.transports import AuthenticationError, RunKeys, new_secret
 
 __all__ = [
     "AuthenticationError",
@@ -67,6 +71,7 @@ __all__ = [
     "Publisher",
     "Receiver",
     "ReceiverInfo",
+    "RunKeys",
     "SchemaMismatch",
     "TensorSpec",
     "Transfer",

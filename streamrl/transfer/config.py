@@ -50,6 +50,10 @@ class Transfer:
   # The address the publisher and receivers listen on. On loopback too, every
   # node authenticates its peers with the run's secret (the run makes one).
   bind: str = "127.0.0.1"
+  # TLS on every connection between nodes (the publisher's per-run certificate, pinned by every
+  # node): "auto" (on when the node's bind address is not loopback), "on" or "off". Give every
+  # node of a run the same value: a TLS node refuses plain connections and the other way round.
+  tls: str = "auto"
   # Emulated link rates in bytes/s (0: unlimited), for tests and demos of a
   # cross-datacenter edge on one machine.
   cross_dc_bytes_per_s: float = 0.0
@@ -78,5 +82,6 @@ class Transfer:
         "transfer.bind is empty; use 127.0.0.1 (this machine only) or the address the "
         "generators reach the trainer at.",
     )
+    one_of("transfer.tls", self.tls, ("auto", "on", "off"))
     positive("transfer.cross_dc_bytes_per_s", self.cross_dc_bytes_per_s, zero_ok=True)
     positive("transfer.uplink_bytes_per_s", self.uplink_bytes_per_s, zero_ok=True)

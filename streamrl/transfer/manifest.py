@@ -25,6 +25,13 @@ Format choices (and why):
   and memory faults (random damage passes with probability 2^-64 per chunk);
   it is not a defence against a malicious peer, which needs an authenticated
   channel.
+- **Digest**: BLAKE3-256 (``blake3``) per chunk, cryptographic, for bytes that left the host:
+  the publisher signs a manifest that lists every chunk's digest (transports.py) and a TCP
+  receiver hashes every chunk it receives. Measured here (2 cores, busy, 4 MiB chunks): XXH3
+  11.4 GB/s, BLAKE3 5.6 GB/s, SHA-256 1.2 GB/s, BLAKE2b 0.8 GB/s, memcpy 9.6 GB/s; so the
+  digest costs about one more copy, and only where bytes crossed a socket: the same-host
+  (shared-memory) path verifies XXH3 only, and the publisher hashes a chunk only when a TCP
+  stream first sends it.
 - **Chunks** (default 4 MiB, ``Transfer.chunk_bytes``): large enough that
   per-chunk Python overhead is negligible (~250 chunks per GB), small enough to
   stay in cache between copy and checksum (measured on 1 GiB: copy+XXH3
@@ -53,6 +60,7 @@ import struct
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Optional, Union
 
+import blake3
 import ml_dtypes
 import numpy as np
 import xxhash
@@ -139,6 +147,14 @@ def checksum(data: Any) -> int:
   return xxhash.xxh3_64_intdigest(data)
 
 
+DIGEST_BYTES = 32
+
+
+def digest(data: Any) -> bytes:
+  """BLAKE3-256 of a bytes-like object: a chunk's cryptographic digest (signed by the publisher)."""
+  return blake3.blake3(data).digest()
+
+
 def schema_of(tensors: Mapping[str, np.ndarray]) -> Schema:
   """Specs of a dict of arrays, sorted by name.
 
@@ -210,6 +226,7 @@ class Manifest:
   tensors: specs in layout order. checksums[i]: ``checksum`` of bytes
   [i * chunk_bytes, min((i + 1) * chunk_bytes, total_bytes)); empty while
   the payload is still being written (they then come with the chunks).
+  digests[i]: ``digest`` of the same bytes, where known (the manifest signed for TCP edges).
   """
 
   version: int
@@ -217,13 +234,14 @@ class Manifest:
   total_bytes: int
   chunk_bytes: int
   checksums: tuple[int, ...] = ()
+  digests: tuple[bytes, ...] = ()
 
   @property
   def num_chunks(self) -> int:
     return -(-self.total_bytes // self.chunk_bytes)
 
   def without_checksums(self) -> "Manifest":
-    return dataclasses.replace(self, checksums=())
+    return dataclasses.replace(self, checksums=(), digests=())
 
   def chunk_range(self, i: int) -> tuple[int, int]:
     start = i * self.chunk_bytes
@@ -248,6 +266,8 @@ class Manifest:
     }
     if self.checksums:
       d["checksums"] = list(self.checksums)
+    if self.digests:
+      d["digests"] = [x.hex() for x in self.digests]
     return d
 
   @classmethod
@@ -266,6 +286,7 @@ class Manifest:
           int(d["total_bytes"]),
           chunk_bytes,
           tuple(int(c) for c in d.get("checksums", ())),
+          tuple(bytes.fromhex(x) for x in d.get("digests", ())),
       )
     except (KeyError, TypeError, ValueError) as e:
       raise TransferError(f"malformed manifest: {e!r}") from None
@@ -279,6 +300,10 @@ class Manifest:
       raise TransferError(f"malformed manifest: {m.total_bytes} bytes is out of range")
     if m.checksums and len(m.checksums) != m.num_chunks:
       raise TransferError("malformed manifest: chunk table does not cover the payload")
+    if m.digests and (
+        len(m.digests) != m.num_chunks or any(len(x) != DIGEST_BYTES for x in m.digests)
+    ):
+      raise TransferError("malformed manifest: digest table does not cover the payload")
     data = sum(t.nbytes for t in m.tensors)
     if not 8 + data <= m.total_bytes <= 8 + data + MAX_HEADER_BYTES:  # also bounds what we allocate
       raise TransferError("malformed manifest: payload size does not match its tensors")

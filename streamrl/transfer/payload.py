@@ -66,8 +66,10 @@ import numpy as np
 
 from streamrl import lifecycle
 from streamrl.transfer.manifest import (
+    ChecksumError,
     Manifest,
     TransferError,
+    digest,
     header_bytes,
     plan_payload,
     read_payload,
@@ -256,12 +258,19 @@ class Payload:
         0  # servers streaming from this payload now (keeps its segment from being recycled)
     )
     self.checksums: list[Optional[int]] = list(manifest.checksums) or [None] * manifest.num_chunks
+    # Cryptographic digests (manifest.digest): verified for chunks that came over TCP, computed on
+    # demand where ``digestible`` (the publisher's own bytes), unknown for a mapped file.
+    self.digests: list[Optional[bytes]] = list(manifest.digests) or [None] * manifest.num_chunks
+    self.digestible = False
     self._ready = ready
     self._error: Optional[str] = None
     self._cond = threading.Condition()
     self._tensors: Optional[VersionTensors] = None
     self.delta_cache: dict[int, list] = {}  # base version -> per-chunk (encoding, bytes|None)
-    self.tag: Optional[bytes] = None  # the publisher's manifest tag, once known (with a secret)
+    # The publisher's signatures (transports.sign_manifest), once known: ``tag`` of the manifest
+    # with the checksums, ``full_tag`` of the one with the digests too (what TCP edges carry).
+    self.tag: Optional[bytes] = None
+    self.full_tag: Optional[bytes] = None
 
   @property
   def version(self) -> int:
@@ -291,8 +300,32 @@ class Payload:
       raise TransferError("payload is not complete")
     return dataclasses.replace(self.manifest, checksums=tuple(self.checksums))
 
-  def commit(self, i: int, expected: Optional[int] = None) -> None:
-    """Verifies chunk i (the next one in order) against ``expected`` (default: the known checksum), marks it ready.
+  def signed_manifest(self, full: bool) -> Manifest:
+    """What the publisher signs: the complete manifest, with every chunk's digest when ``full``
+    (a mapped file's node has none: TransferError)."""
+    m = self.full_manifest
+    if not full:
+      return m
+    return dataclasses.replace(m, digests=tuple(self.digest(i) for i in range(m.num_chunks)))
+
+  def digest(self, i: int) -> bytes:
+    """Chunk i's cryptographic digest: the verified one, or computed here on first use where
+    ``digestible`` (so the same-host path never pays for it); TransferError otherwise."""
+    d = self.digests[i]
+    if d is None:
+      if not self.digestible:
+        raise TransferError(
+            f"version {self.version} came to this node as a same-host file, without digests; "
+            "fetch it from the publisher"
+        )
+      d = self.digests[i] = digest(self.chunk(i))  # racing threads compute the same value
+    return d
+
+  def commit(
+      self, i: int, expected: Optional[int] = None, expected_digest: Optional[bytes] = None
+  ) -> None:
+    """Verifies chunk i (the next one in order) against ``expected`` (default: the known checksum)
+    and, if given, ``expected_digest`` (bytes that crossed a socket), marks it ready.
 
     ChecksumError if the bytes do not match.
     """
@@ -302,6 +335,12 @@ class Payload:
     if expected is None:
       raise TransferError(f"no checksum for chunk {i}")
     verify_chunk(self.buf, self.manifest, i, expected)
+    if expected_digest is not None:
+      if digest(self.chunk(i)) != expected_digest:
+        raise ChecksumError(
+            f"chunk {i} of version {self.version} is corrupted (its digest does not match)"
+        )
+      self.digests[i] = bytes(expected_digest)
     self._mark(i, expected)
 
   def add_written(self, i: int, value: int) -> None:
@@ -316,10 +355,12 @@ class Payload:
       self._ready += 1
       self._cond.notify_all()
 
-  def set_tag(self, tag: bytes) -> None:
-    """The publisher's tag of the complete manifest (computed there, checked here first)."""
+  def set_tag(self, tag: bytes, full_tag: Optional[bytes] = None) -> None:
+    """The publisher's signatures of the complete manifest (made there, checked here first)."""
     with self._cond:
       self.tag = bytes(tag)
+      if full_tag is not None:
+        self.full_tag = bytes(full_tag)
       self._cond.notify_all()
 
   def wait_tag(self, timeout: float) -> bytes:

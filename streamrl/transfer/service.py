@@ -52,13 +52,23 @@ Authentication (``secret``, transports.py): every node must be given the
 run's shared secret (``new_secret()``; ValueError otherwise, on loopback
 too, since any local process can reach 127.0.0.1). Every connection is
 authenticated both ways with
-HMAC-SHA256 challenge-response over fresh nonces, a request that fails is
+HMAC-SHA256 challenge-response over fresh nonces, and a request that fails is
 refused with an error frame before it is acted on (stats ``auth_refused``:
-no data, no registration), the publisher signs each version's complete
-manifest (every chunk's checksum), relays pass that tag on unchanged, and a
-receiver verifies it before it calls ``load_fn`` or hands the version on
-as complete. A wrong-secret source therefore fails the attempt (``last_error``
-says authentication) and the receiver keeps its old version.
+no data, no registration). A wrong-secret source therefore fails the attempt
+(``last_error`` says authentication) and the receiver keeps its old version.
+
+Versions only the publisher mints (``run_keys``, transports.py): the secret is every node's,
+so the publisher also signs, with an Ed25519 key of its own per run, every announce (the version
+and the plan below the child it goes to) and every version's complete manifest, XXH3 checksums
+and BLAKE3 digests. Receivers get its public key with the secret (``Publisher.run_keys``, through
+whoever builds them) and act on an announce only if the publisher signed it and it comes from
+the publisher or one of their parents in that plan (stats ``announces_refused``); they load a
+version, or serve it on as complete, only once its signatures verify, and a TCP receiver hashes
+every chunk against the signed digest. A version whose fetch gives up no longer holds the
+receiver: any newer announce counts again.
+
+TLS (``transfer.tls``, on by default off loopback): every connection, the relays' included, is
+TLS 1.3 with the run's certificate (``run_keys``), pinned by every client.
 
 Hostile peers (``_Node``): until a peer has proven the secret it gets small
 frames, one deadline for its whole handshake (``handshake_timeout_s``) and
@@ -91,7 +101,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import hmac
 import logging
 import multiprocessing
 import os
@@ -134,15 +143,22 @@ from streamrl.transfer.payload import (
 from streamrl.transfer.topology import Address, ReceiverInfo, TreeNode, plan_direct, plan_topology
 from streamrl.transfer.transports import (
     PLANES,
+    SIGNATURE_BYTES,
     AuthenticationError,
     Link,
     RateLimiter,
+    RunKeys,
     Session,
+    Tls,
+    check_run_keys,
     check_secret,
     choose_plane,
     connect,
-    manifest_tag,
+    new_run_keys,
     send_error,
+    sign_grant,
+    sign_manifest,
+    tls_enabled,
 )
 
 log = logging.getLogger(__name__)
@@ -175,12 +191,15 @@ class _Node:
       bind: Optional[str],
       port: int,
       secret: Optional[bytes],
+      run_keys: Optional[RunKeys],
   ):
     config = config if config is not None else Transfer()
     config.check()  # a standalone user gets the run's errors too
     bind = config.bind if bind is None else bind
     self.name, self.dc, self.config = name, dc, config
     self._secret = check_secret(secret, bind, f"{type(self).__name__} {name!r}")
+    self._keys = check_run_keys(run_keys, f"{type(self).__name__} {name!r}")
+    self._tls = Tls(self._keys) if tls_enabled(config.tls, bind) else None
     self.host = host if host is not None else socket.gethostname()
     self._listener = socket.create_server((bind, port))
     self._listener.settimeout(0.25)
@@ -299,6 +318,17 @@ class _Node:
       return  # the accept loop gave up on this connection and closed it
     try:
       self._track(conn)
+      if self._tls is not None:
+        try:
+          tls = self._tls.accept(conn, deadline)
+        except (OSError, TransferError) as e:
+          self._count("tls_refused")
+          log.debug("%s: refused a connection from %s: %r", self.name, peer, e)
+          return
+        with self._conns_lock:
+          self._conns.discard(conn)  # detached: the TLS socket owns the descriptor now
+          self._conns.add(tls)
+        conn = tls
       try:
         session, req = Session.accept(conn, self._secret, deadline)
       except AuthenticationError as e:
@@ -333,9 +363,18 @@ class _Node:
     """
     budget = self.config.handshake_timeout_s if timeout is None else timeout
     deadline = time.monotonic() + budget
-    with connect(address, min(self.config.connect_timeout_s, budget)) as sock:
+    with self._connect(address, deadline) as sock:
       session = Session.request(sock, self._secret, msg, deadline)
       return session.recv_reply(deadline) if reply else None
+
+  def _connect(self, address: Address, deadline: float) -> socket.socket:
+    """A connection to another node, TLS with the pinned run certificate when ours is on; the
+    TLS handshake ends by ``deadline`` too."""
+    left = max(deadline - time.monotonic(), 0.001)
+    sock = connect(address, min(self.config.connect_timeout_s, left))
+    return sock if self._tls is None else self._tls.connect(sock, deadline)
+
+  _seal: Optional[Callable[[Payload], bytes]] = None  # the publisher's (Link.seal)
 
   def close(self) -> None:
     """Stops serving and cuts every open connection (peers see the connection drop)."""
@@ -375,7 +414,7 @@ class _Node:
         self.config.delta_level,
         self._executor,
         self.config.io_timeout_s,
-        signed=self._secret is not None,
+        seal=self._seal,
     )
     where = "local" if req.get("dc") == self.dc else "cross_dc"
     self._count(f"served_{plane.name}")  # streams started (bytes are counted when a stream ends)
@@ -399,18 +438,17 @@ class _Node:
       payload.close_stream()
     self._count(f"{where}_{'delta' if delta_base is not None else 'full'}_bytes", n)
 
-  def _announce_subtree(self, child: TreeNode, version: int, publisher: Address) -> None:
-    """Announces ``version`` to ``child`` (with this node as source); adopts its subtree if unreachable."""
+  def _announce_subtree(self, child: TreeNode, announce: dict) -> None:
+    """Passes the publisher's signed ``announce`` ({"grant", "sig"}: ``Publisher._grant``) to
+    ``child`` (with this node as source); adopts its subtree if unreachable."""
     msg = {
         "op": "announce",
-        "version": version,
+        **announce,
         "source": list(self.address),
         # Where the source is: the child asks it for shared memory only if that is its own host
         # and datacenter (Receiver._fetch_from).
         "source_host": self.host,
         "source_dc": self.dc,
-        "publisher": list(publisher),
-        "children": [c.to_json() for c in child.children],
     }
     try:
       self._request(child.info.address, msg)
@@ -422,12 +460,14 @@ class _Node:
           e,
       )
       self._on_unreachable(child.info)
-      for grandchild in child.children:
-        self._announce_subtree(grandchild, version, publisher)
+      for grandchild in child.children:  # we are their ancestor in the signed plan
+        self._announce_subtree(grandchild, announce)
 
-  def _announce_all(self, children: tuple[TreeNode, ...], version: int, publisher: Address) -> None:
+  def _announce_all(
+      self, children: tuple[TreeNode, ...], announce_of: Callable[[TreeNode], dict]
+  ) -> None:
     threads = [
-        threading.Thread(target=self._announce_subtree, args=(c, version, publisher), daemon=True)
+        threading.Thread(target=self._announce_subtree, args=(c, announce_of(c)), daemon=True)
         for c in children
     ]
     for t in threads:
@@ -460,7 +500,9 @@ class Publisher(_Node):
   expected_schema: if given, publish refuses tensors that do not match it.
   secret: the run's shared secret (``new_secret()``; the same bytes for every
   Receiver): required, on loopback too (ValueError otherwise). Every request
-  is authenticated and every version's manifest is signed (transports.py).
+  is authenticated (transports.py).
+  ``run_keys``: made here, per run: hand them to every Receiver with the secret. Every announce
+  and every version's manifest is signed with a key only this publisher holds.
   """
 
   def __init__(
@@ -476,7 +518,11 @@ class Publisher(_Node):
       expected_schema: Optional[SchemaLike] = None,
       secret: Optional[bytes] = None,
   ):
-    super().__init__(name, dc, host, config, bind, port, secret)
+    signer, keys = new_run_keys()
+    super().__init__(name, dc, host, config, bind, port, secret, keys)
+    self._signer = signer  # never leaves this object: only the publisher mints versions
+    self.run_keys: RunKeys = keys
+    self._seal_lock = threading.Lock()
     self._cond = threading.Condition()
     self._versions: dict[int, Payload] = {}
     self._accepted = self._next = start_version  # highest version number a publish has claimed
@@ -591,7 +637,9 @@ class Publisher(_Node):
         p.announced_at = now
       self._cond.notify_all()
     announcer = threading.Thread(
-        target=self._announce_all, args=(self.plan().children, v, self.address), daemon=True
+        target=self._announce_all,
+        args=(self.plan().children, lambda child: self._grant(v, child)),
+        daemon=True,
     )
     announcer.start()
     try:
@@ -601,8 +649,9 @@ class Publisher(_Node):
         values = fill_payload(tensors, manifest, payload.buf)
       for i, value in enumerate(values):
         payload.add_written(i, value)
-      if self._secret is not None:  # servers send it at the end of each stream; relays pass it on
-        payload.set_tag(manifest_tag(self._secret, payload.full_manifest))
+      # Servers send it at the end of each stream and relays pass it on; the signature of the
+      # digests is made when a TCP stream first needs it (_seal), so same-host runs never hash.
+      payload.set_tag(sign_manifest(self._signer, payload.full_manifest))
       if tensors is not None:
         self._add_copied(v, manifest.total_bytes)
     except BaseException as e:
@@ -677,6 +726,19 @@ class Publisher(_Node):
     self._pool.close()
 
   # -- internals
+  def _grant(self, version: int, child: TreeNode) -> dict:
+    """The signed announce of ``version`` for ``child``'s subtree: it names the plan below
+    ``child``, so every receiver in it knows which nodes are its parents."""
+    grant = {"version": version, "publisher": list(self.address), "tree": child.to_json()}
+    return {"grant": grant, "sig": sign_grant(self._signer, grant)}
+
+  def _seal(self, payload: Payload) -> bytes:
+    """The signature of ``payload``'s manifest with every chunk's digest (hashed on demand)."""
+    with self._seal_lock:
+      if payload.full_tag is None:
+        payload.full_tag = sign_manifest(self._signer, payload.signed_manifest(full=True))
+      return payload.full_tag
+
   def _allocate(self, manifest: Manifest) -> Payload:
     seg, old = self._pool.acquire(manifest.total_bytes, self._recyclable)
     if old is not None:
@@ -684,6 +746,7 @@ class Publisher(_Node):
         if self._versions.get(old.version) is old:
           del self._versions[old.version]
     payload = Payload(manifest, seg.buf, shm_name=seg.name, keepalive=seg.keepalive, segment=seg)
+    payload.digestible = True  # our own bytes: a chunk's digest is computed when a stream needs it
     seg.payload = payload
     return payload
 
@@ -695,6 +758,7 @@ class Publisher(_Node):
       raise ValueError("the weights file's layout differs from the payload's")
     seg = written.segment
     payload = Payload(manifest, seg.buf, shm_name=seg.name, keepalive=seg.keepalive, segment=seg)
+    payload.digestible = True
     seg.payload = payload
     self._pool.adopt(seg)
     return payload
@@ -816,7 +880,8 @@ class Publisher(_Node):
         for p in late:
           p.announced_at = now
       for p in late:
-        self._announce_subtree(TreeNode(p.info), v, self.address)
+        node = TreeNode(p.info)
+        self._announce_subtree(node, self._grant(v, node))
 
 
 class Receiver(_Node):
@@ -834,8 +899,9 @@ class Receiver(_Node):
   host: host label (same label and same datacenter as the sender -> shared memory).
   secret: the run's shared secret, the publisher's bytes: required, on
   loopback too (ValueError otherwise). Every request this node makes or
-  serves is authenticated (its announces to its children too) and a version
-  whose manifest tag does not verify is never loaded.
+  serves is authenticated (its announces to its children too).
+  run_keys: the publisher's ``run_keys`` (required): a version whose signatures do not verify
+  is never loaded, and an announce the publisher did not sign is ignored.
   publisher: the publisher's address, the only one acks, nacks and suspicions go to (``join``
   sets it; a receiver the publisher knows from ``add_receiver`` and that never joins needs
   it). An announce names a source and a fallback to pull from, never where reports go.
@@ -855,9 +921,10 @@ class Receiver(_Node):
       bind: Optional[str] = None,
       port: int = 0,
       secret: Optional[bytes] = None,
+      run_keys: Optional[RunKeys] = None,
       publisher: Optional[Address] = None,
   ):
-    super().__init__(name, dc, host, config, bind, port, secret)
+    super().__init__(name, dc, host, config, bind, port, secret, run_keys)
     sweep_orphans()  # what dead processes of this host left in /dev/shm goes
     self.load_fn = load_fn
     self._expected = as_schema(expected_schema) if expected_schema is not None else None
@@ -985,21 +1052,54 @@ class Receiver(_Node):
       session.reply({"ok": True, "version": self._version})
 
   def _handle_announce(self, session, req):
-    v = int(req["version"])
-    source, publisher = tuple(req["source"]), tuple(req["publisher"])
-    children = tuple(TreeNode.from_json(c) for c in req.get("children", ()))
+    granted = self._granted(req)
+    if granted is None:
+      self._count("announces_refused")
+      session.reply({"ok": False})
+      return
+    v, publisher, node = granted
+    source = tuple(req["source"])
     if "source_host" in req:
       self._note_site(source, str(req["source_host"]), str(req.get("source_dc")))
     with self._cond:
       self._fallback = publisher  # a place to pull from; reports still go to self._publisher
+      fresh = v > self._target and self._gave_up.get(v) is not True  # not refused for good
       retry = v == self._target and not self._fetching and self._gave_up.get(v) is False
-      if v > self._target or (retry and v > self._version):
+      if fresh or (retry and v > self._version):
         self._target, self._source = v, source
         self._gave_up.pop(v, None)
         self._cond.notify_all()
     session.reply({"ok": True})
-    if children:
-      self._announce_all(children, v, publisher)
+    if node.children:
+      announce = {"grant": req["grant"], "sig": req["sig"]}  # passed on as the publisher made it
+      self._announce_all(node.children, lambda child: announce)
+
+  def _granted(self, req: dict) -> Optional[tuple[int, Address, TreeNode]]:
+    """(version, publisher, our node of the plan) of an announce the publisher signed that comes
+    from the publisher or one of our parents in that plan; None (logged) for any other: whoever
+    holds the secret can send an announce, only the publisher can sign one."""
+    grant, sig = req.get("grant"), req.get("sig")
+    try:
+      signed = isinstance(grant, dict) and self._keys.verifies(
+          b"announce", grant, bytes.fromhex(sig)
+      )
+    except (TypeError, ValueError):
+      signed = False
+    if not signed:
+      why = "it is not signed with the publisher's key"
+    else:
+      v, publisher = int(grant["version"]), tuple(grant["publisher"])
+      path = _path_to(TreeNode.from_json(grant["tree"]), self.name)
+      source = tuple(req.get("source", ()))
+      parents = {tuple(n.info.address) for n in (path or [])[:-1]}
+      if path is None:
+        why = "its plan does not include this receiver"
+      elif source != publisher and source not in parents:
+        why = f"it comes from {source}, neither the publisher nor a parent of this receiver"
+      else:
+        return v, publisher, path[-1]
+    log.warning("%s: ignored an announce: %s", self.name, why)
+    return None
 
   def _handle_get(self, session, req):
     want = int(req.get("want", 0))
@@ -1076,6 +1176,10 @@ class Receiver(_Node):
     with self._cond:
       self.last_error, self._last_exc = reason, exc
       self._gave_up[v] = permanent
+      if self._target == v:
+        # A version that cannot be had (say, a bogus announce) must not hold the receiver: any
+        # newer announce counts again (and this one again, unless it was refused for good).
+        self._target = self._version
       self._cond.notify_all()
     self._tell_publisher(
         {"op": "nack", "name": self.name, "version": v, "reason": reason, "permanent": permanent}
@@ -1118,7 +1222,7 @@ class Receiver(_Node):
     # Connect, handshake and header have one deadline, whoever answers at ``src``; a source
     # may hold the header up to io_timeout_s while the version reaches it (Receiver._handle_get).
     deadline = time.monotonic() + self.config.handshake_timeout_s + self.config.io_timeout_s
-    sock = connect(src, self.config.connect_timeout_s)
+    sock = self._connect(src, deadline)
     self._track(sock)
     payload = None
     try:
@@ -1162,20 +1266,27 @@ class Receiver(_Node):
       with self._cond:
         self._inflight = payload
         self._cond.notify_all()
-      n, tag = plane.fill(
+      n, tags = plane.fill(
           sock,
           header,
           payload,
           base if header.get("base") is not None else None,
           self.config.io_timeout_s,
       )
-      if self._secret is not None:  # before anything is loaded or passed on as complete
-        if not hmac.compare_digest(tag, manifest_tag(self._secret, payload.full_manifest)):
-          raise AuthenticationError(
-              f"authentication failed: version {manifest.version} from {src[0]}:{src[1]} does not "
-              "carry a valid tag of this run's secret; not loaded"
-          )
-        payload.set_tag(tag)  # our children get the publisher's tag, unchanged
+      # Before anything is loaded or passed on as complete: the publisher signed this manifest,
+      # and for bytes that crossed a socket the digests they were just hashed against.
+      tag, full_tag = tags[:SIGNATURE_BYTES], tags[SIGNATURE_BYTES:]
+      signed = self._keys.verifies(b"manifest", payload.full_manifest.to_json(), tag)
+      if signed and plane.copies:
+        signed = self._keys.verifies(
+            b"manifest", payload.signed_manifest(full=True).to_json(), full_tag
+        )
+      if not signed:
+        raise AuthenticationError(
+            f"authentication failed: version {manifest.version} from {src[0]}:{src[1]} does not "
+            "carry a valid manifest tag (the publisher's signature); not loaded"
+        )
+      payload.set_tag(tag, full_tag if plane.copies else None)  # passed on to children unchanged
       self._count("bytes_received", n)
       copied = manifest.total_bytes if plane.copies else 0
       self._count("bytes_copied", copied)
@@ -1301,6 +1412,17 @@ class Receiver(_Node):
       spare.unlink()
 
 
+def _path_to(tree: TreeNode, name: str) -> Optional[list[TreeNode]]:
+  """The nodes from ``tree`` down to the receiver called ``name`` (names are unique in a plan)."""
+  if tree.info is not None and tree.info.name == name:
+    return [tree]
+  for child in tree.children:
+    below = _path_to(child, name)
+    if below is not None:
+      return [tree, *below]
+  return None
+
+
 # ---------------------------------------------------------------- process mode
 
 
@@ -1320,19 +1442,21 @@ def spawn_receiver(
     initial_version: int = 0,
     bind: Optional[str] = None,
     secret: Optional[bytes] = None,
+    run_keys: Optional[RunKeys] = None,
 ) -> multiprocessing.Process:
   """Starts a Receiver in a fresh ``spawn`` process that joins ``publisher`` and serves until
   terminated (``terminate()`` closes it cleanly, files included) or killed.
 
   load_fn must be a module-level function (the child imports it by name);
-  the schema and config travel as plain lists/dicts, the secret (required:
-  the publisher's bytes) over the process's own spawn pipe (never over the
+  the schema and config travel as plain lists/dicts, the secret and ``run_keys`` (required:
+  the publisher's) over the process's own spawn pipe (never over the
   transfer network). The child exits when its parent dies.
   """
   config = config if config is not None else Transfer()
   config.check()  # fail here, not in the child
   bind = config.bind if bind is None else bind
   check_secret(secret, bind, f"receiver {name!r}")
+  check_run_keys(run_keys, f"receiver {name!r}")
   schema = (
       None
       if expected_schema is None
@@ -1344,14 +1468,25 @@ def spawn_receiver(
       name=f"receiver-{name}",
       daemon=True,
       args=(name, dc, load_fn, list(publisher), schema, cfg, host, initial_version, os.getpid()),
-      kwargs={"bind": bind, "secret": secret},
+      kwargs={"bind": bind, "secret": secret, "run_keys": run_keys},
   )
   proc.start()
   return proc
 
 
 def _receiver_main(
-    name, dc, load_fn, publisher, schema, cfg, host, initial_version, parent_pid, bind, secret
+    name,
+    dc,
+    load_fn,
+    publisher,
+    schema,
+    cfg,
+    host,
+    initial_version,
+    parent_pid,
+    bind,
+    secret,
+    run_keys,
 ) -> None:
   logging.basicConfig(level=logging.WARNING)
   # SIGTERM (Process.terminate) closes the receiver, which removes its files from /dev/shm;
@@ -1368,6 +1503,7 @@ def _receiver_main(
       initial_version=initial_version,
       bind=bind,
       secret=secret,
+      run_keys=run_keys,
   )
   try:
     r.join(tuple(publisher))

@@ -27,19 +27,35 @@ Why TCP + shared memory (and not Ray's object store):
   emulate a real cross-datacenter edge (a publisher in dc0 and receivers in
   dc1, all on one host).
 
-Authentication (``Session``, ``manifest_tag``): every node runs with the
+Authentication (``Session``, ``RunKeys``): every node runs with the
 run's shared secret (``new_secret()``; ``check_secret`` refuses to start one
 without it, on loopback too: any local process can reach 127.0.0.1) and
 authenticates every connection with a
 challenge-response (HMAC-SHA256 over fresh nonces from both ends and the
 message), so neither a request nor a reply of a captured exchange is
 accepted on another connection; a node refuses unauthenticated requests
-before acting on them. The publisher also signs each version's complete
-manifest (every chunk's checksum); relays forward that tag unchanged in the
-end frame and every receiver checks it before it loads anything. The
-per-chunk checksum is XXH3-64, not a cryptographic hash: the tag proves the
-checksums came from a holder of the secret, and the per-connection MACs
-keep other parties out of the exchange, but bytes are not MACed one by one.
+before acting on them.
+
+Versions only the publisher can mint: the secret is every node's, so it proves
+membership of the run, never authority. The publisher makes an Ed25519 key per
+run and hands its public half out with the secret (``RunKeys``, through whoever
+builds the receivers); it signs every announce (``sign_grant``: the version and
+the plan below one top-level child, so a receiver knows its parent) and each
+version's complete manifest (``sign_manifest``): ``tag`` over every chunk's
+XXH3 checksum, and for TCP edges ``full_tag`` over the manifest that also lists
+every chunk's BLAKE3 digest (manifest.digest). Relays forward both unchanged
+and cannot sign; a receiver verifies them before it loads anything or serves
+the version on as complete, and hashes every chunk it received over TCP against
+the signed digest, so the bytes themselves are what the publisher signed. A
+same-host receiver checks XXH3 only: the file it maps is a regular file of its
+own user with a name this service makes (payload.py).
+
+TLS (``Tls``, ``transfer.tls``): on by default where a node binds beyond
+loopback. The publisher makes one self-signed certificate and key per run
+(``RunKeys.tls_cert``/``tls_key``); every node serves with them (relays serve
+children too) and every client pins that certificate, so the bytes on the wire
+are encrypted and only nodes of the run answer. The key is shared like the
+secret: TLS keeps outsiders out, the publisher's signatures keep insiders honest.
 
 Before a peer has proven the secret it costs little: its frames are capped
 (``MAX_HELLO_BYTES``, ``MAX_REQUEST_BYTES``; buffers grow only as bytes
@@ -50,10 +66,10 @@ included) is a TransferError. Servers bound their connections (service.py).
 Frames: 1-byte kind + 8-byte big-endian body length, then the body.
   J  JSON control message (requests, replies, the response header with the manifest)
   C  chunk: 4-byte index + 1-byte encoding (delta.RAW / XOR_ZLIB / XOR_SPARSE) + 8-byte checksum
-     (manifest.checksum) of the (reconstructed) chunk + data
+     (manifest.checksum) + 32-byte digest (manifest.digest) of the (reconstructed) chunk + data
   R  shared-memory chunk ready: 4-byte index + 8-byte checksum (the bytes are in the file)
-  E  end of payload; body: the version's manifest tag (32 bytes) when the nodes share a
-     secret, else empty
+  E  end of payload; body: the publisher's signature of the manifest (64 bytes), then on TCP
+     that of the manifest with the digests (64 bytes)
   X  error: JSON {"reason": ...}; the peer aborts this transfer
 
 Where a GPU path plugs in: a ``DataPlane`` subclass (say ``"nccl"``) whose
@@ -72,13 +88,18 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import datetime
 import hashlib
 import hmac
 import ipaddress
 import json
+import os
 import secrets
+import select
 import socket
+import ssl
 import struct
+import tempfile
 import threading
 import time
 from collections import deque
@@ -86,6 +107,12 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from typing import Any, ClassVar, Optional
 
+from cryptography import x509
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from cryptography.x509.oid import NameOID
 
 from streamrl.transfer import delta as delta_lib
 from streamrl.transfer.manifest import Manifest, TransferError
@@ -94,7 +121,7 @@ from streamrl.transfer.payload import Payload, Segment, map_shared, staging_payl
 Address = tuple[str, int]
 
 _FRAME = struct.Struct("!cQ")
-_CHUNK = struct.Struct("!IBQ")
+_CHUNK = struct.Struct("!IBQ32s")
 _READY = struct.Struct("!IQ")
 CHUNK_FRAME_BYTES = _FRAME.size + _CHUNK.size  # wire bytes before each chunk's data (C frame)
 MAX_JSON_BYTES = 64 << 20  # an authenticated exchange's control reply (a manifest header)
@@ -305,14 +332,190 @@ def _check_mac(
     raise AuthenticationError(f"authentication failed: {what}")
 
 
-def manifest_tag(secret: bytes, manifest: Manifest) -> bytes:
-  """HMAC-SHA256 of a complete manifest (version, layout, every chunk's checksum).
+# ---------------------------------------------------------------- the publisher's keys
 
-  The publisher computes it once a version is written; relays pass it on
-  unchanged in the end frame, and a receiver loads nothing whose tag does not match.
+SIGNATURE_BYTES = 64  # Ed25519
+_PUBLIC_KEY_BYTES = 32
+
+
+@dataclasses.dataclass(frozen=True, repr=False)  # repr=False: tls_key is as secret as the secret
+class RunKeys:
+  """What every node of a run gets from the publisher, with the secret (``Publisher.run_keys``).
+
+  publisher_key: the raw Ed25519 public key that verifies the publisher's signatures (announces,
+  manifests); its private half never leaves the publisher. tls_cert / tls_key: the run's
+  self-signed TLS certificate (every client pins it) and its key (every node serves with it), PEM.
   """
-  msg = b"streamrl-transfer/manifest\0" + _canonical(manifest.to_json())
-  return hmac.new(secret, msg, hashlib.sha256).digest()
+
+  publisher_key: bytes
+  tls_cert: bytes
+  tls_key: bytes
+
+  def verifies(self, label: bytes, obj: dict, signature: bytes) -> bool:
+    """Whether ``signature`` is the publisher's of ``obj`` under ``label`` (``_signed``)."""
+    try:
+      key = Ed25519PublicKey.from_public_bytes(self.publisher_key)
+      key.verify(bytes(signature), _signed(label, obj))
+      return True
+    except (InvalidSignature, ValueError, TypeError, RecursionError):
+      return False
+
+
+def _signed(label: bytes, obj: dict) -> bytes:
+  return b"streamrl-transfer/" + label + b"\0" + _canonical(obj)
+
+
+def new_run_keys() -> tuple[Ed25519PrivateKey, RunKeys]:
+  """The publisher's fresh per-run signing key and the ``RunKeys`` it hands out."""
+  signer = Ed25519PrivateKey.generate()
+  public = signer.public_key().public_bytes(
+      serialization.Encoding.Raw, serialization.PublicFormat.Raw
+  )
+  tls_key = ec.generate_private_key(ec.SECP256R1())
+  name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "streamrl-transfer run")])
+  now = datetime.datetime.now(datetime.timezone.utc)
+  cert = (
+      x509.CertificateBuilder()
+      .subject_name(name)
+      .issuer_name(name)
+      .public_key(tls_key.public_key())
+      .serial_number(x509.random_serial_number())
+      .not_valid_before(now - datetime.timedelta(days=1))  # clocks of a run's machines differ
+      .not_valid_after(now + datetime.timedelta(days=3650))  # pinned: its lifetime is the run's
+      # Self-signed and pinned: it is its own trust anchor.
+      .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+      .sign(tls_key, hashes.SHA256())
+  )
+  keys = RunKeys(
+      public,
+      cert.public_bytes(serialization.Encoding.PEM),
+      tls_key.private_bytes(
+          serialization.Encoding.PEM,
+          serialization.PrivateFormat.PKCS8,
+          serialization.NoEncryption(),
+      ),
+  )
+  return signer, keys
+
+
+def check_run_keys(keys: Optional[RunKeys], who: str) -> RunKeys:
+  """The publisher's keys a receiver runs with; ValueError if they are missing or unusable."""
+  if not isinstance(keys, RunKeys) or len(keys.publisher_key) != _PUBLIC_KEY_BYTES:
+    raise ValueError(
+        f"{who} needs run_keys=publisher.run_keys: pass the Publisher's keys to every Receiver "
+        "of the run, with the secret."
+    )
+  return keys
+
+
+def sign_manifest(signer: Ed25519PrivateKey, manifest: Manifest) -> bytes:
+  """The publisher's Ed25519 signature of a complete manifest: version, layout, every chunk's
+  checksum and, when the manifest lists them, every chunk's digest (``tag`` / ``full_tag``)."""
+  return signer.sign(_signed(b"manifest", manifest.to_json()))
+
+
+def sign_grant(signer: Ed25519PrivateKey, grant: dict) -> str:
+  """The publisher's signature (hex) of an announce's grant: {"version", "publisher", "tree"}."""
+  return signer.sign(_signed(b"announce", grant)).hex()
+
+
+def tls_enabled(mode: str, bind: str) -> bool:
+  """``transfer.tls``: "auto" is on where ``bind`` is reachable from other machines."""
+  return mode == "on" or (mode == "auto" and not is_loopback(bind))
+
+
+_TLS_RECORD_HANDSHAKE = b"\x16"  # the first byte of every TLS ClientHello
+
+
+class Tls:
+  """TLS 1.3 with the run's certificate: servers present it, clients pin it (no CA, no names)."""
+
+  def __init__(self, keys: RunKeys):
+    self.server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    self.server.minimum_version = ssl.TLSVersion.TLSv1_3
+    # The ssl module loads a key only from a file: a private directory, gone once it is read.
+    with tempfile.TemporaryDirectory(prefix="streamrl-tls-") as d:
+      path = os.path.join(d, "run.pem")
+      fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+      with os.fdopen(fd, "wb") as f:
+        f.write(keys.tls_key + keys.tls_cert)
+      self.server.load_cert_chain(path)
+    self.client = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    self.client.minimum_version = ssl.TLSVersion.TLSv1_3
+    self.client.check_hostname = False  # the pinned certificate is the identity, not a name
+    self.client.verify_mode = ssl.CERT_REQUIRED
+    self.client.load_verify_locations(cadata=keys.tls_cert.decode())
+    self._pinned = x509.load_pem_x509_certificate(keys.tls_cert).public_bytes(
+        serialization.Encoding.DER
+    )
+
+  def accept(self, conn: socket.socket, deadline: float) -> ssl.SSLSocket:
+    """Server side, before anything else is read: TransferError for a plain peer (told so in a
+    plain error frame) or a failed handshake; the whole of it by ``deadline``."""
+    _settimeout_until(conn, deadline)
+    first = conn.recv(1, socket.MSG_PEEK)
+    if first != _TLS_RECORD_HANDSHAKE:
+      send_error(
+          conn,
+          "this node speaks TLS (transfer.tls); give every node of the run the same "
+          "transfer.tls and transfer.bind",
+      )
+      raise TransferError("a plain connection to a TLS node; refused")
+    tls = self.server.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
+    try:
+      _tls_handshake(tls, deadline)
+    except BaseException:
+      tls.close()
+      raise
+    return tls
+
+  def connect(self, sock: socket.socket, deadline: float) -> ssl.SSLSocket:
+    """Client side: the TLS connection over ``sock``; AuthenticationError unless the server
+    presents the run's certificate."""
+    tls = self.client.wrap_socket(sock, server_side=False, do_handshake_on_connect=False)
+    try:
+      try:
+        _tls_handshake(tls, deadline)
+      except ssl.SSLCertVerificationError:
+        raise AuthenticationError(
+            "authentication failed: the peer's TLS certificate is not this run's; give every "
+            "node the publisher's run_keys"
+        ) from None
+      except (ssl.SSLError, ConnectionError) as e:
+        raise TransferError(
+            f"TLS handshake failed ({e}); give every node of the run the same transfer.tls and "
+            "transfer.bind"
+        ) from None
+      if not hmac.compare_digest(tls.getpeercert(binary_form=True) or b"", self._pinned):
+        raise AuthenticationError(
+            "authentication failed: the peer's TLS certificate is not this run's; give every "
+            "node the publisher's run_keys"
+        )
+    except BaseException:
+      tls.close()
+      raise
+    return tls
+
+
+def _tls_handshake(tls: ssl.SSLSocket, deadline: float) -> None:
+  """Drives the handshake without blocking, so it ends by ``deadline`` however the peer paces
+  its bytes (a blocking one waits per read, which a trickle stretches)."""
+  tls.setblocking(False)
+  try:
+    while True:
+      try:
+        tls.do_handshake()
+        return
+      except ssl.SSLWantReadError:
+        want = ([tls], [])
+      except ssl.SSLWantWriteError:
+        want = ([], [tls])
+      left = deadline - time.monotonic()
+      if left <= 0:
+        raise TransferError("the peer did not finish the TLS handshake before its deadline")
+      select.select(*want, [], left)
+  finally:
+    tls.setblocking(True)
 
 
 class Session:
@@ -475,7 +678,7 @@ class Link:
 
   limiters: token buckets this edge shares (uplink, cross-datacenter link).
   delta_base: the client's current version, held by the server, when deltas are on for this edge.
-  signed: the end frame carries the payload's manifest tag (the nodes share a secret).
+  seal: the publisher's: signs a payload's manifest with its digests, once (``full_tag``).
   """
 
   limiters: tuple[RateLimiter, ...] = ()
@@ -483,7 +686,7 @@ class Link:
   delta_level: int = 1
   executor: Optional[Executor] = None
   timeout: float = 30.0
-  signed: bool = False
+  seal: Optional[Callable[[Payload], bytes]] = None
 
 
 class DataPlane(abc.ABC):
@@ -500,8 +703,8 @@ class DataPlane(abc.ABC):
 
   @abc.abstractmethod
   def send(self, sock: socket.socket, payload: Payload, link: Link) -> int:
-    """Server side, after the header: streams the payload and the end frame (with the
-    manifest tag when ``link.signed``); returns bytes put on the wire."""
+    """Server side, after the header: streams the payload and the end frame (the publisher's
+    signatures); returns bytes put on the wire."""
 
   @abc.abstractmethod
   def open(self, header: dict, manifest: Manifest, buffer: Callable[[int], Segment]) -> Payload:
@@ -517,15 +720,23 @@ class DataPlane(abc.ABC):
       timeout: float,
   ) -> tuple[int, bytes]:
     """Client side: receives and commits (verifies) every chunk in order; returns (wire bytes,
-    the end frame's manifest tag, b"" if none). The caller checks the tag."""
+    the end frame's body: the publisher's signatures). The caller checks them."""
 
 
-MAX_TAG_BYTES = 64
+MAX_TAG_BYTES = 2 * SIGNATURE_BYTES
 
 
-def _send_end(sock: socket.socket, payload: Payload, link: Link) -> int:
-  """The end frame; signed links wait for the payload's tag (the publisher's, passed on as is)."""
-  tag = payload.wait_tag(link.timeout) if link.signed else b""
+def _send_end(sock: socket.socket, payload: Payload, link: Link, full: bool = False) -> int:
+  """The end frame: the publisher's signature of the manifest (passed on as it came), and when
+  ``full`` (TCP) that of the manifest with the digests."""
+  tag = payload.wait_tag(link.timeout)
+  if full:
+    full_tag = payload.full_tag
+    if full_tag is None:
+      if link.seal is None:
+        raise TransferError(f"version {payload.version} has no signed digests here")
+      full_tag = link.seal(payload)
+    tag += full_tag
   sock.sendall(_FRAME.pack(b"E", len(tag)) + tag)
   return _FRAME.size + len(tag)
 
@@ -581,11 +792,13 @@ class TcpPlane(DataPlane):
       payload.wait_ready(i + 1, link.timeout)
       enc, blob = next(encoded) if encoded is not None else (delta_lib.RAW, None)
       data = payload.chunk(i) if blob is None else memoryview(blob)
-      head = _FRAME.pack(b"C", _CHUNK.size + len(data)) + _CHUNK.pack(i, enc, payload.checksums[i])
+      head = _FRAME.pack(b"C", _CHUNK.size + len(data)) + _CHUNK.pack(
+          i, enc, payload.checksums[i], payload.digest(i)
+      )
       sock.sendall(head)
       send_limited(sock, data, link.limiters)
       sent += len(head) + len(data)
-    return sent + _send_end(sock, payload, link)
+    return sent + _send_end(sock, payload, link, full=True)
 
   def open(self, header, manifest, buffer):
     return staging_payload(manifest, buffer(manifest.total_bytes))
@@ -599,7 +812,7 @@ class TcpPlane(DataPlane):
         raise TransferError(f"sender aborted: {_read_json_body(sock, n).get('reason')}")
       if kind != b"C" or n < _CHUNK.size:
         raise TransferError(f"expected chunk {i}, got frame {kind!r}")
-      idx, enc, expected = _CHUNK.unpack(recv_exact(sock, _CHUNK.size))
+      idx, enc, expected, expected_digest = _CHUNK.unpack(recv_exact(sock, _CHUNK.size))
       a, b = m.chunk_range(i)
       size = n - _CHUNK.size
       if idx != i:
@@ -615,7 +828,8 @@ class TcpPlane(DataPlane):
         delta_lib.decode_chunk(enc, bytes(blob), base.chunk(i), payload.buf[a:b], m.word_bytes)
       else:
         raise TransferError(f"unknown chunk encoding {enc}")
-      payload.commit(i, expected)  # checksum of the (reconstructed) chunk
+      # Checksum and digest of the (reconstructed) chunk: these bytes crossed a socket.
+      payload.commit(i, expected, expected_digest)
       received += _FRAME.size + n
     n, tag = _recv_end(sock)
     return received + n, tag

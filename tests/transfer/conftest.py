@@ -61,20 +61,33 @@ class Loads:
 
 
 class Cluster:
-  """Nodes that share one run secret (``self.secret``) unless a test passes another."""
+  """Nodes that share one run secret (``self.secret``) and the first publisher's keys
+  (``self.run_keys``) unless a test passes others."""
 
   def __init__(self):
     self.nodes = []
     self.secret = new_secret()
+    self.run_keys = None
 
   def publisher(self, dc="A", host="trainer", bind="127.0.0.1", secret=None, **cfg):
     secret = self.secret if secret is None else secret
     p = Publisher(config(**cfg), dc=dc, host=host, bind=bind, secret=secret)
     self.nodes.append(p)
+    if self.run_keys is None:
+      self.run_keys = p.run_keys
     return p
 
   def receiver(
-      self, name, dc="A", host=None, schema=None, join=None, bind="127.0.0.1", secret=None, **cfg
+      self,
+      name,
+      dc="A",
+      host=None,
+      schema=None,
+      join=None,
+      bind="127.0.0.1",
+      secret=None,
+      run_keys=None,
+      **cfg,
   ):
     loads = Loads()
     r = Receiver(
@@ -86,6 +99,7 @@ class Cluster:
         host=host or f"host-{name}",
         bind=bind,
         secret=self.secret if secret is None else secret,
+        run_keys=self.run_keys if run_keys is None else run_keys,
     )
     r.loads = loads
     self.nodes.append(r)

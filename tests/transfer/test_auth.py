@@ -2,6 +2,7 @@
 emulated on one machine (no shared memory between datacenters, rate limit and deltas apply)."""
 
 import json
+import logging
 import socket
 import threading
 import time
@@ -21,7 +22,7 @@ from streamrl.transfer import (
 )
 from streamrl.transfer.manifest import payload_size
 from streamrl.transfer.payload import shm_available
-from streamrl.transfer.topology import TreeNode
+from streamrl.transfer.topology import ReceiverInfo, TreeNode
 from .conftest import config, make_tensors, same, wait_until
 
 
@@ -160,7 +161,7 @@ def test_wrong_secret_receiver_never_loads_and_is_counted(cluster):
   assert r.loads.calls == []
 
 
-def test_a_source_without_the_secret_is_never_loaded_from(cluster):
+def test_a_source_without_the_secret_is_never_loaded_from(cluster, caplog):
   secret = new_secret()
   pub = cluster.publisher(secret=secret, max_retries=1)
   r = cluster.receiver("r", join=pub, secret=secret, max_retries=1)
@@ -170,16 +171,20 @@ def test_a_source_without_the_secret_is_never_loaded_from(cluster):
   cluster.nodes.append(impostor)
   impostor.publish(make_tensors(2))  # version 5
   # The impostor cannot even announce to r: r refuses it.
-  impostor._announce_subtree(TreeNode(r.info), 5, impostor.address)
+  node = TreeNode(r.info)
+  impostor._announce_subtree(node, impostor._grant(5, node))
   assert r.stats["auth_refused"] == 1 and r._target == 1
-  # Told (by an authentic announce) to pull version 5 from a source without the secret: every
-  # attempt fails on authentication, the source counts the refusals, r keeps version 1.
-  announce = {"op": "announce", "version": 5, "source": list(impostor.address)}
-  pub._request(r.address, {**announce, "publisher": list(impostor.address), "children": []})
-  assert wait_until(lambda: 5 in r._gave_up)
-  assert "authentication" in r.last_error
+  # Told (by an authentic announce that makes it r's parent) to pull version 5 from a source
+  # without the secret: the attempt fails on authentication, the source counts the refusal,
+  # the retry at the publisher finds no version 5, and r keeps version 1.
+  parent = ReceiverInfo("impostor", "A", "trainer", impostor.address)
+  grant = pub._grant(5, TreeNode(parent, (node,)))
+  with caplog.at_level(logging.INFO, logger="streamrl.transfer.service"):
+    pub._request(r.address, {"op": "announce", **grant, "source": list(impostor.address)})
+    assert wait_until(lambda: 5 in r._gave_up)
+  assert any("attempt 1" in m and "authentication" in m for m in caplog.messages)
   assert r.version == 1 and r.loads.versions == [1] and same(r.loads.calls[0][1], t1)
-  assert impostor.stats["auth_refused"] >= 2 and impostor.stats.get("served_tcp", 0) == 0
+  assert impostor.stats["auth_refused"] >= 1 and impostor.stats.get("served_tcp", 0) == 0
 
 
 def test_a_bad_manifest_tag_is_never_loaded(cluster, monkeypatch):
@@ -190,8 +195,8 @@ def test_a_bad_manifest_tag_is_never_loaded(cluster, monkeypatch):
   assert pub.wait_acks(pub.publish(t1), 10)
   real = transports._send_end
 
-  def forged_tag(sock, payload, link):  # the chunks are intact, the tag is not the publisher's
-    tag = bytearray(payload.wait_tag(link.timeout))
+  def forged_tag(sock, payload, link, full=False):  # intact chunks, not the publisher's tag
+    tag = bytearray(payload.wait_tag(link.timeout) + (link.seal(payload) if full else b""))
     tag[0] ^= 1
     sock.sendall(transports._FRAME.pack(b"E", len(tag)) + bytes(tag))
     return transports._FRAME.size + len(tag)
@@ -259,6 +264,8 @@ def test_cross_dc_edge_on_one_host_with_a_secret(cluster):
   for r in (b0, b1):
     assert r.loads.versions == [v1, v2] and same(r.loads.calls[-1][1], t2)
   assert all(n.stats.get("auth_refused", 0) == 0 for n in (pub, b0, b1))
+  # transfer.tls="auto" off loopback: every connection above was TLS (the relay's too).
+  assert all(isinstance(n._tls, transports.Tls) for n in (pub, b0, b1))
 
 
 def test_spawned_receiver_with_the_secret(cluster):
@@ -266,7 +273,14 @@ def test_spawned_receiver_with_the_secret(cluster):
   pub = cluster.publisher(secret=secret, bind="0.0.0.0")
   cfg = config(use_shm=False)
   proc = spawn_receiver(
-      "p0", "A", service.relay_only, pub.address, config=cfg, bind="0.0.0.0", secret=secret
+      "p0",
+      "A",
+      service.relay_only,
+      pub.address,
+      config=cfg,
+      bind="0.0.0.0",
+      secret=secret,
+      run_keys=pub.run_keys,
   )
   try:
     assert pub.wait_receivers(1, timeout=60)

@@ -2,6 +2,7 @@
 input, nodes without a secret and a "receiver" that stalls the publisher. Every attack is a
 bounded loop with small timeouts, and afterwards the honest receiver gets the next version."""
 
+import dataclasses
 import logging
 import select
 import socket
@@ -12,6 +13,7 @@ import psutil
 import pytest
 
 from streamrl.transfer import (
+    AuthenticationError,
     Publisher,
     Receiver,
     TransferError,
@@ -19,9 +21,10 @@ from streamrl.transfer import (
     spawn_receiver,
     transports,
 )
+from streamrl.transfer import manifest as manifest_lib
 from streamrl.transfer.manifest import Manifest
-from streamrl.transfer.topology import ReceiverInfo
-from .conftest import config, make_tensors, wait_until
+from streamrl.transfer.topology import ReceiverInfo, TreeNode
+from .conftest import NAMES, config, make_tensors, same, wait_until
 
 FAST = dict(handshake_timeout_s=0.5, io_timeout_s=2.0, connect_timeout_s=0.5)
 
@@ -235,3 +238,170 @@ def test_publish_returns_while_a_hostile_receiver_trickles(cluster):
     t.join(5)
     evil.close()
   _honest_round(pub, r, 7)
+
+
+# ---------------------------------------------------------------- versions only the publisher mints
+
+
+def test_a_version_minted_without_the_signing_key_is_refused(cluster):
+  pub = cluster.publisher(use_shm=False, **FAST)
+  r = cluster.receiver("r", join=pub, use_shm=False, **FAST)
+  _honest_round(pub, r, 1)
+  # A node of the run (the secret, so its manifests carry what used to be a valid HMAC tag) that
+  # signs with a key of its own: its announce of a version of its own is ignored...
+  mint = Publisher(
+      config(use_shm=False, **FAST), host="mint", secret=cluster.secret, start_version=1
+  )
+  cluster.nodes.append(mint)
+  assert mint.publish(make_tensors(99)) == 2  # its own "version 2"
+  node = TreeNode(r.info)
+  mint._announce_subtree(node, mint._grant(1000001, node))
+  assert r.stats["announces_refused"] == 1 and r._target == 1
+  # ...and so is its version 2 where the publisher's plan made it r's parent: r refuses the
+  # forgery and falls back to the publisher's version 2.
+  pub.forget("r")  # r is not in version 2's plan: only the forged announce reaches it
+  t2 = make_tensors(2)
+  assert pub.publish(t2) == 2
+  parent = ReceiverInfo("mint", "A", "mint", mint.address)
+  grant = pub._grant(2, TreeNode(parent, (node,)))
+  mint._request(r.address, {"op": "announce", **grant, "source": list(mint.address)})
+  assert r.wait_version(2, 10), r.last_error
+  assert same(r.loads.calls[-1][1], t2) and r.stats["failed_attempts"] == 1
+  assert mint.stats["served_tcp"] == 1 and r.loads.versions == [1, 2]
+  assert wait_until(lambda: pub.acked_versions()["r"] == 2)  # its ack makes it live again
+  _honest_round(pub, r, 3)
+
+
+def test_a_bogus_high_version_does_not_stall_a_receiver(cluster):
+  pub = cluster.publisher(**FAST)
+  r = cluster.receiver("r", join=pub, max_retries=0, **FAST)
+  evil = cluster.receiver("evil", **FAST)  # holds the secret; it never joined, so it has nothing
+  _honest_round(pub, r, 1)
+  bogus = 10**15
+  legacy = {"version": bogus, "publisher": list(evil.address), "children": []}
+  # From a node that is not r's parent: unsigned, and a signed plan that names another parent.
+  other = ReceiverInfo("other", "A", "other", ("127.0.0.1", 9))
+  for signed in ({}, pub._grant(bogus, TreeNode(other, (TreeNode(r.info),)))):
+    evil._request(r.address, {"op": "announce", **legacy, **signed, "source": list(evil.address)})
+  assert r.stats["announces_refused"] == 2 and r._target == 1
+  # From r's parent in a signed plan, whose fetch then fails: r gives the version up and the
+  # next real version still arrives.
+  parent = ReceiverInfo("evil", "A", "evil", evil.address)
+  grant = pub._grant(bogus, TreeNode(parent, (TreeNode(r.info),)))
+  evil._request(r.address, {"op": "announce", **legacy, **grant, "source": list(evil.address)})
+  assert wait_until(lambda: bogus in r._gave_up and not r._fetching, 5)
+  assert r._target == 1
+  _honest_round(pub, r, 2)
+
+
+def test_a_tcp_receiver_checks_each_chunk_against_the_signed_digest(cluster, monkeypatch):
+  pub = cluster.publisher(use_shm=False, **FAST)
+  r = cluster.receiver("r", join=pub, use_shm=False, max_retries=0, **FAST)
+  _honest_round(pub, r, 1)
+  real_sum, real_send, collisions = manifest_lib.checksum, transports.TcpPlane.send, {}
+
+  class Tampered:
+    """Version 2 as a serving path that flips a byte of chunk 0 would send it."""
+
+    def __init__(self, payload):
+      self._p = payload
+
+    def __getattr__(self, name):
+      return getattr(self._p, name)
+
+    def chunk(self, i):
+      view = self._p.chunk(i)
+      if i != 0:
+        return view
+      forged = bytearray(view)
+      forged[-1] ^= 1
+      collisions[bytes(forged)] = real_sum(view)  # XXH3 "collides": the check cannot tell
+      return memoryview(forged)
+
+  def send(plane, sock, payload, link):
+    return real_send(plane, sock, Tampered(payload) if payload.version == 2 else payload, link)
+
+  monkeypatch.setattr(manifest_lib, "checksum", lambda b: collisions.get(bytes(b)) or real_sum(b))
+  monkeypatch.setattr(transports.TcpPlane, "send", send)
+  v2 = pub.publish(make_tensors(2))
+  assert wait_until(lambda: v2 in r._gave_up and not r._fetching, 5)
+  assert collisions and "chunk 0" in r.last_error and "digest does not match" in r.last_error
+  assert r.version == 1 and r.loads.versions == [1]
+  monkeypatch.undo()
+  _honest_round(pub, r, 3)
+
+
+# ---------------------------------------------------------------- TLS
+
+
+class _Tap:
+  """A forwarding proxy in front of ``upstream`` that keeps every byte it forwards."""
+
+  def __init__(self, upstream):
+    self.upstream, self.seen = upstream, bytearray()
+    self._server = socket.create_server(("127.0.0.1", 0))
+    self.address = self._server.getsockname()[:2]
+    threading.Thread(target=self._accept, daemon=True).start()
+
+  def _accept(self):
+    while True:
+      try:
+        conn, _ = self._server.accept()
+      except OSError:
+        return
+      up = socket.create_connection(self.upstream, 2.0)
+      for a, b in ((conn, up), (up, conn)):
+        threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+  def _pump(self, src, dst):
+    try:
+      while data := src.recv(1 << 16):
+        self.seen += data
+        dst.sendall(data)
+    except OSError:
+      pass
+    finally:
+      for s in (src, dst):
+        try:
+          s.shutdown(socket.SHUT_RDWR)
+        except OSError:
+          pass
+
+  def close(self):
+    self._server.close()
+
+
+def test_tls_refuses_plain_peers_and_encrypts_the_wire(cluster):
+  assert transports.tls_enabled("auto", "0.0.0.0") and not transports.tls_enabled("auto", "::1")
+  with pytest.raises(ValueError, match="transfer.tls"):
+    config(tls="yes").check()
+  pub = cluster.publisher(use_shm=False, tls="on", **FAST)
+  t1 = make_tensors(1)
+  pub.publish(t1)
+  # A client that speaks plain TCP (it even holds the secret) is refused before its request.
+  with transports.connect(pub.address, 2.0) as s, pytest.raises(AuthenticationError, match="TLS"):
+    transports.Session.request(s, cluster.secret, {"op": "ping"})
+  assert wait_until(lambda: pub.stats.get("tls_refused") == 1)
+  assert "auth_refused" not in pub.stats
+  tap = _Tap(pub.address)  # everything r and the publisher say to each other goes through it
+  try:
+    r = cluster.receiver("r", use_shm=False, tls="on", **FAST)
+    assert r.join(tap.address, timeout=5) == 1 and same(r.loads.calls[0][1], t1)
+  finally:
+    tap.close()
+  wire = bytes(tap.seen)
+  raw = t1[NAMES[1]].tobytes()
+  assert len(wire) > len(raw) and wire[:1] == b"\x16"  # a TLS handshake record
+  for plain in (raw[:64], raw[-64:], NAMES[1].encode(), b'"op"', b'"register"'):
+    assert plain not in wire
+
+
+def test_a_receiver_that_pins_another_certificate_refuses(cluster):
+  pub = cluster.publisher(tls="on", **FAST)
+  pub.publish(make_tensors(1))
+  _, theirs = transports.new_run_keys()
+  wrong = dataclasses.replace(pub.run_keys, tls_cert=theirs.tls_cert, tls_key=theirs.tls_key)
+  r = cluster.receiver("r", tls="on", run_keys=wrong, **FAST)
+  with pytest.raises(AuthenticationError, match="TLS certificate is not this run's"):
+    r.join(pub.address, timeout=5)
+  assert r.loads.calls == [] and r.version == 0 and pub.receivers() == []

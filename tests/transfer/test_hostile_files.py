@@ -24,11 +24,12 @@ import pytest
 
 from streamrl import lifecycle
 from streamrl.models import safetensors_io
-from streamrl.transfer import Pin, Publisher, TransferError, WeightsFile, new_secret, service
+from streamrl.transfer import Pin, TransferError, WeightsFile, new_secret, service
 from streamrl.transfer import payload as payload_lib
 from streamrl.transfer import transports
 from streamrl.transfer.manifest import checksum, plan_payload
-from .conftest import config, make_tensors, same, wait_until
+from streamrl.transfer.topology import ReceiverInfo, TreeNode
+from .conftest import make_tensors, same, wait_until
 
 SHM = payload_lib.SHM_DIR
 pytestmark = pytest.mark.skipif(not payload_lib.shm_available(), reason="needs /dev/shm")
@@ -44,15 +45,17 @@ def _end_frame(tag: bytes = b"") -> bytes:
 
 
 class Hostile:
-  """A node with the run's secret that lies: it announces a version with itself as source and
-  publisher, and answers a get with ``fields`` (the plane, a file name) and then ``frames``.
+  """A node with the run's secret that lies: a receiver ``publisher`` planned as another's
+  parent (its announces carry that publisher's signed plan), it announces a version with itself
+  as source, and answers a get with ``fields`` (the plane, a file name) and then ``frames``.
 
   ``received``: every request it was sent, as JSON text, and any bytes that followed a get's
   header on that connection: all a receiver ever told it.
   """
 
-  def __init__(self, secret: bytes, manifest, fields: dict, frames: bytes = b""):
+  def __init__(self, secret: bytes, manifest, fields: dict, frames: bytes = b"", publisher=None):
     self.secret, self.manifest, self.fields, self.frames = secret, manifest, fields, frames
+    self.publisher = publisher
     self.received: list[str] = []
     self._server = socket.create_server(("127.0.0.1", 0))
     self._server.settimeout(0.1)
@@ -97,15 +100,13 @@ class Hostile:
         return
 
   def announce(self, receiver, version: int, host=None, dc=None, source=None):
-    """An authentic announce: pull ``version`` from ``source`` (default: us); we are the
-    publisher. ``host``/``dc``: where we claim the source is (left out when None)."""
-    msg = {
-        "op": "announce",
-        "version": version,
-        "source": list(source or self.address),
-        "publisher": list(self.address),
-        "children": [],
-    }
+    """An authentic announce: pull ``version`` from ``source`` (default: us), the receiver's
+    parent in the publisher's signed plan. ``host``/``dc``: where we claim the source is (left
+    out when None)."""
+    source = tuple(source or self.address)
+    parent = ReceiverInfo("hostile", receiver.dc, "hostile-host", source)
+    grant = self.publisher._grant(version, TreeNode(parent, (TreeNode(receiver.info),)))
+    msg = {"op": "announce", **grant, "source": list(source)}
     if host is not None:
       msg.update(source_host=host, source_dc=dc)
     with transports.connect(receiver.address, 2.0) as sock:
@@ -185,7 +186,7 @@ def test_a_symlink_named_by_a_peer_is_refused_read_never_and_reported_nowhere(
   shm_paths.append(os.path.join(SHM, link))
   os.symlink(target, os.path.join(SHM, link))
   frames = _ready_frames([0] * manifest.num_chunks) + _end_frame()
-  h = hostile(secret, manifest, {"plane": "shm", "shm": link}, frames)
+  h = hostile(secret, manifest, {"plane": "shm", "shm": link}, frames, publisher=pub)
   # It claims to be on our host and datacenter, so the receiver does ask it for shared memory.
   h.announce(r, 2, host="trainer", dc="A")
   assert wait_until(lambda: _gave_up(r, 2), 5)
@@ -216,7 +217,7 @@ def test_a_fifo_named_by_a_peer_fails_the_fetch_at_once(cluster, hostile, shm_pa
   fifo = lifecycle.shm_name()
   shm_paths.append(os.path.join(SHM, fifo))
   os.mkfifo(os.path.join(SHM, fifo), 0o600)
-  h = hostile(secret, manifest, {"plane": "shm", "shm": fifo}, _end_frame())
+  h = hostile(secret, manifest, {"plane": "shm", "shm": fifo}, _end_frame(), publisher=pub)
   start = time.monotonic()
   h.announce(r, 2, host="trainer", dc="A")
   assert wait_until(lambda: _gave_up(r, 2), 4), "the fetch thread hangs on the FIFO"
@@ -237,8 +238,9 @@ def test_a_shm_header_the_receiver_did_not_ask_for_is_refused(cluster, hostile, 
   try:
     m = dataclasses.replace(f.manifest, version=2)
     sums = [checksum(f.buf[a:b]) for a, b in map(m.chunk_range, range(m.num_chunks))]
-    tag = transports.manifest_tag(secret, dataclasses.replace(m, checksums=tuple(sums)))
-    h = hostile(secret, m, {"plane": "shm", "shm": f.name}, _ready_frames(sums) + _end_frame(tag))
+    tag = transports.sign_manifest(pub._signer, dataclasses.replace(m, checksums=tuple(sums)))
+    frames = _ready_frames(sums) + _end_frame(tag)
+    h = hostile(secret, m, {"plane": "shm", "shm": f.name}, frames, publisher=pub)
     h.announce(r, 2, *claim)  # not known to be on our host and datacenter
     assert wait_until(lambda: 2 in r._gave_up, 5)
   finally:
@@ -299,12 +301,12 @@ def test_only_regular_files_of_ours_with_our_names_and_the_payload_size_are_mapp
 def test_acks_and_nacks_go_only_to_the_publisher_the_receiver_joined(cluster, hostile):
   secret = new_secret()
   pub, r, _ = _joined(cluster, secret, max_retries=0)
-  # Another honest node that has version 2 (any source will do).
-  other = Publisher(config(), host="other", secret=secret, start_version=1)
-  cluster.nodes.append(other)
+  # Another honest node that has version 2 (any source will do); r is left out of its plan.
+  other = cluster.receiver("other", join=pub, secret=secret)
+  pub.forget("r")
   t2 = make_tensors(2)
-  assert other.publish(t2) == 2
-  h = hostile(secret, other._newest().manifest, {"status": "notfound"})
+  assert pub.publish(t2) == 2 and other.wait_version(2, 10) and r.version == 1
+  h = hostile(secret, other._current.manifest, {"status": "notfound"}, publisher=pub)
   # "Pull 2 from that node; I am your publisher": r loads it and acks to the one it joined.
   h.announce(r, 2, source=other.address)
   assert r.wait_version(2, 10) and same(r.loads.calls[-1][1], t2)

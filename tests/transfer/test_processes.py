@@ -7,14 +7,15 @@ import subprocess
 import sys
 import time
 
-from streamrl.transfer import Publisher, Receiver, new_secret, spawn_receiver
+from streamrl.transfer import Publisher, Receiver, RunKeys, new_secret, spawn_receiver
 from streamrl.transfer.service import relay_only
 from .conftest import Loads, config, make_tensors, wait_until
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 # The sender process: paced uplink so that version 1 takes ~2 s; prints its address, publishes on "go".
-# Its secret comes as hex on the first line of stdin (argv would show it to every local user).
+# Its secret comes as hex on the first line of stdin (argv would show it to every local user);
+# its port and run keys go back on stdout, as hex.
 SENDER = """
 import sys, time
 from streamrl.transfer import Publisher, Transfer
@@ -22,7 +23,8 @@ import numpy as np
 secret = bytes.fromhex(sys.stdin.readline())
 cfg = Transfer(chunk_bytes=1024, use_shm=False, uplink_bytes_per_s=4000.0)
 pub = Publisher(cfg, dc="A", host="t", secret=secret)
-print(pub.address[1], flush=True)
+k = pub.run_keys
+print(pub.address[1], k.publisher_key.hex(), k.tls_cert.hex(), k.tls_key.hex(), flush=True)
 sys.stdin.readline()
 pub.publish({"w": np.arange(2048, dtype=np.float32)})
 time.sleep(60)
@@ -37,7 +39,14 @@ def test_killed_receiver_process_does_not_block_the_others():
   try:
     procs = [
         spawn_receiver(
-            f"p{i}", "A", relay_only, pub.address, config=cfg, host=f"h{i}", secret=secret
+            f"p{i}",
+            "A",
+            relay_only,
+            pub.address,
+            config=cfg,
+            host=f"h{i}",
+            secret=secret,
+            run_keys=pub.run_keys,
         )
         for i in range(3)
     ]
@@ -71,12 +80,13 @@ def test_killed_sender_leaves_receiver_on_its_old_version():
   loads = Loads()
   secret = new_secret()
   cfg = config(use_shm=False, max_retries=1)
-  r = Receiver("r", "A", loads, config=cfg, host="h", initial_version=0, secret=secret)
+  proc.stdin.write(secret.hex() + "\n")
+  proc.stdin.flush()
+  port, *keys = proc.stdout.readline().split()
+  keys = RunKeys(*(bytes.fromhex(k) for k in keys))
+  r = Receiver("r", "A", loads, config=cfg, host="h", secret=secret, run_keys=keys)
   try:
-    proc.stdin.write(secret.hex() + "\n")
-    proc.stdin.flush()
-    port = int(proc.stdout.readline())
-    r.join(("127.0.0.1", port), timeout=30)
+    r.join(("127.0.0.1", int(port)), timeout=30)
     proc.stdin.write("go\n")
     proc.stdin.flush()
     assert wait_until(timeout=20.0, pred=lambda: r._inflight is not None and r._inflight.ready >= 2)
