@@ -27,7 +27,7 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 # Ray cluster (`ray`), a whole run of launch/main.py or the library in other
 # processes (`e2e`; the old `slow` marker means the same). The fast lane for
 # local iteration leaves them out:
-#   pytest -q tests -m "not engine and not ray and not e2e"
+#   pytest -q -n 2 tests -m "not engine and not ray and not e2e"
 # The README's command (what CI runs) is the whole suite.
 TIERS = {
     "tests/generator/test_vllm_engine.py": ("engine",),
