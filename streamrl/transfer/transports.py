@@ -519,10 +519,8 @@ def _tls_handshake(tls: ssl.SSLSocket, deadline: float) -> None:
 
 
 class Session:
-  """One connection's request and reply, authenticated when the node has a secret.
-
-  Without a secret the wire is the plain one: the request frame, then the reply.
-  With one (mutual, per connection, nothing replayable):
+  """One connection's request and reply, authenticated with the run's secret (every node has
+  one: ``check_secret``), mutually, per connection, nothing replayable:
     client -> server  {"op": "hello", "nonce": Nc}
     server -> client  {"nonce": Ns}
     client -> server  request + "mac": HMAC(secret, "request" | Ns | Nc | request)
@@ -533,15 +531,13 @@ class Session:
   A request without a reply (ack, nack, suspect) is authenticated the same way.
   """
 
-  def __init__(
-      self, sock: socket.socket, secret: Optional[bytes], client_nonce=b"", server_nonce=b""
-  ):
+  def __init__(self, sock: socket.socket, secret: bytes, client_nonce=b"", server_nonce=b""):
     self.sock, self.secret = sock, secret
     self._nc, self._ns = client_nonce, server_nonce
 
   @classmethod
   def accept(
-      cls, sock: socket.socket, secret: Optional[bytes], deadline: Optional[float] = None
+      cls, sock: socket.socket, secret: bytes, deadline: Optional[float] = None
   ) -> tuple["Session", dict]:
     """Server side: (session, the verified request). AuthenticationError if it is not authentic.
 
@@ -549,8 +545,6 @@ class Session:
     (MAX_HELLO_BYTES, MAX_REQUEST_BYTES) and the whole exchange must end by ``deadline``
     (time.monotonic()), however the peer paces its bytes.
     """
-    if secret is None:
-      return cls(sock, None), recv_json(sock, MAX_REQUEST_BYTES, deadline)
     hello = recv_json(sock, MAX_HELLO_BYTES, deadline)
     if hello.get("op") != "hello":
       raise AuthenticationError(
@@ -574,15 +568,12 @@ class Session:
   def request(
       cls,
       sock: socket.socket,
-      secret: Optional[bytes],
+      secret: bytes,
       obj: dict,
       deadline: Optional[float] = None,
   ) -> "Session":
-    """Client side: sends ``obj`` (after the handshake when there is a secret), all of it by
-    ``deadline`` (time.monotonic()): whoever answers at the address may be anyone."""
-    if secret is None:
-      send_json(sock, obj, deadline=deadline, limit=MAX_REQUEST_BYTES)
-      return cls(sock, None)
+    """Client side: sends ``obj`` after the handshake, all of it by ``deadline``
+    (time.monotonic()): whoever answers at the address may be anyone."""
     nc = secrets.token_bytes(NONCE_BYTES)
     send_json(sock, {"op": "hello", "nonce": nc.hex()}, deadline=deadline)
     try:
@@ -598,24 +589,21 @@ class Session:
     return cls(sock, secret, nc, ns)
 
   def reply(self, obj: dict) -> None:
-    """Server side: the reply to the request, signed when there is a secret."""
-    if self.secret is not None:
-      obj = {**obj, "mac": _mac(self.secret, b"reply", self._nc, self._ns, obj)}
-    send_json(self.sock, obj)
+    """Server side: the reply to the request, signed."""
+    send_json(self.sock, {**obj, "mac": _mac(self.secret, b"reply", self._nc, self._ns, obj)})
 
   def recv_reply(self, deadline: Optional[float] = None) -> dict:
     """Client side: the server's reply (whole by ``deadline``, if given); AuthenticationError
     unless it proves the secret. Its buffer grows only as the bytes arrive."""
     obj = recv_json(self.sock, MAX_JSON_BYTES, deadline)
-    if self.secret is not None:
-      _check_mac(
-          self.secret,
-          b"reply",
-          self._nc,
-          self._ns,
-          obj,
-          "the peer cannot prove it holds this run's transfer secret",
-      )
+    _check_mac(
+        self.secret,
+        b"reply",
+        self._nc,
+        self._ns,
+        obj,
+        "the peer cannot prove it holds this run's transfer secret",
+    )
     return obj
 
 
