@@ -264,8 +264,9 @@ def check_reachable(address: str, timeout_s: float) -> tuple[str, int]:
 
 def is_loopback(host: str) -> bool:
   """Whether only this machine can reach `host`: 127.x.x.x, ::1 (also as
-  ::ffff:127.x.x.x) or localhost."""
-  if host == "localhost":
+  ::ffff:127.x.x.x or in brackets) or localhost. A host name, "" or 0.0.0.0
+  may resolve to an outside interface: not loopback."""
+  if host.lower() == "localhost":
     return True
   try:
     ip = ipaddress.ip_address(host.strip("[]"))

@@ -91,7 +91,6 @@ import dataclasses
 import datetime
 import hashlib
 import hmac
-import ipaddress
 import json
 import os
 import secrets
@@ -114,6 +113,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 from cryptography.x509.oid import NameOID
 
+from streamrl.cluster import is_loopback
 from streamrl.transfer import delta as delta_lib
 from streamrl.transfer.manifest import Manifest, TransferError
 from streamrl.transfer.payload import Payload, Segment, map_shared, staging_payload
@@ -256,24 +256,11 @@ def send_error(sock: socket.socket, reason: str, auth: bool = False) -> None:
 
 NONCE_BYTES = 16
 MIN_SECRET_BYTES = 16
-_LOOPBACK_NAMES = ("localhost",)
 
 
 def new_secret() -> bytes:
   """A fresh per-run transfer secret: give the same bytes to the Publisher and every Receiver."""
   return secrets.token_bytes(32)
-
-
-def is_loopback(bind: str) -> bool:
-  """True for addresses only this machine can reach: 127.x.x.x, ::1, localhost."""
-  if bind.lower() in _LOOPBACK_NAMES:
-    return True
-  try:
-    addr = ipaddress.ip_address(bind)
-  except ValueError:
-    return False  # a host name, "", ...: it may resolve to an outside interface
-  mapped = getattr(addr, "ipv4_mapped", None)
-  return addr.is_loopback or (mapped is not None and mapped.is_loopback)
 
 
 def check_secret(secret: Optional[bytes], bind: str, who: str) -> bytes:
