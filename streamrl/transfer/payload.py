@@ -35,8 +35,9 @@ acked a newer one, and never its newest version; a receiver: the version is
 neither current nor in flight, no stream reads it); otherwise it takes a
 fresh file and keeps the pinned one until it is free. A rewrite holds an
 exclusive ``flock`` from the check to the last byte (``Segment.begin_rewrite``),
-so no pin starts meanwhile; readers pin first, then verify, so what they
-verified stays as it was. ``close`` unlinks everything (mappings outlive the
+so no pin starts meanwhile; a reader verifies chunks as they are written and
+holds its pin before the sender's stream ends (which keeps the file from
+being recycled), so what it verified stays as it was. ``close`` unlinks everything (mappings outlive the
 name).
 
 Files are recycled. On this machine (a VM without huge pages for tmpfs)
@@ -712,8 +713,9 @@ def map_shared(name: str, manifest: Manifest) -> Payload:
   file of this user with exactly the payload's size, is mapped
   (``segment_path``, ``_open_checked``); TransferError otherwise. The pin and
   the mapping are of that one open file. While its writer still rewrites it
-  the pin is not held yet: hold it (``payload.pin.hold``) before verifying
-  anything, as ``ShmPlane.fill`` does. This process keeps the mapping for
+  the pin is not held yet: hold it (``payload.pin.hold``) before the sender's
+  stream ends, as ``ShmPlane.fill`` does (the stream keeps the file from
+  being recycled until then). This process keeps the mapping for
   later versions. Nothing is verified yet: commit each chunk.
   """
   path = segment_path(name)

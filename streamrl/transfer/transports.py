@@ -841,6 +841,11 @@ class ShmPlane(DataPlane):
       sock.sendall(frames)
       wire += len(frames)
       sent = ready
+    # The stream (which keeps the file from being recycled) ends only once the receiver holds
+    # its pin: between the two, nothing may rewrite what it verified.
+    kind, n = recv_frame_header(sock)
+    if kind != b"P" or n != 0:
+      raise TransferError(f"expected the receiver's pin, got frame {kind!r}")
     return wire + _send_end(sock, payload, link)
 
   def open(self, header, manifest, buffer):
@@ -849,10 +854,10 @@ class ShmPlane(DataPlane):
     return map_shared(str(header.get("shm", "")), manifest)
 
   def fill(self, sock, header, payload, base, timeout):
-    if payload.pin is not None:
-      # Pin first, then verify: a recycled file is pinned only once its writer has rewritten
-      # it, so no chunk verified here can change afterwards.
-      payload.pin.hold(timeout)
+    # Chunks are verified as the writer reports them written, also in a recycled file it is
+    # still rewriting (no pin can start then): while this stream is open the sender neither
+    # recycles the file nor writes a reported chunk again. The pin is taken before the stream
+    # ends (the "P" frame), so no chunk verified here can change afterwards.
     for i in range(payload.manifest.num_chunks):
       kind, n = recv_frame_header(sock)
       if kind == b"X":
@@ -863,8 +868,11 @@ class ShmPlane(DataPlane):
       if idx != i:
         raise TransferError(f"expected chunk {i}, got chunk {idx}")
       payload.commit(i, expected)
+    if payload.pin is not None:
+      payload.pin.hold(timeout)  # waits for the writer's end_rewrite, right after its last chunk
+    sock.sendall(_FRAME.pack(b"P", 0))
     n, tag = _recv_end(sock)
-    return (_FRAME.size + _READY.size) * payload.manifest.num_chunks + n, tag
+    return (_FRAME.size + _READY.size) * payload.manifest.num_chunks + _FRAME.size + n, tag
 
 
 PLANES: dict[str, DataPlane] = {p.name: p for p in (ShmPlane(), TcpPlane())}  # preference order
