@@ -5,6 +5,8 @@ import os
 import shutil
 import tempfile
 
+import pytest
+
 # Must happen before JAX initialises its backend.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 # Keeps the vLLM engine in the test process: ~2 s start-up instead of ~15 s.
@@ -28,7 +30,13 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 # processes (`e2e`; the old `slow` marker means the same). The fast lane for
 # local iteration leaves them out:
 #   pytest -q -n 2 tests -m "not engine and not ray and not e2e"
-# The README's command (what CI runs) is the whole suite.
+# The README's command (what CI runs) is the whole suite on both cores:
+#   pytest -q -n 2 --dist loadgroup tests
+# Every test of a tier runs on one xdist worker, one after the other (the
+# "heavy" group: each starts engines, Ray or runs that want the machine's
+# cores, and two at once would double each other's deadlines), while the
+# other worker runs the unit tests beside them.
+HEAVY = ("engine", "ray", "e2e")
 TIERS = {
     "tests/generator/test_vllm_engine.py": ("engine",),
     "tests/scheduling/test_profiler.py": ("engine",),
@@ -59,9 +67,9 @@ def pytest_configure(config):
     config.addinivalue_line("markers", f"{name}: {what}")
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the xdist_group markers
 def pytest_collection_modifyitems(config, items):
-  import pytest  # pylint: disable=g-import-not-at-top
-
+  del config
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   for item in items:
     rel = os.path.relpath(str(item.path), root)
@@ -69,9 +77,8 @@ def pytest_collection_modifyitems(config, items):
       item.add_marker(getattr(pytest.mark, name))
     if item.get_closest_marker("slow"):
       item.add_marker(pytest.mark.e2e)
-
-
-import pytest  # pylint: disable=g-import-not-at-top,wrong-import-position
+    if any(item.get_closest_marker(name) for name in HEAVY):
+      item.add_marker(pytest.mark.xdist_group("heavy"))
 
 
 @pytest.fixture(scope="session", autouse=True)
