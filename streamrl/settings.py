@@ -6,6 +6,7 @@ defaults and its own checks, next to the code that reads it:
 
   model                         streamrl/models/config.py
   task                          streamrl/data/config.py
+  env                           streamrl/envs/config.py
   sampling, engine              streamrl/generator/config.py
   scheduler                     streamrl/scheduling/config.py
   advantage, kl, loss           streamrl/rl/config.py
@@ -44,6 +45,7 @@ from streamrl.cluster import Cluster
 from streamrl.config_checks import need
 from streamrl.data.config import Task
 from streamrl.elastic.config import Elastic
+from streamrl.envs.config import Env
 from streamrl.errors import UserError
 from streamrl.generator.config import Engine, Sampling
 from streamrl.metrics import Log
@@ -60,6 +62,7 @@ __all__ = [
     "Cluster",
     "Elastic",
     "Engine",
+    "Env",
     "Kl",
     "Log",
     "Loss",
@@ -91,6 +94,7 @@ class Settings:
   model: Model = Model()
   warmstart: Warmstart = Warmstart()
   task: Task = Task()
+  env: Env = Env()
   sampling: Sampling = Sampling()
   engine: Engine = Engine()
   scheduler: Scheduler = Scheduler()
@@ -121,7 +125,10 @@ class Settings:
 
   @property
   def partial_rollouts(self) -> bool:
-    """Whether rounds resume unfinished responses (`auto` resolved by mode)."""
+    """Whether rounds resume unfinished responses (`auto` resolved by mode; off
+    for multi-turn trajectories, which partial rollouts do not resume yet)."""
+    if self.env.enabled and self.pipeline.partial == "auto":
+      return False
     return self.pipeline.partial_rollouts
 
   @property
@@ -281,6 +288,21 @@ def _oracle_knows_lengths(s: Settings) -> None:
   )
 
 
+def _env_fits(s: Settings) -> None:
+  if not s.env.enabled:
+    return
+  need(
+      not s.partial_rollouts,
+      f"env.name={s.env.name!r} runs multi-turn trajectories, which partial rollouts do not "
+      "resume yet; set pipeline.partial=off.",
+  )
+  need(
+      s.env.max_tokens_per_turn <= s.sampling.max_tokens,
+      f"env.max_tokens_per_turn={s.env.max_tokens_per_turn} is more than the whole "
+      f"trajectory's sampling.max_tokens={s.sampling.max_tokens}; lower it or raise max_tokens.",
+  )
+
+
 def _batches_divide(s: Settings) -> None:
   tr, n = s.trainer, s.samples_per_iteration
   need(
@@ -371,6 +393,7 @@ CROSS_PART_RULES: tuple[Callable[[Settings], None], ...] = (
     _lengths_fit,
     _colocated_has_one_engine,
     _oracle_knows_lengths,
+    _env_fits,
     _batches_divide,
     _critic_lr_set,
     _mesh_fits_devices,

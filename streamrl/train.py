@@ -33,10 +33,11 @@ import numpy as np
 
 from streamrl import metrics as metrics_lib
 from streamrl import settings as settings_lib
-from streamrl.data import dataset, gym, tasks as tasks_lib
+from streamrl.data import calc, dataset, gym, tasks as tasks_lib
 from streamrl.data.loader import PromptLoader, make_requests
 from streamrl.data.rewards import Rewarder
 from streamrl.data.tokenizer import Tokenizer
+from streamrl.envs import runner as envs_runner
 from streamrl.generator import make_rollout
 from streamrl.models import hf
 from streamrl.errors import MissingFileError, UserError
@@ -67,6 +68,11 @@ def load_examples(s: settings_lib.Settings) -> tuple[list, list]:
     if trace is not None:
       train, evals = tasks_lib.add_traces(train, trace), tasks_lib.add_traces(evals, trace)
     return train, evals
+  if task.kind == "calc":
+    cfg = task.calc_config()
+    train = calc.make_examples(s.warmstart.num_examples, s.seed, cfg)
+    evals = calc.make_examples(task.num_eval, s.seed + 10_000, cfg, first_id=10**6)
+    return train, evals
   if task.kind == "gym":
     train = gym.make_examples(task.gym_dataset, task.gym_size, s.seed)
     evals = gym.make_examples(task.gym_dataset, task.num_eval, s.seed + 10_000, first_id=10**6)
@@ -95,7 +101,7 @@ def trace_config(s: settings_lib.Settings) -> tasks_lib.TraceConfig | None:
 def answer_of(s: settings_lib.Settings):
   """What the verifier and the accuracy read of a decoded response: the text
   after the work trace for trace tasks, else all of it."""
-  return tasks_lib.final_answer if s.task.kind == "trace" else str.strip
+  return tasks_lib.final_answer if s.task.kind in ("trace", "calc") else str.strip
 
 
 def policy_dir(s: settings_lib.Settings, workdir: str, train_examples) -> str:
@@ -109,6 +115,7 @@ def policy_dir(s: settings_lib.Settings, workdir: str, train_examples) -> str:
       workdir=workdir,
       train_examples=train_examples,
       trace=trace_config(s),
+      calc=s.task.calc_config() if s.task.kind == "calc" else None,
   )
 
 
@@ -152,6 +159,7 @@ def full_fingerprint(s: settings_lib.Settings) -> dict:
           for k, v in asdict(s.task).items()
           if s.task.kind == "trace" or not k.startswith("trace_")
       },
+      "env": asdict(s.env),
       "advantage": asdict(s.advantage),
       "kl": asdict(s.kl),
       "loss": asdict(s.loss),
@@ -371,6 +379,7 @@ def iteration_scalars(x: Iteration, timeline: Timeline, rollout) -> dict:
       "generators/dead": len(rollout.dead_instances),
   }
   out.update(accuracy_by_source("accuracy", x.samples, x.correct, x.examples_by_id))
+  out.update(envs_runner.trajectory_metrics(x.samples))
   ids = [s.prompt_id for s in x.samples]
   out["samples/count"] = len(ids)
   # Exactly once: no request's sample reached the trainer twice.

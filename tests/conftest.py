@@ -55,6 +55,7 @@ TIERS = {
     "tests/trainer/test_export_launch.py": ("engine", "e2e"),
     "tests/test_orphans.py": ("e2e",),
     "tests/test_loopback.py": ("ray",),
+    "tests/envs/test_trajectories.py": ("engine",),
 }
 
 

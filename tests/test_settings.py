@@ -396,7 +396,7 @@ def test_a_workdir_with_a_full_pre_rename_fingerprint_still_resumes(tmp_path):
 # may be read from any layer.
 LAYERS = (
     {"errors", "config_checks", "renames", "config_utils", "metrics", "lifecycle", "usercode"},
-    {"cluster", "local_cluster", "data", "rl", "transfer", "elastic", "models", "ranker"},
+    {"cluster", "local_cluster", "data", "envs", "rl", "transfer", "elastic", "models", "ranker"},
     {"trainer", "scheduling"},
     {"generator"},
     {"pipeline", "sim"},

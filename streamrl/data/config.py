@@ -9,7 +9,7 @@ from streamrl.config_checks import need, one_of, positive
 from streamrl.data import gym, rewards, tasks
 from streamrl.data.tokenizer import CHAT_TEMPLATE_MODES
 
-TASK_KINDS = ("trace", "synthetic", "file", "gym")
+TASK_KINDS = ("trace", "synthetic", "calc", "file", "gym")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +29,13 @@ class Task:
   # a sampled trace that overshoots still finishes instead of being cut
   # (reward 0), so RL is not pushed to drop the long traces.
   trace_token_fraction: float = 1.0
+  # kind="calc" (streamrl/data/calc.py; with env.name="calc"): sums of 2..calc_max_terms
+  # numbers of calc_digits digits (the terms beyond 2 geometric with mean
+  # calc_mean_extra_terms); the warm-up's share of tool trajectories.
+  calc_max_terms: int = 6
+  calc_mean_extra_terms: float = 1.0
+  calc_digits: int = 4
+  calc_tool_fraction: float = 0.25
   # A built-in name (streamrl/data/rewards.py) or the user's function,
   # `package.module:function` or `path/to/file.py:function`.
   reward: str = "partial_match"
@@ -63,6 +70,20 @@ class Task:
           f"task.trace_token_fraction={self.trace_token_fraction!r} must be in (0, 1]; "
           "fix --config.task.trace_token_fraction.",
       )
+    if self.kind == "calc":
+      need(
+          self.calc_max_terms >= 2,
+          f"task.calc_max_terms={self.calc_max_terms} must be >= 2 (a sum has two terms).",
+      )
+      positive("task.calc_mean_extra_terms", self.calc_mean_extra_terms, zero_ok=True)
+      need(
+          1 <= self.calc_digits <= 9,
+          f"task.calc_digits={self.calc_digits} must be in [1, 9]; fix --config.task.calc_digits.",
+      )
+      need(
+          0 <= self.calc_tool_fraction <= 1,
+          f"task.calc_tool_fraction={self.calc_tool_fraction} must be in [0, 1].",
+      )
     if self.kind in ("synthetic", "trace"):
       bad = [op for op in self.ops if op not in tasks.KNOWN_OPS]
       need(
@@ -86,6 +107,17 @@ class Task:
       )
     for key in ("prompt_key", "answer_key"):
       need(bool(getattr(self, key)), f"task.{key} is empty; name the dataset's column.")
+
+  def calc_config(self):
+    """The sums of kind="calc" (`data.calc.CalcConfig`)."""
+    from streamrl.data import calc  # pylint: disable=g-import-not-at-top
+
+    return calc.CalcConfig(
+        max_terms=self.calc_max_terms,
+        mean_extra_terms=self.calc_mean_extra_terms,
+        digits=self.calc_digits,
+        tool_fraction=self.calc_tool_fraction,
+    )
 
   def check_files(self) -> None:
     if self.kind != "file":

@@ -438,11 +438,15 @@ class Rewarder:
     return out
 
   def __call__(self, samples, examples_by_id) -> tuple[np.ndarray, np.ndarray]:
-    """(reward, correctness) per sample, float32; extra metrics kept for `metrics()`."""
+    """(reward, correctness) per sample, float32; extra metrics kept for `metrics()`.
+
+    A multi-turn trajectory's reward adds its environment's per-turn rewards
+    (`Sample.turns.env_reward`) to its final answer's."""
     scores = self.scores(samples, examples_by_id)
     self._metrics.extend(s.metrics for s in scores if s.metrics)
+    env = [x.turns.env_reward if getattr(x, "turns", None) else 0.0 for x in samples]
     return (
-        np.asarray([s.reward for s in scores], np.float32),
+        np.asarray([s.reward + e for s, e in zip(scores, env)], np.float32),
         np.asarray([s.correct for s in scores], np.float32),
     )
 

@@ -368,6 +368,10 @@ class Tokenizer:
       )
     return self._encode(after[len(before) :], add_special_tokens=False)
 
+  def encode_text(self, text: str) -> list[int]:
+    """Token ids of `text` as it stands, no special tokens added (an observation, a stop string)."""
+    return self._encode(text, add_special_tokens=False)
+
   def decode(self, ids: Sequence[int]) -> str:
     if self._fast is not None:
       return self._fast.decode(list(ids), skip_special_tokens=True)

@@ -20,7 +20,14 @@ def make_rollout(s, model_dir: str, cluster=None, workdir: str | None = None):
   if s.pipeline.mode == "colocated":
     from streamrl.generator.local import LocalRollout  # pylint: disable=g-import-not-at-top
 
-    return LocalRollout(model_dir, s.engine, dtype=s.model.dtype, seed=s.seed)
+    return LocalRollout(
+        model_dir,
+        s.engine,
+        dtype=s.model.dtype,
+        seed=s.seed,
+        env=s.env,
+        chat_template=s.task.chat_template,
+    )
   from streamrl import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
   from streamrl.generator.service import StreamGenerationService  # pylint: disable=g-import-not-at-top
 
@@ -37,4 +44,6 @@ def make_rollout(s, model_dir: str, cluster=None, workdir: str | None = None):
       placement=s.cluster,
       max_instances=s.elastic.max_instances if s.elastic.enabled else None,
       stoppable=s.partial_rollouts,
+      env=s.env,
+      chat_template=s.task.chat_template,
   )

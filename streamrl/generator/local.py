@@ -9,13 +9,19 @@ from __future__ import annotations
 import time
 
 from streamrl import lifecycle
+from streamrl.envs.config import Env
 from streamrl.generator.config import Engine, Sampling
 from streamrl.generator.rollout import UpdateHandle
 
 
-def engine_kwargs(engine: Engine, *, dtype: str, seed: int) -> dict:
-  """`GeneratorInstance` keyword arguments for one engine."""
+def engine_kwargs(
+    engine: Engine, *, dtype: str, seed: int, env: Env | None = None, chat_template: str = "auto"
+) -> dict:
+  """`GeneratorInstance` keyword arguments for one engine (`env`: its environment, for
+  multi-turn rollouts, with the task's `chat_template` mode)."""
   return dict(
+      env=env,
+      chat_template=chat_template,
       max_num_seqs=engine.max_num_seqs,
       max_model_len=engine.max_model_len,
       seed=seed,
@@ -38,7 +44,16 @@ def round_seed(seed: int, iteration: int) -> int:
 class LocalRollout:
   """One `GeneratorInstance` in this process."""
 
-  def __init__(self, model_dir: str, engine: Engine, *, dtype: str, seed: int):
+  def __init__(
+      self,
+      model_dir: str,
+      engine: Engine,
+      *,
+      dtype: str,
+      seed: int,
+      env: Env | None = None,
+      chat_template: str = "auto",
+  ):
     # vLLM's engine-core and worker processes die with this one (a no-op
     # when the run already guards this process).
     lifecycle.guard_children()
@@ -49,7 +64,9 @@ class LocalRollout:
       from streamrl.generator.vllm_engine import GeneratorInstance  # pylint: disable=g-import-not-at-top
 
       self.engine = GeneratorInstance(
-          model_dir, instance_id=0, **engine_kwargs(engine, dtype=dtype, seed=seed)
+          model_dir,
+          instance_id=0,
+          **engine_kwargs(engine, dtype=dtype, seed=seed, env=env, chat_template=chat_template),
       )
     self.busy_intervals: list[tuple[int, float, float, int]] = []
     self.num_instances = 1

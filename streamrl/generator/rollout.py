@@ -30,6 +30,20 @@ PARTIAL = "partial"
 
 
 @dataclasses.dataclass(frozen=True)
+class TurnStats:
+  """A multi-turn trajectory's counts (streamrl/envs): policy turns, tool calls,
+  failed and timed-out calls, seconds its tool calls took, and the sum of
+  the environment's per-turn rewards."""
+
+  turns: int
+  tool_calls: int = 0
+  tool_errors: int = 0
+  tool_timeouts: int = 0
+  tool_s: float = 0.0
+  env_reward: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
 class Sample:
   """One finished generation.
 
@@ -49,6 +63,11 @@ class Sample:
   # several (a partial rollout resumed under newer weights); None: every
   # token is `weight_version`'s.
   token_versions: tuple[int, ...] | None = None
+  # A multi-turn trajectory (streamrl/envs): per token, 1 where the policy
+  # sampled it and 0 for an observation's (logprob 0, left out of the loss);
+  # None: every token is the policy's. `turns`: the trajectory's counts.
+  mask: tuple[int, ...] | None = None
+  turns: TurnStats | None = None
 
 
 @dataclasses.dataclass(frozen=True)

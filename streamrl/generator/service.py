@@ -32,6 +32,7 @@ import ray
 from streamrl import cluster as cluster_lib
 from streamrl import lifecycle
 from streamrl.cluster import Cluster
+from streamrl.envs.config import Env
 from streamrl.generator.config import Engine, Sampling
 from streamrl.transfer.config import Transfer
 from streamrl.errors import UserError
@@ -378,6 +379,8 @@ class StreamGenerationService:
     start_timeout_s: longest wait for all engines to come up.
     log_dir: the run's workdir: each actor's library log goes to
       <log_dir>/libraries.log (None: Ray's worker logs).
+    env, chat_template: multi-turn rollouts (streamrl/envs): each instance
+      runs its own tool workers beside its engine.
   """
 
   def __init__(
@@ -396,6 +399,8 @@ class StreamGenerationService:
       placement: Cluster | None = None,
       max_instances: int | None = None,
       stoppable: bool = False,
+      env: Env | None = None,
+      chat_template: str = "auto",
   ):
     num_instances = int(num_instances or engine.num_instances)
     if num_instances < 1:
@@ -432,7 +437,9 @@ class StreamGenerationService:
         cluster,
         log_dir,
     )
-    self._engine_kwargs = local.engine_kwargs(engine, dtype=dtype, seed=seed)
+    self._engine_kwargs = local.engine_kwargs(
+        engine, dtype=dtype, seed=seed, env=env, chat_template=chat_template
+    )
     # Ray's CPU bookkeeping and the core split assume the most instances the
     # run may have at once.
     self._slots = max(num_instances, int(max_instances or num_instances))

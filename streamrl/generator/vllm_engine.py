@@ -10,18 +10,21 @@ CPU backend spawns worker processes unless VLLM_ENABLE_V1_MULTIPROCESSING=0.
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import itertools
 import json
 import logging
 import os
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
 from streamrl import cluster as cluster_lib
 from streamrl.generator.config import Sampling
-from streamrl.generator.rollout import PARTIAL, Sample, as_requests
+from streamrl.envs.config import Env
+from streamrl.generator.rollout import PARTIAL, Sample, TurnStats, as_requests
 from streamrl.data import tokenizer as tokenizer_lib
 from streamrl.models import hf as hf_lib
 from streamrl.models import safetensors_io
@@ -332,6 +335,8 @@ class GeneratorInstance:
       tensor_parallel_size: int = 1,
       gpu_memory_utilization: float = 0.85,
       keep_weights_file: bool = True,
+      env: Env | None = None,
+      chat_template: str = "auto",
   ):
     from vllm.platforms import current_platform  # pylint: disable=g-import-not-at-top
 
@@ -389,6 +394,14 @@ class GeneratorInstance:
     self._request_ids = itertools.count()
     self._in_flight = 0
     self._step_callback: Callable[[int], None] | None = None
+    # Multi-turn rollouts (env.name set): the tool workers beside this engine.
+    self._tools = None
+    self.tool_wait_s = 0.0  # seconds this engine had nothing to decode, waiting on tools
+    if env is not None and env.enabled:
+      from streamrl.envs.runner import ToolRunner  # pylint: disable=g-import-not-at-top
+
+      tok = tokenizer_lib.Tokenizer(model_dir, chat_template=chat_template)
+      self._tools = ToolRunner(env, tok)
 
   @property
   def eos_token_ids(self) -> tuple[int, ...]:
@@ -437,6 +450,7 @@ class GeneratorInstance:
       prompt_id: int,
       ignore_eos: bool = False,
       max_tokens: int | None = None,
+      extra_stop: tuple[int, ...] = (),
   ):
     from vllm import SamplingParams  # pylint: disable=g-import-not-at-top
 
@@ -446,22 +460,39 @@ class GeneratorInstance:
         max_tokens=sampling.max_tokens if max_tokens is None else max_tokens,
         logprobs=0,
         detokenize=False,
-        stop_token_ids=[] if ignore_eos else self._eos,
+        stop_token_ids=[] if ignore_eos else [*self._eos, *extra_stop],
         ignore_eos=ignore_eos,
         seed=None if seed is None else seed + prompt_id,
     )
 
+  @staticmethod
+  def _logprobs(completion) -> tuple[float, ...]:
+    if completion is None:
+      return ()
+    return tuple(float(step[t].logprob) for t, step in zip(completion.token_ids, completion.logprobs))
+
   def _sample(self, prompt_id: int, ids: tuple, completion, finish_reason: str) -> Sample:
-    tokens = tuple(completion.token_ids) if completion is not None else ()
-    steps = completion.logprobs if completion is not None else ()
     return Sample(
         prompt_id=prompt_id,
         prompt_token_ids=ids,
-        token_ids=tokens,
-        logprobs=tuple(float(step[tok].logprob) for tok, step in zip(tokens, steps)),
+        token_ids=tuple(completion.token_ids) if completion is not None else (),
+        logprobs=self._logprobs(completion),
         finish_reason=finish_reason,
         weight_version=self.weight_version,
         instance_id=self.instance_id,
+    )
+
+  def _trajectory_sample(self, traj, finish_reason: str) -> Sample:
+    return Sample(
+        prompt_id=traj.prompt_id,
+        prompt_token_ids=traj.prompt,
+        token_ids=tuple(traj.tokens),
+        logprobs=tuple(traj.logprobs),
+        finish_reason=finish_reason,
+        weight_version=self.weight_version,
+        instance_id=self.instance_id,
+        mask=tuple(traj.mask),
+        turns=TurnStats(**traj.stats()),
     )
 
   def generate(
@@ -498,6 +529,9 @@ class GeneratorInstance:
     cap = min(max_in_flight or self.max_num_seqs, self.max_num_seqs)
     if cap < 1:
       raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}.")
+    if self._tools is not None:
+      yield from self._generate_trajectories(prompts, sampling, seed=seed, cap=cap, stop=stop)
+      return
     pending, hints = _pending_queue(prompts)  # hints: request id -> LengthHint, or {}
     running: dict[str, tuple[int, tuple[int, ...]]] = {}
     latest: dict[str, object] = {}  # request -> its newest (unfinished) completion
@@ -551,6 +585,102 @@ class GeneratorInstance:
           self._engine.step()
       self._in_flight = 0
 
+  def _generate_trajectories(self, prompts, sampling: Sampling, *, seed, cap: int, stop):
+    """`generate` for multi-turn rollouts (env.name set; streamrl/envs/runner.py).
+
+    A trajectory's turns all run on this engine (its prefix is cached), each
+    turn a request that continues from the trajectory's tokens so far. A turn
+    that ends on the environment's stop token goes to the tool workers; the
+    engine decodes the other trajectories meanwhile, and the next turn is
+    admitted (before new prompts) once the observation is appended. A
+    trajectory ends when a turn ends otherwise (EOS, or its turn budget),
+    at `env.max_turns`, or when `sampling.max_tokens` (policy and
+    observation tokens) is used up. `stop` ends the stream with PARTIAL
+    samples of what each trajectory has (the pipeline refuses partial
+    rollouts with an environment, so these are not resumed).
+    """
+    from streamrl.envs.runner import MAX_TURNS, Trajectory  # pylint: disable=g-import-not-at-top
+
+    tools, env = self._tools, self._tools.config
+    pending, _ = _pending_queue(prompts)
+    ready: collections.deque = collections.deque()  # observation in, next turn to start
+    running: dict[str, Trajectory] = {}
+    waiting: dict = {}  # Future of a Step -> its trajectory
+
+    def budget(traj) -> int:
+      left = min(sampling.max_tokens - len(traj.tokens), self.max_model_len - len(traj.context))
+      return min(env.max_tokens_per_turn, left)
+
+    try:
+      while pending or running or waiting or ready:
+        if stop is not None and stop():
+          for traj in [*running.values(), *waiting.values(), *ready]:
+            yield self._trajectory_sample(traj, PARTIAL)
+          for prompt_id, ids, _ in pending:
+            yield self._sample(prompt_id, tuple(ids), None, PARTIAL)
+          pending.clear()
+          return
+        for future in [f for f in waiting if f.done()]:
+          traj = waiting.pop(future)
+          obs = tools.apply(traj, future.result())
+          room = sampling.max_tokens - len(traj.tokens)
+          traj.add_observation(obs[:room])
+          if len(obs) >= room or budget(traj) <= 0:
+            yield self._trajectory_sample(traj, "length")
+          elif traj.turns >= env.max_turns:
+            yield self._trajectory_sample(traj, MAX_TURNS)
+          else:
+            ready.append(traj)
+        while (ready or pending) and len(running) < cap:
+          if ready:
+            traj = ready.popleft()
+          else:
+            prompt_id, ids, _ = pending.popleft()
+            traj = Trajectory(prompt_id, tuple(int(t) for t in ids))
+            if budget(traj) <= 0:
+              raise ValueError(
+                  f"Prompt {prompt_id} has {len(ids)} tokens, which leaves no room to generate "
+                  f"within max_model_len={self.max_model_len}; raise it or shorten the prompt."
+              )
+          rid = f"{self.instance_id}-{next(self._request_ids)}"
+          # A seed per turn: the same trajectory samples the same tokens whatever else runs.
+          params = self._params(
+              sampling,
+              None if seed is None else seed + 7919 * traj.turns,
+              traj.prompt_id,
+              max_tokens=budget(traj),
+              extra_stop=(tools.stop_token_id,),
+          )
+          self._engine.add_request(rid, {"prompt_token_ids": list(traj.context)}, params)
+          running[rid] = traj
+        self._in_flight = len(running)
+        if not running:
+          started = time.perf_counter()
+          concurrent.futures.wait(
+              list(waiting), timeout=1.0, return_when=concurrent.futures.FIRST_COMPLETED
+          )
+          self.tool_wait_s += time.perf_counter() - started
+          continue
+        if self._step_callback is not None:
+          self._step_callback(self._in_flight)
+        for out in self._engine.step():
+          if not out.finished:
+            continue
+          traj = running.pop(out.request_id)
+          self._in_flight = len(running)
+          completion = out.outputs[0]
+          traj.add_turn(completion.token_ids, self._logprobs(completion))
+          if tools.wants_tool(traj, completion.token_ids):
+            waiting[tools.submit(traj)] = traj
+          else:
+            yield self._trajectory_sample(traj, str(completion.finish_reason))
+    finally:
+      if running:
+        self._engine.abort_request(list(running))
+        while self._engine.has_unfinished_requests():
+          self._engine.step()
+      self._in_flight = 0
+
   def _check_open(self) -> None:
     if self._engine is None:
       raise RuntimeError(
@@ -567,6 +697,9 @@ class GeneratorInstance:
     """
     engine, self._engine = getattr(self, "_engine", None), None
     self.release_weights_file()
+    tools, self._tools = getattr(self, "_tools", None), None
+    if tools is not None:
+      tools.close()
     if engine is None:
       return
     core = getattr(engine, "engine_core", None)

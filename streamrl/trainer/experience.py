@@ -28,7 +28,7 @@ def bucket_length(n: int, multiple: int = 32) -> int:
 
 
 def pad_samples(samples: Sequence, seq_len: int | None = None, pad_id: int = 0) -> dict:
-  """Samples (prompt_token_ids, token_ids, logprobs) -> numpy [b, t] arrays."""
+  """Samples (prompt_token_ids, token_ids, logprobs, mask) -> numpy [b, t] arrays."""
   total = [len(s.prompt_token_ids) + len(s.token_ids) for s in samples]
   seq_len = seq_len or bucket_length(max(total))
   if max(total) > seq_len:
@@ -42,7 +42,8 @@ def pad_samples(samples: Sequence, seq_len: int | None = None, pad_id: int = 0) 
     tokens[i, :p] = s.prompt_token_ids
     tokens[i, p : p + r] = s.token_ids
     # Column t predicts token t + 1: response tokens p..p+r-1 sit at p-1..p+r-2.
-    mask[i, p - 1 : p + r - 1] = 1.0
+    # A trajectory's observation tokens (Sample.mask 0) are context, not actions.
+    mask[i, p - 1 : p + r - 1] = 1.0 if s.mask is None else s.mask
     gen_logp[i, p - 1 : p + r - 1] = s.logprobs
   return {"tokens_bt": tokens, "mask_bt": mask, "gen_logp_bt": gen_logp}
 

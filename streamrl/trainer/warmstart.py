@@ -22,6 +22,7 @@ import numpy as np
 from streamrl.data.config import Task
 from streamrl.models.config import Model
 from streamrl.trainer.config import Warmstart
+from streamrl.data import calc as calc_lib
 from streamrl.data import tasks
 from streamrl.data import tokenizer as char_tok
 from streamrl.models import config as model_config_lib
@@ -43,7 +44,7 @@ def fingerprint(obj) -> str:
 
 
 def tiny_model_dir(
-    model: Model, warm: Warmstart, task: Task, *, seed: int, workdir: str, trace=None
+    model: Model, warm: Warmstart, task: Task, *, seed: int, workdir: str, trace=None, calc=None
 ) -> str:
   """Where `prepare_model_dir` keeps the warm-started tiny policy of these
   settings: <workdir>/warmstart-<key>, the key covering only what changes its
@@ -62,6 +63,7 @@ def tiny_model_dir(
               if trace is not None
               else {}
           ),
+          **({"calc": dataclasses.asdict(calc)} if calc is not None else {}),
       }
   )
   return os.path.join(workdir, f"warmstart-{key}")
@@ -76,15 +78,18 @@ def prepare_model_dir(
     workdir: str,
     train_examples: Sequence,
     trace=None,
+    calc=None,
 ) -> str:
   """The policy's HF directory: `model.path`, or the warm-started tiny one.
 
   `trace` (a `tasks.TraceConfig`) is the work-trace shape the warm-up
-  teaches for trace examples (`streamrl.train.trace_config`)."""
+  teaches for trace examples (`streamrl.train.trace_config`); `calc` (a
+  `data.calc.CalcConfig`) the share of tool trajectories in the targets of
+  the agentic sums."""
   if model.path:
     hf.read_config(model.path)  # clear error for a bad path / arch
     return model.path
-  path = tiny_model_dir(model, warm, task, seed=seed, workdir=workdir, trace=trace)
+  path = tiny_model_dir(model, warm, task, seed=seed, workdir=workdir, trace=trace, calc=calc)
   if os.path.isfile(os.path.join(path, "model.safetensors")):
     log.info("Reusing warm-started policy %s", path)
     return path
@@ -108,7 +113,12 @@ def prepare_model_dir(
     pairs = [
         (
             [char_tok.BOS_ID] + char_tok.encode(e.prompt),
-            char_tok.encode(tasks.sft_target(e, rng, trace)) + [char_tok.EOS_ID],
+            char_tok.encode(
+                calc_lib.sft_target(e, rng, calc)
+                if calc is not None
+                else tasks.sft_target(e, rng, trace)
+            )
+            + [char_tok.EOS_ID],
         )
         for e in train_examples
     ]

@@ -1,0 +1,19 @@
+"""Multi-turn rollouts with tools: environments, tools, and the trajectory
+bookkeeping beside each engine.
+
+  config.py   `Env`, the run's `env.*` settings
+  base.py     the environment interface (`reset` / `step` -> `Step`), the
+              built-in tool environment (`[calc 1+2]` -> `(3)`), and what the
+              tool workers call
+  tools.py    the calculator and the Python sandbox
+  runner.py   `Trajectory` (token-in, token-out), `ToolRunner` (the tool
+              workers beside an engine), `trajectory_metrics`
+
+The engine's side of a trajectory (turns, tool calls overlapping decoding)
+is `GeneratorInstance._generate_trajectories` (streamrl/generator/vllm_engine.py).
+"""
+
+from streamrl.envs.base import BUILTIN, Environment, Step, ToolEnv, parse_call
+from streamrl.envs.config import Env
+
+__all__ = ["BUILTIN", "Env", "Environment", "Step", "ToolEnv", "parse_call"]

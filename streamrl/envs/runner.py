@@ -1,0 +1,206 @@
+"""Trajectories and the tool workers beside an engine.
+
+A `Trajectory` is kept as token ids, token-in token-out: each policy turn's
+tokens are the engine's, each observation is tokenized once and appended,
+and nothing is ever re-tokenized, so the tokens the trainer scores are the
+tokens the engine sampled (the drift behind verl #6501 / TRL #5242 cannot
+happen). `mask` is 1 on policy tokens and 0 on observation tokens (the loss
+and the KL leave those out); observation tokens carry logprob 0.
+
+`ToolRunner` runs environment steps in `env.tool_workers` worker processes
+(streamrl/usercode.py: a call past its deadline kills its worker; a crash
+or an exception is a `Failure`), so the engine keeps decoding other
+trajectories while a tool runs. A failed call becomes an error observation,
+never an exception into the generation loop.
+
+Observations are rendered as the model expects: with a chat template, as a
+`tool` turn (the template's text that turn adds after the assistant's
+tokens, the assistant's end-of-turn included: `Observer`); without one, as
+the observation's text itself.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import time
+from typing import Any
+
+import numpy as np
+
+from streamrl import usercode
+from streamrl.envs import base
+from streamrl.envs.config import Env
+from streamrl.errors import UserError
+
+# Finish reasons of a trajectory beyond the engine's ("stop", "length").
+MAX_TURNS = "max_turns"
+
+
+@dataclasses.dataclass
+class Trajectory:
+  """One multi-turn rollout in progress (see the module docstring)."""
+
+  prompt_id: int
+  prompt: tuple[int, ...]
+  tokens: list[int] = dataclasses.field(default_factory=list)
+  logprobs: list[float] = dataclasses.field(default_factory=list)
+  mask: list[int] = dataclasses.field(default_factory=list)
+  state: Any = None
+  turns: int = 0
+  turn_start: int = 0  # index in `tokens` where the running turn began
+  tool_calls: int = 0
+  tool_errors: int = 0
+  tool_timeouts: int = 0
+  tool_s: float = 0.0
+  reward: float = 0.0  # sum of the environment's per-turn rewards
+
+  @property
+  def context(self) -> tuple[int, ...]:
+    """What the engine continues from: the prompt and every token so far."""
+    return self.prompt + tuple(self.tokens)
+
+  def add_turn(self, token_ids, logprobs) -> None:
+    self.turn_start = len(self.tokens)
+    self.tokens.extend(int(t) for t in token_ids)
+    self.logprobs.extend(float(x) for x in logprobs)
+    self.mask.extend([1] * len(token_ids))
+    self.turns += 1
+
+  def add_observation(self, ids) -> None:
+    self.tokens.extend(int(t) for t in ids)
+    self.logprobs.extend([0.0] * len(ids))
+    self.mask.extend([0] * len(ids))
+
+  def stats(self) -> dict:
+    return {
+        "turns": self.turns,
+        "tool_calls": self.tool_calls,
+        "tool_errors": self.tool_errors,
+        "tool_timeouts": self.tool_timeouts,
+        "tool_s": self.tool_s,
+        "env_reward": self.reward,
+    }
+
+
+class Observer:
+  """Observation text -> the token ids appended after a policy turn."""
+
+  def __init__(self, tokenizer):
+    self.tokenizer = tokenizer
+    self._suffix: tuple[str, str] | None = None
+    if tokenizer.chat:
+      # The template's text between an assistant's content and a tool turn's content, and
+      # after it, from a stand-in conversation (templates render each turn alike).
+      gen = tokenizer.render([{"role": "user", "content": "u"}], add_generation_prompt=True)
+      marker = "\x00obs\x00"
+      after = tokenizer.render(
+          [
+              {"role": "user", "content": "u"},
+              {"role": "assistant", "content": "a"},
+              {"role": "tool", "content": marker},
+          ],
+          add_generation_prompt=True,
+      )
+      if not after.startswith(gen + "a") or marker not in after:
+        raise UserError(
+            "The chat template renders a tool turn in a way a trajectory cannot append to "
+            "(it rewrites the assistant's turn); use a template with a `tool` role or "
+            "task.chat_template=off."
+        )
+      rest = after[len(gen) + 1 :]
+      self._suffix = tuple(rest.split(marker, 1))
+
+  def ids(self, observation: str) -> list[int]:
+    if self._suffix is None:
+      return self.tokenizer.encode_text(observation)
+    head, tail = self._suffix
+    return self.tokenizer.encode_text(head + observation + tail)
+
+
+class ToolRunner:
+  """The environment of `env` in worker processes beside one engine."""
+
+  def __init__(self, env: Env, tokenizer):
+    self.config = env
+    self.env_name = env.name
+    self.stop = base.make_env(env.name).stop  # refused here, before the run, if it cannot load
+    stop_ids = tokenizer.encode_text(self.stop)
+    if len(stop_ids) != 1:
+      raise UserError(
+          f"The environment's stop string {self.stop!r} is {len(stop_ids)} tokens for this "
+          "tokenizer; a turn can end only on one token: pick a stop string that is one token."
+      )
+    self.stop_token_id = stop_ids[0]
+    self.tokenizer = tokenizer
+    self.observer = Observer(tokenizer)
+    self.timeout_s = env.tool_timeout_s + env.extra_tool_latency_s
+    self._pool = usercode.WorkerPool(
+        "streamrl.envs.base:step_in_worker",
+        workers=env.tool_workers,
+        timeout_s=self.timeout_s + 2.0,  # the tool's own limit first, then the worker's
+    )
+
+  def wants_tool(self, traj: Trajectory, token_ids) -> bool:
+    """Whether the turn just added ends on the environment's stop token (a tool call)."""
+    return bool(token_ids) and int(token_ids[-1]) == self.stop_token_id
+
+  def submit(self, traj: Trajectory) -> concurrent.futures.Future:
+    """The environment's step on `traj`'s last turn: a Future of a `base.Step`."""
+    action = self.tokenizer.decode(traj.tokens[traj.turn_start :])
+    prompt = self.tokenizer.decode(traj.prompt) if traj.state is None else ""
+    started = time.perf_counter()
+    inner = self._pool.submit(
+        self.env_name,
+        traj.state,
+        prompt,
+        action,
+        self.config.tool_timeout_s,
+        self.config.extra_tool_latency_s,
+    )
+    out: concurrent.futures.Future = concurrent.futures.Future()
+
+    def done(f):
+      result = f.result()
+      traj.tool_s += time.perf_counter() - started
+      if isinstance(result, usercode.Failure):
+        timed_out = result.kind == "Timeout"
+        why = "timeout" if timed_out else "tool failed"
+        result = base.Step(traj.state, f"(error {why})", tool_error=True, timed_out=timed_out)
+      out.set_result(result)
+
+    inner.add_done_callback(done)
+    return out
+
+  def apply(self, traj: Trajectory, step: base.Step) -> list[int]:
+    """Records `step` on `traj`; the observation's token ids to append."""
+    traj.state = step.state
+    traj.tool_calls += int(step.tool_call)
+    traj.tool_errors += int(step.tool_error)
+    traj.tool_timeouts += int(step.timed_out)
+    if step.reward is not None:
+      traj.reward += float(step.reward)
+    return self.observer.ids(step.observation)
+
+  def close(self) -> None:
+    self._pool.close()
+
+
+def trajectory_metrics(samples) -> dict[str, float]:
+  """Per-iteration scalars of multi-turn samples (`env/*`); {} for single-turn ones."""
+  stats = [s.turns for s in samples if getattr(s, "turns", None) is not None]
+  if not stats:
+    return {}
+  turns = np.array([t.turns for t in stats], np.float64)
+  policy = sum(sum(s.mask) for s in samples if s.mask is not None)
+  observed = sum(len(s.mask) - sum(s.mask) for s in samples if s.mask is not None)
+  return {
+      "env/turns_mean": float(turns.mean()),
+      "env/turns_p99": float(np.percentile(turns, 99)),
+      "env/tool_calls": float(sum(t.tool_calls for t in stats)),
+      "env/tool_errors": float(sum(t.tool_errors for t in stats)),
+      "env/tool_timeouts": float(sum(t.tool_timeouts for t in stats)),
+      "env/tool_s": float(sum(t.tool_s for t in stats)),
+      "env/tokens_per_turn": float(policy / max(turns.sum(), 1.0)),
+      "env/observation_tokens": float(observed),
+  }
