@@ -469,7 +469,9 @@ class GeneratorInstance:
   def _logprobs(completion) -> tuple[float, ...]:
     if completion is None:
       return ()
-    return tuple(float(step[t].logprob) for t, step in zip(completion.token_ids, completion.logprobs))
+    return tuple(
+        float(step[t].logprob) for t, step in zip(completion.token_ids, completion.logprobs)
+    )
 
   def _sample(self, prompt_id: int, ids: tuple, completion, finish_reason: str) -> Sample:
     return Sample(

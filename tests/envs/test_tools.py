@@ -61,8 +61,7 @@ def test_tool_envs_answer_calls_and_report_errors():
   assert base.parse_call("[calc 1+2] more") is None
 
 
-HOSTILE = textwrap.dedent(
-    """
+HOSTILE = textwrap.dedent("""
     import os, time
     from streamrl.envs.base import CalcEnv, Step
 
@@ -75,8 +74,7 @@ HOSTILE = textwrap.dedent(
         if "raise" in action:
           raise RuntimeError("boom")
         return super().step(state, action)
-    """
-)
+    """)
 
 
 def _traj(text):
@@ -89,7 +87,8 @@ def test_tool_workers_cut_a_hang_survive_a_crash_and_keep_serving(tmp_path):
   path = tmp_path / "hostile.py"
   path.write_text(HOSTILE)
   tools_ = runner.ToolRunner(
-      Env(name=f"{path}:Hostile", tool_timeout_s=1.0, tool_workers=1), tok.Tokenizer(_tiny(tmp_path))
+      Env(name=f"{path}:Hostile", tool_timeout_s=1.0, tool_workers=1),
+      tok.Tokenizer(_tiny(tmp_path)),
   )
   try:
     t0 = time.monotonic()
@@ -146,7 +145,9 @@ def test_observation_tokens_are_left_out_of_the_loss():
   assert batch["mask_bt"][0].sum() == 3
   metrics = runner.trajectory_metrics([s])
   assert metrics["env/turns_mean"] == 2 and metrics["env/observation_tokens"] == 2
-  assert runner.trajectory_metrics([s.__class__(**{**s.__dict__, "mask": None, "turns": None})]) == {}
+  assert (
+      runner.trajectory_metrics([s.__class__(**{**s.__dict__, "mask": None, "turns": None})]) == {}
+  )
 
 
 def test_the_sums_need_the_tool_and_their_trajectories_solve_them():
