@@ -29,7 +29,7 @@ def test_every_gpu_config_is_checked_here():
   assert _gpu_configs_on_disk() == sorted(GPU_CONFIGS)
 
 
-@pytest.mark.parametrize("name", ["ppo", "grpo", *GPU_CONFIGS])
+@pytest.mark.parametrize("name", ["ppo", "grpo", "agentic", *GPU_CONFIGS])
 def test_rl_configs_validate(name):
   cfg = config_utils.load_config(os.path.join(CONFIGS, f"{name}.py"))
   # The GPU configs name paths on a GPU machine; everything else is checked.
