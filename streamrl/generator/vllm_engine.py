@@ -580,12 +580,16 @@ class GeneratorInstance:
             pending.finished(hints[prompt_id], len(completion.token_ids))
           yield self._sample(prompt_id, ids, completion, str(completion.finish_reason))
     finally:
-      if running:
-        self._engine.abort_request(list(running))
-        # Drain so the aborted requests leave the engine before the next call.
-        while self._engine.has_unfinished_requests():
-          self._engine.step()
-      self._in_flight = 0
+      self._abort(running)
+
+  def _abort(self, running) -> None:
+    """Aborts the requests still `running` and drains them out of the engine (the next call
+    starts empty)."""
+    if running:
+      self._engine.abort_request(list(running))
+      while self._engine.has_unfinished_requests():
+        self._engine.step()
+    self._in_flight = 0
 
   def _generate_trajectories(self, prompts, sampling: Sampling, *, seed, cap: int, stop):
     """`generate` for multi-turn rollouts (env.name set; streamrl/envs/runner.py).
@@ -677,11 +681,7 @@ class GeneratorInstance:
           else:
             yield self._trajectory_sample(traj, str(completion.finish_reason))
     finally:
-      if running:
-        self._engine.abort_request(list(running))
-        while self._engine.has_unfinished_requests():
-          self._engine.step()
-      self._in_flight = 0
+      self._abort(running)
 
   def _check_open(self) -> None:
     if self._engine is None:
