@@ -47,6 +47,7 @@ import sys
 import time
 
 from streamrl import cluster as cluster_lib
+from streamrl import lifecycle
 
 
 @dataclasses.dataclass(frozen=True)
@@ -251,6 +252,27 @@ class LocalCluster:
           p.wait()
 
     forget_address(self.port)
+    _sweep_after_stop()
+
+
+def _sweep_after_stop(wait_s: float = 5.0) -> None:
+  """Removes the /dev/shm files the stopped nodes' processes left: stopping a node kills its
+  workers with their resource trackers, so nothing else unlinks them (`lifecycle.sweep_shm`
+  takes only files of dead processes). Workers still exiting get up to `wait_s`."""
+  deadline = time.monotonic() + wait_s
+  while True:
+    lifecycle.sweep_shm()
+    left = [n for n in _shm_names() if lifecycle.is_shm_name(n)]
+    if not left or time.monotonic() > deadline:
+      return
+    time.sleep(0.5)
+
+
+def _shm_names() -> list[str]:
+  try:
+    return os.listdir(lifecycle.SHM_DIR)
+  except OSError:
+    return []
 
   def __enter__(self) -> "LocalCluster":
     return self.start()

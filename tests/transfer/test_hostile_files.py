@@ -466,3 +466,22 @@ def test_the_newest_version_is_never_recycled_and_a_rewrite_holds_its_lock(clust
   pin = Pin(v1_path)
   assert same(safetensors_io.load(v1_path), t3)
   pin.release()
+
+
+def test_stopping_a_local_cluster_removes_what_its_dead_workers_left(shm_paths):
+  """`LocalCluster.stop` kills the nodes' workers with their resource trackers (what
+  bench_elastic and launch/cluster.py do): their files go when the cluster stops."""
+  from streamrl import local_cluster  # pylint: disable=g-import-not-at-top
+
+  dead = subprocess.Popen(["true"])
+  ticks = lifecycle.start_ticks(dead.pid)
+  dead.wait()
+  ns = os.stat("/proc/self/ns/pid").st_ino
+  left = f"srl_{dead.pid}_{ticks}_{ns}_{secrets.token_hex(6)}"
+  ours = lifecycle.shm_name()
+  shm_paths.extend([_plant(left), _plant(ours)])
+  t0 = time.monotonic()
+  local_cluster._sweep_after_stop(wait_s=1.0)  # pylint: disable=protected-access
+  assert not os.path.exists(os.path.join(SHM, left))
+  assert os.path.exists(os.path.join(SHM, ours))  # a live process's file stays
+  assert time.monotonic() - t0 < 3
