@@ -254,6 +254,12 @@ class LocalCluster:
     forget_address(self.port)
     _sweep_after_stop()
 
+  def __enter__(self) -> "LocalCluster":
+    return self.start()
+
+  def __exit__(self, *exc) -> None:
+    self.stop()
+
 
 def _sweep_after_stop(wait_s: float = 5.0) -> None:
   """Removes the /dev/shm files the stopped nodes' processes left: stopping a node kills its
@@ -273,12 +279,6 @@ def _shm_names() -> list[str]:
     return os.listdir(lifecycle.SHM_DIR)
   except OSError:
     return []
-
-  def __enter__(self) -> "LocalCluster":
-    return self.start()
-
-  def __exit__(self, *exc) -> None:
-    self.stop()
 
 
 def ray_cli(argv: list[str]) -> int:
