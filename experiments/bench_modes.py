@@ -82,8 +82,18 @@ Ends with
   RESULT colocated=1.00 sync=<x> stream=<x> async=<x> pipeline_efficiency=<x>
          async_partial=<x> partial_vs_async=<x>
          async_partial_sibling=<x> sibling_vs_async=<x>
+         [<mode>_trained_tokens_per_s=<x> ... ranker_recall20=<x>]
 (mode throughputs in samples/s / colocated's; efficiency = async /
-min(generation alone, training alone); the last two when that arm runs).
+min(generation alone, training alone); the partial and sibling keys when that
+arm runs; the bracketed ones with an environment, where a sample is a
+trajectory, trained tokens are the policy's and the ranker's recall@20 is on
+trajectory length).
+
+The agentic workload (multi-turn trajectories with the calculator, a slow
+tool standing in for a search API or code runner):
+
+  python experiments/bench_modes.py --config=agentic \
+      --override=env.extra_tool_latency_s=0.2 --modes=colocated,async,async_partial
 """
 
 import json
@@ -136,6 +146,12 @@ _MAX_NUM_SEQS = flags.DEFINE_integer(
 )
 _MAX_TOKENS = flags.DEFINE_integer("max_tokens", None, "sampling.max_tokens (config's: 320).")
 _PPO_EPOCHS = flags.DEFINE_integer("ppo_epochs", None, "trainer.ppo_epochs (config's: 2).")
+_CONFIG = flags.DEFINE_string(
+    "config",
+    "ppo",
+    "The workload: configs/<name>.py (ppo, grpo, agentic: multi-turn trajectories with the "
+    "calculator tool; env.extra_tool_latency_s stands in for a slow tool).",
+)
 _OVERRIDES = flags.DEFINE_multi_string(
     "override", [], "Extra config overrides, key=value (configs/ppo.py keys)."
 )
@@ -184,6 +200,7 @@ def load_config():
       max_tokens=_MAX_TOKENS.value,
       extra={"trainer.ppo_epochs": _PPO_EPOCHS.value} if _PPO_EPOCHS.value else None,
       overrides=_OVERRIDES.value,
+      config_name=_CONFIG.value,
   )
   return s, blocks, warm, iters
 
@@ -261,6 +278,10 @@ class Arm:
               "samples": x.samples,
               "scalars": scalars,
               "lengths": [len(q.token_ids) for q in x.samples],
+              # The policy's own tokens (a trajectory's observations are the tool's).
+              "policy_tokens": [
+                  len(q.token_ids) if q.mask is None else sum(q.mask) for q in x.samples
+              ],
           }
           self.windows.append((it, start, end))
           if it == 0:
@@ -314,6 +335,10 @@ class Arm:
     n = sum(len(o["samples"]) for o in self.outs)
     busy = {st: sum(tl.busy_seconds(st, s, e) for _, s, e in self.timed) for st in tl.stages()}
     mean = lambda k: statistics.fmean(o["scalars"].get(k, 0.0) for o in self.outs)
+    # Over the iterations that logged `k` (nan when none did).
+    logged = lambda k: statistics.fmean(
+        [o["scalars"][k] for o in self.outs if k in o["scalars"]] or [float("nan")]
+    )
     per_iter = [len(o["samples"]) / (e - s) for o, (_, s, e) in zip(self.outs, self.timed)]
     return {
         "mode": self.mode,
@@ -322,6 +347,10 @@ class Arm:
         "samples_per_s": n / wall,
         "samples_per_s_per_iteration": per_iter,
         "tokens_per_s": sum(sum(o["lengths"]) for o in self.outs) / wall,
+        "policy_tokens_per_s": sum(sum(o["policy_tokens"]) for o in self.outs) / wall,
+        "ranker_recall20": logged("ranker/recall20"),
+        "env_turns_mean": logged("env/turns_mean"),
+        "env_engine_idle_s": logged("env/engine_idle_s"),
         "startup_s": self.startup_s,
         "digest_it0": self.digest_it0,
         # Over the timed iterations: idle share of each stage, and cores' worth
@@ -623,6 +652,24 @@ def main(argv):
         + ", ".join(f"{m} {tok[m] / tok['colocated']:.2f}" for m in modes),
         flush=True,
     )
+  agentic = ""
+  if s.env.enabled:
+    # A sample is a trajectory; trained tokens are the policy's (observations are masked).
+    for m in modes:
+      r = results[m]
+      print(
+          f"agentic {m}: {tput[m]:.2f} trajectories/s, {r['policy_tokens_per_s']:.1f} trained "
+          f"tokens/s, {r['env_turns_mean']:.2f} turns/trajectory, engine idle on tools "
+          f"{r['env_engine_idle_s']:.2f} s/iteration, ranker recall@20 on trajectory length "
+          f"{r['ranker_recall20']:.2f} (oracle 1.00, random order 0.20)",
+          flush=True,
+      )
+    agentic = " " + " ".join(
+        f"{m}_trained_tokens_per_s={results[m]['policy_tokens_per_s']:.1f}" for m in modes
+    )
+    recalls = [results[m]["ranker_recall20"] for m in modes]
+    recalls = [r for r in recalls if r == r]
+    agentic += f" ranker_recall20={statistics.fmean(recalls) if recalls else float('nan'):.2f}"
   partial = ""
   if "async_partial" in tput:
     vs_async = tput["async_partial"] / tput["async"] if "async" in tput else float("nan")
@@ -634,7 +681,7 @@ def main(argv):
     )
   print(
       f"RESULT colocated={fmt('colocated')} sync={fmt('sync')} stream={fmt('stream')} "
-      f"async={fmt('async')} pipeline_efficiency={eff:.2f}{partial}"
+      f"async={fmt('async')} pipeline_efficiency={eff:.2f}{partial}{agentic}"
   )
   import ray  # pylint: disable=g-import-not-at-top
 

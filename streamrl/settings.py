@@ -125,10 +125,7 @@ class Settings:
 
   @property
   def partial_rollouts(self) -> bool:
-    """Whether rounds resume unfinished responses (`auto` resolved by mode; off
-    for multi-turn trajectories, which partial rollouts do not resume yet)."""
-    if self.env.enabled and self.pipeline.partial == "auto":
-      return False
+    """Whether rounds resume unfinished responses and trajectories (`auto` resolved by mode)."""
     return self.pipeline.partial_rollouts
 
   @property
@@ -291,11 +288,6 @@ def _oracle_knows_lengths(s: Settings) -> None:
 def _env_fits(s: Settings) -> None:
   if not s.env.enabled:
     return
-  need(
-      not s.partial_rollouts,
-      f"env.name={s.env.name!r} runs multi-turn trajectories, which partial rollouts do not "
-      "resume yet; set pipeline.partial=off.",
-  )
   need(
       s.env.max_tokens_per_turn <= s.sampling.max_tokens,
       f"env.max_tokens_per_turn={s.env.max_tokens_per_turn} is more than the whole "

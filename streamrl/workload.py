@@ -236,8 +236,10 @@ def make_settings(
     max_tokens: int | None = None,
     extra: dict | None = None,
     overrides=(),
+    config_name: str = "ppo",
 ):
-  """configs/ppo.py with the benchmark's settings, as typed Settings.
+  """configs/<config_name>.py (default ppo) with the benchmark's settings, as
+  typed Settings.
 
   One generator core and one trainer core; `num_iterations` sets the lr
   horizon and must be the same in every mode of a comparison. A size left
@@ -247,7 +249,7 @@ def make_settings(
   from streamrl import config_utils, settings  # pylint: disable=g-import-not-at-top
 
   repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  config = config_utils.load_config(os.path.join(repo, "configs", "ppo.py"))
+  config = config_utils.load_config(os.path.join(repo, "configs", f"{config_name}.py"))
   sizes = {
       "trainer.prompts_per_iteration": prompts,
       "trainer.mini_batch_size": mini_batch,

@@ -5,11 +5,12 @@ A prompt adds `k` multi-digit numbers; the answer is their sum:
   `add:4821+3377+1234=` -> `9432`
 
 The tiny policy cannot add four-digit numbers in its head, but it can call
-the calculator of `env.name="calc"` (streamrl/envs) and copy digits, which
-it can learn. The trajectory that solves the prompt above adds one number
-per call, each call a policy turn and each result an observation:
+the calculator of `env.name="calc"` (streamrl/envs), which does one
+operation per call and answers with what is left, and copy text, which it
+can learn. The trajectory that solves the prompt above is one call per
+addition, each call a policy turn and each answer an observation:
 
-  `[calc 4821+3377]` `(8198)` `[calc 8198+1234]` `(9432)` `#9432`
+  `[calc 4821+3377+1234]` `(8198+1234)` `[calc 8198+1234]` `(9432)` `#9432`
 
 and the verifier reads what follows the last `#` (`tasks.final_answer`).
 The number of terms is long-tailed (`k - 2` geometric, capped at
@@ -35,13 +36,15 @@ from streamrl.data import tasks
 @dataclasses.dataclass(frozen=True)
 class CalcConfig:
   """Shape of the sums: terms per prompt (2..max_terms, `k - 2` geometric
-  with mean `mean_extra_terms`), digits per term, and the warm-up's share of
-  tool trajectories."""
+  with mean `mean_extra_terms`), digits per term; and the warm-up's: its first
+  `tool_steps` steps train tool trajectories only, the rest a mixture with
+  `tool_fraction` of them (`trainer.warmstart`)."""
 
   max_terms: int = 6
   mean_extra_terms: float = 1.0
   digits: int = 4
   tool_fraction: float = 0.25
+  tool_steps: int = 0
 
 
 def make_examples(n: int, seed: int, config: CalcConfig, *, first_id: int = 0) -> list:
@@ -68,18 +71,34 @@ def terms_of(prompt: str) -> list[int]:
   return [int(x) for x in prompt.removeprefix("add:").removesuffix("=").split("+")]
 
 
+# Changes with the trajectory's text or what the warm-up trains of it (part of the
+# warm-start's cache key). 3: observations are not trained.
+FORMAT = 3
+
+
+def tool_segments(terms) -> list[tuple[str, bool]]:
+  """The trajectory that adds `terms` with the calculator, one addition per
+  call, as (text, written by the policy) pieces: each call copies what is
+  left, the calculator adds its first two numbers
+  (`envs.tools.step_calculator`) and answers with the rest."""
+  terms, out = list(terms), []
+  while len(terms) > 1:
+    out.append((f"[calc {'+'.join(map(str, terms))}]", True))
+    terms = [terms[0] + terms[1], *terms[2:]]
+    out.append((f"({'+'.join(map(str, terms))})", False))
+  out.append((f"#{terms[0]}", True))
+  return out
+
+
 def tool_trajectory(terms) -> str:
-  """The text of the trajectory that adds `terms` with the calculator, one call per term."""
-  total, text = terms[0], ""
-  for x in terms[1:]:
-    text += f"[calc {total}+{x}]"
-    total += x
-    text += f"({total})"
-  return f"{text}#{total}"
+  """The text of `tool_segments(terms)`."""
+  return "".join(text for text, _ in tool_segments(terms))
 
 
-def sft_target(example, rng: np.random.Generator, config: CalcConfig) -> str:
-  """The warm-up's target: a tool trajectory (`tool_fraction` of the time) or the bare answer."""
+def sft_target(example, rng: np.random.Generator, config: CalcConfig) -> list[tuple[str, bool]]:
+  """The warm-up's target as (text, trained) pieces: a tool trajectory
+  (`tool_fraction` of the time), whose observations are the tool's and not
+  trained, or the bare answer."""
   if rng.random() < config.tool_fraction:
-    return tool_trajectory(terms_of(example.prompt))
-  return f"#{example.answer}"
+    return tool_segments(terms_of(example.prompt))
+  return [(f"#{example.answer}", True)]

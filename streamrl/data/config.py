@@ -31,11 +31,13 @@ class Task:
   trace_token_fraction: float = 1.0
   # kind="calc" (streamrl/data/calc.py; with env.name="calc"): sums of 2..calc_max_terms
   # numbers of calc_digits digits (the terms beyond 2 geometric with mean
-  # calc_mean_extra_terms); the warm-up's share of tool trajectories.
+  # calc_mean_extra_terms); the warm-up's first calc_tool_steps steps train tool
+  # trajectories only, the rest a mixture with calc_tool_fraction of them.
   calc_max_terms: int = 6
   calc_mean_extra_terms: float = 1.0
   calc_digits: int = 4
   calc_tool_fraction: float = 0.25
+  calc_tool_steps: int = 0
   # A built-in name (streamrl/data/rewards.py) or the user's function,
   # `package.module:function` or `path/to/file.py:function`.
   reward: str = "partial_match"
@@ -84,6 +86,7 @@ class Task:
           0 <= self.calc_tool_fraction <= 1,
           f"task.calc_tool_fraction={self.calc_tool_fraction} must be in [0, 1].",
       )
+      positive("task.calc_tool_steps", self.calc_tool_steps, zero_ok=True)
     if self.kind in ("synthetic", "trace"):
       bad = [op for op in self.ops if op not in tasks.KNOWN_OPS]
       need(
@@ -117,6 +120,7 @@ class Task:
         mean_extra_terms=self.calc_mean_extra_terms,
         digits=self.calc_digits,
         tool_fraction=self.calc_tool_fraction,
+        tool_steps=self.calc_tool_steps,
     )
 
   def check_files(self) -> None:

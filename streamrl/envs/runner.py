@@ -7,6 +7,13 @@ tokens the engine sampled (the drift behind verl #6501 / TRL #5242 cannot
 happen). `mask` is 1 on policy tokens and 0 on observation tokens (the loss
 and the KL leave those out); observation tokens carry logprob 0.
 
+A trajectory the engine's `stop()` ends early (partial rollouts) comes back
+PARTIAL with a `Resume`: whether it was cut mid-turn, waits on a tool call
+or is ready for its next turn, with the environment's state and the counts.
+A request carrying it continues the trajectory where it stopped, under
+whatever weights the engine has then; each segment's tokens are that
+segment's policy's.
+
 `ToolRunner` runs environment steps in `env.tool_workers` worker processes
 (streamrl/usercode.py: a call past its deadline kills its worker; a crash
 or an exception is a `Failure`), so the engine keeps decoding other
@@ -37,35 +44,104 @@ from streamrl.errors import UserError
 MAX_TURNS = "max_turns"
 
 
+@dataclasses.dataclass(frozen=True)
+class Resume:
+  """Where a trajectory stopped by the engine's `stop()` goes on from.
+
+  Carried by its PARTIAL `Sample` and by the `Request` that resumes it (their
+  `trajectory` field), so it is plain data that pickles; the partial-rollout
+  buffer checkpoints it as JSON, the environment's `state` included. The
+  request's prompt is the original prompt and every token so far, as a
+  single-turn resume's is; `prompt_len` says where the original prompt ends.
+  The counts are the whole trajectory's so far.
+  """
+
+  prompt_len: int
+  state: Any = None  # the environment's
+  turns: int = 0
+  turn_start: int = 0  # where the last turn began, in the original prompt + tokens
+  turn_cut: bool = False  # the last turn was cut mid-way: the next request continues it
+  tool_pending: bool = False  # the last turn's tool call has not run yet
+  tool_calls: int = 0
+  tool_errors: int = 0
+  tool_timeouts: int = 0
+  tool_s: float = 0.0
+  idle_s: float = 0.0
+  reward: float = 0.0
+
+
+# What a Trajectory hands on in a Resume (all of it but `tool_pending`, which the engine
+# knows from where the trajectory waits).
+_CARRIED = tuple(f.name for f in dataclasses.fields(Resume) if f.name != "tool_pending")
+
+
 @dataclasses.dataclass
 class Trajectory:
-  """One multi-turn rollout in progress (see the module docstring)."""
+  """One multi-turn rollout in progress (see the module docstring).
+
+  `prompt` is what this segment continues from: the original prompt, and for a
+  resumed trajectory (`Trajectory.resumed`) the tokens of its earlier segments too;
+  `tokens`, `logprobs` and `mask` are this segment's.
+  """
 
   prompt_id: int
   prompt: tuple[int, ...]
   tokens: list[int] = dataclasses.field(default_factory=list)
   logprobs: list[float] = dataclasses.field(default_factory=list)
   mask: list[int] = dataclasses.field(default_factory=list)
+  prompt_len: int | None = None  # the original prompt's length in `prompt` (None: all of it)
   state: Any = None
   turns: int = 0
-  turn_start: int = 0  # index in `tokens` where the running turn began
+  turn_start: int = 0  # index in `context` where the running turn began
+  turn_cut: bool = False  # the last turn was cut by stop(); the next request continues it
   tool_calls: int = 0
   tool_errors: int = 0
   tool_timeouts: int = 0
   tool_s: float = 0.0
+  # Its share of the seconds its engine had nothing to decode while tool calls ran
+  # (split evenly among the trajectories waiting then).
+  idle_s: float = 0.0
   reward: float = 0.0  # sum of the environment's per-turn rewards
+
+  def __post_init__(self):
+    if self.prompt_len is None:
+      self.prompt_len = len(self.prompt)
+
+  @classmethod
+  def resumed(cls, prompt_id: int, prompt, resume: Resume) -> Trajectory:
+    """The trajectory `resume` describes; `prompt` holds the original prompt and its tokens."""
+    carried = {name: getattr(resume, name) for name in _CARRIED}
+    return cls(prompt_id, tuple(int(t) for t in prompt), **carried)
+
+  def resume(self, *, tool_pending: bool = False) -> Resume:
+    """What the next segment needs (`tool_pending`: the last turn's tool call has not run)."""
+    return Resume(tool_pending=tool_pending, **{name: getattr(self, name) for name in _CARRIED})
 
   @property
   def context(self) -> tuple[int, ...]:
     """What the engine continues from: the prompt and every token so far."""
     return self.prompt + tuple(self.tokens)
 
-  def add_turn(self, token_ids, logprobs) -> None:
-    self.turn_start = len(self.tokens)
+  @property
+  def generated(self) -> int:
+    """The trajectory's tokens after the original prompt, every segment's."""
+    return len(self.prompt) + len(self.tokens) - self.prompt_len
+
+  @property
+  def turn_tokens(self) -> int:
+    """Tokens the running turn has so far (0 unless it was cut)."""
+    return len(self.prompt) + len(self.tokens) - self.turn_start if self.turn_cut else 0
+
+  def add_turn(self, token_ids, logprobs, *, cut: bool = False) -> None:
+    """Appends a policy turn's tokens, continuing the last turn if that was cut; `cut`: this
+    one is still unfinished (stopped mid-turn)."""
+    if not self.turn_cut:
+      self.turn_start = len(self.prompt) + len(self.tokens)
+      self.turns += 1
     self.tokens.extend(int(t) for t in token_ids)
     self.logprobs.extend(float(x) for x in logprobs)
     self.mask.extend([1] * len(token_ids))
-    self.turns += 1
+    self.turn_cut = cut
 
   def add_observation(self, ids) -> None:
     self.tokens.extend(int(t) for t in ids)
@@ -79,6 +155,7 @@ class Trajectory:
         "tool_errors": self.tool_errors,
         "tool_timeouts": self.tool_timeouts,
         "tool_s": self.tool_s,
+        "idle_s": self.idle_s,
         "env_reward": self.reward,
     }
 
@@ -147,8 +224,8 @@ class ToolRunner:
 
   def submit(self, traj: Trajectory) -> concurrent.futures.Future:
     """The environment's step on `traj`'s last turn: a Future of a `base.Step`."""
-    action = self.tokenizer.decode(traj.tokens[traj.turn_start :])
-    prompt = self.tokenizer.decode(traj.prompt) if traj.state is None else ""
+    action = self.tokenizer.decode(traj.context[traj.turn_start :])
+    prompt = self.tokenizer.decode(traj.prompt[: traj.prompt_len]) if traj.state is None else ""
     started = time.perf_counter()
     inner = self._pool.submit(
         self.env_name,
@@ -201,6 +278,8 @@ def trajectory_metrics(samples) -> dict[str, float]:
       "env/tool_errors": float(sum(t.tool_errors for t in stats)),
       "env/tool_timeouts": float(sum(t.tool_timeouts for t in stats)),
       "env/tool_s": float(sum(t.tool_s for t in stats)),
+      # Seconds the engines sat idle waiting on these trajectories' tools.
+      "env/engine_idle_s": float(sum(t.idle_s for t in stats)),
       "env/tokens_per_turn": float(policy / max(turns.sum(), 1.0)),
       "env/observation_tokens": float(observed),
   }

@@ -8,7 +8,10 @@ overruns it.
 
 - `calculator`: integer and decimal arithmetic (`+ - * / // % **` and
   parentheses) parsed with `ast`, nothing else evaluated; powers and results
-  are bounded so `9**9**9` is an error, not a hang.
+  are bounded so `9**9**9` is an error, not a hang. The `calc` tool does one
+  operation per call (`step_calculator`): the leftmost innermost one, and
+  answers with what is left, `4821+3377+1234` -> `8198+1234`, so a longer
+  expression takes more calls (the turns of the built-in agentic task).
 - `python_sandbox`: runs the code in a fresh `python -I` subprocess with
   CPU-time, memory, file-size and process limits, its own empty temporary
   directory as working directory, an empty environment, no stdin, and no
@@ -92,14 +95,62 @@ def format_number(x) -> str:
 def calculator(args: str, timeout_s: float = 1.0) -> str:
   """The value of an arithmetic expression (`4821+3377` -> `8198`)."""
   del timeout_s  # bounded by construction
+  return format_number(_eval(_parse(args)))
+
+
+def _parse(args: str) -> ast.Expression:
   text = args.strip()
   if not text or len(text) > 200:
     raise ToolError("empty expression" if not text else "expression too long")
   try:
-    tree = ast.parse(text, mode="eval")
-  except (SyntaxError, ValueError):
+    return ast.parse(text, mode="eval")
+  except (SyntaxError, ValueError, RecursionError):
     raise ToolError("bad expression") from None
-  return format_number(_eval(tree))
+
+
+def _is_number(node) -> bool:
+  if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+    node = node.operand
+  return isinstance(node, ast.Constant) and type(node.value) in (int, float)
+
+
+class _FirstStep(ast.NodeTransformer):
+  """Replaces the first operation (post-order) whose operands are numbers by its value."""
+
+  done = False
+
+  def _fold(self, node, operands):
+    self.generic_visit(node)
+    if self.done or _is_number(node) or not all(_is_number(x) for x in operands()):
+      return node
+    self.done = True
+    return ast.Constant(_eval(node))
+
+  def visit_BinOp(self, node):
+    return self._fold(node, lambda: (node.left, node.right))
+
+  def visit_UnaryOp(self, node):
+    return self._fold(node, lambda: (node.operand,))
+
+
+def step_calculator(args: str, timeout_s: float = 1.0) -> str:
+  """One operation of an arithmetic expression, and what is left
+  (`4821+3377+1234` -> `8198+1234`, `8198+1234` -> `9432`)."""
+  tree = _parse(args)
+  _eval(tree)  # the whole expression must be arithmetic, and bounded
+  _FirstStep().visit(tree)
+  if isinstance(tree.body, ast.Constant):
+    return format_number(tree.body.value)
+  return ast.unparse(_Formatted().visit(tree)).replace(" ", "")
+
+
+class _Formatted(ast.NodeTransformer):
+  # Numbers as `format_number` writes them (`2.0` -> `2`), so the rest reads as the results do.
+  def visit_Constant(self, node):
+    value = node.value
+    if isinstance(value, float) and value.is_integer() and abs(value) < 1e15:
+      return ast.copy_location(ast.Constant(int(value)), node)
+    return node
 
 
 # ------------------------------------------------------------ the sandbox
@@ -147,4 +198,4 @@ def python_sandbox(code: str, timeout_s: float = 5.0) -> str:
   return out[:MAX_OUTPUT_CHARS]
 
 
-TOOLS = {"calc": calculator, "py": python_sandbox}
+TOOLS = {"calc": step_calculator, "py": python_sandbox}

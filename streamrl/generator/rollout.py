@@ -16,6 +16,7 @@ imports torch or vLLM.
 from __future__ import annotations
 
 import dataclasses
+import typing
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Protocol
 
@@ -23,6 +24,9 @@ import numpy as np
 
 from streamrl.generator.config import Sampling
 from streamrl.scheduling.request import Request, as_requests  # noqa: F401  (re-exported)
+
+if typing.TYPE_CHECKING:  # Only named here: a Sample carries one, never builds one.
+  from streamrl.envs.runner import Resume
 
 # The finish_reason of a response stopped before it finished
 # (`Rollout.stop_generation`): its tokens so far, to be resumed later.
@@ -32,14 +36,16 @@ PARTIAL = "partial"
 @dataclasses.dataclass(frozen=True)
 class TurnStats:
   """A multi-turn trajectory's counts (streamrl/envs): policy turns, tool calls,
-  failed and timed-out calls, seconds its tool calls took, and the sum of
-  the environment's per-turn rewards."""
+  failed and timed-out calls, seconds its tool calls took, its share of the
+  seconds its engine sat idle waiting on tools, and the sum of the
+  environment's per-turn rewards."""
 
   turns: int
   tool_calls: int = 0
   tool_errors: int = 0
   tool_timeouts: int = 0
   tool_s: float = 0.0
+  idle_s: float = 0.0
   env_reward: float = 0.0
 
 
@@ -68,6 +74,9 @@ class Sample:
   # None: every token is the policy's. `turns`: the trajectory's counts.
   mask: tuple[int, ...] | None = None
   turns: TurnStats | None = None
+  # A trajectory stopped early (finish_reason PARTIAL): what resuming it needs, for the
+  # Request that continues it from prompt_token_ids + token_ids.
+  trajectory: Resume | None = None
 
 
 @dataclasses.dataclass(frozen=True)

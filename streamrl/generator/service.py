@@ -966,7 +966,9 @@ class StreamGenerationService:
 
 def _unstarted(r: Request) -> Sample:
   """The PARTIAL sample of a request stopped before any instance ran it."""
-  return Sample(r.id, r.prompt, (), (), PARTIAL, weight_version=-1, instance_id=-1)
+  return Sample(
+      r.id, r.prompt, (), (), PARTIAL, weight_version=-1, instance_id=-1, trajectory=r.trajectory
+  )
 
 
 def _failed(ref) -> bool:

@@ -473,7 +473,9 @@ class GeneratorInstance:
         float(step[t].logprob) for t, step in zip(completion.token_ids, completion.logprobs)
     )
 
-  def _sample(self, prompt_id: int, ids: tuple, completion, finish_reason: str) -> Sample:
+  def _sample(
+      self, prompt_id: int, ids: tuple, completion, finish_reason: str, trajectory=None
+  ) -> Sample:
     return Sample(
         prompt_id=prompt_id,
         prompt_token_ids=ids,
@@ -482,9 +484,12 @@ class GeneratorInstance:
         finish_reason=finish_reason,
         weight_version=self.weight_version,
         instance_id=self.instance_id,
+        trajectory=trajectory,
     )
 
-  def _trajectory_sample(self, traj, finish_reason: str) -> Sample:
+  def _trajectory_sample(self, traj, finish_reason: str, resume=None) -> Sample:
+    """`traj`'s sample: this segment's tokens after `traj.prompt`, with `resume` (a
+    `runner.Resume`) when it stopped early."""
     return Sample(
         prompt_id=traj.prompt_id,
         prompt_token_ids=traj.prompt,
@@ -495,6 +500,7 @@ class GeneratorInstance:
         instance_id=self.instance_id,
         mask=tuple(traj.mask),
         turns=TurnStats(**traj.stats()),
+        trajectory=resume,
     )
 
   def generate(
@@ -542,12 +548,13 @@ class GeneratorInstance:
         if stop is not None and stop():
           for rid, (prompt_id, ids) in list(running.items()):
             yield self._sample(prompt_id, ids, latest.get(rid), PARTIAL)
-          for prompt_id, ids, _ in pending:
-            yield self._sample(prompt_id, ids, None, PARTIAL)
+          for req in pending:
+            yield self._sample(req.id, req.prompt, None, PARTIAL)
           pending.clear()
           return
         while pending and len(running) < cap:
-          prompt_id, ids, max_tokens = pending.popleft()
+          req = pending.popleft()
+          prompt_id, ids, max_tokens = req.id, req.prompt, req.max_tokens
           budget = sampling.max_tokens if max_tokens is None else max_tokens
           if len(ids) + budget > self.max_model_len:
             raise ValueError(
@@ -601,9 +608,16 @@ class GeneratorInstance:
     admitted (before new prompts) once the observation is appended. A
     trajectory ends when a turn ends otherwise (EOS, or its turn budget),
     at `env.max_turns`, or when `sampling.max_tokens` (policy and
-    observation tokens) is used up. `stop` ends the stream with PARTIAL
-    samples of what each trajectory has (the pipeline refuses partial
-    rollouts with an environment, so these are not resumed).
+    observation tokens, every segment's) is used up.
+
+    `stop` ends the stream with a PARTIAL sample of each trajectory carrying a
+    `runner.Resume`: one cut mid-turn keeps the tokens its turn has so far (the
+    newest unfinished output), one waiting on a tool gives up the call (it
+    runs again on resume), one ready for its next turn is as it was. A request
+    with a `trajectory` resumes it from its prompt (the original prompt and
+    every token so far): a cut turn goes on with what is left of its
+    `env.max_tokens_per_turn`, counted as the same turn and sampled with its
+    seed; a pending tool call runs first; then on as usual.
     """
     from streamrl.envs.runner import MAX_TURNS, Trajectory  # pylint: disable=g-import-not-at-top
 
@@ -611,25 +625,32 @@ class GeneratorInstance:
     pending, _ = _pending_queue(prompts)
     ready: collections.deque = collections.deque()  # observation in, next turn to start
     running: dict[str, Trajectory] = {}
+    latest: dict[str, object] = {}  # request -> its newest (unfinished) completion
     waiting: dict = {}  # Future of a Step -> its trajectory
 
     def budget(traj) -> int:
-      left = min(sampling.max_tokens - len(traj.tokens), self.max_model_len - len(traj.context))
-      return min(env.max_tokens_per_turn, left)
+      left = min(sampling.max_tokens - traj.generated, self.max_model_len - len(traj.context))
+      return min(env.max_tokens_per_turn - traj.turn_tokens, left)
 
     try:
       while pending or running or waiting or ready:
         if stop is not None and stop():
-          for traj in [*running.values(), *waiting.values(), *ready]:
-            yield self._trajectory_sample(traj, PARTIAL)
-          for prompt_id, ids, _ in pending:
-            yield self._sample(prompt_id, tuple(ids), None, PARTIAL)
+          for rid, traj in running.items():
+            cut = latest.get(rid)
+            if cut is not None and cut.token_ids:
+              traj.add_turn(cut.token_ids, self._logprobs(cut), cut=True)
+          for traj in [*running.values(), *ready]:
+            yield self._trajectory_sample(traj, PARTIAL, traj.resume())
+          for traj in waiting.values():
+            yield self._trajectory_sample(traj, PARTIAL, traj.resume(tool_pending=True))
+          for req in pending:
+            yield self._sample(req.id, req.prompt, None, PARTIAL, req.trajectory)
           pending.clear()
           return
         for future in [f for f in waiting if f.done()]:
           traj = waiting.pop(future)
           obs = tools.apply(traj, future.result())
-          room = sampling.max_tokens - len(traj.tokens)
+          room = sampling.max_tokens - traj.generated
           traj.add_observation(obs[:room])
           if len(obs) >= room or budget(traj) <= 0:
             yield self._trajectory_sample(traj, "length")
@@ -641,18 +662,26 @@ class GeneratorInstance:
           if ready:
             traj = ready.popleft()
           else:
-            prompt_id, ids, _ = pending.popleft()
-            traj = Trajectory(prompt_id, tuple(int(t) for t in ids))
-            if budget(traj) <= 0:
-              raise ValueError(
-                  f"Prompt {prompt_id} has {len(ids)} tokens, which leaves no room to generate "
-                  f"within max_model_len={self.max_model_len}; raise it or shorten the prompt."
-              )
+            req = pending.popleft()
+            if req.trajectory is not None:  # stopped earlier: on from where it was
+              traj = Trajectory.resumed(req.id, req.prompt, req.trajectory)
+              if req.trajectory.tool_pending:
+                waiting[tools.submit(traj)] = traj
+                continue
+            else:
+              traj = Trajectory(req.id, req.prompt)
+              if budget(traj) <= 0:
+                raise ValueError(
+                    f"Prompt {req.id} has {len(req.prompt)} tokens, which leaves no room to "
+                    f"generate within max_model_len={self.max_model_len}; raise it or shorten "
+                    "the prompt."
+                )
           rid = f"{self.instance_id}-{next(self._request_ids)}"
-          # A seed per turn: the same trajectory samples the same tokens whatever else runs.
+          # A seed per turn (a cut turn's rest keeps its turn's): the same trajectory samples
+          # the same tokens whatever else runs.
           params = self._params(
               sampling,
-              None if seed is None else seed + 7919 * traj.turns,
+              None if seed is None else seed + 7919 * (traj.turns - traj.turn_cut),
               traj.prompt_id,
               max_tokens=budget(traj),
               extra_stop=(tools.stop_token_id,),
@@ -665,14 +694,20 @@ class GeneratorInstance:
           concurrent.futures.wait(
               list(waiting), timeout=1.0, return_when=concurrent.futures.FIRST_COMPLETED
           )
-          self.tool_wait_s += time.perf_counter() - started
+          idle = time.perf_counter() - started
+          self.tool_wait_s += idle
+          for traj in waiting.values():
+            traj.idle_s += idle / len(waiting)
           continue
         if self._step_callback is not None:
           self._step_callback(self._in_flight)
         for out in self._engine.step():
           if not out.finished:
+            if stop is not None:
+              latest[out.request_id] = out.outputs[0]
             continue
           traj = running.pop(out.request_id)
+          latest.pop(out.request_id, None)
           self._in_flight = len(running)
           completion = out.outputs[0]
           traj.add_turn(completion.token_ids, self._logprobs(completion))
@@ -777,17 +812,16 @@ class GeneratorInstance:
 
 
 def _pending_queue(prompts):
-  """(pending, hints): the requests of one `generate` call not admitted yet,
+  """(pending, hints): the Requests of one `generate` call not admitted yet,
   in the given order or, when they carry length hints, a `SiblingQueue` (see
   its module); and request id -> LengthHint ({} without hints)."""
   requests = as_requests(prompts)
-  parts = [(r.id, r.prompt, r.max_tokens) for r in requests]
   hints = [r.hint for r in requests]
   if not any(h is not None for h in hints):
-    return collections.deque(parts), {}
+    return collections.deque(requests), {}
   if any(h is None for h in hints):
     raise ValueError("Either every request of a generate call carries a length hint or none does.")
-  return SiblingQueue(parts, hints), {p[0]: h for p, h in zip(parts, hints)}
+  return SiblingQueue(requests, hints), {r.id: r.hint for r in requests}
 
 
 def _explain_hidden_reload_warnings(hidden: Sequence[str]) -> None:

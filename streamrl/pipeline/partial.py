@@ -21,6 +21,15 @@ wasted). Nothing is lost or counted twice: every started response is
 trained exactly once, whole, and the buffer (unfinished responses and the
 prompts drawn but not started) is saved with each checkpoint.
 
+Multi-turn trajectories (`env.name` set) are carried the same way: a
+stopped trajectory's sample holds its segment's tokens with their mask
+(1 policy, 0 observation) and a `Resume` (streamrl/envs/runner.py: the
+environment's state, its turns, whether it was cut mid-turn or waits on a
+tool call); the resume request carries the newest one, and the prompt plus
+tokens so far as above. An observation's tokens carry the version of the
+segment that appended them; they are never trained, so the version-gap
+bound and the gap metrics count the policy's tokens only.
+
 Which groups a round trains: the oldest finished ones first (by the round
 they started in, then the order they finished), `prompts_per_iteration` of
 them; finished groups beyond that wait for the next round.
@@ -30,13 +39,16 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 import math
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from streamrl.data.tasks import Example
-from streamrl.generator.rollout import PARTIAL, Sample
+from streamrl.envs.runner import Resume
+from streamrl.errors import UserError
+from streamrl.generator.rollout import PARTIAL, Sample, TurnStats
 from streamrl.scheduling.request import Request
 from streamrl.pipeline import base, stream
 
@@ -51,6 +63,43 @@ class Member:
   finish_reason: str | None = None  # None while unfinished
   segments: int = 0  # generate calls that added tokens
   instance_id: int = -1
+  # A trajectory's: per token 1 policy / 0 observation (empty for single-turn responses),
+  # the newest segment's counts (the whole trajectory's), and where it resumes from.
+  mask: list = dataclasses.field(default_factory=list)
+  turns: TurnStats | None = None
+  trajectory: Resume | None = None
+
+  def policy_versions(self) -> list:
+    return policy_versions(self.versions, self.mask)
+
+  def saved(self) -> dict:
+    """JSON-able (see `PartialBuffer.state`)."""
+    if self.trajectory is not None:
+      try:
+        json.dumps(self.trajectory.state)
+      except (TypeError, ValueError) as err:
+        raise UserError(
+            f"An unfinished trajectory's environment state ({type(self.trajectory.state).__name__}"
+            ") is not JSON-serialisable, so partial rollouts cannot checkpoint it; make the "
+            "environment's reset/step return dicts, lists, strings and numbers, or set "
+            "pipeline.partial=off."
+        ) from err
+    return dataclasses.asdict(self)
+
+  @classmethod
+  def loaded(cls, saved: dict) -> Member:
+    # Copies: the state dict stays as saved while the responses grow.
+    kw = {k: list(v) if isinstance(v, list) else v for k, v in saved.items()}
+    if kw.get("turns") is not None:
+      kw["turns"] = TurnStats(**kw["turns"])
+    if kw.get("trajectory") is not None:
+      kw["trajectory"] = Resume(**kw["trajectory"])
+    return cls(**kw)
+
+
+def policy_versions(versions, mask) -> list:
+  """The versions of the tokens the policy sampled (`mask` 1; empty or None: every token)."""
+  return list(versions) if not mask else [v for v, k in zip(versions, mask) if k]
 
 
 @dataclasses.dataclass
@@ -73,7 +122,7 @@ class RoundPlan:
   """What `PartialBuffer.start_round` asks the generators for."""
 
   requests: list[Request]  # what the scheduler plans on
-  resume: dict  # request id -> Request(id, prompt + tokens so far, budget left)
+  resume: dict  # request id -> Request(id, prompt + tokens so far, budget left[, trajectory])
   examples_by_id: dict
   wasted_tokens: int  # dropped by the version-gap bound this round
 
@@ -126,8 +175,8 @@ class PartialBuffer:
     wasted = 0
     for g in self.groups:
       for m in g.members:
-        # Trained no earlier than iteration `it`: the oldest token's gap is at least this.
-        if m.versions and it - min(m.versions) > self.max_gap:
+        # Trained no earlier than iteration `it`: the oldest policy token's gap is at least this.
+        if it - min(m.policy_versions(), default=it) > self.max_gap:
           wasted += len(m.tokens)
           m.__init__()  # starts again from the prompt
           g.done_seq = None
@@ -148,7 +197,10 @@ class PartialBuffer:
         requests.append(Request(rid, g.prompt_ids))
         if m.tokens:
           resume[rid] = Request(
-              rid, g.prompt_ids + tuple(m.tokens), self.max_tokens - len(m.tokens)
+              rid,
+              g.prompt_ids + tuple(m.tokens),
+              self.max_tokens - len(m.tokens),
+              trajectory=m.trajectory,
           )
     self._wasted = wasted
     return RoundPlan(requests, resume, by_id, wasted)
@@ -164,8 +216,13 @@ class PartialBuffer:
       m.tokens.extend(sample.token_ids)
       m.logprobs.extend(sample.logprobs)
       m.versions.extend([sample.weight_version] * len(sample.token_ids))
+      m.mask.extend(sample.mask or ())
       m.segments += 1
       m.instance_id = sample.instance_id
+    if sample.turns is not None:
+      m.turns = sample.turns
+    if sample.trajectory is not None:
+      m.trajectory = sample.trajectory
     if sample.finish_reason == PARTIAL:
       return False
     m.finish_reason = sample.finish_reason
@@ -203,12 +260,16 @@ class PartialBuffer:
                 token_ids=tuple(m.tokens),
                 logprobs=tuple(m.logprobs),
                 finish_reason=m.finish_reason,
-                weight_version=min(m.versions, default=it),
+                weight_version=min(m.policy_versions(), default=it),
                 instance_id=m.instance_id,
                 token_versions=tuple(m.versions),
+                mask=None if m.turns is None else tuple(m.mask),
+                turns=m.turns,
             )
         )
-    gaps = np.array([it - v for s in samples for v in s.token_versions], np.float64)
+    gaps = np.array(
+        [it - v for g in chosen for m in g.members for v in m.policy_versions()], np.float64
+    )
     carried = [m for g in self.groups for m in g.members]
     metrics = {
         "partial/resumed_fraction": float(
@@ -225,7 +286,8 @@ class PartialBuffer:
 
   # ---------------------------------------------------------- checkpoint
   def state(self) -> dict:
-    """JSON-serialisable: the groups in flight and the prompts drawn but not started."""
+    """JSON-serialisable: the groups in flight and the prompts drawn but not started (an
+    unfinished trajectory's environment state included, which must be JSON-able too)."""
     return {
         "fresh": [[dataclasses.asdict(ex), list(ids)] for ex, ids in self.fresh],
         "groups": [
@@ -234,7 +296,7 @@ class PartialBuffer:
                 "prompt_ids": list(g.prompt_ids),
                 "born": g.born,
                 "done_seq": g.done_seq,
-                "members": [dataclasses.asdict(m) for m in g.members],
+                "members": [m.saved() for m in g.members],
             }
             for g in self.groups
         ],
@@ -247,11 +309,7 @@ class PartialBuffer:
     )
     self.groups = []
     for g in state.get("groups", []):
-      # Copies: the state dict stays as saved while the responses grow.
-      members = [
-          Member(**{k: list(v) if isinstance(v, list) else v for k, v in m.items()})
-          for m in g["members"]
-      ]
+      members = [Member.loaded(m) for m in g["members"]]
       if len(members) != self.group_size:
         raise ValueError(
             f"The checkpoint's partial responses come in groups of {len(members)}, this "
@@ -308,7 +366,11 @@ class PartialAsyncMode(stream.AsyncMode):
     return trained, samples, metrics
 
   def _check_staleness(self, it: int, samples) -> None:
-    gap = max(it - v for s in samples for v in (s.token_versions or (s.weight_version,)))
+    gap = max(
+        it - v
+        for s in samples
+        for v in (policy_versions(s.token_versions or (), s.mask) or (s.weight_version,))
+    )
     if gap > self.buffer.max_gap:
       raise RuntimeError(
           f"A token trained in iteration {it} is {gap} versions old, beyond "

@@ -10,6 +10,9 @@ request id `id`. Two optional fields:
   samples of one prompt and the dispatcher's length estimate), which makes
   the instance order its pending requests by what their finished siblings
   say.
+- `trajectory`: for a multi-turn trajectory stopped early and resumed
+  (`streamrl.envs.runner.Resume`), where it goes on from; its prompt holds
+  the original prompt and every token so far.
 
 The generate entry points also take plain `(id, prompt)` tuples (and
 `(id, prompt, max_tokens)`), so a user calling a rollout directly need not
@@ -19,19 +22,25 @@ build Requests; `Request.of` turns either into a Request.
 from __future__ import annotations
 
 import dataclasses
+import typing
 from collections.abc import Sequence
 
 from streamrl.scheduling.siblings import LengthHint
 
+if typing.TYPE_CHECKING:  # Only named here: the request carries it to the engine.
+  from streamrl.envs.runner import Resume
+
 
 @dataclasses.dataclass(frozen=True)
 class Request:
-  """One sample to generate: its id, prompt token ids, budget and length hint."""
+  """One sample to generate: its id, prompt token ids, budget, length hint and, resuming a
+  trajectory, where it goes on from."""
 
   id: int
   prompt: tuple[int, ...]
   max_tokens: int | None = None
   hint: LengthHint | None = None
+  trajectory: Resume | None = None
 
   def __post_init__(self):
     # Coerced once here, so ids from numpy or a list compare and hash alike.

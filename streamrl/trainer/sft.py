@@ -19,14 +19,20 @@ from streamrl.models.transformer import Transformer, token_logprobs
 from streamrl.trainer.experience import bucket_length
 
 
-def sft_arrays(pairs: Sequence[tuple[Sequence[int], Sequence[int]]], seq_len: int) -> dict:
-  """(prompt ids incl. BOS, answer ids incl. EOS) -> tokens and answer mask."""
+def sft_arrays(pairs: Sequence[tuple], seq_len: int) -> dict:
+  """(prompt ids incl. BOS, answer ids incl. EOS[, answer mask]) -> tokens and
+  the mask of the answer tokens trained (all of them without a mask; a
+  trajectory's observations are 0 in its mask: the tool wrote them)."""
   tokens = np.zeros((len(pairs), seq_len), np.int32)
   mask = np.zeros((len(pairs), seq_len), np.float32)
-  for i, (p, a) in enumerate(pairs):
+  for i, (p, a, *rest) in enumerate(pairs):
     ids = list(p) + list(a)
     tokens[i, : len(ids)] = ids[:seq_len]
-    mask[i, len(p) - 1 : len(ids) - 1] = 1.0
+    trained = np.asarray(rest[0] if rest else [1.0] * len(a), np.float32)
+    if len(trained) != len(a):
+      raise ValueError(f"An answer of {len(a)} tokens has a mask of {len(trained)}.")
+    # Position t predicts token t + 1.
+    mask[i, len(p) - 1 : len(ids) - 1] = trained[: seq_len - len(p) + 1]
   return {"tokens_bt": tokens, "mask_bt": mask}
 
 
@@ -72,7 +78,7 @@ def warm_start(
   opt_state = tx.init(params)
   rng = np.random.default_rng(seed)
   buckets: dict[int, list[int]] = {}
-  for i, (p, a) in enumerate(pairs):
+  for i, (p, a, *_) in enumerate(pairs):
     buckets.setdefault(min(bucket_length(len(p) + len(a)), seq_len), []).append(i)
   sizes = sorted(buckets)
   weights = np.array([len(buckets[k]) for k in sizes], np.float64)

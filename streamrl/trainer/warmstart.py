@@ -63,7 +63,11 @@ def tiny_model_dir(
               if trace is not None
               else {}
           ),
-          **({"calc": dataclasses.asdict(calc)} if calc is not None else {}),
+          **(
+              {"calc": dataclasses.asdict(calc), "calc_format": calc_lib.FORMAT}
+              if calc is not None
+              else {}
+          ),
       }
   )
   return os.path.join(workdir, f"warmstart-{key}")
@@ -109,31 +113,19 @@ def prepare_model_dir(
       raise ValueError(
           "Trace examples need the run's TraceConfig; pass trace=train.trace_config(s)."
       )
-    rng = np.random.default_rng(seed)
-    pairs = [
-        (
-            [char_tok.BOS_ID] + char_tok.encode(e.prompt),
-            char_tok.encode(
-                calc_lib.sft_target(e, rng, calc)
-                if calc is not None
-                else tasks.sft_target(e, rng, trace)
-            )
-            + [char_tok.EOS_ID],
-        )
-        for e in train_examples
-    ]
-    seq_len = max(len(p) + len(a) for p, a in pairs)
     t0 = time.time()
-    policy, loss = sft.warm_start(
-        policy,
-        pairs,
-        steps=warm.steps,
-        batch_size=warm.batch_size,
-        lr=warm.lr,
-        seq_len=seq_len + 1,
-        seed=seed,
-        log_every=max(warm.steps // 5, 1),
-    )
+    for steps, pairs in warmup_phases(warm, train_examples, seed=seed, trace=trace, calc=calc):
+      seq_len = max(len(p) + len(a) for p, a, *_ in pairs)
+      policy, loss = sft.warm_start(
+          policy,
+          pairs,
+          steps=steps,
+          batch_size=warm.batch_size,
+          lr=warm.lr,
+          seq_len=seq_len + 1,
+          seed=seed,
+          log_every=max(steps // 5, 1),
+      )
     log.info("Warm-up: %d steps, final loss %.3f, %.0f s", warm.steps, loss, time.time() - t0)
   tmp = f"{path}.tmp{os.getpid()}"
   tiny.build_tiny_model_dir(tmp, cfg, model=policy, tokenizer=model.tokenizer)
@@ -143,3 +135,36 @@ def prepare_model_dir(
     # Another run finished the same warm start first; theirs is identical.
     shutil.rmtree(tmp, ignore_errors=True)
   return path
+
+
+def warmup_phases(warm: Warmstart, examples, *, seed: int, trace=None, calc=None):
+  """[(steps, (prompt ids, answer ids[, answer mask]) pairs)] of the warm-up.
+
+  One phase on the synthetic tasks. On the agentic sums two: tool trajectories
+  alone for `calc.tool_steps` steps (so the policy learns to copy what is left
+  into a call), then the mixture with `calc.tool_fraction` of them for the
+  rest (so it mostly answers without the tool, and wrongly). A trajectory's
+  observations are the tool's: masked out of the loss.
+  """
+  rng = np.random.default_rng(seed)
+  prompts = [[char_tok.BOS_ID] + char_tok.encode(e.prompt) for e in examples]
+  if calc is None:
+    answers = [
+        char_tok.encode(tasks.sft_target(e, rng, trace)) + [char_tok.EOS_ID] for e in examples
+    ]
+    return [(warm.steps, list(zip(prompts, answers)))]
+
+  def pairs(config):
+    out = []
+    for p, e in zip(prompts, examples):
+      pieces = calc_lib.sft_target(e, rng, config)
+      ids = [char_tok.encode(text) for text, _ in pieces]
+      mask = [float(trained) for (_, trained), part in zip(pieces, ids) for _ in part]
+      out.append((p, [t for part in ids for t in part] + [char_tok.EOS_ID], mask + [1.0]))
+    return out
+
+  first = min(calc.tool_steps, warm.steps)
+  phases = [(first, pairs(dataclasses.replace(calc, tool_fraction=1.0)))] if first else []
+  if warm.steps > first:
+    phases.append((warm.steps - first, pairs(calc)))
+  return phases

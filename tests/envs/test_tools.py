@@ -17,6 +17,20 @@ from streamrl.generator.rollout import Sample, TurnStats
 from streamrl.trainer import experience
 
 
+def test_the_calc_tool_does_one_operation_per_call():
+  assert tools.TOOLS["calc"] is tools.step_calculator
+  steps, expr = [], "(2+3)*4-1"
+  while not expr.lstrip("-").isdigit():
+    expr = tools.step_calculator(expr)
+    steps.append(expr)
+  assert steps == ["5*4-1", "20-1", "19"]
+  assert tools.step_calculator("4821+3377+1234") == "8198+1234"
+  assert tools.step_calculator("3*-5") == "-15"
+  assert tools.step_calculator("2.5*2+1") == "5+1"
+  with pytest.raises(tools.ToolError, match="power too large"):
+    tools.step_calculator("1+9**9**9")  # the whole expression is checked, not only the step
+
+
 def test_the_calculator_does_arithmetic_and_nothing_else():
   assert tools.calculator("4821+3377") == "8198"
   assert tools.calculator("(2+3)*4-1") == "19"
@@ -157,15 +171,54 @@ def test_the_sums_need_the_tool_and_their_trajectories_solve_them():
   terms = [len(calc.terms_of(e.prompt)) for e in examples]
   assert min(terms) == 2 and max(terms) == cfg.max_terms
   assert np.mean(terms) == pytest.approx(2 + 0.9, abs=0.15)  # long-tailed, capped
+  env = base.CalcEnv()
   for e in examples[:50]:
     text = calc.tool_trajectory(calc.terms_of(e.prompt))
     assert tasks.final_answer(text) == e.answer
     assert text.count("[calc ") == len(calc.terms_of(e.prompt)) - 1
     tok.encode(e.prompt + text)  # in the tiny tokenizer's characters
+    # Replayed through the real calculator: every observation is the one it answers.
+    state, rest = env.reset(e.prompt), text
+    while rest.startswith("[calc"):
+      call, rest = rest.split("]", 1)
+      step = env.step(state, call + "]")
+      assert rest.startswith(step.observation), (text, step.observation)
+      state, rest = step.state, rest[len(step.observation) :]
+    assert rest == f"#{e.answer}"
   rng = np.random.default_rng(0)
   targets = [calc.sft_target(e, rng, cfg) for e in examples]
-  share = np.mean([t.startswith("[calc") for t in targets])
+  share = np.mean([t[0][0].startswith("[calc") for t in targets])
   assert share == pytest.approx(cfg.tool_fraction, abs=0.04)
+
+
+def test_the_warm_up_trains_the_policys_turns_not_the_tools_answers():
+  from streamrl.trainer import sft, warmstart  # pylint: disable=g-import-not-at-top
+  from streamrl.trainer.config import Warmstart  # pylint: disable=g-import-not-at-top
+
+  cfg = calc.CalcConfig(tool_fraction=0.25, tool_steps=30)
+  examples = calc.make_examples(400, 0, cfg)
+  phases = warmstart.warmup_phases(Warmstart(steps=50), examples, seed=0, calc=cfg)
+  assert [n for n, _ in phases] == [30, 20]
+  (_, tool_only), (_, mixture) = phases
+  assert all(tok.decode(a).startswith("[calc ") for _, a, _ in tool_only)
+  assert np.mean([tok.decode(a).startswith("[calc ") for _, a, _ in mixture]) == pytest.approx(
+      0.25, abs=0.07
+  )
+  p, a, mask = tool_only[0]
+  text = tok.decode(a)
+  assert len(mask) == len(a) and mask[-1] == 1.0  # EOS is trained
+  # Exactly the calculator's answers "(...)" are masked.
+  masked = "".join(ch for ch, m in zip(text, mask) if not m)
+  assert masked == "".join(t for t, policy in calc.tool_segments(calc.terms_of(examples[0].prompt)) if not policy)
+  batch = sft.sft_arrays([(p, a, mask)], len(p) + len(a))
+  # Position t predicts token t + 1: the loss mask is the answer mask shifted by the prompt.
+  np.testing.assert_array_equal(batch["mask_bt"][0, len(p) - 1 : len(p) + len(a) - 1], mask)
+  assert batch["mask_bt"][0, : len(p) - 1].sum() == 0
+  with pytest.raises(ValueError, match="mask"):
+    sft.sft_arrays([(p, a, mask[:-1])], len(p) + len(a))
+  # Without tool steps: one phase, the mixture.
+  only = warmstart.warmup_phases(Warmstart(steps=50), examples, seed=0, calc=calc.CalcConfig())
+  assert [n for n, _ in only] == [50]
 
 
 def test_env_settings_are_checked():
@@ -173,12 +226,9 @@ def test_env_settings_are_checked():
   c.env.name = "calc"
   c.task.kind = "calc"
   c.pipeline.mode = "async"
-  c.pipeline.partial = "on"
-  with pytest.raises(UserError, match="pipeline.partial=off"):
-    settings.from_config(c)
-  c.pipeline.partial = "auto"  # off for trajectories
+  c.pipeline.partial = "auto"  # on in async mode, trajectories too
   s = settings.from_config(c)
-  assert s.env.enabled and not s.partial_rollouts
+  assert s.env.enabled and s.partial_rollouts
   c.env.name = "nope"
   with pytest.raises(UserError, match="env.name='nope' is unknown"):
     settings.from_config(c)

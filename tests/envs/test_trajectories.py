@@ -1,5 +1,5 @@
-"""Multi-turn trajectories on a real vLLM engine: token-in, token-out, tools that
-hang or crash.
+"""Multi-turn trajectories on a real vLLM engine: token-in, token-out, stopped and
+resumed under new weights, tools that hang or crash.
 
 The policy is the tiny model taught the calculator's call format for a few
 seconds (sums of three small numbers, two calls and the answer), so its
@@ -19,7 +19,9 @@ from streamrl.data import tokenizer as tok
 from streamrl.envs import tools
 from streamrl.envs.config import Env
 from streamrl.generator.config import Sampling
+from streamrl.generator.rollout import PARTIAL
 from streamrl.generator.vllm_engine import GeneratorInstance
+from streamrl.scheduling.request import Request
 from streamrl.models import config, hf, tiny, transformer
 from streamrl.trainer import experience
 
@@ -60,13 +62,40 @@ def _requests():
   return [(i, [tok.BOS_ID] + tok.encode(p)) for i, p in _prompts()]
 
 
-def test_a_three_turn_trajectory_is_the_engines_tokens_with_observations_masked(policy_dir):
+@pytest.fixture(scope="module")
+def calc_engine(policy_dir):
+  """An engine of the policy with the calculator (its weights as policy_dir's after each test)."""
   env = Env(name="calc", max_turns=3, max_tokens_per_turn=24)
   gen = GeneratorInstance(policy_dir, max_num_seqs=8, max_model_len=160, seed=0, env=env)
-  try:
-    samples = list(gen.generate(_requests(), SAMPLING, seed=0))
-  finally:
-    gen.close()
+  yield gen
+  gen.close()
+
+
+def _check_observations(text):
+  """Each observation in `text` is the calc tool's answer to the call before it; the calls."""
+  calls = re.findall(r"\[calc ([^\]]*)\]\(([^)]*)\)", text)
+  for expr, result in calls:
+    try:
+      want = tools.TOOLS["calc"](expr)
+    except tools.ToolError as err:
+      want = f"error {err}"
+    assert result == want, text
+  return calls
+
+
+def _trainer_error(model, s) -> float:
+  """The largest gap between the trainer's logprobs of `s`'s policy tokens and the engine's."""
+  tokens = jnp.asarray([list(s.prompt_token_ids) + list(s.token_ids)])
+  logp, _ = transformer.sequence_logprobs(model, tokens, temperature=TEMPERATURE)
+  n = len(s.prompt_token_ids)
+  trainer = np.asarray(logp[0, n - 1 : -1])
+  return float(np.abs(trainer - np.array(s.logprobs))[np.array(s.mask) == 1].max(initial=0.0))
+
+
+def test_a_three_turn_trajectory_is_the_engines_tokens_with_observations_masked(
+    policy_dir, calc_engine
+):
+  samples = list(calc_engine.generate(_requests(), SAMPLING, seed=0))
   assert sorted(s.prompt_id for s in samples) == list(range(8))
   three = [s for s in samples if s.turns.turns == 3]
   assert three, [(s.turns, tok.decode(s.token_ids)) for s in samples]
@@ -81,26 +110,77 @@ def test_a_three_turn_trajectory_is_the_engines_tokens_with_observations_masked(
     assert obs and obs.startswith("(") and obs.endswith(")"), text
     assert all(lp == 0.0 for lp, m in zip(s.logprobs, mask) if m == 0)
     assert s.turns.tool_calls >= 2, text  # a third turn follows a second observation
-    # Each observation is the calculator's answer to the call before it.
-    calls = re.findall(r"\[calc ([^\]]*)\]\(([^)]*)\)", text)
-    assert len(calls) >= 2, text
-    for expr, result in calls:
-      try:
-        want = tools.calculator(expr)
-      except tools.ToolError as err:
-        want = f"error {err}"
-      assert result == want, text
+    assert len(_check_observations(text)) >= 2, text
     # The trainer scores exactly these tokens: its logprobs on the policy's tokens agree.
-    tokens = jnp.asarray([list(s.prompt_token_ids) + list(s.token_ids)])
-    logp, _ = transformer.sequence_logprobs(model, tokens, temperature=TEMPERATURE)
-    n = len(s.prompt_token_ids)
-    trainer = np.asarray(logp[0, n - 1 : -1])
-    err = np.abs(trainer - np.array(s.logprobs))[mask == 1]
-    assert err.max() < 1e-3, err.max()
+    assert _trainer_error(model, s) < 1e-3
     # The batch's loss mask is the sample's mask, shifted onto the logprob columns.
+    n = len(s.prompt_token_ids)
     batch = experience.pad_samples([s])
     np.testing.assert_array_equal(batch["mask_bt"][0, n - 1 : n - 1 + len(mask)], mask)
     assert batch["mask_bt"][0].sum() == mask.sum()
+
+
+def _resumed(samples):
+  """The Requests that continue `samples`' stopped trajectories."""
+  return [
+      Request(s.prompt_id, s.prompt_token_ids + s.token_ids, trajectory=s.trajectory)
+      for s in samples
+      if s.finish_reason == PARTIAL
+  ]
+
+
+def test_a_stopped_trajectory_resumes_under_new_weights_with_each_versions_logprobs(
+    policy_dir, calc_engine
+):
+  """Partial rollouts of trajectories: stopped mid-turn, resumed under new weights and stopped
+  again while a tool call is out, then run to the end; stitched, the segments are one
+  trajectory, and each segment's policy tokens have the logprobs of the weights that sampled
+  them (fp32, <= 1e-3)."""
+  gen = calc_engine
+  cfg, old = hf.load_hf(policy_dir)
+  tensors = hf.load_hf_tensors(policy_dir)
+  tensors["model.norm.weight"] = 1.5 * tensors["model.norm.weight"]  # the same calls, sharper
+  new = hf.from_hf_tensors(cfg, tensors)
+  steps = []
+  first = list(
+      gen.generate(_requests(), SAMPLING, seed=0, stop=lambda: steps.append(1) or len(steps) > 14)
+  )
+  v_old = gen.weight_version
+  assert sorted(s.prompt_id for s in first) == list(range(8))
+  stopped = {s.prompt_id for s in first if s.finish_reason == PARTIAL}  # the rest ended in time
+  assert len(stopped) >= 4 and all((s.prompt_id in stopped) == bool(s.trajectory) for s in first)
+  assert any(s.trajectory.turn_cut for s in first if s.trajectory)  # cut mid-turn
+  try:
+    v_new = gen.update_weights(tensors)
+    # Stopped as soon as a turn ends on its tool call (it leaves the engine for the tools).
+    second = list(
+        gen.generate(
+            _resumed(first), SAMPLING, seed=0, stop=lambda: 0 < gen.in_flight < len(stopped)
+        )
+    )
+    assert any(s.trajectory.tool_pending for s in second if s.trajectory)
+    third = list(gen.generate(_resumed(second), SAMPLING, seed=0))
+  finally:
+    gen.update_weights(hf.load_hf_tensors(policy_dir))
+  segments = {p: [s for s in first + second + third if s.prompt_id == p] for p in stopped}
+  for segs in segments.values():
+    assert [s.finish_reason == PARTIAL for s in segs] == [True] * (len(segs) - 1) + [False]
+    for s, policy in zip(segs, [old, new, new]):
+      assert s.weight_version == (v_old if policy is old else v_new)
+      assert _trainer_error(policy, s) < 1e-3
+    for a, b in zip(segs, segs[1:]):
+      assert b.prompt_token_ids == a.prompt_token_ids + a.token_ids  # on from exactly its tokens
+    # Stitched, it is one trajectory: observations answer its calls, masked with logprob 0,
+    # and a cut turn's halves count as one turn.
+    tokens = sum((s.token_ids for s in segs), ())
+    mask = np.array(sum((s.mask for s in segs), ()))
+    _check_observations(tok.decode(tokens))
+    assert all(lp == 0.0 for s in segs for lp, m in zip(s.logprobs, s.mask) if m == 0)
+    turns = segs[-1].turns  # the whole trajectory's
+    assert turns.turns == int(mask[0] == 1) + int(np.sum(np.diff(mask) == 1))
+    assert turns.tool_calls == int(np.sum(np.diff(mask) == -1))
+  # The old weights would not have given the resumed tokens these logprobs.
+  assert max(_trainer_error(old, s) for s in second + third) > 1e-2
 
 
 HOSTILE_ENV = textwrap.dedent("""

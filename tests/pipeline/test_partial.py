@@ -3,16 +3,20 @@
 A scripted generator stands in for the engines: response r of a prompt has
 a fixed length and fixed tokens (so a stitched response can be checked
 token by token), and each round every request decodes at most `per_round`
-more tokens; what is not done comes back PARTIAL, as after a stop.
+more tokens; what is not done comes back PARTIAL, as after a stop. The last
+test hands it a multi-turn trajectory's segments.
 """
 
+import dataclasses
 import json
 
 import numpy as np
 import pytest
 
 from streamrl.data.tasks import Example
-from streamrl.generator.rollout import PARTIAL, Sample
+from streamrl.envs.runner import Resume
+from streamrl.errors import UserError
+from streamrl.generator.rollout import PARTIAL, Sample, TurnStats
 from streamrl.scheduling.request import Request
 from streamrl.pipeline.partial import PartialBuffer
 
@@ -163,3 +167,73 @@ def test_the_buffer_resumes_from_its_saved_state():
     PartialBuffer(
         target_groups=3, extra_groups=2, group_size=3, max_tokens=16, max_version_gap=3
     ).load_state(saved)
+
+
+def test_a_trajectorys_segments_are_stitched_with_their_mask_and_resume_state():
+  buf = new_buffer(max_gap=1)
+  plan = buf.start_round(0, Loader())
+  ids = plan.requests[0].prompt
+  # Segment 1 (version 0): a turn with its tool call, the observation, then stopped.
+  seg1, mask1 = (5, 6, 7, 8, 9), (1, 1, 1, 0, 0)
+  resume = Resume(len(ids), state={"calls": 1}, turns=1, turn_start=len(ids), tool_calls=1)
+  stats1 = TurnStats(1, tool_calls=1, tool_s=0.5)
+  buf.add(
+      Sample(
+          0,
+          ids,
+          seg1,
+          (-1.0,) * 3 + (0.0,) * 2,
+          PARTIAL,
+          0,
+          0,
+          mask=mask1,
+          turns=stats1,
+          trajectory=resume,
+      )
+  )
+  saved = json.loads(json.dumps(buf.state()))  # as the checkpoint's meta holds it
+  again = new_buffer(max_gap=1)
+  again.load_state(saved)
+  assert again.groups[0].members[0] == buf.groups[0].members[0]
+  plan = buf.start_round(1, Loader())
+  # Resumed from the original prompt and every token so far, with the trajectory's state.
+  assert plan.resume[0] == Request(0, ids + seg1, 16 - 5, trajectory=resume)
+  stats2 = TurnStats(2, tool_calls=1, tool_s=0.5)  # the engine's counts: the whole trajectory's
+  buf.add(Sample(0, ids + seg1, (10, 2), (-1.0, -1.0), "stop", 1, 0, mask=(1, 1), turns=stats2))
+  for r in plan.requests[1:]:  # the other responses: one policy token each, under version 1
+    buf.add(Sample(r.id, r.prompt, (2,), (-1.0,), "stop", 1, 0, mask=(1,), turns=TurnStats(1)))
+  samples, _, metrics = buf.finish_round(1)
+  s = samples[0]
+  assert s.token_ids == seg1 + (10, 2) and s.mask == mask1 + (1, 1) and s.turns == stats2
+  assert s.token_versions == (0,) * 5 + (1, 1) and s.weight_version == 0
+  # Policy tokens only: member 0's gaps (1, 1, 1, 0, 0), the other five responses' 0.
+  assert metrics["partial/token_version_gap_mean"] == pytest.approx(3 / 10)
+
+  # The gap bound reads the oldest policy token: too old, the trajectory starts again.
+  buf = new_buffer(max_gap=1)
+  buf.start_round(0, Loader())
+  buf.add(
+      Sample(0, ids, seg1, (0.0,) * 5, PARTIAL, 0, 0, mask=mask1, turns=stats1, trajectory=resume)
+  )
+  assert buf.start_round(1, Loader()).resume[0].trajectory == resume
+  plan = buf.start_round(2, Loader())
+  assert plan.wasted_tokens == 5 and 0 not in plan.resume
+  assert buf.groups[0].members[0].trajectory is None
+  # An environment state JSON cannot hold cannot be checkpointed: said in one sentence.
+  buf.start_round(2, Loader())
+  buf.add(
+      Sample(
+          0,
+          ids,
+          seg1,
+          (0.0,) * 5,
+          PARTIAL,
+          2,
+          0,
+          mask=mask1,
+          turns=stats1,
+          trajectory=dataclasses.replace(resume, state={"seen": {1, 2}}),
+      )
+  )
+  with pytest.raises(UserError, match="not JSON-serialisable.*pipeline.partial=off"):
+    buf.state()
