@@ -5,20 +5,27 @@ r"""Agentic GRPO, StreamRL's way: multi-turn trajectories with a calculator tool
 
 The task (task.kind=calc, streamrl/data/calc.py): sums of 2 to 6 four-digit
 numbers, long-tailed in the number of terms. The tiny policy cannot add them
-itself; it can call `[calc a+b]` and read `(result)`, one call per term, then
-answer `#total`. A trajectory alternates policy turns with tool calls that
+itself; it can call the calculator on what is left, `[calc 4821+3377+1234]`,
+which adds the first two numbers and answers with the rest, `(8198+1234)`,
+one call per addition, then answer `#9432`. A trajectory alternates policy turns with tool calls that
 run in worker processes beside the engine (streamrl/envs), so the engine
 keeps decoding other trajectories while a tool runs; the observation's tokens
 are appended as they are (never re-tokenized) and left out of the loss.
-The warm-up teaches the call format on a quarter of its targets and the bare
-answer on the rest, so the warm-started policy mostly answers without the
-tool, and wrongly: RL has to find that calling it pays.
+The warm-up teaches the calls on a quarter of its targets (the calculator's
+answers masked out of the loss) and the bare answer on the rest, so the
+warm-started policy mostly answers without the tool, and wrongly: RL has to
+find that calling it pays.
 
-Same StreamRL machinery as configs/grpo.py (async generation one version
-ahead, the ranker, the transfer service) except partial rollouts, which do
-not resume trajectories yet (pipeline.partial=auto is off with an
-environment). The colocated baseline
-overlaps tool calls across trajectories too.
+Measured on a 2-core CPU machine (2026-12-04): 8 min 12 s end to end, warm-up
+(309 s) included; held-out accuracy (256 prompts, sampled at temperature 1)
+0.008 -> 0.188 -> 0.230 -> 0.270 -> 0.289 -> 0.293 at iterations 0 / 20 / 40
+/ 60 / 80 / 100 (+28.5 points; greedy 0.004 -> 0.340).
+
+Same StreamRL machinery as configs/grpo.py: async generation one version
+ahead with partial rollouts (a trajectory cut mid-turn or waiting on a tool
+resumes in the next round under new weights), the ranker (on trajectory
+length), the transfer service. The colocated baseline overlaps tool calls
+across trajectories too.
 """
 
 import os
@@ -35,10 +42,17 @@ def get_config() -> ml_collections.ConfigDict:
   c.task.num_eval = 256
   c.env.name = "calc"
   c.env.max_turns = 6
-  c.env.max_tokens_per_turn = 24
-  # The whole trajectory (turns and observations): 5 calls of ~22 tokens and the answer.
-  c.sampling.max_tokens = 160
-  c.engine.max_model_len = 256
-  c.trainer.num_iterations = 60
+  # A call copies what is left: 36 tokens for six four-digit terms.
+  c.env.max_tokens_per_turn = 40
+  # The whole trajectory (turns and observations): 226 tokens for six terms.
+  c.sampling.max_tokens = 240
+  c.engine.max_model_len = 320
+  # The warm-up: 500 steps of tool trajectories alone (observations masked), where the
+  # policy learns to copy what is left into a call, then 250 of a mixture with 15 % of
+  # them and bare answers, after which it mostly answers without the tool.
+  c.task.calc_tool_steps = 500
+  c.task.calc_tool_fraction = 0.15
+  c.warmstart.steps = 750
+  c.trainer.num_iterations = 100
   c.log.eval_every = 20
   return c

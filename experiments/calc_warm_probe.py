@@ -21,9 +21,10 @@ cfg = dataclasses.replace(cfg, tool_steps=first)
 policy = Transformer(mc.tiny_qwen2(64), rngs=nnx.Rngs(0))
 t0 = time.time()
 warm = Warmstart(steps=first + steps, batch_size=bs, lr=lr)
-for n_steps, pairs in warmstart.warmup_phases(warm, train, seed=0, calc=cfg):
+lr2 = float(args.get("lr2", lr))
+for k, (n_steps, pairs) in enumerate(warmstart.warmup_phases(warm, train, seed=0, calc=cfg)):
   seq_len = max(len(p) + len(a) for p, a, *_ in pairs)
-  policy, loss = sft.warm_start(policy, pairs, steps=n_steps, batch_size=bs, lr=lr, seq_len=seq_len + 1, log_every=max(n_steps // 4, 1))
+  policy, loss = sft.warm_start(policy, pairs, steps=n_steps, batch_size=bs, lr=lr if k == 0 and first else lr2, seq_len=seq_len + 1, log_every=max(n_steps // 4, 1))
 print(f"warm {steps} steps {time.time()-t0:.0f}s loss {loss:.3f}", flush=True)
 graphdef, params = nnx.split(policy)
 
@@ -47,7 +48,7 @@ def run(prefix: str, temp: float, seed=1):
     for i in range(B):
       if done[i]: continue
       toks[i, n[i]] = nxt[i]; n[i] += 1
-      if nxt[i] == tok.EOS_ID or n[i] >= L - 12: done[i] = True; continue
+      if nxt[i] == tok.EOS_ID or n[i] >= L - 16: done[i] = True; continue
       if tok.decode([int(nxt[i])]) == "]":
         text = tok.decode(toks[i, turn_start[i]:n[i]].tolist())
         m = re.search(r"\[calc ([^\[\]]*)\]$", text)
@@ -55,7 +56,8 @@ def run(prefix: str, temp: float, seed=1):
         try:
           obs = f"({T.step_calculator(m.group(1))})"
         except Exception: obs = "(error)"
-        ids = tok.encode(obs); toks[i, n[i]:n[i]+len(ids)] = ids; n[i] += len(ids); turn_start[i] = n[i]
+        ids = tok.encode(obs)[: L - 1 - n[i]]; toks[i, n[i]:n[i]+len(ids)] = ids; n[i] += len(ids); turn_start[i] = n[i]
+        done[i] = n[i] >= L - 16
   right, tool = 0, 0
   for i, e in enumerate(evals):
     text = tok.decode(toks[i, :n[i]].tolist())

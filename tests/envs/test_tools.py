@@ -216,6 +216,9 @@ def test_the_warm_up_trains_the_policys_turns_not_the_tools_answers():
   assert batch["mask_bt"][0, : len(p) - 1].sum() == 0
   with pytest.raises(ValueError, match="mask"):
     sft.sft_arrays([(p, a, mask[:-1])], len(p) + len(a))
+  # A bare answer is trained whole.
+  _, a, mask = next(x for x in mixture if tok.decode(x[1]).startswith("#"))
+  assert mask == [1.0] * len(a)
   # Without tool steps: one phase, the mixture.
   only = warmstart.warmup_phases(Warmstart(steps=50), examples, seed=0, calc=calc.CalcConfig())
   assert [n for n, _ in only] == [50]

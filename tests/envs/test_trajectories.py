@@ -232,3 +232,8 @@ def test_a_hanging_and_a_crashing_tool_become_error_observations(policy_dir, tmp
   assert any(re.search(r"\[calc \d+\+\d+\]\(\d+\)", t) for t in texts), texts
   failed = [s for s, t in zip(samples, texts) if "(error t" in t]
   assert all(s.turns.turns >= 2 for s in failed), texts
+  # While only tool calls were out the engine sat idle: those seconds are split among the
+  # trajectories that waited (`env/engine_idle_s`), and the hung call's took at least a share.
+  idle = [s.turns.idle_s for s in samples]
+  assert 0 < sum(idle) <= took
+  assert max(s.turns.idle_s for s, t in zip(samples, texts) if "(error timeout)" in t) > 0.05
