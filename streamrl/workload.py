@@ -166,7 +166,14 @@ class Workload:
       from streamrl.generator.local import LocalRollout  # pylint: disable=g-import-not-at-top
 
       s = self.s
-      self._local = LocalRollout(self.model_dir, s.engine, dtype=s.model.dtype, seed=s.seed)
+      self._local = LocalRollout(
+          self.model_dir,
+          s.engine,
+          dtype=s.model.dtype,
+          seed=s.seed,
+          env=s.env,
+          chat_template=s.task.chat_template,
+      )
     return self._local
 
   def close_local(self) -> None:
@@ -188,6 +195,8 @@ class Workload:
         stall_timeout_s=s.pipeline.stall_timeout_s,
         transfer=s.transfer,
         stoppable=s.partial_rollouts,
+        env=s.env,
+        chat_template=s.task.chat_template,
     )
 
   def rollout(self, s, engine_threads: int = 1):

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import time
 from typing import Any, Protocol
 
 from streamrl import usercode
@@ -146,7 +145,7 @@ _ENVS: dict[str, Environment] = {}
 
 
 def step_in_worker(
-    name: str, state: Any, prompt: str, action: str, timeout_s: float, extra_latency_s: float
+    name: str, state: Any, prompt: str, action: str, timeout_s: float
 ) -> Step:
   """One turn of environment `name` in a tool worker: `reset(prompt)` first
   when the trajectory has no state yet (`state` None). The worker process
@@ -156,8 +155,6 @@ def step_in_worker(
     env = _ENVS[name] = make_env(name)
   if hasattr(env, "timeout_s"):
     env.timeout_s = timeout_s
-  if extra_latency_s:
-    time.sleep(extra_latency_s)
   if state is None:
     state = env.reset(prompt)
   step = env.step(state, action)

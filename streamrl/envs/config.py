@@ -28,13 +28,14 @@ class Env:
       calling tools after its last turn ends there (finish_reason
       "max_turns").
     max_tokens_per_turn: tokens one policy turn generates at most.
-    tool_timeout_s: wall-clock limit of one tool call (on top of
-      `extra_tool_latency_s`); past it the call is cut (its worker killed)
-      and the observation says so.
+    tool_timeout_s: wall-clock limit of one tool call; past it the call is
+      cut (its worker killed) and the observation says so.
     tool_workers: worker processes running tool calls beside the engine
       (each generator instance has its own).
     extra_tool_latency_s: seconds added to every tool call, standing in for
-      a slow tool (a search API, a code runner) in benchmarks.
+      a slow remote tool (a search API, a code runner elsewhere) in
+      benchmarks: the answer is handed on that much later without holding a
+      tool worker, so calls wait out their latency concurrently.
   """
 
   name: str = ""

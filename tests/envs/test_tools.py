@@ -129,6 +129,24 @@ def test_tool_workers_cut_a_hang_survive_a_crash_and_keep_serving(tmp_path):
     tools_.close()
 
 
+def test_a_slow_remote_tools_latency_holds_no_worker(tmp_path):
+  # 6 calls of 0.4 s extra latency on one worker: they wait out their latency together.
+  tools_ = runner.ToolRunner(
+      Env(name="calc", tool_workers=1, extra_tool_latency_s=0.4), tok.Tokenizer(_tiny(tmp_path))
+  )
+  try:
+    tools_.submit(_traj("[calc 1+1]")).result(timeout=30)  # the worker is up
+    t0 = time.monotonic()
+    trajs = [_traj(f"[calc {i}+1]") for i in range(6)]
+    steps = [f.result(timeout=30) for f in [tools_.submit(t) for t in trajs]]
+    took = time.monotonic() - t0
+    assert [s.observation for s in steps] == [f"({i + 1})" for i in range(6)]
+    assert 0.4 <= took < 1.5, took  # one latency, not six
+    assert all(t.tool_s >= 0.4 for t in trajs)
+  finally:
+    tools_.close()
+
+
 def _tiny(tmp_path):
   d = tmp_path / "tok"
   tok.save_hf_tokenizer(str(d))
