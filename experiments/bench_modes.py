@@ -348,7 +348,7 @@ class Arm:
         "samples_per_s_per_iteration": per_iter,
         "tokens_per_s": sum(sum(o["lengths"]) for o in self.outs) / wall,
         "policy_tokens_per_s": sum(sum(o["policy_tokens"]) for o in self.outs) / wall,
-        "ranker_recall20": logged("ranker/recall20"),
+        "ranker_recall20": logged("ranker/pre_recall20"),
         "env_turns_mean": logged("env/turns_mean"),
         "env_engine_idle_s": logged("env/engine_idle_s"),
         "startup_s": self.startup_s,
