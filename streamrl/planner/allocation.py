@@ -58,6 +58,7 @@ class Workload:
   scheduler: str = "skew"
   num_draws: int = 2
   seed: int = 0
+  tools: object = None  # sim.engine.ToolModel: multi-turn trajectories with tool calls
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,6 +153,7 @@ class StageEstimator:
                 objective=self.w.calib.dispatch_objective,
                 seed=self.w.seed + i,
                 latency_model=self.w.calib.dispatch_latency_model,
+                tools=self.w.tools,
             ).makespan
             for i, (p, o) in enumerate(self._draws)
         ]

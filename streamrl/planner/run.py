@@ -82,6 +82,21 @@ def pools_from_config(cfg: Any) -> list[Pool]:
   return pools
 
 
+def tools_from_config(cfg: Any):
+  """The `tools` part of a plan config (agentic workloads): `latency_s` per call,
+  `turn_tokens` policy tokens per turn, `observation_tokens` per answer; None
+  (or latency_s and turn_tokens unset) for single-turn samples."""
+  if cfg is None or not _get(cfg, "turn_tokens", 0):
+    return None
+  from streamrl.sim.engine import ToolModel  # pylint: disable=g-import-not-at-top
+
+  return ToolModel(
+      latency_s=float(_get(cfg, "latency_s", 0.0)),
+      turn_tokens=int(_get(cfg, "turn_tokens")),
+      observation_tokens=int(_get(cfg, "observation_tokens", 0)),
+  )
+
+
 def calibration_from_config(cfg: Any, lengths) -> SystemCalibration:
   recall = _get(cfg, "ranker_recall", 0.87)
   sigma = sigma_for_recall(recall, lengths) if recall < 1 else 0.0
@@ -264,6 +279,7 @@ def run_plan(config: Any) -> PlanReport:
       calib=calib,
       batch_size=int(config.batch_size),
       seed=int(_get(config, "seed", 0)),
+      tools=tools_from_config(_get(config, "tools")),
   )
   objective, unit = str(config.objective), int(config.unit)
   if measured is None:
@@ -386,6 +402,8 @@ def simulate_allocation(
   )
   if measured is not None:
     cfg = dataclasses.replace(cfg, gen=measured.gen, train=measured.train)
+  if w.tools is not None:
+    cfg = dataclasses.replace(cfg, tools=w.tools)
   return simulate(cfg)
 
 

@@ -79,6 +79,38 @@ _KV_WATERMARK = 0.01
 
 _EV_INSTANCE, _EV_TRAIN, _EV_GEN_START = 0, 1, 2
 _FINISH, _KV_FULL = 0, 1
+_TOOL_RETURN = "tool"  # an _EV_INSTANCE payload: (this, sample id)
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolModel:
+  """Multi-turn trajectories (streamrl/envs): a sample's output is written in
+  turns of `turn_tokens` policy tokens (the last one shorter), and between two
+  turns it calls a tool: it leaves its instance's batch for `latency_s` (the
+  engine decodes the others meanwhile), then comes back with
+  `observation_tokens` more context, of which only the observation is
+  prefilled (the rest is in the prefix cache), ahead of the instance's
+  pending prompts, at the instance's next admission (or at once when its
+  batch is empty). A sample of L output tokens makes ceil(L / turn_tokens) - 1
+  calls, so long trajectories are the many-turn ones, as in an agentic run.
+  Admission inside a running batch waits for the next finish, as every
+  admission in this engine does."""
+
+  latency_s: float
+  turn_tokens: int
+  observation_tokens: int = 0
+
+  def __post_init__(self):
+    if self.latency_s < 0 or self.turn_tokens < 1 or self.observation_tokens < 0:
+      raise ValueError(
+          "tool latency_s and observation_tokens must be >= 0 and turn_tokens >= 1, got "
+          f"{self.latency_s}, {self.observation_tokens} and {self.turn_tokens}."
+      )
+
+  def calls(self, output_tokens) -> np.ndarray:
+    """Tool calls of samples of these output lengths."""
+    out = np.asarray(output_tokens, np.int64)
+    return np.maximum(-(-out // self.turn_tokens) - 1, 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,6 +144,8 @@ class SimConfig:
       per instance); None = each instance has its own hardware. With more
       instances decoding than that, each one's costs scale by
       instances / gen_cores.
+    tools: multi-turn trajectories with tool calls (`ToolModel`); None:
+      single-turn samples.
   """
 
   mode: str
@@ -133,6 +167,7 @@ class SimConfig:
   max_staleness: int = 1
   seed: int = 0
   gen_cores: int | None = None
+  tools: ToolModel | None = None
 
   def __post_init__(self):
     if self.mode not in MODES:
@@ -254,6 +289,7 @@ class _Instance:
       "ev_t",
       "ev_kind",
       "ev_k",
+      "out",
   )
 
   def __init__(self, idx: int):
@@ -272,9 +308,11 @@ class _GenPhase:
       on_finish: Callable,
       on_done: Callable,
       cores: int | None = None,
+      tools: ToolModel | None = None,
   ):
     self.gen = gen
     self.cores = cores
+    self.tools = tools
     self.scale = 1.0  # cost factor of time-sharing `cores` (1: no sharing)
     self.push = push
     self.on_finish = on_finish
@@ -297,7 +335,15 @@ class _GenPhase:
       self.instances.append(_Instance(len(self.instances)))
     # Per-sample state of this iteration.
     self.ctx0 = [int(p) for p in prompt_lens]  # context to prefill on (re)admission
-    self.remaining = [int(o) for o in output_lens]  # tokens still to generate
+    self.remaining = [int(o) for o in output_lens]  # tokens still to generate in this turn
+    self.later = [0] * len(self.ctx0)  # tokens of the turns after this one
+    # Context still in the engine's prefix cache on (re)admission: a trajectory back from a
+    # tool prefills only its observation; a preempted sample recomputes everything.
+    self.cached = [0] * len(self.ctx0)
+    if self.tools is not None:
+      turn = self.tools.turn_tokens
+      self.later = [max(r - turn, 0) for r in self.remaining]
+      self.remaining = [min(r, turn) for r in self.remaining]
     self.admit_k = [0] * len(self.ctx0)
     self.finish_k = [-1] * len(self.ctx0)
     self.running = [False] * len(self.ctx0)
@@ -307,6 +353,7 @@ class _GenPhase:
       inst.t, inst.k, inst.S, inst.B, inst.R = t, 0, 0.0, 0, 0.0
       inst.heap, inst.stack = [], []
       inst.queue = collections.deque(q)
+      inst.out = 0  # its samples waiting on a tool
       inst.cap = max(1, min(int(cap), self.gen.max_num_seqs))
       inst.start_t, inst.done_t = t, t
       inst.version += 1
@@ -369,7 +416,7 @@ class _GenPhase:
       inst.S += ctx0[sid]
       inst.R += need + self.reserve
       inst.B += 1
-      prefill += ctx0[sid]
+      prefill += ctx0[sid] - self.cached[sid]
     if self.scale == 1.0:
       inst.t += prefill * self.gen.prefill_s_per_token
     else:
@@ -400,8 +447,31 @@ class _GenPhase:
     inst.ev_t, inst.ev_kind, inst.ev_k = t_ev, kind, inst.k + n
     self.push(t_ev, _EV_INSTANCE, inst.idx, (inst.version, kind, inst.k + n))
 
+  def _tool_return(self, t: float, inst: _Instance, sid: int) -> None:
+    """`sid`'s tool call answered: its next turn queues ahead of new prompts."""
+    inst.out -= 1
+    inst.queue.appendleft(sid)
+    if inst.B == 0:  # idle, waiting on tools: admit now
+      inst.t = max(inst.t, t)
+      self._admit(inst)
+      self._schedule(inst)
+
+  def _call_tool(self, t: float, inst: _Instance, sid: int, generated: int) -> None:
+    """`sid` finished a turn with tokens left: out of the batch for the tool's latency."""
+    tools = self.tools
+    self.cached[sid] = self.ctx0[sid] + generated
+    self.ctx0[sid] += generated + tools.observation_tokens
+    self.remaining[sid] = min(self.later[sid], tools.turn_tokens)
+    self.later[sid] -= self.remaining[sid]
+    inst.out += 1
+    self.push(t + tools.latency_s, _EV_INSTANCE, inst.idx, (_TOOL_RETURN, sid))
+
   def handle(self, t: float, idx: int, payload) -> None:
     inst = self.instances[idx]
+    if payload[0] == _TOOL_RETURN:
+      if inst.active:
+        self._tool_return(t, inst, payload[1])
+      return
     version, kind, k_target = payload
     if version != inst.version or not inst.active:
       return
@@ -418,9 +488,13 @@ class _GenPhase:
           continue
         self.running[sid] = False
         inst.B -= 1
-        inst.S -= self.ctx0[sid] + (inst.k - self.admit_k[sid])
+        generated = inst.k - self.admit_k[sid]
+        inst.S -= self.ctx0[sid] + generated
         inst.R -= self.ctx0[sid] + 1 + self.reserve
-        finished.append(sid)
+        if self.later[sid] > 0:
+          self._call_tool(t, inst, sid, generated)
+        else:
+          finished.append(sid)
     else:
       # KV cache full: preempt the newest sequence; it recomputes its context later.
       while True:
@@ -434,6 +508,7 @@ class _GenPhase:
       inst.R -= self.ctx0[sid] + 1 + self.reserve
       self.ctx0[sid] += generated
       self.remaining[sid] -= generated
+      self.cached[sid] = 0
       inst.queue.appendleft(sid)
       self.preemptions += 1
       if inst.B == 0:
@@ -449,6 +524,8 @@ class _GenPhase:
         self.on_finish(t, sid, idx)
     if kind == _FINISH:
       self._admit(inst)
+    if inst.B == 0 and not inst.queue and inst.out:
+      return  # idle until a tool answers (`_tool_return`)
     if inst.B == 0 and not inst.queue:
       inst.active = False
       inst.done_t = t
@@ -534,7 +611,12 @@ class _Simulation:
     self.seq = 0
     self.events = 0
     self.gen = _GenPhase(
-        config.gen, self._push, self._on_sample, self._on_gen_done, config.gen_cores
+        config.gen,
+        self._push,
+        self._on_sample,
+        self._on_gen_done,
+        config.gen_cores,
+        config.tools,
     )
     k = config.iterations
     self.gen_start = [math.nan] * k
@@ -611,6 +693,8 @@ class _Simulation:
     prompt, out = dist.sample(np.random.default_rng([c.seed, g, 0]), c.batch_size)
     self.samples[g] = (prompt, out)
     tokens = (prompt + out).astype(np.float64)
+    if c.tools is not None:  # the trainer scores the observations too (masked from the loss)
+      tokens += c.tools.calls(out) * c.tools.observation_tokens
     self.fwd_s[g] = c.train.forward_seconds(tokens).tolist()
     self.upd_s[g] = c.train.update_seconds(tokens).tolist()
     if g > 0:
@@ -784,12 +868,14 @@ def simulate_generation(
     queues: Sequence[Sequence[int]] | None = None,
     caps: Sequence[int] | None = None,
     cores: int | None = None,
+    tools: ToolModel | None = None,
 ) -> GenResult:
   """Generation of one batch on `num_instances` instances (no trainer).
 
   `queues`/`caps` bypass the scheduler (explicit per-instance admission order
   and batch caps); otherwise the scheduler is "fifo" or "skew" as in SimConfig.
-  `cores`: as SimConfig.gen_cores (the instances share that many cores).
+  `cores`: as SimConfig.gen_cores (the instances share that many cores);
+  `tools`: as SimConfig.tools (multi-turn trajectories).
   """
   prompt = np.asarray(prompt_lens, dtype=np.int64)
   out = np.asarray(output_lens, dtype=np.int64)
@@ -828,7 +914,7 @@ def simulate_generation(
   def on_done(t):
     done[0] = t
 
-  phase = _GenPhase(gen, push, on_finish, on_done, cores)
+  phase = _GenPhase(gen, push, on_finish, on_done, cores, tools)
   phase.start(0.0, prompt, out, queues, caps)
   events = 0
   while heap:

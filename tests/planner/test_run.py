@@ -47,3 +47,17 @@ def test_bad_configs():
     c.lengths = dict(kind="empirical", output_lens=outs, prompt_len=64)
     with pytest.raises(ValueError, match="length"):
       run_plan(c)
+
+
+def test_a_plan_for_an_agentic_workload_counts_its_tool_calls():
+  import ml_collections  # pylint: disable=g-import-not-at-top
+
+  plain = run_plan(_config("qwen7b_single_dc"))
+  c = _config("qwen7b_single_dc")
+  c.tools = ml_collections.ConfigDict(
+      {"latency_s": 2.0, "turn_tokens": 256, "observation_tokens": 64}
+  )
+  agentic = run_plan(c)
+  # Every trajectory longer than a turn waits on tools: less throughput in every mode.
+  for mode in ("stream", "async"):
+    assert 0 < agentic.predicted[mode] < plain.predicted[mode]

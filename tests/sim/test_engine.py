@@ -214,3 +214,45 @@ def test_the_simulate_latency_model_gets_the_noisy_rankers_error_on_recent_lengt
   assert sorted(hist[:, 0]) == [k / len(recent) for k in range(len(recent))]
   # Noisy, yet the ranks follow the lengths.
   assert np.corrcoef(hist[:, 0], hist[:, 1])[0, 1] > 0.5
+
+
+def test_a_trajectory_leaves_the_batch_for_each_tool_call_and_returns_with_its_observation():
+  p = 2e-4
+  tools = engine.ToolModel(latency_s=0.5, turn_tokens=10, observation_tokens=5)
+  assert list(tools.calls([1, 10, 11, 25])) == [0, 0, 1, 2]
+  # One trajectory of 25 tokens: turns of 10, 10, 5 with two calls of 0.5 s between them;
+  # each return prefills only its observation (the context before it is cached).
+  r = simulate_generation(_gen(prefill=p), 1, [8], [25], queues=[[0]], caps=[1], tools=tools)
+  expect = (8 + 5 + 5) * p + 25 * (A + B) + 2 * 0.5
+  assert r.makespan == pytest.approx(expect)
+  # Two trajectories, one short: the engine decodes the second while the first waits on
+  # its tool, so the latency is hidden where there is other work.
+  r2 = simulate_generation(_gen(), 1, [8, 8], [20, 10], queues=[[0, 1]], caps=[2], tools=tools)
+  # Steps 1-10 at BS 2; 0 calls its tool, 1 finishes; the engine idles 0.5 s; 0's second
+  # turn decodes alone.
+  assert r2.finish_times[1] == pytest.approx(10 * (A + 2 * B))
+  assert r2.makespan == pytest.approx(10 * (A + 2 * B) + 0.5 + 10 * (A + B))
+  # Without tools the same lengths are one turn each.
+  r3 = simulate_generation(_gen(), 1, [8, 8], [20, 10], queues=[[0, 1]], caps=[2])
+  assert r3.makespan == pytest.approx(10 * (A + 2 * B) + 10 * (A + B))
+
+
+def test_tool_latency_is_hidden_by_other_work_and_async_gains_from_it():
+  # Many trajectories on one instance: the latency of one is covered by the others'
+  # decoding, so generation grows far less than calls x latency; and an async run overlaps
+  # the longer generation with training.
+  lengths = from_lengths([20, 40, 80], 64)
+  tools = engine.ToolModel(latency_s=0.2, turn_tokens=20, observation_tokens=4)
+  cfg = _trivial("colocated", iterations=4)
+  import dataclasses  # pylint: disable=g-import-not-at-top
+
+  base = dataclasses.replace(cfg, lengths=lengths, batch_size=64)
+  plain = simulate(base)
+  with_tools = simulate(dataclasses.replace(base, tools=tools))
+  calls = tools.calls([20, 40, 80]).mean() * 64
+  extra = with_tools.mean_iteration_s - plain.mean_iteration_s
+  assert 0.2 <= extra < 0.5 * calls * 0.2
+  async_tools = simulate(dataclasses.replace(base, tools=tools, mode="async", iterations=6))
+  assert async_tools.mean_iteration_s < with_tools.mean_iteration_s
+  with pytest.raises(ValueError, match="turn_tokens"):
+    engine.ToolModel(latency_s=0.1, turn_tokens=0)
