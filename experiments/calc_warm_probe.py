@@ -52,13 +52,19 @@ def main(argv):
   held_out = calc_lib.make_examples(64, 10000, cfg, first_id=10**6)
   policy = Transformer(model_config.tiny_qwen2(tok.VOCAB_SIZE), rngs=nnx.Rngs(0))
   t0 = time.time()
-  phases = warmstart.warmup_phases(Warmstart(steps=first + steps, batch_size=bs, lr=lr), train,
-                                   seed=0, calc=cfg)
+  phases = warmstart.warmup_phases(
+      Warmstart(steps=first + steps, batch_size=bs, lr=lr), train, seed=0, calc=cfg
+  )
   for k, (n, pairs) in enumerate(phases):
     seq_len = max(len(p) + len(a) for p, a, *_ in pairs)
     policy, loss = sft.warm_start(
-        policy, pairs, steps=n, batch_size=bs, lr=lr if (k == 0 and first) else lr2,
-        seq_len=seq_len + 1, log_every=max(n // 4, 1),
+        policy,
+        pairs,
+        steps=n,
+        batch_size=bs,
+        lr=lr if (k == 0 and first) else lr2,
+        seq_len=seq_len + 1,
+        log_every=max(n // 4, 1),
     )
   warm_s = time.time() - t0
   print(f"warm-up {first}+{steps} steps in {warm_s:.0f} s, last loss {loss:.3f}", flush=True)
@@ -92,7 +98,9 @@ def main(argv):
         if nxt[i] == tok.EOS_ID or length[i] >= MAX_LEN - 16:
           done[i] = True
         elif tok.decode([int(nxt[i])]) == "]":  # a call: the calculator answers it
-          call = re.search(r"\[calc ([^\[\]]*)\]$", tok.decode(ids[i, turn[i] : length[i]].tolist()))
+          call = re.search(
+              r"\[calc ([^\[\]]*)\]$", tok.decode(ids[i, turn[i] : length[i]].tolist())
+          )
           try:
             obs = f"({tools.step_calculator(call.group(1))})"
           except Exception:  # pylint: disable=broad-except
@@ -105,16 +113,20 @@ def main(argv):
     texts = [tok.decode(ids[i, 1 : length[i]].tolist()) for i in range(len(held_out))]
     for t in texts[:3]:
       print("   ", t[:160])
-    right = [tasks.final_answer(t.split("=", 1)[1].replace("<eos>", "")) == e.answer
-             for t, e in zip(texts, held_out)]
+    right = [
+        tasks.final_answer(t.split("=", 1)[1].replace("<eos>", "")) == e.answer
+        for t, e in zip(texts, held_out)
+    ]
     return float(np.mean(right)), float(np.mean(["[calc" in t for t in texts]))
 
   acc, use = decode("", 1.0)
   print(f"sampled (T=1): accuracy {acc:.3f}, calls the tool {use:.2f}")
   forced, _ = decode("[calc ", 0.0)
   print(f"greedy, forced to call: accuracy {forced:.3f}")
-  print(f"RESULT natural_accuracy={acc:.3f} tool_use={use:.2f} forced_tool_accuracy={forced:.3f} "
-        f"warmup_s={warm_s:.0f}")
+  print(
+      f"RESULT natural_accuracy={acc:.3f} tool_use={use:.2f} forced_tool_accuracy={forced:.3f} "
+      f"warmup_s={warm_s:.0f}"
+  )
 
 
 if __name__ == "__main__":

@@ -144,9 +144,7 @@ def make_env(name: str) -> Environment:
 _ENVS: dict[str, Environment] = {}
 
 
-def step_in_worker(
-    name: str, state: Any, prompt: str, action: str, timeout_s: float
-) -> Step:
+def step_in_worker(name: str, state: Any, prompt: str, action: str, timeout_s: float) -> Step:
   """One turn of environment `name` in a tool worker: `reset(prompt)` first
   when the trajectory has no state yet (`state` None). The worker process
   keeps one instance per environment."""

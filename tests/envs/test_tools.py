@@ -227,7 +227,9 @@ def test_the_warm_up_trains_the_policys_turns_not_the_tools_answers():
   assert len(mask) == len(a) and mask[-1] == 1.0  # EOS is trained
   # Exactly the calculator's answers "(...)" are masked.
   masked = "".join(ch for ch, m in zip(text, mask) if not m)
-  assert masked == "".join(t for t, policy in calc.tool_segments(calc.terms_of(examples[0].prompt)) if not policy)
+  assert masked == "".join(
+      t for t, policy in calc.tool_segments(calc.terms_of(examples[0].prompt)) if not policy
+  )
   batch = sft.sft_arrays([(p, a, mask)], len(p) + len(a))
   # Position t predicts token t + 1: the loss mask is the answer mask shifted by the prompt.
   np.testing.assert_array_equal(batch["mask_bt"][0, len(p) - 1 : len(p) + len(a) - 1], mask)
