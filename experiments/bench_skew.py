@@ -1,4 +1,5 @@
-"""Skewness-aware generation on a real vLLM long-tail workload: FIFO vs ranker vs oracle.
+"""Skewness-aware generation on a real vLLM long-tail workload: FIFO, the ranker's plans,
+a shared work pool with straggler migration, and the oracle, instances running concurrently.
 
   python experiments/bench_skew.py [--workdir=/tmp/streamrl_skew] [--quick]
 
@@ -7,51 +8,50 @@ What runs (everything real, on this machine):
      (streamrl.trainer.sft) on the run configs' work traces (`--task=trace`,
      the default: a random number of passes over the input before the
      answer, so lengths vary between samples of a prompt as well as across
-     prompts) or on the plain string tasks (`--task=synthetic`: the length
-     follows the prompt). Cached in the workdir.
+     prompts) or on the plain string tasks (`--task=synthetic`). Cached in
+     the workdir.
   2. Length history: the policy generates for `--train_prompts` prompts;
      (prompt ids, generated length) pairs go to <workdir>/length_pairs.jsonl,
-     as the RL loop will save them.
+     as the RL loop saves them.
   3. Rankers: one per loss (mse / pairwise / both) trained on those pairs;
-     recall of the longest 20/10/5 % and Spearman rho measured on the
-     benchmark prompts (never trained on) against their real lengths. For
-     traces, the same metrics of the exact expected length of the trace
-     distribution the warm-up taught (`expected`): the best any predictor
-     that sees only the prompt can do against one sampled length.
-  4. Latency profile PTL(BS) of the instance (streamrl.generator.profiler).
-  5. The benchmark: `--num_prompts` new prompts, each sampled
-     `--group_size` times (a GRPO group; every sample its own seed), on
-     `--num_instances` instances, each at most `--max_batch_size` in flight, under
-       fifo      random order, round-robin (mean over --fifo_orders shuffles),
-       lpt_only  the first fifo assignment, each instance admitting longest-predicted first,
-       ranker    ranker predictions -> Algorithm 2 (makespan objective) -> LPT,
-       ranker_sum  the same with the paper's sum objective,
-       ranker_sim  ranker, makespan objective, latency_model="simulate" (ours)
-                 with the ranker's real error: the ranks and lengths of the
-                 history's second half under a ranker trained on its first,
-       grouped   ranker, makespan, each prompt's samples on one instance, LPT,
-       sibling   the grouped plan, each instance admitting one sample per prompt
-                 first, then by the lengths of finished and running siblings
-                 blended with the ranker's estimate (scheduler.sibling_lengths=on),
-       oracle    true lengths -> Algorithm 2 (makespan) -> LPT,
-       oracle_sim  true lengths, latency_model="simulate" (exact ranks).
-     Sampling is seeded per prompt, so every arm generates the same tokens.
+     recall of the longest 20/10/5 % and Spearman rho on the benchmark
+     prompts (never trained on) against their real lengths; for traces also
+     those of the exact expected length of each prompt (`expected`: the best
+     any predictor that sees only the prompt can do).
+  4. Latency profile PTL(BS) of one instance (streamrl.generator.profiler).
+  5. The benchmark: `--num_prompts` new prompts, each sampled `--group_size`
+     times (a GRPO group; every sample its own seed), on `--num_instances`
+     real vLLM engines running concurrently, each at most `--max_batch_size`
+     in flight, under
+       fifo          random order, round-robin fixed lists (mean over --fifo_orders orders),
+       ranker        ranker -> Algorithm 2 (paper latency model) -> LPT, fixed lists,
+       ranker_fixed  ranker -> Algorithm 2 ("simulate" model with the ranker's real
+                     error) -> LPT, fixed lists: the run configs' scheduler before
+                     the shared pool,
+       oracle_static true lengths -> Algorithm 2 -> LPT, fixed lists,
+       pool          one shared pool in random order, no estimates, no migration,
+       pool_migrate  the same with straggler migration,
+       ranker_sim    exactly the run configs' scheduler settings (configs/ppo.py's
+                     scheduler.*: kind, latency model, long-tail alpha, objective,
+                     pool, migrate) with this ranker,
+       oracle_pool   a shared pool handing out by true length, with migration.
+     Sampling is seeded per request, so every arm generates the same tokens,
+     except the rest of a moved response, which is sampled afresh on its new
+     instance (counted: `moved`).
 
-How time is measured: the instances of one plan run one after another through
-one in-process vLLM engine; each instance's time is its own measured run, and
-the plan's makespan is the largest (the instances would run in parallel on
-their own resources). The clock is this process's CPU time by default
-(`--clock=cpu`; the engine runs in-process with one compute thread), because
-on a shared 2-core machine wall time mostly measures the neighbours; wall-time
-ratios are printed too. Within every repetition the same instance slot of all
-plans runs back to back; an instance's time is the minimum over repetitions
-(the uncontended estimate, for all plans alike) and a plan's makespan is its
-slowest instance. Ratios are makespan(arm) / makespan(fifo). A third,
-noise-free column ("trace") replays each run's real engine steps through the
-measured profile: sum over steps of PTL(requests in flight).
+How time is measured: the instances run in one process on the lockstep clock
+of streamrl/generator/lockstep.py: one engine steps at a time, the one with
+work and the smallest clock, and its clock advances by the CPU time of its
+step (one compute thread per engine), so the instances run as if each had a
+core of its own and a shared pool hands out and moves work at the moments the
+clocks say. An arm's makespan is the clock when its last request is answered,
+the median over `--reps` repetitions (arms interleaved, rotating which goes
+first); its spread (min-max over repetitions / median) is printed. Ratios are
+makespan(arm) / makespan(fifo). `bound` is the floor: the longest response of
+the round generated alone on one engine.
 
 Ends with
-  RESULT fifo=1.00 ranker=<x> oracle=<x> recall20=<x> recall10=<x> recall5=<x> spearman=<x> ...
+  RESULT fifo=1.00 ranker_sim=<x> oracle_static=<x> bound=<x> pool=<x> ... recall20=<x> ...
 
 Measured results: experiments/RESULTS.md (section bench_skew.py).
 """
@@ -61,8 +61,8 @@ import os
 import statistics
 import time
 
-# One compute thread, engine in this process: stable CPU-time measurements on
-# a shared machine (set before torch / vLLM are imported).
+# One compute thread per engine, engines in this process: the lockstep clock is
+# each engine thread's CPU time (set before torch / vLLM are imported).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -83,7 +83,7 @@ _GROUP_SIZE = flags.DEFINE_integer(
 )
 _NUM_INSTANCES = flags.DEFINE_integer("num_instances", 4, "Generator instances.")
 _MAX_BS = flags.DEFINE_integer("max_batch_size", 32, "Most requests in flight per instance.")
-_REPS = flags.DEFINE_integer("reps", 11, "Timed repetitions of every (plan, instance).")
+_REPS = flags.DEFINE_integer("reps", 5, "Timed repetitions of every arm.")
 _TRAIN_PROMPTS = flags.DEFINE_integer(
     "train_prompts", 3000, "Prompts generated for the length history."
 )
@@ -105,10 +105,10 @@ _TRACE_MAX_TOKENS = flags.DEFINE_integer(
     "trace_max_tokens", 320, "sampling.max_tokens for traces (the warm-up's fit 0.9 of it)."
 )
 _ALPHA = flags.DEFINE_float("alpha", 0.2, "Long-tail fraction for Algorithm 2.")
-_CLOCK = flags.DEFINE_enum("clock", "cpu", ["cpu", "wall"], "Which time the makespan ratios use.")
 _FIFO_ORDERS = flags.DEFINE_integer(
     "fifo_orders", 3, "Random FIFO orders averaged for the baseline."
 )
+_STRAGGLER = flags.DEFINE_list("straggler_tokens", ["48", "96"], "Isolation thresholds to try.")
 _SEED = 0
 
 
@@ -247,83 +247,58 @@ def train_ranker(workdir, loss, pairs):
   return trainer
 
 
-class StepTrace:
-  """Records how many requests are in flight at every engine step of `gen`.
+class Arms:
+  """The engines and the arms' runs; see the module docstring."""
 
-  Registered as the instance's step callback. Summing PTL(in flight) over the
-  steps of a run gives its time under the measured latency profile: a
-  noise-free companion to the measured time that still reflects the engine's
-  real admission and finishing order.
-  """
+  def __init__(self, gens, sampling, prompts):
+    from streamrl.scheduling.request import Request
 
-  def __init__(self, gen):
-    self.counts = []
-    gen.set_step_callback(self._record)
+    self.gens, self.sampling = gens, sampling
+    self.requests = [Request(k, ids) for k, ids in prompts]
 
-  def _record(self, in_flight: int) -> None:
-    self.counts.append(in_flight)
+  def fixed(self, plan):
+    from streamrl.generator import lockstep
 
+    return lockstep.run_fixed(
+        self.gens,
+        [[self.requests[k] for k in a] for a in plan.assignments],
+        list(plan.batch_sizes),
+        self.sampling,
+        seed=_SEED,
+    )
 
-def replay(plan, lengths, profile, hints=None, shared=False):
-  """The plan's makespan replayed step by step through the profile: every
-  instance admits up to its cap (in plan order, or with `hints` through a
-  SiblingQueue), each step of n running requests takes PTL(n), and the
-  instances advance together in time, so with `shared` every instance sees
-  every sibling's progress as it happens (which the real runs here, one
-  instance after another, cannot show)."""
-  import collections
-  import heapq
+  def pooled(self, plan, *, migrate: bool, estimates=None, straggler_tokens=0, long_share=4):
+    from streamrl.generator import lockstep, pooled
+    from streamrl.scheduling import pool as pool_lib
 
-  from streamrl.scheduling.siblings import SiblingQueue
-
-  n = plan.num_instances
-  queues = [
-      SiblingQueue(list(a), [hints[p] for p in a]) if hints else collections.deque(a)
-      for a in plan.assignments
-  ]
-  running = [{} for _ in range(n)]  # request -> tokens so far
-  clock, end = [(0.0, i) for i in range(n)], [0.0] * n
-  while clock:
-    t, i = heapq.heappop(clock)
-    while queues[i] and len(running[i]) < plan.batch_sizes[i]:
-      running[i][queues[i].popleft()] = 0
-    if not running[i]:
-      end[i] = t
-      continue
-    t += profile.ptl(len(running[i])) + profile.context_s_per_token * sum(running[i].values())
-    for p in list(running[i]):
-      running[i][p] += 1
-      done = running[i][p] >= lengths[p]
-      if hints:
-        for q in queues if shared else [queues[i]]:
-          (q.finished if done else q.running)(hints[p], running[i][p])
-      if done:
-        del running[i][p]
-    heapq.heappush(clock, (t, i))
-  return max(end)
+    n = len(self.gens)
+    pool = pool_lib.from_parts(
+        [[self.requests[k] for k in a] for a in plan.assignments],
+        list(range(n)),
+        n_long=plan.n_long_instances,
+        estimates=estimates,
+    )
+    rnd = pooled.PooledRound(
+        pool,
+        dict(enumerate(plan.batch_sizes)),
+        max_tokens=self.sampling.max_tokens,
+        migrate=migrate,
+        straggler_tokens=straggler_tokens,
+        long_instances=tuple(pool.long_instances) or (n - 1,),
+        long_share=long_share,
+    )
+    return lockstep.run_pooled(self.gens, rnd, self.sampling, seed=_SEED)
 
 
-def run_instance(gen, trace, prompts_by_id, ids, batch_size, sampling, profile, hints=None):
-  """Generates `ids` (in order, at most batch_size in flight) on `gen`; with
-  `hints` (id -> LengthHint), in the sibling-aware order instead.
+def run_config_scheduler():
+  """configs/ppo.py's scheduler settings (`scheduler.*`)."""
+  from streamrl import config_utils
+  from streamrl.scheduling.config import Scheduler
 
-  Returns (cpu s, wall s, profile-weighted step-trace s, {prompt id: length}).
-  """
-  import gc
-
-  lengths = {}
-  trace.counts = []
-  gc.collect()
-  gc.disable()  # A collection inside a 0.3 s run is a 10 % outlier.
-  try:
-    c0, w0 = time.process_time(), time.perf_counter()
-    reqs = [(i, prompts_by_id[i]) + ((None, hints[i]) if hints else ()) for i in ids]
-    for s in gen.generate(reqs, sampling, seed=_SEED, max_in_flight=batch_size):
-      lengths[s.prompt_id] = len(s.token_ids)
-    cpu, wall = time.process_time() - c0, time.perf_counter() - w0
-  finally:
-    gc.enable()
-  return cpu, wall, sum(profile.ptl(n) for n in trace.counts if n > 0), lengths
+  cfg = config_utils.load_config("configs/ppo.py")
+  return Scheduler(
+      **{k: cfg.scheduler[k] for k in Scheduler.__dataclass_fields__ if k in cfg.scheduler}
+  )
 
 
 def main(argv):
@@ -343,13 +318,13 @@ def main(argv):
 
   from streamrl.data import tasks
   from streamrl.data.loader import make_prompts
+  from streamrl.generator import lockstep
   from streamrl.generator.config import Sampling
   from streamrl.generator.profiler import profile_instance
   from streamrl.generator.vllm_engine import GeneratorInstance
   from streamrl.ranker.metrics import ranking_metrics
-  from streamrl.scheduling import DispatchPlan, LatencyProfile, dispatch, fifo_plan, lpt_order
+  from streamrl.scheduling import LatencyProfile, dispatch, fifo_plan, plan_generation
   from streamrl.scheduling.dispatch import rank_quantiles
-  from streamrl.scheduling.scheduler import with_length_hints
 
   # Everything cached depends on the policy, hence on these two settings.
   workdir = os.path.join(_WORKDIR.value, f"{_TASK.value}_ans{_max_answer()}_sft{_SFT_STEPS.value}")
@@ -357,27 +332,30 @@ def main(argv):
   n_inst, max_bs = _NUM_INSTANCES.value, _MAX_BS.value
   policy = build_policy(workdir)
   sampling = Sampling(temperature=1.0, top_p=1.0, max_tokens=_max_tokens())
-  gen = GeneratorInstance(
-      policy,
-      max_num_seqs=max(64, max_bs),
-      max_model_len=max(320, _max_tokens() + 2 * _max_answer() + 16),
-      seed=_SEED,
-      kv_cache_gib=1.0,
-  )
-
+  gens = [
+      GeneratorInstance(
+          policy,
+          instance_id=i,
+          max_num_seqs=max(64, max_bs),
+          max_model_len=max(320, _max_tokens() + 2 * _max_answer() + 16),
+          seed=_SEED,
+          kv_cache_gib=1.0,
+      )
+      for i in range(n_inst)
+  ]
+  gen = gens[0]
   pairs = length_history(workdir, gen, sampling)
   recent = np.asarray([n for _, n in pairs], np.float64)
 
-  prof_path = os.path.join(workdir, f"profile_{_CLOCK.value}.json")
+  prof_path = os.path.join(workdir, "profile_cpu.json")
   profile = LatencyProfile.from_json(prof_path) if os.path.exists(prof_path) else None
   if profile is None or not profile.context_s_per_token:  # measured before the context term
-    clock = time.process_time if _CLOCK.value == "cpu" else time.perf_counter
     profile = profile_instance(
         gen,
         [1, 2, 4, 8, 16, 32, 64],
         reps=3,
-        clock=clock,
-        name=f"tiny-qwen2 vllm-cpu 1 thread ({_CLOCK.value} time)",
+        clock=time.process_time,
+        name="tiny-qwen2 vllm-cpu 1 thread (cpu time)",
         path=prof_path,
     )
 
@@ -387,9 +365,9 @@ def main(argv):
   groups = [k // group_size for k in range(len(examples) * group_size)]
   unique = make_prompts(examples)
   prompts = [(k, unique[g][1]) for k, g in enumerate(groups)]
-  prompts_by_id = dict(prompts)
-  assert list(prompts_by_id) == list(range(len(prompts)))
-  # Untimed warm-up: the true lengths (same tokens in every arm: per-prompt seeds).
+  # Untimed warm-up of every engine; the true lengths (same tokens in every arm).
+  for g in gens[1:]:
+    generate_lengths(g, prompts[: 4 * max_bs], sampling)
   true = generate_lengths(gen, prompts, sampling)
   true_len = np.asarray([true[i] for i in range(len(prompts))], np.float64)
 
@@ -401,7 +379,6 @@ def main(argv):
   rank_metrics = {loss: ranking_metrics(p, true_len) for loss, p in preds.items()}
   trace = _trace_config()
   if trace is not None:
-    # The prompt-only bound: the exact mean of the taught trace distribution.
     expected = [
         tasks.expected_response_length(
             tasks.parse_prompt(examples[g].prompt)[1], examples[g].answer, trace
@@ -410,27 +387,12 @@ def main(argv):
     ]
     rank_metrics["expected"] = ranking_metrics(np.asarray(expected), true_len)
   pred = preds[_RANKER_LOSS.value]
-  # The simulate model's rank history, as a run records it (out of sample):
-  # a ranker trained on the history's first half ranks its second half. The
-  # oracle's ranks are exact.
+  # The "simulate" model's rank history, as a run records it (out of sample):
+  # a ranker trained on the history's first half ranks its second half.
   half = len(pairs) // 2
   held = train_ranker(workdir, _RANKER_LOSS.value, pairs[:half])
   rank_history = list(
       zip(rank_quantiles(held.predict([ids for ids, _ in pairs[half:]])), recent[half:])
-  )
-  oracle_history = list(zip(rank_quantiles(recent), recent))
-
-  fifo_plans = {
-      f"fifo{k}": fifo_plan(len(prompts), n_inst, max_bs, seed=_SEED + 1 + k)
-      for k in range(_FIFO_ORDERS.value)
-  }
-  base = fifo_plans["fifo0"]
-  lpt_only = DispatchPlan(
-      assignments=tuple(tuple(a[j] for j in lpt_order(pred[list(a)])) for a in base.assignments),
-      batch_sizes=base.batch_sizes,
-      n_long_instances=0,
-      predicted_time=float("nan"),
-      objective="lpt_only",
   )
 
   def alg2(lengths, **kw):
@@ -438,154 +400,139 @@ def main(argv):
         lengths, n_inst, profile, recent, alpha=_ALPHA.value, max_batch_size=max_bs, **kw
     )
 
-  grouped = alg2(pred, groups=groups)
-  hints = {r.id: r.hint for r in with_length_hints(prompts, groups, grouped.lengths)}
-  hinted = {"sibling"}  # arms that run with length hints
-  plans = {
-      **fifo_plans,
-      "lpt_only": lpt_only,
-      "ranker": alg2(pred),
-      "ranker_sum": alg2(pred, objective="sum"),
-      "ranker_sim": alg2(pred, latency_model="simulate", rank_history=rank_history),
-      # Group-aware: a prompt's samples on one instance; "grouped" admits them
-      # in plain LPT order, "sibling" in the sibling-aware order
-      # (streamrl/scheduling/siblings.py: one per prompt first, then by what
-      # the finished and running siblings say, blended with the ranker's estimate).
-      "grouped": grouped,
-      "sibling": grouped,
-      "oracle": alg2(true_len),
-      "oracle_sim": alg2(true_len, latency_model="simulate", rank_history=oracle_history),
+  sched = run_config_scheduler()
+  run_plan = plan_generation(
+      sched.kind,
+      num_prompts=len(prompts),
+      num_instances=n_inst,
+      max_batch_size=max_bs,
+      profile=profile,
+      predicted_lengths=pred,
+      true_lengths=true_len,
+      recent_lengths=recent,
+      alpha=sched.long_tail_alpha,
+      objective=sched.objective,
+      latency_model=sched.latency_model,
+      seed=_SEED,
+      rank_history=rank_history,
+  )
+  fifo_plans = {
+      f"fifo{k}": fifo_plan(len(prompts), n_inst, max_bs, seed=_SEED + 1 + k)
+      for k in range(_FIFO_ORDERS.value)
   }
-  # Identical plans (e.g. both objectives choosing the same split) run once.
-  aliases = {}
-  for a in list(plans):
-    same = next(
-        (
-            b
-            for b in plans
-            if b != a
-            and b not in aliases
-            and not {a, b} & hinted
-            and plans[b].assignments == plans[a].assignments
-            and plans[b].batch_sizes == plans[a].batch_sizes
-            and list(plans).index(b) < list(plans).index(a)
-        ),
-        None,
+  base = fifo_plans["fifo0"]
+  oracle_plan = alg2(true_len)
+  arms = Arms(gens, sampling, prompts)
+
+  def by_id(lengths):
+    return {k: float(n) for k, n in enumerate(lengths)}
+
+  runs = {
+      **{f: (lambda p=p: arms.fixed(p)) for f, p in fifo_plans.items()},
+      "ranker": lambda p=alg2(pred): arms.fixed(p),
+      "ranker_fixed": lambda p=alg2(pred, latency_model="simulate", rank_history=rank_history): (
+          arms.fixed(p)
+      ),
+      "oracle_static": lambda: arms.fixed(oracle_plan),
+      "pool": lambda: arms.pooled(base, migrate=False),
+      "pool_migrate": lambda: arms.pooled(base, migrate=True),
+      "ranker_sim": (
+          (
+              lambda: arms.pooled(
+                  run_plan,
+                  migrate=sched.migrate,
+                  estimates=by_id(run_plan.lengths) if run_plan.lengths else None,
+              )
+          )
+          if sched.pool == "shared"
+          else (lambda: arms.fixed(run_plan))
+      ),
+      "oracle_pool": lambda: arms.pooled(oracle_plan, migrate=True, estimates=by_id(true_len)),
+  }
+  for t in _STRAGGLER.value:
+    runs[f"isolate{t}"] = lambda t=int(t): arms.pooled(
+        run_plan,
+        migrate=True,
+        estimates=by_id(run_plan.lengths) if run_plan.lengths else None,
+        straggler_tokens=t,
     )
-    if same:
-      aliases[a] = same
-  names = [a for a in plans if a not in aliases]
-  trace = StepTrace(gen)
-  # times[plan][instance][clock] -> one value per repetition.
-  times = {a: [{"cpu": [], "wall": [], "trace": []} for _ in range(n_inst)] for a in names}
-  mismatched = 0
+  # The floor: the round's longest response alone on one engine.
+  longest = int(np.argmax(true_len))
+  solo = fifo_plan(1, 1, 1)
+  bound_runs = []
+  names = list(runs)
+  spans = {a: [] for a in names}
+  moved = {a: 0 for a in names}
+  mismatched = {a: 0 for a in names}
+  t0 = time.perf_counter()
   for rep in range(_REPS.value):
-    for inst in range(n_inst):
-      # The same instance slot of every plan back to back (rotating which goes
-      # first), so drifting load on the machine hits all plans alike.
-      k = (rep * n_inst + inst) % len(names)
-      for a in names[k:] + names[:k]:
-        cpu, wall, modelled, lengths = run_instance(
-            gen,
-            trace,
-            prompts_by_id,
-            plans[a].assignments[inst],
-            plans[a].batch_sizes[inst],
-            sampling,
-            profile,
-            hints if a in hinted else None,
-        )
-        mismatched += sum(lengths[i] != true[i] for i in lengths)
-        times[a][inst]["cpu"].append(cpu)
-        times[a][inst]["wall"].append(wall)
-        times[a][inst]["trace"].append(modelled)
-    print(f"[bench] rep {rep + 1}/{_REPS.value} done", flush=True)
+    k = rep % len(names)
+    for a in names[k:] + names[:k]:
+      res = runs[a]()
+      spans[a].append(res.makespan_s)
+      moved[a] += res.moves
+      mismatched[a] += sum(len(s.token_ids) != true[i] for i, s in res.samples.items())
+      assert len(res.samples) == len(prompts), (a, len(res.samples))
+    one = lockstep.run_fixed(
+        gens[:1], [[arms.requests[longest]]], list(solo.batch_sizes), sampling, seed=_SEED
+    )
+    bound_runs.append(one.makespan_s)
+    print(f"[bench] rep {rep + 1}/{_REPS.value} done, {time.perf_counter() - t0:.0f}s", flush=True)
 
-  def makespan(a, clock):
-    # Min over repetitions estimates each instance's uncontended time; the
-    # plan's makespan is its slowest instance.
-    return max(min(times[a][i][clock]) for i in range(n_inst))
-
-  for a, same in aliases.items():
-    times[a] = times[same]
-
-  clocks = ("cpu", "wall", "trace")
-  arms = ["fifo"] + [a for a in plans if not a.startswith("fifo")]
-  med = {a: {c: makespan(a, c) for c in clocks} for a in plans}
-  # Random FIFO: the mean over its random orders.
-  med["fifo"] = {c: statistics.mean(med[f][c] for f in fifo_plans) for c in clocks}
-  plans["fifo"] = base
-  rel = {a: {c: med[a][c] / med["fifo"][c] for c in clocks} for a in list(plans)}
-  ratio = {a: rel[a][_CLOCK.value] for a in arms}
+  med = {a: statistics.median(v) for a, v in spans.items()}
+  spread = {a: (max(v) - min(v)) / med[a] for a, v in spans.items()}
+  med["fifo"] = statistics.mean(med[f] for f in fifo_plans)
+  spread["fifo"] = statistics.mean(spread[f] for f in fifo_plans)
+  med["bound"] = statistics.median(bound_runs)
+  ratio = {a: med[a] / med["fifo"] for a in med}
 
   print()
   print(
       f"policy: tiny qwen2 + {_SFT_STEPS.value} SFT steps; task={_TASK.value} "
-      f"max_answer_len={_max_answer()}; "
-      f"sampling T=1.0 max_tokens={sampling.max_tokens}, per-prompt seeds"
+      f"max_answer_len={_max_answer()}; sampling T=1.0 max_tokens={sampling.max_tokens}, "
+      "per-request seeds"
   )
   p50, p90, p99 = np.percentile(true_len, [50, 90, 99])
   print(
-      f"workload: {len(examples)} prompts x {group_size} samples, generated length p50={p50:.0f} p90={p90:.0f} p99={p99:.0f} "
-      f"max={true_len.max():.0f} (history: {len(pairs)} pairs, p50={np.percentile(recent, 50):.0f} "
-      f"p90={np.percentile(recent, 90):.0f}); {n_inst} instances, max {max_bs} in flight; "
-      f"{mismatched} length mismatches across arms"
+      f"workload: {len(examples)} prompts x {group_size} samples, generated length p50={p50:.0f} "
+      f"p90={p90:.0f} p99={p99:.0f} max={true_len.max():.0f} (history: {len(pairs)} pairs); "
+      f"{n_inst} instances, max {max_bs} in flight"
   )
   print(
       "PTL(BS) ms: "
       + " ".join(f"{b}:{1e3 * t:.2f}" for b, t in zip(profile.batch_sizes, profile.ptl_s))
-      + f"; prefill {1e6 * profile.prefill_s_per_token:.1f} us/token"
   )
   print(f"{'ranker loss':12s} {'recall20':>8s} {'recall10':>8s} {'recall5':>8s} {'spearman':>8s}")
   for loss, m in rank_metrics.items():
     print(
-        f"{loss:12s} {m['recall20']:8.3f} {m['recall10']:8.3f} {m['recall5']:8.3f} {m['spearman']:8.3f}"
+        f"{loss:12s} {m['recall20']:8.3f} {m['recall10']:8.3f} {m['recall5']:8.3f} "
+        f"{m['spearman']:8.3f}"
     )
   print(
-      f"makespan = max over instances of min over {_REPS.value} repetitions; fifo = mean of "
-      f"{len(fifo_plans)} random orders"
+      f"run configs' scheduler: kind={sched.kind} latency_model={sched.latency_model} "
+      f"alpha={sched.long_tail_alpha} objective={sched.objective} pool={sched.pool} "
+      f"migrate={sched.migrate}"
   )
   print(
-      "ratio = makespan / fifo's; cpu: process CPU time, wall: wall time, trace: sum of PTL(in flight)"
-      " over the engine steps of each run (noise-free); alg2 s: Algorithm 2's own estimate"
+      f"makespan = lockstep CPU-time clock at the last answer, median of {_REPS.value} "
+      f"repetitions; fifo = mean of {len(fifo_plans)} random orders"
   )
-  print(
-      f"{'arm':12s} {'cpu s':>6s} {'cpu':>6s} {'wall':>6s} {'trace':>6s} {'N_long':>6s} {'alg2 s':>7s}  batch caps"
-  )
-  for a in arms + list(fifo_plans):
-    plan = plans[a]
-    note = f"  (same plan as {aliases[a]})" if a in aliases else ""
+  print(f"{'arm':14s} {'s':>7s} {'/fifo':>6s} {'spread':>7s} {'moved':>6s} {'changed':>8s}")
+  for a in ["fifo", *names, "bound"]:
     print(
-        f"{a:12s} {med[a]['cpu']:6.3f} {rel[a]['cpu']:6.3f} {rel[a]['wall']:6.3f} {rel[a]['trace']:6.3f} "
-        f"{plan.n_long_instances:6d} {plan.predicted_time:7.3f}  {list(plan.batch_sizes)}{note}"
+        f"{a:14s} {med[a]:7.3f} {ratio[a]:6.3f} {spread.get(a, float('nan')):7.3f} "
+        f"{moved.get(a, 0) / _REPS.value:6.1f} {mismatched.get(a, 0) / _REPS.value:8.1f}"
     )
-  # The replay (noise-free, instances in parallel): the bound of admission
-  # order (oracle) and siblings shared between instances (sibling_shared: the
-  # ranker's plan, siblings spread over instances, each seeing all of them).
-  spread_hints = {r.id: r.hint for r in with_length_hints(prompts, groups, plans["ranker"].lengths)}
-  fifo_r = statistics.mean(replay(plans[f], true_len, profile) for f in fifo_plans)
-  rep = {
-      "ranker": replay(plans["ranker"], true_len, profile),
-      "grouped": replay(grouped, true_len, profile),
-      "sibling": replay(grouped, true_len, profile, hints),
-      "sibling_shared": replay(plans["ranker"], true_len, profile, spread_hints, shared=True),
-      "oracle": replay(plans["oracle"], true_len, profile),
-      "ranker_sim": replay(plans["ranker_sim"], true_len, profile),
-      # simulate without a rank history trusts the ranker's order as exact
-      "ranker_sim_exact": replay(alg2(pred, latency_model="simulate"), true_len, profile),
-  }
-  print("replay / fifo's: " + " ".join(f"{a}={t / fifo_r:.3f}" for a, t in rep.items()))
   m = rank_metrics[_RANKER_LOSS.value]
   print(
-      f"RESULT fifo=1.00 ranker={ratio['ranker']:.2f} sibling={ratio['sibling']:.2f} "
-      f"oracle={ratio['oracle']:.2f} grouped={ratio['grouped']:.2f} "
-      f"sibling_trace={rel['sibling']['trace']:.2f} "
-      f"replay_ranker={rep['ranker'] / fifo_r:.2f} replay_sibling_shared={rep['sibling_shared'] / fifo_r:.2f} "
+      f"RESULT fifo=1.00 ranker_sim={ratio['ranker_sim']:.2f} "
+      f"oracle_static={ratio['oracle_static']:.2f} bound={ratio['bound']:.2f} "
+      f"pool={ratio['pool']:.2f} pool_migrate={ratio['pool_migrate']:.2f} "
+      f"oracle_pool={ratio['oracle_pool']:.2f} ranker={ratio['ranker']:.2f} "
+      f"ranker_fixed={ratio['ranker_fixed']:.2f} fifo_spread={spread['fifo']:.2f} "
+      f"ranker_sim_spread={spread['ranker_sim']:.2f} "
       f"recall20={m['recall20']:.2f} recall10={m['recall10']:.2f} recall5={m['recall5']:.2f} "
-      f"spearman={m['spearman']:.2f} ranker_sum={ratio['ranker_sum']:.2f} lpt_only={ratio['lpt_only']:.2f} "
-      f"ranker_sim={ratio['ranker_sim']:.2f} oracle_sim={ratio['oracle_sim']:.2f} "
-      f"ranker_trace={rel['ranker']['trace']:.2f} oracle_trace={rel['oracle']['trace']:.2f} "
-      f"ranker_wall={rel['ranker']['wall']:.2f} oracle_wall={rel['oracle']['wall']:.2f}"
+      f"spearman={m['spearman']:.2f}"
       + (f" expected_recall20={rank_metrics['expected']['recall20']:.2f}" if trace else "")
   )
 

@@ -4,7 +4,7 @@ One iteration, whatever the mode:
 
   old = trainer.snapshot()                          the old policy, explicit
   for chunk in mode.chunks(it):                     samples, as the mode releases them
-    rewards = rewarder(chunk)                       the task's verifier
+    rewards = rewarder(chunk) + overlong penalty     the task's verifier, shaped
     minis = trainer.prepare(chunk, rewards, old)    old/ref logprobs, values, advantages
     trainer.update(mini) for each mini-batch        first PPO epoch
   trainer.update(...) for the other PPO epochs
@@ -15,6 +15,9 @@ The mode (streamrl/pipeline) decides only when chunks are released (the
 whole batch after generation in colocated/sync/async, each full length
 bucket as it fills in stream) and whether the push waits (not in async,
 whose generation of the next batch overlaps this iteration's training).
+With dynamic sampling (`advantage.filter_groups`) the mode also judges each
+prompt group by the same shaped rewards (`shaped_rewards`) and releases the
+informative ones only.
 `run` sets up the parts from typed settings (streamrl/settings.py) and
 resumes from the workdir's last checkpoint.
 """
@@ -32,6 +35,7 @@ import jax
 import numpy as np
 
 from streamrl import metrics as metrics_lib
+from streamrl import rl
 from streamrl import settings as settings_lib
 from streamrl.data import calc, dataset, gym, tasks as tasks_lib
 from streamrl.data.loader import PromptLoader, make_requests
@@ -251,6 +255,26 @@ def make_rounds(loader: PromptLoader, tokenizer, group_size: int):
   return rounds
 
 
+@dataclasses.dataclass(frozen=True)
+class GroupRewards:
+  """What dynamic sampling judges a group by (`Mode.group_rewards`): the
+  rewards the trainer will use (`shaped_rewards`), held by the rewarder so
+  that the trainer's call does not score them again."""
+
+  rewarder: Rewarder
+  loss: settings_lib.Loss
+  max_tokens: int
+
+  def __call__(self, samples, examples_by_id: dict) -> np.ndarray:
+    r, _ = shaped_rewards(
+        self.rewarder, samples, examples_by_id, self.loss, self.max_tokens, keep=True
+    )
+    return r
+
+  def release(self, samples, examples_by_id: dict) -> None:
+    self.rewarder.release(samples, examples_by_id)
+
+
 def setup_mode(
     s: settings_lib.Settings, rollout, *, model_dir: str, workdir: str | None, rounds
 ) -> mode_base.Mode:
@@ -267,6 +291,40 @@ def setup_mode(
 
 
 # --------------------------------------------------------------- iteration
+def shaped_rewards(
+    rewarder: Rewarder,
+    samples,
+    examples_by_id: dict,
+    loss: settings_lib.Loss | None,
+    max_tokens: int,
+    *,
+    keep: bool = False,
+) -> tuple[np.ndarray, np.ndarray]:
+  """(reward, correctness) per sample: the task's verifier, plus DAPO's
+  overlong penalty when `loss.overlong_buffer` is set (`rl.overlong_penalty`
+  of the response length against `max_tokens`). `keep`: the verdicts are
+  held for the trainer's own call (dynamic sampling judges groups first)."""
+  r, c = rewarder(samples, examples_by_id, keep=True) if keep else rewarder(samples, examples_by_id)
+  if loss is not None and loss.overlong_buffer:
+    lengths = [len(x.token_ids) for x in samples]
+    penalty = rl.overlong_penalty(lengths, max_tokens, loss.overlong_buffer, loss.overlong_penalty)
+    r = r + np.asarray(penalty, np.float32)
+  return r, c
+
+
+def loss_samples(samples: list, loss: settings_lib.Loss | None) -> list:
+  """`samples` as the trainer scores them: with `loss.mask_truncated`, a
+  response cut at the length limit (finish_reason "length") gets an all-zero
+  mask, so none of its tokens is in the loss. Its reward then counts as 0 in
+  its group's baseline (the group estimators read rewards through the mask)."""
+  if loss is None or not loss.mask_truncated:
+    return samples
+  return [
+      dataclasses.replace(x, mask=(0,) * len(x.token_ids)) if x.finish_reason == "length" else x
+      for x in samples
+  ]
+
+
 def _combine(parts: list[dict]) -> dict:
   """Per-chunk metrics -> one value each: max of maxima, mean of the rest
   (over the chunks that have the key)."""
@@ -304,8 +362,13 @@ def train_iteration(
     *,
     ppo_epochs: int,
     seed: int,
+    loss: settings_lib.Loss | None = None,
+    max_tokens: int = 0,
 ) -> Iteration:
-  """Runs one iteration of the loop above; returns what it did."""
+  """Runs one iteration of the loop above; returns what it did.
+
+  `loss` (and the sampling's `max_tokens`) shape rewards and loss masks as
+  its `overlong_*` and `mask_truncated` say; None: neither."""
   t0 = mode_base.now()
   rng = np.random.default_rng([seed, it])
   old = trainer.snapshot(copy=not mode.scores_up_front)
@@ -316,8 +379,8 @@ def train_iteration(
     by_id.update({q.prompt_id: mode.round.examples_by_id[q.prompt_id] for q in chunk})
     start = mode_base.now()
     with timeline.busy(TRAINER, f"train {it}"):
-      r, c = rewarder(chunk, mode.round.examples_by_id)
-      part, metrics = trainer.prepare(chunk, r, old)
+      r, c = shaped_rewards(rewarder, chunk, mode.round.examples_by_id, loss, max_tokens)
+      part, metrics = trainer.prepare(loss_samples(chunk, loss), r, old)
       for j in rng.permutation(len(part)):
         updates.append(trainer.update(part[j]))
       # The busy interval must cover the compute, not only its dispatch.
@@ -367,6 +430,10 @@ def iteration_scalars(x: Iteration, timeline: Timeline, rollout) -> dict:
       "response_length/p50": float(np.percentile(lengths, 50)),
       "response_length/p90": float(np.percentile(lengths, 90)),
       "response_length/max": lengths.max(),
+      # Cut at sampling.max_tokens (what loss.mask_truncated leaves out of the loss).
+      "response_length/truncated_fraction": float(
+          np.mean([s.finish_reason == "length" for s in x.samples])
+      ),
       "throughput/samples_per_s": len(x.samples) / wall,
       "throughput/tokens_per_s": float(lengths.sum()) / wall,
       "time/iteration_s": wall,
@@ -469,6 +536,8 @@ def run(
     rewarder.close()
     raise
   mode.on_sample = rewarder.submit  # Rewards are scored as samples arrive.
+  if s.advantage.filter_groups:  # Dynamic sampling judges groups by the trained rewards.
+    mode.group_rewards = GroupRewards(rewarder, s.loss, s.sampling.max_tokens)
   if start and hasattr(mode, "restore"):
     mode.restore(carry, meta["loader"])
   elif carry and carry.get("groups"):
@@ -508,7 +577,15 @@ def run(
       log.info("Warm-start eval: %s", initial)
     for it in range(start, num_it):
       x = train_iteration(
-          it, mode, trainer, rewarder, timeline, ppo_epochs=s.trainer.ppo_epochs, seed=s.seed
+          it,
+          mode,
+          trainer,
+          rewarder,
+          timeline,
+          ppo_epochs=s.trainer.ppo_epochs,
+          seed=s.seed,
+          loss=s.loss,
+          max_tokens=s.sampling.max_tokens,
       )
       scalars = iteration_scalars(x, timeline, rollout)
       scalars["reward/errors_total"] = rewarder.errors

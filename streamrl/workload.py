@@ -195,6 +195,7 @@ class Workload:
         stall_timeout_s=s.pipeline.stall_timeout_s,
         transfer=s.transfer,
         stoppable=s.partial_rollouts,
+        pooled=s.scheduler.pool == "shared",
         env=s.env,
         chat_template=s.task.chat_template,
     )

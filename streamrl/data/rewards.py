@@ -344,8 +344,12 @@ class Rewarder:
   `submit(samples, examples_by_id)` starts scoring samples as they arrive
   (the pipeline calls it from the thread that receives them); calling the
   rewarder on a chunk waits for those scores (scoring what was not
-  submitted). A failed call (raised, timed out, garbage) scores 0, counts
-  in `errors` (by kind in `errors_by_kind`) and is logged once per kind.
+  submitted). Calling it with `keep=True` (dynamic sampling looks at a
+  group's rewards before the trainer does) holds the verdicts for the next
+  plain call on the same responses, found by prompt and tokens whatever
+  request id the sample has then, so nothing is scored or counted twice. A
+  failed call (raised, timed out, garbage) scores 0, counts in `errors` (by
+  kind in `errors_by_kind`) and is logged once per kind.
 
   Args:
     reward: a built-in name or a `module:function` / `file.py:function` spec.
@@ -380,6 +384,8 @@ class Rewarder:
     self.errors = 0
     self.errors_by_kind: collections.Counter = collections.Counter()
     self._pending: collections.OrderedDict = collections.OrderedDict()
+    # Verdicts held by `keep=True` calls: (example id, tokens) -> [Score, ...].
+    self._held: collections.OrderedDict = collections.OrderedDict()
     self._lock = threading.Lock()
     self._metrics: list[Mapping[str, float]] = []
 
@@ -412,38 +418,71 @@ class Rewarder:
       while len(self._pending) > 65536:
         self._pending.popitem(last=False)
 
-  def scores(self, samples, examples_by_id) -> list[Score]:
-    """The verdict on each sample (waiting for submitted ones)."""
-    futures = []
+  def scores(self, samples, examples_by_id, *, keep: bool = False) -> list[Score]:
+    """The verdict on each sample (waiting for submitted ones); `keep`: also
+    held for the next call without it (see the class)."""
+    out: list[Score | None] = [None] * len(samples)
+    futures = {}
     with self._lock:
-      for s in samples:
+      for i, s in enumerate(samples):
         example = examples_by_id[s.prompt_id]
+        held = self._held.get((example.prompt_id, tuple(s.token_ids)))
+        if held:
+          out[i] = held[0] if keep else held.pop(0)
+          if not held:
+            del self._held[(example.prompt_id, tuple(s.token_ids))]
+          continue
         f = self._pending.pop(self._key(s, example), None)
-        futures.append(f or self._start(s, example))
-    out = []
-    for s, f in zip(samples, futures):
-      result = f.result()
-      try:
-        if isinstance(result, usercode.Failure):
-          raise _Failed(result.kind, result.message)
-        out.append(to_score(result, self.correct_threshold))
-      except (_Failed, ValueError) as err:
-        kind, message = (
-            (err.kind, err.message) if isinstance(err, _Failed) else ("Garbage", str(err))
-        )
-        self.errors += 1
-        self.errors_by_kind[kind] += 1
-        _log_failure_once(self.name, kind, message, s.prompt_id)
-        out.append(Score(0.0, False))
+        futures[i] = f or self._start(s, example)
+    for i, f in futures.items():
+      out[i] = self._verdict(samples[i], f.result())
+    if keep:
+      with self._lock:
+        for i in futures:
+          key = (examples_by_id[samples[i].prompt_id].prompt_id, tuple(samples[i].token_ids))
+          self._held.setdefault(key, []).append(out[i])
+        # Verdicts never asked for again (a dropped group) do not pile up.
+        while len(self._held) > 65536:
+          self._held.popitem(last=False)
     return out
 
-  def __call__(self, samples, examples_by_id) -> tuple[np.ndarray, np.ndarray]:
-    """(reward, correctness) per sample, float32; extra metrics kept for `metrics()`.
+  def release(self, samples, examples_by_id) -> None:
+    """Forgets the verdicts a `keep=True` call held for `samples` (a group
+    dynamic sampling dropped: never trained)."""
+    with self._lock:
+      for s in samples:
+        key = (examples_by_id[s.prompt_id].prompt_id, tuple(s.token_ids))
+        held = self._held.get(key)
+        if held:
+          held.pop(0)
+          if not held:
+            del self._held[key]
+
+  def _verdict(self, sample, result) -> Score:
+    """A worker's result as a Score; a failure counts and scores 0."""
+    try:
+      if isinstance(result, usercode.Failure):
+        raise _Failed(result.kind, result.message)
+      return to_score(result, self.correct_threshold)
+    except (_Failed, ValueError) as err:
+      kind, message = (err.kind, err.message) if isinstance(err, _Failed) else ("Garbage", str(err))
+      with self._lock:  # dynamic sampling scores from the generation thread too
+        self.errors += 1
+        self.errors_by_kind[kind] += 1
+      _log_failure_once(self.name, kind, message, sample.prompt_id)
+      return Score(0.0, False)
+
+  def __call__(
+      self, samples, examples_by_id, *, keep: bool = False
+  ) -> tuple[np.ndarray, np.ndarray]:
+    """(reward, correctness) per sample, float32; extra metrics kept for `metrics()`
+    (by the call without `keep`, which is the one the trainer's batch makes).
 
     A multi-turn trajectory's reward adds its environment's per-turn rewards
     (`Sample.turns.env_reward`) to its final answer's."""
-    scores = self.scores(samples, examples_by_id)
-    self._metrics.extend(s.metrics for s in scores if s.metrics)
+    scores = self.scores(samples, examples_by_id, keep=keep)
+    if not keep:
+      self._metrics.extend(s.metrics for s in scores if s.metrics)
     env = [x.turns.env_reward if getattr(x, "turns", None) else 0.0 for x in samples]
     return (
         np.asarray([s.reward + e for s, e in zip(scores, env)], np.float32),

@@ -31,6 +31,10 @@ if typing.TYPE_CHECKING:  # Only named here: a Sample carries one, never builds 
 # The finish_reason of a response stopped before it finished
 # (`Rollout.stop_generation`): its tokens so far, to be resumed later.
 PARTIAL = "partial"
+# The finish_reason of a response an instance gave up mid-round so that an idle
+# one resumes it (a shared pool's migration, streamrl/scheduling/pool.py); the
+# service joins it to its rest and never yields it.
+MOVED = "moved"
 
 
 @dataclasses.dataclass(frozen=True)

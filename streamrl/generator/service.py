@@ -36,8 +36,10 @@ from streamrl.envs.config import Env
 from streamrl.generator.config import Engine, Sampling
 from streamrl.transfer.config import Transfer
 from streamrl.errors import UserError
+from streamrl.scheduling.pool import Feed, WorkPool
 from streamrl.generator import delivery as delivery_lib
 from streamrl.generator import local
+from streamrl.generator import pooled as pooled_lib
 from streamrl.generator.rollout import (
     PARTIAL,
     DeadInstance,
@@ -104,6 +106,7 @@ class _GeneratorActor:
     self._fault: dict | None = None
     self._peak_in_flight = self._num_yielded = 0
     self._stop_key = None  # the stream `request_stop` asked to end
+    self._feeds: dict[int, Feed] = {}  # a shared pool's streams: key -> their feed
 
   def info(self) -> dict:
     import torch  # pylint: disable=g-import-not-at-top
@@ -136,6 +139,8 @@ class _GeneratorActor:
       stop_key: int | None = None,
       *,
       seed: int | None = None,
+      feed_key: int | None = None,
+      straggler_tokens: int | None = None,
   ):
     """Ray streaming generator: yields lists of finished Samples.
 
@@ -149,11 +154,21 @@ class _GeneratorActor:
     delaying no sample by more than the window (or the gap to the next
     finish, when that is longer). With a `stop_key`, `request_stop(stop_key)`
     ends the stream early: what is unfinished comes back as PARTIAL samples.
+    With a `feed_key` the stream takes its requests from a shared pool's
+    `Feed` (streamrl/scheduling/pool.py), which `feed(feed_key, ...)` tops up
+    beside it; it ends once the feed is closed and its work is done, and
+    gives up running requests that reach `straggler_tokens`.
     """
     ctx = ray.get_runtime_context()
     self.apply_staged()  # Between streams: the newest verified weights, if any.
     fault, self._fault = self._fault, None
     stop = None if stop_key is None else (lambda: self._stop_key == stop_key)
+    if feed_key is not None:
+      feed = self._feeds.setdefault(feed_key, Feed())
+      if straggler_tokens and feed.open:
+        feed.straggler_tokens = straggler_tokens
+      feed.add(requests)
+      requests = feed
     stream = self._gen.generate(
         requests, sampling, seed=seed, max_in_flight=max_in_flight, stop=stop
     )
@@ -186,6 +201,15 @@ class _GeneratorActor:
         yield pending
     finally:
       stream.close()  # Aborts whatever the engine still runs.
+      if feed_key is not None:
+        self._feeds.pop(feed_key, None)
+
+  def feed(self, feed_key: int, **order) -> None:
+    """Tops up the shared pool's stream `feed_key` (see `generate`): one
+    `Feed.order` (more requests, running requests to give up, the close).
+    Runs beside the stream on a StoppableGeneratorActor; may arrive before
+    the stream starts."""
+    self._feeds.setdefault(feed_key, Feed()).order(**order)
 
   def update_weights(self, tensors: Mapping[str, np.ndarray], version: int) -> int:
     return self._gen.update_weights(tensors, version)
@@ -325,6 +349,10 @@ class StoppableGeneratorActor(_GeneratorActor):
   def request_stop(self, stop_key: int) -> None:
     self._stop_key = stop_key
 
+  @ray.method(concurrency_group="control")
+  def feed(self, feed_key: int, **order) -> None:
+    super().feed(feed_key, **order)
+
 
 def actor_options(
     engine: Engine,
@@ -349,15 +377,9 @@ def actor_options(
   return options
 
 
-@dataclasses.dataclass
-class _Stream:
-  """One generate call running on one instance."""
-
-  instance_id: int
-  requests: list
-  started: float
-  last_sample: float | None = None
-  num_samples: int = 0
+# Requests a shared pool's instance holds beyond its cap: one top-up may travel
+# while it still has work queued.
+POOL_LOOKAHEAD = 2
 
 
 class StreamGenerationService:
@@ -399,6 +421,7 @@ class StreamGenerationService:
       placement: Cluster | None = None,
       max_instances: int | None = None,
       stoppable: bool = False,
+      pooled: bool = False,
       env: Env | None = None,
       chat_template: str = "auto",
   ):
@@ -407,7 +430,11 @@ class StreamGenerationService:
       raise UserError(f"engine.num_instances={num_instances} must be >= 1.")
     self.stall_timeout_s = float(stall_timeout_s)
     # Partial rollouts: streams that `stop_generation` can end early.
-    self._actor_cls = StoppableGeneratorActor if stoppable else GeneratorActor
+    # A shared work pool's streams (`pooled`) are topped up beside them too.
+    self._actor_cls = StoppableGeneratorActor if stoppable or pooled else GeneratorActor
+    self.pooled = bool(pooled)  # generate takes a shared pool
+    self.moves = 0  # responses moved between instances (shared pool), over all calls
+    self._migrate = env is None or not env.enabled  # trajectories do not move
     self._stop_keys = iter(range(1, 1 << 62))
     self._stoppable_key: int | None = None  # the stoppable stream running now
     self._stopped_key: int | None = None  # the one asked to stop
@@ -518,7 +545,7 @@ class StreamGenerationService:
       bad = next((i for i, r in refs.items() if _failed(r)), "?")
       self._stop(ids)
       raise RuntimeError(
-          f"Generator instance {bad} failed to start: " f"{_last_line(e.error_msg)}"
+          f"Generator instance {bad} failed to start: " f"{pooled_lib.last_line(e.error_msg)}"
       ) from None
     with self._lock:
       for info in infos:
@@ -575,7 +602,7 @@ class StreamGenerationService:
       why = (
           f"did not start within {self._start_timeout_s:.0f} s"
           if isinstance(e, ray.exceptions.GetTimeoutError)
-          else _last_line(getattr(e, "error_msg", None) or str(e))
+          else pooled_lib.last_line(getattr(e, "error_msg", None) or str(e))
       )
       raise RuntimeError(f"Generator instance {i} could not join: {why}.") from None
     with self._lock:
@@ -669,7 +696,7 @@ class StreamGenerationService:
             f"Generator instance {i} did not load the weights within " f"{timeout_s:.0f} s."
         ) from None
       except ray.exceptions.RayActorError as e:
-        self._mark_dead(i, f"died during a weight update: {_last_line(e.error_msg)}", 0)
+        self._mark_dead(i, f"died during a weight update: {pooled_lib.last_line(e.error_msg)}", 0)
       except ray.exceptions.RayTaskError as e:
         raise e.as_instanceof_cause() from None
     if not self._live:
@@ -699,6 +726,8 @@ class StreamGenerationService:
       caps: Sequence[int | None] | None = None,
       stall_timeout_s: float | None = None,
       stoppable: bool = False,
+      pool: WorkPool | None = None,
+      migrate: bool = False,
   ) -> Iterator:
     """Yields one Sample per request, each as soon as an instance finishes it.
 
@@ -716,6 +745,12 @@ class StreamGenerationService:
       stall_timeout_s: overrides the service's timeout for this call.
       stoppable: `stop_generation` may end this call early (a service made
         with stoppable=True; one such call at a time).
+      pool: a shared `WorkPool` holding the call's requests (instead of
+        `requests` / `assignments`; a service made with pooled=True): each
+        instance takes its next request from it as a slot frees up
+        (streamrl/generator/pooled.py); `caps` as above.
+      migrate: with a pool, an idle instance takes a straggler from the
+        busiest once the pool is empty (never for multi-turn trajectories).
 
     Closing the iterator early cancels the remaining work. Requests of an
     instance that dies (before or during the call) are re-run on the live
@@ -723,7 +758,13 @@ class StreamGenerationService:
     """
     if not self._live:
       raise RuntimeError(self._all_dead_message(0))
-    plan = self._plan(requests, assignments)
+    if pool is not None:
+      if requests is not None or assignments is not None:
+        raise ValueError("generate takes a pool or requests / assignments, not both.")
+      if self._actor_cls is not StoppableGeneratorActor:
+        raise ValueError("generate(pool=...) needs a StreamGenerationService(pooled=True).")
+    else:
+      plan = self._plan(requests, assignments)
     caps = list(caps) if caps is not None else [None] * self.num_instances
     if len(caps) != self.num_instances:
       raise ValueError(f"caps has {len(caps)} entries for {self.num_instances} instances.")
@@ -734,9 +775,33 @@ class StreamGenerationService:
             "generate(stoppable=True) needs a StreamGenerationService(stoppable=True)."
         )
       stop_key = self._stoppable_key = next(self._stop_keys)
-    return self._run(
-        plan, sampling, seed, caps, float(stall_timeout_s or self.stall_timeout_s), stop_key
-    )
+    timeout_s = float(stall_timeout_s or self.stall_timeout_s)
+    if pool is not None:
+      rnd = pooled_lib.PooledRound(
+          pool,
+          {i: c or self._engine.max_num_seqs for i, c in enumerate(caps)},
+          max_tokens=sampling.max_tokens,
+          migrate=migrate and self._migrate,
+          lookahead=POOL_LOOKAHEAD,
+      )
+      return self._guarded(pooled_lib.run(self, rnd, sampling, seed, timeout_s, stop_key), stop_key)
+    return self._run(plan, sampling, seed, caps, timeout_s, stop_key)
+
+  def _guarded(self, stream, stop_key):
+    """`stream` counted as a running call (see `_run`'s end)."""
+    with self._lock:
+      self._runs_active += 1
+    try:
+      yield from stream
+    finally:
+      stream.close()
+      if stop_key is not None and self._stoppable_key == stop_key:
+        self._stoppable_key = None
+      with self._lock:
+        self._runs_active -= 1
+        last = self._runs_active == 0
+      if last:
+        self._retire_idle_draining()
 
   def stop_generation(self) -> None:
     """Ends the running stoppable `generate` call early (see
@@ -806,7 +871,7 @@ class StreamGenerationService:
     for i, reqs in plan.items():
       undelivered[i].update((r.id, r) for r in reqs)
     delivered: set[int] = set()
-    active: dict = {}  # ObjectRefGenerator -> _Stream
+    active: dict = {}  # ObjectRefGenerator -> pooled_lib.Stream
 
     def stopped() -> bool:
       return stop_key is not None and self._stopped_key == stop_key
@@ -821,7 +886,7 @@ class StreamGenerationService:
             .generate.options(num_returns="streaming")
             .remote(reqs, sampling, caps[i], self.coalesce_s, stop_key, seed=seed)
         )
-        active[gen] = _Stream(i, reqs, time.perf_counter())
+        active[gen] = pooled_lib.Stream(i, reqs, time.perf_counter())
 
     def end(gen) -> None:
       st = active.pop(gen)
@@ -891,7 +956,7 @@ class StreamGenerationService:
             drained(i)
             continue
           except ray.exceptions.RayActorError as e:
-            fail_over(i, _last_line(e.error_msg))
+            fail_over(i, pooled_lib.last_line(e.error_msg))
             continue
           except ray.exceptions.RayTaskError as e:
             raise e.as_instanceof_cause() from None
@@ -980,8 +1045,3 @@ def _failed(ref) -> bool:
     return False
   except Exception:  # pylint: disable=broad-except
     return True
-
-
-def _last_line(msg: str | None) -> str:
-  lines = [ln.strip() for ln in (msg or "").splitlines() if ln.strip()]
-  return lines[-1] if lines else "unknown cause"

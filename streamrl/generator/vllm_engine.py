@@ -24,11 +24,12 @@ import numpy as np
 from streamrl import cluster as cluster_lib
 from streamrl.generator.config import Sampling
 from streamrl.envs.config import Env
-from streamrl.generator.rollout import PARTIAL, Sample, TurnStats, as_requests
+from streamrl.generator.rollout import MOVED, PARTIAL, Sample, TurnStats, as_requests
 from streamrl.data import tokenizer as tokenizer_lib
 from streamrl.models import hf as hf_lib
 from streamrl.models import safetensors_io
 from streamrl.models.config import CPU_SUPPORTED_HEAD_DIMS
+from streamrl.scheduling.pool import Feed
 from streamrl.scheduling.siblings import SiblingQueue
 
 log = logging.getLogger(__name__)
@@ -541,10 +542,26 @@ class GeneratorInstance:
       yield from self._generate_trajectories(prompts, sampling, seed=seed, cap=cap, stop=stop)
       return
     pending, hints = _pending_queue(prompts)  # hints: request id -> LengthHint, or {}
+    feed = pending if isinstance(pending, Feed) else None  # a shared pool's (more may come)
     running: dict[str, tuple[int, tuple[int, ...]]] = {}
     latest: dict[str, object] = {}  # request -> its newest (unfinished) completion
+    keep_latest = stop is not None or feed is not None
     try:
-      while pending or running:
+      while pending or running or (feed is not None and feed.open):
+        if feed is not None:
+          # Migration: give up the running requests with the most tokens so far.
+          def tokens(rid):
+            return len(getattr(latest.get(rid), "token_ids", ()))
+
+          moving = sorted(running, key=lambda r: -tokens(r))[: feed.releases()]
+          if feed.straggler_tokens:  # stragglers go to the long-tail instances
+            moving += [r for r in running if r not in moving and tokens(r) >= feed.straggler_tokens]
+          if moving:
+            self._engine.abort_request(moving)
+            for rid in moving:
+              prompt_id, ids = running.pop(rid)
+              yield self._sample(prompt_id, ids, latest.pop(rid, None), MOVED)
+            self._in_flight = len(running)
         if stop is not None and stop():
           for rid, (prompt_id, ids) in list(running.items()):
             yield self._sample(prompt_id, ids, latest.get(rid), PARTIAL)
@@ -570,11 +587,16 @@ class GeneratorInstance:
           )
           running[rid] = (prompt_id, ids)
         self._in_flight = len(running)
+        if not running:  # a shared pool's feed, open and empty: wait for work
+          if self._step_callback is not None:
+            self._step_callback(0)
+          feed.wait(0.05)
+          continue
         if self._step_callback is not None:
           self._step_callback(self._in_flight)
         for out in self._engine.step():
           if not out.finished:
-            if stop is not None:
+            if keep_latest:
               latest[out.request_id] = out.outputs[0]
             if hints:
               pending.running(hints[running[out.request_id][0]], len(out.outputs[0].token_ids))
@@ -623,6 +645,8 @@ class GeneratorInstance:
 
     tools, env = self._tools, self._tools.config
     pending, _ = _pending_queue(prompts)
+    # A shared pool's feed (more may come; trajectories do not migrate).
+    feed = pending if isinstance(pending, Feed) else None
     ready: collections.deque = collections.deque()  # observation in, next turn to start
     running: dict[str, Trajectory] = {}
     latest: dict[str, object] = {}  # request -> its newest (unfinished) completion
@@ -633,7 +657,7 @@ class GeneratorInstance:
       return min(env.max_tokens_per_turn - traj.turn_tokens, left)
 
     try:
-      while pending or running or waiting or ready:
+      while pending or running or waiting or ready or (feed is not None and feed.open):
         if stop is not None and stop():
           for rid, traj in running.items():
             cut = latest.get(rid)
@@ -689,6 +713,9 @@ class GeneratorInstance:
           self._engine.add_request(rid, {"prompt_token_ids": list(traj.context)}, params)
           running[rid] = traj
         self._in_flight = len(running)
+        if not running and not waiting:  # a shared pool's feed, open and empty
+          feed.wait(0.05)
+          continue
         if not running:
           started = time.perf_counter()
           concurrent.futures.wait(
@@ -815,6 +842,8 @@ def _pending_queue(prompts):
   """(pending, hints): the Requests of one `generate` call not admitted yet,
   in the given order or, when they carry length hints, a `SiblingQueue` (see
   its module); and request id -> LengthHint ({} without hints)."""
+  if isinstance(prompts, Feed):
+    return prompts, {}
   requests = as_requests(prompts)
   hints = [r.hint for r in requests]
   if not any(h is not None for h in hints):

@@ -7,6 +7,9 @@
              pipeline.partial=on, rounds stop early and resume the
              unfinished responses next round (partial.py)
 
+Every mode can drop uninformative prompt groups and generate more
+(`advantage.filter_groups`: dynamic_sampling.py).
+
 A mode only decides order and overlap; `streamrl/train.py` runs the iteration.
 """
 
@@ -22,6 +25,8 @@ def make_mode(s, rollout, scheduler, rounds) -> base.Mode:
       seed=s.seed,
       group_size=s.advantage.group_size,
       mini_batch_size=s.trainer.mini_batch_size,
+      prompts_per_iteration=s.trainer.prompts_per_iteration,
+      filter_rounds=s.advantage.filter_max_rounds if s.advantage.filter_groups else None,
   )
   mode = s.pipeline.mode
   if mode in ("colocated", "sync"):

@@ -15,6 +15,8 @@ from collections.abc import Callable, Iterator
 from streamrl.generator.config import Sampling
 from streamrl.generator import local
 from streamrl.generator.rollout import PARTIAL, Rollout, Sample, UpdateHandle
+from streamrl.pipeline import dynamic_sampling
+from streamrl.scheduling import pool as pool_lib
 from streamrl.scheduling.request import Request, as_requests
 
 
@@ -71,12 +73,18 @@ class Mode:
   groups) the trainer can train on now, and set `scores_up_front` when every
   sample of an iteration is scored before the first update (the trainer
   then need not copy its parameters to keep the old policy).
+
+  `filter_rounds` (None: off) turns on dynamic sampling with at most that
+  many extra rounds per iteration (streamrl/pipeline/dynamic_sampling.py); the run then
+  sets `group_rewards`.
   """
 
   scores_up_front = True
   # Called with ([sample], its round's examples_by_id) for each finished sample
   # as it arrives (the run starts scoring its reward there).
   on_sample: Callable[[list[Sample], dict], None] | None = None
+  # Dynamic sampling: the rewards the trainer will use for some samples.
+  group_rewards: dynamic_sampling.GroupRewards | None = None
 
   def __init__(
       self,
@@ -88,6 +96,8 @@ class Mode:
       seed: int,
       group_size: int,
       mini_batch_size: int,
+      prompts_per_iteration: int = 0,
+      filter_rounds: int | None = None,
   ):
     self.rollout = rollout
     self.scheduler = scheduler
@@ -96,6 +106,8 @@ class Mode:
     self.seed = seed
     self.group_size = group_size
     self.mini_batch_size = mini_batch_size
+    self.prompts_per_iteration = prompts_per_iteration
+    self.filter_rounds = filter_rounds
     self.round_instances: dict[int, int] = {}  # iteration -> instances its round was planned for
     self.round: Round | None = None  # the round whose chunks are being released
     self.generated: Generated | None = None  # the last round's, once chunks() ended
@@ -112,6 +124,33 @@ class Mode:
     assignments, caps = self.scheduler.plan(
         rnd.requests, rnd.examples_by_id, seed=self.seed + rnd.it, num_instances=len(live)
     )
+    kw = {"stoppable": True} if stoppable else {}
+    if getattr(self.scheduler, "pool", "fixed") == "shared" and getattr(
+        self.rollout, "pooled", False
+    ):
+      # One shared pool (streamrl/scheduling/pool.py): the plan says what goes first and to whom.
+      if assignments is None:  # FIFO: round-robin, in arrival order
+        assignments = [rnd.requests[k :: len(live)] for k in range(len(live))]
+        caps = [None] * len(live)
+      pool = pool_lib.from_parts(
+          [[_as_sent(rnd, r) for r in part] for part in assignments],
+          live,
+          n_long=self.scheduler.n_long,
+          estimates=self.scheduler.estimates,
+      )
+      full_caps = [None] * self.rollout.num_instances
+      for i, cap in zip(live, caps):
+        full_caps[i] = cap
+      stream = self.rollout.generate(
+          None,
+          self.sampling,
+          seed=local.round_seed(self.seed, rnd.it),
+          caps=full_caps,
+          pool=pool,
+          migrate=self.scheduler.migrate,
+          **kw,
+      )
+      return stream if self.on_sample is None else self._tap(stream, rnd)
     if assignments is not None:
       # One list (and cap) per instance id; none for the ones not taking work.
       full, full_caps = [[] for _ in range(self.rollout.num_instances)], [None] * (
@@ -120,7 +159,6 @@ class Mode:
       for i, part, cap in zip(live, assignments, caps):
         full[i], full_caps[i] = [_as_sent(rnd, r) for r in part], cap
       assignments, caps = full, full_caps
-    kw = {"stoppable": True} if stoppable else {}
     stream = self.rollout.generate(
         None if assignments else [rnd.resume.get(r.id, r) for r in rnd.requests],
         self.sampling,
@@ -130,6 +168,73 @@ class Mode:
         **kw,
     )
     return stream if self.on_sample is None else self._tap(stream, rnd)
+
+  # ------------------------------------------------------- dynamic sampling
+  def new_filter(self) -> dynamic_sampling.GroupFilter:
+    """An iteration's `GroupFilter` (dynamic sampling is on)."""
+    if self.group_rewards is None:
+      raise RuntimeError(
+          "advantage.filter_groups is on but the mode has no group_rewards to judge groups "
+          "by; set mode.group_rewards (streamrl/train.py does); this is a bug."
+      )
+    return dynamic_sampling.GroupFilter(
+        self.group_rewards,
+        group_size=self.group_size,
+        target=self.prompts_per_iteration,
+        unit=dynamic_sampling.groups_per_unit(self.mini_batch_size, self.group_size),
+    )
+
+  def filtered_groups(self, rnd: Round, f: dynamic_sampling.GroupFilter) -> Iterator[list[Sample]]:
+    """Generates round `rnd`, then extra rounds of the same iteration while
+    `f` is short of kept groups (at most `filter_rounds`); yields each kept
+    group as soon as it is judged. An extra round's prompts are the next
+    batch of `rounds`, numbered after every request sent so far; `rnd`
+    takes them in (requests, examples, loader position), so it describes
+    the whole iteration. Every generated sample is shown to the scheduler;
+    its metrics are left in `f.scheduler_metrics`."""
+    part = rnd
+    for extra in range(self.filter_rounds + 1):
+      if extra:
+        part = self._extra_round(rnd)
+        f.extra_rounds += 1
+        f.extra_prompts += len(part.requests) // self.group_size
+      samples = []
+      for s in self.generate_round(part):
+        samples.append(s)
+        group = f.add(s, rnd.examples_by_id)
+        if group is not None:
+          yield group
+      f.scheduler_metrics.update(self.scheduler.observe(samples))
+      if f.full:
+        return
+
+  def _extra_round(self, rnd: Round) -> Round:
+    """The next prompt batch as more requests of `rnd`'s iteration, merged into `rnd`."""
+    more = self.rounds(rnd.it)
+    # Whole groups past every id sent: requests stay unique (and keep their own seeds).
+    offset = (max(r.id for r in rnd.requests) // self.group_size + 1) * self.group_size
+    part = Round(
+        rnd.it,
+        [dataclasses.replace(r, id=r.id + offset) for r in more.requests],
+        {i + offset: ex for i, ex in more.examples_by_id.items()},
+        more.loader_state,
+    )
+    rnd.requests.extend(part.requests)
+    rnd.examples_by_id.update(part.examples_by_id)
+    rnd.loader_state = more.loader_state
+    return part
+
+  def filtered_round(self, rnd: Round) -> tuple[list[Sample], dict]:
+    """Dynamic sampling over a whole round (sync, async): the samples to
+    train, by request id, and the scheduler's and the filter's metrics."""
+    f = self.new_filter()
+    for _ in self.filtered_groups(rnd, f):
+      pass
+    take, pad = f.batch()
+    for g in f.kept[take:]:  # cut to whole mini-batches: never trained
+      self.group_rewards.release(g, rnd.examples_by_id)
+    samples = [s for g in f.kept[:take] + pad for s in g]
+    return sorted(samples, key=lambda s: s.prompt_id), {**f.scheduler_metrics, **f.metrics()}
 
   def _tap(self, stream: Iterator[Sample], rnd: Round) -> Iterator[Sample]:
     try:

@@ -33,6 +33,13 @@ bound and the gap metrics count the policy's tokens only.
 Which groups a round trains: the oldest finished ones first (by the round
 they started in, then the order they finished), `prompts_per_iteration` of
 them; finished groups beyond that wait for the next round.
+
+Dynamic sampling (`advantage.filter_groups`, streamrl/pipeline/dynamic_sampling.py):
+a group is judged when its last response finishes, whole, and one whose
+rewards are all equal leaves the buffer (`PartialBuffer.drop`); the next
+top-up starts a fresh prompt in its place. A round whose requests all
+finished with too few groups kept tops up and generates again, at most
+`advantage.filter_max_rounds` times per iteration.
 """
 
 from __future__ import annotations
@@ -125,6 +132,7 @@ class RoundPlan:
   resume: dict  # request id -> Request(id, prompt + tokens so far, budget left[, trajectory])
   examples_by_id: dict
   wasted_tokens: int  # dropped by the version-gap bound this round
+  replacements: int = 0  # fresh groups started in place of groups dynamic sampling dropped
 
 
 class PartialBuffer:
@@ -153,6 +161,7 @@ class PartialBuffer:
     self._ids: dict[int, tuple[Group, int]] = {}  # this round's request id -> (group, member)
     self._seq = 0
     self._wasted = 0
+    self._dropped = 0  # groups dropped since the last top-up
 
   @classmethod
   def from_settings(cls, s, group_size: int) -> "PartialBuffer":
@@ -180,11 +189,15 @@ class PartialBuffer:
           wasted += len(m.tokens)
           m.__init__()  # starts again from the prompt
           g.done_seq = None
+    started = 0
     while len(self.groups) < self.target + self.extra:
       if not self.fresh:
         self.fresh.extend((ex, tuple(int(t) for t in ids)) for ex, ids in pull())
       ex, ids = self.fresh.popleft()
       self.groups.append(Group(ex, ids, [Member() for _ in range(self.group_size)], born=it))
+      started += 1
+    replacements = min(started, self._dropped)
+    self._dropped -= replacements
     requests, resume, by_id = [], {}, {}
     self._ids = {}
     for j, g in enumerate(self.groups):
@@ -202,12 +215,12 @@ class PartialBuffer:
               self.max_tokens - len(m.tokens),
               trajectory=m.trajectory,
           )
-    self._wasted = wasted
-    return RoundPlan(requests, resume, by_id, wasted)
+    self._wasted += wasted  # an extra round of the same iteration adds to it
+    return RoundPlan(requests, resume, by_id, wasted, replacements)
 
-  def add(self, sample: Sample) -> bool:
-    """Appends an arriving sample to its response; True when that finished
-    the response's whole group."""
+  def add(self, sample: Sample) -> Group | None:
+    """Appends an arriving sample to its response; returns the group when
+    that finished the response's whole group (None otherwise)."""
     g, k = self._ids[sample.prompt_id]
     m = g.members[k]
     if m.finish_reason is not None:
@@ -224,32 +237,29 @@ class PartialBuffer:
     if sample.trajectory is not None:
       m.trajectory = sample.trajectory
     if sample.finish_reason == PARTIAL:
-      return False
+      return None
     m.finish_reason = sample.finish_reason
     if g.done and g.done_seq is None:
       g.done_seq = self._seq
       self._seq += 1
-      return True
-    return False
+      return g
+    return None
+
+  def drop(self, group: Group) -> None:
+    """Takes a finished group out untrained (dynamic sampling); the next
+    top-up starts a fresh prompt in its place."""
+    self.groups.remove(group)
+    self._dropped += 1
 
   @property
   def num_done(self) -> int:
     return sum(g.done for g in self.groups)
 
-  def finish_round(self, it: int) -> tuple[list[Sample], dict, dict]:
-    """Takes the `target` oldest finished groups out: (their samples, request
-    id -> Example, metrics). Samples are numbered 0..target*group_size-1."""
-    done = sorted((g for g in self.groups if g.done), key=lambda g: (g.born, g.done_seq))
-    if len(done) < self.target:
-      raise RuntimeError(
-          f"Round {it} ended with {len(done)} finished groups of the {self.target} it "
-          "trains on; a generator returned fewer samples than requested."
-      )
-    chosen = done[: self.target]
-    taken = {id(g) for g in chosen}
-    self.groups = [g for g in self.groups if id(g) not in taken]
+  def samples_of(self, groups: Sequence[Group], it: int) -> tuple[list[Sample], dict]:
+    """Finished `groups` as whole samples numbered 0..len(groups)*group_size-1
+    in their order, and request id -> Example."""
     samples, by_id = [], {}
-    for j, g in enumerate(chosen):
+    for j, g in enumerate(groups):
       for k, m in enumerate(g.members):
         rid = j * self.group_size + k
         by_id[rid] = g.example
@@ -267,6 +277,27 @@ class PartialBuffer:
                 turns=m.turns,
             )
         )
+    return samples, by_id
+
+  def finish_round(
+      self, it: int, *, take: int | None = None, padding: Sequence[Group] = ()
+  ) -> tuple[list[Sample], dict, dict]:
+    """Takes the `take` (default `target`) oldest finished groups out, then
+    `padding` (dropped groups dynamic sampling pads a short batch with):
+    (their samples, request id -> Example, metrics). Samples are numbered
+    from 0 in that order."""
+    take = self.target if take is None else take
+    done = sorted((g for g in self.groups if g.done), key=lambda g: (g.born, g.done_seq))
+    if len(done) < take:
+      raise RuntimeError(
+          f"Round {it} ended with {len(done)} finished groups of the {take} it "
+          "trains on; a generator returned fewer samples than requested."
+      )
+    chosen = done[:take]
+    taken = {id(g) for g in chosen}
+    self.groups = [g for g in self.groups if id(g) not in taken]
+    chosen += list(padding)
+    samples, by_id = self.samples_of(chosen, it)
     gaps = np.array(
         [it - v for g in chosen for m in g.members for v in m.policy_versions()], np.float64
     )
@@ -282,6 +313,7 @@ class PartialBuffer:
         "partial/carried_tokens": float(sum(len(m.tokens) for m in carried)),
     }
     self._ids = {}
+    self._wasted = 0
     return samples, by_id, metrics
 
   # ---------------------------------------------------------- checkpoint
@@ -328,6 +360,8 @@ class PartialAsyncMode(stream.AsyncMode):
     super().__init__(*args, **kwargs)
     self.buffer = buffer
     self._loader_state: dict | None = None
+    # Dynamic sampling: iteration -> fresh groups started in place of dropped ones.
+    self._replacements: dict[int, int] = {}
 
   def restore(self, carry: dict | None, loader_state: dict) -> None:
     """The buffer and loader position a checkpoint saved (before the first
@@ -343,27 +377,59 @@ class PartialAsyncMode(stream.AsyncMode):
 
   def _next_round(self, it: int) -> base.Round:
     plan = self.buffer.start_round(it, lambda: self._pull(it))
+    self._replacements[it] = self._replacements.get(it, 0) + plan.replacements
     return base.Round(
         it, plan.requests, plan.examples_by_id, self._loader_state, resume=plan.resume
     )
 
   def _produce(self, rnd: base.Round):
-    stopped = False
-    if rnd.requests:
-      for s in self.generate_round(rnd, stoppable=True):
-        if self.buffer.add(s) and not stopped and self.buffer.num_done >= self.buffer.target:
-          self.rollout.stop_generation()
-          stopped = True
-    samples, by_id, metrics = self.buffer.finish_round(rnd.it)
+    f = None if self.filter_rounds is None else self.new_filter()
+    part = rnd
+    for extra in range(1 + (self.filter_rounds or 0)):
+      if extra:  # dynamic sampling kept too few groups: top up and generate again
+        if self.buffer.num_done >= self.buffer.target:
+          break
+        part = self._next_round(rnd.it)
+        f.extra_rounds += 1
+      self._generate_part(part, f)
+      if f is None:
+        break
+    num_kept = self.buffer.num_done
+    take, padding = (self.buffer.target, []) if f is None else f.batch(num_kept)
+    samples, by_id, metrics = self.buffer.finish_round(rnd.it, take=take, padding=padding)
     trained = dataclasses.replace(
         rnd,
         requests=[(s.prompt_id, s.prompt_token_ids) for s in samples],
         examples_by_id=by_id,
+        loader_state=self._loader_state,
         resume={},
         carry=self.buffer.state(),
     )
     metrics.update(self.scheduler.observe(samples))
+    replacements = self._replacements.pop(rnd.it, 0)
+    if f is not None:
+      f.extra_prompts = replacements
+      metrics.update(f.metrics(num_kept))
     return trained, samples, metrics
+
+  def _generate_part(self, part: base.Round, f) -> None:
+    """Streams one round (or an extra round) into the buffer, judging each
+    group as it finishes when `f` (dynamic sampling) is given; stops the
+    generators once enough groups are done."""
+    if not part.requests:
+      return
+    stopped = False
+    for s in self.generate_round(part, stoppable=True):
+      group = self.buffer.add(s)
+      if group is None:
+        continue
+      if f is not None:
+        samples, by_id = self.buffer.samples_of([group], part.it)
+        if not f.judge(group, samples, by_id):
+          self.buffer.drop(group)
+      if not stopped and self.buffer.num_done >= self.buffer.target:
+        self.rollout.stop_generation()
+        stopped = True
 
   def _check_staleness(self, it: int, samples) -> None:
     gap = max(

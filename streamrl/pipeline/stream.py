@@ -84,8 +84,11 @@ class LengthBatcher:
   def pending(self) -> int:
     return sum(len(b) for b in self._buckets.values())
 
-  def flush(self) -> list[list]:
-    """What the buckets still hold, as length-sorted mini-batches."""
+  def flush(self, *, drop_rest: bool = False) -> list[list]:
+    """What the buckets still hold, as length-sorted mini-batches;
+    `drop_rest`: the longest samples beyond whole mini-batches are left out
+    (whole groups: a bucket holds whole groups and `size` is a multiple of
+    the group size)."""
     if self._groups:
       raise RuntimeError(
           f"The stream ended with {len(self._groups)} incomplete groups; "
@@ -93,6 +96,8 @@ class LengthBatcher:
       )
     left = [x for key in sorted(self._buckets) for x in self._buckets[key]]
     self._buckets.clear()
+    if drop_rest:
+      del left[len(left) - len(left) % self.size :]
     if len(left) % self.size:
       raise RuntimeError(
           f"{len(left)} samples are left outside a full mini-batch of "
@@ -110,6 +115,9 @@ class StreamMode(base.Mode):
   def chunks(self, it: int):
     rnd = self.round = self.rounds(it)
     batcher = LengthBatcher(self.mini_batch_size, self.group_size)
+    if self.filter_rounds is not None:
+      yield from self._filtered_chunks(rnd, batcher)
+      return
     samples = []
     t0 = t_last = base.now()
     for s in self.generate_round(rnd):
@@ -120,6 +128,23 @@ class StreamMode(base.Mode):
         rnd, generation_s=t_last - t0, scheduler_metrics=self.scheduler.observe(samples)
     )
     yield from batcher.flush()
+
+  def _filtered_chunks(self, rnd: base.Round, batcher: LengthBatcher):
+    """Dynamic sampling: only kept groups reach the buckets; short of the
+    wanted groups when the bound is hit, the rest is cut to whole
+    mini-batches (or padded with dropped groups to one)."""
+    f = self.new_filter()
+    t0 = base.now()
+    for group in self.filtered_groups(rnd, f):
+      yield from batcher.add(group)
+    generation_s = base.now() - t0
+    _, pad = f.batch()
+    for group in pad:
+      yield from batcher.add(group)
+    self.generated = base.Generated(
+        rnd, generation_s=generation_s, scheduler_metrics={**f.scheduler_metrics, **f.metrics()}
+    )
+    yield from batcher.flush(drop_rest=not f.full)
 
 
 class AsyncMode(base.Mode):
@@ -155,6 +180,9 @@ class AsyncMode(base.Mode):
 
   def _produce(self, rnd: base.Round) -> tuple[base.Round, list, dict]:
     """Generates round `rnd`: (the round trained on, its samples, scheduler metrics)."""
+    if self.filter_rounds is not None:  # dynamic sampling: extra rounds, merged into rnd
+      samples, metrics = self.filtered_round(rnd)
+      return rnd, samples, metrics
     samples = list(self.generate_round(rnd))
     return rnd, samples, self.scheduler.observe(samples)
 

@@ -16,9 +16,11 @@ class SyncMode(base.Mode):
   def chunks(self, it: int):
     rnd = self.round = self.rounds(it)
     t0 = base.now()
-    samples = sorted(self.generate_round(rnd), key=lambda s: s.prompt_id)
+    if self.filter_rounds is None:
+      samples = sorted(self.generate_round(rnd), key=lambda s: s.prompt_id)
+      metrics = self.scheduler.observe(samples)
+    else:  # dynamic sampling: extra rounds until enough groups are kept
+      samples, metrics = self.filtered_round(rnd)
     generation_s = base.now() - t0
-    self.generated = base.Generated(
-        rnd, generation_s=generation_s, scheduler_metrics=self.scheduler.observe(samples)
-    )
+    self.generated = base.Generated(rnd, generation_s=generation_s, scheduler_metrics=metrics)
     yield samples

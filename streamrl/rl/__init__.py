@@ -1,4 +1,5 @@
-"""RL math as small pure jax.numpy functions: advantages, losses, KL, rollout correction."""
+"""RL math as small pure jax.numpy functions: advantages, losses, KL, rollout correction,
+DAPO's group filter and overlong penalty."""
 
 from streamrl.rl.advantages import (
     ADVANTAGE_ESTIMATORS,
@@ -12,6 +13,7 @@ from streamrl.rl.advantages import (
     token_level_rewards,
     whiten,
 )
+from streamrl.rl.dapo import group_keep_mask, groups_to_train, overlong_penalty
 from streamrl.rl.importance import (
     ROLLOUT_CORRECTIONS,
     mismatch_metrics,

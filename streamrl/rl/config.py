@@ -27,6 +27,12 @@ class Advantage:
   # grpo: divide each group's centred scores by their std (False: Dr. GRPO's
   # unscaled advantages).
   normalize_std: bool = True
+  # Dynamic sampling (DAPO): a prompt group whose rewards are all equal has zero
+  # advantages, so it is dropped before training and samples of more prompts
+  # take its place, from at most `filter_max_rounds` extra generation rounds per
+  # iteration (streamrl/pipeline/dynamic_sampling.py).
+  filter_groups: bool = False
+  filter_max_rounds: int = 2
 
   def check(self) -> None:
     one_of("advantage.estimator", self.estimator, ADVANTAGES)
@@ -44,6 +50,17 @@ class Advantage:
     need(
         0 <= self.gamma <= 1 and 0 <= self.lam <= 1,
         "advantage.gamma and advantage.lam must be in [0, 1].",
+    )
+    need(
+        not self.filter_groups or self.group_size >= 2,
+        "advantage.filter_groups=True drops prompt groups whose samples all got the same "
+        "reward, which needs several samples per prompt; set advantage.group_size >= 2 or "
+        "advantage.filter_groups=False.",
+    )
+    need(
+        self.filter_max_rounds >= 0,
+        f"advantage.filter_max_rounds={self.filter_max_rounds} must be >= 0 (extra "
+        "generation rounds per iteration); fix --config.advantage.filter_max_rounds.",
     )
 
 
@@ -84,6 +101,11 @@ class Loss:
   trainer/generator, capped at is_cap) | mis (drop samples whose per-token
   geometric-mean ratio leaves [1/mis_threshold, mis_threshold]) | auto (tis
   in async mode, where samples come from older weights; none otherwise).
+
+  DAPO's overlong shaping: `overlong_buffer` > 0 adds a penalty to the reward
+  of a response longer than sampling.max_tokens - overlong_buffer, growing
+  linearly to -overlong_penalty at max_tokens (`rl.overlong_penalty`);
+  `mask_truncated` leaves responses cut at max_tokens out of the loss.
   """
 
   clip_low: float = 0.2
@@ -97,6 +119,9 @@ class Loss:
   # tis weights per token, or one per sequence (the product of its ratios, capped).
   is_level: str = "token"
   mis_threshold: float = 2.0
+  overlong_buffer: int = 0  # tokens; 0: no overlong penalty
+  overlong_penalty: float = 1.0
+  mask_truncated: bool = False
 
   def resolved(self, mode: str) -> "Loss":
     """This loss with `rollout_correction="auto"` decided by the pipeline
@@ -119,3 +144,5 @@ class Loss:
     need(self.is_cap >= 1, f"loss.is_cap={self.is_cap} must be >= 1.")
     one_of("loss.is_level", self.is_level, IS_LEVELS)
     need(self.mis_threshold > 1, f"loss.mis_threshold={self.mis_threshold} must be > 1.")
+    positive("loss.overlong_buffer", self.overlong_buffer, zero_ok=True)
+    positive("loss.overlong_penalty", self.overlong_penalty, zero_ok=True)

@@ -9,6 +9,7 @@ import os
 from streamrl import config_utils
 from streamrl.config_checks import need, one_of, positive
 from streamrl.scheduling.policy import SCHEDULERS
+from streamrl.scheduling.pool import POOLS
 
 DISPATCH_OBJECTIVES = ("makespan", "mean")
 LATENCY_MODELS = ("paper", "simulate")
@@ -39,6 +40,14 @@ class Scheduler:
   # keeps each prompt's samples on one instance, which admits one per prompt
   # first and orders the rest by what their finished siblings say.
   sibling_lengths: str = "off"
+  # Where an instance's next request comes from (streamrl/scheduling/pool.py):
+  # "fixed" (its own list, handed out before the round) or "shared" (one pool
+  # for all instances, taken from as slots free up, longest estimate first,
+  # refined by finished siblings; Ray generators only).
+  pool: str = "fixed"
+  # With a shared pool: once it is empty, an idle instance takes the running
+  # request with the most tokens from the busiest one, which resumes there.
+  migrate: bool = False
 
   def check(self) -> None:
     one_of("scheduler.kind", self.kind, SCHEDULERS)
@@ -51,6 +60,17 @@ class Scheduler:
     positive("scheduler.length_history", self.length_history)
     one_of("scheduler.ranker_side", self.ranker_side, ("generators", "trainer"))
     one_of("scheduler.sibling_lengths", self.sibling_lengths, ("off", "on"))
+    one_of("scheduler.pool", self.pool, POOLS)
+    need(
+        not self.migrate or self.pool == "shared",
+        "scheduler.migrate=True moves requests between the instances of a shared pool; set "
+        "scheduler.pool='shared' or scheduler.migrate=False.",
+    )
+    need(
+        self.pool == "fixed" or self.sibling_lengths == "off",
+        "scheduler.sibling_lengths='on' orders each instance's own list; a shared pool "
+        "already refines its estimates by finished siblings: set scheduler.sibling_lengths=off.",
+    )
     need(
         self.sibling_lengths == "off" or self.kind != "fifo",
         "scheduler.sibling_lengths='on' refines the length predictions of the skew or "

@@ -69,6 +69,12 @@ class GenerationScheduler:
     self.objective = sched.objective
     self.latency_model = sched.latency_model
     self.siblings = sched.sibling_lengths == "on"
+    self.pool = sched.pool
+    self.migrate = sched.migrate
+    # The last plan's length estimate per request id ({} for FIFO) and its
+    # number of long-tail instances: what a shared pool hands out first, and to whom.
+    self.estimates: dict[int, float] = {}
+    self.n_long = 0
     self.recent = collections.deque(maxlen=sched.length_history)
     # (rank quantile at which a request was predicted, its length): the
     # ranker's real error, which the "simulate" latency model draws from;
@@ -108,6 +114,7 @@ class GenerationScheduler:
     """-> (assignments, caps), one per instance, for `num_instances` instances
     (default: the count given at construction); (None, None) means round-robin."""
     num_instances = int(num_instances or self.num_instances)
+    self.estimates, self.n_long = {}, 0
     if self.kind == "fifo":
       return None, None
     requests = as_requests(requests)
@@ -163,6 +170,9 @@ class GenerationScheduler:
         groups=groups,
         rank_history=list(self.rank_history) or None,
     )
+    if plan.lengths:
+      self.estimates = {r.id: float(n) for r, n in zip(requests, plan.lengths)}
+    self.n_long = plan.n_long_instances
     if groups is not None and plan.lengths:
       requests = with_length_hints(requests, groups, plan.lengths)
     assignments = [[requests[i] for i in part] for part in plan.assignments]
