@@ -23,18 +23,25 @@ What runs (everything real, on this machine):
      times (a GRPO group; every sample its own seed), on `--num_instances`
      real vLLM engines running concurrently, each at most `--max_batch_size`
      in flight, under
-       fifo          random order, round-robin fixed lists (mean over --fifo_orders orders),
-       ranker        ranker -> Algorithm 2 (paper latency model) -> LPT, fixed lists,
-       ranker_fixed  ranker -> Algorithm 2 ("simulate" model with the ranker's real
-                     error) -> LPT, fixed lists: the run configs' scheduler before
-                     the shared pool,
-       oracle_static true lengths -> Algorithm 2 -> LPT, fixed lists,
-       pool          one shared pool in random order, no estimates, no migration,
-       pool_migrate  the same with straggler migration,
-       ranker_sim    exactly the run configs' scheduler settings (configs/ppo.py's
-                     scheduler.*: kind, latency model, long-tail alpha, objective,
-                     pool, migrate) with this ranker,
-       oracle_pool   a shared pool handing out by true length, with migration.
+       fifo            random order, round-robin fixed lists (mean over --fifo_orders orders),
+       ranker          ranker -> Algorithm 2 (paper latency model) -> LPT, fixed lists,
+       ranker_sim      exactly the run configs' scheduler settings (configs/ppo.py's
+                       scheduler.*: kind, latency model, long-tail alpha, objective,
+                       pool, migrate) with this ranker and its real error (rank history),
+       ranker_pool     the same plan as one shared pool (its estimates, its long-tail
+                       split) with straggler migration,
+       pool            one shared pool in random order, no estimates, no migration,
+       pool_migrate    the same with migration,
+       isolate<T>      ranker_pool, and a request that reaches T tokens
+                       (--straggler_tokens, scheduler.straggler_tokens) moves to the
+                       long-tail instance,
+       oracle_static   true lengths -> Algorithm 2 -> LPT, fixed lists,
+       oracle_pool     a shared pool handing out by true length, with migration,
+       oracle_prefix   ranker_pool, and the responses above the history's 99th
+                       percentile move to the long-tail instance after 4 tokens (what
+                       a perfect predictor that sees the first tokens could do),
+       oracle_isolated fixed lists: those responses alone on one instance from the
+                       start, the rest longest first over the others.
      Sampling is seeded per request, so every arm generates the same tokens,
      except the rest of a moved response, which is sampled afresh on its new
      instance (counted: `moved`).
@@ -108,7 +115,9 @@ _ALPHA = flags.DEFINE_float("alpha", 0.2, "Long-tail fraction for Algorithm 2.")
 _FIFO_ORDERS = flags.DEFINE_integer(
     "fifo_orders", 3, "Random FIFO orders averaged for the baseline."
 )
-_STRAGGLER = flags.DEFINE_list("straggler_tokens", ["48", "96"], "Isolation thresholds to try.")
+_STRAGGLER = flags.DEFINE_integer(
+    "straggler_tokens", 96, "The isolate arm's threshold (scheduler.straggler_tokens)."
+)
 _SEED = 0
 
 
@@ -267,7 +276,17 @@ class Arms:
         seed=_SEED,
     )
 
-  def pooled(self, plan, *, migrate: bool, estimates=None, straggler_tokens=0, long_share=4):
+  def pooled(
+      self,
+      plan,
+      *,
+      migrate: bool,
+      estimates=None,
+      straggler_tokens=0,
+      straggler=None,
+      long_share=4,
+      long_instances=None,
+  ):
     from streamrl.generator import lockstep, pooled
     from streamrl.scheduling import pool as pool_lib
 
@@ -284,7 +303,8 @@ class Arms:
         max_tokens=self.sampling.max_tokens,
         migrate=migrate,
         straggler_tokens=straggler_tokens,
-        long_instances=tuple(pool.long_instances) or (n - 1,),
+        straggler=straggler,
+        long_instances=long_instances or tuple(pool.long_instances) or (n - 1,),
         long_share=long_share,
     )
     return lockstep.run_pooled(self.gens, rnd, self.sampling, seed=_SEED)
@@ -323,7 +343,7 @@ def main(argv):
   from streamrl.generator.profiler import profile_instance
   from streamrl.generator.vllm_engine import GeneratorInstance
   from streamrl.ranker.metrics import ranking_metrics
-  from streamrl.scheduling import LatencyProfile, dispatch, fifo_plan, plan_generation
+  from streamrl.scheduling import DispatchPlan, LatencyProfile, dispatch, fifo_plan, plan_generation
   from streamrl.scheduling.dispatch import rank_quantiles
 
   # Everything cached depends on the policy, hence on these two settings.
@@ -427,35 +447,46 @@ def main(argv):
   def by_id(lengths):
     return {k: float(n) for k, n in enumerate(lengths)}
 
+  run_estimates = by_id(run_plan.lengths) if run_plan.lengths else None
+  # The oracle's schedule that comes closest to the floor: the responses above
+  # the history's 99th percentile alone on the last instance from the start,
+  # the rest longest first round-robin over the others.
+  top = [int(k) for k in np.argsort(-true_len) if true_len[k] >= np.quantile(recent, 0.99)]
+  rest = [int(k) for k in np.argsort(-true_len) if int(k) not in set(top)]
+  isolated = DispatchPlan(
+      assignments=tuple(tuple(rest[i :: n_inst - 1]) for i in range(n_inst - 1)) + (tuple(top),),
+      batch_sizes=(max_bs,) * n_inst,
+      n_long_instances=0,
+      predicted_time=float("nan"),
+      objective="oracle_isolated",
+  )
+  cut99 = float(np.quantile(recent, 0.99))
   runs = {
       **{f: (lambda p=p: arms.fixed(p)) for f, p in fifo_plans.items()},
       "ranker": lambda p=alg2(pred): arms.fixed(p),
-      "ranker_fixed": lambda p=alg2(pred, latency_model="simulate", rank_history=rank_history): (
-          arms.fixed(p)
-      ),
-      "oracle_static": lambda: arms.fixed(oracle_plan),
-      "pool": lambda: arms.pooled(base, migrate=False),
-      "pool_migrate": lambda: arms.pooled(base, migrate=True),
       "ranker_sim": (
-          (
-              lambda: arms.pooled(
-                  run_plan,
-                  migrate=sched.migrate,
-                  estimates=by_id(run_plan.lengths) if run_plan.lengths else None,
-              )
-          )
+          (lambda: arms.pooled(run_plan, migrate=sched.migrate, estimates=run_estimates))
           if sched.pool == "shared"
           else (lambda: arms.fixed(run_plan))
       ),
+      "ranker_pool": lambda: arms.pooled(run_plan, migrate=True, estimates=run_estimates),
+      "pool": lambda: arms.pooled(base, migrate=False),
+      "pool_migrate": lambda: arms.pooled(base, migrate=True),
+      f"isolate{_STRAGGLER.value}": lambda: arms.pooled(
+          run_plan, migrate=True, estimates=run_estimates, straggler_tokens=_STRAGGLER.value
+      ),
+      "oracle_static": lambda: arms.fixed(oracle_plan),
       "oracle_pool": lambda: arms.pooled(oracle_plan, migrate=True, estimates=by_id(true_len)),
+      # Perfect knowledge after 4 tokens: responses above the 99th percentile
+      # move to the long-tail instance then.
+      "oracle_prefix": lambda: arms.pooled(
+          run_plan,
+          migrate=True,
+          estimates=run_estimates,
+          straggler=lambda rid, n: n >= 4 and true_len[rid] >= cut99,
+      ),
+      "oracle_isolated": lambda: arms.fixed(isolated),
   }
-  for t in _STRAGGLER.value:
-    runs[f"isolate{t}"] = lambda t=int(t): arms.pooled(
-        run_plan,
-        migrate=True,
-        estimates=by_id(run_plan.lengths) if run_plan.lengths else None,
-        straggler_tokens=t,
-    )
   # The floor: the round's longest response alone on one engine.
   longest = int(np.argmax(true_len))
   solo = fifo_plan(1, 1, 1)
@@ -529,7 +560,9 @@ def main(argv):
       f"oracle_static={ratio['oracle_static']:.2f} bound={ratio['bound']:.2f} "
       f"pool={ratio['pool']:.2f} pool_migrate={ratio['pool_migrate']:.2f} "
       f"oracle_pool={ratio['oracle_pool']:.2f} ranker={ratio['ranker']:.2f} "
-      f"ranker_fixed={ratio['ranker_fixed']:.2f} fifo_spread={spread['fifo']:.2f} "
+      f"ranker_pool={ratio['ranker_pool']:.2f} isolate={ratio[f'isolate{_STRAGGLER.value}']:.2f} "
+      f"oracle_prefix={ratio['oracle_prefix']:.2f} oracle_isolated={ratio['oracle_isolated']:.2f} "
+      f"fifo_spread={spread['fifo']:.2f} "
       f"ranker_sim_spread={spread['ranker_sim']:.2f} "
       f"recall20={m['recall20']:.2f} recall10={m['recall10']:.2f} recall5={m['recall5']:.2f} "
       f"spearman={m['spearman']:.2f}"

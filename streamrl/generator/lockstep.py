@@ -162,7 +162,7 @@ def run_fixed(gens, assignments, caps, sampling, *, seed: int | None = None) -> 
 def run_pooled(gens, rnd: PooledRound, sampling, *, seed: int | None = None) -> Result:
   """The instances take their work from `rnd`'s shared pool (instance i of
   `gens` is instance i of the round)."""
-  feeds = [Feed(straggler_tokens=rnd.straggler_limit(i)) for i in range(len(gens))]
+  feeds = [Feed(straggler=rnd.straggler_limit(i)) for i in range(len(gens))]
   for i, f in enumerate(feeds):
     f.add(rnd.fill(i))
   lock = threading.Lock()

@@ -69,6 +69,7 @@ class PooledRound:
       migrate: bool,
       lookahead: int = 0,
       straggler_tokens: int = 0,
+      straggler=None,
       long_instances: tuple[int, ...] = (),
       long_share: int = 0,
   ):
@@ -81,6 +82,8 @@ class PooledRound:
     # regular instance moves to a long-tail instance, which holds at most
     # `long_share` regular requests meanwhile.
     self.straggler_tokens = int(straggler_tokens)
+    # Or any rule: straggler(request id, tokens so far) -> bool (in one process).
+    self.straggler = straggler if straggler is not None else (self.straggler_tokens or None)
     self.long_instances = frozenset(long_instances or pool.long_instances)
     pool.long_instances = self.long_instances
     self.long_share = int(long_share)
@@ -99,10 +102,10 @@ class PooledRound:
   def done(self) -> bool:
     return len(self.answered) >= self.total
 
-  def straggler_limit(self, i: int) -> int | None:
-    """The tokens at which instance `i` gives up a running request (None: never)."""
-    if self.straggler_tokens and i not in self.long_instances and not self._settled:
-      return self.straggler_tokens
+  def straggler_limit(self, i: int):
+    """Instance `i`'s `Feed.straggler` rule (None: it gives up nothing)."""
+    if self.straggler is not None and i not in self.long_instances and not self._settled:
+      return self.straggler
     return None
 
   def idle(self, i: int) -> bool:
@@ -112,7 +115,7 @@ class PooledRound:
     """Requests to send instance `i` now (its cap plus the lookahead)."""
     out = []
     while len(self.held[i]) < self.caps[i] + self.lookahead:
-      if self.straggler_tokens and i in self.long_instances and self.pool.has_regular():
+      if self.straggler is not None and i in self.long_instances and self.pool.has_regular():
         if not self.pool.has_long() and len(self.held[i]) >= self.long_share:
           break
       r = self.pool.take(i)
@@ -139,7 +142,7 @@ class PooledRound:
     the pool is empty, a release order to its donor; the close to all once
     every request is answered."""
     out = []
-    if self.straggler_tokens and not self._settled and not self.pool.has_regular():
+    if self.straggler is not None and not self._settled and not self.pool.has_regular():
       # The regular work is all out: stragglers stay where they are from now on.
       self._settled = True
       out += [(j, {"stragglers_stay": True}) for j in instances if j not in self.long_instances]
@@ -175,7 +178,8 @@ class PooledRound:
       self.pool.put(
           rest,
           done_tokens=len(s.token_ids),
-          long=bool(self.straggler_tokens) and len(moved.token_ids) >= self.straggler_tokens,
+          # Given up by the straggler rule (not to an idle thief): a long-tail request now.
+          long=self.straggler is not None and thief is None and i not in self.long_instances,
       )
       self.moves += 1
       if thief is not None and thief in self.held and self.idle(thief):

@@ -166,7 +166,7 @@ class _GeneratorActor:
     if feed_key is not None:
       feed = self._feeds.setdefault(feed_key, Feed())
       if straggler_tokens and feed.open:
-        feed.straggler_tokens = straggler_tokens
+        feed.straggler = int(straggler_tokens)
       feed.add(requests)
       requests = feed
     stream = self._gen.generate(
@@ -728,6 +728,7 @@ class StreamGenerationService:
       stoppable: bool = False,
       pool: WorkPool | None = None,
       migrate: bool = False,
+      straggler_tokens: int = 0,
   ) -> Iterator:
     """Yields one Sample per request, each as soon as an instance finishes it.
 
@@ -751,6 +752,9 @@ class StreamGenerationService:
         (streamrl/generator/pooled.py); `caps` as above.
       migrate: with a pool, an idle instance takes a straggler from the
         busiest once the pool is empty (never for multi-turn trajectories).
+      straggler_tokens: with a pool, a request that reaches this many tokens
+        on a regular instance moves to a long-tail instance (the pool's, else
+        the last live one); 0: never.
 
     Closing the iterator early cancels the remaining work. Requests of an
     instance that dies (before or during the call) are re-run on the live
@@ -783,6 +787,8 @@ class StreamGenerationService:
           max_tokens=sampling.max_tokens,
           migrate=migrate and self._migrate,
           lookahead=POOL_LOOKAHEAD,
+          straggler_tokens=straggler_tokens if self._migrate else 0,
+          long_instances=tuple(pool.long_instances) or tuple(self.live_instances[-1:]),
       )
       return self._guarded(pooled_lib.run(self, rnd, sampling, seed, timeout_s, stop_key), stop_key)
     return self._run(plan, sampling, seed, caps, timeout_s, stop_key)

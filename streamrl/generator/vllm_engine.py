@@ -554,8 +554,12 @@ class GeneratorInstance:
             return len(getattr(latest.get(rid), "token_ids", ()))
 
           moving = sorted(running, key=lambda r: -tokens(r))[: feed.releases()]
-          if feed.straggler_tokens:  # stragglers go to the long-tail instances
-            moving += [r for r in running if r not in moving and tokens(r) >= feed.straggler_tokens]
+          if feed.straggler is not None:  # stragglers go to the long-tail instances
+            moving += [
+                r
+                for r in running
+                if r not in moving and feed.is_straggler(running[r][0], tokens(r))
+            ]
           if moving:
             self._engine.abort_request(moving)
             for rid in moving:

@@ -148,6 +148,7 @@ class Mode:
           caps=full_caps,
           pool=pool,
           migrate=self.scheduler.migrate,
+          straggler_tokens=self.scheduler.straggler_tokens,
           **kw,
       )
       return stream if self.on_sample is None else self._tap(stream, rnd)

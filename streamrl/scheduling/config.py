@@ -48,6 +48,10 @@ class Scheduler:
   # With a shared pool: once it is empty, an idle instance takes the running
   # request with the most tokens from the busiest one, which resumes there.
   migrate: bool = False
+  # With a shared pool: a request that reaches this many tokens on a regular
+  # instance moves to a long-tail instance (Algorithm 2's, else the last one),
+  # which meanwhile runs few others; 0: off.
+  straggler_tokens: int = 0
 
   def check(self) -> None:
     one_of("scheduler.kind", self.kind, SCHEDULERS)
@@ -65,6 +69,12 @@ class Scheduler:
         not self.migrate or self.pool == "shared",
         "scheduler.migrate=True moves requests between the instances of a shared pool; set "
         "scheduler.pool='shared' or scheduler.migrate=False.",
+    )
+    positive("scheduler.straggler_tokens", self.straggler_tokens, zero_ok=True)
+    need(
+        not self.straggler_tokens or self.pool == "shared",
+        "scheduler.straggler_tokens moves requests between the instances of a shared pool; "
+        "set scheduler.pool='shared' or scheduler.straggler_tokens=0.",
     )
     need(
         self.pool == "fixed" or self.sibling_lengths == "off",

@@ -210,10 +210,11 @@ class Feed:
   to the pool (the actor's control method, or the benchmark's driver).
   """
 
-  def __init__(self, requests: Sequence[Request] = (), straggler_tokens: int | None = None):
-    # The engine gives up any running request that reaches this many tokens
-    # (None: never), for the pool to hand to a long-tail instance.
-    self.straggler_tokens = straggler_tokens
+  def __init__(self, requests: Sequence[Request] = (), straggler=None):
+    # Which running requests the engine gives up for the pool to hand to a
+    # long-tail instance: those with this many tokens (an int), those for
+    # which straggler(request id, tokens so far) is true (a callable), or none.
+    self.straggler = straggler
     self._queue: collections.deque = collections.deque(requests)
     self._cond = threading.Condition()
     self._closed = False
@@ -227,6 +228,14 @@ class Feed:
 
   def __iter__(self) -> Iterator[Request]:
     return iter(list(self._queue))
+
+  def is_straggler(self, request_id: int, tokens: int) -> bool:
+    """Whether the engine gives up this running request now (see __init__)."""
+    if self.straggler is None:
+      return False
+    if callable(self.straggler):
+      return bool(self.straggler(request_id, tokens))
+    return tokens >= self.straggler
 
   @property
   def open(self) -> bool:
@@ -271,7 +280,7 @@ class Feed:
     `stragglers_stay`: from now on no running request is given up for its
     length (the regular work is all handed out)."""
     if stragglers_stay:
-      self.straggler_tokens = None
+      self.straggler = None
     if requests:
       self.add(requests)
     if release:

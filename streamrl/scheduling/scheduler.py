@@ -71,6 +71,7 @@ class GenerationScheduler:
     self.siblings = sched.sibling_lengths == "on"
     self.pool = sched.pool
     self.migrate = sched.migrate
+    self.straggler_tokens = sched.straggler_tokens
     # The last plan's length estimate per request id ({} for FIFO) and its
     # number of long-tail instances: what a shared pool hands out first, and to whom.
     self.estimates: dict[int, float] = {}

@@ -75,13 +75,13 @@ def test_donor_is_the_busiest_with_at_least_two():
 
 
 def test_feed_orders_and_readiness():
-  f = Feed(straggler_tokens=8)
+  f = Feed(straggler=8)
   assert f.open and not f.ready
   f.order(requests=[Request(0, (1,))], release=2)
   assert f.ready and f.releases() == 2 and f.releases() == 0
   assert f.popleft().id == 0 and not f.ready
   f.order(stragglers_stay=True, close=True)
-  assert f.straggler_tokens is None and f.ready and not f.open
+  assert f.straggler is None and not f.is_straggler(0, 99) and f.ready and not f.open
 
 
 def test_join_concatenates_and_marks_versions_only_when_they_differ():
