@@ -59,6 +59,7 @@ class Workload:
   num_draws: int = 2
   seed: int = 0
   tools: object = None  # sim.engine.ToolModel: multi-turn trajectories with tool calls
+  pool: str = "fixed"  # sim.engine.SimConfig.pool: the generators' work pool (scheduler.pool)
 
 
 @dataclasses.dataclass(frozen=True)

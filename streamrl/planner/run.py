@@ -280,6 +280,7 @@ def run_plan(config: Any) -> PlanReport:
       batch_size=int(config.batch_size),
       seed=int(_get(config, "seed", 0)),
       tools=tools_from_config(_get(config, "tools")),
+      pool=str(_get(config, "pool", "fixed")),
   )
   objective, unit = str(config.objective), int(config.unit)
   if measured is None:
@@ -404,6 +405,8 @@ def simulate_allocation(
     cfg = dataclasses.replace(cfg, gen=measured.gen, train=measured.train)
   if w.tools is not None:
     cfg = dataclasses.replace(cfg, tools=w.tools)
+  if w.pool != "fixed":
+    cfg = dataclasses.replace(cfg, pool=w.pool)
   return simulate(cfg)
 
 

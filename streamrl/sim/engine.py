@@ -66,6 +66,7 @@ import numpy as np
 
 from streamrl.scheduling import dispatch, fifo_plan
 from streamrl.scheduling.dispatch import rank_quantiles
+from streamrl.scheduling.pool import POOLS
 from streamrl.sim.costs import GenCostModel, TrainCostModel
 from streamrl.sim.lengths import LengthDistribution
 from streamrl.sim.ranker_model import noisy_scores
@@ -146,6 +147,10 @@ class SimConfig:
       instances / gen_cores.
     tools: multi-turn trajectories with tool calls (`ToolModel`); None:
       single-turn samples.
+    pool: "fixed" (each instance admits from its own list) or "shared" (every
+      instance admits from one queue, the plan's lists interleaved: the
+      shared work pool of streamrl/scheduling/pool.py; its migration of
+      running requests is not modelled).
   """
 
   mode: str
@@ -168,8 +173,11 @@ class SimConfig:
   seed: int = 0
   gen_cores: int | None = None
   tools: ToolModel | None = None
+  pool: str = "fixed"
 
   def __post_init__(self):
+    if self.pool not in POOLS:
+      raise ValueError(f"pool must be one of {POOLS}, got {self.pool!r}.")
     if self.mode not in MODES:
       raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}.")
     if self.scheduler not in SCHEDULERS:
@@ -329,8 +337,14 @@ class _GenPhase:
       output_lens: Sequence[int],
       queues: Sequence[Sequence[int]],
       caps: Sequence[int],
+      shared: bool = False,
   ) -> None:
     n = len(queues)
+    if shared:  # one queue for all: the lists interleaved, each instance takes from it
+      one = collections.deque(
+          q[k] for k in range(max(map(len, queues), default=0)) for q in queues if k < len(q)
+      )
+      queues = [one if one else ()] * n
     while len(self.instances) < n:
       self.instances.append(_Instance(len(self.instances)))
     # Per-sample state of this iteration.
@@ -352,15 +366,18 @@ class _GenPhase:
     for inst, q, cap in zip(self.instances[:n], queues, caps):
       inst.t, inst.k, inst.S, inst.B, inst.R = t, 0, 0.0, 0, 0.0
       inst.heap, inst.stack = [], []
-      inst.queue = collections.deque(q)
+      inst.queue = q if shared and len(q) else collections.deque(q)
       inst.out = 0  # its samples waiting on a tool
       inst.cap = max(1, min(int(cap), self.gen.max_num_seqs))
       inst.start_t, inst.done_t = t, t
       inst.version += 1
       inst.active = bool(q)
       if inst.active:
-        self.n_active += 1
         self._admit(inst)
+        if inst.B == 0 and not inst.queue:  # a shared pool the others emptied
+          inst.active = False
+          continue
+        self.n_active += 1
         self._schedule(inst)
     for inst in self.instances[n:]:
       inst.active = False
@@ -705,7 +722,7 @@ class _Simulation:
     queues, caps = _plan_queues(c, g, n_inst, prompt, out, recent)
     self.gen_start[g] = t
     self.gen_phase_iter = g
-    self.gen.start(t, prompt, out, queues, caps)
+    self.gen.start(t, prompt, out, queues, caps, shared=c.pool == "shared")
 
   def _on_sample(self, t: float, sid: int, inst: int) -> None:
     g = self.gen_phase_iter
@@ -869,13 +886,14 @@ def simulate_generation(
     caps: Sequence[int] | None = None,
     cores: int | None = None,
     tools: ToolModel | None = None,
+    pool: str = "fixed",
 ) -> GenResult:
   """Generation of one batch on `num_instances` instances (no trainer).
 
   `queues`/`caps` bypass the scheduler (explicit per-instance admission order
   and batch caps); otherwise the scheduler is "fifo" or "skew" as in SimConfig.
   `cores`: as SimConfig.gen_cores (the instances share that many cores);
-  `tools`: as SimConfig.tools (multi-turn trajectories).
+  `tools`: as SimConfig.tools (multi-turn trajectories); `pool`: as SimConfig.pool.
   """
   prompt = np.asarray(prompt_lens, dtype=np.int64)
   out = np.asarray(output_lens, dtype=np.int64)
@@ -915,7 +933,9 @@ def simulate_generation(
     done[0] = t
 
   phase = _GenPhase(gen, push, on_finish, on_done, cores, tools)
-  phase.start(0.0, prompt, out, queues, caps)
+  if pool not in POOLS:
+    raise ValueError(f"pool must be one of {POOLS}, got {pool!r}.")
+  phase.start(0.0, prompt, out, queues, caps, shared=pool == "shared")
   events = 0
   while heap:
     t, _, _, a, b = heapq.heappop(heap)

@@ -61,3 +61,16 @@ def test_a_plan_for_an_agentic_workload_counts_its_tool_calls():
   # Every trajectory longer than a turn waits on tools: less throughput in every mode.
   for mode in ("stream", "async"):
     assert 0 < agentic.predicted[mode] < plain.predicted[mode]
+
+
+def test_a_plan_with_a_shared_work_pool_simulates_it():
+  fixed = run_plan(_config("qwen7b_single_dc"))
+  c = _config("qwen7b_single_dc")
+  c.pool = "shared"
+  shared = run_plan(c)
+  for mode in ("stream", "async"):
+    assert shared.predicted[mode] > 0
+  assert shared.predicted != fixed.predicted
+  c.pool = "bogus"
+  with pytest.raises(ValueError, match="pool must be one of"):
+    run_plan(c)

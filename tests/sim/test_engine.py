@@ -45,6 +45,25 @@ def test_continuous_batching_shrinks_batch_and_refills():
   assert r.finish_times[2] == pytest.approx(15 * (A + 2 * B))
 
 
+def test_a_shared_pool_lets_the_free_instance_take_the_next_request():
+  # Instance 0 gets lengths 100 and 10, instance 1 gets 10 and 10, one at a time.
+  # Fixed lists: instance 0 runs 110 steps. Shared (interleaved 0, 2, 1, 3):
+  # instance 1 finishes 10 at step 10 and takes the next, so the long one is
+  # alone on instance 0 and the round ends at step 100.
+  lens = [100, 10, 10, 10]
+  kw = dict(queues=[[0, 1], [2, 3]], caps=[1, 1])
+  fixed = simulate_generation(_gen(), 2, [4] * 4, lens, **kw)
+  shared = simulate_generation(_gen(), 2, [4] * 4, lens, pool="shared", **kw)
+  assert fixed.makespan == pytest.approx(110 * (A + B))
+  assert shared.makespan == pytest.approx(100 * (A + B))
+  assert shared.finish_times[3] == pytest.approx(30 * (A + B))
+  # More instances than requests: the spare ones end at once.
+  spare = simulate_generation(_gen(), 3, [4] * 2, [10, 20], queues=[[0], [1], []], pool="shared")
+  assert spare.makespan == pytest.approx(20 * (A + 2 * B) - 10 * B)
+  with pytest.raises(ValueError, match="pool must be one of"):
+    simulate_generation(_gen(), 1, [4], [4], pool="bogus")
+
+
 def test_context_term_and_prefill_closed_form():
   c, p = 1e-5, 2e-4
   # One sequence, prompt 50, 20 tokens: sum_k (A + B + c * (50 + k)), k = 0..19, plus prefill of 50.
