@@ -312,19 +312,6 @@ def shaped_rewards(
   return r, c
 
 
-def loss_samples(samples: list, loss: settings_lib.Loss | None) -> list:
-  """`samples` as the trainer scores them: with `loss.mask_truncated`, a
-  response cut at the length limit (finish_reason "length") gets an all-zero
-  mask, so none of its tokens is in the loss. Its reward then counts as 0 in
-  its group's baseline (the group estimators read rewards through the mask)."""
-  if loss is None or not loss.mask_truncated:
-    return samples
-  return [
-      dataclasses.replace(x, mask=(0,) * len(x.token_ids)) if x.finish_reason == "length" else x
-      for x in samples
-  ]
-
-
 def _combine(parts: list[dict]) -> dict:
   """Per-chunk metrics -> one value each: max of maxima, mean of the rest
   (over the chunks that have the key)."""
@@ -380,7 +367,7 @@ def train_iteration(
     start = mode_base.now()
     with timeline.busy(TRAINER, f"train {it}"):
       r, c = shaped_rewards(rewarder, chunk, mode.round.examples_by_id, loss, max_tokens)
-      part, metrics = trainer.prepare(loss_samples(chunk, loss), r, old)
+      part, metrics = trainer.prepare(chunk, r, old)
       for j in rng.permutation(len(part)):
         updates.append(trainer.update(part[j]))
       # The busy interval must cover the compute, not only its dispatch.

@@ -252,6 +252,11 @@ class RLTrainer:
     )
     for k, v in adv.items():
       full[k] = np.asarray(v)
+    if self.loss.mask_truncated:
+      # DAPO: a response cut at the length limit keeps its reward in its
+      # group's baseline (above) but none of its tokens is in the loss.
+      cut = [i for i, x in enumerate(samples) if x.finish_reason == "length"]
+      full["mask_bt"][cut] = 0
     minis = []
     for c in chunks:
       length = max(block_len[c[i]] for i in range(0, len(c), size))

@@ -185,3 +185,32 @@ def test_micro_batches_padded_to_their_own_length_take_the_same_step(monkeypatch
     assert m_r[k] == pytest.approx(m_p[k], rel=1e-4, abs=1e-6), k
   for a, b in zip(jax.tree.leaves(p_r), jax.tree.leaves(p_p)):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_mask_truncated_keeps_the_reward_in_the_baseline_and_drops_the_tokens():
+  s = make_settings()
+  s = s.replace(
+      advantage=dataclasses.replace(
+          s.advantage, estimator="grpo", group_size=4, use_critic=False, whiten=False
+      ),
+  )
+  cut = [
+      dataclasses.replace(x, finish_reason="stop" if x.prompt_id % 2 else "length")
+      for x in samples()
+  ]
+  rewards = [1.0, 0.0, 0.5, 0.25]
+  out = {}
+  for flag in (False, True):
+    t = rl_trainer.RLTrainer.from_settings(
+        policy(), s.replace(loss=dataclasses.replace(s.loss, mask_truncated=flag))
+    )
+    minis, _ = t.prepare(cut, rewards, t.snapshot(copy=False))
+    out[flag] = {
+        k: np.concatenate([m[k].sum(1) for m in minis]) for k in ("mask_bt", "advantages_bt")
+    }
+  on, off = out[True], out[False]
+  # Truncated responses (0 and 2, wherever the length sort put them) have no tokens in the loss...
+  assert (on["mask_bt"] == 0).sum() == 2 and (off["mask_bt"] == 0).sum() == 0
+  # ...and every advantage is the one computed with all four rewards in the group.
+  np.testing.assert_allclose(on["advantages_bt"], off["advantages_bt"])
+  assert np.abs(off["advantages_bt"]).sum() > 0
