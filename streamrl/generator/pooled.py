@@ -250,6 +250,16 @@ def last_line(msg: str | None) -> str:
   return lines[-1] if lines else "unknown cause"
 
 
+def stall_error(stalled, stall_timeout_s: float, counts: str = "") -> TimeoutError:
+  """The error of instances that produced nothing for the stall timeout while holding work."""
+  return TimeoutError(
+      f"Generator instance{'s' if len(stalled) > 1 else ''} "
+      f"{', '.join(map(str, stalled))} produced no sample for {stall_timeout_s:.0f} s "
+      f"while still having work{counts}; raise pipeline.stall_timeout_s if samples are just "
+      "slow, or check the instance's log."
+  )
+
+
 def run(service, rnd: PooledRound, sampling, seed, stall_timeout_s: float, stop_key):
   """The service's generate loop over `rnd` (see the module docstring)."""
   import ray  # pylint: disable=g-import-not-at-top
@@ -318,12 +328,7 @@ def run(service, rnd: PooledRound, sampling, seed, stall_timeout_s: float, stop_
             if d <= now:
               active[g].last_sample = now
           continue
-        raise TimeoutError(
-            f"Generator instance{'s' if len(stalled) > 1 else ''} "
-            f"{', '.join(map(str, stalled))} produced no sample for {stall_timeout_s:.0f} s "
-            "while still having work; raise pipeline.stall_timeout_s if samples are just "
-            "slow, or check the instance's log."
-        )
+        raise stall_error(stalled, stall_timeout_s)
       for gen in ready:
         st = active[gen]
         i = st.instance_id

@@ -791,7 +791,7 @@ class StreamGenerationService:
           long_instances=tuple(pool.long_instances) or tuple(self.live_instances[-1:]),
       )
       return self._guarded(pooled_lib.run(self, rnd, sampling, seed, timeout_s, stop_key), stop_key)
-    return self._run(plan, sampling, seed, caps, timeout_s, stop_key)
+    return self._guarded(self._run(plan, sampling, seed, caps, timeout_s, stop_key), stop_key)
 
   def _guarded(self, stream, stop_key):
     """`stream` counted as a running call (see `_run`'s end)."""
@@ -920,8 +920,6 @@ class StreamGenerationService:
         undelivered[j].update((r.id, r) for r in reqs)
         start(j)
 
-    with self._lock:
-      self._runs_active += 1
     try:
       for i in list(queued):
         start(i)
@@ -936,12 +934,7 @@ class StreamGenerationService:
           if not stalled:
             continue
           counts = ", ".join(f"instance {i}: {len(undelivered[i])} unfinished" for i in stalled)
-          raise TimeoutError(
-              f"Generator instance{'s' if len(stalled) > 1 else ''} "
-              f"{', '.join(map(str, stalled))} produced no sample for {stall_timeout_s:.0f} s "
-              f"while still having work ({counts}); raise pipeline.stall_timeout_s if "
-              "samples are just slow, or check the instance's log."
-          )
+          raise pooled_lib.stall_error(stalled, stall_timeout_s, f" ({counts})")
         for gen in ready:
           st = active[gen]
           i = st.instance_id
@@ -993,13 +986,6 @@ class StreamGenerationService:
         except Exception:  # pylint: disable=broad-except
           pass  # Already finished or its actor is gone.
         end(gen)
-      if stop_key is not None and self._stoppable_key == stop_key:
-        self._stoppable_key = None
-      with self._lock:
-        self._runs_active -= 1
-        last = self._runs_active == 0
-      if last:
-        self._retire_idle_draining()
 
   # -- faults -----------------------------------------------------------------
 
