@@ -717,7 +717,7 @@ class GeneratorInstance:
           self._engine.add_request(rid, {"prompt_token_ids": list(traj.context)}, params)
           running[rid] = traj
         self._in_flight = len(running)
-        if not running and not waiting:  # a shared pool's feed, open and empty
+        if not running and not waiting and feed is not None:  # a pool's feed, open and empty
           feed.wait(0.05)
           continue
         if not running:
