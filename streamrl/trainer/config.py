@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from streamrl.config_checks import need, one_of, positive
+from streamrl.models.lora import MAX_LORA_RANK, LoraSpec, parse_targets
 from streamrl.models.config import (
     COMPUTE_DTYPES,
     DEFAULT_LOGPROB_CHUNK,
@@ -27,6 +28,13 @@ class Trainer:
   ("none", "full": only its input, "dots": the weight matmuls' outputs).
   logprob_chunk: score this many positions at a time, so no fp32 [batch,
   time, vocab] logits exist for a whole sequence (0: all at once).
+
+  LoRA (`lora_rank` > 0): the actor trains adapters of rank `lora_rank` on
+  the `lora_targets` projections ("all", or a comma list of q, k, v, o,
+  gate, up, down), scaled by `lora_alpha / lora_rank`, with its own weights
+  frozen; the reference policy is the base without the adapter; the critic
+  trains in full. The generators receive only the adapter (a vLLM LoRA) for
+  each new version (streamrl/models/lora.py).
   """
 
   num_iterations: int = 250
@@ -38,6 +46,15 @@ class Trainer:
   fp32_lm_head: bool = True
   remat: str = "none"
   logprob_chunk: int = DEFAULT_LOGPROB_CHUNK
+  lora_rank: int = 0
+  lora_alpha: float = 16.0
+  lora_targets: str = "all"
+
+  def lora_spec(self) -> LoraSpec | None:
+    """The actor's adapters (None: full fine-tuning)."""
+    if not self.lora_rank:
+      return None
+    return LoraSpec(self.lora_rank, float(self.lora_alpha), parse_targets(self.lora_targets))
 
   def compute(self, model_dtype: str) -> ComputeConfig:
     """How the forward passes run; compute_dtype="auto" follows the generators
@@ -73,6 +90,18 @@ class Trainer:
         f"{('auto',) + COMPUTE_DTYPES} (float16 training would need loss scaling).",
     )
     one_of("trainer.remat", self.remat, REMAT_POLICIES)
+    positive("trainer.lora_rank", self.lora_rank, zero_ok=True)
+    need(
+        self.lora_rank <= MAX_LORA_RANK,
+        f"trainer.lora_rank={self.lora_rank} is above {MAX_LORA_RANK}, the largest rank the "
+        "generators' LoRA kernels take; pick a smaller rank.",
+    )
+    if self.lora_rank:
+      positive("trainer.lora_alpha", self.lora_alpha)
+      try:
+        parse_targets(self.lora_targets)
+      except ValueError as e:
+        need(False, str(e))
     need(
         self.logprob_chunk >= 0,
         f"trainer.logprob_chunk={self.logprob_chunk} must be >= 0 (positions scored at a "

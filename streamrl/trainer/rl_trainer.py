@@ -29,12 +29,13 @@ import dataclasses
 from collections.abc import Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from streamrl import rl
-from streamrl.models import hf
+from streamrl.models import hf, lora as lora_lib
 from streamrl.generator.config import Sampling
 from streamrl.rl.config import Advantage, Kl, Loss
 from streamrl.trainer.config import Optimizer, Trainer
@@ -131,8 +132,9 @@ class RLTrainer:
     critic = None
     if advantage.use_critic:
       critic = critic_from_policy(policy, seed, self.mesh)
+    self.lora = trainer.lora_spec()
     self.models, state = step_lib.init_state(
-        policy, optimizer, optimizer_steps, critic, compute=self.compute
+        policy, optimizer, optimizer_steps, critic, compute=self.compute, lora=self.lora, seed=seed
     )
     # Scalars (step, optimizer counts) default to one device; replicate them on
     # the mesh so a restored (committed) state has one consistent device set.
@@ -143,7 +145,9 @@ class RLTrainer:
         else jax.device_put(x, replicated),
         state,
     )
-    self.ref = self._frozen(self.state.actor) if kl.use_reference else None
+    # With LoRA the reference is the frozen base itself (the adapter off).
+    self.ref = self._frozen(self.state.actor) if kl.use_reference and not self.lora else None
+    self.ref_is_base = bool(kl.use_reference and self.lora)
 
   @classmethod
   def from_settings(
@@ -188,7 +192,9 @@ class RLTrainer:
     """
     if not copy:
       return Snapshot(self.state.actor, self.state.critic)
-    return Snapshot(self._frozen(self.state.actor), self._frozen(self.state.critic))
+    # An adapter is small: an fp32 copy scores exactly as the live one.
+    actor = jax.tree.map(jnp.copy, self.state.actor) if self.lora else None
+    return Snapshot(actor or self._frozen(self.state.actor), self._frozen(self.state.critic))
 
   def score(self, samples: Sequence, old: Snapshot) -> dict:
     """Old / reference logprobs and values of samples (one padded batch)."""
@@ -197,10 +203,13 @@ class RLTrainer:
     score = dict(
         graphdef=self.models.actor_def, temperature=self.sampling.temperature, compute=self.compute
     )
-    logp, _ = step_lib.policy_logprobs(old.actor, tokens, **score)
+    logp, _ = step_lib.policy_logprobs(
+        old.actor, tokens, base=self.state.actor_base, lora=self.lora, **score
+    )
     batch["old_logp_bt"] = multihost.host_array(logp)
-    if self.ref is not None:
-      ref, _ = step_lib.policy_logprobs(self.ref, tokens, **score)
+    if self.ref is not None or self.ref_is_base:
+      ref = self.state.actor_base if self.ref_is_base else self.ref
+      ref, _ = step_lib.policy_logprobs(ref, tokens, **score)
       batch["ref_logp_bt"] = multihost.host_array(ref)
     else:
       batch["ref_logp_bt"] = np.zeros_like(batch["old_logp_bt"])
@@ -329,18 +338,27 @@ class RLTrainer:
 
   # ------------------------------------------------------------------ export
   def policy(self) -> Transformer:
-    return nnx.merge(self.models.actor_def, self.state.actor)
+    """The actor as a Transformer (with LoRA: the base with the adapter merged)."""
+    params = step_lib.actor_params(self.state.actor, self.state.actor_base, self.lora)
+    return nnx.merge(self.models.actor_def, params)
 
-  def export_weights(self, dtype=None) -> hf.HFTensors:
-    """The actor as HF-named tensors in the generators' dtype, converted as read.
+  def export_weights(self, dtype=None):
+    """What the generators load for a new version, in their dtype.
 
-    The result is lazy (`hf.HFTensors`): a consumer that walks `items()`
-    holds one converted tensor at a time, never a full fp32 host copy.
+    Full fine-tuning: the actor as HF-named tensors, converted as read (lazy,
+    `hf.HFTensors`: a consumer that walks `items()` holds one converted
+    tensor at a time, never a full fp32 host copy). LoRA: only the adapter,
+    PEFT-named (`lora.peft_tensors`), which the generators apply to the base
+    they loaded at start.
     """
+    if self.lora:
+      return lora_lib.peft_tensors(self.state.actor, self.lora, dtype or self.export_dtype)
     return hf.HFTensors(self.policy(), dtype or self.export_dtype)
 
   def checkpoint_arrays(self) -> dict:
-    return {"state": self.state}
+    """What a checkpoint holds: the train state (with LoRA without the frozen
+    base, which the policy directory holds already)."""
+    return {"state": self.state.replace(actor_base=None)}
 
   def load_checkpoint_arrays(self, arrays: dict) -> None:
-    self.state = arrays["state"]
+    self.state = arrays["state"].replace(actor_base=self.state.actor_base)

@@ -31,8 +31,9 @@ import optax
 from flax import nnx
 
 from streamrl import rl
+from streamrl.models import lora as lora_lib
 from streamrl.models.config import ComputeConfig
-from streamrl.models.transformer import next_token_logprobs
+from streamrl.models.transformer import next_token_logprobs, read_dtype_cast
 from streamrl.generator.config import Sampling
 from streamrl.rl.config import Kl, Loss
 from streamrl.trainer.config import Optimizer
@@ -84,11 +85,16 @@ def make_optimizer(opt: Optimizer, *, lr: float, decay_steps: int) -> optax.Grad
 
 @flax.struct.dataclass
 class TrainState:
+  """What the step updates. With LoRA (`Models.lora`) `actor` is the adapter
+  (`streamrl.models.lora`), the only trained actor state, and `actor_base`
+  the frozen policy it adapts, stored in the dtypes the forward pass reads."""
+
   step: jax.Array
   actor: Any
   actor_opt: Any
   critic: Any = None
   critic_opt: Any = None
+  actor_base: Any = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,6 +114,7 @@ class Models:
   decay_steps: int
   critic_def: nnx.GraphDef | None = None
   compute: ComputeConfig = ComputeConfig()
+  lora: lora_lib.LoraSpec | None = None
 
   def actor_tx(self) -> optax.GradientTransformation:
     return make_optimizer(self.optimizer, lr=self.optimizer.lr, decay_steps=self.decay_steps)
@@ -122,18 +129,29 @@ def init_state(
     decay_steps: int,
     critic: nnx.Module | None = None,
     compute: ComputeConfig = ComputeConfig(),
+    lora: lora_lib.LoraSpec | None = None,
+    seed: int = 0,
 ) -> tuple[Models, TrainState]:
   """Splits the models into (static Models, TrainState with fresh optimizer state).
 
   The parameters stay in the dtype they come in (fp32 master weights);
-  `compute` says how the step's forward passes run.
+  `compute` says how the step's forward passes run. With `lora` the actor's
+  weights become the frozen `actor_base` (in the read dtypes) and a fresh
+  adapter (seeded by `seed`) is what trains: the optimizer holds its state only.
   """
   actor_def, actor_params = nnx.split(actor, nnx.Param)
-  models = Models(actor_def, optimizer, decay_steps, compute=compute)
+  models = Models(actor_def, optimizer, decay_steps, compute=compute, lora=lora)
+  base = None
+  if lora is not None:
+    base = read_dtype_cast(actor_params, actor.cfg, compute)
+    actor_params = lora_lib.init_adapters(
+        actor_params, actor.cfg.num_layers, lora, jax.random.key(seed)
+    )
   state = TrainState(
       step=jnp.zeros((), jnp.int32),
       actor=actor_params,
       actor_opt=jax.jit(models.actor_tx().init)(actor_params),
+      actor_base=base,
   )
   if critic is not None:
     critic_def, critic_params = nnx.split(critic, nnx.Param)
@@ -144,10 +162,24 @@ def init_state(
   return models, state
 
 
+def actor_params(params, base, lora: lora_lib.LoraSpec | None):
+  """The actor's full parameters: `params` itself, or with LoRA the frozen
+  `base` with the adapter `params` merged in (traceable)."""
+  return params if lora is None else lora_lib.merged(base, params, lora)
+
+
 def _actor_loss(
-    params, graphdef, batch, compute: ComputeConfig, loss: Loss, kl: Kl, sampling: Sampling
+    params,
+    graphdef,
+    batch,
+    compute: ComputeConfig,
+    loss: Loss,
+    kl: Kl,
+    sampling: Sampling,
+    base=None,
+    lora=None,
 ):
-  model = nnx.merge(graphdef, params)
+  model = nnx.merge(graphdef, actor_params(params, base, lora))
   logp, entropy = next_token_logprobs(model, batch["tokens_bt"], sampling.temperature, compute)
   logp, entropy = logp[:, :-1], entropy[:, :-1]
   mask = batch["mask_bt"][:, :-1]
@@ -299,8 +331,9 @@ def update_step(
   """One optimizer step of the actor (and critic) on one mini-batch."""
   check_loss(loss)
   parts = (loss, kl, sampling)
+  actor_loss = functools.partial(_actor_loss, base=state.actor_base, lora=models.lora)
   value, grads, metrics = _accumulate(
-      _actor_loss, state.actor, models.actor_def, batch, num_micro, models.compute, parts
+      actor_loss, state.actor, models.actor_def, batch, num_micro, models.compute, parts
   )
   grads, metrics = {"actor": grads}, dict(metrics, actor_loss=value)
   if models.critic_def is not None:
@@ -338,7 +371,8 @@ def micro_grads(
 
   check_loss(loss)
   grad_fn = functools.partial(_weighted_grad, compute=models.compute, parts=(loss, kl, sampling))
-  (loss, metrics), grads = grad_fn(_actor_loss, models.actor_def)(state.actor, micro, weight)
+  actor_loss = functools.partial(_actor_loss, base=state.actor_base, lora=models.lora)
+  (loss, metrics), grads = grad_fn(actor_loss, models.actor_def)(state.actor, micro, weight)
   grads, losses = {"actor": grads}, {"actor": loss}
   if models.critic_def is not None:
     (vloss, vmetrics), vgrads = grad_fn(_critic_loss, models.critic_def)(
@@ -381,16 +415,25 @@ def ragged_update(
   return state, out
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "temperature", "compute"))
+@functools.partial(jax.jit, static_argnames=("graphdef", "temperature", "compute", "lora"))
 def policy_logprobs(
-    params, tokens_bt, *, graphdef, temperature: float = 1.0, compute=ComputeConfig()
+    params,
+    tokens_bt,
+    *,
+    graphdef,
+    temperature: float = 1.0,
+    compute=ComputeConfig(),
+    base=None,
+    lora=None,
 ):
   """[b, t] logprobs (column t scores token t + 1; last column 0) and entropies.
 
   fp32, chunked over time as the loss is (`compute.logprob_chunk`), so
-  scoring never holds [b, t, v] logits either.
+  scoring never holds [b, t, v] logits either. With `lora`, `params` is an
+  adapter on `base` (see `actor_params`).
   """
-  return next_token_logprobs(nnx.merge(graphdef, params), tokens_bt, temperature, compute)
+  model = nnx.merge(graphdef, actor_params(params, base, lora))
+  return next_token_logprobs(model, tokens_bt, temperature, compute)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "compute"))
