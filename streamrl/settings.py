@@ -358,6 +358,16 @@ def _trainer_processes_fit(s: Settings) -> None:
   )
 
 
+def _lora_fits(s: Settings) -> None:
+  if not s.trainer.lora_rank:
+    return
+  need(
+      s.cluster.trainer_processes == 1,
+      f"trainer.lora_rank={s.trainer.lora_rank} trains in one trainer process; set "
+      "cluster.trainer_processes=1 (LoRA's small state rarely needs more).",
+  )
+
+
 def _elastic_fits(s: Settings) -> None:
   el = s.elastic
   if not el.enabled:
@@ -390,6 +400,7 @@ CROSS_PART_RULES: tuple[Callable[[Settings], None], ...] = (
     _critic_lr_set,
     _mesh_fits_devices,
     _trainer_processes_fit,
+    _lora_fits,
     _elastic_fits,
 )
 

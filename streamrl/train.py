@@ -43,7 +43,7 @@ from streamrl.data.rewards import Rewarder
 from streamrl.data.tokenizer import Tokenizer
 from streamrl.envs import runner as envs_runner
 from streamrl.generator import make_rollout
-from streamrl.models import hf
+from streamrl.models import hf, lora
 from streamrl.errors import MissingFileError, UserError
 from streamrl.trainer import export, warmstart
 from streamrl.pipeline import base as mode_base
@@ -58,6 +58,7 @@ log = logging.getLogger(__name__)
 
 TRAINER = "trainer"
 HF_DIR = "hf"  # <workdir>/hf: the trained policy, for transformers and vLLM.
+ADAPTER_DIR = "adapter"  # <workdir>/adapter: a LoRA run's adapter alone (PEFT).
 
 
 # ------------------------------------------------------------------- setup
@@ -638,6 +639,13 @@ def export_hf(s: settings_lib.Settings, workdir: str, trainer, model_dir: str, *
   (Reading the final checkpoint instead would hang: Orbax waits for every
   process of the run at each restore.)"""
   out = os.path.join(workdir, HF_DIR)
+  if getattr(trainer, "lora", None):  # the adapter alone too, beside the merged policy
+    export.export_adapter(
+        trainer.export_weights(s.model.dtype),
+        model_dir=model_dir,
+        out=os.path.join(workdir, ADAPTER_DIR),
+        overwrite=True,
+    )
   weights = trainer.export_weights() if multi_process else None
   try:
     export.export_policy(
@@ -710,10 +718,18 @@ def saved_policy_dir(s: settings_lib.Settings, workdir: str) -> str:
 
 
 def export_checkpoint(
-    workdir: str, out: str, *, step: int | None = None, overwrite: bool = False
+    workdir: str,
+    out: str,
+    *,
+    step: int | None = None,
+    overwrite: bool = False,
+    merge_lora: bool = True,
 ) -> int:
   """Writes the actor of run `workdir`'s checkpoint `step` (default: the
   newest) as the Hugging Face directory `out`, in the run's `model.dtype`.
+  A LoRA run's actor is its policy directory with the adapter merged in, or
+  with `merge_lora=False` the adapter alone as a PEFT directory (vLLM's
+  `LoRARequest` and `peft` load it on the run's policy directory).
 
   Returns:
     The step exported.
@@ -727,7 +743,22 @@ def export_checkpoint(
   step = export.pick_step(workdir, step)
   model_dir = saved_policy_dir(s, workdir)
   export.check_out(out, overwrite=overwrite, model_dir=model_dir)  # before the restore
-  model = export.restore_actor(workdir, model_dir, step)
+  spec = s.trainer.lora_spec()
+  if spec is not None and not merge_lora:
+    adapters = export.restore_adapter(workdir, model_dir, step, spec)
+    export.export_adapter(
+        lora.peft_tensors(adapters, spec, s.model.dtype),
+        model_dir=model_dir,
+        out=out,
+        overwrite=overwrite,
+    )
+    return step
+  if spec is None and not merge_lora:
+    raise UserError(
+        f"run {workdir} trained full weights (trainer.lora_rank=0): it has no adapter; "
+        "export it without --nomerge_lora."
+    )
+  model = export.restore_actor(workdir, model_dir, step, spec)
   export.export_policy(
       model, model_dir=model_dir, out=out, dtype=s.model.dtype, overwrite=overwrite
   )

@@ -173,6 +173,7 @@ class Workload:
           seed=s.seed,
           env=s.env,
           chat_template=s.task.chat_template,
+          lora_rank=s.trainer.lora_rank,
       )
     return self._local
 
@@ -198,6 +199,7 @@ class Workload:
         pooled=s.scheduler.pool == "shared",
         env=s.env,
         chat_template=s.task.chat_template,
+        lora_rank=s.trainer.lora_rank,
     )
 
   def rollout(self, s, engine_threads: int = 1):

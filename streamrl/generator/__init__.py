@@ -27,6 +27,7 @@ def make_rollout(s, model_dir: str, cluster=None, workdir: str | None = None):
         seed=s.seed,
         env=s.env,
         chat_template=s.task.chat_template,
+        lora_rank=s.trainer.lora_rank,
     )
   from streamrl import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
   from streamrl.generator.service import StreamGenerationService  # pylint: disable=g-import-not-at-top
@@ -46,4 +47,5 @@ def make_rollout(s, model_dir: str, cluster=None, workdir: str | None = None):
       stoppable=s.partial_rollouts,
       env=s.env,
       chat_template=s.task.chat_template,
+      lora_rank=s.trainer.lora_rank,
   )

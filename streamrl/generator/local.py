@@ -15,12 +15,20 @@ from streamrl.generator.rollout import UpdateHandle
 
 
 def engine_kwargs(
-    engine: Engine, *, dtype: str, seed: int, env: Env | None = None, chat_template: str = "auto"
+    engine: Engine,
+    *,
+    dtype: str,
+    seed: int,
+    env: Env | None = None,
+    chat_template: str = "auto",
+    lora_rank: int = 0,
 ) -> dict:
   """`GeneratorInstance` keyword arguments for one engine (`env`: its environment, for
-  multi-turn rollouts, with the task's `chat_template` mode)."""
+  multi-turn rollouts, with the task's `chat_template` mode; `lora_rank`: the
+  trainer's, when versions arrive as LoRA adapters)."""
   return dict(
       env=env,
+      lora_rank=lora_rank,
       chat_template=chat_template,
       max_num_seqs=engine.max_num_seqs,
       max_model_len=engine.max_model_len,
@@ -53,6 +61,7 @@ class LocalRollout:
       seed: int,
       env: Env | None = None,
       chat_template: str = "auto",
+      lora_rank: int = 0,
   ):
     # vLLM's engine-core and worker processes die with this one (a no-op
     # when the run already guards this process).
@@ -66,7 +75,14 @@ class LocalRollout:
       self.engine = GeneratorInstance(
           model_dir,
           instance_id=0,
-          **engine_kwargs(engine, dtype=dtype, seed=seed, env=env, chat_template=chat_template),
+          **engine_kwargs(
+              engine,
+              dtype=dtype,
+              seed=seed,
+              env=env,
+              chat_template=chat_template,
+              lora_rank=lora_rank,
+          ),
       )
     self.busy_intervals: list[tuple[int, float, float, int]] = []
     self.num_instances = 1

@@ -403,6 +403,8 @@ class StreamGenerationService:
       <log_dir>/libraries.log (None: Ray's worker logs).
     env, chat_template: multi-turn rollouts (streamrl/envs): each instance
       runs its own tool workers beside its engine.
+    lora_rank: the trainer's `trainer.lora_rank`: each version is then an
+      adapter on the model directory's weights (0: full weights).
   """
 
   def __init__(
@@ -424,6 +426,7 @@ class StreamGenerationService:
       pooled: bool = False,
       env: Env | None = None,
       chat_template: str = "auto",
+      lora_rank: int = 0,
   ):
     num_instances = int(num_instances or engine.num_instances)
     if num_instances < 1:
@@ -465,7 +468,7 @@ class StreamGenerationService:
         log_dir,
     )
     self._engine_kwargs = local.engine_kwargs(
-        engine, dtype=dtype, seed=seed, env=env, chat_template=chat_template
+        engine, dtype=dtype, seed=seed, env=env, chat_template=chat_template, lora_rank=lora_rank
     )
     # Ray's CPU bookkeeping and the core split assume the most instances the
     # run may have at once.

@@ -16,6 +16,8 @@ import itertools
 import json
 import logging
 import os
+import shutil
+import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
@@ -27,6 +29,7 @@ from streamrl.envs.config import Env
 from streamrl.generator.rollout import MOVED, PARTIAL, Sample, TurnStats, as_requests
 from streamrl.data import tokenizer as tokenizer_lib
 from streamrl.models import hf as hf_lib
+from streamrl.models import lora as lora_lib
 from streamrl.models import safetensors_io
 from streamrl.models.config import CPU_SUPPORTED_HEAD_DIMS
 from streamrl.scheduling.pool import Feed
@@ -338,6 +341,7 @@ class GeneratorInstance:
       keep_weights_file: bool = True,
       env: Env | None = None,
       chat_template: str = "auto",
+      lora_rank: int = 0,
   ):
     from vllm.platforms import current_platform  # pylint: disable=g-import-not-at-top
 
@@ -380,8 +384,18 @@ class GeneratorInstance:
         logprobs_mode="processed_logprobs",
         disable_log_stats=True,
         worker_extension_cls=f"{__name__}.WorkerExtension",
+        # LoRA runs (trainer.lora_rank): each new version is an adapter on
+        # the weights loaded here; one is active at a time.
+        **(
+            dict(enable_lora=True, max_lora_rank=_lora_slot(lora_rank), max_loras=1)
+            if lora_rank
+            else {}
+        ),
     )
     self._engine = LLMEngine.from_engine_args(args)
+    self.lora_rank = lora_rank
+    self._lora = None  # the active adapter's LoRARequest (None: the base weights)
+    self._lora_dir = None
     self.instance_id = instance_id
     self.max_num_seqs = max_num_seqs
     self.max_model_len = max_model_len
@@ -588,6 +602,7 @@ class GeneratorInstance:
               rid,
               {"prompt_token_ids": list(ids)},
               self._params(sampling, seed, prompt_id, ignore_eos, max_tokens),
+              lora_request=self._lora,
           )
           running[rid] = (prompt_id, ids)
         self._in_flight = len(running)
@@ -714,7 +729,9 @@ class GeneratorInstance:
               max_tokens=budget(traj),
               extra_stop=(tools.stop_token_id,),
           )
-          self._engine.add_request(rid, {"prompt_token_ids": list(traj.context)}, params)
+          self._engine.add_request(
+              rid, {"prompt_token_ids": list(traj.context)}, params, lora_request=self._lora
+          )
           running[rid] = traj
         self._in_flight = len(running)
         if not running and not waiting and feed is not None:  # a pool's feed, open and empty
@@ -765,6 +782,9 @@ class GeneratorInstance:
     """
     engine, self._engine = getattr(self, "_engine", None), None
     self.release_weights_file()
+    lora_dir, self._lora_dir = getattr(self, "_lora_dir", None), None
+    if lora_dir is not None:
+      shutil.rmtree(lora_dir, ignore_errors=True)
     tools, self._tools = getattr(self, "_tools", None), None
     if tools is not None:
       tools.close()
@@ -816,6 +836,9 @@ class GeneratorInstance:
     return self._reload(path, self._next_version(version))
 
   def _reload(self, path: str, new_version: int, kept: bool = False) -> int:
+    header = safetensors_io.read_header(path)[0]
+    if self.lora_rank and lora_lib.is_adapter(k for k in header if k != "__metadata__"):
+      return self._load_adapter(path, new_version)
     # A path, not tensors: torch tensors don't survive the RPC to worker
     # processes, and bytes would be copied once per process on the way. The
     # engine's workers are always on this host.
@@ -825,6 +848,29 @@ class GeneratorInstance:
     self._engine.reset_prefix_cache()
     self.weight_version = new_version
     self.last_weights_file = path  # for diagnostics and tests
+    return new_version
+
+  def _load_adapter(self, path: str, new_version: int) -> int:
+    """A PEFT adapter file (the trainer's `export_weights` under LoRA) ->
+    the adapter every new request of this engine uses, on the base weights
+    loaded at start. The file is copied (it is megabytes) into a directory of
+    this engine's own, so the sender may reuse its file at once."""
+    from vllm.lora.request import LoRARequest  # pylint: disable=g-import-not-at-top
+
+    if self._lora_dir is None:
+      self._lora_dir = tempfile.mkdtemp(prefix=f"streamrl-lora{self.instance_id}-")
+    directory = os.path.join(self._lora_dir, f"v{new_version}")
+    lora_lib.write_peft_dir(safetensors_io.load(path), directory)
+    request = LoRARequest(f"v{new_version}", new_version, directory)
+    # Loaded now, not at the first request that names it: a bad adapter fails here.
+    self._engine.add_lora(request)
+    old, self._lora = self._lora, request
+    if old is not None:
+      self._engine.remove_lora(old.lora_int_id)
+      shutil.rmtree(old.lora_path, ignore_errors=True)
+    self._engine.reset_prefix_cache()
+    self.weight_version = new_version
+    self.last_weights_file = path
     return new_version
 
   def _next_version(self, version: int | None) -> int:
@@ -840,6 +886,15 @@ class GeneratorInstance:
           f"Weight version must increase: have {self.weight_version}, " f"got {new_version}."
       )
     return new_version
+
+
+# vLLM's LoRA slots come in these ranks (its `max_lora_rank` choices).
+_LORA_SLOTS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def _lora_slot(rank: int) -> int:
+  """The smallest LoRA slot rank vLLM takes that holds adapters of `rank`."""
+  return next(r for r in _LORA_SLOTS if r >= rank)
 
 
 def _pending_queue(prompts):

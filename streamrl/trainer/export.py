@@ -40,7 +40,7 @@ import tokenizers
 from flax import nnx
 
 from streamrl.errors import MissingFileError, UserError
-from streamrl.models import hf
+from streamrl.models import hf, lora as lora_lib
 from streamrl.models.transformer import Transformer
 
 # Tokenizer files a model directory may ship (sentencepiece, BPE, WordPiece,
@@ -130,18 +130,8 @@ def _check_actor_layout(step_dir: str, abstract, model_dir: str) -> None:
     )
 
 
-def restore_actor(workdir: str, model_dir: str, step: int) -> Transformer:
-  """The actor of checkpoint `step` as a Transformer with host (numpy) weights.
-
-  Reads only the actor's arrays (`RLTrainer.checkpoint_arrays()["state"].actor`)
-  of the step's Orbax item; the optimizer state and the critic stay on disk.
-  The model's shapes come from `model_dir`'s config.json.
-  """
-  cfg = hf.read_config(model_dir)
-  graphdef, abstract = nnx.split(
-      nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))), nnx.Param
-  )
-  step_dir = os.path.join(os.path.abspath(workdir), "checkpoints", str(step))
+def _restore(step_dir: str, abstract, model_dir: str):
+  """The checkpoint's actor arrays shaped like `abstract`, as numpy."""
   _check_actor_layout(step_dir, abstract, model_dir)
   item = {"state": {"actor": abstract}}
   restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), item)
@@ -149,7 +139,43 @@ def restore_actor(workdir: str, model_dir: str, step: int) -> Transformer:
       os.path.join(step_dir, "arrays"),
       args=ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True),
   )
-  return nnx.merge(graphdef, restored["state"]["actor"])
+  return restored["state"]["actor"]
+
+
+def restore_adapter(workdir: str, model_dir: str, step: int, spec: lora_lib.LoraSpec) -> dict:
+  """The LoRA adapter of checkpoint `step` of a run with `trainer.lora_rank`
+  (`spec`), as numpy arrays (`streamrl.models.lora`)."""
+  cfg = hf.read_config(model_dir)
+  _, params = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))), nnx.Param)
+  abstract = jax.eval_shape(
+      lambda: lora_lib.init_adapters(params, cfg.num_layers, spec, jax.random.key(0))
+  )
+  step_dir = os.path.join(os.path.abspath(workdir), "checkpoints", str(step))
+  return _restore(step_dir, abstract, model_dir)
+
+
+def restore_actor(
+    workdir: str, model_dir: str, step: int, lora: lora_lib.LoraSpec | None = None
+) -> Transformer:
+  """The actor of checkpoint `step` as a Transformer with host (numpy) weights.
+
+  Reads only the actor's arrays (`RLTrainer.checkpoint_arrays()["state"].actor`)
+  of the step's Orbax item; the optimizer state and the critic stay on disk.
+  The model's shapes come from `model_dir`'s config.json. A LoRA run's
+  checkpoint (`lora`: its `trainer.lora_spec()`) holds the adapter: it is
+  merged into `model_dir`'s weights.
+  """
+  if lora is not None:
+    adapters = restore_adapter(workdir, model_dir, step, lora)
+    _, base = hf.load_hf(model_dir)
+    graphdef, params = nnx.split(base, nnx.Param)
+    return nnx.merge(graphdef, jax.device_get(lora_lib.merged(params, adapters, lora)))
+  cfg = hf.read_config(model_dir)
+  graphdef, abstract = nnx.split(
+      nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))), nnx.Param
+  )
+  step_dir = os.path.join(os.path.abspath(workdir), "checkpoints", str(step))
+  return nnx.merge(graphdef, _restore(step_dir, abstract, model_dir))
 
 
 # --------------------------------------------------------------------- writing
@@ -260,13 +286,37 @@ def export_policy(
     UserError: `out` is a file, is not empty (without `overwrite`), or is
       `model_dir` itself.
   """
+  return _write_whole(
+      out, overwrite, model_dir, lambda tmp: _write(model, tmp, model_dir, dtype, tensors)
+  )
+
+
+def export_adapter(
+    tensors: Mapping[str, np.ndarray], *, model_dir: str, out: str, overwrite: bool = False
+) -> str:
+  """Writes a LoRA adapter (`lora.peft_tensors`) as the PEFT directory `out`
+  (adapter_config.json naming `model_dir` as its base, adapter_model.safetensors,
+  and the base's tokenizer files); returns `out` as an absolute path."""
+
+  def write(tmp):
+    lora_lib.write_peft_dir(tensors, tmp, base_model=os.path.abspath(model_dir))
+    for name in TOKENIZER_FILES:
+      src = os.path.join(model_dir, name)
+      if os.path.isfile(src):
+        shutil.copyfile(src, os.path.join(tmp, name))
+
+  return _write_whole(out, overwrite, model_dir, write)
+
+
+def _write_whole(out: str, overwrite: bool, model_dir: str, write) -> str:
+  """`write(tmp)` into a fresh sibling directory of `out`, which then takes `out`'s place."""
   out = check_out(out, overwrite=overwrite, model_dir=model_dir)
   parent, name = os.path.split(out)
   os.makedirs(parent, exist_ok=True)
   tmp = os.path.join(parent, f".{name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}")
   os.makedirs(tmp)
   try:
-    _write(model, tmp, model_dir, dtype, tensors)
+    write(tmp)
     _move_into_place(tmp, out)
   except BaseException:
     shutil.rmtree(tmp, ignore_errors=True)

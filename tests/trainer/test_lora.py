@@ -101,3 +101,56 @@ def test_bad_lora_settings_name_the_fix(key, value, fix):
   s = settings.Settings()
   with pytest.raises(UserError, match=fix):
     dataclasses.replace(s.trainer, **({"lora_rank": 8} | {key: value})).check()
+
+
+def test_a_lora_run_pushes_adapters_and_exports_merged_and_adapter_dirs(tmp_path):
+  from streamrl import config_utils, train
+  from streamrl.generator.fake import FakeRollout
+  from streamrl.models import safetensors_io
+  from streamrl.trainer import export
+  from tests.trainer.conftest import EXPORT_RUN
+
+  pushed, made = [], []
+
+  class Recording(FakeRollout):
+
+    def update(self, tensors, version):
+      pushed.append(dict(tensors))
+      return super().update(tensors, version)
+
+  class Recorded(train.RLTrainer):
+
+    def __init__(self, *args, **kwargs):
+      super().__init__(*args, **kwargs)
+      made.append(self)
+
+  config = config_utils.apply_overrides(
+      config_utils.load_config("configs/ppo.py"), {**EXPORT_RUN, "trainer.lora_rank": 4}
+  )
+  s = settings.from_config(config)
+  workdir = str(tmp_path / "run")
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(train, "make_rollout", lambda *args, **kwargs: Recording())
+    mp.setattr(train, "RLTrainer", Recorded)
+    train.run(s, workdir)
+  (trainer,) = made
+  # Every version reached the generators as an adapter, megabytes below the model.
+  assert pushed and all(lora.is_adapter(p) for p in pushed)
+  (model_dir,) = [d for d in (tmp_path / "run").iterdir() if d.name.startswith("warmstart-")]
+  want = hf.to_hf_tensors(trainer.policy(), s.model.dtype)
+  assert sum(x.nbytes for x in pushed[-1].values()) < sum(x.nbytes for x in want.values()) / 4
+  # The run's own exports: merged policy and adapter; launch/export.py's, both ways.
+  merged_dir = str(tmp_path / "merged")
+  adapter_dir = str(tmp_path / "adapter")
+  train.export_checkpoint(workdir, merged_dir)
+  train.export_checkpoint(workdir, adapter_dir, merge_lora=False)
+  for d in (f"{workdir}/{train.HF_DIR}", merged_dir):
+    got = hf.load_hf_tensors(d)
+    for name, w in want.items():
+      np.testing.assert_allclose(got[name], w, atol=1e-6, err_msg=f"{d} {name}")
+  for d in (f"{workdir}/{train.ADAPTER_DIR}", adapter_dir):
+    got = safetensors_io.load(f"{d}/{lora.ADAPTER_WEIGHTS}")
+    assert got.keys() == pushed[-1].keys()
+    for name, w in pushed[-1].items():
+      np.testing.assert_array_equal(got[name], w)
+  assert export.checkpoint_steps(workdir)
