@@ -1,7 +1,7 @@
 r"""`configs/ppo.py` on two generator instances, per scheduler, run after run.
 
   python experiments/bench_pool_runs.py [--runs=3] [--iterations=100]
-      [--arms=default,fifo,pool] [--workdir=/tmp/streamrl_pool_runs]
+      [--arms=default,fifo,pool,ranker_on_trainer] [--workdir=/tmp/streamrl_pool_runs]
 
 Each arm is the StreamRL default run (`launch/main.py --config=configs/ppo.py`,
 async with partial rollouts, transfer service) with
@@ -9,7 +9,9 @@ async with partial rollouts, transfer service) with
 
   default: configs/ppo.py's `scheduler.*` as they are (ranker + skew dispatch);
   fifo:    `scheduler.kind=fifo`;
-  pool:    the default plus `scheduler.pool=shared` (one pending pool).
+  pool:    the default plus `scheduler.pool=shared` (one pending pool);
+  ranker_on_trainer: the default with the ranker in the trainer's process
+           (`scheduler.ranker_side=trainer`) instead of beside the generators.
 
 The arms run interleaved (default, fifo, pool, default, ...) so a slow spell
 of the machine hits each about equally; the warm-started policy is trained
@@ -44,11 +46,12 @@ ARMS = {
     "default": [],
     "fifo": ["--config.scheduler.kind=fifo"],
     "pool": ["--config.scheduler.pool=shared"],
+    "ranker_on_trainer": ["--config.scheduler.ranker_side=trainer"],
 }
 
 _RUNS = flags.DEFINE_integer("runs", 3, "Runs per arm.")
 _ITERATIONS = flags.DEFINE_integer("iterations", 100, "trainer.num_iterations of each run.")
-_ARMS = flags.DEFINE_list("arms", list(ARMS), f"Arms to run, of {sorted(ARMS)}.")
+_ARMS = flags.DEFINE_list("arms", ["default", "fifo", "pool"], f"Arms to run, of {sorted(ARMS)}.")
 _SKIP = flags.DEFINE_integer("skip", 5, "Leading iterations left out (compiles, first rounds).")
 _WORKDIR = flags.DEFINE_string("workdir", "/tmp/streamrl_pool_runs", "A fresh directory per run.")
 _OVERRIDES = flags.DEFINE_multi_string("override", [], "Extra overrides key=value for every run.")

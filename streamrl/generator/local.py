@@ -50,19 +50,10 @@ def round_seed(seed: int, iteration: int) -> int:
 
 
 class LocalRollout:
-  """One `GeneratorInstance` in this process."""
+  """One `GeneratorInstance` in this process; `options` are `engine_kwargs`'
+  keyword arguments (dtype, seed, env, chat_template, lora_rank)."""
 
-  def __init__(
-      self,
-      model_dir: str,
-      engine: Engine,
-      *,
-      dtype: str,
-      seed: int,
-      env: Env | None = None,
-      chat_template: str = "auto",
-      lora_rank: int = 0,
-  ):
+  def __init__(self, model_dir: str, engine: Engine, **options):
     # vLLM's engine-core and worker processes die with this one (a no-op
     # when the run already guards this process).
     lifecycle.guard_children()
@@ -75,14 +66,7 @@ class LocalRollout:
       self.engine = GeneratorInstance(
           model_dir,
           instance_id=0,
-          **engine_kwargs(
-              engine,
-              dtype=dtype,
-              seed=seed,
-              env=env,
-              chat_template=chat_template,
-              lora_rank=lora_rank,
-          ),
+          **engine_kwargs(engine, **options),
       )
     self.busy_intervals: list[tuple[int, float, float, int]] = []
     self.num_instances = 1
