@@ -1,0 +1,430 @@
+r"""StreamRL against Hugging Face TRL's GRPOTrainer on the same GRPO job.
+
+  pip install -e .[peers]          # TRL (not installed by install.sh / CI)
+  python experiments/bench_peers.py [--seed=0] [--iterations=90] [--num_eval=512]
+      [--workdir=/tmp/streamrl_bench_peers] [--out=experiments/out/bench_peers]
+
+The job is `configs/grpo.py` (the long-tailed work-trace task, 32 prompts x 4
+samples per iteration, 2 mini-batches of 64, 2 epochs: 4 optimizer steps per
+iteration) for --iterations iterations (90: 11,520 samples), from one
+warm-started tiny policy (an HF directory, trained once in --workdir and
+shared), on the same training prompts in the same order of draw, rewarded by
+the same verifier (`task.reward`, partial match of the text after the work
+trace).
+
+  streamrl: `launch/main.py --config=configs/grpo.py` as a user runs it (async
+            generation with partial rollouts, ranker, transfer service) on
+            both cores, evaluating every --eval_every iterations;
+  trl:      `trl.GRPOTrainer` as it runs on CPU (colocated; transformers'
+            `generate`; torch on both cores), saving the policy at the same
+            points. Matched: group size (`num_generations=4`), prompts per
+            generation (`generation_batch_size=128`), optimizer steps per
+            generation (`per_device_train_batch_size=64`,
+            `steps_per_generation=2`, `num_iterations=2`), learning rate and
+            its schedule (5 warm-up steps, cosine to 0.1 x), AdamW betas (0.9,
+            0.95), gradient clip 1.0, KL coefficient 0.01 (k3, in the loss,
+            against the warm start), clip range 0.2, token-level loss
+            (`loss_type="dapo"` is the token mean over the batch, our
+            `loss.agg="token_mean"`), group-normalised advantages,
+            temperature 1, at most 320 new tokens.
+            Not matched: StreamRL's async mode trains on samples one weight
+            version old (corrected by its importance weights); TRL's
+            generation is on-policy. TRL draws its prompts with its own
+            sampler (a fresh shuffle per epoch of the same training prompts).
+
+Both are evaluated by StreamRL's own held-out evaluation (`train.evaluate`:
+a vLLM engine on the saved policy, --num_eval held-out prompts, sampled at
+temperature 1 and greedy), TRL's saved checkpoints after its run, outside
+its timing. Reported per system: samples/s and response tokens/s over the
+training iterations (StreamRL: the sum of `time/iteration_s`; TRL: its
+`train()` minus checkpoint saving), the start-up apart (command to first
+iteration), held-out accuracy at equal samples (the last point) and at equal
+training time (the other's curve interpolated at the shorter run's end),
+with the standard error sqrt(p (1 - p) / n). One PNG of held-out accuracy
+against training seconds. Ends with
+
+  RESULT streamrl_over_trl_samples_per_s=.. streamrl_over_trl_tokens_per_s=..
+         accuracy_delta_equal_samples=.. accuracy_delta_equal_time=..
+         streamrl_samples_per_s=.. trl_samples_per_s=.. streamrl_acc=.. trl_acc=..
+
+(deltas: StreamRL minus TRL, points of sampled held-out accuracy). Results:
+experiments/RESULTS.md and the README.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+from absl import app, flags
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+_SEED = flags.DEFINE_integer("seed", 0, "The run's seed (both systems).")
+_ITERATIONS = flags.DEFINE_integer("iterations", 90, "GRPO iterations of 128 samples.")
+_NUM_EVAL = flags.DEFINE_integer("num_eval", 512, "Held-out prompts per evaluation.")
+_EVAL_EVERY = flags.DEFINE_integer("eval_every", 30, "Iterations between evaluations.")
+_WORKDIR = flags.DEFINE_string("workdir", "/tmp/streamrl_bench_peers", "Scratch directory.")
+_OUT = flags.DEFINE_string(
+    "out", os.path.join(ROOT, "experiments", "out", "bench_peers"), "summary.json and the PNG."
+)
+_SYSTEMS = flags.DEFINE_list("systems", ["streamrl", "trl"], "Which systems to run.")
+_CHILD = flags.DEFINE_string("child", "", "Internal: JSON arguments of the TRL run (a subprocess).")
+
+CONFIG = os.path.join(ROOT, "configs", "grpo.py")
+GROUP, PROMPTS, MINI, EPOCHS = 4, 32, 64, 2  # configs/grpo.py (checked in `settings_for`)
+
+
+def overrides(seed: int, iterations: int, num_eval: int, eval_every: int) -> dict:
+  return {
+      "seed": seed,
+      "trainer.num_iterations": iterations,
+      "task.num_eval": num_eval,
+      "log.eval_every": eval_every,
+  }
+
+
+def settings_for(seed, iterations, num_eval, eval_every):
+  from streamrl import config_utils, settings
+
+  config = config_utils.apply_overrides(
+      config_utils.load_config(CONFIG), overrides(seed, iterations, num_eval, eval_every)
+  )
+  s = settings.from_config(config)
+  got = (
+      s.advantage.group_size,
+      s.trainer.prompts_per_iteration,
+      s.trainer.mini_batch_size,
+      s.trainer.ppo_epochs,
+  )
+  if got != (GROUP, PROMPTS, MINI, EPOCHS):
+    raise ValueError(f"configs/grpo.py changed its batch shape to {got}; update bench_peers.py.")
+  return s
+
+
+def stderr(p: float, n: int) -> float:
+  return math.sqrt(max(p * (1 - p), 0.0) / max(n, 1))
+
+
+# ------------------------------------------------------------------ StreamRL
+def run_streamrl(s, workdir: str, warm_dir: str) -> dict:
+  run_dir = os.path.join(workdir, "streamrl")
+  os.makedirs(run_dir, exist_ok=True)
+  link = os.path.join(run_dir, os.path.basename(warm_dir))
+  if not os.path.exists(link):
+    os.symlink(warm_dir, link)
+  cmd = [sys.executable, os.path.join(ROOT, "launch", "main.py"), f"--config={CONFIG}"]
+  cmd += [f"--workdir={run_dir}"]
+  cmd += [
+      f"--config.{k}={v}"
+      for k, v in overrides(
+          s.seed, s.trainer.num_iterations, s.task.num_eval, s.log.eval_every
+      ).items()
+  ]
+  t0 = time.time()
+  with open(os.path.join(workdir, "streamrl.log"), "w") as log:
+    rc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT).returncode
+  if rc:
+    raise RuntimeError(f"the StreamRL run exited {rc}; its log: {workdir}/streamrl.log")
+  rows = [json.loads(x) for x in open(os.path.join(run_dir, "metrics.jsonl")) if x.strip()]
+  its = sorted((r for r in rows if "time/iteration_s" in r), key=lambda r: r["step"])
+  train_s = sum(r["time/iteration_s"] for r in its)
+  samples = sum(r["samples/count"] for r in its)
+  tokens = sum(r["samples/count"] * r["response_length/mean"] for r in its)
+  elapsed = {}  # iteration -> training seconds before it
+  acc = 0.0
+  for r in its:
+    elapsed[r["step"]] = acc
+    acc += r["time/iteration_s"]
+  elapsed[len(its)] = acc
+  curve = [
+      dict(
+          samples=r["step"] * PROMPTS * GROUP,
+          train_s=elapsed.get(r["step"], acc),
+          acc=r["eval/accuracy"],
+          acc_greedy=r.get("eval/accuracy_greedy"),
+      )
+      for r in rows
+      if r.get("eval/accuracy") is not None
+  ]
+  first_it = min(r["wall_time"] for r in its) - its[0]["time/iteration_s"]
+  return dict(
+      samples_per_s=samples / train_s,
+      tokens_per_s=tokens / train_s,
+      train_s=train_s,
+      startup_s=first_it - t0,
+      wall_s=time.time() - t0,
+      curve=curve,
+      time_split={
+          k: sum(r.get(f"time/{k}_s", 0.0) for r in its)
+          for k in ("generation", "training", "weight_update", "generation_wait")
+      },
+  )
+
+
+# ----------------------------------------------------------------------- TRL
+def trl_child(args: dict) -> None:
+  """The TRL run, in a process of its own (torch's threads on both cores)."""
+  import datasets
+  import torch
+  import transformers
+  import trl
+
+  from streamrl import train
+  from streamrl.data import rewards as rewards_lib
+
+  torch.set_num_threads(os.cpu_count() or 2)
+  s = settings_for(args["seed"], args["iterations"], args["num_eval"], args["eval_every"])
+  train_examples, _ = train.load_examples(s)
+  model_dir, out_dir = args["model_dir"], args["out_dir"]
+  tok = train.make_tokenizer(s, model_dir)
+  hf_tok = transformers.AutoTokenizer.from_pretrained(model_dir)
+  # The prompts as text whose tokens are exactly StreamRL's prompt tokens.
+  prompt_ids = [list(tok.encode_prompt(ex.prompt)) for ex in train_examples]
+  prompts = [hf_tok.decode(ids) for ids in prompt_ids]
+  for i in range(64):
+    if hf_tok(prompts[i], add_special_tokens=False)["input_ids"] != prompt_ids[i]:
+      raise RuntimeError(f"TRL would tokenize prompt {i} differently: {prompts[i]!r}.")
+  answers = [ex.answer for ex in train_examples]
+  data = datasets.Dataset.from_dict({"prompt": prompts, "answer": answers})
+  answer_of = train.answer_of(s)
+  score = getattr(rewards_lib, s.task.reward)
+
+  def reward(completions, answer, **unused):
+    return [score(answer_of(c), a) for c, a in zip(completions, answer)]
+
+  steps_per_it = (PROMPTS * GROUP // MINI) * EPOCHS
+  save_every = args["eval_every"] * steps_per_it
+  cfg = trl.GRPOConfig(
+      output_dir=out_dir,
+      seed=args["seed"],
+      use_cpu=True,
+      bf16=False,
+      num_generations=GROUP,
+      per_device_train_batch_size=MINI,
+      steps_per_generation=PROMPTS * GROUP // MINI,
+      num_iterations=EPOCHS,
+      max_steps=args["iterations"] * steps_per_it,
+      learning_rate=s.optimizer.lr,
+      lr_scheduler_type="cosine_with_min_lr",
+      lr_scheduler_kwargs={"min_lr_rate": s.optimizer.min_lr_ratio},
+      warmup_steps=s.optimizer.warmup_steps,
+      adam_beta1=s.optimizer.b1,
+      adam_beta2=s.optimizer.b2,
+      weight_decay=s.optimizer.weight_decay,
+      max_grad_norm=s.optimizer.grad_clip,
+      beta=s.kl.coef,
+      epsilon=s.loss.clip_low,
+      epsilon_high=s.loss.clip_high,
+      loss_type="dapo",
+      scale_rewards="group",
+      temperature=s.sampling.temperature,
+      max_completion_length=s.sampling.max_tokens,
+      save_strategy="steps",
+      save_steps=save_every,
+      save_only_model=True,
+      logging_steps=1,
+      report_to="none",
+      disable_tqdm=True,
+  )
+  times = {"save_s": 0.0, "saves": {}, "logs": []}
+
+  class Clock(transformers.TrainerCallback):
+
+    def on_train_begin(self, *unused, **kw):
+      times["begin"] = time.time()
+
+    def on_save(self, _args, state, *unused, **kw):
+      times["saves"][state.global_step] = time.time()
+
+    def on_log(self, _args, state, control, logs=None, **kw):
+      times["logs"].append(dict(step=state.global_step, t=time.time(), **(logs or {})))
+
+    def on_train_end(self, *unused, **kw):
+      times["end"] = time.time()
+
+  model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+  trainer = trl.GRPOTrainer(
+      model=model,
+      reward_funcs=reward,
+      args=cfg,
+      train_dataset=data,
+      processing_class=hf_tok,
+      callbacks=[Clock()],
+  )
+  t_start = time.time()
+  trainer.train()
+  times["startup_s"] = times["begin"] - args["t0"]
+  times["wall_s"] = time.time() - args["t0"]
+  times["t_start"] = t_start
+  with open(os.path.join(out_dir, "times.json"), "w") as f:
+    json.dump(times, f)
+
+
+def run_trl(s, workdir: str, model_dir: str) -> dict:
+  out_dir = os.path.join(workdir, "trl")
+  os.makedirs(out_dir, exist_ok=True)
+  args = dict(
+      seed=s.seed,
+      iterations=s.trainer.num_iterations,
+      num_eval=s.task.num_eval,
+      eval_every=s.log.eval_every,
+      model_dir=model_dir,
+      out_dir=out_dir,
+      t0=time.time(),
+  )
+  with open(os.path.join(workdir, "trl.log"), "w") as log:
+    rc = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), f"--child={json.dumps(args)}"],
+        cwd=ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    ).returncode
+  if rc:
+    raise RuntimeError(f"the TRL run exited {rc}; its log: {workdir}/trl.log")
+  times = json.load(open(os.path.join(out_dir, "times.json")))
+  steps_per_it = (PROMPTS * GROUP // MINI) * EPOCHS
+  saves = {int(k): v for k, v in times["saves"].items()}
+  logs = times["logs"]
+  # Saving is not training: each save's time (from the step's log to the
+  # save) comes off the clock from there on.
+  log_t = {r["step"]: r["t"] for r in logs}
+  save_cost = {k: max(v - log_t.get(k, v), 0.0) for k, v in saves.items()}
+  train_s = times["end"] - times["begin"] - sum(save_cost.values())
+  samples = s.trainer.num_iterations * PROMPTS * GROUP
+  lengths = [r["completions/mean_length"] for r in logs if "completions/mean_length" in r]
+  # One log per optimizer step; a generation's completion lengths come with
+  # the first step that trains on it, so this is the mean over generations.
+  tokens = samples * (sum(lengths) / max(len(lengths), 1))
+  curve = [dict(samples=0, train_s=0.0, dir=model_dir)]
+  for step in sorted(saves):
+    spent = saves[step] - times["begin"] - sum(c for k, c in save_cost.items() if k <= step)
+    curve.append(
+        dict(
+            samples=step // steps_per_it * PROMPTS * GROUP,
+            train_s=spent,
+            dir=os.path.join(out_dir, f"checkpoint-{step}"),
+        )
+    )
+  return dict(
+      samples_per_s=samples / train_s,
+      tokens_per_s=tokens / train_s,
+      train_s=train_s,
+      startup_s=times["startup_s"],
+      wall_s=times["wall_s"],
+      curve=curve,
+  )
+
+
+def evaluate_dirs(s, curve: list[dict], model_dir: str) -> None:
+  """Adds StreamRL's held-out accuracy (sampled and greedy) of each saved policy."""
+  from streamrl import train
+  from streamrl.generator.local import LocalRollout
+
+  _, evals = train.load_examples(s)
+  tok = train.make_tokenizer(s, model_dir)
+  rewarder = train.make_rewarder(s, tok)
+  try:
+    for point in curve:
+      rollout = LocalRollout(point["dir"], s.engine, dtype=s.model.dtype, seed=s.seed)
+      try:
+        m = train.evaluate(rollout, evals, tok, rewarder, s)
+      finally:
+        rollout.close()
+      point["acc"], point["acc_greedy"] = m["accuracy"], m["accuracy_greedy"]
+      print(f"  trl at {point['samples']} samples: {m['accuracy']:.3f} sampled", flush=True)
+  finally:
+    rewarder.close()
+
+
+def at_time(curve: list[dict], t: float) -> float:
+  """Accuracy at training time `t`, linear between evaluations."""
+  pts = sorted((p["train_s"], p["acc"]) for p in curve)
+  for (t0, a0), (t1, a1) in zip(pts, pts[1:]):
+    if t0 <= t <= t1:
+      return a0 + (a1 - a0) * (t - t0) / max(t1 - t0, 1e-9)
+  return pts[-1][1] if t > pts[-1][0] else pts[0][1]
+
+
+def plot(results: dict, path: str, title: str) -> None:
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  fig, ax = plt.subplots(figsize=(6, 4))
+  for name, r in results.items():
+    c = r["curve"]
+    ax.plot([p["train_s"] for p in c], [p["acc"] for p in c], marker="o", label=name)
+  ax.set_xlabel("training seconds (start-up excluded)")
+  ax.set_ylabel("held-out accuracy (sampled, T=1)")
+  ax.set_title(title, fontsize=9)
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+
+
+def main(argv):
+  del argv
+  if _CHILD.value:
+    trl_child(json.loads(_CHILD.value))
+    return
+  if "trl" in _SYSTEMS.value:
+    try:
+      import trl  # pylint: disable=unused-import
+    except ImportError:
+      raise app.UsageError(
+          "TRL is not installed; install the peers extra (pip install -e .[peers]) first."
+      ) from None
+  from streamrl import train
+
+  s = settings_for(_SEED.value, _ITERATIONS.value, _NUM_EVAL.value, _EVAL_EVERY.value)
+  os.makedirs(_WORKDIR.value, exist_ok=True)
+  os.makedirs(_OUT.value, exist_ok=True)
+  train_examples, _ = train.load_examples(s)
+  model_dir = train.policy_dir(s, _WORKDIR.value, train_examples)
+  results = {}
+  if "streamrl" in _SYSTEMS.value:
+    results["streamrl"] = run_streamrl(s, _WORKDIR.value, model_dir)
+    print(f"streamrl: {json.dumps(results['streamrl'])}", flush=True)
+  if "trl" in _SYSTEMS.value:
+    results["trl"] = run_trl(s, _WORKDIR.value, model_dir)
+    evaluate_dirs(s, results["trl"]["curve"], model_dir)
+    print(f"trl: {json.dumps(results['trl'])}", flush=True)
+  n = s.task.num_eval
+  print(
+      f"\n{'system':<10}{'samples/s':>11}{'tokens/s':>10}{'train s':>9}{'start-up s':>11}  accuracy"
+  )
+  for name, r in results.items():
+    last = r["curve"][-1]
+    print(
+        f"{name:<10}{r['samples_per_s']:>11.1f}{r['tokens_per_s']:>10.0f}{r['train_s']:>9.0f}"
+        f"{r['startup_s']:>11.0f}  {last['acc']:.3f} +- {stderr(last['acc'], n):.3f} sampled, "
+        f"{last['acc_greedy']:.3f} greedy (from {r['curve'][0]['acc']:.3f})"
+    )
+  with open(os.path.join(_OUT.value, f"summary_seed{s.seed}.json"), "w") as f:
+    json.dump(results, f, indent=2)
+  if len(results) < 2:
+    return
+  a, b = results["streamrl"], results["trl"]
+  t = min(a["train_s"], b["train_s"])
+  png = os.path.join(_OUT.value, f"accuracy_vs_time_seed{s.seed}.png")
+  plot(results, png, f"GRPO, configs/grpo.py, {s.trainer.num_iterations} iterations, seed {s.seed}")
+  print(f"plot: {png}")
+  print(
+      f"RESULT streamrl_over_trl_samples_per_s={a['samples_per_s'] / b['samples_per_s']:.2f} "
+      f"streamrl_over_trl_tokens_per_s={a['tokens_per_s'] / b['tokens_per_s']:.2f} "
+      f"accuracy_delta_equal_samples={100 * (a['curve'][-1]['acc'] - b['curve'][-1]['acc']):.1f} "
+      f"accuracy_delta_equal_time={100 * (at_time(a['curve'], t) - at_time(b['curve'], t)):.1f} "
+      f"streamrl_samples_per_s={a['samples_per_s']:.1f} trl_samples_per_s={b['samples_per_s']:.1f} "
+      f"streamrl_acc={a['curve'][-1]['acc']:.3f} trl_acc={b['curve'][-1]['acc']:.3f}"
+  )
+
+
+if __name__ == "__main__":
+  app.run(main)
