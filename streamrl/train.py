@@ -339,6 +339,7 @@ class Iteration:
   training_s: float
   weight_update_s: float
   examples_by_id: dict = dataclasses.field(default_factory=dict)
+  update_bytes: int = 0  # what the new version weighs (an adapter alone under LoRA)
 
 
 def train_iteration(
@@ -387,7 +388,8 @@ def train_iteration(
     jax.block_until_ready(updates[-1])
   training_s += mode_base.now() - start
   t_push = mode_base.now()
-  mode.push(trainer.export_weights(), it + 1)
+  weights = trainer.export_weights()
+  mode.push(weights, it + 1)
   t1 = mode_base.now()
   order = np.argsort([x.prompt_id for x in samples], kind="stable")
   return Iteration(
@@ -402,8 +404,22 @@ def train_iteration(
       t1=t1,
       training_s=training_s,
       weight_update_s=t1 - t_push,
+      update_bytes=update_nbytes(weights),
       examples_by_id=by_id,
   )
+
+
+def update_nbytes(weights) -> int:
+  """Bytes of one pushed version: a mapping of arrays, a lazy `hf.HFTensors`
+  or a multi-process trainer's weights file."""
+  nbytes = getattr(weights, "nbytes", None)
+  if callable(nbytes):
+    return int(nbytes())
+  if isinstance(nbytes, int):
+    return nbytes
+  if hasattr(weights, "values"):
+    return int(sum(np.asarray(v).nbytes for v in weights.values()))
+  return 0
 
 
 def iteration_scalars(x: Iteration, timeline: Timeline, rollout) -> dict:
@@ -428,6 +444,7 @@ def iteration_scalars(x: Iteration, timeline: Timeline, rollout) -> dict:
       "time/generation_s": x.generated.generation_s,
       "time/training_s": x.training_s,
       "time/weight_update_s": x.weight_update_s,
+      "transfer/update_bytes": x.update_bytes,
       "staleness/mean": staleness.mean(),
       "staleness/max": staleness.max(),
       "generators/instances": len(rollout.live_instances),

@@ -3,6 +3,7 @@ the PEFT tensors the generators receive rebuild the merged weights, and a
 checkpoint holds the adapter and resumes it."""
 
 import dataclasses
+import json
 
 import jax
 import numpy as np
@@ -154,3 +155,8 @@ def test_a_lora_run_pushes_adapters_and_exports_merged_and_adapter_dirs(tmp_path
     for name, w in pushed[-1].items():
       np.testing.assert_array_equal(got[name], w)
   assert export.checkpoint_steps(workdir)
+  # Each iteration logs what its update weighed: the adapter's bytes.
+  logged = [json.loads(x).get("transfer/update_bytes") for x in open(f"{workdir}/metrics.jsonl")]
+  adapter_bytes = sum(x.nbytes for x in pushed[-1].values())
+  logged = [b for b in logged if b is not None]
+  assert logged and set(logged) == {adapter_bytes}
