@@ -17,6 +17,7 @@ import collections
 import dataclasses
 import logging
 import os
+import time
 
 import numpy as np
 
@@ -89,6 +90,7 @@ class GenerationScheduler:
     self._warned = False
     self._actor = None
     self._refreshes: list = []  # the actor's refreshes not yet reported
+    self.plan_s = 0.0  # how long the last `plan` took
     if self.kind == "fifo":
       return
     if sched.latency_profile:
@@ -113,7 +115,15 @@ class GenerationScheduler:
 
   def plan(self, requests, examples_by_id, seed: int, num_instances: int | None = None):
     """-> (assignments, caps), one per instance, for `num_instances` instances
-    (default: the count given at construction); (None, None) means round-robin."""
+    (default: the count given at construction); (None, None) means round-robin.
+    Its seconds are reported by the next `observe` (`scheduler/plan_s`)."""
+    t0 = time.perf_counter()
+    try:
+      return self._plan(requests, examples_by_id, seed, num_instances)
+    finally:
+      self.plan_s = time.perf_counter() - t0
+
+  def _plan(self, requests, examples_by_id, seed: int, num_instances: int | None):
     num_instances = int(num_instances or self.num_instances)
     self.estimates, self.n_long = {}, 0
     if self.kind == "fifo":
@@ -187,7 +197,16 @@ class GenerationScheduler:
     return self.latency_model
 
   def observe(self, samples) -> dict:
-    """Records this round's lengths and refreshes the ranker on them."""
+    """Records this round's lengths and refreshes the ranker on them; the
+    ranker's metrics, and the seconds the last plan and this call took on
+    the round's path (`scheduler/plan_s`, `scheduler/observe_s`)."""
+    t0 = time.perf_counter()
+    out = self._observe(samples)
+    out["scheduler/observe_s"] = time.perf_counter() - t0
+    out["scheduler/plan_s"] = self.plan_s
+    return out
+
+  def _observe(self, samples) -> dict:
     new = [(list(s.prompt_token_ids), len(s.token_ids)) for s in samples]
     self.recent.extend(n for _, n in new)
     for sample, (_, n) in zip(samples, new):
