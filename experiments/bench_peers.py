@@ -74,6 +74,11 @@ _OUT = flags.DEFINE_string(
     "out", os.path.join(ROOT, "experiments", "out", "bench_peers"), "summary.json and the PNG."
 )
 _SYSTEMS = flags.DEFINE_list("systems", ["streamrl", "trl"], "Which systems to run.")
+_REPORT_ONLY = flags.DEFINE_bool(
+    "report_only",
+    False,
+    "Only report: StreamRL's run and TRL's evaluated curve as --workdir and --out hold them.",
+)
 _CHILD = flags.DEFINE_string("child", "", "Internal: JSON arguments of the TRL run (a subprocess).")
 
 CONFIG = os.path.join(ROOT, "configs", "grpo.py")
@@ -112,7 +117,8 @@ def stderr(p: float, n: int) -> float:
 
 
 # ------------------------------------------------------------------ StreamRL
-def run_streamrl(s, workdir: str, warm_dir: str) -> dict:
+def run_streamrl(s, workdir: str, warm_dir: str, run: bool = True) -> dict:
+  """Runs StreamRL (or with `run=False` only reads the run in `workdir`)."""
   run_dir = os.path.join(workdir, "streamrl")
   os.makedirs(run_dir, exist_ok=True)
   link = os.path.join(run_dir, os.path.basename(warm_dir))
@@ -127,25 +133,25 @@ def run_streamrl(s, workdir: str, warm_dir: str) -> dict:
       ).items()
   ]
   t0 = time.time()
-  with open(os.path.join(workdir, "streamrl.log"), "w") as log:
-    rc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT).returncode
-  if rc:
-    raise RuntimeError(f"the StreamRL run exited {rc}; its log: {workdir}/streamrl.log")
+  if run:
+    with open(os.path.join(workdir, "streamrl.log"), "w") as log:
+      rc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT).returncode
+    if rc:
+      raise RuntimeError(f"the StreamRL run exited {rc}; its log: {workdir}/streamrl.log")
   rows = [json.loads(x) for x in open(os.path.join(run_dir, "metrics.jsonl")) if x.strip()]
   its = sorted((r for r in rows if "time/iteration_s" in r), key=lambda r: r["step"])
   train_s = sum(r["time/iteration_s"] for r in its)
   samples = sum(r["samples/count"] for r in its)
   tokens = sum(r["samples/count"] * r["response_length/mean"] for r in its)
-  elapsed = {}  # iteration -> training seconds before it
-  acc = 0.0
+  # Iteration k logs at step k; an evaluation at step k follows iterations 1..k.
+  elapsed, acc = {0: 0.0}, 0.0
   for r in its:
-    elapsed[r["step"]] = acc
     acc += r["time/iteration_s"]
-  elapsed[len(its)] = acc
+    elapsed[r["step"]] = acc
   curve = [
       dict(
           samples=r["step"] * PROMPTS * GROUP,
-          train_s=elapsed.get(r["step"], acc),
+          train_s=elapsed[r["step"]],
           acc=r["eval/accuracy"],
           acc_greedy=r.get("eval/accuracy_greedy"),
       )
@@ -153,6 +159,8 @@ def run_streamrl(s, workdir: str, warm_dir: str) -> dict:
       if r.get("eval/accuracy") is not None
   ]
   first_it = min(r["wall_time"] for r in its) - its[0]["time/iteration_s"]
+  if not run:  # the command's start: the run directory's oldest file
+    t0 = min(os.path.getmtime(os.path.join(run_dir, f)) for f in os.listdir(run_dir))
   return dict(
       samples_per_s=samples / train_s,
       tokens_per_s=tokens / train_s,
@@ -389,10 +397,13 @@ def main(argv):
   train_examples, _ = train.load_examples(s)
   model_dir = train.policy_dir(s, _WORKDIR.value, train_examples)
   results = {}
+  summary = os.path.join(_OUT.value, f"summary_seed{s.seed}.json")
+  if _REPORT_ONLY.value:
+    results = json.load(open(summary))
   if "streamrl" in _SYSTEMS.value:
-    results["streamrl"] = run_streamrl(s, _WORKDIR.value, model_dir)
+    results["streamrl"] = run_streamrl(s, _WORKDIR.value, model_dir, run=not _REPORT_ONLY.value)
     print(f"streamrl: {json.dumps(results['streamrl'])}", flush=True)
-  if "trl" in _SYSTEMS.value:
+  if "trl" in _SYSTEMS.value and not _REPORT_ONLY.value:
     results["trl"] = run_trl(s, _WORKDIR.value, model_dir)
     evaluate_dirs(s, results["trl"]["curve"], model_dir)
     print(f"trl: {json.dumps(results['trl'])}", flush=True)
@@ -407,7 +418,7 @@ def main(argv):
         f"{r['startup_s']:>11.0f}  {last['acc']:.3f} +- {stderr(last['acc'], n):.3f} sampled, "
         f"{last['acc_greedy']:.3f} greedy (from {r['curve'][0]['acc']:.3f})"
     )
-  with open(os.path.join(_OUT.value, f"summary_seed{s.seed}.json"), "w") as f:
+  with open(summary, "w") as f:
     json.dump(results, f, indent=2)
   if len(results) < 2:
     return
