@@ -159,7 +159,7 @@ def run_streamrl(s, workdir: str, warm_dir: str, run: bool = True) -> dict:
       if r.get("eval/accuracy") is not None
   ]
   # Iterations over 3 x the median: the trainer compiling for a new padded
-  # length (XLA), the measured cost of StreamRL's compile stalls.
+  # length (XLA) when ~/.cache/streamrl/xla lacks it, and other stalls.
   median = sorted(r["time/iteration_s"] for r in its)[len(its) // 2]
   steady = [r for r in its if r["time/iteration_s"] <= 3 * median]
   first_it = min(r["wall_time"] for r in its) - its[0]["time/iteration_s"]
@@ -439,8 +439,8 @@ def main(argv):
   plot(results, png, f"GRPO, configs/grpo.py, {s.trainer.num_iterations} iterations, seed {s.seed}")
   print(f"plot: {png}")
   print(
-      f"StreamRL: {a['stalls']} iterations over 3 x the median (XLA compiles for new padded "
-      f"lengths) took {a['stall_s']:.0f} of its {a['train_s']:.0f} training seconds; without "
+      f"StreamRL: {a['stalls']} iterations over 3 x the median (with an empty XLA cache: "
+      f"compiles for new padded lengths) took {a['stall_s']:.0f} of its {a['train_s']:.0f} training seconds; without "
       f"them {a['steady_samples_per_s']:.1f} samples/s"
   )
   print(
