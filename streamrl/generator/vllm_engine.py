@@ -387,7 +387,7 @@ class GeneratorInstance:
         # LoRA runs (trainer.lora_rank): each new version is an adapter on
         # the weights loaded here; one is active at a time.
         **(
-            dict(enable_lora=True, max_lora_rank=_lora_slot(lora_rank), max_loras=1)
+            dict(enable_lora=True, max_lora_rank=lora_lib.slot(lora_rank), max_loras=1)
             if lora_rank
             else {}
         ),
@@ -836,8 +836,8 @@ class GeneratorInstance:
     return self._reload(path, self._next_version(version))
 
   def _reload(self, path: str, new_version: int, kept: bool = False) -> int:
-    header = safetensors_io.read_header(path)[0]
-    if self.lora_rank and lora_lib.is_adapter(k for k in header if k != "__metadata__"):
+    # Only a LoRA run reads the header: an adapter's names, or the whole model's.
+    if self.lora_rank and lora_lib.is_adapter(safetensors_io.read_header(path)[0]):
       return self._load_adapter(path, new_version)
     # A path, not tensors: torch tensors don't survive the RPC to worker
     # processes, and bytes would be copied once per process on the way. The
@@ -886,15 +886,6 @@ class GeneratorInstance:
           f"Weight version must increase: have {self.weight_version}, " f"got {new_version}."
       )
     return new_version
-
-
-# vLLM's LoRA slots come in these ranks (its `max_lora_rank` choices).
-_LORA_SLOTS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
-
-
-def _lora_slot(rank: int) -> int:
-  """The smallest LoRA slot rank vLLM takes that holds adapters of `rank`."""
-  return next(r for r in _LORA_SLOTS if r >= rank)
 
 
 def _pending_queue(prompts):

@@ -45,8 +45,9 @@ TARGETS = {
     "up": ("mlp", "w_up_df", 1, "mlp.up_proj"),
     "down": ("mlp", "w_down_fd", 1, "mlp.down_proj"),
 }
-# vLLM's LoRA kernels take ranks up to this (its `max_lora_rank` choices).
-MAX_LORA_RANK = 512
+# The adapter slots vLLM's LoRA kernels come in (its `max_lora_rank` choices).
+LORA_SLOTS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+MAX_LORA_RANK = LORA_SLOTS[-1]
 PEFT_PREFIX = "base_model.model.model.layers."
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -67,6 +68,11 @@ class LoraSpec:
   @property
   def scale(self) -> float:
     return self.alpha / self.rank
+
+
+def slot(rank: int) -> int:
+  """The smallest of vLLM's LoRA slots that holds adapters of `rank`."""
+  return next(r for r in LORA_SLOTS if r >= rank)
 
 
 def parse_targets(targets: str) -> tuple[str, ...]:

@@ -192,9 +192,11 @@ class RLTrainer:
     """
     if not copy:
       return Snapshot(self.state.actor, self.state.critic)
-    # An adapter is small: an fp32 copy scores exactly as the live one.
-    actor = jax.tree.map(jnp.copy, self.state.actor) if self.lora else None
-    return Snapshot(actor or self._frozen(self.state.actor), self._frozen(self.state.critic))
+    if self.lora:  # An adapter is small: an fp32 copy scores exactly as the live one.
+      actor = jax.tree.map(jnp.copy, self.state.actor)
+    else:
+      actor = self._frozen(self.state.actor)
+    return Snapshot(actor, self._frozen(self.state.critic))
 
   def score(self, samples: Sequence, old: Snapshot) -> dict:
     """Old / reference logprobs and values of samples (one padded batch)."""
