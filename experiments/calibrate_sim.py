@@ -420,7 +420,7 @@ def measure_generator(work: Workload, prompt_len: int, path: str):
       engine,
       sizes,
       prompt_len=prompt_len,
-      gen_lens=(l1, l2),
+      gen_lens=(l1, (l1 + l2) // 2, l2),
       prefill_prompt_len=pre_len,
       prefill_batch=e.max_num_seqs,
       reps=_PROFILE_REPS.value,

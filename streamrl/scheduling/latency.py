@@ -43,6 +43,9 @@ class LatencyProfile:
       short contexts; an instance given the long tail holds long contexts, so
       without this term its steps look cheaper than they are.
     name: free-form label (model and machine), for logs and plots.
+    ptl_rel_se: the profiler's standard error of each PTL over its reps,
+      relative to it (empty if not measured): how far two profiles of the
+      same engine may differ by chance.
   """
 
   batch_sizes: tuple[int, ...]
@@ -50,12 +53,14 @@ class LatencyProfile:
   prefill_s_per_token: float = 0.0
   name: str = ""
   context_s_per_token: float = 0.0
+  ptl_rel_se: tuple[float, ...] = ()
 
   def __post_init__(self):
     # Normalise lists (e.g. from JSON) to tuples so the dataclass stays
     # hashable and immutable.
     object.__setattr__(self, "batch_sizes", tuple(int(b) for b in self.batch_sizes))
     object.__setattr__(self, "ptl_s", tuple(float(p) for p in self.ptl_s))
+    object.__setattr__(self, "ptl_rel_se", tuple(float(e) for e in self.ptl_rel_se))
     bs, ptl = self.batch_sizes, self.ptl_s
     if not bs:
       raise ValueError(
@@ -75,6 +80,14 @@ class LatencyProfile:
     if any(not (p > 0 and math.isfinite(p)) for p in ptl):
       raise ValueError(
           f"LatencyProfile latencies {ptl} must be positive and finite; " "re-run the profiler."
+      )
+    if self.ptl_rel_se and (
+        len(self.ptl_rel_se) != len(bs)
+        or any(not (e >= 0 and math.isfinite(e)) for e in self.ptl_rel_se)
+    ):
+      raise ValueError(
+          f"LatencyProfile.ptl_rel_se {self.ptl_rel_se} must hold one finite value >= 0 "
+          "per batch size (or none); re-run the profiler."
       )
     for field in ("prefill_s_per_token", "context_s_per_token"):
       value = getattr(self, field)
@@ -111,6 +124,7 @@ class LatencyProfile:
         "ptl_s": list(self.ptl_s),
         "prefill_s_per_token": self.prefill_s_per_token,
         "context_s_per_token": self.context_s_per_token,
+        "ptl_rel_se": list(self.ptl_rel_se),
     }
 
   @classmethod
@@ -119,7 +133,7 @@ class LatencyProfile:
     if missing:
       raise ValueError(
           f"latency profile is missing {missing}; expected keys "
-          "batch_sizes, ptl_s (and optionally prefill_s_per_token, context_s_per_token, name)."
+          "batch_sizes, ptl_s (and optionally prefill_s_per_token, context_s_per_token, ptl_rel_se, name)."
       )
     return cls(
         batch_sizes=tuple(d["batch_sizes"]),
@@ -127,6 +141,7 @@ class LatencyProfile:
         prefill_s_per_token=float(d.get("prefill_s_per_token", 0.0)),
         name=str(d.get("name", "")),
         context_s_per_token=float(d.get("context_s_per_token", 0.0)),
+        ptl_rel_se=tuple(d.get("ptl_rel_se", ())),
     )
 
   def to_json(self, path: str | os.PathLike) -> None:

@@ -1,3 +1,4 @@
+import dataclasses
 import math
 
 import pytest
@@ -45,6 +46,16 @@ def test_json_roundtrip(tmp_path):
   path = tmp_path / "sub" / "profile.json"
   p.to_json(path)
   assert LatencyProfile.from_json(path) == p
+  q = dataclasses.replace(p, ptl_rel_se=(0.01,) * len(p.batch_sizes))
+  q.to_json(path)
+  assert LatencyProfile.from_json(path) == q
+
+
+def test_spread_must_match_the_batch_sizes():
+  with pytest.raises(ValueError, match="ptl_rel_se"):
+    LatencyProfile(batch_sizes=(1, 2), ptl_s=(0.1, 0.2), ptl_rel_se=(0.01,))
+  with pytest.raises(ValueError, match="ptl_rel_se"):
+    LatencyProfile(batch_sizes=(1,), ptl_s=(0.1,), ptl_rel_se=(math.nan,))
 
 
 def test_from_json_missing_file(tmp_path):

@@ -28,10 +28,10 @@ def test_profile_is_valid_and_saved(instance, tmp_path):
       instance,
       [4, 1],
       prompt_len=4,
-      gen_lens=(2, 6),
+      gen_lens=(2, 4, 6),
       prefill_prompt_len=16,
       prefill_batch=2,
-      reps=1,
+      reps=2,
       name="tiny",
       path=str(path),
   )
@@ -39,6 +39,7 @@ def test_profile_is_valid_and_saved(instance, tmp_path):
   assert all(p > 0 for p in profile.ptl_s)
   assert profile.prefill_s_per_token >= 0
   assert profile.context_s_per_token >= 0
+  assert len(profile.ptl_rel_se) == 2 and all(e >= 0 for e in profile.ptl_rel_se)
   assert LatencyProfile.from_json(path) == profile
   # Fixed-length decoding is per request: normal requests may stop at EOS as before.
   samples = list(instance.generate([(0, [1, 5, 6])], Sampling(max_tokens=4), seed=0))
@@ -52,7 +53,40 @@ def test_bad_arguments_refused(instance):
     profile_instance(instance, [16])
   with pytest.raises(ValueError, match="increasing"):
     profile_instance(instance, [1], gen_lens=(6, 2))
+  with pytest.raises(ValueError, match="two or more"):
+    profile_instance(instance, [1], gen_lens=(6,))
   with pytest.raises(ValueError, match="max_model_len"):
     profile_instance(instance, [1], prompt_len=60, gen_lens=(2, 10))
   with pytest.raises(ValueError, match="context_prompt_len"):
     profile_instance(instance, [1], gen_lens=(2, 10), prefill_prompt_len=16, context_prompt_len=60)
+
+
+def test_joint_fit_recovers_the_costs():
+  # The cell model with known PTL(BS), context cost and per-cell set-up
+  # times; the fit must return them (it is exact on noiseless cells).
+  import itertools
+
+  import numpy as np
+
+  from streamrl.generator.profiler import _fit
+
+  sizes, p0, contexts = [1, 2, 4], 16, [40, 64]
+  ptl = {1: 2e-3, 2: 2.4e-3, 4: 3.1e-3}
+  ctx = 7e-7
+  rng = np.random.default_rng(0)
+  setup = {}
+  cells = [(b, p0, n) for b, n in itertools.product(sizes, (8, 24, 40))]
+  cells += [(4, p, n) for p, n in itertools.product(contexts, (8, 24, 40))]
+
+  def time_of(b, p, n):
+    a = setup.setdefault((b, p), float(rng.uniform(0.01, 0.05)))
+    return a + n * (ptl[b] + ctx * b * (p - p0))
+
+  got, got_ctx = _fit(cells, [time_of(*c) for c in cells], sizes, p0, contexts)
+  np.testing.assert_allclose(got, [ptl[b] for b in sizes], rtol=1e-6)
+  assert got_ctx == pytest.approx(ctx, rel=1e-6)
+  # Without context cells the context term is not fitted.
+  plain = [c for c in cells if c[1] == p0]
+  got, got_ctx = _fit(plain, [time_of(*c) for c in plain], sizes, p0, [])
+  np.testing.assert_allclose(got, [ptl[b] for b in sizes], rtol=1e-6)
+  assert got_ctx == 0.0
