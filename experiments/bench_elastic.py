@@ -11,7 +11,7 @@ with one line
 
   RESULT instances_start=1 instances_max=2 lost=0 duplicated=0 version_errors=0
          calib_rel_err=<x> measured_samples_per_s=<x> predicted_samples_per_s=<x>
-         two_instance_slowdown=<x> other_cores=<x> instances_end=1 wall_s=<x>
+         two_instance_slowdown=<x> share_cost=<x> other_cores=<x> instances_end=1 wall_s=<x>
 
 What it does:
   1. Starts the cluster (always stopped again, on errors and Ctrl-C too).
@@ -82,7 +82,11 @@ What it does:
      `streamrl.sim.calibrate.predict_elastic_throughput` then replays the
      run: the ElasticPolicy with the run's `elastic.*` settings, free slots =
      2 - instances, gen_cores = the generation node's CPUs in instance
-     threads (1: the instances time-share one core), batch, mini-batches,
+     threads (1: the instances time-share one core), share_cost = what
+     that time-sharing costs over perfect sharing, measured on the
+     generator-alone batches of step 4 (two instances' time over the
+     simulator's replay of them, relative to the same ratio on one
+     instance; floored at 1), batch, mini-batches,
      in-flight cap, and per iteration the run's own output lengths (rebuilt
      from that iteration's `response_length` histogram: exact below ~10
      tokens, within a ~10 % bucket above; the rebuilt mean is checked against
@@ -92,8 +96,9 @@ What it does:
      iteration s) with the cores other jobs kept busy meanwhile (/proc/stat
      minus this process tree), both sets of decisions, the generator-alone
      comparison (one instance, two instances, the added one's first round;
-     two_instance_slowdown = two instances' batch time / one's, where the
-     simulator's model says 1.0; other_cores = the mean of `other` over the
+     two_instance_slowdown = two instances' batch time / one's, where
+     perfect sharing says 1.0; the prediction with share_cost 1 for
+     comparison; other_cores = the mean of `other` over the
      measured iterations) and the RESULT line; writes summary.json and
      costs.json under --out.
 
@@ -532,29 +537,25 @@ def sharing_check(alone: dict, profile: dict, cap: int, gen_cores: int) -> dict:
   one = alone["one"]
   # Batch k uses sampling seed k on either count: the same requests, the same lengths.
   cold, warm = alone["two"][0], alone["two"][1:]
+  one_sim = [replay(profile, b, cap) for b in one]
+  two_sim = [replay(profile, b, cap, gen_cores) for b in warm]
+  # What time-sharing costs over the simulator's perfect sharing: the two
+  # instances' error over the one instance's (the profile's own error cancels).
+  share = statistics.median(b["gen_s"] / x for b, x in zip(warm, two_sim)) / statistics.median(
+      b["gen_s"] / x for b, x in zip(one, one_sim)
+  )
   return {
       "one_s": [b["gen_s"] for b in one],
-      "one_sim_s": [replay(profile, b, cap) for b in one],
+      "one_sim_s": one_sim,
       "two_cold_s": cold["gen_s"],
       "two_s": [b["gen_s"] for b in warm],
-      "two_sim_s": [replay(profile, b, cap, gen_cores) for b in warm],
+      "two_sim_s": two_sim,
+      "share_cost": max(1.0, share),
       "two_over_one": statistics.median(w["gen_s"] / o["gen_s"] for w, o in zip(warm, one)),
       "cold_over_two": cold["gen_s"] / statistics.median(b["gen_s"] for b in warm),
       "add_s": alone["add_s"],
       "placement": alone.get("placement", {}),
   }
-
-
-def with_sharing(pred: dict, factor: float, batch: int, warmup: int) -> float:
-  """Predicted samples/s if every two-instance round's generation took `factor`
-  times the simulator's (the generator-alone slowdown of two instances on
-  the node over one), the rest unchanged. Sync mode only: there an
-  iteration's time is push + generation + training, one after the other."""
-  its = [
-      t + (factor - 1.0) * g if m == 2 else t
-      for t, g, m in zip(pred["iteration_s"], pred["gen_s"], pred["instances"])
-  ]
-  return batch * (len(its) - warmup) / sum(its[warmup:])
 
 
 def read_jsonl(path: str) -> list[dict]:
@@ -694,7 +695,9 @@ def policy_kwargs(s) -> dict:
   return {"start_instances": s.engine.num_instances, **out}
 
 
-def predict(measured: dict, costs: dict, profile: dict, s, gen_cores: int, warmup: int) -> dict:
+def predict(
+    measured: dict, costs: dict, profile: dict, s, gen_cores: int, warmup: int, share_cost: float
+) -> dict:
   from streamrl.sim.calibrate import predict_elastic_throughput  # pylint: disable=g-import-not-at-top
 
   its = measured["iterations"]
@@ -711,6 +714,7 @@ def predict(measured: dict, costs: dict, profile: dict, s, gen_cores: int, warmu
       batch_size=s.samples_per_iteration,
       policy_kwargs=policy_kwargs(s),
       gen_cores=gen_cores,
+      share_cost=share_cost,
       max_in_flight=s.engine.max_num_seqs,
       num_minibatches=s.samples_per_iteration // s.trainer.mini_batch_size,
       transfer_s=measured["push_s_median"],
@@ -837,7 +841,7 @@ def main(argv):
     log(f"cores of the trainer and the generators (placement.json): {where}")
 
   measured = analyse_run(run_dir, s, _WARMUP.value)
-  pred = costs = profile = None
+  pred = free = costs = profile = None
   req_s = scale = float("nan")
   # Instances time-share the generation node: its CPUs in units of one
   # instance's threads (the service gives each max(1, CPUs // slots)).
@@ -853,7 +857,8 @@ def main(argv):
     cap = s.engine.max_num_seqs
     profile, req_s, scale = with_request_cost(costs, alone, cap)
     sharing = sharing_check(alone, profile, cap, gen_cores)
-    pred = predict(measured, costs, profile, s, gen_cores, _WARMUP.value)
+    pred = predict(measured, costs, profile, s, gen_cores, _WARMUP.value, sharing["share_cost"])
+    free = predict(measured, costs, profile, s, gen_cores, _WARMUP.value, 1.0)
   monitor.stop()
   for x in measured["iterations"]:
     x["others"] = monitor.others(x["wall_time"] - x["iter_s"], x["wall_time"])
@@ -915,13 +920,12 @@ def main(argv):
         f"in the run: generation {1e3 * med[1]:.2f} ms per token on one instance, "
         f"{1e3 * med[2]:.2f} on two ({med[2] / med[1]:.2f}x; medians over the measured iterations)"
     )
-  if sharing is not None and pred is not None and s.pipeline.mode == "sync":
-    shared = with_sharing(pred, sharing["two_over_one"], s.samples_per_iteration, _WARMUP.value)
+  if sharing is not None and pred is not None:
     log(
-        f"sensitivity: the simulator (gen_cores={gen_cores}) has two instances on the node "
-        f"generate as fast as one; with the generator-alone slowdown "
-        f"({sharing['two_over_one']:.2f}x) on its two-instance rounds it would predict "
-        f"{shared:.2f} samples/s (rel err {abs(shared - meas) / meas:.3f})"
+        f"time-sharing: the simulator's two instances on {gen_cores} core(s) cost "
+        f"{sharing['share_cost']:.2f}x perfect sharing (share_cost, from the generator-alone "
+        f"batches above); with perfect sharing it would predict {free['samples_per_s']:.2f} "
+        f"samples/s (rel err {abs(free['samples_per_s'] - meas) / meas:.3f})"
     )
   others = [x["others"] for x in measured["iterations"] if x.get("others") is not None]
   window_others = [
@@ -973,6 +977,7 @@ def main(argv):
       f"calib_rel_err={err:.3f} measured_samples_per_s={meas:.3f} "
       f"predicted_samples_per_s={pr:.3f} "
       f"two_instance_slowdown={sharing['two_over_one'] if sharing else float('nan'):.2f} "
+      f"share_cost={sharing['share_cost'] if sharing else float('nan'):.2f} "
       f"other_cores={other_cores:.2f} "
       f"instances_end={measured['instances_end']} "
       f"wall_s={total:.0f}"

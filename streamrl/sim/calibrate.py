@@ -147,6 +147,7 @@ def predict_elastic_throughput(
     batch_size: int,
     policy_kwargs: Mapping[str, Any] | None = None,
     gen_cores: int | None = None,
+    share_cost: float = 1.0,
     max_in_flight: int | None = None,
     num_minibatches: int = 1,
     transfer_s: float = 0.0,
@@ -180,6 +181,7 @@ def predict_elastic_throughput(
       schedule); start_instances defaults to 1.
     gen_cores: cores the generator instances share (SimConfig.gen_cores);
       None = each instance has its own.
+    share_cost: SimConfig.share_cost, the measured cost of time-sharing.
     iterations: simulated iterations; warmup: the first `warmup` of them are
       not measured (0 <= warmup < iterations).
     free_slots: what the policy is told about the pool, an int or
@@ -241,6 +243,7 @@ def predict_elastic_throughput(
       transfer_s=transfer_s,
       seed=seed,
       gen_cores=gen_cores,
+      share_cost=share_cost,
   )
   r = simulate(cfg, controller=ctl)
   ends = np.asarray([s.train_end for s in r.iterations])

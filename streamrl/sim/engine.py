@@ -36,7 +36,11 @@ times slower (its prefill and decode costs scale by that factor). m counts the
 instances of the current round that still have work, so an instance that has
 emptied its queue hands its share to the others (their pending events are
 moved to the new speed). Generation throughput then saturates at gen_cores
-instances instead of growing with every instance added.
+instances instead of growing with every instance added. Time-sharing is not
+free (context switches, caches and memory bandwidth split between engines):
+`SimConfig.share_cost` multiplies a shared instance's costs once more, the
+slowdown measured over perfect sharing (experiments/bench_elastic.py measures
+it for two instances on one core).
 
 Controllers (elastic scaling). `simulate(config, controller=c)` calls
 c(j, finished) when generation round j starts and runs the round on the count
@@ -145,6 +149,9 @@ class SimConfig:
       per instance); None = each instance has its own hardware. With more
       instances decoding than that, each one's costs scale by
       instances / gen_cores.
+    share_cost: the extra cost factor (>= 1) of an instance while more
+      instances decode than there are `gen_cores`, over perfect time-sharing;
+      1.0 = sharing costs nothing.
     tools: multi-turn trajectories with tool calls (`ToolModel`); None:
       single-turn samples.
     pool: "fixed" (each instance admits from its own list) or "shared" (every
@@ -172,6 +179,7 @@ class SimConfig:
   max_staleness: int = 1
   seed: int = 0
   gen_cores: int | None = None
+  share_cost: float = 1.0
   tools: ToolModel | None = None
   pool: str = "fixed"
 
@@ -190,6 +198,8 @@ class SimConfig:
         isinstance(self.gen_cores, (int, np.integer)) and self.gen_cores >= 1
     ):
       raise ValueError(f"gen_cores must be None or an int >= 1, got {self.gen_cores!r}.")
+    if not (math.isfinite(self.share_cost) and self.share_cost >= 1.0):
+      raise ValueError(f"share_cost must be a finite factor >= 1, got {self.share_cost!r}.")
     if isinstance(self.lengths, (tuple, list)) and len(self.lengths) < self.iterations:
       raise ValueError(
           f"got {len(self.lengths)} length distributions for {self.iterations} iterations; "
@@ -317,9 +327,11 @@ class _GenPhase:
       on_done: Callable,
       cores: int | None = None,
       tools: ToolModel | None = None,
+      share_cost: float = 1.0,
   ):
     self.gen = gen
     self.cores = cores
+    self.share_cost = float(share_cost)
     self.tools = tools
     self.scale = 1.0  # cost factor of time-sharing `cores` (1: no sharing)
     self.push = push
@@ -389,7 +401,7 @@ class _GenPhase:
   def _scale(self, active: int) -> float:
     if self.cores is None or active <= self.cores:
       return 1.0
-    return active / self.cores
+    return active / self.cores * self.share_cost
 
   def _reshare(self, t: float) -> None:
     """The number of decoding instances changed at t: move pending events to the new speed."""
@@ -634,6 +646,7 @@ class _Simulation:
         self._on_gen_done,
         config.gen_cores,
         config.tools,
+        config.share_cost,
     )
     k = config.iterations
     self.gen_start = [math.nan] * k
@@ -887,12 +900,14 @@ def simulate_generation(
     cores: int | None = None,
     tools: ToolModel | None = None,
     pool: str = "fixed",
+    share_cost: float = 1.0,
 ) -> GenResult:
   """Generation of one batch on `num_instances` instances (no trainer).
 
   `queues`/`caps` bypass the scheduler (explicit per-instance admission order
   and batch caps); otherwise the scheduler is "fifo" or "skew" as in SimConfig.
-  `cores`: as SimConfig.gen_cores (the instances share that many cores);
+  `cores`, `share_cost`: as SimConfig.gen_cores (the instances share that
+  many cores) and SimConfig.share_cost;
   `tools`: as SimConfig.tools (multi-turn trajectories); `pool`: as SimConfig.pool.
   """
   prompt = np.asarray(prompt_lens, dtype=np.int64)
@@ -932,7 +947,9 @@ def simulate_generation(
   def on_done(t):
     done[0] = t
 
-  phase = _GenPhase(gen, push, on_finish, on_done, cores, tools)
+  if not (math.isfinite(share_cost) and share_cost >= 1.0):
+    raise ValueError(f"share_cost must be a finite factor >= 1, got {share_cost!r}.")
+  phase = _GenPhase(gen, push, on_finish, on_done, cores, tools, share_cost)
   if pool not in POOLS:
     raise ValueError(f"pool must be one of {POOLS}, got {pool!r}.")
   phase.start(0.0, prompt, out, queues, caps, shared=pool == "shared")

@@ -45,6 +45,28 @@ def test_continuous_batching_shrinks_batch_and_refills():
   assert r.finish_times[2] == pytest.approx(15 * (A + 2 * B))
 
 
+def test_time_sharing_a_core_costs_its_measured_share_cost():
+  # Two instances, one request of 100 steps each, on one core: perfect
+  # sharing runs both at half speed (200 steps' time); a share cost of 1.5
+  # makes each shared step 1.5x dearer. Alone on the core nothing changes.
+  step = A + B
+  kw = dict(queues=[[0], [1]], caps=[1, 1], cores=1)
+  perfect = simulate_generation(_gen(), 2, [8, 8], [100, 100], **kw)
+  costly = simulate_generation(_gen(), 2, [8, 8], [100, 100], share_cost=1.5, **kw)
+  assert perfect.makespan == pytest.approx(200 * step)
+  assert costly.makespan == pytest.approx(1.5 * 200 * step)
+  # Once one instance is done the other runs alone, at full speed: 50 shared
+  # steps of each (75 steps' time each at 1.5 x 2), then 50 alone.
+  mixed = simulate_generation(_gen(), 2, [8, 8], [50, 100], share_cost=1.5, **kw)
+  assert mixed.makespan == pytest.approx(2 * 1.5 * 50 * step + 50 * step)
+  alone = simulate_generation(
+      _gen(), 1, [8], [100], queues=[[0]], caps=[1], cores=1, share_cost=1.5
+  )
+  assert alone.makespan == pytest.approx(100 * step)
+  with pytest.raises(ValueError, match="share_cost"):
+    simulate_generation(_gen(), 2, [8, 8], [100, 100], share_cost=0.5, **kw)
+
+
 def test_a_shared_pool_lets_the_free_instance_take_the_next_request():
   # Instance 0 gets lengths 100 and 10, instance 1 gets 10 and 10, one at a time.
   # Fixed lists: instance 0 runs 110 steps. Shared (interleaved 0, 2, 1, 3):
