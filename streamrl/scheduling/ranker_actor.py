@@ -1,4 +1,4 @@
-"""The online length ranker in a process of its own on the generation side.
+"""The online length ranker's refresh in a process of its own on the generation side.
 
 The ranker predicts before each round is dispatched and refreshes on the
 round's lengths after it (`GenerationScheduler.plan` / `.observe`). In the
@@ -7,15 +7,20 @@ shares the trainer's cores and, in async mode, holds up the next iteration
 until it finishes (measured: 0.33 s of a 1.9 s iteration). `RankerActor`
 runs it as a Ray actor beside the generators instead: on a generation node,
 without an instance's pool slot or CPUs, pinned to the generator cores on a
-local Ray (`StreamGenerationService.helper_placement`). Refreshes are
-submitted without waiting; a prediction queues behind the refresh before it,
-so every round is dispatched with the ranker as refreshed on every round
-before it, as in-process.
+local Ray (`StreamGenerationService.helper_placement`), at a lower CPU
+priority (`NICE`), so a refresh (~0.13 s of CPU for the tiny ranker) fills
+the generators' idle moments instead of slowing the round it overlaps.
+Refreshes are submitted without waiting. Each returns the refreshed
+parameters with its metrics, and the scheduler predicts in its own process
+with the newest refresh done by then: a prediction is ~3 ms of compute, and
+asked of the actor it took 19-51 ms (a Ray call to a process that shares
+busy cores), which every round waited for (experiments/bench_pool_runs.py).
 """
 
 from __future__ import annotations
 
 import collections
+import os
 from collections.abc import Sequence
 
 import ray
@@ -37,12 +42,17 @@ def build_ranker(sched, model_dir: str):
   return RankerTrainer(rcfg, vocab_size=vocab, tokenizer_fingerprint=fp)
 
 
+# How much lower than the generators' the actor's CPU priority is (os.nice).
+NICE = 10
+
+
 @ray.remote(max_restarts=0, max_task_retries=0)
 class RankerActor:
   """`build_ranker` in its own process: predict, and refresh on new pairs
   (it keeps the recent history itself, as the scheduler would)."""
 
   def __init__(self, sched, model_dir: str, cores: Sequence[int] | None, history: int = 4096):
+    os.nice(NICE)
     if cores:
       from streamrl import cluster  # pylint: disable=g-import-not-at-top
 
@@ -57,6 +67,8 @@ class RankerActor:
   def predict(self, prompts):
     return self.ranker.predict(prompts)
 
-  def update(self, new_pairs) -> dict:
+  def update(self, new_pairs) -> tuple[dict, list]:
+    """-> (the refresh's metrics, the refreshed parameters' leaves)."""
     self.pairs.extend((list(p), int(n)) for p, n in new_pairs)
-    return self.ranker.update(list(self.pairs))
+    metrics = self.ranker.update(list(self.pairs))
+    return metrics, self.ranker.param_leaves()

@@ -89,7 +89,8 @@ class GenerationScheduler:
     self.ranker = None
     self._warned = False
     self._actor = None
-    self._refreshes: list = []  # the actor's refreshes not yet reported
+    self._refreshes: list = []  # the actor's refreshes not yet taken
+    self._adopted = None  # metrics of the newest refresh taken, not yet reported
     self.plan_s = 0.0  # how long the last `plan` took
     if self.kind == "fifo":
       return
@@ -110,8 +111,11 @@ class GenerationScheduler:
         self._actor = ranker_actor.RankerActor.options(**options).remote(
             sched, model_dir, cores, self.pairs.maxlen
         )
-      else:
-        self.ranker = ranker_actor.build_ranker(sched, model_dir)
+      # Predictions run here in either case; with the actor, on the
+      # parameters of its newest refresh done (`_adopt`).
+      self.ranker = ranker_actor.build_ranker(sched, model_dir)
+      if self._actor is not None:
+        self.ranker.compile_all(train=False)
 
   def plan(self, requests, examples_by_id, seed: int, num_instances: int | None = None):
     """-> (assignments, caps), one per instance, for `num_instances` instances
@@ -139,12 +143,12 @@ class GenerationScheduler:
       if not self.recent and not self._warned:
         log.warning("No output lengths seen yet: the first round is dispatched FIFO.")
         self._warned = True
-      if self._actor is not None:
-        import ray  # pylint: disable=g-import-not-at-top
-
-        predicted = ray.get(self._actor.predict.remote(prompts))
-      else:
-        predicted = self.ranker.predict(prompts)
+      # A group's samples share a prompt: each distinct prompt is scored once.
+      index: dict = {}
+      slot = [index.setdefault(tuple(ids), len(index)) for ids in prompts]
+      unique = [list(ids) for ids in index]
+      self._adopt()
+      predicted = np.asarray(self.ranker.predict(unique))[slot]
     else:
       exs = [examples_by_id[r.id] for r in requests]
       if any(e.task in ("file", "gym") for e in exs):
@@ -220,19 +224,29 @@ class GenerationScheduler:
       ranker_data.append_pairs(self.pairs_path, new)
     if self._actor is not None:
       # Off this process: submitted, not waited for. The metrics are those of
-      # the newest refresh done by now (usually the previous round's).
-      import ray  # pylint: disable=g-import-not-at-top
-
+      # the newest refresh taken by now (usually the previous round's).
       self._refreshes.append(self._actor.update.remote(new))
-      done, self._refreshes = ray.wait(self._refreshes, num_returns=len(self._refreshes), timeout=0)
-      if not done:
+      self._adopt()
+      metrics, self._adopted = self._adopted, None
+      if metrics is None:
         return {}
-      metrics = ray.get(done[-1])
     elif self.ranker is None:
       return {}
     else:
       metrics = self.ranker.update(list(self.pairs))
     return {f"ranker/{k}": float(v) for k, v in metrics.items() if np.isscalar(v)}
+
+  def _adopt(self) -> None:
+    """Takes the parameters of the actor's newest refresh done by now into
+    this process's ranker; its metrics wait in `_adopted` for `observe`."""
+    if self._actor is None or not self._refreshes:
+      return
+    import ray  # pylint: disable=g-import-not-at-top
+
+    done, self._refreshes = ray.wait(self._refreshes, num_returns=len(self._refreshes), timeout=0)
+    if done:
+      self._adopted, leaves = ray.get(done[-1])
+      self.ranker.set_param_leaves(leaves)
 
   def close(self) -> None:
     """Stops the ranker's actor (if it has one)."""

@@ -1,5 +1,8 @@
-"""The skew scheduler's ranker in its own Ray actor beside the generators: it
-predicts and refreshes exactly as the in-process ranker does."""
+"""The skew scheduler's ranker refreshed in its own Ray actor beside the
+generators: it predicts and refreshes exactly as the in-process ranker does,
+and the scheduler predicts with the parameters of its newest refresh."""
+
+import os
 
 import numpy as np
 import pytest
@@ -8,6 +11,7 @@ import ray
 from streamrl import settings
 from streamrl.data import tokenizer
 from streamrl.generator.rollout import Sample
+from streamrl.scheduling import ranker_actor
 from streamrl.scheduling.scheduler import GenerationScheduler
 
 
@@ -41,12 +45,22 @@ def test_the_ranker_actor_predicts_and_refreshes_as_in_process(local_ray, tmp_pa
   kw = dict(model_dir=model_dir, workdir=None, num_instances=2, max_batch_size=8)
   here = GenerationScheduler(sched, **kw)
   there = GenerationScheduler(sched, **kw, helper=({"num_cpus": 0}, None))
-  assert here.ranker is not None and there.ranker is None and there._actor is not None
+  assert here.ranker is not None and there._actor is not None
+  # Background work: the actor yields the CPU to generators and trainer.
+  pid = ray.get(there._actor.__ray_call__.remote(lambda self: os.getpid()))
+  mine_nice = os.getpriority(os.PRIO_PROCESS, 0)
+  assert os.getpriority(os.PRIO_PROCESS, pid) >= min(19, mine_nice + ranker_actor.NICE)
   mine, theirs = [], []
   for reqs, samples in rounds():
     prompts = [list(p) for _, p in reqs]
+    # Every refresh so far done: the plan takes the newest (never waits for it).
+    ray.wait(there._refreshes, num_returns=len(there._refreshes))
     np.testing.assert_allclose(
         ray.get(there._actor.predict.remote(prompts)), here.ranker.predict(prompts), rtol=1e-5
+    )
+    there._adopt()
+    np.testing.assert_allclose(
+        there.ranker.predict(prompts), here.ranker.predict(prompts), rtol=1e-5
     )
     assert here.plan(reqs, {}, seed=1) == there.plan(reqs, {}, seed=1)
     # The ranker's own metrics (the scheduler's timings differ run to run).
@@ -60,5 +74,12 @@ def test_the_ranker_actor_predicts_and_refreshes_as_in_process(local_ray, tmp_pa
   assert reported and all("ranker/pre_recall20" in m for _, m in reported)
   for k, m in reported:
     assert any(m == pytest.approx(mine[j], rel=1e-4) for j in range(k + 1)), m
+  # A group's samples share a prompt, and its score (scored once).
+  reqs = rounds(seed=1, rounds=1)[0][0]
+  scored, predict = [], there.ranker.predict
+  there.ranker.predict = lambda prompts: scored.append(len(prompts)) or predict(prompts)
+  there.plan(reqs + [(i + 10_000, p) for i, p in reqs], {}, seed=1)
+  assert scored == [len({tuple(p) for _, p in reqs})]
+  assert len(there.estimates) == 2 * len(reqs)
   there.close()
   assert there._actor is None
