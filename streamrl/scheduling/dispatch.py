@@ -59,6 +59,7 @@ ranker's real error), minimising the mean makespan over the draws.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import heapq
 import logging
 import math
@@ -237,6 +238,7 @@ def continuous_batching_time(
   pending = [max(0.0, float(x)) for x in lengths]
   cap = max(1, int(max_in_flight))
   per_ctx = profile.context_s_per_token
+  ptl = _ptl_table(profile, min(cap, len(pending)))
   running: list[tuple[float, float]] = []  # Heap of (finish, start), in decode steps.
   starts = 0.0  # Sum of the running requests' starts.
   now_steps, now_s, k = 0.0, 0.0, 0
@@ -247,7 +249,7 @@ def continuous_batching_time(
       k += 1
     n = len(running)
     steps = running[0][0] - now_steps
-    now_s += steps * profile.ptl(n)
+    now_s += steps * ptl[n]
     if per_ctx:
       # Steps j = 0 .. steps-1 hold n * (now + j) - starts tokens of context.
       now_s += per_ctx * (steps * (n * now_steps - starts) + n * steps * (steps - 1) / 2)
@@ -255,6 +257,12 @@ def continuous_batching_time(
     while running and running[0][0] <= now_steps:
       starts -= heapq.heappop(running)[1]
   return now_s
+
+
+@functools.lru_cache(maxsize=64)
+def _ptl_table(profile: LatencyProfile, n: int) -> tuple[float, ...]:
+  """PTL(0 .. n) of `profile` (the replay's hot loop reads it per event)."""
+  return tuple(profile.ptl(b) for b in range(n + 1))
 
 
 def calibrated_lengths(
@@ -485,6 +493,7 @@ def dispatch(
     t, c = min(timed, key=lambda tc: (tc[0].mean(), tc[1]))
     return c, t if draws is not None else float(t[0])
 
+  @functools.lru_cache(maxsize=None)  # the chosen split is built again below
   def split(n_l):
     if n_l == 0:
       buckets = _balance(order, est, num_instances, groups)
