@@ -160,8 +160,11 @@ def profile_instance(
   decode = [(bs, prompt_len, n) for bs in sizes for n in lens]
   decode += [(sizes[-1], p, n) for p in contexts for n in lens]
   prefill = [(prefill_batch, prefill_prompt_len, 1), (prefill_batch, 1, 1)]
-  for bs, p, _ in dict.fromkeys((bs, p, 0) for bs, p, _ in decode + prefill):
-    _time_batch(instance, prompts(bs, p), lens[0], seed, clock)  # Warm-up, untimed.
+  warm: dict[tuple, int] = {}  # (bs, prompt) -> shortest decode length timed there
+  for bs, p, n in decode + prefill:
+    warm[bs, p] = min(n, warm.get((bs, p), n))
+  for (bs, p), n in warm.items():
+    _time_batch(instance, prompts(bs, p), n, seed, clock)  # Warm-up, untimed.
   times: dict[tuple, list[float]] = {c: [] for c in decode + prefill}
   for _ in range(reps):
     order = list(times)
