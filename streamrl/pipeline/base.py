@@ -122,7 +122,12 @@ class Mode:
     live = list(self.rollout.live_instances)
     self.round_instances[rnd.it] = len(live)
     assignments, caps = self.scheduler.plan(
-        rnd.requests, rnd.examples_by_id, seed=self.seed + rnd.it, num_instances=len(live)
+        rnd.requests,
+        rnd.examples_by_id,
+        seed=self.seed + rnd.it,
+        num_instances=len(live),
+        stoppable=stoppable,
+        resumed=rnd.resume,
     )
     kw = {"stoppable": True} if stoppable else {}
     if getattr(self.scheduler, "pool", "fixed") == "shared" and getattr(

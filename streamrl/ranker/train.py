@@ -11,8 +11,10 @@ workdir with Orbax checkpoints and TensorBoard logs:
   trainer = RankerTrainer.restore(wd, vocab_size=64, tokenizer_fingerprint=fp)
 
 Shapes never depend on the data beyond a few buckets: prompts are padded to
-the smallest of `config.buckets` that fits and prediction batches to
-`config.predict_batch` rows, so XLA compiles a handful of programs once.
+the smallest of `config.buckets` that fits and prediction batches are cut
+into chunks of `config.predict_batch`, a quarter and a sixteenth of it rows
+(`_row_chunks`: 70 prompts score as 64 + 16 rows of 256-row config, not 256),
+so XLA compiles a handful of programs once.
 """
 
 from __future__ import annotations
@@ -40,6 +42,27 @@ _log = logging.getLogger(__name__)
 
 CHECKPOINT_DIR = "checkpoints"
 _TB_DIR = "tb"
+
+
+def _row_sizes(batch: int) -> tuple[int, ...]:
+  """The scorer's row counts, largest first: `batch`, a quarter and a sixteenth of it."""
+  return tuple(sorted({batch, max(1, batch // 4), max(1, batch // 16)}, reverse=True))
+
+
+def _row_chunks(n: int, batch: int) -> list[int]:
+  """Row counts of the scorer calls that predict `n` prompts: as many
+  `batch`-row calls as fill, then `batch // 4`, then `batch // 16` rows (the
+  last one padded), so a round of a few dozen prompts does not pay for a full
+  `batch` of padding."""
+  sizes = _row_sizes(batch)
+  out = []
+  for size in sizes:
+    while n >= size:
+      out.append(size)
+      n -= size
+  if n > 0:
+    out.append(sizes[-1])
+  return out
 
 
 def _buckets(config: ml_collections.ConfigDict) -> tuple[int, ...]:
@@ -210,7 +233,7 @@ class RankerTrainer:
     beside the generators (`RankerActor`) shares their cores: a compile there
     stalled the first rounds' generation by 10 s or more
     (experiments/bench_modes.py)."""
-    bsz, rows = int(self.config.batch_size), int(self.config.predict_batch)
+    bsz, batch = int(self.config.batch_size), int(self.config.predict_batch)
     ones = np.ones((bsz,), np.float32)
     for b in self._buckets:
       if train:
@@ -219,9 +242,10 @@ class RankerTrainer:
             params, opt_state, np.zeros((bsz, b), np.int32), np.ones((bsz, b), bool), ones, ones
         )
         jax.block_until_ready(out)
-      jax.block_until_ready(
-          self._score(self.params, np.zeros((rows, b), np.int32), np.ones((rows, b), bool))
-      )
+      for rows in _row_sizes(batch):
+        jax.block_until_ready(
+            self._score(self.params, np.zeros((rows, b), np.int32), np.ones((rows, b), bool))
+        )
 
   def param_leaves(self) -> list[np.ndarray]:
     """The parameters as host arrays (leaf order of the pytree): what a
@@ -268,12 +292,13 @@ class RankerTrainer:
     their order is meaningful (which is all the dispatcher uses).
     """
     n = len(prompt_ids_list)
-    chunk = int(self.config.predict_batch)
     scores = np.zeros((n,), np.float64)
-    for s in range(0, n, chunk):
-      part = prompt_ids_list[s : s + chunk]
-      tokens, mask = self._pad(part, rows=chunk)  # Fixed rows: one program per bucket.
+    s = 0
+    for rows in _row_chunks(n, int(self.config.predict_batch)):  # A few row counts per bucket.
+      part = prompt_ids_list[s : s + rows]
+      tokens, mask = self._pad(part, rows=rows)
       scores[s : s + len(part)] = np.asarray(self._score(self.params, tokens, mask))[: len(part)]
+      s += len(part)
     return np.expm1(scores)
 
   def evaluate(self, pairs: Sequence[ranker_data.Pair]) -> dict[str, float]:

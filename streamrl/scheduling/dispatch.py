@@ -102,7 +102,8 @@ class DispatchPlan:
     predicted_time: estimated generation makespan in seconds,
       max over groups of PTL(BS) * L_avg * ceil(M / BS); NaN for FIFO plans
       (nothing is known about lengths).
-    objective: "makespan" or "sum" (what was minimised), or "fifo".
+    objective: "makespan" or "sum" (what was minimised), "fifo", or "first_k"
+      (`first_k_plan`: a stoppable round).
     objective_value: the minimised quantity (== predicted_time for
       "makespan"); NaN for FIFO plans.
     group_times: (long, regular) estimated latencies in seconds.
@@ -348,6 +349,49 @@ def fifo_plan(
       n_long_instances=0,
       predicted_time=math.nan,
       objective="fifo",
+  )
+
+
+def first_k_plan(
+    lengths: Sequence[float],
+    num_instances: int,
+    max_batch_size: int,
+    *,
+    first: Sequence[int] = (),
+) -> DispatchPlan:
+  """A stoppable round's plan: the prompts of `first` (responses resumed
+  from an earlier round) in their given order, then the others shortest
+  estimated length first, round-robin over the instances at the full cap.
+
+  With partial rollouts a round ends once enough groups have finished and
+  whatever still runs carries over, so what a plan should minimise is the
+  time to the first K finished groups, not the time to the last one:
+  shortest-first (SPT) admission finishes K soonest, and the long tail that
+  LPT and a long-tail instance would start early is exactly the work the
+  round will stop and carry. Resumed responses go first: they are partly
+  done, and their oldest tokens age with every round they wait. Prompts
+  with equal estimates (the samples of one prompt) keep their order.
+  """
+  if num_instances < 1:
+    raise ValueError(f"num_instances must be >= 1, got {num_instances}.")
+  if max_batch_size < 1:
+    raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}.")
+  est = np.asarray(lengths, dtype=np.float64).reshape(-1)
+  if not np.all(np.isfinite(est)):
+    raise ValueError("length estimates must be finite; check the ranker's output.")
+  head = list(dict.fromkeys(int(i) for i in first))
+  if any(not 0 <= i < est.size for i in head):
+    raise ValueError(f"first names prompts outside 0..{est.size - 1}.")
+  taken = set(head)
+  rest = [int(i) for i in np.argsort(est, kind="stable") if int(i) not in taken]
+  order = head + rest
+  assignments = tuple(tuple(order[i::num_instances]) for i in range(num_instances))
+  return DispatchPlan(
+      assignments=assignments,
+      batch_sizes=tuple(max(1, min(int(max_batch_size), len(a))) for a in assignments),
+      n_long_instances=0,
+      predicted_time=math.nan,
+      objective="first_k",
   )
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from streamrl.scheduling.dispatch import DispatchPlan, dispatch, fifo_plan
+from streamrl.scheduling.dispatch import DispatchPlan, dispatch, fifo_plan, first_k_plan
 from streamrl.scheduling.latency import LatencyProfile
 
 SCHEDULERS = ("fifo", "skew", "oracle")
@@ -33,6 +33,8 @@ def plan_generation(
     seed: int | None = None,
     groups: Sequence | None = None,
     rank_history: Sequence[tuple[float, float]] | None = None,
+    stoppable: bool = False,
+    first: Sequence[int] = (),
 ) -> DispatchPlan:
   """Builds the plan for one generation round.
 
@@ -48,6 +50,11 @@ def plan_generation(
     profile, alpha, objective, max_batch_size, latency_model, groups,
       rank_history: see `dispatch` (FIFO ignores groups); the length draws
       of the "simulate" model are seeded by `seed`.
+    stoppable: the round stops once enough groups finish (partial
+      rollouts): "skew" and "oracle" plan `first_k_plan` on their lengths
+      (shortest first after `first`, the resumed prompts) instead of
+      Algorithm 2, whose LPT order and long-tail instance start first the
+      work such a round stops and carries over.
   """
   if scheduler not in SCHEDULERS:
     raise ValueError(
@@ -60,6 +67,8 @@ def plan_generation(
   what = "predicted_lengths (from the ranker)" if scheduler == "skew" else "true_lengths"
   if lengths is None or len(lengths) != num_prompts:
     raise ValueError(f"scheduler {scheduler!r} needs {what} for all {num_prompts} prompts.")
+  if stoppable:
+    return first_k_plan(lengths, num_instances, max_batch_size, first=first)
   if profile is None:
     raise ValueError(
         f"scheduler {scheduler!r} needs a LatencyProfile; profile the generator "

@@ -117,17 +117,29 @@ class GenerationScheduler:
       if self._actor is not None:
         self.ranker.compile_all(train=False)
 
-  def plan(self, requests, examples_by_id, seed: int, num_instances: int | None = None):
+  def plan(
+      self,
+      requests,
+      examples_by_id,
+      seed: int,
+      num_instances: int | None = None,
+      *,
+      stoppable: bool = False,
+      resumed=(),
+  ):
     """-> (assignments, caps), one per instance, for `num_instances` instances
     (default: the count given at construction); (None, None) means round-robin.
+    `stoppable`: the round ends once enough groups finish (partial rollouts),
+    so it is planned for its first finished groups (`first_k_plan`), the
+    requests of `resumed` (ids of responses carried over) first.
     Its seconds are reported by the next `observe` (`scheduler/plan_s`)."""
     t0 = time.perf_counter()
     try:
-      return self._plan(requests, examples_by_id, seed, num_instances)
+      return self._plan(requests, examples_by_id, seed, num_instances, stoppable, resumed)
     finally:
       self.plan_s = time.perf_counter() - t0
 
-  def _plan(self, requests, examples_by_id, seed: int, num_instances: int | None):
+  def _plan(self, requests, examples_by_id, seed, num_instances, stoppable, resumed):
     num_instances = int(num_instances or self.num_instances)
     self.estimates, self.n_long = {}, 0
     if self.kind == "fifo":
@@ -169,6 +181,7 @@ class GenerationScheduler:
       self._ranked.move_to_end(r.id)
     while len(self._ranked) > 4 * self.rank_history.maxlen:  # never observed (dropped)
       self._ranked.popitem(last=False)
+    carried = set(resumed)
     plan = plan_generation(
         self.kind,
         num_prompts=len(requests),
@@ -184,6 +197,8 @@ class GenerationScheduler:
         seed=seed,
         groups=groups,
         rank_history=list(self.rank_history) or None,
+        stoppable=stoppable,
+        first=[i for i, r in enumerate(requests) if r.id in carried],
     )
     if plan.lengths:
       self.estimates = {r.id: float(n) for r, n in zip(requests, plan.lengths)}

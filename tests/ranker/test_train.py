@@ -5,6 +5,7 @@ import pytest
 
 from configs import ranker as ranker_config
 from streamrl.ranker import data
+from streamrl.ranker import train as ranker_train
 from streamrl.ranker.metrics import ranking_metrics
 from streamrl.ranker.train import RankerTrainer
 
@@ -102,7 +103,18 @@ def test_compile_all_leaves_the_ranker_as_it_was_and_nothing_to_compile():
   assert trainer.step == 0
   np.testing.assert_array_equal(trainer.predict([p for p, _ in pairs]), before)
   compiled = (trainer._train_step._cache_size(), trainer._score._cache_size())
-  assert compiled == (2, 2)  # one program per bucket, each
+  # One train program per bucket, a scorer per bucket and row count.
+  assert compiled == (2, 2 * len(ranker_train._row_sizes(int(c.predict_batch))))
   trainer.update(pairs)
   trainer.predict([p[:10] for p, _ in pairs])  # the short bucket too
   assert (trainer._train_step._cache_size(), trainer._score._cache_size()) == compiled
+
+
+def test_row_chunks_cover_every_prompt_with_little_padding():
+  assert ranker_train._row_chunks(70, 256) == [64, 16]
+  assert ranker_train._row_chunks(300, 256) == [256, 16, 16, 16]
+  assert ranker_train._row_chunks(0, 256) == []
+  assert ranker_train._row_chunks(3, 2) == [2, 1]
+  for n in range(0, 600, 7):
+    chunks = ranker_train._row_chunks(n, 256)
+    assert sum(chunks) - n in range(16)  # only the last chunk pads
