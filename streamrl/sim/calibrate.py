@@ -89,6 +89,7 @@ def predict_local_throughput(
     prompt_lens: Sequence[int] | int,
     batch_size: int,
     num_instances: int = 1,
+    gen_cores: int | None = None,
     max_in_flight: int | None = None,
     num_minibatches: int = 1,
     transfer_s: float = 0.0,
@@ -96,6 +97,9 @@ def predict_local_throughput(
     scheduler: str = "fifo",
     ranker_sigma: float = 0.0,
     seed: int = 0,
+    partial_oversample: float = 0.0,
+    group_size: int = 1,
+    max_token_version_gap: int = 2,
 ) -> dict:
   """Predicted throughput of the local streaming benchmark in one mode.
 
@@ -104,8 +108,12 @@ def predict_local_throughput(
     mode: "colocated" | "sync" | "stream" | "async".
     output_lens, prompt_lens: lengths observed in the measured run (resampled).
     batch_size: samples per iteration; num_instances: generator instances.
+    gen_cores: cores the instances share (SimConfig.gen_cores); None: each its own.
     max_in_flight: per-instance cap on running requests (engine max_num_seqs).
     transfer_s: measured weight-update time (trainer -> generators).
+    partial_oversample, group_size, max_token_version_gap: partial rollouts
+      (async; SimConfig), as pipeline.partial_oversample, advantage.group_size
+      and pipeline.max_token_version_gap; 0 = off.
   Returns:
     {"samples_per_s", "iteration_s", "gen_s", "train_s"} (means after warm-up).
   """
@@ -115,6 +123,7 @@ def predict_local_throughput(
       mode=mode,
       gen=gen,
       num_instances=num_instances,
+      gen_cores=gen_cores,
       train=train,
       num_train_gpus=1,
       lengths=lengths,
@@ -126,6 +135,9 @@ def predict_local_throughput(
       ranker_sigma=ranker_sigma,
       transfer_s=transfer_s,
       seed=seed,
+      partial_oversample=partial_oversample,
+      group_size=group_size,
+      max_token_version_gap=max_token_version_gap,
   )
   r = simulate(cfg)
   its = r.iterations[1:] if len(r.iterations) > 1 else r.iterations

@@ -28,6 +28,14 @@ Modes (all iterations draw fresh lengths from one seeded stream):
   async:  like stream, but generation of iteration j runs with the weights of
           iteration j - 1 - max_staleness (one-step off-policy by default), so
           it overlaps training of the previous iteration.
+  async with partial rollouts (`SimConfig.partial_oversample` > 0, as
+          `pipeline.partial=on`): each round runs `batch_size / group_size`
+          prompt groups plus that fraction more; once as many groups have
+          finished as an iteration trains, the round stops, the trainer gets
+          the oldest finished groups whole, and every response still running
+          keeps its tokens and resumes next round (prefilling prompt + tokens
+          so far, first in the plan). A response whose oldest token would be
+          more than `max_token_version_gap` versions old starts again.
 
 Shared cores (`SimConfig.gen_cores`). None: every instance has hardware of its
 own. An int: the instances share that many cores (one machine's generation
@@ -69,7 +77,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from streamrl.scheduling import dispatch, fifo_plan
-from streamrl.scheduling.dispatch import rank_quantiles
+from streamrl.scheduling.dispatch import first_k_plan, rank_quantiles
 from streamrl.scheduling.pool import POOLS
 from streamrl.sim.costs import GenCostModel, TrainCostModel
 from streamrl.sim.lengths import LengthDistribution
@@ -154,6 +162,12 @@ class SimConfig:
       1.0 = sharing costs nothing.
     tools: multi-turn trajectories with tool calls (`ToolModel`); None:
       single-turn samples.
+    partial_oversample: async only; > 0 turns partial rollouts on (see the
+      module doc): each round starts max(1, ceil(groups * this)) extra groups.
+    group_size: samples per prompt group (batch_size / group_size groups per
+      iteration); partial rollouts train whole groups.
+    max_token_version_gap: partial rollouts: the oldest token a response may
+      carry into training, in weight versions.
     pool: "fixed" (each instance admits from its own list) or "shared" (every
       instance admits from one queue, the plan's lists interleaved: the
       shared work pool of streamrl/scheduling/pool.py; its migration of
@@ -182,8 +196,30 @@ class SimConfig:
   share_cost: float = 1.0
   tools: ToolModel | None = None
   pool: str = "fixed"
+  partial_oversample: float = 0.0
+  group_size: int = 1
+  max_token_version_gap: int = 2
+
+  @property
+  def partial(self) -> bool:
+    return self.partial_oversample > 0
 
   def __post_init__(self):
+    if self.group_size < 1 or self.batch_size % self.group_size:
+      raise ValueError(
+          f"batch_size={self.batch_size} must be a multiple of group_size={self.group_size}."
+      )
+    if self.partial:
+      if self.mode != "async" or self.tools is not None:
+        raise ValueError(
+            "partial rollouts (partial_oversample > 0) are simulated in async mode without "
+            f"tools; got mode={self.mode!r}, tools={self.tools!r}."
+        )
+      if self.max_token_version_gap < self.max_staleness:
+        raise ValueError(
+            f"max_token_version_gap={self.max_token_version_gap} must be >= "
+            f"max_staleness={self.max_staleness}."
+        )
     if self.pool not in POOLS:
       raise ValueError(f"pool must be one of {POOLS}, got {self.pool!r}.")
     if self.mode not in MODES:
@@ -247,6 +283,8 @@ class SimResult:
   instances: [iterations] generator instances each generation round ran on.
   decisions: the controller's `decisions` attribute after the run (e.g. the
     ElasticPolicy changes of planner.elastic.PolicyController); () without.
+  resumed: partial rollouts: responses each round resumed (() without).
+  wasted_tokens: partial rollouts: tokens dropped by the version-gap bound.
   """
 
   config: SimConfig
@@ -261,6 +299,8 @@ class SimResult:
   wall_s: float
   instances: tuple[int, ...] = ()
   decisions: tuple = ()
+  resumed: tuple[int, ...] = ()
+  wasted_tokens: int = 0
 
   @property
   def gen_bubble(self) -> float:
@@ -341,6 +381,10 @@ class _GenPhase:
     self.preemptions = 0
     self.kv_limit = gen.kv_capacity_tokens * (1.0 - _KV_WATERMARK)
     self.reserve = float(gen.reserve_output_tokens)
+    # Partial rollouts: on_finish sets stop_requested to end the round; then
+    # `carried` holds every unfinished sample's tokens generated this round.
+    self.stop_requested = False
+    self.carried: dict[int, int] = {}
 
   def start(
       self,
@@ -361,6 +405,10 @@ class _GenPhase:
       self.instances.append(_Instance(len(self.instances)))
     # Per-sample state of this iteration.
     self.ctx0 = [int(p) for p in prompt_lens]  # context to prefill on (re)admission
+    self.ctx_start = list(self.ctx0)
+    self.finished = [False] * len(self.ctx0)
+    self.stop_requested = False
+    self.carried = {}
     self.remaining = [int(o) for o in output_lens]  # tokens still to generate in this turn
     self.later = [0] * len(self.ctx0)  # tokens of the turns after this one
     # Context still in the engine's prefix cache on (re)admission: a trajectory back from a
@@ -524,6 +572,7 @@ class _GenPhase:
           self._call_tool(t, inst, sid, generated)
         else:
           finished.append(sid)
+          self.finished[sid] = True
     else:
       # KV cache full: preempt the newest sequence; it recomputes its context later.
       while True:
@@ -551,6 +600,9 @@ class _GenPhase:
         inst.stack = [s for s in inst.stack if self.running[s]]
       for sid in finished:
         self.on_finish(t, sid, idx)
+      if self.stop_requested:
+        self._stop(t)
+        return
     if kind == _FINISH:
       self._admit(inst)
     if inst.B == 0 and not inst.queue and inst.out:
@@ -567,6 +619,34 @@ class _GenPhase:
     if inst.B == 0:
       self._admit(inst)
     self._schedule(inst)
+
+  def _stop(self, t: float) -> None:
+    """The round ends at t (partial rollouts): every sequence still running
+    keeps the tokens it has by then, `carried` maps each unfinished sample
+    to its tokens of this round, and the phase is done."""
+    # Tokens a preempted sample generated before it went back to its queue.
+    carried = {
+        sid: self.ctx0[sid] - self.ctx_start[sid]
+        for sid, done in enumerate(self.finished)
+        if not done
+    }
+    for inst in self.instances[: self.num_used]:
+      if not inst.active:
+        continue
+      k = float(inst.k)
+      if inst.B > 0 and inst.ev_t > inst.t and t > inst.t:  # part of the way to its next event
+        k += (inst.ev_k - inst.k) * min(1.0, (t - inst.t) / (inst.ev_t - inst.t))
+      for f, sid in inst.heap:
+        if self.running[sid] and f == self.finish_k[sid]:
+          self.running[sid] = False
+          done = min(max(int(k) - self.admit_k[sid], 0), self.remaining[sid] - 1)
+          carried[sid] = self.ctx0[sid] - self.ctx_start[sid] + done
+      inst.active = False
+      inst.done_t = t
+      inst.version += 1
+    self.carried = carried
+    self.n_active = 0
+    self.on_done(t)
 
   def busy_time(self) -> float:
     return sum(inst.done_t - inst.start_t for inst in self.instances[: self.num_used])
@@ -625,6 +705,101 @@ def _mix(seed: int, *xs: int) -> int:
   return int(np.random.default_rng([seed, *xs]).integers(0, 2**31 - 1))
 
 
+@dataclasses.dataclass(eq=False)
+class _Group:
+  """A prompt group of partial rollouts, with its responses' lengths and progress."""
+
+  born: int  # the round it was first requested in
+  prompt: int
+  out: list  # each response's full length
+  gen: list  # tokens each has generated so far
+  first_round: list  # the round of each one's oldest token (-1: none yet)
+  done_seq: int | None = None  # finishing order, once every response finished
+
+  def done(self, k: int) -> bool:
+    return self.gen[k] >= self.out[k]
+
+
+class _PartialBuffer:
+  """Partial rollouts' groups across rounds, as streamrl/pipeline/partial.py
+  keeps them: topped up to target + extra, the version-gap reset, the oldest
+  finished groups trained first."""
+
+  def __init__(self, c: SimConfig):
+    self.c = c
+    self.target = c.batch_size // c.group_size
+    self.extra = max(1, math.ceil(self.target * c.partial_oversample))
+    self.groups: list[_Group] = []
+    self.round: list[tuple[_Group, int]] = []  # this round's sample id -> (group, response)
+    self.g = 0
+    self.seq = 0
+    self.num_done = 0
+    self.wasted = 0  # tokens dropped by the version-gap bound
+    self.resumed = 0  # responses this round resumes
+
+  def start(self, g: int, dist: LengthDistribution) -> tuple[np.ndarray, ...]:
+    """Round g's requests: (context to prefill, tokens left, full lengths)."""
+    c = self.c
+    self.g = g
+    for grp in self.groups:
+      for k, f in enumerate(grp.first_round):
+        # Round r samples with weights version r - max_staleness; a response is trained at
+        # iteration g at the earliest, when its oldest token is this many versions old.
+        if grp.gen[k] and g - (f - c.max_staleness) > c.max_token_version_gap:
+          self.wasted += grp.gen[k]
+          grp.gen[k], grp.first_round[k] = 0, -1
+          if grp.done_seq is not None:
+            grp.done_seq = None
+            self.num_done -= 1
+    need = self.target + self.extra - len(self.groups)
+    if need > 0:
+      gs = c.group_size
+      prompt, out = dist.sample(np.random.default_rng([c.seed, g, 0]), need * gs)
+      for i in range(need):
+        full = [max(1, int(o)) for o in out[i * gs : (i + 1) * gs]]
+        self.groups.append(_Group(g, int(prompt[i * gs]), full, [0] * gs, [-1] * gs))
+    self.round = [(x, k) for x in self.groups for k in range(len(x.out)) if not x.done(k)]
+    self.resumed = sum(x.gen[k] > 0 for x, k in self.round)
+    ctx = np.array([x.prompt + x.gen[k] for x, k in self.round], np.int64)
+    left = np.array([x.out[k] - x.gen[k] for x, k in self.round], np.int64)
+    full = np.array([x.out[k] for x, k in self.round], np.int64)
+    return ctx, left, full
+
+  def finish(self, sid: int) -> bool:
+    """Sample `sid` of this round finished; True once enough groups are done."""
+    x, k = self.round[sid]
+    x.gen[k] = x.out[k]
+    if x.first_round[k] < 0:
+      x.first_round[k] = self.g
+    if x.done_seq is None and all(x.done(i) for i in range(len(x.out))):
+      x.done_seq = self.seq
+      self.seq += 1
+      self.num_done += 1
+    return self.num_done >= self.target
+
+  def stop(self, carried: dict[int, int]) -> tuple[np.ndarray, np.ndarray]:
+    """The round stopped: the unfinished keep their tokens; takes the oldest
+    finished groups out and returns their (prompt, full output) lengths."""
+    for sid, n in carried.items():
+      x, k = self.round[sid]
+      if n > 0:
+        if x.gen[k] == 0:
+          x.first_round[k] = self.g
+        x.gen[k] += n
+    done = sorted(
+        (x for x in self.groups if x.done_seq is not None), key=lambda x: (x.born, x.done_seq)
+    )
+    take = done[: self.target]
+    if len(take) < self.target:
+      raise RuntimeError(f"round {self.g} stopped with {len(take)} of {self.target} groups done.")
+    taken = set(map(id, take))
+    self.groups = [x for x in self.groups if id(x) not in taken]
+    self.num_done -= len(take)
+    prompt = np.array([x.prompt for x in take for _ in x.out], np.int64)
+    out = np.array([o for x in take for o in x.out], np.int64)
+    return prompt, out
+
+
 # controller(j, finished_iterations) -> generator instances for round j; see the
 # module doc for when it is called, and for the optional `iteration_finished`.
 Controller = Callable[[int, Sequence[IterationStats]], int]
@@ -670,6 +845,8 @@ class _Simulation:
     self.fwd_done = 0
     self.upd_done = 0
     self.train_gpus = config.num_train_gpus
+    self.partial = _PartialBuffer(config) if config.partial else None
+    self.resumed: list[int] = []
 
   def _push(self, t: float, kind: int, a, b) -> None:
     self.seq += 1
@@ -720,6 +897,9 @@ class _Simulation:
       raise ValueError(f"the controller asked for {n_inst} generator instances; it must be >= 1.")
     self.n_inst[g] = n_inst
     dist = c.lengths_at(g)
+    if self.partial is not None:
+      self._start_partial(t, g, n_inst, dist)
+      return
     prompt, out = dist.sample(np.random.default_rng([c.seed, g, 0]), c.batch_size)
     self.samples[g] = (prompt, out)
     tokens = (prompt + out).astype(np.float64)
@@ -737,7 +917,38 @@ class _Simulation:
     self.gen_phase_iter = g
     self.gen.start(t, prompt, out, queues, caps, shared=c.pool == "shared")
 
+  def _start_partial(self, t: float, g: int, n_inst: int, dist: LengthDistribution) -> None:
+    """Round g with partial rollouts: the buffer's requests, resumed first;
+    the trained samples are known when it stops (`_finish_partial`)."""
+    c = self.c
+    ctx, left, full = self.partial.start(g, dist)
+    max_bs = c.gen.max_concurrent(float(np.mean(ctx)))
+    if c.scheduler == "fifo":
+      plan = fifo_plan(len(ctx), n_inst, max_bs, seed=_mix(c.seed, g, 2))
+    else:  # a stoppable round: resumed first, then shortest predicted (the real scheduler's plan)
+      scores = noisy_scores(full, c.ranker_sigma, np.random.default_rng([c.seed, g, 1]))
+      resumed = [i for i, (x, k) in enumerate(self.partial.round) if x.gen[k]]
+      plan = first_k_plan(np.exp(scores), n_inst, max_bs, first=resumed)
+    self.resumed.append(self.partial.resumed)
+    self.gen_start[g] = t
+    self.gen_phase_iter = g
+    self.gen.start(t, ctx, left, plan.assignments, plan.batch_sizes, shared=c.pool == "shared")
+
+  def _finish_partial(self, g: int) -> None:
+    """Round g stopped: its trained samples, all arriving at once (the
+    trainer gets the round's batch when it ends, as PartialAsyncMode does)."""
+    prompt, out = self.partial.stop(self.gen.carried)
+    self.samples[g] = (prompt, out)
+    tokens = (prompt + out).astype(np.float64)
+    self.fwd_s[g] = self.c.train.forward_seconds(tokens).tolist()
+    self.upd_s[g] = self.c.train.update_seconds(tokens).tolist()
+    self.arrivals[g] = list(range(len(out)))
+
   def _on_sample(self, t: float, sid: int, inst: int) -> None:
+    if self.partial is not None:
+      if self.partial.finish(sid):
+        self.gen.stop_requested = True
+      return
     g = self.gen_phase_iter
     self.arrivals[g].append(sid)
     if self.c.mode in ("stream", "async") and g == self.tj:
@@ -745,6 +956,8 @@ class _Simulation:
 
   def _on_gen_done(self, t: float) -> None:
     g = self.gen_phase_iter
+    if self.partial is not None:
+      self._finish_partial(g)
     self.gen_end[g] = t
     self.gen_busy[g] = self.gen.busy_time()
     self.gen_running = False
@@ -868,6 +1081,8 @@ def simulate(config: SimConfig, controller: Controller | None = None) -> SimResu
       wall_s=wall,
       instances=tuple(int(n) for n in sim.n_inst),
       decisions=tuple(getattr(controller, "decisions", ())),
+      resumed=tuple(sim.resumed),
+      wasted_tokens=sim.partial.wasted if sim.partial is not None else 0,
   )
 
 

@@ -1,5 +1,6 @@
 """Event engine: closed-form cases, mode formulas, determinism, real scheduler reuse."""
 
+import dataclasses
 import math
 
 import numpy as np
@@ -163,7 +164,6 @@ def test_stream_beats_sync_with_skewed_lengths():
   lengths = from_lengths([10, 20, 40, 400], 8)
   kw = dict(fwd=1e-4, upd=3e-4, transfer=0.0, iterations=4)
   base = _trivial("sync", **kw)
-  import dataclasses
 
   sync = simulate(dataclasses.replace(base, lengths=lengths, batch_size=64))
   stream = simulate(dataclasses.replace(base, mode="stream", lengths=lengths, batch_size=64))
@@ -285,7 +285,6 @@ def test_tool_latency_is_hidden_by_other_work_and_async_gains_from_it():
   lengths = from_lengths([20, 40, 80], 64)
   tools = engine.ToolModel(latency_s=0.2, turn_tokens=20, observation_tokens=4)
   cfg = _trivial("colocated", iterations=4)
-  import dataclasses  # pylint: disable=g-import-not-at-top
 
   base = dataclasses.replace(cfg, lengths=lengths, batch_size=64)
   plain = simulate(base)
@@ -297,3 +296,84 @@ def test_tool_latency_is_hidden_by_other_work_and_async_gains_from_it():
   assert async_tools.mean_iteration_s < with_tools.mean_iteration_s
   with pytest.raises(ValueError, match="turn_tokens"):
     engine.ToolModel(latency_s=0.1, turn_tokens=0)
+
+
+class _Queue:
+  """Output lengths in the order given, whatever the rng (prompts of 8)."""
+
+  def __init__(self, outs):
+    self.outs = list(outs)
+
+  def sample(self, rng, n):
+    del rng
+    out, self.outs = self.outs[:n], self.outs[n:]
+    return np.full(n, 8), np.asarray(out)
+
+
+def test_partial_rollouts_stop_at_the_target_carry_the_tokens_and_drop_too_old_ones():
+  # One group trained per iteration, one extra: round 0 runs [10, 100]; the short one
+  # finishes at step 10 and stops the round, the long one keeps 10 tokens and resumes
+  # first next round (prefilling its prompt + 10 tokens), beside a fresh 10. In round 2
+  # its oldest token (round 0, weights version -1) would be 3 versions old at training
+  # (> max_token_version_gap=2): it starts again, its 20 tokens wasted.
+  prefill = 1e-4
+  cfg = dataclasses.replace(
+      _trivial("async", iterations=4, fwd=1e-6, upd=1e-6),
+      gen=_gen(prefill=prefill),
+      num_instances=1,
+      lengths=_Queue([10, 100, 10, 10, 10]),
+      batch_size=1,
+      num_minibatches=1,
+      partial_oversample=1.0,
+      max_token_version_gap=2,
+  )
+  plans = []
+  real = engine.first_k_plan
+
+  def spy(lengths, n, max_bs, first=()):
+    plans.append(list(first))
+    return real(lengths, n, max_bs, first=first)
+
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(engine, "first_k_plan", spy)
+    r = simulate(dataclasses.replace(cfg, scheduler="skew"))
+  assert r.resumed == (0, 1, 0, 1)
+  assert plans == [[], [0], [], [0]]  # the resumed response is planned first
+  assert r.wasted_tokens == 20
+  assert [int(s.output_lens[0]) for s in r.iterations] == [10, 10, 10, 10]
+  step = 10 * (A + 2 * B)
+  fresh, resumed = 2 * 8 * prefill, (8 + 8 + 10) * prefill
+  gen = [s.gen_time for s in r.iterations]
+  assert gen == pytest.approx([step + fresh, step + resumed, step + fresh, step + resumed])
+  # Without partial rollouts every round waits for the 100-token response.
+  plain = simulate(dataclasses.replace(cfg, partial_oversample=0.0, lengths=from_lengths([100], 8)))
+  assert min(s.gen_time for s in plain.iterations) > 5 * max(gen)
+  # A generous bound keeps every carried token; one equal to the staleness resumes nothing.
+  kept = simulate(
+      dataclasses.replace(cfg, lengths=_Queue([10, 100, 10, 10, 10]), max_token_version_gap=9)
+  )
+  assert kept.wasted_tokens == 0 and kept.resumed == (0, 1, 1, 1)
+  none = simulate(
+      dataclasses.replace(cfg, lengths=_Queue([10, 100, 10, 10, 10, 10]), max_token_version_gap=1)
+  )
+  assert none.resumed == (0, 0, 0, 0) and none.wasted_tokens > 0
+  with pytest.raises(ValueError, match="async"):
+    dataclasses.replace(cfg, mode="sync")
+  with pytest.raises(ValueError, match="multiple of group_size"):
+    dataclasses.replace(cfg, batch_size=3, group_size=2)
+
+
+def test_partial_rollouts_cut_the_long_tail_of_a_generation_bound_run():
+  lengths = from_lengths([10] * 15 + [400], 8)
+  base = dataclasses.replace(
+      _trivial("async", iterations=8, fwd=1e-7, upd=1e-7),
+      lengths=lengths,
+      batch_size=32,
+      num_minibatches=2,
+  )
+  plain = simulate(base)
+  partial = simulate(dataclasses.replace(base, partial_oversample=0.25, group_size=2))
+  assert partial.samples_per_s > 1.5 * plain.samples_per_s
+  assert sum(partial.resumed) > 0
+  # Every iteration trains whole groups of the batch.
+  assert all(len(s.output_lens) == 32 for s in partial.iterations)
