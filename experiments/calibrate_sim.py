@@ -1,7 +1,8 @@
 r"""Calibrating the simulator against real pipeline runs on this machine.
 
   python experiments/calibrate_sim.py [--quick] [--workdir=/tmp/streamrl_bench_modes]
-      [--modes=colocated,sync,stream,async,async_partial,sync_2gen] [--iterations=8]
+      [--modes=colocated,sync,stream,async,async_partial,sync_2gen,sync_2gen_pool]
+      [--iterations=8]
       [--repeats=3]
 
 Issue 6, item 3: configured with cost models *measured here* (the tiny
@@ -20,7 +21,9 @@ rollouts, simulated by SimConfig.partial_oversample: rounds that stop at
 the target and resume the carried responses), and sync_2gen: sync on two
 generator instances time-sharing the generator's core (the per-request
 cost, measured on the two-instance service, holds what sharing costs
-beyond perfect time-sharing). For each arm, in this one process:
+beyond perfect time-sharing), and sync_2gen_pool: the same with a shared
+work pool and migration (scheduler.pool=shared, scheduler.migrate=True;
+SimConfig.pool and SimConfig.migrate). For each arm, in this one process:
   1. the real loop (`train.train_iteration` on the mode from
      `train.setup_mode`, over the real rollout: the in-process engine for
      colocated, a Ray generator actor on one core for the others, whose
@@ -133,9 +136,11 @@ _OUT = flags.DEFINE_string(
 # not predicted: the simulator does not model sibling length hints.
 PREDICTED = ("colocated", "sync", "stream", "async", "async_partial")
 # Arms beyond the modes: "<mode>_2gen" is the mode on two generator instances
-# (engine.num_instances=2), which time-share the generator's core.
-TWO_GEN = "_2gen"
-ARMS = PREDICTED + ("sync" + TWO_GEN,)
+# (engine.num_instances=2), which time-share the generator's core;
+# "<mode>_2gen_pool" the same with a shared work pool and migration
+# (scheduler.pool=shared, scheduler.migrate=True).
+TWO_GEN, POOL = "_2gen", "_pool"
+ARMS = PREDICTED + ("sync" + TWO_GEN, "sync" + TWO_GEN + POOL)
 _MODES = flags.DEFINE_list("modes", list(ARMS), "Arms to run (--quick: colocated,sync).")
 _WARMUP = flags.DEFINE_integer("warmup", 1, "Untimed iterations per mode.")
 _ITERATIONS = flags.DEFINE_integer("iterations", 8, "Timed iterations per mode.")
@@ -159,19 +164,26 @@ def load() -> float:
 
 
 def arm_mode(arm: str) -> str:
-  """The pipeline mode of an arm ("sync_2gen" -> "sync")."""
-  return arm.removesuffix(TWO_GEN)
+  """The pipeline mode of an arm ("sync_2gen_pool" -> "sync")."""
+  return arm.removesuffix(POOL).removesuffix(TWO_GEN)
 
 
 def arm_instances(arm: str) -> int:
-  return 2 if arm.endswith(TWO_GEN) else 1
+  return 2 if TWO_GEN in arm else 1
+
+
+def arm_pool(arm: str) -> str:
+  """The arm's scheduler.pool (a shared pool migrates too)."""
+  return "shared" if arm.endswith(POOL) else "fixed"
 
 
 def arm_settings(s, arm: str):
-  """`s` for the arm: its mode and generator instances."""
+  """`s` for the arm: its mode, generator instances and pool."""
   out = with_mode(s, arm_mode(arm))
   if arm_instances(arm) > 1:
     out = out.replace(engine=dataclasses.replace(out.engine, num_instances=arm_instances(arm)))
+  if arm_pool(arm) == "shared":
+    out = out.replace(scheduler=dataclasses.replace(out.scheduler, pool="shared", migrate=True))
   return out
 
 
@@ -478,6 +490,7 @@ def cost_models(
     condition: str = "isolated",
     instances: int = 1,
     gen_cores: int | None = None,
+    pool: str = "fixed",
 ) -> dict:
   """The simulator's inputs from the measurements, with `stat` = "mean" or "median".
 
@@ -502,6 +515,8 @@ def cost_models(
     replay deals the batch round-robin over them, as the service does, and
     time-shares `gen_cores` perfectly: what sharing costs beyond that is in
     the per-request cost, measured like the rest of it).
+  pool: "shared": the replay takes from one pool and migrates, as the
+    arm's service does (the hand-offs' cost is in the per-request cost).
   """
   import dataclasses  # pylint: disable=g-import-not-at-top
   from streamrl.sim.calibrate import from_measured  # pylint: disable=g-import-not-at-top
@@ -521,6 +536,8 @@ def cost_models(
           queues=[list(range(k, len(b["output_lens"]), instances)) for k in range(instances)],
           caps=[cap] * instances,
           cores=gen_cores if instances > 1 else None,
+          pool=pool,
+          migrate=pool == "shared",
       ).makespan
       for b in per_batch
   ]
@@ -626,6 +643,7 @@ def run_arm(work: Workload, mode: str, warm: int, iters: int, out_dir: str) -> d
               cond,
               instances=arm_instances(mode),
               gen_cores=s.cluster.generator_cpus,
+              pool=arm_pool(mode),
           )
           for stat in ("mean", "median")
       }
@@ -667,6 +685,7 @@ def predict(
       batch_size=batch,
       num_instances=instances,
       gen_cores=s.cluster.generator_cpus if instances > 1 else None,
+      pool=arm_pool(res["mode"]),
       max_in_flight=s.engine.max_num_seqs,
       num_minibatches=batch // tr.mini_batch_size,
       transfer_s=c["transfer_s"],

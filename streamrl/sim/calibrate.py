@@ -90,6 +90,7 @@ def predict_local_throughput(
     batch_size: int,
     num_instances: int = 1,
     gen_cores: int | None = None,
+    pool: str = "fixed",
     max_in_flight: int | None = None,
     num_minibatches: int = 1,
     transfer_s: float = 0.0,
@@ -109,6 +110,8 @@ def predict_local_throughput(
     output_lens, prompt_lens: lengths observed in the measured run (resampled).
     batch_size: samples per iteration; num_instances: generator instances.
     gen_cores: cores the instances share (SimConfig.gen_cores); None: each its own.
+    pool: "fixed" or "shared" (SimConfig.pool; a shared pool migrates too,
+      SimConfig.migrate, as scheduler.migrate does).
     max_in_flight: per-instance cap on running requests (engine max_num_seqs).
     transfer_s: measured weight-update time (trainer -> generators).
     partial_oversample, group_size, max_token_version_gap: partial rollouts
@@ -135,6 +138,8 @@ def predict_local_throughput(
       ranker_sigma=ranker_sigma,
       transfer_s=transfer_s,
       seed=seed,
+      pool=pool,
+      migrate=pool == "shared",
       partial_oversample=partial_oversample,
       group_size=group_size,
       max_token_version_gap=max_token_version_gap,

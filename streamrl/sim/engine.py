@@ -78,7 +78,7 @@ import numpy as np
 
 from streamrl.scheduling import dispatch, fifo_plan
 from streamrl.scheduling.dispatch import first_k_plan, rank_quantiles
-from streamrl.scheduling.pool import POOLS
+from streamrl.scheduling.pool import POOLS, donor
 from streamrl.sim.costs import GenCostModel, TrainCostModel
 from streamrl.sim.lengths import LengthDistribution
 from streamrl.sim.ranker_model import noisy_scores
@@ -170,8 +170,11 @@ class SimConfig:
       carry into training, in weight versions.
     pool: "fixed" (each instance admits from its own list) or "shared" (every
       instance admits from one queue, the plan's lists interleaved: the
-      shared work pool of streamrl/scheduling/pool.py; its migration of
-      running requests is not modelled).
+      shared work pool of streamrl/scheduling/pool.py).
+    migrate: with pool="shared", stragglers move as `scheduler.migrate`
+      moves them: once the pool is empty, an idle instance takes the running
+      request with the most tokens from the instance with the most in flight
+      (`pool.donor`), which resumes there (prefilling prompt + tokens so far).
   """
 
   mode: str
@@ -199,6 +202,7 @@ class SimConfig:
   partial_oversample: float = 0.0
   group_size: int = 1
   max_token_version_gap: int = 2
+  migrate: bool = False
 
   @property
   def partial(self) -> bool:
@@ -222,6 +226,10 @@ class SimConfig:
         )
     if self.pool not in POOLS:
       raise ValueError(f"pool must be one of {POOLS}, got {self.pool!r}.")
+    if self.migrate and self.pool != "shared":
+      raise ValueError(
+          "migrate moves requests between the instances of a shared pool; set pool='shared'."
+      )
     if self.mode not in MODES:
       raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}.")
     if self.scheduler not in SCHEDULERS:
@@ -285,6 +293,7 @@ class SimResult:
     ElasticPolicy changes of planner.elastic.PolicyController); () without.
   resumed: partial rollouts: responses each round resumed (() without).
   wasted_tokens: partial rollouts: tokens dropped by the version-gap bound.
+  moves: requests migrated between instances (SimConfig.migrate).
   """
 
   config: SimConfig
@@ -301,6 +310,7 @@ class SimResult:
   decisions: tuple = ()
   resumed: tuple[int, ...] = ()
   wasted_tokens: int = 0
+  moves: int = 0
 
   @property
   def gen_bubble(self) -> float:
@@ -368,8 +378,11 @@ class _GenPhase:
       cores: int | None = None,
       tools: ToolModel | None = None,
       share_cost: float = 1.0,
+      migrate: bool = False,
   ):
     self.gen = gen
+    self.migrate = bool(migrate)
+    self.moves = 0
     self.cores = cores
     self.share_cost = float(share_cost)
     self.tools = tools
@@ -607,6 +620,9 @@ class _GenPhase:
       self._admit(inst)
     if inst.B == 0 and not inst.queue and inst.out:
       return  # idle until a tool answers (`_tool_return`)
+    if inst.B == 0 and not inst.queue and self.migrate and self._steal(t, inst):
+      self._schedule(inst)
+      return
     if inst.B == 0 and not inst.queue:
       inst.active = False
       inst.done_t = t
@@ -619,6 +635,46 @@ class _GenPhase:
     if inst.B == 0:
       self._admit(inst)
     self._schedule(inst)
+
+  def _advance(self, t: float, inst: _Instance) -> None:
+    """Brings a decoding instance's state to t, part of the way to its next
+    event (whole steps; it never reaches the event itself)."""
+    if inst.B == 0 or not (inst.ev_t > inst.t and t > inst.t):
+      return
+    n = int((inst.ev_k - inst.k) * min(1.0, (t - inst.t) / (inst.ev_t - inst.t)))
+    n = min(n, inst.ev_k - inst.k - 1)
+    if n > 0:
+      inst.S += inst.B * n
+      inst.k += n
+      inst.t = t
+
+  def _steal(self, t: float, thief: _Instance) -> bool:
+    """Migration (shared pool, pool empty): idle `thief` takes the running
+    request with the most tokens from the instance with the most in flight
+    (`pool.donor`, at least 2), which resumes here from its tokens so far;
+    False when no instance has one to give."""
+    loads = {i.idx: i.B for i in self.instances[: self.num_used] if i.active and i is not thief}
+    d = donor(loads, thief.idx)
+    if d is None:
+      return False
+    inst = self.instances[d]
+    self._advance(t, inst)
+    running = {sid for f, sid in inst.heap if self.running[sid] and f == self.finish_k[sid]}
+    sid = min(running, key=lambda x: (self.admit_k[x], x))  # the most tokens so far
+    generated = inst.k - self.admit_k[sid]
+    self.running[sid] = False
+    inst.B -= 1
+    inst.S -= self.ctx0[sid] + generated
+    inst.R -= self.ctx0[sid] + 1 + self.reserve
+    self.ctx0[sid] += generated
+    self.remaining[sid] -= generated
+    self.cached[sid] = 0
+    self.moves += 1
+    self._schedule(inst)
+    thief.queue.appendleft(sid)
+    thief.t = max(thief.t, t)
+    self._admit(thief)
+    return True
 
   def _stop(self, t: float) -> None:
     """The round ends at t (partial rollouts): every sequence still running
@@ -633,13 +689,11 @@ class _GenPhase:
     for inst in self.instances[: self.num_used]:
       if not inst.active:
         continue
-      k = float(inst.k)
-      if inst.B > 0 and inst.ev_t > inst.t and t > inst.t:  # part of the way to its next event
-        k += (inst.ev_k - inst.k) * min(1.0, (t - inst.t) / (inst.ev_t - inst.t))
+      self._advance(t, inst)
       for f, sid in inst.heap:
         if self.running[sid] and f == self.finish_k[sid]:
           self.running[sid] = False
-          done = min(max(int(k) - self.admit_k[sid], 0), self.remaining[sid] - 1)
+          done = inst.k - self.admit_k[sid]
           carried[sid] = self.ctx0[sid] - self.ctx_start[sid] + done
       inst.active = False
       inst.done_t = t
@@ -822,6 +876,7 @@ class _Simulation:
         config.gen_cores,
         config.tools,
         config.share_cost,
+        config.migrate,
     )
     k = config.iterations
     self.gen_start = [math.nan] * k
@@ -1083,6 +1138,7 @@ def simulate(config: SimConfig, controller: Controller | None = None) -> SimResu
       decisions=tuple(getattr(controller, "decisions", ())),
       resumed=tuple(sim.resumed),
       wasted_tokens=sim.partial.wasted if sim.partial is not None else 0,
+      moves=sim.gen.moves,
   )
 
 
@@ -1095,6 +1151,7 @@ class GenResult:
   instance_done: np.ndarray  # [N]
   preemptions: int
   events: int
+  moves: int = 0  # running requests migrated (pool="shared", migrate=True)
 
 
 def simulate_generation(
@@ -1116,6 +1173,7 @@ def simulate_generation(
     tools: ToolModel | None = None,
     pool: str = "fixed",
     share_cost: float = 1.0,
+    migrate: bool = False,
 ) -> GenResult:
   """Generation of one batch on `num_instances` instances (no trainer).
 
@@ -1123,7 +1181,8 @@ def simulate_generation(
   and batch caps); otherwise the scheduler is "fifo" or "skew" as in SimConfig.
   `cores`, `share_cost`: as SimConfig.gen_cores (the instances share that
   many cores) and SimConfig.share_cost;
-  `tools`: as SimConfig.tools (multi-turn trajectories); `pool`: as SimConfig.pool.
+  `tools`: as SimConfig.tools (multi-turn trajectories); `pool`, `migrate`:
+  as SimConfig.pool and SimConfig.migrate.
   """
   prompt = np.asarray(prompt_lens, dtype=np.int64)
   out = np.asarray(output_lens, dtype=np.int64)
@@ -1164,9 +1223,9 @@ def simulate_generation(
 
   if not (math.isfinite(share_cost) and share_cost >= 1.0):
     raise ValueError(f"share_cost must be a finite factor >= 1, got {share_cost!r}.")
-  phase = _GenPhase(gen, push, on_finish, on_done, cores, tools, share_cost)
-  if pool not in POOLS:
-    raise ValueError(f"pool must be one of {POOLS}, got {pool!r}.")
+  if pool not in POOLS or (migrate and pool != "shared"):
+    raise ValueError(f'pool must be one of {POOLS} ("shared" to migrate), got {pool!r}.')
+  phase = _GenPhase(gen, push, on_finish, on_done, cores, tools, share_cost, migrate)
   phase.start(0.0, prompt, out, queues, caps, shared=pool == "shared")
   events = 0
   while heap:
@@ -1180,6 +1239,7 @@ def simulate_generation(
       instance_done=inst_done,
       preemptions=phase.preemptions,
       events=events,
+      moves=phase.moves,
   )
 
 

@@ -87,6 +87,26 @@ def test_a_shared_pool_lets_the_free_instance_take_the_next_request():
     simulate_generation(_gen(), 1, [4], [4], pool="bogus")
 
 
+def test_migration_moves_the_longest_running_request_to_the_idle_instance():
+  # Instance 0 runs two 100-token requests, instance 1 one of 10. When 1 goes idle (at
+  # 10 steps of BS 1), instance 0 is 9 whole steps in (BS 2 steps are slower); its request
+  # with the most tokens moves to 1 and resumes there from 9 tokens, each instance finishes
+  # its 91 left alone.
+  kw = dict(queues=[[0, 2], [1]], caps=[2, 2], pool="shared")  # interleaved: 0, 1 | 2
+  stay = simulate_generation(_gen(), 2, [4] * 3, [100, 100, 10], **kw)
+  moved = simulate_generation(_gen(), 2, [4] * 3, [100, 100, 10], migrate=True, **kw)
+  assert stay.makespan == pytest.approx(100 * (A + 2 * B)) and stay.moves == 0
+  assert moved.moves == 1
+  assert moved.makespan == pytest.approx(10 * (A + B) + 91 * (A + B))
+  # A lone request is not moved (nothing gained), and migration needs the shared pool.
+  lone = simulate_generation(
+      _gen(), 2, [4] * 2, [100, 10], queues=[[0], [1]], caps=[1, 1], pool="shared", migrate=True
+  )
+  assert lone.moves == 0
+  with pytest.raises(ValueError, match="shared"):
+    simulate_generation(_gen(), 2, [4] * 2, [100, 10], queues=[[0], [1]], migrate=True)
+
+
 def test_context_term_and_prefill_closed_form():
   c, p = 1e-5, 2e-4
   # One sequence, prompt 50, 20 tokens: sum_k (A + B + c * (50 + k)), k = 0..19, plus prefill of 50.
