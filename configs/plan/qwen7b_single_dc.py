@@ -33,6 +33,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.unit = 8  # allocation granularity in GPUs (one machine)
   c.allow_async = True  # one-step off-policy allowed
   c.simulate_iterations = 3
+  # The generators' work pool in the predicted runs (scheduler.pool, scheduler.migrate):
+  # "fixed" lists per instance, or "shared" (one pool; migrate=True moves stragglers).
+  c.pool = "fixed"
+  c.migrate = False
   c.top_k = 5
   # Fitted by experiments/reproduce_paper.py on the paper's 7B cells (MFU) and
   # Table 4 (ranker recall); see its report.

@@ -60,6 +60,7 @@ class Workload:
   seed: int = 0
   tools: object = None  # sim.engine.ToolModel: multi-turn trajectories with tool calls
   pool: str = "fixed"  # sim.engine.SimConfig.pool: the generators' work pool (scheduler.pool)
+  migrate: bool = False  # sim.engine.SimConfig.migrate: stragglers move (scheduler.migrate)
 
 
 @dataclasses.dataclass(frozen=True)

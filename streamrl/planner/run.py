@@ -281,6 +281,7 @@ def run_plan(config: Any) -> PlanReport:
       seed=int(_get(config, "seed", 0)),
       tools=tools_from_config(_get(config, "tools")),
       pool=str(_get(config, "pool", "fixed")),
+      migrate=bool(_get(config, "migrate", False)),
   )
   objective, unit = str(config.objective), int(config.unit)
   if measured is None:
@@ -405,8 +406,8 @@ def simulate_allocation(
     cfg = dataclasses.replace(cfg, gen=measured.gen, train=measured.train)
   if w.tools is not None:
     cfg = dataclasses.replace(cfg, tools=w.tools)
-  if w.pool != "fixed":
-    cfg = dataclasses.replace(cfg, pool=w.pool)
+  if w.pool != "fixed" or w.migrate:
+    cfg = dataclasses.replace(cfg, pool=w.pool, migrate=w.migrate)
   return simulate(cfg)
 
 

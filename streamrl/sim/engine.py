@@ -433,7 +433,7 @@ class _GenPhase:
       self.remaining = [min(r, turn) for r in self.remaining]
     self.admit_k = [0] * len(self.ctx0)
     self.finish_k = [-1] * len(self.ctx0)
-    self.running = [False] * len(self.ctx0)
+    self.running = [-1] * len(self.ctx0)  # the instance each sample runs on (-1: none)
     self.n_active = 0
     self.scale = self._scale(sum(1 for q in queues if len(q)))
     for inst, q, cap in zip(self.instances[:n], queues, caps):
@@ -499,7 +499,7 @@ class _GenPhase:
         )
       inst.queue.popleft()
       self.admit_k[sid] = inst.k
-      self.running[sid] = True
+      self.running[sid] = inst.idx
       self.finish_k[sid] = inst.k + rem[sid]
       heapq.heappush(inst.heap, (inst.k + rem[sid], sid))
       inst.stack.append(sid)
@@ -517,7 +517,7 @@ class _GenPhase:
       return
     heap, running, finish_k = inst.heap, self.running, self.finish_k
     # Lazily drop entries of preempted sequences (a re-admitted one has a new entry).
-    while not (running[heap[0][1]] and heap[0][0] == finish_k[heap[0][1]]):
+    while not (running[heap[0][1]] == inst.idx and heap[0][0] == finish_k[heap[0][1]]):
       heapq.heappop(heap)
     n_fin = heap[0][0] - inst.k
     room = self.gen.kv_capacity_tokens - inst.S
@@ -574,9 +574,9 @@ class _GenPhase:
       heap = inst.heap
       while heap and heap[0][0] <= inst.k:
         f, sid = heapq.heappop(heap)
-        if not self.running[sid] or f != self.finish_k[sid]:
+        if self.running[sid] != inst.idx or f != self.finish_k[sid]:
           continue
-        self.running[sid] = False
+        self.running[sid] = -1
         inst.B -= 1
         generated = inst.k - self.admit_k[sid]
         inst.S -= self.ctx0[sid] + generated
@@ -584,16 +584,18 @@ class _GenPhase:
         if self.later[sid] > 0:
           self._call_tool(t, inst, sid, generated)
         else:
+          if self.finished[sid]:
+            raise RuntimeError(f"sample {sid} finished twice; this is a bug of the simulator.")
           finished.append(sid)
           self.finished[sid] = True
     else:
       # KV cache full: preempt the newest sequence; it recomputes its context later.
       while True:
         sid = inst.stack.pop()
-        if self.running[sid]:
+        if self.running[sid] == inst.idx:
           break
       generated = inst.k - self.admit_k[sid]
-      self.running[sid] = False
+      self.running[sid] = -1
       inst.B -= 1
       inst.S -= self.ctx0[sid] + generated
       inst.R -= self.ctx0[sid] + 1 + self.reserve
@@ -610,7 +612,7 @@ class _GenPhase:
     if finished:
       # Compact the admission stack now and then so preemption stays O(1) amortised.
       if len(inst.stack) > 4 * inst.B + 64:
-        inst.stack = [s for s in inst.stack if self.running[s]]
+        inst.stack = [s for s in inst.stack if self.running[s] == inst.idx]
       for sid in finished:
         self.on_finish(t, sid, idx)
       if self.stop_requested:
@@ -659,10 +661,10 @@ class _GenPhase:
       return False
     inst = self.instances[d]
     self._advance(t, inst)
-    running = {sid for f, sid in inst.heap if self.running[sid] and f == self.finish_k[sid]}
+    running = {sid for f, sid in inst.heap if self.running[sid] == d and f == self.finish_k[sid]}
     sid = min(running, key=lambda x: (self.admit_k[x], x))  # the most tokens so far
     generated = inst.k - self.admit_k[sid]
-    self.running[sid] = False
+    self.running[sid] = -1
     inst.B -= 1
     inst.S -= self.ctx0[sid] + generated
     inst.R -= self.ctx0[sid] + 1 + self.reserve
@@ -691,8 +693,8 @@ class _GenPhase:
         continue
       self._advance(t, inst)
       for f, sid in inst.heap:
-        if self.running[sid] and f == self.finish_k[sid]:
-          self.running[sid] = False
+        if self.running[sid] == inst.idx and f == self.finish_k[sid]:
+          self.running[sid] = -1
           done = inst.k - self.admit_k[sid]
           carried[sid] = self.ctx0[sid] - self.ctx_start[sid] + done
       inst.active = False

@@ -71,6 +71,12 @@ def test_a_plan_with_a_shared_work_pool_simulates_it():
   for mode in ("stream", "async"):
     assert shared.predicted[mode] > 0
   assert shared.predicted != fixed.predicted
-  c.pool = "bogus"
+  c.migrate = True
+  moved = run_plan(c)
+  assert moved.predicted != shared.predicted
+  c.pool = "fixed"
+  with pytest.raises(ValueError, match="shared pool"):
+    run_plan(c)
+  c.pool, c.migrate = "bogus", False
   with pytest.raises(ValueError, match="pool must be one of"):
     run_plan(c)
