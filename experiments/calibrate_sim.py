@@ -324,12 +324,9 @@ class Components:
     self.per_batch: list[dict] = []
 
   def __call__(self, live: Live, it: int, timed: bool, pipeline_samples) -> None:
-    from streamrl.generator.local import round_seed  # pylint: disable=g-import-not-at-top
-
-    s = self.s
     requests, by_id = self.work.requests(self.batches[it])
     t0 = now()
-    regenerated = list(live.rollout.generate(requests, s.sampling, seed=round_seed(s.seed, it)))
+    regenerated = self._generate(live, requests, it)
     gen_s = now() - t0
     fwd_s, upd_s = self._trainer(it, pipeline_samples, by_id)
     rec = {
@@ -345,6 +342,32 @@ class Components:
     rec["load"] = load()
     if timed:
       self.per_batch.append(rec)
+
+  def _generate(self, live: Live, requests, it: int) -> list:
+    """The batch generated as the loop generates it: fixed lists, or with a
+    shared pool (and migration) the round-robin plan through one pool."""
+    from streamrl.generator.local import round_seed  # pylint: disable=g-import-not-at-top
+    from streamrl.scheduling import pool as pool_lib  # pylint: disable=g-import-not-at-top
+    from streamrl.scheduling.request import Request  # pylint: disable=g-import-not-at-top
+
+    s, rollout = self.s, live.rollout
+    seed = round_seed(s.seed, it)
+    if s.scheduler.pool != "shared":
+      return list(rollout.generate(requests, s.sampling, seed=seed))
+    ids = list(rollout.live_instances)
+    reqs = [Request(rid, prompt) for rid, prompt in requests]
+    pool = pool_lib.from_parts([reqs[k :: len(ids)] for k in range(len(ids))], ids)
+    return list(
+        rollout.generate(
+            None,
+            s.sampling,
+            seed=seed,
+            caps=[None] * rollout.num_instances,
+            pool=pool,
+            migrate=s.scheduler.migrate,
+            straggler_tokens=s.scheduler.straggler_tokens,
+        )
+    )
 
   def _trainer(self, it, samples, by_id) -> tuple[float, float]:
     s = self.s
@@ -382,16 +405,12 @@ class Components:
     async's generation thread does.
     """
     import threading  # pylint: disable=g-import-not-at-top
-    from streamrl.generator.local import round_seed  # pylint: disable=g-import-not-at-top
 
-    s = self.s
     out = {}
 
     def generate():
       t0 = now()
-      out["samples"] = list(
-          live.rollout.generate(requests, s.sampling, seed=round_seed(s.seed, it))
-      )
+      out["samples"] = self._generate(live, requests, it)
       out["gen_s"] = now() - t0
 
     thread = threading.Thread(target=generate, name="calibrate-generate")
