@@ -594,14 +594,7 @@ class _GenPhase:
         sid = inst.stack.pop()
         if self.running[sid] == inst.idx:
           break
-      generated = inst.k - self.admit_k[sid]
-      self.running[sid] = -1
-      inst.B -= 1
-      inst.S -= self.ctx0[sid] + generated
-      inst.R -= self.ctx0[sid] + 1 + self.reserve
-      self.ctx0[sid] += generated
-      self.remaining[sid] -= generated
-      self.cached[sid] = 0
+      self._evict(inst, sid)
       inst.queue.appendleft(sid)
       self.preemptions += 1
       if inst.B == 0:
@@ -638,6 +631,18 @@ class _GenPhase:
       self._admit(inst)
     self._schedule(inst)
 
+  def _evict(self, inst: _Instance, sid: int) -> None:
+    """Takes running `sid` out of `inst`'s batch (preempted or migrated): its
+    tokens so far join the context it prefills again when next admitted."""
+    generated = inst.k - self.admit_k[sid]
+    self.running[sid] = -1
+    inst.B -= 1
+    inst.S -= self.ctx0[sid] + generated
+    inst.R -= self.ctx0[sid] + 1 + self.reserve
+    self.ctx0[sid] += generated
+    self.remaining[sid] -= generated
+    self.cached[sid] = 0
+
   def _advance(self, t: float, inst: _Instance) -> None:
     """Brings a decoding instance's state to t, part of the way to its next
     event (whole steps; it never reaches the event itself)."""
@@ -663,14 +668,7 @@ class _GenPhase:
     self._advance(t, inst)
     running = {sid for f, sid in inst.heap if self.running[sid] == d and f == self.finish_k[sid]}
     sid = min(running, key=lambda x: (self.admit_k[x], x))  # the most tokens so far
-    generated = inst.k - self.admit_k[sid]
-    self.running[sid] = -1
-    inst.B -= 1
-    inst.S -= self.ctx0[sid] + generated
-    inst.R -= self.ctx0[sid] + 1 + self.reserve
-    self.ctx0[sid] += generated
-    self.remaining[sid] -= generated
-    self.cached[sid] = 0
+    self._evict(inst, sid)
     self.moves += 1
     self._schedule(inst)
     thief.queue.appendleft(sid)
