@@ -79,8 +79,9 @@ summary.json (every timing). Ends with
 (max_rel_err / median_rel_err: max and median of |rel_err| over every mode and
 repeat), and calibration.png: every run's predicted against measured samples/s,
 and every timed iteration against its run's predicted mean iteration.
-(signed: predicted / measured - 1). About 4-5 minutes at a load average of 5-10
-on the 2-core machine (most of it Ray and engine start-ups and JIT warm-up).
+(signed: predicted / measured - 1). About 1 minute per arm and repeat on a quiet
+2-core machine: 21 minutes for the seven arms x 3 repeats (most of it Ray and
+engine start-ups and the components run between iterations).
 
 Measured results: experiments/RESULTS.md (section calibrate_sim.py).
 """
