@@ -97,3 +97,41 @@ def test_negative_overhead_is_floored_and_contended_timings_are_used(calib):
   assert iso["profile"]["prefill_s_per_token"] == pytest.approx(1e-5)  # floored at 0
   assert con["per_request_s_raw"] == pytest.approx(0.006, rel=1e-6)
   assert con["trainer"]["fwd_s_per_token"] == pytest.approx(2e-4, rel=1e-6)
+
+
+@pytest.mark.parametrize("pool", ["fixed", "shared"])
+def test_two_instance_arms_replay_the_instances_and_their_pool(calib, pool):
+  assert [calib.arm_mode(a) for a in ("sync_2gen", "sync_2gen_pool", "async_partial")] == [
+      "sync",
+      "sync",
+      "async_partial",
+  ]
+  assert calib.arm_instances("sync_2gen_pool") == 2 and calib.arm_instances("sync") == 1
+  assert calib.arm_pool("sync_2gen_pool") == "shared" and calib.arm_pool("sync_2gen") == "fixed"
+  gen_model, _ = from_measured(
+      PROFILE, {"fwd_s_per_token": 0.0, "upd_s_per_token": 0.0}, max_num_seqs=CAP
+  )
+  per_batch = []
+  for p, o in BATCHES:
+    b = batch(p, o, 0.0, 1e-4, 5e-4)
+    # Generated on two instances time-sharing one core, dealt round-robin (through one
+    # pool with migration for the pool arm), plus 2 ms per request.
+    b["gen_s"] = simulate_generation(
+        gen_model,
+        2,
+        p,
+        o,
+        queues=[list(range(k, len(o), 2)) for k in range(2)],
+        caps=[CAP] * 2,
+        cores=1,
+        pool=pool,
+        migrate=pool == "shared",
+    ).makespan + 0.002 * len(o)
+    per_batch.append(b)
+  c = calib.cost_models(
+      "sync", PROFILE, per_batch, [0.02], CAP, 10.0, "mean", instances=2, gen_cores=1, pool=pool
+  )
+  assert c["per_request_s_raw"] == pytest.approx(0.002, rel=1e-6)
+  # Replayed as one instance, the same batches would hide a different cost.
+  one = calib.cost_models("sync", PROFILE, per_batch, [0.02], CAP, 10.0, "mean")
+  assert abs(one["per_request_s_raw"] - 0.002) > 1e-4
