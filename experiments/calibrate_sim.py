@@ -868,17 +868,23 @@ def plot(repeats: list, batch: int, path: str) -> None:
   fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.5))
   modes = list(repeats[0])
   colors = {m: plt.cm.tab10(i) for i, m in enumerate(modes)}
-  top = 0.0
+  top, low = 0.0, float("inf")
   for runs in repeats:
     for m, res in runs.items():
       x, y = res["samples_per_s"], res["predicted"]["samples_per_s"]
-      top = max(top, x, y)
-      a.scatter([x], [y], color=colors[m], label=m if runs is repeats[0] else None)
-  line = [0, 1.1 * top]
-  a.plot(line, line, "k-", lw=0.8)
-  a.fill_between(line, [0.85 * v for v in line], [1.15 * v for v in line], color="0.9")
-  a.set(xlabel="measured samples/s", ylabel="predicted samples/s", title="each run (+-15 %)")
-  a.legend(fontsize=8)
+      top, low = max(top, x, y), min(low, x, y)
+      a.scatter([x], [y], color=colors[m], label=m if runs is repeats[0] else None, zorder=3)
+  line = [0.8 * low, 1.1 * top]
+  a.plot(line, line, "k-", lw=0.8, zorder=2)
+  a.fill_between(line, [0.85 * v for v in line], [1.15 * v for v in line], color="0.9", zorder=1)
+  a.set(
+      xlabel="measured samples/s",
+      ylabel="predicted samples/s",
+      title="each run (+-15 %)",
+      xlim=line,
+      ylim=line,
+  )
+  a.legend(fontsize=8, loc="lower right")
   k = 0
   for r, runs in enumerate(repeats):
     for m, res in runs.items():
