@@ -131,7 +131,10 @@ class GenerationScheduler:
     (default: the count given at construction); (None, None) means round-robin.
     `stoppable`: the round ends once enough groups finish (partial rollouts),
     so it is planned for its first finished groups (`first_k_plan`), the
-    requests of `resumed` (ids of responses carried over) first.
+    requests of `resumed` (ids of responses carried over) first; when the
+    instances' slots (max_batch_size each) hold every request, they all start
+    at once and the plan is round-robin, resumed first, without asking the
+    ranker.
     Its seconds are reported by the next `observe` (`scheduler/plan_s`)."""
     t0 = time.perf_counter()
     try:
@@ -145,6 +148,16 @@ class GenerationScheduler:
     if self.kind == "fifo":
       return None, None
     requests = as_requests(requests)
+    if stoppable and len(requests) <= num_instances * self.max_batch_size:
+      # Every request starts at once (the instances' slots hold the round): there is
+      # no admission order to decide, and a prediction would only add its time to
+      # the round's start. Resumed responses first, round-robin.
+      carried = set(resumed)
+      order = [r for r in requests if r.id in carried] + [
+          r for r in requests if r.id not in carried
+      ]
+      parts = [order[k::num_instances] for k in range(num_instances)]
+      return parts, [self.max_batch_size] * num_instances
     prompts = [list(r.prompt) for r in requests]
     groups = None
     if self.siblings:  # samples of one prompt form a group

@@ -981,9 +981,12 @@ class _Simulation:
     if c.scheduler == "fifo":
       plan = fifo_plan(len(ctx), n_inst, max_bs, seed=_mix(c.seed, g, 2))
     else:  # a stoppable round: resumed first, then shortest predicted (the real scheduler's plan)
-      scores = noisy_scores(full, c.ranker_sigma, np.random.default_rng([c.seed, g, 1]))
       resumed = [i for i, (x, k) in enumerate(self.partial.round) if x.gen[k]]
-      plan = first_k_plan(np.exp(scores), n_inst, max_bs, first=resumed)
+      if len(ctx) <= n_inst * max_bs:  # all start at once: no lengths asked, round-robin
+        est = np.zeros(len(ctx))
+      else:
+        est = np.exp(noisy_scores(full, c.ranker_sigma, np.random.default_rng([c.seed, g, 1])))
+      plan = first_k_plan(est, n_inst, max_bs, first=resumed)
     self.resumed.append(self.partial.resumed)
     self.gen_start[g] = t
     self.gen_phase_iter = g

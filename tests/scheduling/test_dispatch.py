@@ -486,6 +486,7 @@ def test_first_k_plan_finishes_the_first_groups_sooner_than_lpt_and_the_long_tai
 def test_a_stoppable_round_is_planned_for_its_first_groups_resumed_first():
   from streamrl import settings
   from streamrl.data import tasks
+  from streamrl.scheduling import scheduler as scheduler_lib
   from streamrl.scheduling.scheduler import GenerationScheduler
 
   sched = settings.Scheduler(kind="oracle", latency_model="simulate")
@@ -500,6 +501,17 @@ def test_a_stoppable_round_is_planned_for_its_first_groups_resumed_first():
   rest = [100 + int(i) for i in np.argsort(true, kind="stable") if i not in (2, 7)]
   assert order[:2] == [102, 107] and order[2:] == rest
   assert caps == [4, 4] and gs.n_long == 0 and gs.estimates == {}
+  # Slots for every request (2 x 5): all start at once, no length is asked for.
+  roomy = GenerationScheduler(sched, model_dir="", workdir=None, num_instances=2, max_batch_size=5)
+  roomy.recent.extend(range(1, 30))
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(scheduler_lib, "plan_generation", lambda *a, **k: pytest.fail("planned"))
+    parts, caps = roomy.plan(reqs, by_id, seed=0, stoppable=True, resumed={107: None})
+  assert [[r.id for r in p] for p in parts] == [
+      [107, 101, 103, 105, 108],
+      [100, 102, 104, 106, 109],
+  ]
+  assert caps == [5, 5] and roomy.estimates == {}
   # The same round unstoppable: Algorithm 2 + LPT (longest first on each instance).
   assignments, _ = gs.plan(reqs, by_id, seed=0)
   for part in assignments:
