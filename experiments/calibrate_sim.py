@@ -708,6 +708,7 @@ def predict(
       pool=arm_pool(res["mode"]),
       max_in_flight=s.engine.max_num_seqs,
       num_minibatches=batch // tr.mini_batch_size,
+      ppo_epochs=tr.ppo_epochs,
       transfer_s=c["transfer_s"],
       iterations=_SIM_ITERATIONS.value,
       seed=s.seed,

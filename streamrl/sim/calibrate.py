@@ -93,6 +93,7 @@ def predict_local_throughput(
     pool: str = "fixed",
     max_in_flight: int | None = None,
     num_minibatches: int = 1,
+    ppo_epochs: int = 1,
     transfer_s: float = 0.0,
     iterations: int = 3,
     scheduler: str = "fifo",
@@ -114,6 +115,8 @@ def predict_local_throughput(
       SimConfig.migrate, as scheduler.migrate does).
     max_in_flight: per-instance cap on running requests (engine max_num_seqs).
     transfer_s: measured weight-update time (trainer -> generators).
+    ppo_epochs: passes over the batch (SimConfig.ppo_epochs: where stream's
+      later epochs run).
     partial_oversample, group_size, max_token_version_gap: partial rollouts
       (async; SimConfig), as pipeline.partial_oversample, advantage.group_size
       and pipeline.max_token_version_gap; 0 = off.
@@ -132,6 +135,7 @@ def predict_local_throughput(
       lengths=lengths,
       batch_size=batch_size,
       num_minibatches=num_minibatches,
+      ppo_epochs=ppo_epochs,
       iterations=iterations,
       warmup=1 if iterations > 1 else 0,
       scheduler=scheduler,

@@ -171,6 +171,10 @@ class SimConfig:
     pool: "fixed" (each instance admits from its own list) or "shared" (every
       instance admits from one queue, the plan's lists interleaved: the
       shared work pool of streamrl/scheduling/pool.py).
+    ppo_epochs: passes over the batch per iteration; TrainCostModel's update
+      cost covers them all. Stream trains each mini-batch's first epoch as it
+      fills and the others after generation (the other modes: all epochs
+      after their forward work, so only stream's timing depends on it).
     migrate: with pool="shared", stragglers move as `scheduler.migrate`
       moves them: once the pool is empty, an idle instance takes the running
       request with the most tokens from the instance with the most in flight
@@ -203,12 +207,15 @@ class SimConfig:
   group_size: int = 1
   max_token_version_gap: int = 2
   migrate: bool = False
+  ppo_epochs: int = 1
 
   @property
   def partial(self) -> bool:
     return self.partial_oversample > 0
 
   def __post_init__(self):
+    if self.ppo_epochs < 1:
+      raise ValueError(f"ppo_epochs must be >= 1, got {self.ppo_epochs}.")
     if self.group_size < 1 or self.batch_size % self.group_size:
       raise ValueError(
           f"batch_size={self.batch_size} must be a multiple of group_size={self.group_size}."
@@ -1031,26 +1038,36 @@ class _Simulation:
       return
     arrived = self.arrivals.get(j, ())
     streaming = self.c.mode in ("stream", "async")
-    if not streaming and math.isnan(self.gen_end[j]):
+    generated = not math.isnan(self.gen_end[j])
+    if not streaming and not generated:
       return
     p = self.c.batch_size
     mb = -(-p // self.c.num_minibatches)
     u = self.upd_done
     mb_end = min((u + 1) * mb, p)
-    if self.fwd_done >= mb_end:
+    # stream trains a mini-batch once it is full, one epoch; the other epochs after
+    # generation (pipeline/stream.py). The other modes' update chunks hold every epoch.
+    epochs = self.c.ppo_epochs if self.c.mode == "stream" else 1
+    ready = len(arrived) if generated or self.c.mode != "stream" else len(arrived) // mb * mb
+    if u * mb >= p:  # stream's later epochs, over every mini-batch
+      work = sum(self.upd_s[j]) * (epochs - 1) / epochs
+      work += (epochs - 1) * self.c.num_minibatches * self.c.train.update_overhead_s
+      kind = ("epochs", p)
+    elif self.fwd_done >= mb_end:
       ids = arrived[u * mb : mb_end]
-      work = sum(self.upd_s[j][s] for s in ids)
+      work = sum(self.upd_s[j][s] for s in ids) / epochs
       kind = ("upd", mb_end)
-    elif len(arrived) > self.fwd_done:
-      ids = arrived[self.fwd_done :]
+    elif ready > self.fwd_done:
+      ids = arrived[self.fwd_done : ready]
       work = sum(self.fwd_s[j][s] for s in ids)
-      kind = ("fwd", len(arrived))
+      kind = ("fwd", ready)
     else:
       return
     if math.isnan(self.train_start[j]):
       self.train_start[j] = t
     tr = self.c.train
-    dur = work / self.train_gpus + (tr.update_overhead_s if kind[0] == "upd" else tr.fwd_overhead_s)
+    overhead = {"upd": tr.update_overhead_s, "fwd": tr.fwd_overhead_s}.get(kind[0], 0.0)
+    dur = work / self.train_gpus + overhead
     self.train_busy[j] += dur
     self.t_busy = True
     self._push(t + dur, _EV_TRAIN, None, kind)
@@ -1061,8 +1078,9 @@ class _Simulation:
     if what == "fwd":
       self.fwd_done = upto
     else:
-      self.upd_done += 1
-      if upto >= self.c.batch_size:
+      self.upd_done += what == "upd"
+      stream_epochs = self.c.mode == "stream" and self.c.ppo_epochs > 1
+      if upto >= self.c.batch_size and (what == "epochs" or not stream_epochs):
         j = self.tj
         self.train_end[j] = t
         prompt, out = self.samples[j]
