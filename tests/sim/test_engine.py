@@ -319,14 +319,15 @@ def test_tool_latency_is_hidden_by_other_work_and_async_gains_from_it():
 
 
 class _Queue:
-  """Output lengths in the order given, whatever the rng (prompts of 8)."""
+  """Output lengths in the order given, then again, whatever the rng (prompts of 8)."""
 
   def __init__(self, outs):
-    self.outs = list(outs)
+    self.outs, self.k = list(outs), 0
 
   def sample(self, rng, n):
     del rng
-    out, self.outs = self.outs[:n], self.outs[n:]
+    out = [self.outs[(self.k + i) % len(self.outs)] for i in range(n)]
+    self.k += n
     return np.full(n, 8), np.asarray(out)
 
 
@@ -397,3 +398,27 @@ def test_partial_rollouts_cut_the_long_tail_of_a_generation_bound_run():
   assert sum(partial.resumed) > 0
   # Every iteration trains whole groups of the batch.
   assert all(len(s.output_lens) == 32 for s in partial.iterations)
+
+
+def test_stream_trains_full_mini_batches_and_its_later_epochs_after_generation():
+  # One instance, outputs 10, 10, 100, 100 (prompts of 8), mini-batches of 2, 2 epochs.
+  # The two short samples finish at t1 and fill the first mini-batch: its forward and first
+  # epoch run during generation. At t2 the rest arrives: the second mini-batch's forward and
+  # first epoch, then the second epoch over both.
+  f, u = 1e-4, 3e-4
+  cfg = dataclasses.replace(
+      _trivial("stream", iterations=1, fwd=f, upd=u),
+      num_instances=1,
+      lengths=_Queue([10, 10, 100, 100]),
+      batch_size=4,
+      num_minibatches=2,
+      ppo_epochs=2,
+  )
+  t2 = 10 * (A + 4 * B) + 90 * (A + 2 * B)
+  r = simulate(cfg)
+  assert r.iterations[0].gen_end == pytest.approx(t2)
+  assert r.iterations[0].train_end == pytest.approx(t2 + 2 * 108 * f + 108 * u + 126 * u)
+  one = simulate(dataclasses.replace(cfg, lengths=_Queue([10, 10, 100, 100]), ppo_epochs=1))
+  assert one.iterations[0].train_end == pytest.approx(t2 + 2 * 108 * f + 216 * u)
+  with pytest.raises(ValueError, match="ppo_epochs"):
+    dataclasses.replace(cfg, ppo_epochs=0)
