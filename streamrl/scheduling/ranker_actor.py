@@ -10,9 +10,11 @@ without an instance's pool slot or CPUs, pinned to the generator cores on a
 local Ray (`StreamGenerationService.helper_placement`), at a lower CPU
 priority (`NICE`), so a refresh (~0.13 s of CPU for the tiny ranker) fills
 the generators' idle moments instead of slowing the round it overlaps.
-Refreshes are submitted without waiting. Each returns the refreshed
-parameters with its metrics, and the scheduler predicts in its own process
-with the newest refresh done by then: a prediction is ~3 ms of compute, and
+Refreshes are submitted without waiting. Each returns its metrics and the
+refreshed parameters as two objects; the scheduler reports the metrics after
+each round and fetches the newest parameters only when it next predicts
+(a round whose requests all start at once asks for no prediction), and
+predicts in its own process with the newest refresh done by then: a prediction is ~3 ms of compute, and
 asked of the actor it took 19-51 ms (a Ray call to a process that shares
 busy cores), which every round waited for (experiments/bench_pool_runs.py).
 """
@@ -67,8 +69,10 @@ class RankerActor:
   def predict(self, prompts):
     return self.ranker.predict(prompts)
 
+  @ray.method(num_returns=2)
   def update(self, new_pairs) -> tuple[dict, list]:
-    """-> (the refresh's metrics, the refreshed parameters' leaves)."""
+    """-> (the refresh's metrics, the refreshed parameters' leaves): two
+    objects, so the caller can read the metrics without fetching the leaves."""
     self.pairs.extend((list(p), int(n)) for p, n in new_pairs)
     metrics = self.ranker.update(list(self.pairs))
     return metrics, self.ranker.param_leaves()

@@ -89,8 +89,9 @@ class GenerationScheduler:
     self.ranker = None
     self._warned = False
     self._actor = None
-    self._refreshes: list = []  # the actor's refreshes not yet taken
+    self._refreshes: list = []  # the actor's refreshes not yet taken: (metrics, leaves) refs
     self._adopted = None  # metrics of the newest refresh taken, not yet reported
+    self._leaves = None  # that refresh's parameters (a Ray reference), not yet set here
     self.plan_s = 0.0  # how long the last `plan` took
     if self.kind == "fifo":
       return
@@ -253,8 +254,8 @@ class GenerationScheduler:
     if self._actor is not None:
       # Off this process: submitted, not waited for. The metrics are those of
       # the newest refresh taken by now (usually the previous round's).
-      self._refreshes.append(self._actor.update.remote(new))
-      self._adopt()
+      self._refreshes.append(tuple(self._actor.update.remote(new)))
+      self._take()
       metrics, self._adopted = self._adopted, None
       if metrics is None:
         return {}
@@ -264,17 +265,29 @@ class GenerationScheduler:
       metrics = self.ranker.update(list(self.pairs))
     return {f"ranker/{k}": float(v) for k, v in metrics.items() if np.isscalar(v)}
 
-  def _adopt(self) -> None:
-    """Takes the parameters of the actor's newest refresh done by now into
-    this process's ranker; its metrics wait in `_adopted` for `observe`."""
+  def _take(self) -> None:
+    """Takes the actor's newest refresh done by now: its metrics wait in
+    `_adopted` for `observe`, its parameters (not fetched yet) in `_leaves`."""
     if self._actor is None or not self._refreshes:
       return
     import ray  # pylint: disable=g-import-not-at-top
 
-    done, self._refreshes = ray.wait(self._refreshes, num_returns=len(self._refreshes), timeout=0)
-    if done:
-      self._adopted, leaves = ray.get(done[-1])
-      self.ranker.set_param_leaves(leaves)
+    refs = [m for m, _ in self._refreshes]
+    done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+    if done:  # the actor runs its refreshes in order: the done ones come first
+      k = len(done)
+      self._adopted, self._leaves = ray.get(refs[k - 1]), self._refreshes[k - 1][1]
+      self._refreshes = self._refreshes[k:]
+
+  def _adopt(self) -> None:
+    """Sets the parameters of the actor's newest refresh done by now in this
+    process's ranker (before it predicts)."""
+    self._take()
+    if self._leaves is not None:
+      import ray  # pylint: disable=g-import-not-at-top
+
+      self.ranker.set_param_leaves(ray.get(self._leaves))
+      self._leaves = None
 
   def close(self) -> None:
     """Stops the ranker's actor (if it has one)."""

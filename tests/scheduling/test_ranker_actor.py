@@ -54,7 +54,7 @@ def test_the_ranker_actor_predicts_and_refreshes_as_in_process(local_ray, tmp_pa
   for reqs, samples in rounds():
     prompts = [list(p) for _, p in reqs]
     # Every refresh so far done: the plan takes the newest (never waits for it).
-    ray.wait(there._refreshes, num_returns=len(there._refreshes))
+    ray.wait([m for m, _ in there._refreshes], num_returns=len(there._refreshes))
     np.testing.assert_allclose(
         ray.get(there._actor.predict.remote(prompts)), here.ranker.predict(prompts), rtol=1e-5
     )
