@@ -438,9 +438,17 @@ _MIRRORS = {
         "the synthetic task distribution, with shape fields the run does not set",
     ),
     ("streamrl.sim.engine", "SimConfig"): ("pipeline", "a simulated run, not a live one"),
+    ("streamrl.planner.allocation", "Workload"): (
+        "scheduler",
+        "a planned workload's work pool and migration (a plan config's keys), not a live run's",
+    ),
     ("streamrl.cluster", "ClusterInfo"): ("cluster", "the cluster found at start; no defaults"),
 }
-_TRANSLATED: dict = {}  # (class name, field): why its default differs
+# (class name, field): why its default differs
+_TRANSLATED: dict = {
+    ("SimConfig", "partial_oversample"): "0 turns the simulator's partial rollouts off (the run's "
+    "pipeline.partial does that there)",
+}
 
 
 def _dataclass_fields_by_class():

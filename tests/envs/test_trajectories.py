@@ -73,7 +73,7 @@ def calc_engine(policy_dir):
 
 def _check_observations(text):
   """Each observation in `text` is the calc tool's answer to the call before it; the calls."""
-  calls = re.findall(r"\[calc ([^\]]*)\]\(([^)]*)\)", text)
+  calls = re.findall(r"\[calc ([^\[\]]*)\]\(([^)]*)\)", text)  # as envs/base.py parses a call
   for expr, result in calls:
     try:
       want = tools.TOOLS["calc"](expr)
