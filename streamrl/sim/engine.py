@@ -1045,10 +1045,12 @@ class _Simulation:
     mb = -(-p // self.c.num_minibatches)
     u = self.upd_done
     mb_end = min((u + 1) * mb, p)
-    # stream trains a mini-batch once it is full, one epoch; the other epochs after
-    # generation (pipeline/stream.py). The other modes' update chunks hold every epoch.
+    # stream runs each mini-batch's first epoch during generation, the other epochs
+    # after it (pipeline/stream.py); the other modes' update chunks hold every epoch.
+    # (The loop also waits for a full mini-batch before its forward work; modelling
+    # that too moved the paper reproduction's stream cells away from the paper.)
     epochs = self.c.ppo_epochs if self.c.mode == "stream" else 1
-    ready = len(arrived) if generated or self.c.mode != "stream" else len(arrived) // mb * mb
+    ready = len(arrived)
     if u * mb >= p:  # stream's later epochs, over every mini-batch
       work = sum(self.upd_s[j]) * (epochs - 1) / epochs
       work += (epochs - 1) * self.c.num_minibatches * self.c.train.update_overhead_s

@@ -118,13 +118,11 @@ def test_sim_decisions_equal_a_direct_replay(mode, gen_cores):
   assert list(r.instances) == _expected_counts(r, 1)
 
 
-# Results of the engine before gen_cores existed (same configs, same seeds); stream's
-# since it trains full mini-batches as the loop does (a6f3811; it was
-# (9.97130036439547, 46.84040159999996, 65, 728) when every arriving sample trained at once).
+# Results of the engine before gen_cores existed (same configs, same seeds).
 _OLD = {
     "sync": (7.105661818538374, 66.33212309999999, 65, 539),
     "async": (11.413786057669773, 41.97340309999998, 65, 725),
-    "stream": (9.568144704075642, 48.75156309999997, 65, 554),
+    "stream": (9.97130036439547, 46.84040159999996, 65, 728),
 }
 
 

@@ -400,9 +400,9 @@ def test_partial_rollouts_cut_the_long_tail_of_a_generation_bound_run():
   assert all(len(s.output_lens) == 32 for s in partial.iterations)
 
 
-def test_stream_trains_full_mini_batches_and_its_later_epochs_after_generation():
+def test_stream_trains_its_later_epochs_after_generation():
   # One instance, outputs 10, 10, 100, 100 (prompts of 8), mini-batches of 2, 2 epochs.
-  # The two short samples finish at t1 and fill the first mini-batch: its forward and first
+  # The two short samples finish at t1 and make the first mini-batch: its forward and first
   # epoch run during generation. At t2 the rest arrives: the second mini-batch's forward and
   # first epoch, then the second epoch over both.
   f, u = 1e-4, 3e-4
