@@ -402,7 +402,8 @@ class _GenPhase:
     self.kv_limit = gen.kv_capacity_tokens * (1.0 - _KV_WATERMARK)
     self.reserve = float(gen.reserve_output_tokens)
     # Partial rollouts: on_finish sets stop_requested to end the round; then
-    # `carried` holds every unfinished sample's tokens generated this round.
+    # `carried` holds every unfinished sample's tokens generated this round
+    # (both reset by `start`).
     self.stop_requested = False
     self.carried: dict[int, int] = {}
 
@@ -638,6 +639,12 @@ class _GenPhase:
       self._admit(inst)
     self._schedule(inst)
 
+  def _running_on(self, inst: _Instance) -> set[int]:
+    """The samples `inst` is decoding (its heap's valid entries)."""
+    return {
+        sid for f, sid in inst.heap if self.running[sid] == inst.idx and f == self.finish_k[sid]
+    }
+
   def _evict(self, inst: _Instance, sid: int) -> None:
     """Takes running `sid` out of `inst`'s batch (preempted or migrated): its
     tokens so far join the context it prefills again when next admitted."""
@@ -673,8 +680,7 @@ class _GenPhase:
       return False
     inst = self.instances[d]
     self._advance(t, inst)
-    running = {sid for f, sid in inst.heap if self.running[sid] == d and f == self.finish_k[sid]}
-    sid = min(running, key=lambda x: (self.admit_k[x], x))  # the most tokens so far
+    sid = min(self._running_on(inst), key=lambda x: (self.admit_k[x], x))  # most tokens so far
     self._evict(inst, sid)
     self.moves += 1
     self._schedule(inst)
@@ -697,11 +703,9 @@ class _GenPhase:
       if not inst.active:
         continue
       self._advance(t, inst)
-      for f, sid in inst.heap:
-        if self.running[sid] == inst.idx and f == self.finish_k[sid]:
-          self.running[sid] = -1
-          done = inst.k - self.admit_k[sid]
-          carried[sid] = self.ctx0[sid] - self.ctx_start[sid] + done
+      for sid in self._running_on(inst):
+        self.running[sid] = -1
+        carried[sid] = self.ctx0[sid] - self.ctx_start[sid] + inst.k - self.admit_k[sid]
       inst.active = False
       inst.done_t = t
       inst.version += 1
