@@ -518,3 +518,45 @@ def test_a_stoppable_round_is_planned_for_its_first_groups_resumed_first():
     assert [true[r.id - 100] for r in part] == sorted(
         (true[r.id - 100] for r in part), reverse=True
     )
+
+
+def test_probes_need_a_shared_pool_and_learn_from_prompt_plus_first_tokens(tmp_path):
+  import types
+
+  from streamrl import settings
+  from streamrl.data import tokenizer
+  from streamrl.ranker import data as ranker_data
+  from streamrl.scheduling.scheduler import GenerationScheduler, history_pairs, probe_input
+
+  with pytest.raises(ValueError, match="scheduler.pool='shared'"):
+    settings.Scheduler(kind="skew", probe_tokens=2).check()
+  assert probe_input((1, 2, 3, 4), (8, 9), max_len=4) == [1, 2, 8, 9]  # the prompt's head
+  assert history_pairs((1, 2), (5, 6, 7), 2) == [([1, 2], 3), ([1, 2, 5, 6], 3)]
+  assert history_pairs((1, 2), (5, 6), 2) == [([1, 2], 2)]  # finished within its probe
+  sched = settings.Scheduler(kind="skew", pool="shared", migrate=True, probe_tokens=2)
+  sched.check()
+  model_dir = str(tmp_path / "model")
+  tokenizer.save_hf_tokenizer(model_dir)
+  gs = GenerationScheduler(
+      sched, model_dir=model_dir, workdir=str(tmp_path), num_instances=2, max_batch_size=2
+  )
+  reqs = [(k, (1, 2 + k % 3)) for k in range(5)]
+  gs.recent.extend(range(1, 30))
+  gs.plan(reqs[:4], {}, seed=0)
+  assert gs.probe == 0  # 4 requests in 2 x 2 slots: all start at once, nothing to probe
+  gs.plan(reqs, {}, seed=0)
+  assert gs.probe == 2 and len(gs.estimates) == 5
+  scores = gs.scorer()([(0, (1, 2), (5, 6)), (1, (1, 3), (7,))])
+  assert len(scores) == 2 and all(np.isfinite(scores))
+  gs.observe(
+      [
+          types.SimpleNamespace(prompt_id=0, prompt_token_ids=(1, 2), token_ids=(5, 6, 7)),
+          types.SimpleNamespace(prompt_id=1, prompt_token_ids=(1, 3), token_ids=(9,)),
+      ]
+  )
+  assert ranker_data.load_pairs(tmp_path / "length_pairs.jsonl") == [
+      ((1, 2), 3),
+      ((1, 2, 5, 6), 3),
+      ((1, 3), 1),
+  ]
+  gs.close()

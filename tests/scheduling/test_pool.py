@@ -142,3 +142,48 @@ def test_stragglers_leave_regular_instances_until_the_regular_work_is_out():
   assert rnd.pool.has_long()
   orders = dict(rnd.orders([1]))
   assert orders[1]["requests"][0].id == 0
+
+
+def test_probes_run_first_tokens_then_rests_go_out_longest_score_first():
+  # Four requests; each is probed for 2 tokens; the scorer reads the first token.
+  rs = reqs(4)
+  calls = []
+
+  def scorer(items):
+    calls.append(len(items))
+    return [10.0 * first[0] for _, _, first in items]
+
+  pool = WorkPool(rs, [4.0, 3.0, 2.0, 1.0], probe_tokens=2, scorer=scorer)
+  rnd = PooledRound(pool, {0: 4}, max_tokens=20, migrate=False)
+  sent = rnd.fill(0)
+  assert [r.id for r in sent] == [0, 1, 2, 3] and {r.max_tokens for r in sent} == {2}
+  # Request 3 finishes inside its probe (EOS): it is answered as it is.
+  assert rnd.on_sample(0, sample(3, rs[3].prompt, [9])).token_ids == (9,)
+  for rid, first in ((0, 1), (1, 5), (2, 3)):
+    assert rnd.on_sample(0, sample(rid, rs[rid].prompt, [first, 0], "length")) is None
+  assert rnd.probes == 3 and not calls  # scored once, at the next hand-out
+  rests = rnd.fill(0)
+  assert calls == [3] and [r.id for r in rests] == [1, 2, 0]  # longest score first
+  assert rests[0] == Request(1, rs[1].prompt + (5, 0), max_tokens=18)
+  out = rnd.on_sample(0, sample(1, rests[0].prompt, [7, 7]))
+  assert out.token_ids == (5, 0, 7, 7) and out.prompt_token_ids == rs[1].prompt
+  # A stopped rest is answered with its probe's tokens.
+  part = rnd.on_sample(0, sample(2, rests[1].prompt, [], PARTIAL))
+  assert part.token_ids == (3, 0) and part.finish_reason == PARTIAL
+  assert rnd.answered == {1, 2, 3} and not rnd.done
+
+
+def test_unprobed_requests_go_out_before_rests_and_a_dead_probe_runs_again():
+  rs = reqs(3)
+  pool = WorkPool(rs, probe_tokens=1, scorer=lambda items: [50.0] * len(items))
+  rnd = PooledRound(pool, {0: 1, 1: 1}, max_tokens=8, migrate=False)
+  (a,) = rnd.fill(0)
+  (b,) = rnd.fill(1)
+  assert (a.id, b.id, a.max_tokens) == (0, 1, 1)
+  rnd.on_sample(0, sample(0, rs[0].prompt, [4], "length"))
+  # Request 2 is not probed yet: it goes before request 0's rest (scored 50).
+  (c,) = rnd.fill(0)
+  assert (c.id, c.max_tokens) == (2, 1)
+  assert rnd.on_dead(1) == 1  # request 1 died in its probe: back, to be probed again
+  assert pool.needs_probe(1) and not pool.needs_probe(0)
+  assert rnd.unstarted()[0].token_ids == (4,)  # a stop now: request 0 keeps its probe's token
