@@ -60,13 +60,6 @@ def get_config() -> ml_collections.ConfigDict:
   # Continuous batching replayed per instance: on this workload it beats the
   # paper's wave formula (experiments/bench_skew.py, README).
   c.scheduler.latency_model = "simulate"
-  # One shared pool per round (streamrl/scheduling/pool.py): a round with more
-  # requests than the instances' slots first runs every request for its first
-  # tokens, the ranker scores it on them, and the long ones start first;
-  # stragglers move to idle instances at the end (experiments/bench_skew.py).
-  c.scheduler.pool = "shared"
-  c.scheduler.migrate = True
-  c.scheduler.probe_tokens = 1
   # Partial rollouts in async mode (streamrl/pipeline/partial.py): a round
   # stops once enough groups finished and the long tail resumes next round
   # under the new weights; "auto" leaves them off when the mode is overridden.

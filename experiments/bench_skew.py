@@ -118,9 +118,6 @@ _FIFO_ORDERS = flags.DEFINE_integer(
 _STRAGGLER = flags.DEFINE_integer(
     "straggler_tokens", 96, "The isolate arm's threshold (scheduler.straggler_tokens)."
 )
-_ARMS = flags.DEFINE_list(
-    "arms", [], "Only these arms (FIFO's orders and the bound always run); default: all."
-)
 _SEED = 0
 
 
@@ -203,39 +200,37 @@ def build_policy(workdir: str) -> str:
 
 
 def generate_lengths(gen, prompts, sampling) -> dict[int, int]:
-  return {k: len(t) for k, t in generate_tokens(gen, prompts, sampling).items()}
-
-
-def generate_tokens(gen, prompts, sampling) -> dict[int, tuple[int, ...]]:
   return {
-      s.prompt_id: s.token_ids
+      s.prompt_id: len(s.token_ids)
       for s in gen.generate(prompts, sampling, seed=_SEED, max_in_flight=_MAX_BS.value)
   }
 
 
-def length_history(workdir, gen, sampling) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-  """(prompt ids, response token ids) of the policy on training prompts; cached JSON."""
+def length_history(workdir, gen, sampling) -> list:
+  """(prompt ids, length) pairs of the policy on training prompts; cached JSONL."""
   from streamrl.data import tasks
   from streamrl.data.loader import make_prompts
+  from streamrl.ranker import data as rdata
 
-  path = os.path.join(workdir, "history.json")
+  path = os.path.join(workdir, "length_pairs.jsonl")
   if os.path.exists(path):
-    rows = json.load(open(path))
-    if len(rows) >= _TRAIN_PROMPTS.value:
-      return [(tuple(p), tuple(t)) for p, t in rows[: _TRAIN_PROMPTS.value]]
+    pairs = rdata.load_pairs(path)
+    if len(pairs) >= _TRAIN_PROMPTS.value:
+      return pairs[: _TRAIN_PROMPTS.value]
+    os.remove(path)
   prompts = make_prompts(
       tasks.make_examples(_TRAIN_PROMPTS.value, seed=1, first_id=1_000_000, **_task_kwargs())
   )
   t0 = time.perf_counter()
-  tokens = generate_tokens(gen, prompts, sampling)
+  lengths = generate_lengths(gen, prompts, sampling)
   print(
-      f"[bench] length history: {len(prompts)} prompts, "
-      f"{sum(map(len, tokens.values()))} tokens, {time.perf_counter() - t0:.0f}s",
+      f"[bench] length history: {len(prompts)} prompts, {sum(lengths.values())} tokens, "
+      f"{time.perf_counter() - t0:.0f}s",
       flush=True,
   )
-  rows = [(tuple(ids), tuple(tokens[pid])) for pid, ids in prompts]
-  json.dump(rows, open(path, "w"))
-  return rows
+  pairs = [(tuple(ids), lengths[pid]) for pid, ids in prompts]
+  rdata.append_pairs(path, pairs)
+  return pairs
 
 
 def train_ranker(workdir, loss, pairs):
@@ -291,8 +286,6 @@ class Arms:
       straggler=None,
       long_share=4,
       long_instances=None,
-      probe_tokens=0,
-      scorer=None,
   ):
     from streamrl.generator import lockstep, pooled
     from streamrl.scheduling import pool as pool_lib
@@ -303,8 +296,6 @@ class Arms:
         list(range(n)),
         n_long=plan.n_long_instances,
         estimates=estimates,
-        probe_tokens=probe_tokens,
-        scorer=scorer,
     )
     rnd = pooled.PooledRound(
         pool,
@@ -345,7 +336,6 @@ def main(argv):
         flags.FLAGS[flag].value = value
   import numpy as np
 
-  from configs import ranker as ranker_config
   from streamrl.data import tasks
   from streamrl.data.loader import make_prompts
   from streamrl.generator import lockstep
@@ -355,7 +345,6 @@ def main(argv):
   from streamrl.ranker.metrics import ranking_metrics
   from streamrl.scheduling import DispatchPlan, LatencyProfile, dispatch, fifo_plan, plan_generation
   from streamrl.scheduling.dispatch import rank_quantiles
-  from streamrl.scheduling.scheduler import history_pairs, probe_input
 
   # Everything cached depends on the policy, hence on these two settings.
   workdir = os.path.join(_WORKDIR.value, f"{_TASK.value}_ans{_max_answer()}_sft{_SFT_STEPS.value}")
@@ -375,13 +364,7 @@ def main(argv):
       for i in range(n_inst)
   ]
   gen = gens[0]
-  sched = run_config_scheduler()
-  history = length_history(workdir, gen, sampling)
-  # The pairs the run's scheduler learns from (streamrl/scheduling/scheduler.py):
-  # (prompt, length), and with probes (prompt + first tokens, length) as well.
-  pairs = [(p, len(t)) for p, t in history]
-  probe_len = int(ranker_config.get_config().model.max_len)
-  learned = [q for p, t in history for q in history_pairs(p, t, sched.probe_tokens, probe_len)]
+  pairs = length_history(workdir, gen, sampling)
   recent = np.asarray([n for _, n in pairs], np.float64)
 
   prof_path = os.path.join(workdir, "profile_cpu.json")
@@ -409,7 +392,7 @@ def main(argv):
   true_len = np.asarray([true[i] for i in range(len(prompts))], np.float64)
 
   rankers = {
-      loss: train_ranker(workdir, loss, learned)
+      loss: train_ranker(workdir, loss, pairs)
       for loss in dict.fromkeys(_LOSSES.value + [_RANKER_LOSS.value])
   }
   preds = {loss: r.predict([ids for _, ids in prompts]) for loss, r in rankers.items()}
@@ -427,11 +410,7 @@ def main(argv):
   # The "simulate" model's rank history, as a run records it (out of sample):
   # a ranker trained on the history's first half ranks its second half.
   half = len(pairs) // 2
-  held = train_ranker(
-      workdir,
-      _RANKER_LOSS.value,
-      [q for p, t in history[:half] for q in history_pairs(p, t, sched.probe_tokens, probe_len)],
-  )
+  held = train_ranker(workdir, _RANKER_LOSS.value, pairs[:half])
   rank_history = list(
       zip(rank_quantiles(held.predict([ids for ids, _ in pairs[half:]])), recent[half:])
   )
@@ -441,6 +420,7 @@ def main(argv):
         lengths, n_inst, profile, recent, alpha=_ALPHA.value, max_batch_size=max_bs, **kw
     )
 
+  sched = run_config_scheduler()
   run_plan = plan_generation(
       sched.kind,
       num_prompts=len(prompts),
@@ -481,42 +461,18 @@ def main(argv):
       objective="oracle_isolated",
   )
   cut99 = float(np.quantile(recent, 0.99))
-  ranker = rankers[_RANKER_LOSS.value]
-
-  def ranker_scorer(items):
-    return ranker.predict([probe_input(p, first, probe_len) for _, p, first in items])
-
-  def oracle_scorer(items):
-    return [true_len[rid] for rid, _, _ in items]
-
-  probe = sched.probe_tokens or 1
-  # A round larger than the slots probes (streamrl/scheduling/scheduler.py).
-  run_probe = sched.probe_tokens if len(prompts) > n_inst * max_bs else 0
   runs = {
       **{f: (lambda p=p: arms.fixed(p)) for f, p in fifo_plans.items()},
       "ranker": lambda p=alg2(pred): arms.fixed(p),
       "ranker_sim": (
-          (
-              lambda: arms.pooled(
-                  run_plan,
-                  migrate=sched.migrate,
-                  estimates=run_estimates,
-                  straggler_tokens=sched.straggler_tokens,
-                  probe_tokens=run_probe,
-                  scorer=ranker_scorer if run_probe else None,
-              )
-          )
+          (lambda: arms.pooled(run_plan, migrate=sched.migrate, estimates=run_estimates))
           if sched.pool == "shared"
           else (lambda: arms.fixed(run_plan))
-      ),
-      # Probes scored by the true lengths (what a perfect scorer of the first tokens gives).
-      "probe_oracle": lambda: arms.pooled(
-          run_plan, migrate=True, estimates=run_estimates, probe_tokens=probe, scorer=oracle_scorer
       ),
       "ranker_pool": lambda: arms.pooled(run_plan, migrate=True, estimates=run_estimates),
       "pool": lambda: arms.pooled(base, migrate=False),
       "pool_migrate": lambda: arms.pooled(base, migrate=True),
-      "isolate": lambda: arms.pooled(
+      f"isolate{_STRAGGLER.value}": lambda: arms.pooled(
           run_plan, migrate=True, estimates=run_estimates, straggler_tokens=_STRAGGLER.value
       ),
       "oracle_static": lambda: arms.fixed(oracle_plan),
@@ -531,11 +487,6 @@ def main(argv):
       ),
       "oracle_isolated": lambda: arms.fixed(isolated),
   }
-  if _ARMS.value:
-    unknown = sorted(set(_ARMS.value) - set(runs))
-    if unknown:
-      raise app.UsageError(f"--arms: unknown arm(s) {unknown}; choose from {sorted(runs)}.")
-    runs = {a: f for a, f in runs.items() if a in fifo_plans or a in _ARMS.value}
   # The floor: the round's longest response alone on one engine.
   longest = int(np.argmax(true_len))
   solo = fifo_plan(1, 1, 1)
@@ -604,13 +555,16 @@ def main(argv):
         f"{moved.get(a, 0) / _REPS.value:6.1f} {mismatched.get(a, 0) / _REPS.value:8.1f}"
     )
   m = rank_metrics[_RANKER_LOSS.value]
-  arms_out = [a for a in names if a not in fifo_plans]
   print(
-      "RESULT fifo=1.00 "
-      + " ".join(f"{a}={ratio[a]:.2f}" for a in arms_out)
-      + f" bound={ratio['bound']:.2f} fifo_spread={spread['fifo']:.2f} "
-      + (f"ranker_sim_spread={spread['ranker_sim']:.2f} " if "ranker_sim" in spread else "")
-      + f"recall20={m['recall20']:.2f} recall10={m['recall10']:.2f} recall5={m['recall5']:.2f} "
+      f"RESULT fifo=1.00 ranker_sim={ratio['ranker_sim']:.2f} "
+      f"oracle_static={ratio['oracle_static']:.2f} bound={ratio['bound']:.2f} "
+      f"pool={ratio['pool']:.2f} pool_migrate={ratio['pool_migrate']:.2f} "
+      f"oracle_pool={ratio['oracle_pool']:.2f} ranker={ratio['ranker']:.2f} "
+      f"ranker_pool={ratio['ranker_pool']:.2f} isolate={ratio[f'isolate{_STRAGGLER.value}']:.2f} "
+      f"oracle_prefix={ratio['oracle_prefix']:.2f} oracle_isolated={ratio['oracle_isolated']:.2f} "
+      f"fifo_spread={spread['fifo']:.2f} "
+      f"ranker_sim_spread={spread['ranker_sim']:.2f} "
+      f"recall20={m['recall20']:.2f} recall10={m['recall10']:.2f} recall5={m['recall5']:.2f} "
       f"spearman={m['spearman']:.2f}"
       + (f" expected_recall20={rank_metrics['expected']['recall20']:.2f}" if trace else "")
   )

@@ -24,7 +24,7 @@ import dataclasses
 import logging
 import time
 
-from streamrl.generator.rollout import LENGTH, MOVED, PARTIAL, Sample
+from streamrl.generator.rollout import MOVED, PARTIAL, Sample
 from streamrl.scheduling.pool import WorkPool, donor
 from streamrl.scheduling.request import Request
 
@@ -93,8 +93,6 @@ class PooledRound:
     self.answered: set[int] = set()
     self.total = len(pool)
     self.moves = 0
-    self.probes = 0  # probes that came back to be scored
-    self.probing: dict[int, int] = {}  # request id -> the tokens its probe runs for
     self._closed: set[int] = set()
     self._settled = False  # stragglers no longer move to the long-tail instances
     self._thief: dict[int, int] = {}  # donor -> the idle instance its straggler goes to
@@ -124,17 +122,8 @@ class PooledRound:
       if r is None:
         break
       self.held[i][r.id] = r
-      out.append(self._probe(r))
+      out.append(r)
     return out
-
-  def _probe(self, r: Request) -> Request:
-    """`r` as sent: its first `pool.probe_tokens` tokens only, if it is to be probed."""
-    budget = self.max_tokens if r.max_tokens is None else r.max_tokens
-    if not self.pool.needs_probe(r.id) or budget <= self.pool.probe_tokens:
-      self.pool.probe_done(r.id)
-      return r
-    self.probing[r.id] = self.pool.probe_tokens
-    return dataclasses.replace(r, max_tokens=self.pool.probe_tokens)
 
   def steal_from(self, i: int) -> int | None:
     """The donor idle instance `i` takes a straggler from (it is then asked to
@@ -180,20 +169,6 @@ class PooledRound:
     self.held[i].pop(s.prompt_id, None)
     rid = s.prompt_id
     original = self.pool.requests[rid]
-    probe = self.probing.pop(rid, None)
-    if probe is not None:
-      self.pool.probe_done(rid)
-      if s.finish_reason == LENGTH and len(s.token_ids) >= probe:
-        # A probe that ran its tokens: back to the pool, to be scored and resumed.
-        before = self.prefix.get(rid)
-        sofar = join(before, s, original.prompt)
-        self.prefix[rid] = sofar
-        budget = (original.max_tokens or self.max_tokens) - len(sofar.token_ids)
-        self.pool.put_probed(
-            Request(rid, original.prompt + sofar.token_ids, max_tokens=budget), sofar.token_ids
-        )
-        self.probes += 1
-        return None
     if s.finish_reason == MOVED:
       before = self.prefix.get(rid)
       moved = join(before, s, original.prompt)

@@ -35,8 +35,6 @@ PARTIAL = "partial"
 # one resumes it (a shared pool's migration, streamrl/scheduling/pool.py); the
 # service joins it to its rest and never yields it.
 MOVED = "moved"
-# The finish_reason of a response that used up its token budget (vLLM's).
-LENGTH = "length"
 
 
 @dataclasses.dataclass(frozen=True)

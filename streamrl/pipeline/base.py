@@ -142,8 +142,6 @@ class Mode:
           live,
           n_long=self.scheduler.n_long,
           estimates=self.scheduler.estimates,
-          probe_tokens=getattr(self.scheduler, "probe", 0),
-          scorer=self.scheduler.scorer() if getattr(self.scheduler, "probe", 0) else None,
       )
       full_caps = [None] * self.rollout.num_instances
       for i, cap in zip(live, caps):

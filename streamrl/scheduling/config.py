@@ -52,12 +52,6 @@ class Scheduler:
   # instance moves to a long-tail instance (Algorithm 2's, else the last one),
   # which meanwhile runs few others; 0: off.
   straggler_tokens: int = 0
-  # With a shared pool and the skew scheduler, when a round holds more requests
-  # than the instances' slots: every request first runs for this many tokens
-  # and comes back; the ranker, on the prompt plus those tokens, estimates its
-  # length, and the pool hands the rests out longest first (the ranker also
-  # learns from prompt + first tokens); 0: off.
-  probe_tokens: int = 0
 
   def check(self) -> None:
     one_of("scheduler.kind", self.kind, SCHEDULERS)
@@ -81,13 +75,6 @@ class Scheduler:
         not self.straggler_tokens or self.pool == "shared",
         "scheduler.straggler_tokens moves requests between the instances of a shared pool; "
         "set scheduler.pool='shared' or scheduler.straggler_tokens=0.",
-    )
-    positive("scheduler.probe_tokens", self.probe_tokens, zero_ok=True)
-    need(
-        not self.probe_tokens or (self.pool == "shared" and self.kind == "skew"),
-        "scheduler.probe_tokens scores each request by the ranker after its first tokens in "
-        "a shared pool; set scheduler.pool='shared' and scheduler.kind='skew', or "
-        "scheduler.probe_tokens=0.",
     )
     need(
         self.pool == "fixed" or self.sibling_lengths == "off",

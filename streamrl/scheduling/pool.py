@@ -19,15 +19,7 @@ will be. With a shared pool the instances take their next request from one
 - stragglers move (`scheduler.migrate`): once the pool is empty, an idle
   instance takes a running request from the instance with the most work in
   flight (`donor`); the donor stops it and the idle instance resumes it from
-  its tokens so far, as a partial rollout resumes a response;
-- probes (`scheduler.probe_tokens`): every request first runs for its first
-  few tokens only and comes back; a `scorer` (the ranker on prompt plus
-  those tokens) then estimates its length from what it has started to say,
-  and it resumes from its tokens, longest estimate first. A request's length
-  is often decided by its first tokens (a reasoning trace's plan, a
-  countdown), which a prediction from the prompt cannot see; probing every
-  request before the long decoding starts lets the pool start the long ones
-  first.
+  its tokens so far, as a partial rollout resumes a response.
 
 `Feed` is the instance's side: the requests handed to it and not started
 yet, the release orders of migration, and whether more may come. The
@@ -60,11 +52,6 @@ class WorkPool:
     long_ids: ids of requests the plan gave the long-tail instances.
     long_instances: the plan's long-tail instances.
     prior_weight: weight of the prediction against each finished sibling.
-    probe_tokens: requests first run for this many tokens and come back to
-      be scored (0: no probe); see the module docstring.
-    scorer: (request id, prompt, first tokens) triples -> their estimated
-      response lengths (tokens), for probed requests; None: their estimate
-      stays.
   """
 
   def __init__(
@@ -76,12 +63,8 @@ class WorkPool:
       long_ids: Sequence[int] = (),
       long_instances: Sequence[int] = (),
       prior_weight: float = 1.0,
-      probe_tokens: int = 0,
-      scorer=None,
   ):
     requests = list(requests)
-    if probe_tokens < 0:
-      raise ValueError(f"probe_tokens={probe_tokens} must be >= 0 (0: no probe).")
     if estimates is not None and len(estimates) != len(requests):
       raise ValueError(f"{len(requests)} requests but {len(estimates)} estimates; give one each.")
     if groups is not None and len(groups) != len(requests):
@@ -105,14 +88,6 @@ class WorkPool:
     self._running: dict[Hashable, float] = {}
     self._done_tokens: dict[int, int] = {}  # a moved remainder's tokens so far
     self.requests = {r.id: r for r in requests}  # every request of the round, by id
-    self.probe_tokens = int(probe_tokens)
-    self.scorer = scorer
-    # Probes: requests not probed yet; probed ones waiting for their score
-    # (id -> first tokens); their scores (estimated total length).
-    self._unprobed = set(self._pending) if self.probe_tokens else set()
-    self._unscored: dict[int, tuple[int, ...]] = {}
-    self._scored: dict[int, float] = {}
-    self._resting: set[int] = set()  # probed, waiting in the pool for their rest
 
   def __len__(self) -> int:
     return len(self._pending)
@@ -132,8 +107,6 @@ class WorkPool:
 
   def estimate(self, request_id: int) -> float:
     """The request's estimated remaining length (tokens); 0 without estimates."""
-    if request_id in self._scored:
-      return self._scored[request_id] - self._done_tokens.get(request_id, 0)
     if not self._prior:
       return 0.0
     g = self._group[request_id]
@@ -145,56 +118,20 @@ class WorkPool:
     )
     return total - self._done_tokens.get(request_id, 0)
 
-  def needs_probe(self, request_id: int) -> bool:
-    """Whether the request goes out as a probe (its first tokens only)."""
-    return request_id in self._unprobed
-
   def take(self, instance: int) -> Request | None:
     """The next request for `instance` (None when the pool is empty): from
-    its side of the long-tail split first; moved remainders before anything
-    else, then requests not probed yet, then the rest; the longest estimate
-    first, ties in the round's order."""
+    its side of the long-tail split first, the longest estimate first
+    (moved remainders before anything else), ties in the round's order."""
     if not self._pending:
       return None
-    self._score()
     own_long = instance in self.long_instances
     ids = [i for i in self._pending if (i in self._long) == own_long] or list(self._pending)
-    moved = [i for i in ids if i in self._done_tokens and i not in self._resting]
-    unprobed = [i for i in ids if i in self._unprobed]
-    best = min(moved or unprobed or ids, key=lambda i: (-self.estimate(i), self._order[i]))
-    self._resting.discard(best)
+    moved = [i for i in ids if i in self._done_tokens]
+    best = min(moved or ids, key=lambda i: (-self.estimate(i), self._order[i]))
     return self._pending.pop(best)
-
-  def put_probed(self, request: Request, first_tokens: Sequence[int]) -> None:
-    """Returns a probe's rest to the pool (`request`: its prompt holds the
-    original prompt and `first_tokens`), to be scored before the next
-    hand-out."""
-    self._unprobed.discard(request.id)
-    self._resting.add(request.id)
-    self._done_tokens[request.id] = len(first_tokens)
-    self._unscored[request.id] = tuple(int(t) for t in first_tokens)
-    self._pending[request.id] = request
-
-  def probe_done(self, request_id: int) -> None:
-    """The request's probe ended it (it finished, or stopped) or it moved: no probe any more."""
-    self._unprobed.discard(request_id)
-
-  def _score(self) -> None:
-    """Scores the probed requests waiting for it, all in one call."""
-    if not self._unscored:
-      return
-    ids = list(self._unscored)
-    if self.scorer is not None:
-      scores = self.scorer([(i, self.requests[i].prompt, self._unscored[i]) for i in ids])
-      if len(scores) != len(ids):
-        raise ValueError(f"The pool's scorer gave {len(scores)} scores for {len(ids)} requests.")
-      for i, n, first in zip(ids, scores, (self._unscored[i] for i in ids)):
-        self._scored[i] = max(float(n), float(len(first)))
-    self._unscored.clear()
 
   def take_id(self, request_id: int) -> Request:
     """Takes the pending request `request_id` out of the pool."""
-    self._resting.discard(request_id)
     return self._pending.pop(request_id)
 
   def put(self, request: Request, done_tokens: int = 0, long: bool = False) -> None:
@@ -206,7 +143,6 @@ class WorkPool:
     if request.id not in self._order:
       self._order[request.id] = len(self._order)
       self._group.setdefault(request.id, request.id)
-    self._resting.discard(request.id)
     if done_tokens:
       self._done_tokens[request.id] = self._done_tokens.get(request.id, 0) + int(done_tokens)
     self._pending[request.id] = request
@@ -233,15 +169,12 @@ def from_parts(
     *,
     n_long: int = 0,
     estimates: Mapping[int, float] | None = None,
-    probe_tokens: int = 0,
-    scorer=None,
 ) -> WorkPool:
   """The shared pool of a plan: its per-instance lists `parts` (instance
   `instance_ids[k]` got `parts[k]`; the first `n_long` are Algorithm 2's
   long-tail instances), handed out in the plan's order interleaved over the
   instances (arrival order for a FIFO plan) unless `estimates` (request id
-  -> estimated length) say otherwise. Samples of one prompt form a group;
-  `probe_tokens` and `scorer` as in `WorkPool`."""
+  -> estimated length) say otherwise. Samples of one prompt form a group."""
   if len(parts) != len(instance_ids):
     raise ValueError(f"{len(parts)} request lists for {len(instance_ids)} instances.")
   order = [
@@ -254,8 +187,6 @@ def from_parts(
       groups=[groups.setdefault(r.prompt, len(groups)) for r in order],
       long_ids=[r.id for p in parts[:n_long] for r in p],
       long_instances=instance_ids[:n_long],
-      probe_tokens=probe_tokens,
-      scorer=scorer,
   )
 
 

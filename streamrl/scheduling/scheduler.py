@@ -46,26 +46,6 @@ def with_length_hints(requests, groups, lengths) -> list:
   ]
 
 
-def probe_input(prompt_ids, first_tokens, max_len: int) -> list[int]:
-  """What the ranker scores a probed request from: its prompt and first
-  tokens, the prompt cut (its head kept) so that the tokens fit `max_len`."""
-  first = [int(t) for t in first_tokens][:max_len]
-  return list(prompt_ids)[: max_len - len(first)] + first
-
-
-def history_pairs(
-    prompt_ids, token_ids, probe_tokens: int = 0, max_len: int = 128
-) -> list[tuple[list[int], int]]:
-  """The length-history pairs of one response: (prompt, its length), and with
-  probes (`scheduler.probe_tokens`) also (`probe_input`, its length) when it
-  ran past its first tokens (what a probe's rest is scored from)."""
-  n = len(token_ids)
-  pairs = [(list(prompt_ids), n)]
-  if probe_tokens and n > probe_tokens:
-    pairs.append((probe_input(prompt_ids, token_ids[:probe_tokens], max_len), n))
-  return pairs
-
-
 class GenerationScheduler:
   """Plans each generation round and learns from its results."""
 
@@ -93,8 +73,6 @@ class GenerationScheduler:
     self.pool = sched.pool
     self.migrate = sched.migrate
     self.straggler_tokens = sched.straggler_tokens
-    self.probe_tokens = sched.probe_tokens
-    self.probe = 0  # the last plan's probe tokens (0: its round does not probe)
     # The last plan's length estimate per request id ({} for FIFO) and its
     # number of long-tail instances: what a shared pool hands out first, and to whom.
     self.estimates: dict[int, float] = {}
@@ -167,12 +145,10 @@ class GenerationScheduler:
 
   def _plan(self, requests, examples_by_id, seed, num_instances, stoppable, resumed):
     num_instances = int(num_instances or self.num_instances)
-    self.estimates, self.n_long, self.probe = {}, 0, 0
+    self.estimates, self.n_long = {}, 0
     if self.kind == "fifo":
       return None, None
     requests = as_requests(requests)
-    if len(requests) > num_instances * self.max_batch_size:  # else all start at once
-      self.probe = self.probe_tokens
     if stoppable and len(requests) <= num_instances * self.max_batch_size:
       # Every request starts at once (the instances' slots hold the round): there is
       # no admission order to decide, and a prediction would only add its time to
@@ -263,37 +239,13 @@ class GenerationScheduler:
     out["scheduler/plan_s"] = self.plan_s
     return out
 
-  def _ranker_len(self) -> int:
-    return int(self.ranker.config.model.max_len) if self.ranker is not None else 128
-
-  def scorer(self):
-    """The shared pool's scorer of probed requests (`WorkPool(scorer=)`): the
-    ranker on prompt + first tokens; None without a ranker."""
-    if self.ranker is None:
-      return None
-
-    max_len = self._ranker_len()
-
-    def score(items):
-      self._adopt()
-      return self.ranker.predict([probe_input(p, first, max_len) for _, p, first in items])
-
-    return score
-
   def _observe(self, samples) -> dict:
-    lengths = [len(s.token_ids) for s in samples]
-    self.recent.extend(lengths)
-    for sample, n in zip(samples, lengths):
+    new = [(list(s.prompt_token_ids), len(s.token_ids)) for s in samples]
+    self.recent.extend(n for _, n in new)
+    for sample, (_, n) in zip(samples, new):
       q = self._ranked.pop(sample.prompt_id, None)
       if q is not None:
         self.rank_history.append((q, n))
-    new = [
-        p
-        for s in samples
-        for p in history_pairs(
-            s.prompt_token_ids, s.token_ids, self.probe_tokens, self._ranker_len()
-        )
-    ]
     self.pairs.extend(new)
     if self.pairs_path:
       from streamrl.ranker import data as ranker_data  # pylint: disable=g-import-not-at-top

@@ -70,26 +70,3 @@ def test_migration_and_stragglers_move_work_and_answer_each_once(gens):
   assert sorted(res.samples) == list(range(10)) and res.moves >= 1
   by_instance = collections.Counter(s.instance_id for s in res.samples.values())
   assert by_instance[1] >= 1
-
-
-def test_probed_requests_resume_from_their_first_tokens_and_answer_each_once(gens):
-  reqs = requests(12)
-  seen = []
-
-  def scorer(items):
-    seen.extend(rid for rid, _, _ in items)
-    return [float(first[0]) for _, _, first in items]
-
-  pool = WorkPool(reqs, probe_tokens=3, scorer=scorer)
-  r = pooled.PooledRound(pool, {0: 4, 1: 4}, max_tokens=SAMPLING.max_tokens, migrate=False)
-  res = lockstep.run_pooled(gens, r, SAMPLING, seed=SEED)
-  assert sorted(res.samples) == list(range(12))
-  probed = sorted(seen)
-  assert r.probes == len(probed) > 0
-  first = lockstep.run_fixed(gens, [reqs[:6], reqs[6:]], [4, 4], SAMPLING, seed=SEED).samples
-  for i, s in res.samples.items():
-    assert s.prompt_token_ids == reqs[i].prompt and 0 < len(s.token_ids) <= 40
-    if i in probed:  # the probe's tokens are those of the request unprobed
-      assert s.token_ids[:3] == first[i].token_ids[:3]
-    else:  # done within its probe
-      assert s.token_ids == first[i].token_ids and len(s.token_ids) <= 3
