@@ -32,7 +32,7 @@ What runs (everything real, on this machine):
                        split) with straggler migration,
        pool            one shared pool in random order, no estimates, no migration,
        pool_migrate    the same with migration,
-       isolate<T>      ranker_pool, and a request that reaches T tokens
+       isolate         ranker_pool, and a request that reaches T tokens
                        (--straggler_tokens, scheduler.straggler_tokens) moves to the
                        long-tail instance,
        oracle_static   true lengths -> Algorithm 2 -> LPT, fixed lists,
@@ -117,6 +117,9 @@ _FIFO_ORDERS = flags.DEFINE_integer(
 )
 _STRAGGLER = flags.DEFINE_integer(
     "straggler_tokens", 96, "The isolate arm's threshold (scheduler.straggler_tokens)."
+)
+_ARMS = flags.DEFINE_list(
+    "arms", [], "Only these arms (FIFO's orders and the bound always run); default: all."
 )
 _SEED = 0
 
@@ -472,7 +475,7 @@ def main(argv):
       "ranker_pool": lambda: arms.pooled(run_plan, migrate=True, estimates=run_estimates),
       "pool": lambda: arms.pooled(base, migrate=False),
       "pool_migrate": lambda: arms.pooled(base, migrate=True),
-      f"isolate{_STRAGGLER.value}": lambda: arms.pooled(
+      "isolate": lambda: arms.pooled(
           run_plan, migrate=True, estimates=run_estimates, straggler_tokens=_STRAGGLER.value
       ),
       "oracle_static": lambda: arms.fixed(oracle_plan),
@@ -487,6 +490,11 @@ def main(argv):
       ),
       "oracle_isolated": lambda: arms.fixed(isolated),
   }
+  if _ARMS.value:
+    unknown = sorted(set(_ARMS.value) - set(runs))
+    if unknown:
+      raise app.UsageError(f"--arms: unknown arm(s) {unknown}; choose from {sorted(runs)}.")
+    runs = {a: f for a, f in runs.items() if a in fifo_plans or a in _ARMS.value}
   # The floor: the round's longest response alone on one engine.
   longest = int(np.argmax(true_len))
   solo = fifo_plan(1, 1, 1)
@@ -556,14 +564,11 @@ def main(argv):
     )
   m = rank_metrics[_RANKER_LOSS.value]
   print(
-      f"RESULT fifo=1.00 ranker_sim={ratio['ranker_sim']:.2f} "
-      f"oracle_static={ratio['oracle_static']:.2f} bound={ratio['bound']:.2f} "
-      f"pool={ratio['pool']:.2f} pool_migrate={ratio['pool_migrate']:.2f} "
-      f"oracle_pool={ratio['oracle_pool']:.2f} ranker={ratio['ranker']:.2f} "
-      f"ranker_pool={ratio['ranker_pool']:.2f} isolate={ratio[f'isolate{_STRAGGLER.value}']:.2f} "
-      f"oracle_prefix={ratio['oracle_prefix']:.2f} oracle_isolated={ratio['oracle_isolated']:.2f} "
-      f"fifo_spread={spread['fifo']:.2f} "
-      f"ranker_sim_spread={spread['ranker_sim']:.2f} "
+      "RESULT fifo=1.00 "
+      + " ".join(f"{a}={ratio[a]:.2f}" for a in names if a not in fifo_plans)
+      + f" bound={ratio['bound']:.2f} fifo_spread={spread['fifo']:.2f} "
+      + (f"ranker_sim_spread={spread['ranker_sim']:.2f} " if "ranker_sim" in spread else "")
+      + f"at_max_tokens={int(np.sum(true_len >= sampling.max_tokens))} "
       f"recall20={m['recall20']:.2f} recall10={m['recall10']:.2f} recall5={m['recall5']:.2f} "
       f"spearman={m['spearman']:.2f}"
       + (f" expected_recall20={rank_metrics['expected']['recall20']:.2f}" if trace else "")
