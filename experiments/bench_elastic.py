@@ -176,6 +176,20 @@ _OVERRIDES = flags.DEFINE_multi_string(
 _ALONE_REPS = flags.DEFINE_integer(
     "alone_reps", 3, "Timed batches of the generator alone, on one instance and on two."
 )
+_TRAINER_PROCESSES = flags.DEFINE_integer(
+    "trainer_processes",
+    1,
+    "cluster.trainer_processes of the run. Above 1 the run is the calibration's "
+    "trainer-processes arm: elastic generation off (one instance throughout), the "
+    "processes sharing the training node's core; the trainer's costs then come from "
+    "another, shorter run of the same trainer (--trainer_alone_iterations).",
+)
+_TRAINER_ALONE_ITERATIONS = flags.DEFINE_integer(
+    "trainer_alone_iterations",
+    5,
+    "With --trainer_processes > 1: iterations of the separate run whose training "
+    "phases (after its first two, which compile) give the trainer's seconds per token.",
+)
 _CHILD = flags.DEFINE_string(
     "child", "", "Internal: JSON arguments of the generator-alone measurement (a subprocess)."
 )
@@ -314,7 +328,7 @@ def workload_overrides() -> dict:
       "sampling.max_tokens": _MAX_TOKENS.value,
       "engine.num_instances": 1,
       "transfer.enabled": True,
-      "elastic.enabled": True,
+      "elastic.enabled": _TRAINER_PROCESSES.value == 1,
       "elastic.min_instances": 1,
       "elastic.max_instances": _SLOTS.value,
       "elastic.observe_iterations": _OBSERVE.value,
@@ -324,6 +338,8 @@ def workload_overrides() -> dict:
       "log.eval_every": 0,
       "log.progress": False,
   }
+  if _TRAINER_PROCESSES.value > 1:
+    out["cluster.trainer_processes"] = _TRAINER_PROCESSES.value
   for item in _OVERRIDES.value:
     key, sep, value = item.partition("=")
     if not sep:
@@ -368,11 +384,13 @@ def run_elastic(c, run_dir: str, overrides: dict, log_path: str) -> int:
 
 
 def measure_costs(run_dir: str, overrides: dict, out_path: str, cores) -> dict:
-  """launch/measure.py (the run's config and cached initial policy) on `cores`."""
+  """launch/measure.py (the run's config and cached initial policy) on `cores`;
+  the trainer's costs are those of one process (what a multi-process trainer
+  adds is not in them)."""
   args = [sys.executable, os.path.join(ROOT, "launch", "measure.py")]
   args += [f"--config={os.path.join(ROOT, 'configs', 'ppo.py')}", f"--out={out_path}"]
   args += [f"--workdir={run_dir}", f"--reps={_REPS.value}"]
-  args += as_flags(overrides)
+  args += as_flags({**overrides, "cluster.trainer_processes": 1})
   if cores:
     args = ["taskset", "-c", ",".join(map(str, cores))] + args
   res = subprocess.run(args, capture_output=True, text=True, timeout=900, cwd=ROOT)
@@ -383,6 +401,59 @@ def measure_costs(run_dir: str, overrides: dict, out_path: str, cores) -> dict:
       log(f"  measure: {line}")
   with open(out_path) as f:
     return json.load(f)
+
+
+def trainer_alone(c, base: str, overrides: dict, s) -> dict:
+  """The multi-process trainer's seconds per token, measured apart from the run
+  it predicts: a second, shorter run of the same config on the same cluster
+  (another seed, so other prompts and lengths; sync mode, so its training
+  phases run with the generator idle): time/training_s, samples and mean
+  response length of each iteration after its first two (which compile the
+  sharded programs); `with_trainer_alone` makes seconds per token of them."""
+  run_dir = os.path.join(base, "trainer_alone")
+  extra = {
+      **overrides,
+      "seed": s.seed + 1,
+      "trainer.num_iterations": _TRAINER_ALONE_ITERATIONS.value,
+  }
+  log_path = os.path.join(base, "trainer_alone.log")
+  rc = run_elastic(c, run_dir, extra, log_path)
+  if rc != 0:
+    with open(log_path, errors="replace") as f:
+      raise RuntimeError(f"the trainer-alone run failed (exit {rc}):\n{f.read()[-3000:]}")
+  rows = [r for r in read_jsonl(os.path.join(run_dir, "metrics.jsonl")) if "samples/count" in r]
+  rows = sorted(rows, key=lambda r: r["step"])[2:]
+  if not rows:
+    raise RuntimeError(
+        "the trainer-alone run has no iteration after its first two; raise "
+        "--trainer_alone_iterations."
+    )
+  its = [
+      {k: r[k] for k in ("time/training_s", "samples/count", "response_length/mean")} for r in rows
+  ]
+  return {"iterations": its, "log": log_path}
+
+
+def with_trainer_alone(costs: dict, alone: dict) -> dict:
+  """`costs` with the trainer's forward and update seconds per token (prompt +
+  response, the prompt's mean length as launch/measure.py saw it) scaled, in
+  launch/measure.py's one-process proportion, to the median of `alone`'s."""
+  prompt = costs["generation"]["mean_prompt_len"]
+  per_token = [
+      x["time/training_s"] / (x["samples/count"] * (prompt + x["response_length/mean"]))
+      for x in alone["iterations"]
+  ]
+  alone["per_token"] = per_token
+  alone["s_per_token"] = statistics.median(per_token)
+  t = costs["trainer"]
+  scale = alone["s_per_token"] / (t["fwd_s_per_token"] + t["upd_s_per_token"])
+  trainer = dict(
+      t,
+      fwd_s_per_token=t["fwd_s_per_token"] * scale,
+      upd_s_per_token=t["upd_s_per_token"] * scale,
+      one_process_scale=scale,
+  )
+  return dict(costs, trainer=trainer)
 
 
 def generator_alone_child(args: dict) -> None:
@@ -721,7 +792,7 @@ def predict(
       iterations=s.trainer.num_iterations,
       warmup=warmup,
       seed=s.seed,
-      free_slots=lambda it, n: max(0, slots - n),
+      free_slots=lambda it, n: max(0, slots - n) if s.elastic.enabled else 0,
       scheduler=s.scheduler.kind if s.scheduler.kind in ("fifo", "skew") else "fifo",
   )
 
@@ -801,18 +872,22 @@ def main(argv):
   cores = node_cores(_PIN.value)
   log(
       f"machine: {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}; nodes: head, trainer "
-      f"(dc0, {TRAIN_CPUS} CPU, cores {cores.get('trainer', 'any')}), generator (dc1, "
+      f"(dc0, {TRAIN_CPUS} CPU per trainer process, {_TRAINER_PROCESSES.value} "
+      f"process(es), cores {cores.get('trainer', 'any')}), generator (dc1, "
       f"{GEN_CPUS} CPU, {_SLOTS.value} slots, cores {cores.get('generator', 'any')}); "
       f"run in {run_dir}"
   )
   monitor = CpuMonitor()
   monitor.start()
   nodes = local_cluster.default_nodes(
-      generation_slots=_SLOTS.value, trainer_cpus=TRAIN_CPUS, generator_cpus=GEN_CPUS
+      generation_slots=_SLOTS.value,
+      trainer_cpus=TRAIN_CPUS,
+      generator_cpus=GEN_CPUS,
+      training_slots=_TRAINER_PROCESSES.value,
   )
   c = PinnedCluster(nodes, workdir=os.path.join(base, "cluster"), cores=cores)
   t0 = now()
-  rc, run_s, alone, phases = None, 0.0, None, {}
+  rc, run_s, alone, phases, train_alone = None, 0.0, None, {}, None
   try:
     c.start()
     log(f"cluster up at {c.address} ({now() - t0:.0f} s); the elastic run starts")
@@ -827,6 +902,11 @@ def main(argv):
           c, run_dir, overrides, os.path.join(base, "generator_alone.json"), cores.get("trainer")
       )
       phases["generator alone"] = (t2, time.time())
+      if _TRAINER_PROCESSES.value > 1:
+        log(f"the {_TRAINER_PROCESSES.value}-process trainer alone (a second, shorter run) ...")
+        t2 = time.time()
+        train_alone = trainer_alone(c, base, overrides, s)
+        phases["trainer alone"] = (t2, time.time())
   finally:
     c.stop()
   if rc != 0:
@@ -854,6 +934,14 @@ def main(argv):
         run_dir, overrides, os.path.join(_OUT.value, "costs.json"), cores.get("generator")
     )
     phases["measure.py"] = (t2, time.time())
+    if train_alone is not None:
+      costs = with_trainer_alone(costs, train_alone)
+      log(
+          f"  trainer alone, {_TRAINER_PROCESSES.value} processes: "
+          f"{1e6 * train_alone['s_per_token']:.0f} us/token (iterations "
+          + "/".join(f"{1e6 * x:.0f}" for x in train_alone["per_token"])
+          + f"), {costs['trainer']['one_process_scale']:.2f}x launch/measure.py's one process"
+      )
     cap = s.engine.max_num_seqs
     profile, req_s, scale = with_request_cost(costs, alone, cap)
     sharing = sharing_check(alone, profile, cap, gen_cores)
@@ -964,6 +1052,7 @@ def main(argv):
       "per_request_s": req_s,
       "profile_scale": scale,
       "generator_alone": alone,
+      "trainer_alone": train_alone,
       "sharing": sharing,
       "others_during_measurement": phases,
       "total_s": total,

@@ -1,7 +1,7 @@
 r"""Calibrating the simulator against real pipeline runs on this machine.
 
   python experiments/calibrate_sim.py [--quick] [--workdir=/tmp/streamrl_bench_modes]
-      [--modes=colocated,sync,stream,async,async_partial,sync_2gen,sync_2gen_pool]
+      [--modes=colocated,sync,stream,async,async_partial,sync_2gen,sync_2gen_pool,elastic,sync_2train]
       [--iterations=8]
       [--repeats=3]
 
@@ -23,7 +23,15 @@ generator instances time-sharing the generator's core (the per-request
 cost, measured on the two-instance service, holds what sharing costs
 beyond perfect time-sharing), and sync_2gen_pool: the same with a shared
 work pool and migration (scheduler.pool=shared, scheduler.migrate=True;
-SimConfig.pool and SimConfig.migrate). For each arm, in this one process:
+SimConfig.pool and SimConfig.migrate). Two more arms run as a user's job on
+a local Ray cluster (experiments/bench_elastic.py as a subprocess, each
+repeat its own cluster; its docstring says how it measures and predicts):
+elastic (generation 1 -> 2 -> 1 instances, the policy's decisions replayed
+by the simulator) and sync_2train (sync with two trainer processes,
+cluster.trainer_processes=2, sharing the training node's core; predicted
+from the one-process trainer's costs of launch/measure.py, so the error is
+what the second process adds). For each of the other arms, in this one
+process:
   1. the real loop (`train.train_iteration` on the mode from
      `train.setup_mode`, over the real rollout: the in-process engine for
      colocated, a Ray generator actor on one core for the others, whose
@@ -79,9 +87,10 @@ summary.json (every timing). Ends with
 (max_rel_err / median_rel_err: max and median of |rel_err| over every mode and
 repeat), and calibration.png: every run's predicted against measured samples/s,
 and every timed iteration against its run's predicted mean iteration.
-(signed: predicted / measured - 1). About 1 minute per arm and repeat on a quiet
-2-core machine: 21 minutes for the seven arms x 3 repeats (most of it Ray and
-engine start-ups and the components run between iterations).
+(signed: predicted / measured - 1). About 1 minute per in-process arm and
+repeat on a quiet 2-core machine, 21 minutes for those seven arms x 3 repeats
+(most of it Ray and engine start-ups and the components run between
+iterations); the cluster arms about 6 minutes each per repeat.
 
 Measured results: experiments/RESULTS.md (section calibrate_sim.py).
 """
@@ -91,6 +100,8 @@ import gc
 import json
 import os
 import statistics
+import subprocess
+import sys
 
 # The profiled engine runs in this process with one thread (as the Ray
 # actors run theirs). Set before vLLM is imported.
@@ -141,7 +152,14 @@ PREDICTED = ("colocated", "sync", "stream", "async", "async_partial")
 # "<mode>_2gen_pool" the same with a shared work pool and migration
 # (scheduler.pool=shared, scheduler.migrate=True).
 TWO_GEN, POOL = "_2gen", "_pool"
-ARMS = PREDICTED + ("sync" + TWO_GEN, "sync" + TWO_GEN + POOL)
+# Arms run as a user's job on a local Ray cluster of raylets pinned to the
+# cores (experiments/bench_elastic.py in a subprocess: launch/main.py, then
+# launch/measure.py and the generator alone for the costs), flags of each:
+# "elastic", elastic generation 1 -> 2 -> 1 (sync); "sync_2train", sync with
+# two trainer processes (cluster.trainer_processes=2) sharing the training
+# node's core, predicted from the one-process trainer's costs.
+CLUSTER_ARMS = {"elastic": (), "sync_2train": ("--trainer_processes=2", "--warmup=2")}
+ARMS = PREDICTED + ("sync" + TWO_GEN, "sync" + TWO_GEN + POOL) + tuple(CLUSTER_ARMS)
 _MODES = flags.DEFINE_list("modes", list(ARMS), "Arms to run (--quick: colocated,sync).")
 _WARMUP = flags.DEFINE_integer("warmup", 1, "Untimed iterations per mode.")
 _ITERATIONS = flags.DEFINE_integer("iterations", 8, "Timed iterations per mode.")
@@ -677,6 +695,52 @@ def run_arm(work: Workload, mode: str, warm: int, iters: int, out_dir: str) -> d
   return res
 
 
+def run_cluster_arm(arm: str, repeat: int, out_dir: str) -> dict:
+  """One run of a cluster arm (`CLUSTER_ARMS`): experiments/bench_elastic.py
+  in a subprocess, its summary read back in this file's terms."""
+  out = os.path.join(out_dir, f"{arm}_{repeat}")
+  args = [
+      sys.executable,
+      os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_elastic.py"),
+  ]
+  args += [f"--out={out}", f"--workdir={_WORKDIR.value}_cluster", *CLUSTER_ARMS[arm]]
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
+  t0 = now()
+  res = subprocess.run(args, capture_output=True, text=True, timeout=1800, cwd=root, env=env)
+  result = [ln for ln in res.stdout.splitlines() + res.stderr.splitlines() if "RESULT" in ln]
+  if res.returncode != 0 or not result:
+    raise RuntimeError(
+        f"arm {arm}: experiments/bench_elastic.py failed (exit {res.returncode}):\n"
+        f"{(res.stdout + res.stderr)[-3000:]}"
+    )
+  with open(os.path.join(out, "summary.json")) as f:
+    summary = json.load(f)
+  meas, pred = summary["measured"], summary["predicted"]
+  lo, hi = meas["window"]
+  walls = [x["iter_s"] for x in meas["iterations"] if lo <= x["it"] < hi]
+  pred_walls = pred["iteration_s"][lo:hi]
+  batch = meas["iterations"][lo]["samples"]
+  return {
+      "mode": arm,
+      "cluster": True,
+      "batch": batch,
+      "samples_per_s": meas["samples_per_s"],
+      "samples_per_s_median": batch / statistics.median(walls),
+      "iteration_walls": walls,
+      "predicted": {"samples_per_s": pred["samples_per_s"]},
+      "predicted_median": {"samples_per_s": batch / statistics.median(pred_walls)},
+      "rel_err": pred["samples_per_s"] / meas["samples_per_s"] - 1.0,
+      "rel_err_median": statistics.median(walls) / statistics.median(pred_walls) - 1.0,
+      "instances": [x["instances"] for x in meas["iterations"]],
+      "lost": meas["lost"],
+      "duplicated": meas["duplicated"],
+      "version_errors": meas["version_errors"],
+      "result": result[-1].split("RESULT", 1)[1].strip(),
+      "wall_s": now() - t0,
+  }
+
+
 # ----------------------------------------------------------------- predict
 def predict(
     res: dict, s, stat: str = "mean", profile_key: str = "profile", condition: str | None = None
@@ -719,6 +783,8 @@ def predict(
 def report(runs: dict, s) -> list:
   rows = []
   for mode, res in runs.items():
+    if res.get("cluster"):
+      continue
     pred = predict(res, s, "mean")
     pred_med = predict(res, s, "median")
     only = predict(res, s, "mean", "profile_ptl_only")
@@ -767,7 +833,22 @@ gen / train: seconds per iteration in the loop (its own timers, time/generation_
   time). push: the loop's weight export + push (async: without waiting for the load); xfer: the
   measured blocking push the simulator gets. req ms: per-request generator cost (generator time minus the PTL-profile replay of the
   same lengths, per request; raw, floored at 0 when used).""")
-  return rows
+  cluster = [m for m, res in runs.items() if res.get("cluster")]
+  for mode in cluster:
+    res = runs[mode]
+    print(
+        f"{mode:11s} measured {res['samples_per_s']:6.2f} predicted "
+        f"{res['predicted']['samples_per_s']:6.2f} samples/s ({100 * res['rel_err']:+.1f}%); "
+        f"median iteration: {100 * res['rel_err_median']:+.1f}%; instances per iteration "
+        f"{res['instances']}; lost {res['lost']}, duplicated {res['duplicated']}, version "
+        f"errors {res['version_errors']}; bench_elastic: {res['result']}"
+    )
+  if cluster:
+    print(
+        "(cluster arms: experiments/bench_elastic.py on a local Ray cluster; its measured "
+        "window and prediction, see its docstring)"
+    )
+  return rows + cluster
 
 
 def main(argv):
@@ -791,10 +872,12 @@ def main(argv):
   t_all = now()
   print(f"machine: {os.cpu_count()} cores, load average {load():.1f} at start", flush=True)
   print(f"workload: {describe(s)}; {warm} warm-up + {iters} timed iterations per mode", flush=True)
+  local = [m for m in modes if m not in CLUSTER_ARMS]
   work = Workload(s, _WORKDIR.value)
-  precompile(
-      work, [arm_settings(s, m) for m in modes], warm + iters + 1, streaming="stream" in modes
-  )
+  if local:
+    precompile(
+        work, [arm_settings(s, m) for m in local], warm + iters + 1, streaming="stream" in local
+    )
   if _LOG_COMPILES.value:
     import jax  # pylint: disable=g-import-not-at-top
 
@@ -806,7 +889,7 @@ def main(argv):
     for r in range(_REPEATS.value):
       runs = {}
       repeats.append(runs)
-      for mode in modes:
+      for mode in local:
         res = run_arm(work, mode, warm, iters, _OUT.value)
         runs[mode] = res
         c = res["costs"][res["condition"]]["mean"]
@@ -827,6 +910,16 @@ def main(argv):
 
     if ray.is_initialized():
       ray.shutdown()
+  # The cluster arms start raylets of their own: after this process's Ray is gone.
+  for r in range(_REPEATS.value):
+    for arm in (m for m in modes if m in CLUSTER_ARMS):
+      res = repeats[r][arm] = run_cluster_arm(arm, r, _OUT.value)
+      print(
+          f"  repeat {r} {arm}: {res['samples_per_s']:.2f} samples/s measured, "
+          f"{res['predicted']['samples_per_s']:.2f} predicted ({res['wall_s']:.0f} s); "
+          f"load {load():.1f}",
+          flush=True,
+      )
 
   rows = []
   for r, runs in enumerate(repeats):
@@ -889,10 +982,10 @@ def plot(repeats: list, batch: int, path: str) -> None:
   k = 0
   for r, runs in enumerate(repeats):
     for m, res in runs.items():
-      walls = res["iteration_walls"]
+      walls, n = res["iteration_walls"], res.get("batch", batch)
       xs = list(range(k, k + len(walls)))
       b.scatter(xs, walls, color=colors[m], s=12)
-      b.plot(xs, [batch / res["predicted"]["samples_per_s"]] * len(xs), color=colors[m], lw=1.5)
+      b.plot(xs, [n / res["predicted"]["samples_per_s"]] * len(xs), color=colors[m], lw=1.5)
       k += len(walls) + 1
   b.set(
       xlabel="timed iteration (modes, then repeats)",

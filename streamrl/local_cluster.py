@@ -69,16 +69,19 @@ def default_nodes(
     trainer_cpus: int = 1,
     generator_cpus: int = 1,
     gpus: int = 0,
+    training_slots: int = 1,
 ) -> list[NodeSpec]:
   """A head (no work of its own) plus a training node and a generation node,
-  in two datacenters: the smallest cluster with every kind of edge."""
+  in two datacenters: the smallest cluster with every kind of edge. The
+  training node holds `training_slots` trainer processes
+  (`cluster.trainer_processes`), `trainer_cpus` each."""
   return [
       NodeSpec("head", cpus=0, labels={"datacenter": trainer_dc, "pool": "head"}),
       NodeSpec(
           "trainer",
-          cpus=trainer_cpus,
+          cpus=trainer_cpus * training_slots,
           gpus=gpus,
-          resources={cluster_lib.TRAINING_POOL: 1},
+          resources={cluster_lib.TRAINING_POOL: training_slots},
           labels={"datacenter": trainer_dc, "pool": "training", "accelerator": "trainer-standin"},
       ),
       NodeSpec(
