@@ -873,7 +873,7 @@ def main(argv):
   print(f"machine: {os.cpu_count()} cores, load average {load():.1f} at start", flush=True)
   print(f"workload: {describe(s)}; {warm} warm-up + {iters} timed iterations per mode", flush=True)
   local = [m for m in modes if m not in CLUSTER_ARMS]
-  work = Workload(s, _WORKDIR.value)
+  work = Workload(s, _WORKDIR.value) if local else None
   if local:
     precompile(
         work, [arm_settings(s, m) for m in local], warm + iters + 1, streaming="stream" in local
@@ -905,7 +905,8 @@ def main(argv):
             flush=True,
         )
   finally:
-    work.close_local()
+    if work is not None:
+      work.close_local()
     import ray  # pylint: disable=g-import-not-at-top
 
     if ray.is_initialized():

@@ -125,3 +125,12 @@ def _nodes(c):
   )
   assert res.returncode == 0, res.stderr[-2000:]
   return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def test_the_training_node_holds_a_slot_and_its_cpus_per_trainer_process():
+  from streamrl import cluster as cluster_lib
+
+  _, trainer, _ = local_cluster.default_nodes(trainer_cpus=1, training_slots=2)
+  assert trainer.cpus == 2 and trainer.resources == {cluster_lib.TRAINING_POOL: 2}
+  _, trainer, _ = local_cluster.default_nodes()
+  assert trainer.cpus == 1 and trainer.resources == {cluster_lib.TRAINING_POOL: 1}
