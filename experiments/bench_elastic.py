@@ -102,8 +102,20 @@ What it does:
      measured iterations) and the RESULT line; writes summary.json and
      costs.json under --out.
 
-About 5-6 minutes on the 2-core machine, ~10 when other jobs keep a core
-busy.
+With --trainer_processes=2 (experiments/calibrate_sim.py's sync_2train arm,
+with --warmup=2: the sharded programs also compile in iteration 1) the run is
+sync with elastic generation off and two trainer processes
+(cluster.trainer_processes=2; the training node gets two training slots and
+a CPU for each, both processes on its one core). launch/measure.py times the
+trainer in one process; what the second process adds (gloo collectives, the
+operations sent to it, two processes sharing the core: ~2.5x here) is then
+measured apart, on a second, shorter run of the same config on the same
+cluster (another seed, so other prompts and lengths; --trainer_alone_iterations,
+the first two left out): its time/training_s per trained token, whose median
+rescales the forward and update costs before the simulator replays the run.
+
+About 5-6 minutes on the 2-core machine (9-10 with --trainer_processes=2),
+~10 when other jobs keep a core busy.
 
 Measured results: experiments/RESULTS.md (section bench_elastic.py).
 """

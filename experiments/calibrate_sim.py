@@ -28,10 +28,10 @@ a local Ray cluster (experiments/bench_elastic.py as a subprocess, each
 repeat its own cluster; its docstring says how it measures and predicts):
 elastic (generation 1 -> 2 -> 1 instances, the policy's decisions replayed
 by the simulator) and sync_2train (sync with two trainer processes,
-cluster.trainer_processes=2, sharing the training node's core; predicted
-from the one-process trainer's costs of launch/measure.py, so the error is
-what the second process adds). For each of the other arms, in this one
-process:
+cluster.trainer_processes=2, sharing the training node's core; the
+trainer's costs those of launch/measure.py's one process rescaled by the
+two-process trainer's seconds per token, measured on a second, shorter run
+on the same cluster). For each of the other arms, in this one process:
   1. the real loop (`train.train_iteration` on the mode from
      `train.setup_mode`, over the real rollout: the in-process engine for
      colocated, a Ray generator actor on one core for the others, whose
@@ -157,7 +157,7 @@ TWO_GEN, POOL = "_2gen", "_pool"
 # launch/measure.py and the generator alone for the costs), flags of each:
 # "elastic", elastic generation 1 -> 2 -> 1 (sync); "sync_2train", sync with
 # two trainer processes (cluster.trainer_processes=2) sharing the training
-# node's core, predicted from the one-process trainer's costs.
+# node's core (warm-up 2: its sharded programs also compile in iteration 1).
 CLUSTER_ARMS = {"elastic": (), "sync_2train": ("--trainer_processes=2", "--warmup=2")}
 ARMS = PREDICTED + ("sync" + TWO_GEN, "sync" + TWO_GEN + POOL) + tuple(CLUSTER_ARMS)
 _MODES = flags.DEFINE_list("modes", list(ARMS), "Arms to run (--quick: colocated,sync).")
@@ -782,8 +782,9 @@ def predict(
 
 def report(runs: dict, s) -> list:
   rows = []
+  cluster = [m for m, res in runs.items() if res.get("cluster")]
   for mode, res in runs.items():
-    if res.get("cluster"):
+    if mode in cluster:
       continue
     pred = predict(res, s, "mean")
     pred_med = predict(res, s, "median")
@@ -797,7 +798,27 @@ def report(runs: dict, s) -> list:
     res["rel_err_ptl_only"] = err(only, res["samples_per_s"])
     res["rel_err_isolated"] = err(iso, res["samples_per_s"])
     rows.append(mode)
+  if rows:
+    report_local(runs, rows)
+  for mode in cluster:
+    res = runs[mode]
+    print(
+        f"{mode:11s} measured {res['samples_per_s']:6.2f} predicted "
+        f"{res['predicted']['samples_per_s']:6.2f} samples/s ({100 * res['rel_err']:+.1f}%); "
+        f"median iteration: {100 * res['rel_err_median']:+.1f}%; instances per iteration "
+        f"{res['instances']}; lost {res['lost']}, duplicated {res['duplicated']}, version "
+        f"errors {res['version_errors']}; bench_elastic: {res['result']}"
+    )
+  if cluster:
+    print(
+        "(cluster arms: experiments/bench_elastic.py on a local Ray cluster; its measured "
+        "window and prediction, see its docstring)"
+    )
+  return rows + cluster
 
+
+def report_local(runs: dict, rows: list) -> None:
+  """The table of the in-process arms `rows`."""
   head = (
       f"{'mode':9s} {'costs':9s} {'measured':>8s} {'predicted':>9s} {'rel err':>7s} | "
       f"{'median':>6s} {'pred':>6s} {'rel err':>7s} | {'isolated':>8s} {'PTL only':>8s} | "
@@ -833,22 +854,6 @@ gen / train: seconds per iteration in the loop (its own timers, time/generation_
   time). push: the loop's weight export + push (async: without waiting for the load); xfer: the
   measured blocking push the simulator gets. req ms: per-request generator cost (generator time minus the PTL-profile replay of the
   same lengths, per request; raw, floored at 0 when used).""")
-  cluster = [m for m, res in runs.items() if res.get("cluster")]
-  for mode in cluster:
-    res = runs[mode]
-    print(
-        f"{mode:11s} measured {res['samples_per_s']:6.2f} predicted "
-        f"{res['predicted']['samples_per_s']:6.2f} samples/s ({100 * res['rel_err']:+.1f}%); "
-        f"median iteration: {100 * res['rel_err_median']:+.1f}%; instances per iteration "
-        f"{res['instances']}; lost {res['lost']}, duplicated {res['duplicated']}, version "
-        f"errors {res['version_errors']}; bench_elastic: {res['result']}"
-    )
-  if cluster:
-    print(
-        "(cluster arms: experiments/bench_elastic.py on a local Ray cluster; its measured "
-        "window and prediction, see its docstring)"
-    )
-  return rows + cluster
 
 
 def main(argv):
@@ -871,8 +876,11 @@ def main(argv):
   os.makedirs(_WORKDIR.value, exist_ok=True)
   t_all = now()
   print(f"machine: {os.cpu_count()} cores, load average {load():.1f} at start", flush=True)
-  print(f"workload: {describe(s)}; {warm} warm-up + {iters} timed iterations per mode", flush=True)
   local = [m for m in modes if m not in CLUSTER_ARMS]
+  if local:
+    print(
+        f"workload: {describe(s)}; {warm} warm-up + {iters} timed iterations per mode", flush=True
+    )
   work = Workload(s, _WORKDIR.value) if local else None
   if local:
     precompile(
