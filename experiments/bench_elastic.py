@@ -455,17 +455,11 @@ def with_trainer_alone(costs: dict, alone: dict) -> dict:
       x["time/training_s"] / (x["samples/count"] * (prompt + x["response_length/mean"]))
       for x in alone["iterations"]
   ]
+  from streamrl.sim.calibrate import rescale_trainer  # pylint: disable=g-import-not-at-top
+
   alone["per_token"] = per_token
   alone["s_per_token"] = statistics.median(per_token)
-  t = costs["trainer"]
-  scale = alone["s_per_token"] / (t["fwd_s_per_token"] + t["upd_s_per_token"])
-  trainer = dict(
-      t,
-      fwd_s_per_token=t["fwd_s_per_token"] * scale,
-      upd_s_per_token=t["upd_s_per_token"] * scale,
-      one_process_scale=scale,
-  )
-  return dict(costs, trainer=trainer)
+  return dict(costs, trainer=rescale_trainer(costs["trainer"], alone["s_per_token"]))
 
 
 def generator_alone_child(args: dict) -> None:
@@ -806,7 +800,16 @@ def predict(
       seed=s.seed,
       free_slots=lambda it, n: max(0, slots - n) if s.elastic.enabled else 0,
       scheduler=s.scheduler.kind if s.scheduler.kind in ("fifo", "skew") else "fifo",
+      ranker_refresh_s=ranker_refresh_s(costs, s),
   )
+
+
+def ranker_refresh_s(costs: dict, s) -> float:
+  """The ranker's refresh on the generators' core after each round: measured by
+  launch/measure.py when the run's skew scheduler refreshes it there."""
+  if s.scheduler.kind != "skew" or s.scheduler.ranker_side != "generators":
+    return 0.0
+  return float(costs.get("ranker", {}).get("refresh_s", 0.0))
 
 
 # ------------------------------------------------------------------- report

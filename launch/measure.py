@@ -14,7 +14,12 @@ What the run config describes, measured one part at a time in this process:
     its side of an iteration as `experiments/modes_workload.train_alone` times
     it: forward-only seconds per token (rewards, old / reference logprobs,
     values, advantages) and update seconds per token (every PPO epoch), the
-    median of `--reps` passes after one untimed (compiling) pass.
+    median of `--reps` passes after one untimed (compiling) pass;
+  ranker (the skew scheduler, `scheduler.kind="skew"`): seconds of one
+    online refresh of its length ranker (`RankerTrainer.update`: scoring
+    the newest pairs, then `online.steps` steps) on that batch's lengths
+    repeated to a full `online.eval_newest` history, as the run refreshes it
+    after every round; the median of `--reps` after one untimed refresh.
 
 The tiny default policy is warm-started as launch/main.py does (cached under
 --workdir; point it at a run's workdir to reuse that run's warm start).
@@ -133,6 +138,28 @@ def measure_trainer(work, samples, by_id, reps: int) -> dict:
   }
 
 
+def measure_ranker(s, model_dir: str, samples, reps: int) -> dict:
+  """Seconds per online refresh of the skew scheduler's ranker (module docstring)."""
+  from streamrl.scheduling.ranker_actor import build_ranker  # pylint: disable=g-import-not-at-top
+
+  ranker = build_ranker(s.scheduler, model_dir)
+  batch = [(list(q.prompt_token_ids), len(q.token_ids)) for q in samples]
+  n = max(len(batch), int(ranker.config.online.eval_newest))
+  pairs = [batch[k % len(batch)] for k in range(n)]
+  times = []
+  for k in range(reps + 1):  # The first refresh compiles; untimed.
+    t0 = time.perf_counter()
+    ranker.update(pairs)
+    if k:
+      times.append(time.perf_counter() - t0)
+  ranker.close()
+  return {
+      "refresh_s": statistics.median(times),
+      "steps": int(ranker.config.online.steps),
+      "pairs": n,
+  }
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments {argv[1:]}; flags look like --name=value.")
@@ -174,6 +201,11 @@ def main(argv):
   t0 = time.perf_counter()
   trainer = measure_trainer(work, samples, by_id, _REPS.value)
   print(f"trainer costs ({time.perf_counter() - t0:.1f} s)")
+  ranker = None
+  if s.scheduler.kind == "skew":
+    t0 = time.perf_counter()
+    ranker = measure_ranker(s, work.model_dir, samples, _REPS.value)
+    print(f"ranker refresh {ranker['refresh_s']:.3f} s ({time.perf_counter() - t0:.1f} s)")
   e = s.engine
   gen_device = "cpu"
   if e.gpus_per_instance:
@@ -184,6 +216,7 @@ def main(argv):
       "format": "streamrl.costs/1",
       "profile": dict(profile.to_dict(), name=f"{gen_device}/tp{e.tensor_parallel_size}"),
       "trainer": trainer,
+      **({"ranker": ranker} if ranker else {}),
       "generation": {
           "device": gen_device,
           "gpus_per_instance": e.gpus_per_instance,

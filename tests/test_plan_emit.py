@@ -385,6 +385,8 @@ def test_measure_script_writes_costs_the_planner_reads(tmp_path):
   t = costs["trainer"]
   assert t["fwd_s_per_token"] > 0 and t["upd_s_per_token"] > 0 and t["devices"] == 1
   assert costs["generation"]["device"] == "cpu" and costs["generation"]["max_num_seqs"] == 4
+  # configs/ppo.py's skew scheduler refreshes its ranker after every round: timed too.
+  assert costs["ranker"]["refresh_s"] > 0 and costs["ranker"]["steps"] > 0
   c = _plan_config(os.path.join(ROOT, "configs", "plan", "qwen7b_single_dc.py"), measured=str(out))
   c.lengths = dict(kind="fixed", prompt_len=16, output_len=32)
   report = run_plan(c)

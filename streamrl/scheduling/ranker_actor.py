@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import os
+import time
 from collections.abc import Sequence
 
 import ray
@@ -73,6 +74,9 @@ class RankerActor:
   def update(self, new_pairs) -> tuple[dict, list]:
     """-> (the refresh's metrics, the refreshed parameters' leaves): two
     objects, so the caller can read the metrics without fetching the leaves."""
+    t0 = time.perf_counter()
     self.pairs.extend((list(p), int(n)) for p, n in new_pairs)
     metrics = self.ranker.update(list(self.pairs))
+    # Seconds it held a generation core (`ranker/refresh_s`; the simulator's ranker_refresh_s).
+    metrics["refresh_s"] = time.perf_counter() - t0
     return metrics, self.ranker.param_leaves()

@@ -80,6 +80,25 @@ def from_measured(
   return gen, train
 
 
+def rescale_trainer(trainer_json: Mapping[str, Any], s_per_token: float) -> dict:
+  """A trainer cost model (launch/measure.py's "trainer" entry) whose forward
+  and update seconds per token, in their measured proportion, add up to
+  `s_per_token`: the same trainer measured another way (e.g. over several
+  processes, which launch/measure.py cannot time); `one_process_scale`
+  records the factor."""
+  t = dict(trainer_json)
+  total = float(t["fwd_s_per_token"]) + float(t["upd_s_per_token"])
+  if not (total > 0 and math.isfinite(s_per_token) and s_per_token > 0):
+    raise ValueError(
+        f"cannot rescale a trainer of {total} s per token to {s_per_token}; both must be > 0."
+    )
+  scale = s_per_token / total
+  t["fwd_s_per_token"] = float(t["fwd_s_per_token"]) * scale
+  t["upd_s_per_token"] = float(t["upd_s_per_token"]) * scale
+  t["one_process_scale"] = scale
+  return t
+
+
 def predict_local_throughput(
     profile_json,
     trainer_json,
@@ -179,6 +198,7 @@ def predict_elastic_throughput(
     free_slots: int | Callable[[int, int], int] = 1 << 30,
     scheduler: str = "fifo",
     ranker_sigma: float = 0.0,
+    ranker_refresh_s: float = 0.0,
 ) -> dict:
   """Predicted throughput of a local run whose generators scale elastically.
 
@@ -191,6 +211,9 @@ def predict_elastic_throughput(
     profile_json, trainer_json, mode, batch_size, max_in_flight,
       num_minibatches, transfer_s, scheduler, ranker_sigma, seed: as in
       predict_local_throughput.
+    ranker_refresh_s: the ranker's refresh after each round, on the
+      generators' core (`SimConfig.ranker_refresh_s`; measured by
+      launch/measure.py's "ranker" entry).
     output_lens: lengths observed in the measured run, resampled every
       iteration; or None with `output_lens_per_iteration`: iteration j
       resamples output_lens_per_iteration[j] (one list per iteration, at
@@ -265,6 +288,7 @@ def predict_elastic_throughput(
       seed=seed,
       gen_cores=gen_cores,
       share_cost=share_cost,
+      ranker_refresh_s=ranker_refresh_s,
   )
   r = simulate(cfg, controller=ctl)
   ends = np.asarray([s.train_end for s in r.iterations])

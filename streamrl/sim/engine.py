@@ -179,6 +179,12 @@ class SimConfig:
       moves them: once the pool is empty, an idle instance takes the running
       request with the most tokens from the instance with the most in flight
       (`pool.donor`), which resumes there (prefilling prompt + tokens so far).
+    ranker_refresh_s: seconds of the generation side's core that the length
+      ranker's refresh takes after each round (`scheduler.kind="skew"` with
+      `ranker_side="generators"`: the refresh runs beside the generators,
+      at a lower priority, from the round's end). What of it is left when
+      the next round starts is taken from that round's generation (one core:
+      the refresh's leftover seconds add to the round); 0: no refresh.
   """
 
   mode: str
@@ -208,6 +214,7 @@ class SimConfig:
   max_token_version_gap: int = 2
   migrate: bool = False
   ppo_epochs: int = 1
+  ranker_refresh_s: float = 0.0
 
   @property
   def partial(self) -> bool:
@@ -251,6 +258,10 @@ class SimConfig:
       raise ValueError(f"gen_cores must be None or an int >= 1, got {self.gen_cores!r}.")
     if not (math.isfinite(self.share_cost) and self.share_cost >= 1.0):
       raise ValueError(f"share_cost must be a finite factor >= 1, got {self.share_cost!r}.")
+    if not (math.isfinite(self.ranker_refresh_s) and self.ranker_refresh_s >= 0):
+      raise ValueError(
+          f"ranker_refresh_s must be finite seconds >= 0, got {self.ranker_refresh_s!r}."
+      )
     if isinstance(self.lengths, (tuple, list)) and len(self.lengths) < self.iterations:
       raise ValueError(
           f"got {len(self.lengths)} length distributions for {self.iterations} iterations; "
@@ -892,6 +903,7 @@ class _Simulation:
     k = config.iterations
     self.gen_start = [math.nan] * k
     self.gen_end = [math.nan] * k
+    self.refresh_end = 0.0  # when the ranker's refresh after the last round ends
     self.train_start = [math.nan] * k
     self.train_end = [math.nan] * k
     self.train_busy = [0.0] * k
@@ -981,7 +993,12 @@ class _Simulation:
     queues, caps = _plan_queues(c, g, n_inst, prompt, out, recent)
     self.gen_start[g] = t
     self.gen_phase_iter = g
-    self.gen.start(t, prompt, out, queues, caps, shared=c.pool == "shared")
+    self.gen.start(self._after_refresh(t), prompt, out, queues, caps, shared=c.pool == "shared")
+
+  def _after_refresh(self, t: float) -> float:
+    """When a round starting at t starts generating: after what is left of the
+    ranker's refresh (`SimConfig.ranker_refresh_s`) on the generators' core."""
+    return max(t, self.refresh_end)
 
   def _start_partial(self, t: float, g: int, n_inst: int, dist: LengthDistribution) -> None:
     """Round g with partial rollouts: the buffer's requests, resumed first;
@@ -1001,7 +1018,14 @@ class _Simulation:
     self.resumed.append(self.partial.resumed)
     self.gen_start[g] = t
     self.gen_phase_iter = g
-    self.gen.start(t, ctx, left, plan.assignments, plan.batch_sizes, shared=c.pool == "shared")
+    self.gen.start(
+        self._after_refresh(t),
+        ctx,
+        left,
+        plan.assignments,
+        plan.batch_sizes,
+        shared=c.pool == "shared",
+    )
 
   def _finish_partial(self, g: int) -> None:
     """Round g stopped: its trained samples, all arriving at once (the
@@ -1030,6 +1054,7 @@ class _Simulation:
     self.gen_end[g] = t
     self.gen_busy[g] = self.gen.busy_time()
     self.gen_running = False
+    self.refresh_end = t + self.c.ranker_refresh_s  # the ranker refreshes on the round's lengths
     if g == self.tj:
       self._train_try(t)
     self._try_start_gen(t)

@@ -38,3 +38,16 @@ def test_missing_inputs_are_clear(tmp_path):
     from_measured(tmp_path / "nope.json", TRAINER)
   with pytest.raises(ValueError, match="missing"):
     from_measured(PROFILE, {"fwd_s_per_token": 1.0})
+
+
+def test_rescale_trainer_keeps_the_split_and_records_the_factor():
+  from streamrl.sim.calibrate import rescale_trainer
+
+  t = {"fwd_s_per_token": 1e-4, "upd_s_per_token": 3e-4, "name": "cpu"}
+  out = rescale_trainer(t, 1e-3)
+  assert out["fwd_s_per_token"] == pytest.approx(2.5e-4)
+  assert out["upd_s_per_token"] == pytest.approx(7.5e-4)
+  assert out["one_process_scale"] == pytest.approx(2.5) and out["name"] == "cpu"
+  assert t["fwd_s_per_token"] == 1e-4  # the measured model is left as it was
+  with pytest.raises(ValueError, match="both must be > 0"):
+    rescale_trainer(t, 0.0)

@@ -422,3 +422,29 @@ def test_stream_trains_its_later_epochs_after_generation():
   assert one.iterations[0].train_end == pytest.approx(t2 + 2 * 108 * f + 216 * u)
   with pytest.raises(ValueError, match="ppo_epochs"):
     dataclasses.replace(cfg, ppo_epochs=0)
+
+
+def test_the_rankers_refresh_takes_its_leftover_from_the_next_round():
+  # Sync, one instance: each round is followed by training (T) and the push (P); a refresh of
+  # R seconds on the generators' core from the round's end leaves max(0, R - T - P) for the
+  # next round, which starts generating that much later (its generation time holds it).
+  cfg = dataclasses.replace(
+      _trivial("sync", iterations=3, fwd=1e-4, upd=3e-4),
+      num_instances=1,
+      lengths=_Queue([10, 10, 100, 100]),
+      batch_size=4,
+      transfer_s=0.05,
+  )
+  base = simulate(cfg)
+  it = base.iterations[0]
+  gap = base.iterations[1].gen_start - it.gen_end  # training + push
+  for r in (0.5 * gap, gap + 0.2):
+    slow = simulate(
+        dataclasses.replace(cfg, lengths=_Queue([10, 10, 100, 100]), ranker_refresh_s=r)
+    )
+    extra = max(0.0, r - gap)
+    for a, b in zip(base.iterations[1:], slow.iterations[1:]):
+      assert b.gen_time == pytest.approx(a.gen_time + extra)
+    assert slow.iterations[0].gen_time == pytest.approx(it.gen_time)  # no refresh before it
+  with pytest.raises(ValueError, match="ranker_refresh_s"):
+    dataclasses.replace(cfg, ranker_refresh_s=-1.0)
