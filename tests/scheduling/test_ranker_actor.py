@@ -72,6 +72,8 @@ def test_the_ranker_actor_predicts_and_refreshes_as_in_process(local_ray, tmp_pa
   # then, which is one of the in-process refreshes up to that round.
   reported = [(k, m) for k, m in enumerate(theirs) if m]
   assert reported and all("ranker/pre_recall20" in m for _, m in reported)
+  # The actor also reports how long each refresh held its core.
+  assert all(m.pop("ranker/refresh_s") > 0 for _, m in reported)
   for k, m in reported:
     assert any(m == pytest.approx(mine[j], rel=1e-4) for j in range(k + 1)), m
   # A group's samples share a prompt, and its score (scored once).
