@@ -877,12 +877,13 @@ def main(argv):
   t_all = now()
   print(f"machine: {os.cpu_count()} cores, load average {load():.1f} at start", flush=True)
   local = [m for m in modes if m not in CLUSTER_ARMS]
-  if local:
+  cluster = [m for m in modes if m in CLUSTER_ARMS]
+  work = None
+  if local:  # the cluster arms build their own workload (experiments/bench_elastic.py)
     print(
         f"workload: {describe(s)}; {warm} warm-up + {iters} timed iterations per mode", flush=True
     )
-  work = Workload(s, _WORKDIR.value) if local else None
-  if local:
+    work = Workload(s, _WORKDIR.value)
     precompile(
         work, [arm_settings(s, m) for m in local], warm + iters + 1, streaming="stream" in local
     )
@@ -921,7 +922,7 @@ def main(argv):
       ray.shutdown()
   # The cluster arms start raylets of their own: after this process's Ray is gone.
   for r in range(_REPEATS.value):
-    for arm in (m for m in modes if m in CLUSTER_ARMS):
+    for arm in cluster:
       res = repeats[r][arm] = run_cluster_arm(arm, r, _OUT.value)
       print(
           f"  repeat {r} {arm}: {res['samples_per_s']:.2f} samples/s measured, "
