@@ -62,9 +62,9 @@ What it does:
      subprocess on the training node's core, nothing else running): the
      run's StreamGenerationService, engine settings and initial policy, one
      instance, the run's first prompt batch --alone_reps times (after one
-     untimed batch: a fresh engine's first rounds are slow); then one
-     instance added (`add_instance`, the elastic path) and the same batches
-     (same seeds, same lengths) on both.
+     untimed batch: a fresh engine's first rounds are slow); then, in the
+     elastic run, one instance added (`add_instance`, the elastic path) and
+     the same batches (same seeds, same lengths) on both.
   5. The cost models, measured on this machine: `launch/measure.py` (same
      config, the run's workdir for its cached initial policy, pinned to the
      generation node's core): the PTL(BS) profile and prefill cost of one
@@ -113,6 +113,13 @@ measured apart, on a second, shorter run of the same config on the same
 cluster (another seed, so other prompts and lengths; --trainer_alone_iterations,
 the first two left out): its time/training_s per trained token, whose median
 rescales the forward and update costs before the simulator replays the run.
+
+--costs_from=<an earlier run's summary.json> (same flags) uses that run's
+cost measurements instead of measuring them again: launch/measure.py's and,
+with --trainer_processes > 1, the trainer alone's (the calibration's later
+repeats: costs measured once on this machine, apart from every run they
+predict; ~1.5 minutes saved per repeat, ~4.5 with two trainer processes).
+The generator-alone batches are measured in every run.
 
 About 5-6 minutes on the 2-core machine (9-10 with --trainer_processes=2),
 ~10 when other jobs keep a core busy.
@@ -201,6 +208,12 @@ _TRAINER_ALONE_ITERATIONS = flags.DEFINE_integer(
     5,
     "With --trainer_processes > 1: iterations of the separate run whose training "
     "phases (after its first two, which compile) give the trainer's seconds per token.",
+)
+_COSTS_FROM = flags.DEFINE_string(
+    "costs_from",
+    "",
+    "The summary.json of an earlier run with the same flags whose cost measurements "
+    "(launch/measure.py's, the trainer alone's) to use instead of measuring again.",
 )
 _CHILD = flags.DEFINE_string(
     "child", "", "Internal: JSON arguments of the generator-alone measurement (a subprocess)."
@@ -446,6 +459,46 @@ def trainer_alone(c, base: str, overrides: dict, s) -> dict:
   return {"iterations": its, "log": log_path}
 
 
+def earlier_costs(path: str, overrides: dict) -> dict:
+  """The cost measurements of an earlier run (its summary.json), checked to be
+  of the same workload: costs measured once, on this machine, apart from the
+  runs they predict. Returns {"costs": launch/measure.py's, "trainer_alone":
+  the multi-process trainer's or None, "from": path}."""
+  try:
+    with open(path) as f:
+      earlier = json.load(f)
+  except (OSError, ValueError) as e:
+    raise app.UsageError(
+        f"--costs_from={path} cannot be read ({e}); pass the summary.json of an "
+        "earlier run that completed."
+    ) from e
+  if not isinstance(earlier, dict) or not isinstance(earlier.get("costs_measured"), dict):
+    raise app.UsageError(
+        f"--costs_from={path} holds no cost measurements; pass the summary.json of an "
+        "earlier run that completed."
+    )
+  alone = earlier.get("trainer_alone")
+  if _TRAINER_PROCESSES.value > 1 and (not isinstance(alone, dict) or not alone.get("iterations")):
+    raise app.UsageError(
+        f"--costs_from={path} holds no trainer-alone measurement; pass the summary.json of an "
+        f"earlier --trainer_processes={_TRAINER_PROCESSES.value} run."
+    )
+  overrides = json.loads(json.dumps(overrides, default=str))  # as summary.json holds them
+  if earlier.get("overrides") != overrides:
+    diff = sorted(
+        k
+        for k in set(overrides) | set(earlier.get("overrides") or {})
+        if overrides.get(k) != (earlier.get("overrides") or {}).get(k)
+    )
+    raise app.UsageError(
+        f"--costs_from={path} measured another workload (settings {', '.join(diff)} "
+        "differ); run without it or pass the same flags as that run."
+    )
+  if alone is not None:
+    alone = {"iterations": alone["iterations"], "log": alone.get("log"), "from": path}
+  return {"costs": earlier["costs_measured"], "trainer_alone": alone, "from": path}
+
+
 def with_trainer_alone(costs: dict, alone: dict) -> dict:
   """`costs` with the trainer's forward and update seconds per token (prompt +
   response, the prompt's mean length as launch/measure.py saw it) scaled, in
@@ -512,10 +565,11 @@ def generator_alone_child(args: dict) -> None:
     # The first generations on a fresh engine are slow: one whole batch untimed.
     batch(10_000)
     out["one"] = [batch(k) for k in range(args["reps"])]
-    t0 = now()
-    svc.add_instance("bench: two instances sharing the generation node")
-    out["add_s"] = now() - t0
-    out["two"] = [batch(k) for k in [0] + list(range(args["reps"]))]
+    if args["two"]:
+      t0 = now()
+      svc.add_instance("bench: two instances sharing the generation node")
+      out["add_s"] = now() - t0
+      out["two"] = [batch(k) for k in [0] + list(range(args["reps"]))]
     out["placement"] = {
         i: {k: svc.placement[i].get(k) for k in ("cores", "datacenter", "pid")}
         for i in svc.live_instances
@@ -526,6 +580,12 @@ def generator_alone_child(args: dict) -> None:
     json.dump(out, f)
 
 
+def elastic_run() -> bool:
+  """Whether the run is the elastic one (one trainer process): the multi-process
+  trainer's run keeps one generator instance throughout."""
+  return _TRAINER_PROCESSES.value == 1
+
+
 def generator_alone(c, run_dir: str, overrides: dict, out_path: str, cores) -> dict:
   """Runs `generator_alone_child` against cluster `c`, on `cores`."""
   child = {
@@ -534,6 +594,7 @@ def generator_alone(c, run_dir: str, overrides: dict, out_path: str, cores) -> d
       "out": out_path,
       "log_dir": os.path.dirname(out_path),
       "reps": _ALONE_REPS.value,
+      "two": elastic_run(),  # a second instance only where the run can add one
   }
   args = [sys.executable, os.path.abspath(__file__), "--child=" + json.dumps(child)]
   if cores:
@@ -880,6 +941,7 @@ def main(argv):
   t_all = now()
   overrides = workload_overrides()
   s = typed_settings(overrides)  # checks every value before anything starts
+  earlier = earlier_costs(_COSTS_FROM.value, overrides) if _COSTS_FROM.value else None
   os.makedirs(_WORKDIR.value, exist_ok=True)
   os.makedirs(_OUT.value, exist_ok=True)
   base = tempfile.mkdtemp(prefix="bench_", dir=_WORKDIR.value)
@@ -917,7 +979,9 @@ def main(argv):
           c, run_dir, overrides, os.path.join(base, "generator_alone.json"), cores.get("trainer")
       )
       phases["generator alone"] = (t2, time.time())
-      if _TRAINER_PROCESSES.value > 1:
+      if earlier is not None:
+        train_alone = earlier["trainer_alone"]
+      elif _TRAINER_PROCESSES.value > 1:
         log(f"the {_TRAINER_PROCESSES.value}-process trainer alone (a second, shorter run) ...")
         t2 = time.time()
         train_alone = trainer_alone(c, base, overrides, s)
@@ -936,19 +1000,24 @@ def main(argv):
     log(f"cores of the trainer and the generators (placement.json): {where}")
 
   measured = analyse_run(run_dir, s, _WARMUP.value)
-  pred = free = costs = profile = None
+  pred = free = costs = costs_measured = profile = None
   req_s = scale = float("nan")
   # Instances time-share the generation node: its CPUs in units of one
   # instance's threads (the service gives each max(1, CPUs // slots)).
   gen_cores = max(1, GEN_CPUS // max(1, GEN_CPUS // _SLOTS.value))
   sharing = None
   if alone is not None and measured.get("samples_per_s"):
-    log("measuring the cost models (launch/measure.py) ...")
-    t2 = time.time()
-    costs = measure_costs(
-        run_dir, overrides, os.path.join(_OUT.value, "costs.json"), cores.get("generator")
-    )
-    phases["measure.py"] = (t2, time.time())
+    if earlier is not None:
+      costs = earlier["costs"]
+      log(f"the cost models: measured by the run of {earlier['from']}")
+    else:
+      log("measuring the cost models (launch/measure.py) ...")
+      t2 = time.time()
+      costs = measure_costs(
+          run_dir, overrides, os.path.join(_OUT.value, "costs.json"), cores.get("generator")
+      )
+      phases["measure.py"] = (t2, time.time())
+    costs_measured = costs
     if train_alone is not None:
       costs = with_trainer_alone(costs, train_alone)
       log(
@@ -959,12 +1028,15 @@ def main(argv):
       )
     cap = s.engine.max_num_seqs
     profile, req_s, scale = with_request_cost(costs, alone, cap)
-    sharing = sharing_check(alone, profile, cap, gen_cores)
-    pred = predict(measured, costs, profile, s, gen_cores, _WARMUP.value, sharing["share_cost"])
+    if alone.get("two"):
+      sharing = sharing_check(alone, profile, cap, gen_cores)
+    share_cost = sharing["share_cost"] if sharing else 1.0
+    pred = predict(measured, costs, profile, s, gen_cores, _WARMUP.value, share_cost)
     free = predict(measured, costs, profile, s, gen_cores, _WARMUP.value, 1.0)
   monitor.stop()
   for x in measured["iterations"]:
     x["others"] = monitor.others(x["wall_time"] - x["iter_s"], x["wall_time"])
+  phase_s = {k: v[1] - v[0] for k, v in phases.items()}
   phases = {k: monitor.others(*v) for k, v in phases.items()}
 
   print_table(measured, pred, _WARMUP.value)
@@ -1063,6 +1135,8 @@ def main(argv):
       "measured": measured,
       "predicted": pred,
       "costs": costs,
+      "costs_measured": costs_measured,
+      "costs_from": _COSTS_FROM.value or None,
       "profile_with_request_cost": profile,
       "per_request_s": req_s,
       "profile_scale": scale,
@@ -1070,6 +1144,7 @@ def main(argv):
       "trainer_alone": train_alone,
       "sharing": sharing,
       "others_during_measurement": phases,
+      "phase_s": {"run": run_s, **phase_s},
       "total_s": total,
   }
   with open(os.path.join(_OUT.value, "summary.json"), "w") as f:

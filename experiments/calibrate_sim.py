@@ -31,7 +31,9 @@ by the simulator) and sync_2train (sync with two trainer processes,
 cluster.trainer_processes=2, sharing the training node's core; the
 trainer's costs those of launch/measure.py's one process rescaled by the
 two-process trainer's seconds per token, measured on a second, shorter run
-on the same cluster). For each of the other arms, in this one process:
+on the same cluster). Each cluster arm measures its costs (launch/measure.py,
+the trainer alone) in its first repeat and its later repeats predict with
+them (bench_elastic's --costs_from). For each of the other arms, in this one process:
   1. the real loop (`train.train_iteration` on the mode from
      `train.setup_mode`, over the real rollout: the in-process engine for
      colocated, a Ray generator actor on one core for the others, whose
@@ -704,6 +706,8 @@ def run_cluster_arm(arm: str, repeat: int, out_dir: str) -> dict:
       os.path.join(os.path.dirname(os.path.abspath(__file__)), "bench_elastic.py"),
   ]
   args += [f"--out={out}", f"--workdir={_WORKDIR.value}_cluster", *CLUSTER_ARMS[arm]]
+  if repeat > 0:  # the costs, measured once per arm (the generator alone every run)
+    args.append(f"--costs_from={os.path.join(out_dir, f'{arm}_0', 'summary.json')}")
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
   t0 = now()
