@@ -254,6 +254,11 @@ def node_cores(pin: bool) -> dict[str, tuple[int, ...]]:
   if not pin:
     return {}
   cores = sorted(os.sched_getaffinity(0))
+  if len(cores) < (os.cpu_count() or 1):
+    log(
+        f"warning: this process may run on cores {cores} of the machine's {os.cpu_count()} "
+        "(a parent pinned it); the nodes are pinned within those."
+    )
   if len(cores) < GEN_CPUS + TRAIN_CPUS or shutil.which("taskset") is None:
     log(
         f"warning: cannot pin the nodes ({len(cores)} cores, taskset "

@@ -114,6 +114,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from absl import app, flags, logging as absl_logging  # noqa: E402
 
 from streamrl.workload import (
+    ALL_CORES,
     MODES,
     Workload,
     config_json,
@@ -711,7 +712,17 @@ def run_cluster_arm(arm: str, repeat: int, out_dir: str) -> dict:
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
   t0 = now()
-  res = subprocess.run(args, capture_output=True, text=True, timeout=1800, cwd=root, env=env)
+  # The in-process arms pinned this process; the cluster pins its nodes to
+  # cores of its own and must see every core of the machine.
+  res = subprocess.run(
+      args,
+      capture_output=True,
+      text=True,
+      timeout=1800,
+      cwd=root,
+      env=env,
+      preexec_fn=lambda: os.sched_setaffinity(0, ALL_CORES),
+  )
   result = [ln for ln in res.stdout.splitlines() + res.stderr.splitlines() if "RESULT" in ln]
   if res.returncode != 0 or not result:
     raise RuntimeError(
