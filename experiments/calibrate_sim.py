@@ -90,9 +90,10 @@ summary.json (every timing). Ends with
 repeat), and calibration.png: every run's predicted against measured samples/s,
 and every timed iteration against its run's predicted mean iteration.
 (signed: predicted / measured - 1). About 1 minute per in-process arm and
-repeat on a quiet 2-core machine, 21 minutes for those seven arms x 3 repeats
+repeat on a quiet 2-core machine, 20 minutes for those seven arms x 3 repeats
 (most of it Ray and engine start-ups and the components run between
-iterations); the cluster arms about 6 minutes each per repeat.
+iterations); the cluster arms 4-8 minutes each per repeat (the first repeat
+measures their costs): 49 minutes for all nine arms x 3 repeats.
 
 Measured results: experiments/RESULTS.md (section calibrate_sim.py).
 """
