@@ -86,7 +86,9 @@ What it does:
      that time-sharing costs over perfect sharing, measured on the
      generator-alone batches of step 4 (two instances' time over the
      simulator's replay of them, relative to the same ratio on one
-     instance; floored at 1), batch, mini-batches,
+     instance; floored at 1), added_round_s = what the added instance's
+     first round took over the later two-instance rounds (a fresh engine's
+     slow start; floored at 0), batch, mini-batches,
      in-flight cap, and per iteration the run's own output lengths (rebuilt
      from that iteration's `response_length` histogram: exact below ~10
      tokens, within a ~10 % bucket above; the rebuilt mean is checked against
@@ -696,6 +698,9 @@ def sharing_check(alone: dict, profile: dict, cap: int, gen_cores: int) -> dict:
       "share_cost": max(1.0, share),
       "two_over_one": statistics.median(w["gen_s"] / o["gen_s"] for w, o in zip(warm, one)),
       "cold_over_two": cold["gen_s"] / statistics.median(b["gen_s"] for b in warm),
+      # What the added instance's first round costs over the later ones
+      # (SimConfig.added_round_s): a fresh engine is slow at first.
+      "added_round_s": max(0.0, cold["gen_s"] - statistics.median(b["gen_s"] for b in warm)),
       "add_s": alone["add_s"],
       "placement": alone.get("placement", {}),
   }
@@ -839,7 +844,14 @@ def policy_kwargs(s) -> dict:
 
 
 def predict(
-    measured: dict, costs: dict, profile: dict, s, gen_cores: int, warmup: int, share_cost: float
+    measured: dict,
+    costs: dict,
+    profile: dict,
+    s,
+    gen_cores: int,
+    warmup: int,
+    share_cost: float,
+    added_round_s: float = 0.0,
 ) -> dict:
   from streamrl.sim.calibrate import predict_elastic_throughput  # pylint: disable=g-import-not-at-top
 
@@ -867,6 +879,7 @@ def predict(
       free_slots=lambda it, n: max(0, slots - n) if s.elastic.enabled else 0,
       scheduler=s.scheduler.kind if s.scheduler.kind in ("fifo", "skew") else "fifo",
       ranker_refresh_s=ranker_refresh_s(costs, s),
+      added_round_s=added_round_s,
   )
 
 
@@ -1036,8 +1049,9 @@ def main(argv):
     if alone.get("two"):
       sharing = sharing_check(alone, profile, cap, gen_cores)
     share_cost = sharing["share_cost"] if sharing else 1.0
-    pred = predict(measured, costs, profile, s, gen_cores, _WARMUP.value, share_cost)
-    free = predict(measured, costs, profile, s, gen_cores, _WARMUP.value, 1.0)
+    added = sharing["added_round_s"] if sharing else 0.0
+    pred = predict(measured, costs, profile, s, gen_cores, _WARMUP.value, share_cost, added)
+    free = predict(measured, costs, profile, s, gen_cores, _WARMUP.value, 1.0, added)
   monitor.stop()
   for x in measured["iterations"]:
     x["others"] = monitor.others(x["wall_time"] - x["iter_s"], x["wall_time"])
@@ -1087,7 +1101,8 @@ def main(argv):
         f"(model {fmt(sh['one_sim_s'])}); two instances on the generation node "
         f"{fmt(sh['two_s'])} s (model {fmt(sh['two_sim_s'])}), {sh['two_over_one']:.2f}x one "
         f"instance (median); their first round after the addition {sh['two_cold_s']:.2f} s "
-        f"({sh['cold_over_two']:.2f}x their later ones); adding it took {sh['add_s']:.1f} s; "
+        f"({sh['cold_over_two']:.2f}x their later ones: added_round_s "
+        f"{sh['added_round_s']:.2f}); adding it took {sh['add_s']:.1f} s; "
         f"instances (cores, datacenter): "
         + ", ".join(f"{i}: {p['cores']} {p['datacenter']}" for i, p in sh["placement"].items())
     )

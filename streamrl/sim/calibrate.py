@@ -199,6 +199,7 @@ def predict_elastic_throughput(
     scheduler: str = "fifo",
     ranker_sigma: float = 0.0,
     ranker_refresh_s: float = 0.0,
+    added_round_s: float = 0.0,
 ) -> dict:
   """Predicted throughput of a local run whose generators scale elastically.
 
@@ -214,6 +215,8 @@ def predict_elastic_throughput(
     ranker_refresh_s: the ranker's refresh after each round, on the
       generators' core (`SimConfig.ranker_refresh_s`; measured by
       launch/measure.py's "ranker" entry).
+    added_round_s: SimConfig.added_round_s, what an added instance's first
+      round costs over a warm one (measured on the generator alone).
     output_lens: lengths observed in the measured run, resampled every
       iteration; or None with `output_lens_per_iteration`: iteration j
       resamples output_lens_per_iteration[j] (one list per iteration, at
@@ -289,6 +292,7 @@ def predict_elastic_throughput(
       gen_cores=gen_cores,
       share_cost=share_cost,
       ranker_refresh_s=ranker_refresh_s,
+      added_round_s=added_round_s,
   )
   r = simulate(cfg, controller=ctl)
   ends = np.asarray([s.train_end for s in r.iterations])

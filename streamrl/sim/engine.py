@@ -185,6 +185,12 @@ class SimConfig:
       at a lower priority, from the round's end). What of it is left when
       the next round starts is taken from that round's generation (one core:
       the refresh's leftover seconds add to the round); 0: no refresh.
+    added_round_s: seconds by which a round run on more instances than the
+      round before starts generating later, per added instance: an added
+      engine's first round is slow (its first steps, caches filling), which
+      the latency profile of a warm engine does not hold. Measured on the
+      generator alone (experiments/bench_elastic.py: the first two-instance
+      round after the addition against the later ones); 0: not modelled.
   """
 
   mode: str
@@ -215,6 +221,7 @@ class SimConfig:
   migrate: bool = False
   ppo_epochs: int = 1
   ranker_refresh_s: float = 0.0
+  added_round_s: float = 0.0
 
   @property
   def partial(self) -> bool:
@@ -262,6 +269,8 @@ class SimConfig:
       raise ValueError(
           f"ranker_refresh_s must be finite seconds >= 0, got {self.ranker_refresh_s!r}."
       )
+    if not (math.isfinite(self.added_round_s) and self.added_round_s >= 0):
+      raise ValueError(f"added_round_s must be finite seconds >= 0, got {self.added_round_s!r}.")
     if isinstance(self.lengths, (tuple, list)) and len(self.lengths) < self.iterations:
       raise ValueError(
           f"got {len(self.lengths)} length distributions for {self.iterations} iterations; "
@@ -993,12 +1002,14 @@ class _Simulation:
     queues, caps = _plan_queues(c, g, n_inst, prompt, out, recent)
     self.gen_start[g] = t
     self.gen_phase_iter = g
-    self.gen.start(self._after_refresh(t), prompt, out, queues, caps, shared=c.pool == "shared")
+    self.gen.start(self._begins(t, g), prompt, out, queues, caps, shared=c.pool == "shared")
 
-  def _after_refresh(self, t: float) -> float:
-    """When a round starting at t starts generating: after what is left of the
-    ranker's refresh (`SimConfig.ranker_refresh_s`) on the generators' core."""
-    return max(t, self.refresh_end)
+  def _begins(self, t: float, g: int) -> float:
+    """When round g, started at t, starts generating: after what is left of the
+    ranker's refresh (`SimConfig.ranker_refresh_s`) on the generators' core,
+    and later by `SimConfig.added_round_s` per instance added since round g-1."""
+    added = self.n_inst[g] - self.n_inst[g - 1] if g > 0 else 0
+    return max(t, self.refresh_end) + self.c.added_round_s * max(0, added)
 
   def _start_partial(self, t: float, g: int, n_inst: int, dist: LengthDistribution) -> None:
     """Round g with partial rollouts: the buffer's requests, resumed first;
@@ -1019,7 +1030,7 @@ class _Simulation:
     self.gen_start[g] = t
     self.gen_phase_iter = g
     self.gen.start(
-        self._after_refresh(t),
+        self._begins(t, g),
         ctx,
         left,
         plan.assignments,

@@ -448,3 +448,27 @@ def test_the_rankers_refresh_takes_its_leftover_from_the_next_round():
     assert slow.iterations[0].gen_time == pytest.approx(it.gen_time)  # no refresh before it
   with pytest.raises(ValueError, match="ranker_refresh_s"):
     dataclasses.replace(cfg, ranker_refresh_s=-1.0)
+
+
+def test_a_round_on_added_instances_starts_later_by_their_first_rounds_cost():
+  # Rounds on 1, 3, 3, 1 instances: round 1 added two, so it starts generating
+  # 2 * added_round_s later; the rounds that keep or drop instances do not.
+  counts = [1, 3, 3, 1]
+  cfg = dataclasses.replace(
+      _trivial("sync", iterations=4, fwd=1e-4, upd=3e-4),
+      num_instances=1,
+      lengths=_Queue([10, 10, 100, 100]),
+      batch_size=4,
+  )
+  ctl = lambda g, stats: counts[g]  # pylint: disable=unnecessary-lambda-assignment
+  base = simulate(cfg, controller=ctl)
+  slow = simulate(
+      dataclasses.replace(cfg, lengths=_Queue([10, 10, 100, 100]), added_round_s=0.25),
+      controller=ctl,
+  )
+  extra = [0.0, 0.5, 0.0, 0.0]
+  for a, b, e in zip(base.iterations, slow.iterations, extra):
+    assert b.num_instances == a.num_instances
+    assert b.gen_time == pytest.approx(a.gen_time + e)
+  with pytest.raises(ValueError, match="added_round_s"):
+    dataclasses.replace(cfg, added_round_s=float("nan"))
