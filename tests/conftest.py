@@ -32,11 +32,20 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 #   pytest -q -n 2 tests -m "not engine and not ray and not e2e"
 # The README's command (what CI runs) is the whole suite on both cores:
 #   pytest -q -n 2 --dist loadgroup tests
-# Every test of a tier runs on one xdist worker, one after the other (the
+# Every test of a tier (but those of BESIDE) runs on one xdist worker, one after the other (the
 # "heavy" group: each starts engines, Ray or runs that want the machine's
 # cores, and two at once would double each other's deadlines), while the
 # other worker runs the unit tests beside them.
 HEAVY = ("engine", "ray", "e2e")
+# e2e files whose processes are short and start no engine, Ray or training
+# run (main.py only up to its input errors): they stay out of the fast lane
+# but run beside the heavy group, on the worker that is idle once the unit
+# tests are done.
+BESIDE = (
+    "tests/test_launch.py",
+    "tests/transfer/test_processes.py",
+    "tests/trainer/test_gpu_check.py",
+)
 TIERS = {
     "tests/generator/test_vllm_engine.py": ("engine",),
     "tests/scheduling/test_profiler.py": ("engine",),
@@ -76,8 +85,10 @@ def pytest_collection_modifyitems(config, items):
       item.add_marker(getattr(pytest.mark, name))
     if item.get_closest_marker("slow"):
       item.add_marker(pytest.mark.e2e)
-    if config.getoption("loadgroup", False) and any(  # an xdist worker of --dist loadgroup
-        item.get_closest_marker(name) for name in HEAVY
+    if (
+        config.getoption("loadgroup", False)  # an xdist worker of --dist loadgroup
+        and rel not in BESIDE
+        and any(item.get_closest_marker(name) for name in HEAVY)
     ):
       _into_group(item, "heavy")
 
