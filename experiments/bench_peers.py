@@ -73,11 +73,17 @@ _WORKDIR = flags.DEFINE_string("workdir", "/tmp/streamrl_bench_peers", "Scratch 
 _OUT = flags.DEFINE_string(
     "out", os.path.join(ROOT, "experiments", "out", "bench_peers"), "summary.json and the PNG."
 )
-_SYSTEMS = flags.DEFINE_list("systems", ["streamrl", "trl"], "Which systems to run.")
+_SYSTEMS = flags.DEFINE_list("systems", ["streamrl", "trl", "tunix"], "Which systems to run.")
+_TUNIX_PYTHON = flags.DEFINE_string(
+    "tunix_python",
+    "",
+    "Python of a virtualenv with Tunix and StreamRL (default: <workdir>/tunix-venv, created "
+    "on first use; experiments/peer_tunix.py).",
+)
 _REPORT_ONLY = flags.DEFINE_bool(
     "report_only",
     False,
-    "Only report: StreamRL's run and TRL's evaluated curve as --workdir and --out hold them.",
+    "Only report: StreamRL's run and the peers' evaluated curves as --workdir and --out hold them.",
 )
 _CHILD = flags.DEFINE_string("child", "", "Internal: JSON arguments of the TRL run (a subprocess).")
 
@@ -183,6 +189,49 @@ def run_streamrl(s, workdir: str, warm_dir: str, run: bool = True) -> dict:
   )
 
 
+# ------------------------------------------------------------- both peers
+def drawn_examples(s) -> list:
+  """The training examples in the order StreamRL's loader draws them, one
+  iteration's prompts after another (both peers take them in this order)."""
+  from streamrl import train
+  from streamrl.data.loader import PromptLoader
+
+  train_examples, _ = train.load_examples(s)
+  loader = PromptLoader(train_examples, PROMPTS, seed=s.seed)
+  return [ex for _ in range(s.trainer.num_iterations) for ex in next(loader)]
+
+
+def peer_prompt(hf_tok, prompt_ids: list[int]) -> str:
+  """The text a peer is given for StreamRL's prompt ids: their decoding
+  without special tokens, since each peer's tokenizer call adds the `<bos>`
+  back (TRL: `trl_prompt_ids`; Tunix: its sampler's `tokenize`)."""
+  return hf_tok.decode(prompt_ids, skip_special_tokens=True)
+
+
+def trl_prompt_ids(processing_class, prompts: list[str]) -> list[list[int]]:
+  """The prompt ids TRL 1.16 generates from: `GRPOTrainer._tokenize_prompts`
+  for text (not conversational) prompts calls `processing_class(text=prompts)`,
+  which adds the tokenizer's special tokens."""
+  return processing_class(text=prompts)["input_ids"]
+
+
+def check_trl_prompts(hf_tok, prompts: list[str], prompt_ids: list[list[int]]) -> None:
+  got = trl_prompt_ids(hf_tok, prompts)
+  for i, (a, b) in enumerate(zip(got, prompt_ids)):
+    if list(a) != list(b):
+      raise RuntimeError(f"TRL would tokenize prompt {i} as {a}, StreamRL as {b}: {prompts[i]!r}.")
+
+
+# What TRL runs unlike StreamRL (printed and kept in the summary).
+TRL_UNMATCHED = (
+    "generation: TRL generates on-policy with transformers' generate, colocated with training "
+    "(StreamRL generates one weight version ahead with vLLM, asynchronously, partial rollouts)",
+    "advantages: TRL's group normalisation (scale_rewards='group', its own epsilon)",
+    "learning-rate schedule: transformers' cosine_with_min_lr after linear warm-up "
+    "(StreamRL: optax warmup_cosine_decay_schedule, the same end points)",
+)
+
+
 # ----------------------------------------------------------------------- TRL
 def trl_child(args: dict) -> None:
   """The TRL run, in a process of its own (torch's threads on both cores)."""
@@ -196,17 +245,14 @@ def trl_child(args: dict) -> None:
 
   torch.set_num_threads(os.cpu_count() or 2)
   s = settings_for(args["seed"], args["iterations"], args["num_eval"], args["eval_every"])
-  train_examples, _ = train.load_examples(s)
+  examples = drawn_examples(s)
   model_dir, out_dir = args["model_dir"], args["out_dir"]
   tok = train.make_tokenizer(s, model_dir)
   hf_tok = transformers.AutoTokenizer.from_pretrained(model_dir)
-  # The prompts as text whose tokens are exactly StreamRL's prompt tokens.
-  prompt_ids = [list(tok.encode_prompt(ex.prompt)) for ex in train_examples]
-  prompts = [hf_tok.decode(ids) for ids in prompt_ids]
-  for i in range(64):
-    if hf_tok(prompts[i], add_special_tokens=False)["input_ids"] != prompt_ids[i]:
-      raise RuntimeError(f"TRL would tokenize prompt {i} differently: {prompts[i]!r}.")
-  answers = [ex.answer for ex in train_examples]
+  prompt_ids = [list(tok.encode_prompt(ex.prompt)) for ex in examples]
+  prompts = [peer_prompt(hf_tok, ids) for ids in prompt_ids]
+  check_trl_prompts(hf_tok, prompts, prompt_ids)
+  answers = [ex.answer for ex in examples]
   data = datasets.Dataset.from_dict({"prompt": prompts, "answer": answers})
   answer_of = train.answer_of(s)
   score = getattr(rewards_lib, s.task.reward)
@@ -221,6 +267,10 @@ def trl_child(args: dict) -> None:
       seed=args["seed"],
       use_cpu=True,
       bf16=False,
+      # TRL turns it on by default; a 0.8M-parameter policy fits without it.
+      gradient_checkpointing=False,
+      # The rows in StreamRL's order of draw (drawn_examples), taken as they stand.
+      shuffle_dataset=False,
       num_generations=GROUP,
       per_device_train_batch_size=MINI,
       steps_per_generation=PROMPTS * GROUP // MINI,
@@ -240,6 +290,7 @@ def trl_child(args: dict) -> None:
       loss_type="dapo",
       scale_rewards="group",
       temperature=s.sampling.temperature,
+      top_p=s.sampling.top_p,
       max_completion_length=s.sampling.max_tokens,
       save_strategy="steps",
       save_steps=save_every,
@@ -337,7 +388,7 @@ def run_trl(s, workdir: str, model_dir: str) -> dict:
   )
 
 
-def evaluate_dirs(s, curve: list[dict], model_dir: str) -> None:
+def evaluate_dirs(s, name: str, curve: list[dict], model_dir: str) -> None:
   """Adds StreamRL's held-out accuracy (sampled and greedy) of each saved policy."""
   from streamrl import train
   from streamrl.generator.local import LocalRollout
@@ -353,7 +404,7 @@ def evaluate_dirs(s, curve: list[dict], model_dir: str) -> None:
       finally:
         rollout.close()
       point["acc"], point["acc_greedy"] = m["accuracy"], m["accuracy_greedy"]
-      print(f"  trl at {point['samples']} samples: {m['accuracy']:.3f} sampled", flush=True)
+      print(f"  {name} at {point['samples']} samples: {m['accuracy']:.3f} sampled", flush=True)
   finally:
     rewarder.close()
 
@@ -385,23 +436,83 @@ def plot(results: dict, path: str, title: str) -> None:
   fig.savefig(path, dpi=120)
 
 
+def report(results: dict, s) -> None:
+  """The table, the plot, the unmatched settings and the RESULT line."""
+  n = s.task.num_eval
+  print(
+      f"\n{'system':<10}{'samples/s':>11}{'tokens/s':>10}{'train s':>9}{'start-up s':>11}  accuracy"
+  )
+  for name, r in results.items():
+    last = r["curve"][-1]
+    print(
+        f"{name:<10}{r['samples_per_s']:>11.1f}{r['tokens_per_s']:>10.0f}{r['train_s']:>9.0f}"
+        f"{r['startup_s']:>11.0f}  {last['acc']:.3f} +- {stderr(last['acc'], n):.3f} sampled, "
+        f"{last['acc_greedy']:.3f} greedy (from {r['curve'][0]['acc']:.3f})"
+    )
+  for name, r in results.items():
+    for line in r.get("unmatched", []):
+      print(f"unmatched ({name}): {line}")
+  if "streamrl" not in results or len(results) < 2:
+    return
+  a = results["streamrl"]
+  png = os.path.join(_OUT.value, f"accuracy_vs_time_seed{s.seed}.png")
+  plot(results, png, f"GRPO, configs/grpo.py, {s.trainer.num_iterations} iterations, seed {s.seed}")
+  print(f"plot: {png}")
+  print(
+      f"StreamRL: {a['stalls']} iterations over 3 x the median (with an empty XLA cache: "
+      f"compiles for new padded lengths) took {a['stall_s']:.0f} of its {a['train_s']:.0f} "
+      f"training seconds; without them {a['steady_samples_per_s']:.1f} samples/s"
+  )
+  keys = []
+  for peer in ("trl", "tunix"):
+    if peer not in results:
+      continue
+    b = results[peer]
+    t = min(a["train_s"], b["train_s"])
+    d_samples = a["curve"][-1]["acc"] - b["curve"][-1]["acc"]
+    d_se = math.sqrt(stderr(a["curve"][-1]["acc"], n) ** 2 + stderr(b["curve"][-1]["acc"], n) ** 2)
+    keys += [
+        f"streamrl_over_{peer}_samples_per_s={a['samples_per_s'] / b['samples_per_s']:.2f}",
+        f"streamrl_over_{peer}_tokens_per_s={a['tokens_per_s'] / b['tokens_per_s']:.2f}",
+        f"accuracy_delta_{peer}_equal_samples={100 * d_samples:.1f}",
+        f"accuracy_delta_{peer}_equal_samples_se={100 * d_se:.1f}",
+        f"accuracy_delta_{peer}_equal_time={100 * (at_time(a['curve'], t) - at_time(b['curve'], t)):.1f}",
+        f"{peer}_samples_per_s={b['samples_per_s']:.1f}",
+        f"{peer}_acc={b['curve'][-1]['acc']:.3f}",
+    ]
+  keys += [
+      f"streamrl_samples_per_s={a['samples_per_s']:.1f}",
+      f"streamrl_acc={a['curve'][-1]['acc']:.3f}",
+      f"streamrl_stall_s={a['stall_s']:.0f}",
+      f"streamrl_steady_samples_per_s={a['steady_samples_per_s']:.1f}",
+  ]
+  print("RESULT " + " ".join(keys))
+
+
 def main(argv):
   del argv
   if _CHILD.value:
     trl_child(json.loads(_CHILD.value))
     return
-  if "trl" in _SYSTEMS.value:
+  if "trl" in _SYSTEMS.value and not _REPORT_ONLY.value:
     try:
       import trl  # pylint: disable=unused-import
     except ImportError:
       raise app.UsageError(
-          "TRL is not installed; install the peers extra (pip install -e .[peers]) first."
+          "TRL is not installed; install the peers extra "
+          "(pip install -c constraints.txt -e .[peers]) first, or leave it out: --systems=streamrl,tunix."
       ) from None
+  from experiments import peer_tunix
   from streamrl import train
 
   s = settings_for(_SEED.value, _ITERATIONS.value, _NUM_EVAL.value, _EVAL_EVERY.value)
   os.makedirs(_WORKDIR.value, exist_ok=True)
   os.makedirs(_OUT.value, exist_ok=True)
+  tunix_python = None
+  if "tunix" in _SYSTEMS.value and not _REPORT_ONLY.value:
+    tunix_python = _TUNIX_PYTHON.value or peer_tunix.ensure_venv(
+        os.path.join(_WORKDIR.value, "tunix-venv")
+    )
   train_examples, _ = train.load_examples(s)
   model_dir = train.policy_dir(s, _WORKDIR.value, train_examples)
   results = {}
@@ -414,45 +525,26 @@ def main(argv):
     if _REPORT_ONLY.value:
       results["streamrl"].update({k: v for k, v in kept.items() if v is not None})
     print(f"streamrl: {json.dumps(results['streamrl'])}", flush=True)
-  if "trl" in _SYSTEMS.value and not _REPORT_ONLY.value:
-    results["trl"] = run_trl(s, _WORKDIR.value, model_dir)
-    evaluate_dirs(s, results["trl"]["curve"], model_dir)
-    print(f"trl: {json.dumps(results['trl'])}", flush=True)
-  n = s.task.num_eval
-  print(
-      f"\n{'system':<10}{'samples/s':>11}{'tokens/s':>10}{'train s':>9}{'start-up s':>11}  accuracy"
-  )
-  for name, r in results.items():
-    last = r["curve"][-1]
-    print(
-        f"{name:<10}{r['samples_per_s']:>11.1f}{r['tokens_per_s']:>10.0f}{r['train_s']:>9.0f}"
-        f"{r['startup_s']:>11.0f}  {last['acc']:.3f} +- {stderr(last['acc'], n):.3f} sampled, "
-        f"{last['acc_greedy']:.3f} greedy (from {r['curve'][0]['acc']:.3f})"
-    )
+  if not _REPORT_ONLY.value:
+    for name in ("trl", "tunix"):
+      if name not in _SYSTEMS.value:
+        continue
+      print(f"running {name} ...", flush=True)
+      if name == "trl":
+        results[name] = run_trl(s, _WORKDIR.value, model_dir)
+        results[name]["unmatched"] = list(TRL_UNMATCHED)
+      else:
+        results[name] = peer_tunix.run_tunix(
+            s, _WORKDIR.value, model_dir, tunix_python, _EVAL_EVERY.value
+        )
+        results[name]["unmatched"] = list(peer_tunix.UNMATCHED)
+      evaluate_dirs(s, name, results[name]["curve"], model_dir)
+      print(f"{name}: {json.dumps(results[name])}", flush=True)
+      with open(summary, "w") as f:
+        json.dump(results, f, indent=2)
   with open(summary, "w") as f:
     json.dump(results, f, indent=2)
-  if len(results) < 2:
-    return
-  a, b = results["streamrl"], results["trl"]
-  t = min(a["train_s"], b["train_s"])
-  png = os.path.join(_OUT.value, f"accuracy_vs_time_seed{s.seed}.png")
-  plot(results, png, f"GRPO, configs/grpo.py, {s.trainer.num_iterations} iterations, seed {s.seed}")
-  print(f"plot: {png}")
-  print(
-      f"StreamRL: {a['stalls']} iterations over 3 x the median (with an empty XLA cache: "
-      f"compiles for new padded lengths) took {a['stall_s']:.0f} of its {a['train_s']:.0f} training seconds; without "
-      f"them {a['steady_samples_per_s']:.1f} samples/s"
-  )
-  print(
-      f"RESULT streamrl_over_trl_samples_per_s={a['samples_per_s'] / b['samples_per_s']:.2f} "
-      f"streamrl_over_trl_tokens_per_s={a['tokens_per_s'] / b['tokens_per_s']:.2f} "
-      f"accuracy_delta_equal_samples={100 * (a['curve'][-1]['acc'] - b['curve'][-1]['acc']):.1f} "
-      f"accuracy_delta_equal_time={100 * (at_time(a['curve'], t) - at_time(b['curve'], t)):.1f} "
-      f"streamrl_samples_per_s={a['samples_per_s']:.1f} trl_samples_per_s={b['samples_per_s']:.1f} "
-      f"streamrl_acc={a['curve'][-1]['acc']:.3f} trl_acc={b['curve'][-1]['acc']:.3f} "
-      f"streamrl_stall_s={a['stall_s']:.0f} "
-      f"streamrl_steady_over_trl={a['steady_samples_per_s'] / b['samples_per_s']:.2f}"
-  )
+  report(results, s)
 
 
 if __name__ == "__main__":
