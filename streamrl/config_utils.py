@@ -66,9 +66,18 @@ def _is_path_key(key: str) -> bool:
   return leaf == "path" or leaf.endswith("_path")
 
 
+def _absolute_function(spec: str, absolute) -> str:
+  """A `file.py:function` (or bare `file.py`) spec with its path made absolute."""
+  where, sep, name = spec.strip().rpartition(":")
+  if sep and where.endswith(".py"):
+    return f"{absolute(where)}:{name}"
+  return absolute(spec.strip()) if spec.strip().endswith(".py") else spec
+
+
 def resolve_paths(config: ml_collections.ConfigDict, base_dir: str) -> ml_collections.ConfigDict:
-  """The config with relative file paths made absolute: every `*path` key and a
-  `file.py:function` reward (`task.reward`). A relative path resolves against
+  """The config with relative file paths made absolute: every `*path` key (each
+  file of a comma-separated list) and each `file.py:function` reward of
+  `task.reward`. A relative path resolves against
   `base_dir` (the config file's directory), else the checkout, else the
   working directory — the first where it exists (unchanged if none: the
   settings' check names it)."""
@@ -94,10 +103,10 @@ def resolve_paths(config: ml_collections.ConfigDict, base_dir: str) -> ml_collec
     if not isinstance(value, str):
       continue
     if _is_path_key(key):
-      new = absolute(value)
-    elif key == "task.reward" and ".py:" in value:
-      where, _, name = value.rpartition(":")
-      new = f"{absolute(where)}:{name}"
+      # A comma-separated list of data files resolves file by file.
+      new = ",".join(absolute(p) for p in value.split(",")) if "," in value else absolute(value)
+    elif key == "task.reward" and ".py" in value:
+      new = ",".join(_absolute_function(f, absolute) for f in value.split(","))
     else:
       continue
     if new != value:

@@ -37,7 +37,7 @@ import numpy as np
 from streamrl import metrics as metrics_lib
 from streamrl import rl
 from streamrl import settings as settings_lib
-from streamrl.data import calc, dataset, gym, tasks as tasks_lib
+from streamrl.data import calc, dataset, gym, loader as loader_lib, tasks as tasks_lib
 from streamrl.data.loader import PromptLoader, make_requests
 from streamrl.data.rewards import Rewarder
 from streamrl.data.tokenizer import Tokenizer
@@ -128,21 +128,50 @@ def make_tokenizer(s: settings_lib.Settings, model_dir: str) -> Tokenizer:
   """The policy's tokenizer, rendering prompts with its chat template as the
   task says."""
   return Tokenizer(
-      model_dir, chat_template=s.task.chat_template, system_prompt=s.task.system_prompt
+      model_dir,
+      chat_template=s.task.chat_template,
+      system_prompt=s.task.system_prompt,
+      chat_template_kwargs=s.task.template_kwargs(),
   )
 
 
-def make_rewarder(s: settings_lib.Settings, tokenizer) -> Rewarder:
-  """The task's verifier over decoded responses (reading what `answer_of`
-  cuts), in `task.reward_workers` processes; close() it."""
-  return Rewarder(
+def make_rewarder(s: settings_lib.Settings, tokenizer, probe=None) -> Rewarder:
+  """The task's reward functions over decoded responses (reading what
+  `answer_of` cuts), in `task.reward_workers` processes; close() it. With
+  `probe` (a training example) each function is first called once on it, so
+  one that cannot work stops the run here (UserError)."""
+  rewarder = Rewarder(
       s.task.reward,
       tokenizer,
       answer_of(s),
       workers=s.task.reward_workers,
       timeout_s=s.task.reward_timeout_s,
       correct_threshold=s.task.correct_threshold,
+      weights=s.task.weights(),
+      answer_key=s.task.answer_key,
+      max_error_rate=s.task.max_reward_error_rate,
   )
+  if probe is not None:
+    try:
+      rewarder.probe(probe)
+    except BaseException:
+      rewarder.close()
+      raise
+  return rewarder
+
+
+def fit_prompts(s: settings_lib.Settings, tokenizer, train_examples, eval_examples):
+  """Both sets without the prompts too long for the engine (or with them cut,
+  as task.truncation says)."""
+  kw = dict(
+      max_model_len=s.engine.max_model_len,
+      max_tokens=s.sampling.max_tokens,
+      truncation=s.task.truncation,
+  )
+  train_examples = loader_lib.fit_prompts(train_examples, tokenizer, what="training", **kw)
+  if eval_examples:
+    eval_examples = loader_lib.fit_prompts(eval_examples, tokenizer, what="held-out", **kw)
+  return train_examples, eval_examples
 
 
 def fingerprint(s: settings_lib.Settings) -> dict:
@@ -505,7 +534,8 @@ def run(
   model_dir = policy_dir(s, workdir, train_examples)
   _, policy = hf.load_hf(model_dir)
   tokenizer = make_tokenizer(s, model_dir)
-  rewarder = make_rewarder(s, tokenizer)
+  train_examples, eval_examples = fit_prompts(s, tokenizer, train_examples, eval_examples)
+  rewarder = make_rewarder(s, tokenizer, probe=train_examples[0])
   if followers:
     followers.send(protocol.Setup(model_dir, socket.gethostname()))
   trainer = RLTrainer.from_settings(policy, s)

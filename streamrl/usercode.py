@@ -1,10 +1,11 @@
 """Users' code: loading a function by name, and calling it in worker processes
 with a deadline.
 
-A function is named `package.module:function` (importable) or
-`path/to/file.py:function` (a relative path resolves against `base_dir`,
-the config file's directory when the caller knows it, else the current
-directory). Rewards use it (`task.reward`), and so will tools.
+A function is named `package.module:function` (importable),
+`path/to/file.py:function`, or `path/to/file.py` for its `compute_score`
+(verl's default name). A relative path resolves against `base_dir`, the
+config file's directory when the caller knows it, else the current
+directory. Rewards use it (`task.reward`), and so will tools.
 
 `WorkerPool` runs the calls in `workers` child processes, not threads: a
 call that hangs is cut at its deadline by killing its process (a thread
@@ -42,20 +43,27 @@ _HEADER = struct.Struct("<Q")
 _MAX_MESSAGE = 64 << 20  # A result over 64 MiB is garbage, not a reward.
 
 
+DEFAULT_FUNCTION = "compute_score"  # A `file.py` named alone means this function (verl's name).
+
+
 def split_spec(spec: str) -> tuple[str, str]:
-  """`module:function` or `file.py:function` -> (where, function name)."""
+  """`module:function`, `file.py:function` or `file.py` (its `compute_score`)
+  -> (where, function name)."""
+  if spec.endswith(".py"):
+    return spec, DEFAULT_FUNCTION
   where, sep, name = spec.rpartition(":")
   if not sep or not where or not name.isidentifier():
     raise UserError(
-        f"{spec!r} does not name a function; write `package.module:function` or "
-        "`path/to/file.py:function`."
+        f"{spec!r} does not name a function; write `package.module:function`, "
+        "`path/to/file.py:function` or `path/to/file.py` (its compute_score)."
     )
   return where, name
 
 
 def is_spec(name: str) -> bool:
-  """Whether `name` names a user's function (has a `:`) rather than a built-in."""
-  return ":" in name
+  """Whether `name` names a user's function (has a `:`, or is a `.py` file)
+  rather than a built-in."""
+  return ":" in name or name.endswith(".py")
 
 
 def resolve_spec(spec: str, base_dir: str | None = None) -> str:
@@ -295,6 +303,12 @@ class WorkerPool:
       self._threads.append(t)
 
   def submit(self, *args, **fields) -> concurrent.futures.Future:
+    return self.call_async(args, fields)
+
+  def call_async(
+      self, args: tuple, fields: dict, *, timeout_s: float | None = None
+  ) -> concurrent.futures.Future:
+    """`submit` with the call's own deadline (None: the pool's `timeout_s`)."""
     future: concurrent.futures.Future = concurrent.futures.Future()
     if self._local is not None:
       try:
@@ -304,7 +318,7 @@ class WorkerPool:
       return future
     if self._closed:
       raise RuntimeError("submit() after close()")
-    self._queue.put((future, args, fields))
+    self._queue.put((future, args, fields, self.timeout_s if timeout_s is None else timeout_s))
     return future
 
   def map(self, calls: list[tuple[tuple, dict]]) -> list[Any]:
@@ -317,7 +331,7 @@ class WorkerPool:
       item = self._queue.get()
       if item is None:
         break
-      future, args, fields = item
+      future, args, fields, timeout_s = item
       if worker is None or not worker.alive():
         try:
           worker = _Worker(self.spec, self._start_timeout_s)
@@ -327,7 +341,7 @@ class WorkerPool:
           continue
         self._live.add(worker)
       try:
-        result = worker.call(args, fields, self.timeout_s)
+        result = worker.call(args, fields, timeout_s)
       except Exception as err:  # pylint: disable=broad-except  (close() killed it mid-call)
         result = Failure("WorkerDied", str(err))
       if isinstance(result, Failure) and result.kind in ("Timeout", "WorkerDied"):

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-import os
+import json
+import math
 
 from streamrl.config_checks import need, one_of, positive
-from streamrl.data import gym, rewards, tasks
+from streamrl.data import dataset, gym, rewards, tasks
 from streamrl.data.tokenizer import CHAT_TEMPLATE_MODES
+from streamrl.errors import UserError
 
 TASK_KINDS = ("trace", "synthetic", "calc", "file", "gym")
 
@@ -39,8 +41,15 @@ class Task:
   calc_tool_fraction: float = 0.25
   calc_tool_steps: int = 0
   # A built-in name (streamrl/data/rewards.py) or the user's function,
-  # `package.module:function` or `path/to/file.py:function`.
+  # `package.module:function` or `path/to/file.py:function` (a `.py` path
+  # alone means its `compute_score`); several, comma-separated, are summed
+  # with `reward_weights` (comma-separated numbers, "" for all 1), like TRL's
+  # reward_funcs and reward_weights. The first decides the accuracy.
   reward: str = "partial_match"
+  reward_weights: str = ""
+  # A reward failing on more than this fraction of its first samples (raising,
+  # hanging, returning no number) stops the run (1 never stops it).
+  max_reward_error_rate: float = 0.5
   # Worker processes scoring rewards (0: in the trainer's process, no deadline).
   reward_workers: int = 1
   reward_timeout_s: float = 10.0
@@ -56,8 +65,13 @@ class Task:
   gym_dataset: str = "gsm_symbolic"
   gym_size: int = 1024
   answer_key: str = "answer"
-  # Chat template of the model's tokenizer: auto (when it has one) | on | off.
+  # Chat template of the model's tokenizer: auto (when it has one) | on | off;
+  # its extra variables as a JSON object, e.g. '{"enable_thinking": false}'.
   chat_template: str = "auto"
+  chat_template_kwargs: str = ""
+  # A prompt longer than engine.max_model_len - sampling.max_tokens tokens is
+  # dropped (counted, logged once), cut (left | right | middle) or refused (error).
+  truncation: str = "drop"
   system_prompt: str = ""
   num_eval: int = 256
 
@@ -95,9 +109,18 @@ class Task:
       )
       positive("task.max_answer_len", self.max_answer_len)
     try:
-      rewards.check_reward_name(self.reward)
-    except ValueError as err:
+      for name in self.reward_names():
+        rewards.check_reward_name(name)
+    except (ValueError, UserError) as err:
       need(False, str(err))
+    self.weights()
+    need(
+        0 <= self.max_reward_error_rate <= 1,
+        f"task.max_reward_error_rate={self.max_reward_error_rate!r} must be in [0, 1]; fix "
+        "--config.task.max_reward_error_rate (1 never stops the run).",
+    )
+    one_of("task.truncation", self.truncation, dataset.TRUNCATION_MODES)
+    self.template_kwargs()
     positive("task.reward_workers", self.reward_workers, zero_ok=True)
     positive("task.reward_timeout_s", self.reward_timeout_s)
     one_of("task.chat_template", self.chat_template, CHAT_TEMPLATE_MODES)
@@ -108,8 +131,42 @@ class Task:
           f"task.gym_dataset={self.gym_dataset!r} is not a reasoning-gym generator; name one "
           "(reasoning_gym.factory.DATASETS lists them), e.g. gsm_symbolic.",
       )
-    for key in ("prompt_key", "answer_key"):
-      need(bool(getattr(self, key)), f"task.{key} is empty; name the dataset's column.")
+    need(bool(self.prompt_key), "task.prompt_key is empty; name the dataset's prompt column.")
+
+  def reward_names(self) -> list[str]:
+    """The reward functions `reward` names, in order."""
+    return [r.strip() for r in self.reward.split(",")]
+
+  def weights(self) -> tuple[float, ...]:
+    """One weight per reward function (`reward_weights`, all 1 when empty)."""
+    n = len(self.reward_names())
+    if not self.reward_weights.strip():
+      return (1.0,) * n
+    try:
+      out = tuple(float(w) for w in self.reward_weights.split(","))
+    except ValueError:
+      out = ()
+    need(
+        len(out) == n and all(math.isfinite(w) for w in out),
+        f"task.reward_weights={self.reward_weights!r} must be {n} comma-separated number(s), "
+        f"one per function of task.reward={self.reward!r}.",
+    )
+    return out
+
+  def template_kwargs(self) -> dict:
+    """`chat_template_kwargs` as a dict (the chat template's extra variables)."""
+    if not self.chat_template_kwargs.strip():
+      return {}
+    try:
+      out = json.loads(self.chat_template_kwargs)
+    except json.JSONDecodeError:
+      out = None
+    need(
+        isinstance(out, dict),
+        f"task.chat_template_kwargs={self.chat_template_kwargs!r} is not a JSON object; write "
+        """e.g. --config.task.chat_template_kwargs='{"enable_thinking": false}'.""",
+    )
+    return out
 
   def calc_config(self):
     """The sums of kind="calc" (`data.calc.CalcConfig`)."""
@@ -126,10 +183,12 @@ class Task:
   def check_files(self) -> None:
     if self.kind != "file":
       return
-    for key in ("train_path", "eval_path"):
-      path = getattr(self, key)
-      need(
-          (bool(path) or key == "eval_path") and (not path or os.path.isfile(path)),
-          f"task.{key}={path!r} does not exist; point it at a JSONL file of "
-          '{"prompt": ..., "answer": ...} rows or a Parquet file.',
-      )
+    need(
+        bool(self.train_path),
+        "task.train_path is empty; point it at a JSONL or Parquet file of "
+        '{"prompt": ..., "answer": ...} rows, a directory of them, or a '
+        "datasets.save_to_disk directory.",
+    )
+    for path in (self.train_path, self.eval_path):
+      if path:
+        dataset.resolve_paths(path)

@@ -15,13 +15,19 @@ or another batch size is refused instead of silently reading other prompts.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import zlib
 from typing import Any, Iterator, Sequence
 
 import grain
 
 from streamrl.data import tokenizer as char_tokenizer
+from streamrl.data.dataset import TRUNCATION_MODES
 from streamrl.data.tasks import Example
+from streamrl.errors import UserError
+
+_log = logging.getLogger(__name__)
 
 
 def _fingerprint(examples: Sequence[Example]) -> int:
@@ -146,8 +152,86 @@ def make_requests(examples: Sequence[Example], tokenizer, group_size: int):
   """
   requests, by_id = [], {}
   for j, ex in enumerate(examples):
-    ids = tokenizer.encode_prompt(ex.prompt)
+    ids = ex.prompt_token_ids or tokenizer.encode_prompt(ex.prompt)
     for k in range(group_size):
       requests.append((j * group_size + k, ids))
       by_id[j * group_size + k] = ex
   return requests, by_id
+
+
+def _cut(ids: list[int], budget: int, mode: str) -> list[int]:
+  """`ids` cut to `budget` tokens: `left` drops the start, `right` the end,
+  `middle` the middle (the start and the end kept, half the budget each)."""
+  if mode == "left":
+    return ids[len(ids) - budget :]
+  if mode == "right":
+    return ids[:budget]
+  head = (budget + 1) // 2
+  return ids[:head] + ids[len(ids) - (budget - head) :]
+
+
+def fit_prompts(
+    examples: Sequence[Example],
+    tokenizer,
+    *,
+    max_model_len: int,
+    max_tokens: int,
+    truncation: str = "drop",
+    what: str = "training",
+) -> list[Example]:
+  """The examples whose prompt leaves room for `max_tokens` generated tokens
+  in `max_model_len` (the engine refuses a longer one mid-run).
+
+  A prompt that does not fit is dropped (`truncation="drop"`, counted and
+  logged once with the setting to raise), cut to fit (`left`, `right`,
+  `middle`: its token ids kept in `Example.prompt_token_ids`), or refused
+  (`error`: a UserError naming the count and the settings). `tokenizer` is
+  anything with `encode_prompt(prompt) -> ids`; `what` names the set in the
+  messages. UserError as well when every prompt is too long to keep.
+  """
+  if truncation not in TRUNCATION_MODES:
+    raise UserError(f"task.truncation={truncation!r} is unknown; use one of {TRUNCATION_MODES}.")
+  budget = max_model_len - max_tokens
+  kept, over, longest = [], 0, 0
+  for ex in examples:
+    ids = list(ex.prompt_token_ids or tokenizer.encode_prompt(ex.prompt))
+    if len(ids) <= budget:
+      kept.append(ex)
+      continue
+    over += 1
+    longest = max(longest, len(ids))
+    if truncation in ("left", "right", "middle"):
+      kept.append(dataclasses.replace(ex, prompt_token_ids=tuple(_cut(ids, budget, truncation))))
+  if not over:
+    return list(examples)
+  where = (
+      f"longer than {budget} tokens (engine.max_model_len={max_model_len} minus "
+      f"sampling.max_tokens={max_tokens}; the longest has {longest})"
+  )
+  if truncation == "error" or not kept:
+    raise UserError(
+        f"{over} of {len(examples)} {what} prompts are {where}; raise engine.max_model_len to "
+        f"at least {longest + max_tokens}, lower sampling.max_tokens, or set task.truncation "
+        "to drop, left, right or middle."
+    )
+  if truncation == "drop":
+    _log.warning(
+        "Dropped %d of %d %s prompts %s; raise engine.max_model_len to at least %d to keep "
+        "them, or set task.truncation=left/right/middle to cut them instead.",
+        over,
+        len(examples),
+        what,
+        where,
+        longest + max_tokens,
+    )
+  else:
+    _log.warning(
+        "Cut %d of %d %s prompts %s to %d tokens (task.truncation=%s).",
+        over,
+        len(examples),
+        what,
+        where,
+        budget,
+        truncation,
+    )
+  return kept

@@ -42,6 +42,7 @@ import collections
 import dataclasses
 import fractions
 import functools
+import inspect
 import logging
 import math
 import re
@@ -51,6 +52,7 @@ from typing import Any, Callable, Mapping
 import numpy as np
 
 from streamrl import usercode
+from streamrl.errors import UserError
 
 RewardFn = Callable[..., Any]
 
@@ -239,20 +241,22 @@ def known_reward_fns() -> list[str]:
 
 
 def check_reward_name(name: str) -> None:
-  """ValueError unless `name` is a built-in or names a user's function."""
+  """ValueError unless `name` is a built-in or names a user's function (a
+  UserError when a spec is malformed)."""
   if usercode.is_spec(name):
     usercode.split_spec(name)
     return
   if name not in _REGISTRY:
     raise ValueError(
         f"task.reward={name!r} is unknown; use one of {known_reward_fns()}, or your own "
-        "function as `package.module:function` or `path/to/file.py:function`."
+        "function as `package.module:function`, `path/to/file.py:function` or "
+        "`path/to/file.py` (its compute_score)."
     )
 
 
 def get_reward_fn(name: str, **kwargs: Any) -> RewardFn:
   """The built-in reward `name` (keyword options bound), or the user's
-  function a `module:function` / `file.py:function` spec names.
+  function a `module:function` / `file.py:function` / `file.py` spec names.
 
   Example: `get_reward_fn("partial_match", partial_weight=0.3)`.
   """
@@ -261,11 +265,6 @@ def get_reward_fn(name: str, **kwargs: Any) -> RewardFn:
   check_reward_name(name)
   fn = _REGISTRY[name]
   return functools.partial(fn, **kwargs) if kwargs else fn
-
-
-def spec_of(name: str) -> str:
-  """The `module:function` a worker process loads for reward `name`."""
-  return name if usercode.is_spec(name) else f"{__name__}:{_REGISTRY[name].__name__}"
 
 
 # ---------------------------------------------------------------- results
@@ -306,40 +305,202 @@ def to_score(value: Any, threshold: float = 1.0) -> Score:
   return Score(reward, reward >= threshold if correct is None else correct, metrics)
 
 
+# ------------------------------------------------------------- signatures
+STREAMRL, VERL, TRL = "StreamRL", "verl", "TRL"
+# How each framework calls a reward; the functions below call it the same way.
+SIGNATURES = {
+    STREAMRL: "score(response, answer, **columns) -> float | dict",
+    VERL: "compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs)",
+    TRL: "f(prompts, completions, completion_ids=None, **columns) -> list[float | None]",
+}
+_NAMED = ("POSITIONAL_OR_KEYWORD", "KEYWORD_ONLY")
+# The keywords verl's reward manager passes, and those TRL's trainer passes.
+_VERL_ARGS = ("data_source", "solution_str", "ground_truth", "extra_info")
+_TRL_ARGS = ("prompts", "completions", "completion_ids")
+# A reward's first samples, where its error rate may stop the run.
+ERROR_WINDOW = 64
+ERROR_MIN_SAMPLES = 8
+DUMMY_RESPONSE = "0"
+
+
+def describe(fn: Callable) -> list[tuple[str, str, bool]]:
+  """(name, kind, has a default) of each parameter of `fn` ([] when unknown)."""
+  try:
+    params = inspect.signature(fn).parameters.values()
+  except (TypeError, ValueError):
+    return []
+  return [(p.name, p.kind.name, p.default is not p.empty) for p in params]
+
+
+def convention(params: list[tuple[str, str, bool]]) -> str:
+  """Which framework's signature the parameters are: verl's when they name
+  `solution_str` or `ground_truth`, TRL's when they name `completions` or
+  `prompts`, StreamRL's otherwise."""
+  names = {n for n, kind, _ in params if kind in _NAMED}
+  if names & {"solution_str", "ground_truth"}:
+    return VERL
+  if names & {"completions", "prompts"}:
+    return TRL
+  return STREAMRL
+
+
+def signature_text(name: str, params: list[tuple[str, str, bool]]) -> str:
+  """`name(a, b=..., **kw)`: the signature a function was found to have."""
+  parts = []
+  for n, kind, default in params:
+    prefix = {"VAR_POSITIONAL": "*", "VAR_KEYWORD": "**"}.get(kind, "")
+    parts.append(f"{prefix}{n}{'=...' if default else ''}")
+  return f"{name}({', '.join(parts)})"
+
+
+def missing_arguments(params, style: str, columns) -> list[str]:
+  """Required parameters of a `style` function that neither the framework's
+  call nor the row's `columns` fill."""
+  given = set(columns) | set(_VERL_ARGS if style == VERL else _TRL_ARGS if style == TRL else ())
+  required = [n for n, kind, default in params if kind in _NAMED and not default]
+  if style == STREAMRL:  # response and answer fill the first two, by position.
+    positional = [
+        n for n, kind, _ in params if kind in ("POSITIONAL_ONLY", "POSITIONAL_OR_KEYWORD")
+    ]
+    required = [n for n in required if n not in positional[:2]]
+  return [n for n in required if n not in given]
+
+
+def call_sample(fn: Callable, style: str, response: str, answer: Any, columns: dict) -> Any:
+  """One sample's reward, called as its framework calls it: StreamRL's
+  `fn(response, answer, **columns)`, verl's keyword call. Only the columns the
+  function names reach it (all of them when it takes `**kwargs`)."""
+  if style == VERL:
+    kw = {
+        **columns,
+        "data_source": columns.get("data_source"),
+        "solution_str": response,
+        "ground_truth": answer,
+        "extra_info": columns.get("extra_info"),
+    }
+    return usercode.call_with_fields(fn, (), kw)
+  cols = {k: v for k, v in columns.items() if k not in ("response", "answer")}
+  return usercode.call_with_fields(fn, (response, answer), cols)
+
+
+def call_batch(fn: Callable, prompts: list, completions: list, ids: list, columns: dict) -> Any:
+  """A batch's rewards, called as TRL calls a reward function: keyword lists
+  of the prompts, the completions and their token ids, and of every column."""
+  kw = {**columns, "prompts": prompts, "completions": completions, "completion_ids": ids}
+  return usercode.call_with_fields(fn, (), kw)
+
+
+@functools.cache
+def _function(spec: str) -> Callable:
+  return get_reward_fn(spec)
+
+
+def in_worker(op: str, spec: str, style: str, payload: dict) -> Any:
+  """What a reward worker process runs: `describe` the function `spec` names,
+  or call it (`sample`: `call_sample`; `batch`: `call_batch`)."""
+  fn = _function(spec)
+  if op == "describe":
+    return describe(fn)
+  if op == "batch":
+    return call_batch(fn, **payload)
+  return call_sample(fn, style, **payload)
+
+
 # ---------------------------------------------------------------- safe calling
 
-_warned: set[str] = set()
+_warned: set[tuple[str, str]] = set()
 
 
-def _log_failure_once(name: str, kind: str, message: str, prompt_id: Any) -> None:
-  if kind not in _warned:
-    _warned.add(kind)
-    _log.warning(
-        "Reward function %s failed with %s: %s (sample %s gets reward 0; further %s "
-        "failures are counted in reward/errors_total, not logged).",
-        name,
-        kind,
-        message,
-        prompt_id,
-        kind,
-    )
+def _warn(warned: set, name: str, kind: str, message: str, prompt_id: Any) -> None:
+  """A failure's warning, once per function and kind of failure."""
+  if (name, kind) in warned:
+    return
+  warned.add((name, kind))
+  _log.warning(
+      "Reward function %s failed with %s: %s (sample %s gets reward 0 from it; further %s "
+      "failures of %s are counted in reward/errors_total, not logged).",
+      name,
+      kind,
+      message,
+      prompt_id,
+      kind,
+      name,
+  )
 
 
 def safe_reward(fn: RewardFn, response: str, example: Any) -> tuple[float, bool]:
   """Calls `fn(response, example.answer, **example.fields)` in this process
   and never raises: (reward, failed), with (0.0, True) and a warning once per
-  error kind when it raises or returns no finite number."""
+  function and error kind when it raises or returns no finite number."""
   try:
     fields = dict(getattr(example, "fields", {}) or {})
     return to_score(usercode.call_with_fields(fn, (response, example.answer), fields)).reward, False
   except Exception as err:  # pylint: disable=broad-except
     name = getattr(fn, "__name__", repr(fn))
-    _log_failure_once(name, type(err).__name__, str(err), getattr(example, "prompt_id", "?"))
+    _warn(_warned, name, type(err).__name__, str(err), getattr(example, "prompt_id", "?"))
     return 0.0, True
 
 
+@dataclasses.dataclass
+class _Fn:
+  """One reward function of the rewarder, and its failure counts."""
+
+  spec: str  # what the worker loads: a built-in name or a resolved spec
+  label: str  # as the user wrote it (messages)
+  name: str  # as logged (reward_fn/<name>)
+  weight: float
+  params: list
+  style: str
+  builtin: bool
+  calls: int = 0
+  fails: int = 0
+  last: str = ""
+
+  def found(self) -> str:
+    return signature_text(self.name, self.params)
+
+
+class _Slot:
+  """Sample `index` of a batched call (a future of the whole batch's list)."""
+
+  def __init__(self, future, index: int, size: int):
+    self.future, self.index, self.size = future, index, size
+
+  def result(self) -> Any:
+    out = self.future.result()
+    if isinstance(out, usercode.Failure):
+      return out
+    if isinstance(out, np.ndarray):
+      out = out.tolist()
+    if not isinstance(out, (list, tuple)) or len(out) != self.size:
+      what = f"a list of {len(out)}" if isinstance(out, (list, tuple)) else type(out).__name__
+      return usercode.Failure(
+          "Garbage", f"returned {what}, not a list of {self.size} numbers (or None)"
+      )
+    return _Item(out[self.index])
+
+
+@dataclasses.dataclass(frozen=True)
+class _Item:
+  value: Any  # one sample's entry of a batched call's list
+
+
+class _Failed(Exception):
+
+  def __init__(self, kind: str, message: str):
+    super().__init__(message)
+    self.kind, self.message = kind, message
+
+
 class Rewarder:
-  """Scores samples with the task's verifier, in worker processes.
+  """Scores samples with the task's reward functions, in worker processes.
+
+  `reward` names one function or several, comma-separated (each a built-in,
+  `module:function`, `file.py:function` or `file.py`); a sample's reward is
+  their `weights`-weighted sum, its correctness the first function's verdict.
+  Each function is called as its signature says (`convention`): StreamRL's
+  and verl's once per sample, TRL's once per batch of up to `batch_size`
+  samples (submitted samples wait until a batch fills or is asked for).
 
   `submit(samples, examples_by_id)` starts scoring samples as they arrive
   (the pipeline calls it from the thread that receives them); calling the
@@ -348,18 +509,24 @@ class Rewarder:
   group's rewards before the trainer does) holds the verdicts for the next
   plain call on the same responses, found by prompt and tokens whatever
   request id the sample has then, so nothing is scored or counted twice. A
-  failed call (raised, timed out, garbage) scores 0, counts in `errors` (by
-  kind in `errors_by_kind`) and is logged once per kind.
+  failed call (raised, timed out, garbage) scores 0 from that function,
+  counts in `errors` (by kind in `errors_by_kind`) and is logged once per
+  function and kind; a function failing on more than `max_error_rate` of its
+  first samples (`ERROR_WINDOW`) stops the run with a UserError.
 
   Args:
-    reward: a built-in name or a `module:function` / `file.py:function` spec.
+    reward: the function name(s).
     tokenizer: decodes responses (`decode(ids)`).
     answer_of: cuts the part the verifier reads out of a decoded response
       (work traces: what follows the last `#`); None: all of it.
     workers: worker processes (0: call in this process, without deadline).
-    timeout_s: deadline of one call.
+    timeout_s: deadline of one call (a batched call: per sample in it).
     correct_threshold: a score at or above it is correct, unless the
       function says `is_correct`.
+    weights: one per function (None: all 1).
+    answer_key: the column the answer came from; TRL's functions get it
+      among the columns, as TRL passes every column.
+    max_error_rate: see above.
   """
 
   def __init__(
@@ -372,23 +539,173 @@ class Rewarder:
       timeout_s: float | None = 10.0,
       correct_threshold: float = 1.0,
       base_dir: str | None = None,
+      weights: tuple[float, ...] | None = None,
+      answer_key: str = "answer",
+      max_error_rate: float = 0.5,
+      batch_size: int = 16,
   ):
-    check_reward_name(reward)
+    labels = [r.strip() for r in reward.split(",")]
+    for label in labels:
+      check_reward_name(label)
+    weights = tuple(weights) if weights is not None else (1.0,) * len(labels)
+    if len(weights) != len(labels):
+      raise UserError(
+          f"{len(weights)} reward weights for {len(labels)} reward functions ({reward!r}); "
+          "give one weight per function."
+      )
     self.name = reward
     self.tokenizer = tokenizer
     self.answer_of = answer_of
     self.correct_threshold = correct_threshold
-    self.pool = usercode.WorkerPool(
-        spec_of(reward), workers=workers, timeout_s=timeout_s, base_dir=base_dir
-    )
+    self.timeout_s = timeout_s
+    self.answer_key = answer_key
+    self.max_error_rate = max_error_rate
+    self.batch_size = batch_size
+    self.pool = usercode.WorkerPool(f"{__name__}:in_worker", workers=workers, timeout_s=timeout_s)
+    try:
+      self.fns = self._load(labels, weights, base_dir)
+    except BaseException:
+      self.pool.close()
+      raise
+    self.batched = any(f.style == TRL for f in self.fns)
     self.errors = 0
     self.errors_by_kind: collections.Counter = collections.Counter()
+    self._warned: set[tuple[str, str]] = set()
+    self._stop: UserError | None = None
     self._pending: collections.OrderedDict = collections.OrderedDict()
+    # Submitted samples waiting for a batch to fill: key -> (sample, example).
+    self._buffer: collections.OrderedDict = collections.OrderedDict()
     # Verdicts held by `keep=True` calls: (example id, tokens) -> [Score, ...].
     self._held: collections.OrderedDict = collections.OrderedDict()
     self._lock = threading.Lock()
     self._metrics: list[Mapping[str, float]] = []
 
+  def _load(self, labels, weights, base_dir) -> list[_Fn]:
+    """Loads each function in a worker (refusing one that cannot be loaded)
+    and reads its signature."""
+    fns, names = [], collections.Counter()
+    for label, weight in zip(labels, weights):
+      builtin = not usercode.is_spec(label)
+      spec = label if builtin else usercode.resolve_spec(label, base_dir)
+      params = self.pool.call_async(("describe", spec, "", {}), {}).result()
+      if isinstance(params, usercode.Failure):
+        if params.kind == "UserError":
+          raise UserError(params.message)
+        raise UserError(f"Loading the reward {label!r} failed ({params.kind}: {params.message}).")
+      name = label if builtin else usercode.split_spec(spec)[1]
+      names[name] += 1
+      if names[name] > 1:
+        name = f"{name}_{names[name]}"
+      fns.append(_Fn(spec, label, name, float(weight), params, convention(params), builtin))
+    return fns
+
+  # ------------------------------------------------------------ calling
+  def _columns(self, example) -> dict:
+    """The columns TRL passes: every one but the prompt (the answer's too)."""
+    cols = dict(example.fields or {})
+    if self.answer_key and self.answer_key not in cols and "." not in self.answer_key:
+      cols[self.answer_key] = example.answer
+    return cols
+
+  def _sample_call(self, fn: _Fn, text: str, example):
+    payload = {"response": text, "answer": example.answer, "columns": dict(example.fields or {})}
+    return self.pool.call_async(("sample", fn.spec, fn.style, payload), {})
+
+  def _batch_call(self, fn: _Fn, texts: list[str], token_ids: list, examples: list):
+    chat = [isinstance(ex.prompt, (list, tuple)) for ex in examples]
+    prompts = [list(ex.prompt) if c else ex.prompt for ex, c in zip(examples, chat)]
+    completions = [[{"role": "assistant", "content": t}] if c else t for t, c in zip(texts, chat)]
+    cols = [self._columns(ex) for ex in examples]
+    keys = list(dict.fromkeys(k for c in cols for k in c))
+    payload = {
+        "prompts": prompts,
+        "completions": completions,
+        "ids": [list(map(int, i)) for i in token_ids],
+        "columns": {k: [c.get(k) for c in cols] for k in keys},
+    }
+    timeout = None if self.timeout_s is None else self.timeout_s * len(examples)
+    return self.pool.call_async(("batch", fn.spec, fn.style, payload), {}, timeout_s=timeout)
+
+  def _start(self, items: list) -> list[list]:
+    """Starts every function's calls on [(sample, example)]: per sample for
+    StreamRL's and verl's signatures, in batches for TRL's. Returns, per
+    item, one future (or batch slot) per function."""
+    texts = [self.text(s) for s, _ in items]
+    out = [[None] * len(self.fns) for _ in items]
+    for j, fn in enumerate(self.fns):
+      if fn.style != TRL:
+        for i, (_, ex) in enumerate(items):
+          out[i][j] = self._sample_call(fn, texts[i], ex)
+        continue
+      for lo in range(0, len(items), self.batch_size):
+        idx = range(lo, min(lo + self.batch_size, len(items)))
+        future = self._batch_call(
+            fn,
+            [texts[i] for i in idx],
+            [items[i][0].token_ids for i in idx],
+            [items[i][1] for i in idx],
+        )
+        for k, i in enumerate(idx):
+          out[i][j] = _Slot(future, k, len(idx))
+    return out
+
+  # ------------------------------------------------------- before the run
+  def probe(self, example) -> None:
+    """Calls every function once on `example` (a training row) and a dummy
+    response, as the run will; a UserError naming the signature tried and
+    the one found when the call cannot work (wrong signature, a column the
+    rows lack, a result that is no number)."""
+    answer = example.answer
+    response = answer if isinstance(answer, str) and answer else DUMMY_RESPONSE
+    for fn in self.fns:
+      tried = f"{fn.style}'s {SIGNATURES[fn.style]}"
+      where = f"training row {example.prompt_id}"
+      if fn.builtin and not isinstance(answer, str):
+        got = "no reference answer" if answer is None else f"a {type(answer).__name__}"
+        raise UserError(
+            f"The built-in reward {fn.label!r} compares the response with a string reference "
+            f"answer, and {where} has {got} (task.answer_key={self.answer_key!r}); point "
+            "task.answer_key at a string column or give your own reward function."
+        )
+      columns = self._columns(example) if fn.style == TRL else dict(example.fields or {})
+      missing = missing_arguments(fn.params, fn.style, columns)
+      if missing:
+        raise UserError(
+            f"The reward {fn.label!r} was matched to {tried}, and its signature "
+            f"{fn.found()} needs {missing}, which neither that call nor the columns of {where} "
+            f"({sorted(columns)}) provide; rename its parameters or add the column(s)."
+        )
+      if fn.style == TRL:
+        value = self._batch_call(fn, [response], [[]], [example]).result()
+        value = _Slot(_Done(value), 0, 1).result()
+      else:
+        value = self._sample_call(fn, response, example).result()
+      try:
+        if isinstance(value, usercode.Failure):
+          raise _Failed(value.kind, value.message)
+        self._score(value, fn)
+      except (_Failed, ValueError) as err:
+        why = (
+            f"raised {err.kind}: {err.message}" if isinstance(err, _Failed) else str(err)
+        ).rstrip(".")
+        raise UserError(
+            f"The reward {fn.label!r} was called as {tried} (its signature is {fn.found()}) on "
+            f"{where} and a dummy response, and it {why}; write it as one of StreamRL's "
+            f"{SIGNATURES[STREAMRL]}, verl's {SIGNATURES[VERL]} or TRL's {SIGNATURES[TRL]}."
+        ) from None
+
+  def _score(self, value, fn: _Fn) -> Score | None:
+    """One function's result for one sample as a Score (None: a TRL function's
+    "no reward for this sample"); ValueError when it is no reward."""
+    if isinstance(value, _Item):
+      if value.value is None:
+        return None
+      if isinstance(value.value, Mapping):
+        raise ValueError("returned a dict in its list, not a number")
+      return to_score(value.value, self.correct_threshold)
+    return to_score(value, self.correct_threshold)
+
+  # --------------------------------------------------------------- run
   @staticmethod
   def _key(sample, example) -> tuple:
     # The example's own id too: an eval request and a training one share
@@ -400,12 +717,9 @@ class Rewarder:
     text = self.tokenizer.decode(sample.token_ids)
     return self.answer_of(text) if self.answer_of is not None else text
 
-  def _start(self, sample, example):
-    fields = dict(example.fields or {})
-    return self.pool.submit(self.text(sample), example.answer, **fields)
-
   def submit(self, samples, examples_by_id) -> None:
-    """Starts scoring `samples` (finished ones) now."""
+    """Starts scoring `samples` (finished ones) now, or once a batch fills
+    when a function takes batches."""
     with self._lock:
       for s in samples:
         example = examples_by_id.get(s.prompt_id)
@@ -413,16 +727,22 @@ class Rewarder:
           continue
         key = self._key(s, example)
         if key not in self._pending:
-          self._pending[key] = self._start(s, example)
+          self._buffer[key] = (s, example)
+      if len(self._buffer) >= (self.batch_size if self.batched else 1):
+        items = list(self._buffer.items())
+        self._buffer.clear()
+        for (key, _), futures in zip(items, self._start([v for _, v in items])):
+          self._pending[key] = futures
       # Scores never asked for (a sample dropped by the pipeline) do not pile up.
-      while len(self._pending) > 65536:
-        self._pending.popitem(last=False)
+      for table in (self._pending, self._buffer):
+        while len(table) > 65536:
+          table.popitem(last=False)
 
   def scores(self, samples, examples_by_id, *, keep: bool = False) -> list[Score]:
     """The verdict on each sample (waiting for submitted ones); `keep`: also
     held for the next call without it (see the class)."""
     out: list[Score | None] = [None] * len(samples)
-    futures = {}
+    futures, todo = {}, []
     with self._lock:
       for i, s in enumerate(samples):
         example = examples_by_id[s.prompt_id]
@@ -432,10 +752,20 @@ class Rewarder:
           if not held:
             del self._held[(example.prompt_id, tuple(s.token_ids))]
           continue
-        f = self._pending.pop(self._key(s, example), None)
-        futures[i] = f or self._start(s, example)
-    for i, f in futures.items():
-      out[i] = self._verdict(samples[i], f.result())
+        key = self._key(s, example)
+        f = self._pending.pop(key, None)
+        if f is not None:
+          futures[i] = f
+        else:
+          self._buffer.pop(key, None)
+          todo.append(i)
+      if todo:  # Started together: TRL's functions get them as one batch.
+        started = self._start([(samples[i], examples_by_id[samples[i].prompt_id]) for i in todo])
+        futures.update(zip(todo, started))
+    for i, fs in futures.items():
+      out[i] = self._verdict(samples[i], [f.result() for f in fs])
+    if self._stop is not None:
+      raise self._stop
     if keep:
       with self._lock:
         for i in futures:
@@ -458,19 +788,52 @@ class Rewarder:
           if not held:
             del self._held[key]
 
-  def _verdict(self, sample, result) -> Score:
-    """A worker's result as a Score; a failure counts and scores 0."""
-    try:
-      if isinstance(result, usercode.Failure):
-        raise _Failed(result.kind, result.message)
-      return to_score(result, self.correct_threshold)
-    except (_Failed, ValueError) as err:
-      kind, message = (err.kind, err.message) if isinstance(err, _Failed) else ("Garbage", str(err))
-      with self._lock:  # dynamic sampling scores from the generation thread too
-        self.errors += 1
-        self.errors_by_kind[kind] += 1
-      _log_failure_once(self.name, kind, message, sample.prompt_id)
-      return Score(0.0, False)
+  def _verdict(self, sample, results: list) -> Score:
+    """The functions' results on one sample as one Score: the weighted sum of
+    their rewards (a failure counts and adds 0), the first one's correctness."""
+    reward, correct, metrics = 0.0, False, {}
+    for j, (fn, result) in enumerate(zip(self.fns, results)):
+      try:
+        if isinstance(result, usercode.Failure):
+          raise _Failed(result.kind, result.message)
+        score = self._score(result, fn)
+        failed = False
+      except (_Failed, ValueError) as err:
+        kind, message = (
+            (err.kind, err.message) if isinstance(err, _Failed) else ("Garbage", str(err))
+        )
+        score, failed = None, True
+        with self._lock:  # dynamic sampling scores from the generation thread too
+          self.errors += 1
+          self.errors_by_kind[kind] += 1
+          fn.last = f"{kind}: {message}"
+        _warn(self._warned, fn.label, kind, message, sample.prompt_id)
+      self._count(fn, failed)
+      if score is None:
+        continue
+      reward += fn.weight * score.reward
+      metrics.update(score.metrics)
+      metrics[fn.name] = score.reward
+      if j == 0:
+        correct = score.correct
+    return Score(reward, correct, metrics)
+
+  def _count(self, fn: _Fn, failed: bool) -> None:
+    """Counts a call of `fn`; over its first samples, too many failures stop the run."""
+    with self._lock:
+      fn.calls += 1
+      fn.fails += failed
+      if (
+          self._stop is None
+          and ERROR_MIN_SAMPLES <= fn.calls <= ERROR_WINDOW
+          and fn.fails > self.max_error_rate * fn.calls
+      ):
+        self._stop = UserError(
+            f"The reward {fn.label!r} failed on {fn.fails} of its first {fn.calls} samples, "
+            f"more than task.max_reward_error_rate={self.max_error_rate} (last: {fn.last}); "
+            f"it is called as {fn.style}'s {SIGNATURES[fn.style]} and its signature is "
+            f"{fn.found()}: fix the function, or raise task.max_reward_error_rate to train on."
+        )
 
   def __call__(
       self, samples, examples_by_id, *, keep: bool = False
@@ -490,8 +853,9 @@ class Rewarder:
     )
 
   def metrics(self) -> dict[str, float]:
-    """Means of the extra metrics reward functions returned since the last call,
-    as `reward_fn/<name>`, and the failure counts by kind (`reward/errors/<kind>`)."""
+    """Means of each function's reward (`reward_fn/<function name>`) and of the
+    extra metrics reward functions returned, since the last call, and the
+    failure counts by kind (`reward/errors/<kind>`)."""
     sums, counts = collections.defaultdict(float), collections.Counter()
     for m in self._metrics:
       for k, v in m.items():
@@ -512,8 +876,11 @@ class Rewarder:
     self.close()
 
 
-class _Failed(Exception):
+class _Done:
+  """A finished future's stand-in (`result()` returns the value)."""
 
-  def __init__(self, kind: str, message: str):
-    super().__init__(message)
-    self.kind, self.message = kind, message
+  def __init__(self, value):
+    self.value = value
+
+  def result(self):
+    return self.value

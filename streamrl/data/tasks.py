@@ -52,7 +52,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import string
-from typing import Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -65,12 +65,14 @@ class Example:
 
   `prompt_id` is unique within a dataset; `task` names the operation
   (`cpy`, `rev`, ...) or `file` for a dataset row, whose prompt is text or a
-  tuple of chat messages (`{"role": ..., "content": ...}` dicts).
+  tuple of chat messages (`{"role": ..., "content": ...}` dicts), and whose
+  answer may also be a list or an object (passed to the user's reward as it
+  is), or None when the dataset has no reference answer.
   """
 
   prompt_id: int
   prompt: str
-  answer: str
+  answer: Any = dataclasses.field(hash=False)
   task: str
   # Mean response length in tokens (EOS included) when the task knows it
   # (work traces: `expected_response_length`); the oracle scheduler's input.
@@ -79,6 +81,9 @@ class Example:
   fields: dict = dataclasses.field(default_factory=dict, hash=False, compare=False)
   # The row's `data_source` (accuracy is also reported per source).
   source: str | None = None
+  # The prompt's token ids when they are not the tokenizer's encoding of
+  # `prompt` (a prompt cut to fit the model's context, `loader.fit_prompts`).
+  prompt_token_ids: tuple | None = dataclasses.field(default=None, hash=False)
 
 
 # op name -> (function on the input string, answer length per input char).

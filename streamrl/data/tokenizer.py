@@ -278,18 +278,27 @@ class Tokenizer:
   rendered as a conversation (a text prompt is the user's turn, led by
   `system_prompt` when given) ending in the assistant's generation prompt,
   and the rendering is encoded as it stands (the template writes its own
-  special tokens). `tokenizer.json` is read with the `tokenizers` library;
+  special tokens); `chat_template_kwargs` are the template's extra variables
+  (`task.chat_template_kwargs`). `tokenizer.json` is read with the `tokenizers` library;
   `transformers` (its tokenizer classes: SentencePiece-only directories,
   the template's Jinja environment) is loaded only when needed.
   """
 
-  def __init__(self, model_dir: str, *, chat_template: str = "auto", system_prompt: str = ""):
+  def __init__(
+      self,
+      model_dir: str,
+      *,
+      chat_template: str = "auto",
+      system_prompt: str = "",
+      chat_template_kwargs: dict | None = None,
+  ):
     if chat_template not in CHAT_TEMPLATE_MODES:
       raise UserError(
           f"task.chat_template={chat_template!r} is unknown; use one of {CHAT_TEMPLATE_MODES}."
       )
     self.model_dir = model_dir
     self.system_prompt = system_prompt
+    self.chat_template_kwargs = dict(chat_template_kwargs or {})
     path = os.path.join(model_dir, "tokenizer.json")
     self._fast = tokenizers.Tokenizer.from_file(path) if os.path.isfile(path) else None
     self._hf = None
@@ -335,9 +344,13 @@ class Tokenizer:
     return msgs
 
   def render(self, messages, *, add_generation_prompt: bool = True) -> str:
-    """The chat template's text for a conversation."""
+    """The chat template's text for a conversation (`chat_template_kwargs`,
+    e.g. Qwen3's `enable_thinking`, reach the template as variables)."""
     return self._load_hf().apply_chat_template(
-        list(messages), tokenize=False, add_generation_prompt=add_generation_prompt
+        list(messages),
+        tokenize=False,
+        add_generation_prompt=add_generation_prompt,
+        **self.chat_template_kwargs,
     )
 
   def encode_prompt(self, prompt) -> list[int]:

@@ -96,7 +96,7 @@ def test_safe_reward_passes_values_through():
   assert rewards.safe_reward(rewards.exact_match, "a", _ex("ab")) == (0.0, False)
 
 
-def test_safe_reward_catches_and_warns_once_per_error_type(caplog):
+def test_safe_reward_catches_and_warns_once_per_function_and_error_type(caplog):
   def boom(response, answer):
     raise RuntimeError("verifier crashed")
 
@@ -115,9 +115,9 @@ def test_safe_reward_catches_and_warns_once_per_error_type(caplog):
   messages = [r.getMessage() for r in caplog.records]
   assert sum("RuntimeError" in m for m in messages) == 1
   assert any("verifier crashed" in m and "boom" in m for m in messages)
-  # nan and a non-number are ValueErrors: one more warning for that kind.
-  assert sum("ValueError" in m for m in messages) == 1
-  assert len(messages) == 2
+  # nan and a non-number are both ValueErrors, but of two functions: each warns once.
+  assert sum("ValueError" in m for m in messages) == 2
+  assert len(messages) == 3
 
 
 class _Chars:
