@@ -5,7 +5,9 @@ bookkeeping beside each engine.
   base.py     the environment interface (`reset` / `step` -> `Step`), the
               built-in tool environment (`[calc 1+2]` -> `(3)`), and what the
               tool workers call
-  tools.py    the calculator and the Python sandbox
+  tools.py    the calculator and the Python tool
+  sandbox.py  where model-written code runs: `run` / `python` in a sandbox
+              of its own per call (jail.py sets up its namespaces)
   runner.py   `Trajectory` (token-in, token-out), `ToolRunner` (the tool
               workers beside an engine), `trajectory_metrics`
 

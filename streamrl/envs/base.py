@@ -29,7 +29,9 @@ tiny tokenizer's (`0-9a-z :=+-,()[]./*|#`).
 A user's environment is named like a user's reward, `package.module:Class`
 or `file.py:Class`, and runs in the same worker processes with deadlines
 (streamrl/usercode.py) as every user's function: `step_in_worker` below is
-what those workers call.
+what those workers call. An environment that runs model-written code (a
+command, a test suite) runs it through `streamrl.envs.sandbox.run` /
+`sandbox.python`, in the sandbox the run's `env.sandbox` names.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import re
 from typing import Any, Protocol
 
 from streamrl import usercode
+from streamrl.envs import sandbox
 from streamrl.envs import tools as tools_lib
 from streamrl.errors import UserError
 
@@ -144,10 +147,19 @@ def make_env(name: str) -> Environment:
 _ENVS: dict[str, Environment] = {}
 
 
-def step_in_worker(name: str, state: Any, prompt: str, action: str, timeout_s: float) -> Step:
+def step_in_worker(
+    name: str,
+    state: Any,
+    prompt: str,
+    action: str,
+    timeout_s: float,
+    sandbox_mode: str = "isolated",
+) -> Step:
   """One turn of environment `name` in a tool worker: `reset(prompt)` first
   when the trajectory has no state yet (`state` None). The worker process
-  keeps one instance per environment."""
+  keeps one instance per environment; `sandbox_mode` (`env.sandbox`) is the
+  mode of the sandboxed calls it makes."""
+  sandbox.set_default_mode(sandbox_mode)
   env = _ENVS.get(name)
   if env is None:
     env = _ENVS[name] = make_env(name)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 
 from streamrl.config_checks import positive
+from streamrl.envs import sandbox as sandbox_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +37,12 @@ class Env:
       a slow remote tool (a search API, a code runner elsewhere) in
       benchmarks: the answer is handed on that much later without holding a
       tool worker, so calls wait out their latency concurrently.
+    sandbox: where model-written code runs (the `python` tool, and a user's
+      environment through `streamrl.envs.sandbox`): "isolated", a sandbox
+      of its own per call (new user, mount, PID and network namespaces:
+      streamrl/envs/sandbox.py), and the tool workers refuse to start where
+      the kernel cannot make one; "unsafe", a subprocess with resource limits
+      only, whose code can read and write whatever the run's user can.
   """
 
   name: str = ""
@@ -44,6 +51,7 @@ class Env:
   tool_timeout_s: float = 5.0
   tool_workers: int = 2
   extra_tool_latency_s: float = 0.0
+  sandbox: str = "isolated"
 
   @property
   def enabled(self) -> bool:
@@ -55,6 +63,7 @@ class Env:
     positive("env.tool_timeout_s", self.tool_timeout_s)
     positive("env.tool_workers", self.tool_workers)
     positive("env.extra_tool_latency_s", self.extra_tool_latency_s, zero_ok=True)
+    sandbox_lib.check_mode(self.sandbox)
     if self.name:
       from streamrl.envs import base  # pylint: disable=g-import-not-at-top
 

@@ -123,7 +123,10 @@ def main() -> None:
   if os.geteuid() == 0:
     # Root outside: supplementary groups dropped now, while it may, and the sandbox's uid
     # mapped to an unprivileged outer one, so even a write that escaped would be nobody's.
-    os.setgroups([])
+    try:
+      os.setgroups([])
+    except PermissionError:  # a namespace's root that may not: it has no others mapped
+      pass
     outer_uid = outer_gid = spec["root_maps_to"]
   else:
     outer_uid, outer_gid = os.geteuid(), os.getegid()

@@ -18,7 +18,10 @@ segment's policy's.
 (streamrl/usercode.py: a call past its deadline kills its worker; a crash
 or an exception is a `Failure`), so the engine keeps decoding other
 trajectories while a tool runs. A failed call becomes an error observation,
-never an exception into the generation loop.
+never an exception into the generation loop. An environment that may run
+model-written code (any but the calculator) checks first that its sandbox
+(`env.sandbox`, streamrl/envs/sandbox.py) can be made here, and refuses to
+start otherwise.
 
 Observations are rendered as the model expects: with a chat template, as a
 `tool` turn (the template's text that turn adds after the assistant's
@@ -37,12 +40,14 @@ from typing import Any
 import numpy as np
 
 from streamrl import usercode
-from streamrl.envs import base
+from streamrl.envs import base, sandbox
 from streamrl.envs.config import Env
 from streamrl.errors import UserError
 
 # Finish reasons of a trajectory beyond the engine's ("stop", "length").
 MAX_TURNS = "max_turns"
+# Built-in environments that run no model-written code (no sandbox to check).
+CODE_FREE = ("calc",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,6 +215,8 @@ class ToolRunner:
           "tokenizer; a turn can end only on one token: pick a stop string that is one token."
       )
     self.stop_token_id = stop_ids[0]
+    if env.name not in CODE_FREE:
+      sandbox.check(env.sandbox)  # refused here, before the run, where none can be made
     self.tokenizer = tokenizer
     self.observer = Observer(tokenizer)
     self.timeout_s = env.tool_timeout_s
@@ -234,6 +241,7 @@ class ToolRunner:
         prompt,
         action,
         self.config.tool_timeout_s,
+        self.config.sandbox,
     )
     out: concurrent.futures.Future = concurrent.futures.Future()
 

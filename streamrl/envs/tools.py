@@ -12,31 +12,25 @@ overruns it.
   operation per call (`step_calculator`): the leftmost innermost one, and
   answers with what is left, `4821+3377+1234` -> `8198+1234`, so a longer
   expression takes more calls (the turns of the built-in agentic task).
-- `python_sandbox`: runs the code in a fresh `python -I` subprocess with
-  CPU-time, memory, file-size and process limits, its own empty temporary
-  directory as working directory, an empty environment, no stdin, and no
-  network where the OS allows a new network namespace (Linux user
-  namespaces); it dies with its worker. Its output is stdout (then stderr),
-  cut to `MAX_OUTPUT_CHARS`.
+- `python_sandbox`: runs the code with `python -I -S` in a sandbox of its own
+  (streamrl/envs/sandbox.py: by default new user, mount, PID, network and IPC
+  namespaces, a read-only view of the interpreter, a private tmpfs, CPU,
+  memory, file and process limits; `env.sandbox=unsafe` is a plain limited
+  subprocess). Nothing it starts outlives the call, and it dies with its
+  worker. Its answer is its stdout, cut to `MAX_OUTPUT_CHARS`, or the last
+  line of its stderr as the error.
 """
 
 from __future__ import annotations
 
 import ast
-import ctypes
 import operator
-import os
-import resource
-import signal
-import subprocess
-import sys
-import tempfile
+
+from streamrl.envs import sandbox
 
 MAX_OUTPUT_CHARS = 200
 MAX_RESULT_DIGITS = 64
 MAX_EXPONENT = 256
-SANDBOX_MEMORY_BYTES = 512 << 20
-SANDBOX_FILE_BYTES = 1 << 20
 
 
 class ToolError(Exception):
@@ -154,48 +148,18 @@ class _Formatted(ast.NodeTransformer):
 
 
 # ------------------------------------------------------------ the sandbox
-_CLONE_NEWUSER, _CLONE_NEWNET = 0x10000000, 0x40000000
-_PR_SET_PDEATHSIG = 1
-
-
-def _sandbox_preexec(cpu_s: int) -> None:
-  """In the child before exec: dies with its parent, no network, bounded resources."""
-  libc = ctypes.CDLL(None, use_errno=True)
-  libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-  os.setsid()
-  # A network namespace of its own (only loopback, down) where the kernel allows one.
-  if libc.unshare(_CLONE_NEWNET) != 0:
-    libc.unshare(_CLONE_NEWUSER | _CLONE_NEWNET)
-  resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s))
-  resource.setrlimit(resource.RLIMIT_AS, (SANDBOX_MEMORY_BYTES, SANDBOX_MEMORY_BYTES))
-  resource.setrlimit(resource.RLIMIT_FSIZE, (SANDBOX_FILE_BYTES, SANDBOX_FILE_BYTES))
-  resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
-  resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-
-
 def python_sandbox(code: str, timeout_s: float = 5.0) -> str:
-  """What `code` prints, run in a limited subprocess (see the module docstring)."""
+  """What `code` prints, run in a sandbox (see the module docstring)."""
   budget = max(0.1, float(timeout_s) * 0.9)  # leaves the worker time to answer
-  with tempfile.TemporaryDirectory(prefix="streamrl-sandbox-") as work:
-    try:
-      proc = subprocess.run(
-          [sys.executable, "-I", "-S", "-c", code],
-          cwd=work,
-          env={"PATH": "/usr/bin:/bin", "HOME": work, "TMPDIR": work},
-          stdin=subprocess.DEVNULL,
-          capture_output=True,
-          timeout=budget,
-          preexec_fn=lambda: _sandbox_preexec(max(1, int(budget) + 1)),
-      )
-    except subprocess.TimeoutExpired:
-      raise ToolError("timeout") from None
-  out = proc.stdout.decode("utf-8", "replace").strip()
-  if proc.returncode != 0:
-    if proc.returncode < 0:
-      raise ToolError(f"killed by signal {-proc.returncode}")
-    err = proc.stderr.decode("utf-8", "replace").strip().splitlines()
-    raise ToolError((err[-1] if err else f"exit status {proc.returncode}")[:MAX_OUTPUT_CHARS])
-  return out[:MAX_OUTPUT_CHARS]
+  result = sandbox.python(code, timeout_s=budget)
+  if result.timed_out:
+    raise ToolError("timeout")
+  if result.returncode != 0:
+    if result.returncode < 0:
+      raise ToolError(f"killed by signal {-result.returncode}")
+    err = result.stderr.strip().splitlines()
+    raise ToolError((err[-1] if err else f"exit status {result.returncode}")[:MAX_OUTPUT_CHARS])
+  return result.stdout.strip()[:MAX_OUTPUT_CHARS]
 
 
 TOOLS = {"calc": step_calculator, "py": python_sandbox}
