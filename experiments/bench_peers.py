@@ -1,54 +1,73 @@
-r"""StreamRL against Hugging Face TRL's GRPOTrainer on the same GRPO job.
+r"""StreamRL against its peers on the same GRPO job: Hugging Face TRL's
+GRPOTrainer and Google's Tunix GRPOLearner.
 
-  pip install -e .[peers]          # TRL (not installed by install.sh / CI)
+  pip install -c constraints.txt -e .[peers]   # TRL (not installed by install.sh / CI)
   python experiments/bench_peers.py [--seed=0] [--iterations=90] [--num_eval=512]
+      [--systems=streamrl,trl,tunix] [--tunix_python=PATH]
       [--workdir=/tmp/streamrl_bench_peers] [--out=experiments/out/bench_peers]
 
-The job is `configs/grpo.py` (the long-tailed work-trace task, 32 prompts x 4
-samples per iteration, 2 mini-batches of 64, 2 epochs: 4 optimizer steps per
-iteration) for --iterations iterations (90: 11,520 samples), from one
-warm-started tiny policy (an HF directory, trained once in --workdir and
-shared), on the same training prompts in the same order of draw, rewarded by
+Tunix cannot share StreamRL's environment (its `safetensors<0.8` against our
+transformers' `safetensors>=0.8`); without --tunix_python the script creates
+a virtualenv for it in <workdir>/tunix-venv on first use (StreamRL editable,
+`google-tunix`, constraints.txt but for the pins in
+`experiments/peer_tunix.py` TUNIX_PINS; its docstring has the commands).
+
+The job is `configs/grpo.py` (the long-tailed work-trace task; its group
+size, prompts per iteration, mini-batch and epochs as `settings_for` checks
+them) for --iterations iterations, from one warm-started tiny Qwen2
+policy (an HF directory, trained once in --workdir and shared), rewarded by
 the same verifier (`task.reward`, partial match of the text after the work
-trace).
+trace). Every system takes the training prompts in StreamRL's order of draw
+(its `PromptLoader`, `drawn_examples`), and every peer is given the very
+token ids StreamRL's tokenizer makes for them (`peer_prompt`: the ids decoded
+without special tokens, which each peer's own tokenizer call turns back into
+the same ids; checked on every prompt before training, and in
+tests/test_bench_peers.py with the call TRL makes).
 
   streamrl: `launch/main.py --config=configs/grpo.py` as a user runs it (async
             generation with partial rollouts, ranker, transfer service) on
             both cores, evaluating every --eval_every iterations;
   trl:      `trl.GRPOTrainer` as it runs on CPU (colocated; transformers'
-            `generate`; torch on both cores), saving the policy at the same
-            points. Matched: group size (`num_generations=4`), prompts per
-            generation (`generation_batch_size=128`), optimizer steps per
-            generation (`per_device_train_batch_size=64`,
-            `steps_per_generation=2`, `num_iterations=2`), learning rate and
-            its schedule (5 warm-up steps, cosine to 0.1 x), AdamW betas (0.9,
-            0.95), gradient clip 1.0, KL coefficient 0.01 (k3, in the loss,
-            against the warm start), clip range 0.2, token-level loss
-            (`loss_type="dapo"` is the token mean over the batch, our
-            `loss.agg="token_mean"`), group-normalised advantages,
-            temperature 1, at most 320 new tokens.
-            Not matched: StreamRL's async mode trains on samples one weight
-            version old (corrected by its importance weights); TRL's
-            generation is on-policy. TRL draws its prompts with its own
-            sampler (a fresh shuffle per epoch of the same training prompts).
+            `generate`; torch on both cores; gradient checkpointing off, as
+            the tiny policy fits without it), saving the policy at the same
+            points. Matched: group size, prompts per generation, optimizer
+            steps per generation (`per_device_train_batch_size`,
+            `steps_per_generation`, `num_iterations`), learning rate, warm-up
+            and cosine decay to the same floor, AdamW betas and weight decay,
+            gradient clip, KL coefficient (k3, in the loss, against the warm
+            start), clip range, token-mean loss (`loss_type="dapo"`),
+            group-normalised advantages, temperature and top-p, the response
+            length cap;
+  tunix:    `tunix.rl.grpo.GRPOLearner` with its vanilla JAX sampler, colocated
+            on the CPU device (experiments/peer_tunix.py): the policy loaded
+            through Tunix's Qwen2 model, StreamRL's optimizer (the same
+            optax chain), the same group size, mini-batch, epochs, KL (k3,
+            `low_var_kl`), clip range and token-mean loss; its policy
+            snapshotted at the same points and exported as HF directories.
 
-Both are evaluated by StreamRL's own held-out evaluation (`train.evaluate`:
-a vLLM engine on the saved policy, --num_eval held-out prompts, sampled at
-temperature 1 and greedy), TRL's saved checkpoints after its run, outside
-its timing. Reported per system: samples/s and response tokens/s over the
-training iterations (StreamRL: the sum of `time/iteration_s`; TRL: its
-`train()` minus checkpoint saving), the start-up apart (command to first
-iteration), held-out accuracy at equal samples (the last point) and at equal
-training time (the other's curve interpolated at the shorter run's end),
-with the standard error sqrt(p (1 - p) / n). One PNG of held-out accuracy
-against training seconds. Ends with
+What stays unmatched is printed with the results (`TRL_UNMATCHED`,
+`peer_tunix.UNMATCHED`) and kept in summary.json. The peers' policies are
+evaluated by StreamRL's own held-out evaluation (`train.evaluate`: a vLLM
+engine on the saved policy, --num_eval held-out prompts, sampled at
+temperature 1 and greedy) after their runs, outside their timing. Reported
+per system: samples/s and response tokens/s over the training iterations
+(StreamRL: the sum of `time/iteration_s`; TRL: its `train()` minus
+checkpoint saving; Tunix: its `train()` minus the snapshots), the start-up
+apart (command to first iteration), held-out accuracy at equal samples (the
+last point) and at equal training time (the slower system's curve
+interpolated at the shorter run's end), with the standard error
+sqrt(p (1 - p) / n). One PNG of held-out accuracy against training seconds,
+all systems. Ends with
 
   RESULT streamrl_over_trl_samples_per_s=.. streamrl_over_trl_tokens_per_s=..
-         accuracy_delta_equal_samples=.. accuracy_delta_equal_time=..
-         streamrl_samples_per_s=.. trl_samples_per_s=.. streamrl_acc=.. trl_acc=..
+         accuracy_delta_trl_equal_samples=.. accuracy_delta_trl_equal_samples_se=..
+         accuracy_delta_trl_equal_time=.. trl_samples_per_s=.. trl_acc=..
+         streamrl_over_tunix_samples_per_s=.. (the same keys for tunix)
+         streamrl_samples_per_s=.. streamrl_acc=.. streamrl_stall_s=..
+         streamrl_steady_samples_per_s=..
 
-(deltas: StreamRL minus TRL, points of sampled held-out accuracy). Results:
-experiments/RESULTS.md and the README.
+(deltas: StreamRL minus the peer, points of sampled held-out accuracy).
+Results: experiments/RESULTS.md and the README.
 """
 
 from __future__ import annotations
@@ -436,8 +455,9 @@ def plot(results: dict, path: str, title: str) -> None:
   fig.savefig(path, dpi=120)
 
 
-def report(results: dict, s) -> None:
-  """The table, the plot, the unmatched settings and the RESULT line."""
+def report(results: dict, s, out_dir: str) -> str:
+  """Prints the table, the unmatched settings and the RESULT line (returned);
+  writes the plot of every system's curve to `out_dir`."""
   n = s.task.num_eval
   print(
       f"\n{'system':<10}{'samples/s':>11}{'tokens/s':>10}{'train s':>9}{'start-up s':>11}  accuracy"
@@ -453,9 +473,9 @@ def report(results: dict, s) -> None:
     for line in r.get("unmatched", []):
       print(f"unmatched ({name}): {line}")
   if "streamrl" not in results or len(results) < 2:
-    return
+    return ""
   a = results["streamrl"]
-  png = os.path.join(_OUT.value, f"accuracy_vs_time_seed{s.seed}.png")
+  png = os.path.join(out_dir, f"accuracy_vs_time_seed{s.seed}.png")
   plot(results, png, f"GRPO, configs/grpo.py, {s.trainer.num_iterations} iterations, seed {s.seed}")
   print(f"plot: {png}")
   print(
@@ -486,7 +506,9 @@ def report(results: dict, s) -> None:
       f"streamrl_stall_s={a['stall_s']:.0f}",
       f"streamrl_steady_samples_per_s={a['steady_samples_per_s']:.1f}",
   ]
-  print("RESULT " + " ".join(keys))
+  line = "RESULT " + " ".join(keys)
+  print(line)
+  return line
 
 
 def main(argv):
@@ -544,7 +566,7 @@ def main(argv):
         json.dump(results, f, indent=2)
   with open(summary, "w") as f:
     json.dump(results, f, indent=2)
-  report(results, s)
+  report(results, s, _OUT.value)
 
 
 if __name__ == "__main__":

@@ -4,14 +4,9 @@ Tunix (`google-tunix`) pins `safetensors<0.8` and our `transformers` needs
 `safetensors>=0.8`, so it cannot share StreamRL's environment; it runs in a
 virtualenv of its own, which `ensure_venv` creates on first use (StreamRL
 installed editable, Tunix, and the few pins that differ from constraints.txt,
-`TUNIX_PINS`). By hand, the same:
-
-  python -m venv ~/tunix-venv
-  grep -v -E '^(safetensors|transformers|tokenizers|huggingface-hub)==' constraints.txt \
-      > /tmp/c.txt && printf '%s\n' safetensors==0.7.0 transformers==5.12.1 \
-      tokenizers==0.22.2 huggingface-hub==1.33.0 >> /tmp/c.txt
-  ~/tunix-venv/bin/pip install -c /tmp/c.txt -e . google-tunix==0.1.7
-  python experiments/bench_peers.py --tunix_python=~/tunix-venv/bin/python
+`TUNIX_PINS`). By hand: a new virtualenv, constraints.txt with the
+`TUNIX_PINS` lines in place of ours, then `pip install -c <that file> -e .
+google-tunix==<TUNIX's version>`, and `--tunix_python=<venv>/bin/python`.
 
 `run_child` is the run itself, in that venv's interpreter: the warm-started
 policy loaded through Tunix's Qwen2 model (`create_model_from_safe_tensors`),
@@ -251,6 +246,9 @@ def run_child(args: dict) -> None:
   log = {"calls": [], "snap_s": 0.0, "snaps": {}, "tokens": 0}
   snaps = {}
 
+  # The reward is called once per generated mini-batch, before Tunix trains
+  # on it, so call n sees the policy after n / per_it iterations; its time
+  # includes that mini-batch's generation (later than the policy's, by one).
   def reward(prompts, completions, answer, **unused):
     n = len(log["calls"])
     if n and n % (per_it * every) == 0:  # the policy after n / per_it iterations
