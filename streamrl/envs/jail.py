@@ -257,11 +257,15 @@ def build_root(spec: dict) -> None:
   for path, target in links.items():  # /bin -> usr/bin on merged-/usr systems
     os.makedirs(os.path.dirname("/newroot" + path), exist_ok=True)
     os.symlink(target, "/newroot" + path)
-  for path, fd in opened.items():
-    _bind_read_only(
-        f"/oldroot/proc/self/fd/{fd}", "/newroot" + path, stat.S_ISDIR(os.fstat(fd).st_mode)
-    )
-    os.close(fd)
+  # Its writable directory first: a read-only path may lie under /tmp on the host.
+  os.mkdir("/newroot/tmp")
+  mount(
+      "tmpfs",
+      "/newroot/tmp",
+      "tmpfs",
+      MS_NOSUID | MS_NODEV,
+      f"size={spec['tmp_bytes']},mode=0700,uid={uid},gid={uid}",
+  )
   os.mkdir("/newroot/dev")
   for name in DEVICES:
     if os.path.exists(f"/oldroot/dev/{name}"):
@@ -273,14 +277,10 @@ def build_root(spec: dict) -> None:
   os.mkdir("/newroot/proc")
   # Ours is PID 1's namespace: it shows only the sandbox's processes.
   mount("proc", "/newroot/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
-  os.mkdir("/newroot/tmp")
-  mount(
-      "tmpfs",
-      "/newroot/tmp",
-      "tmpfs",
-      MS_NOSUID | MS_NODEV,
-      f"size={spec['tmp_bytes']},mode=0700,uid={uid},gid={uid}",
-  )
+  for path, fd in opened.items():
+    is_dir = stat.S_ISDIR(os.fstat(fd).st_mode)
+    _bind_read_only(f"/oldroot/proc/self/fd/{fd}", "/newroot" + path, is_dir)
+    os.close(fd)
   mount(None, "/newroot", None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
   _check(libc.umount2(b"/oldroot", MNT_DETACH), "umount /oldroot")
   os.chdir("/newroot")

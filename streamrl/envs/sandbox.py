@@ -187,6 +187,11 @@ def _read_only_paths(extra: Sequence[str]) -> list[str]:
     real = os.path.realpath(path)
     if not os.path.exists(real):
       raise UserError(f"The sandbox's read-only path {path!r} does not exist; fix it.")
+    if real == "/" or real.split("/")[1] in ("proc", "dev", "sys"):
+      raise UserError(
+          f"The sandbox's read-only path {path!r} would show it the host's system; name the "
+          "directories it needs instead."
+      )
     paths.append(real)
   kept: list[str] = []
   for path in sorted(set(paths), key=len):
