@@ -1,9 +1,10 @@
 """The program that puts one sandboxed command in its own namespaces (see sandbox.py).
 
-Run as `python -I -S jail.py` with the call's spec as JSON on stdin; it uses the
-standard library only, so it runs without the project's packages on the path.
-It answers on stdout with one JSON object: `{"status": <wait status>}`,
-`{"timed_out": true}`, `{"exec_error": why}` or `{"unavailable": why}`.
+Run as `python -I -S jail.py` with the call's spec on stdin (a dict, `marshal`ed:
+the caller is the same interpreter); it uses the standard library only (and the
+few modules that start fast), so it runs without the project's packages on the
+path. It answers on stdout with one marshalled dict: `{"status": <wait
+status>}`, `{"timed_out": True}`, `{"exec_error": why}` or `{"unavailable": why}`.
 
 Three processes, each dying with its parent (`PR_SET_PDEATHSIG`):
 
@@ -25,9 +26,8 @@ Three processes, each dying with its parent (`PR_SET_PDEATHSIG`):
 """
 
 import ctypes
-import json
+import marshal
 import os
-import platform
 import select
 import signal
 import stat
@@ -97,9 +97,10 @@ def mount(source, target, fstype, flags, data=None) -> None:
 
 
 def pivot_root(new_root: str, put_old: str) -> None:
-  number = _SYS_PIVOT_ROOT.get(platform.machine())
+  machine = os.uname().machine
+  number = _SYS_PIVOT_ROOT.get(machine)
   if number is None:
-    raise Refused(f"pivot_root: unknown system call number on {platform.machine()}")
+    raise Refused(f"pivot_root: unknown system call number on {machine}")
   _check(libc.syscall(ctypes.c_long(number), _b(new_root), _b(put_old)), f"pivot_root {new_root}")
 
 
@@ -110,13 +111,13 @@ def die_with_parent(parent: int) -> None:
 
 
 def answer(**reply) -> None:
-  os.write(1, json.dumps(reply).encode())
+  os.write(1, marshal.dumps(reply))
   os._exit(0)
 
 
 # ------------------------------------------------------------ supervisor
 def main() -> None:
-  spec = json.load(sys.stdin)
+  spec = marshal.loads(sys.stdin.buffer.read())
   deadline = time.monotonic() + spec["timeout_s"]
   die_with_parent(spec["parent"])
   inner = spec["uid"]

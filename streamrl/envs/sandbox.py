@@ -37,7 +37,7 @@ output goes to files, not pipes a stray child could hold open.
 from __future__ import annotations
 
 import dataclasses
-import json
+import marshal
 import os
 import select
 import signal
@@ -228,7 +228,7 @@ def _run_isolated(argv, timeout_s, files, read_only) -> Result:
         "stdout_fd": out.fileno(),
         "stderr_fd": err.fileno(),
     }
-    spec_file.write(json.dumps(spec).encode())
+    spec_file.write(marshal.dumps(spec))
     spec_file.seek(0)
     with subprocess.Popen(
         [interpreter(), "-I", "-S", _JAIL],
@@ -243,10 +243,10 @@ def _run_isolated(argv, timeout_s, files, read_only) -> Result:
         # Never seen: the supervisor keeps the deadline. Its init dies with it.
         supervisor.kill()
         supervisor.wait()
-        answer = b'{"timed_out": true}'
+        answer = marshal.dumps({"timed_out": True})
     try:
-      reply = json.loads(answer)
-    except ValueError:
+      reply = marshal.loads(answer)
+    except (EOFError, ValueError, TypeError):
       diagnostics.seek(0)
       raise RuntimeError(
           "the sandbox's supervisor died: " + diagnostics.read().decode(errors="replace")[-500:]
