@@ -65,6 +65,7 @@ TIERS = {
     "tests/test_orphans.py": ("e2e",),
     "tests/test_loopback.py": ("ray",),
     "tests/envs/test_trajectories.py": ("engine",),
+    "tests/data/test_user_jobs.py": ("engine", "e2e"),
 }
 
 

@@ -313,6 +313,9 @@ SIGNATURES = {
     VERL: "compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs)",
     TRL: "f(prompts, completions, completion_ids=None, **columns) -> list[float | None]",
 }
+_ALL_SIGNATURES = (
+    f"StreamRL's {SIGNATURES[STREAMRL]}, verl's {SIGNATURES[VERL]} or TRL's {SIGNATURES[TRL]}"
+)
 _NAMED = ("POSITIONAL_OR_KEYWORD", "KEYWORD_ONLY")
 # The keywords verl's reward manager passes, and those TRL's trainer passes.
 _VERL_ARGS = ("data_source", "solution_str", "ground_truth", "extra_info")
@@ -671,9 +674,10 @@ class Rewarder:
       missing = missing_arguments(fn.params, fn.style, columns)
       if missing:
         raise UserError(
-            f"The reward {fn.label!r} was matched to {tried}, and its signature "
-            f"{fn.found()} needs {missing}, which neither that call nor the columns of {where} "
-            f"({sorted(columns)}) provide; rename its parameters or add the column(s)."
+            f"The reward {fn.label!r} was called as {tried} (its signature is {fn.found()}), "
+            f"and that call leaves its parameter(s) {missing} unfilled ({where} has the columns "
+            f"{sorted(columns)}); add the column(s), or rename the parameters to one of "
+            f"{_ALL_SIGNATURES}."
         )
       if fn.style == TRL:
         value = self._batch_call(fn, [response], [[]], [example]).result()
@@ -690,8 +694,7 @@ class Rewarder:
         ).rstrip(".")
         raise UserError(
             f"The reward {fn.label!r} was called as {tried} (its signature is {fn.found()}) on "
-            f"{where} and a dummy response, and it {why}; write it as one of StreamRL's "
-            f"{SIGNATURES[STREAMRL]}, verl's {SIGNATURES[VERL]} or TRL's {SIGNATURES[TRL]}."
+            f"{where} and a dummy response, and it {why}; write it as one of {_ALL_SIGNATURES}."
         ) from None
 
   def _score(self, value, fn: _Fn) -> Score | None:

@@ -239,8 +239,9 @@ def test_a_trl_list_of_the_wrong_length_is_counted_not_trained_on(tmp_path):
         # The silent-zero path of verl's signature with other parameter names.
         (
             "def compute_score(data_source, solution, answer, extra_info=None):\n  return 1.0\n",
-            r"matched to StreamRL's score\(response, answer, \*\*columns\).*its signature "
-            r"compute_score\(data_source, solution, answer, extra_info=\.\.\.\) needs \['answer'\]",
+            r"called as StreamRL's score\(response, answer, \*\*columns\).*its signature is "
+            r"compute_score\(data_source, solution, answer, extra_info=\.\.\.\).*leaves its "
+            r"parameter\(s\) \['answer'\] unfilled",
         ),
         (
             "def judge(data_source, text, **kwargs):\n  return 1.0\n",
@@ -249,7 +250,7 @@ def test_a_trl_list_of_the_wrong_length_is_counted_not_trained_on(tmp_path):
         ),
         (
             "def score(response, answer, level):\n  return 1.0\n",
-            r"signature score\(response, answer, level\) needs \['level'\]",
+            r"signature is score\(response, answer, level\).*\['level'\] unfilled",
         ),
         ("def score(response, answer):\n  return 'high'\n", r"returned str, not a number"),
         (
