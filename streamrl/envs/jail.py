@@ -278,6 +278,10 @@ def build_root(spec: dict) -> None:
   os.mkdir("/newroot/proc")
   # Ours is PID 1's namespace: it shows only the sandbox's processes.
   mount("proc", "/newroot/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+  # No user namespaces of its own: they would give the command capabilities again (over
+  # namespaces of its own), the way in of many kernel exploits.
+  with open("/newroot/proc/sys/user/max_user_namespaces", "w") as f:
+    f.write("0")
   for path, fd in opened.items():
     is_dir = stat.S_ISDIR(os.fstat(fd).st_mode)
     _bind_read_only(f"/oldroot/proc/self/fd/{fd}", "/newroot" + path, is_dir)

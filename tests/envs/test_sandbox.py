@@ -57,13 +57,17 @@ def _running_with(marker: str) -> list[int]:
 
 def test_it_runs_code_as_an_unprivileged_uid_without_capabilities():
   r = _py("""
-      import os
+      import ctypes, os
       status = dict(l.split(':', 1) for l in open('/proc/self/status').read().splitlines())
       print(os.getuid(), os.getgid(), status['CapEff'].strip(), status['CapPrm'].strip(),
             status['NoNewPrivs'].strip(), os.getcwd())
+      libc = ctypes.CDLL(None, use_errno=True)  # a user namespace would give capabilities back
+      print(libc.unshare(0x10000000), ctypes.get_errno())
       """)
   assert r.returncode == 0, r
-  assert r.stdout.split() == ["65534", "65534", "0" * 16, "0" * 16, "1", "/tmp"]
+  ids, nested = r.stdout.splitlines()
+  assert ids.split() == ["65534", "65534", "0" * 16, "0" * 16, "1", "/tmp"]
+  assert nested == "-1 28"  # ENOSPC
 
 
 def test_it_cannot_read_a_private_file_outside(tmp_path):
