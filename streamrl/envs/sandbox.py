@@ -20,15 +20,19 @@ two modes (`env.sandbox`):
     host's processes, and when it exits or its deadline passes, every process
     it started is killed before the call returns;
   * its network namespace has no interface up, not even loopback;
-  * CPU time, address space, file size, open files and processes are limited.
+  * CPU time, address space, file size, open files and processes are limited,
+    and it may create no user namespace of its own;
+  * not bounded: memory of all its processes together (each has the
+    address-space limit; a whole bound needs a cgroup, which an unprivileged
+    user is seldom given).
   Where the kernel refuses user namespaces (or mounts in them), the call
   raises `SandboxUnavailable`, one sentence naming `env.sandbox=unsafe`;
   nothing falls back silently.
 - `unsafe`, chosen explicitly, is the older subprocess: the same resource
   limits (but the process count), an empty temporary directory, a new
-  session killed whole at the end, a network namespace where one can be made
-  without a user namespace; the code can read and write whatever the run's
-  user can.
+  session killed whole at the end, a network namespace where the kernel gives
+  one (else the host's network); the code can read and write whatever the
+  run's user can, and see and signal its processes.
 
 Either way the call returns by its deadline whatever the code's children do:
 output goes to files, not pipes a stray child could hold open.
@@ -269,14 +273,15 @@ def _read(f) -> str:
 # --------------------------------------------------------------- unsafe
 def _unsafe_preexec(cpu_s: int) -> None:
   """In the child before exec: dies with its parent, a session of its own, limits, and a
-  network namespace where the kernel gives one without a user namespace."""
+  network namespace where the kernel gives one (else it keeps the host's network)."""
   import ctypes  # pylint: disable=g-import-not-at-top
   import resource  # pylint: disable=g-import-not-at-top
 
   libc = ctypes.CDLL(None, use_errno=True)
   libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
   os.setsid()
-  libc.unshare(0x40000000)  # CLONE_NEWNET
+  if libc.unshare(0x40000000) != 0:  # CLONE_NEWNET, else with a user namespace
+    libc.unshare(0x10000000 | 0x40000000)
   resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s))
   resource.setrlimit(resource.RLIMIT_AS, (MEMORY_BYTES, MEMORY_BYTES))
   resource.setrlimit(resource.RLIMIT_FSIZE, (FILE_BYTES, FILE_BYTES))
