@@ -180,7 +180,8 @@ def main() -> None:
   report = b""
   while chunk := os.read(report_r, 65536):
     report += chunk
-  kind, _, detail = report.decode(errors="replace").partition(" ")
+  # The first line says how it went: the command's exec error comes before the init's status.
+  kind, _, detail = report.decode(errors="replace").partition("\n")[0].partition(" ")
   if timed_out:
     answer(timed_out=True)
   if kind == "S":
@@ -216,10 +217,10 @@ def run_init(spec: dict, report_w: int) -> None:
     build_root(spec)
     _check(libc.sethostname(b"sandbox", 7), "sethostname")
   except Refused as err:
-    os.write(report_w, f"E {err}".encode())
+    os.write(report_w, f"E {err}\n".encode())
     os._exit(1)
   except OSError as err:
-    os.write(report_w, f"E setting up the sandbox: {err}".encode())
+    os.write(report_w, f"E setting up the sandbox: {err}\n".encode())
     os._exit(1)
   command = os.fork()
   if command == 0:
@@ -227,7 +228,7 @@ def run_init(spec: dict, report_w: int) -> None:
   while True:  # reaps orphans until the command is done
     pid, status = os.wait()
     if pid == command:
-      os.write(report_w, f"S {status}".encode())
+      os.write(report_w, f"S {status}\n".encode())
       os._exit(0)
 
 
@@ -329,6 +330,10 @@ def run_command(spec: dict, report_w: int) -> None:
     for name, text in spec["files"].items():
       with open(name, "w") as f:
         f.write(text)
+  except OSError as err:  # the caller's files do not fit in its /tmp
+    os.write(report_w, f"X cannot write its files: {err}\n".encode())
+    os._exit(127)
+  try:
     for name, value in spec["limits"].items():
       limit = getattr(resource, name)
       resource.setrlimit(limit, (value, value))
@@ -340,12 +345,12 @@ def run_command(spec: dict, report_w: int) -> None:
     os.closerange(3, report_w)
     os.closerange(report_w + 1, 1 << 16)
   except (OSError, Refused) as err:
-    os.write(report_w, f"E preparing the command: {err}".encode())
+    os.write(report_w, f"E preparing the command: {err}\n".encode())
     os._exit(127)
   try:
     os.execvpe(spec["argv"][0], spec["argv"], spec["env"])
   except OSError as err:
-    os.write(report_w, f"X cannot run {spec['argv'][0]!r}: {err.strerror}".encode())
+    os.write(report_w, f"X cannot run {spec['argv'][0]!r}: {err.strerror}\n".encode())
     os._exit(127)
 
 

@@ -257,7 +257,8 @@ def test_a_user_environment_runs_its_commands_in_the_sandbox(tmp_path):
       timeout_s=20,
   )
   assert r.returncode == 0 and r.stdout.split() == ["4", "solved"], r
-  assert sandbox.run(["no-such-command"], timeout_s=20).returncode == 127
+  r = sandbox.run(["no-such-command"], timeout_s=20)
+  assert r.returncode == 127 and "cannot run 'no-such-command'" in r.stderr, r
   with pytest.raises(UserError, match="does not exist"):
     sandbox.run(["true"], read_only=[str(tmp_path / "missing")])
   with pytest.raises(ValueError, match="plain name"):
