@@ -264,6 +264,8 @@ def test_a_user_environment_runs_its_commands_in_the_sandbox(tmp_path):
   with pytest.raises(ValueError, match="plain name"):
     sandbox.run(["true"], files={"../x": ""})
   # A tool worker runs its calls in the mode of the run's env.sandbox.
+  step = base.step_in_worker("python", None, "", "[py import os;print(os.getuid())]", 10.0)
+  assert step.observation == f"({sandbox.SANDBOX_UID})"
   try:
     step = base.step_in_worker("python", None, "", "[py print(1+1)]", 10.0, "unsafe")
     assert step.observation == "(2)"
