@@ -16,7 +16,17 @@ COMPUTE_DTYPES = ("float32", "bfloat16")
 #   full  only the block's input: everything is recomputed;
 #   dots  the weight projections' outputs (q/k/v/o, MLP): the attention
 #         scores, softmax and elementwise ops are recomputed.
-REMAT_POLICIES = ("none", "full", "dots")
+#   minimal  the q/k/v projections, the attention output and the MLP's hidden
+#         activations (named with `checkpoint_name`): only norms, RoPE,
+#         elementwise ops and the attention core are recomputed.
+REMAT_POLICIES = ("none", "full", "dots", "minimal")
+# How attention runs (`ComputeConfig.attention`):
+#   fused      jax.nn.dot_product_attention with causal masking and grouped kv
+#              heads (cuDNN's fused kernel on GPUs where it applies, XLA's
+#              otherwise);
+#   reference  the scores spelled out as einsums, masked by positions (also what
+#              runs whenever explicit positions are passed).
+ATTENTION_IMPLS = ("fused", "reference")
 # Positions scored at a time by default (trainer.logprob_chunk): [b, 512, vocab]
 # fp32 logits at most, whatever the sequence length.
 DEFAULT_LOGPROB_CHUNK = 512
@@ -257,12 +267,14 @@ class ComputeConfig:
     logprob_chunk: score tokens this many positions at a time, so no fp32
       [b, t, vocab] logits tensor exists for the whole sequence (0: all at
       once). The results equal the unchunked ones.
+    attention: `ATTENTION_IMPLS`; both give the same results up to rounding.
   """
 
   dtype: str = "float32"
   fp32_lm_head: bool = True
   remat: str = "none"
   logprob_chunk: int = DEFAULT_LOGPROB_CHUNK
+  attention: str = "fused"
 
   @property
   def head_dtype(self) -> str:
@@ -274,6 +286,8 @@ class ComputeConfig:
       raise ValueError(f"compute dtype {self.dtype!r} is unknown; use one of {COMPUTE_DTYPES}.")
     if self.remat not in REMAT_POLICIES:
       raise ValueError(f"remat policy {self.remat!r} is unknown; use one of {REMAT_POLICIES}.")
+    if self.attention not in ATTENTION_IMPLS:
+      raise ValueError(f"attention {self.attention!r} is unknown; use one of {ATTENTION_IMPLS}.")
     if self.logprob_chunk < 0:
       raise ValueError(f"logprob_chunk={self.logprob_chunk} must be >= 0 (0: unchunked).")
 

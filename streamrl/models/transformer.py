@@ -24,17 +24,23 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from streamrl.models.config import ComputeConfig, ModelConfig, RopeScaling
 
 _F32 = jnp.float32
 _DEFAULT_COMPUTE = ComputeConfig()
+# Names of the block's intermediates that remat "minimal" keeps (`checkpoint_name`).
+_SAVED_NAMES = ("q_proj", "k_proj", "v_proj", "attn_out", "mlp_hidden")
 # jax.checkpoint policies of `ComputeConfig.remat` (None: save only the inputs).
 # "dots" keeps matmuls without batch dimensions -- the weight projections --
 # and so recomputes the [b, heads, t, t] attention scores, the biggest tensors.
+# "minimal" keeps the named projections and the attention output: the backward
+# pass recomputes only the norms, RoPE, elementwise ops and the attention core.
 _REMAT_POLICIES = {
     "full": None,
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "minimal": jax.checkpoint_policies.save_only_these_names(*_SAVED_NAMES),
 }
 
 
@@ -45,6 +51,21 @@ def _param(rngs: nnx.Rngs, init, shape, axes, dtype=jnp.float32) -> nnx.Param:
 _normal = jax.nn.initializers.normal(0.02)
 _zeros = jax.nn.initializers.zeros
 _ones = jax.nn.initializers.ones
+# The parameters that do not start random (by name); every other one is normal(0.02).
+_NOT_RANDOM = {
+    "scale": _ones,
+    "b_q_hn": _zeros,
+    "b_k_kn": _zeros,
+    "b_v_kn": _zeros,
+    "w_value_d": _zeros,
+    "b_value": _zeros,
+}
+
+
+def initializer(name: str):
+  """The initializer of the parameter called `name`, as the constructors use it
+  (for `sharding.random_init`, which makes each parameter on its own)."""
+  return _NOT_RANDOM.get(name, _normal)
 
 
 class RMSNorm(nnx.Module):
@@ -119,7 +140,13 @@ class Attention(nnx.Module):
       self.q_norm = RMSNorm(n, cfg.rms_norm_eps, rngs=rngs)
       self.k_norm = RMSNorm(n, cfg.rms_norm_eps, rngs=rngs)
 
-  def __call__(self, x_btd: jax.Array, positions_bt: jax.Array) -> jax.Array:
+  def __call__(
+      self,
+      x_btd: jax.Array,
+      positions_bt: jax.Array | None = None,
+      attention: str = "fused",
+  ) -> jax.Array:
+    """Causal self-attention; `positions_bt` None means 0, 1, ..., t - 1 in every row."""
     cfg, dt = self.cfg, x_btd.dtype
     q = jnp.einsum("BTD,DHN->BTHN", x_btd, self.w_q_dhn[...].astype(dt))
     k = jnp.einsum("BTD,DKN->BTKN", x_btd, self.w_k_dkn[...].astype(dt))
@@ -128,23 +155,47 @@ class Attention(nnx.Module):
       q = q + self.b_q_hn[...].astype(dt)
       k = k + self.b_k_kn[...].astype(dt)
       v = v + self.b_v_kn[...].astype(dt)
+    q, k, v = checkpoint_name(q, "q_proj"), checkpoint_name(k, "k_proj"), checkpoint_name(v, "v_proj")
     if cfg.qk_norm:  # over head_dim, after the projection and before RoPE, as HF's Qwen3
       q = self.q_norm(q)
       k = self.k_norm(k)
+    default_positions = positions_bt is None
+    if default_positions:
+      positions_bt = jnp.broadcast_to(jnp.arange(x_btd.shape[1]), x_btd.shape[:2])
     q = rope(q, positions_bt, cfg.rope_theta, cfg.rope_scaling)
     k = rope(k, positions_bt, cfg.rope_theta, cfg.rope_scaling)
-    b, t, h, n = q.shape
-    g = h // cfg.num_kv_heads
-    # Query head j uses kv head j // g, as in HF's repeat_kv.
-    q_btkgn = q.reshape(b, t, cfg.num_kv_heads, g, n)
-    logits = jnp.einsum("BTKGN,BSKN->BKGTS", q_btkgn, k, preferred_element_type=_F32)
-    logits = logits / jnp.sqrt(jnp.float32(n))
-    causal_ts = positions_bt[:, None, None, :, None] >= positions_bt[:, None, None, None, :]
-    logits = jnp.where(causal_ts, logits, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
-    out_btkgn = jnp.einsum("BKGTS,BSKN->BTKGN", probs, v)
-    out_bthn = out_btkgn.reshape(b, t, h, n)
+    if attention == "fused" and default_positions:
+      out_bthn = fused_attention(q, k, v)
+    else:
+      out_bthn = reference_attention(q, k, v, positions_bt)
+    out_bthn = checkpoint_name(out_bthn, "attn_out")
     return jnp.einsum("BTHN,HND->BTD", out_bthn, self.w_o_hnd[...].astype(dt))
+
+
+def fused_attention(q_bthn: jax.Array, k_btkn: jax.Array, v_btkn: jax.Array) -> jax.Array:
+  """Causal attention through `jax.nn.dot_product_attention`: grouped kv heads
+  natively, cuDNN's fused kernel on GPUs where it applies, XLA elsewhere.
+  Scores accumulate and the softmax runs in fp32, as in `reference_attention`."""
+  return jax.nn.dot_product_attention(q_bthn, k_btkn, v_btkn, is_causal=True)
+
+
+def reference_attention(
+    q_bthn: jax.Array, k_btkn: jax.Array, v_btkn: jax.Array, positions_bt: jax.Array
+) -> jax.Array:
+  """Attention spelled out: fp32 [b, k, g, t, s] scores masked by positions
+  (query at position p sees keys at positions <= p), softmax, weighted sum."""
+  b, t, h, n = q_bthn.shape
+  kv_heads = k_btkn.shape[2]
+  g = h // kv_heads
+  # Query head j uses kv head j // g, as in HF's repeat_kv.
+  q_btkgn = q_bthn.reshape(b, t, kv_heads, g, n)
+  logits = jnp.einsum("BTKGN,BSKN->BKGTS", q_btkgn, k_btkn, preferred_element_type=_F32)
+  logits = logits / jnp.sqrt(jnp.float32(n))
+  causal_ts = positions_bt[:, None, None, :, None] >= positions_bt[:, None, None, None, :]
+  logits = jnp.where(causal_ts, logits, jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(logits, axis=-1).astype(v_btkn.dtype)
+  out_btkgn = jnp.einsum("BKGTS,BSKN->BTKGN", probs, v_btkn)
+  return out_btkgn.reshape(b, t, h, n)
 
 
 class MLP(nnx.Module):
@@ -158,7 +209,8 @@ class MLP(nnx.Module):
   def __call__(self, x_btd: jax.Array) -> jax.Array:
     dt = x_btd.dtype
     gate = jax.nn.silu(x_btd @ self.w_gate_df[...].astype(dt))
-    return (gate * (x_btd @ self.w_up_df[...].astype(dt))) @ self.w_down_fd[...].astype(dt)
+    hidden = checkpoint_name(gate * (x_btd @ self.w_up_df[...].astype(dt)), "mlp_hidden")
+    return hidden @ self.w_down_fd[...].astype(dt)
 
 
 class Block(nnx.Module):
@@ -169,8 +221,10 @@ class Block(nnx.Module):
     self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, rngs=rngs)
     self.mlp = MLP(cfg, rngs=rngs)
 
-  def __call__(self, x_btd: jax.Array, positions_bt: jax.Array) -> jax.Array:
-    x_btd = x_btd + self.attn(self.attn_norm(x_btd), positions_bt)
+  def __call__(
+      self, x_btd: jax.Array, positions_bt: jax.Array | None, attention: str = "fused"
+  ) -> jax.Array:
+    x_btd = x_btd + self.attn(self.attn_norm(x_btd), positions_bt, attention)
     return x_btd + self.mlp(self.mlp_norm(x_btd))
 
 
@@ -190,14 +244,13 @@ class Trunk(nnx.Module):
       compute: ComputeConfig = _DEFAULT_COMPUTE,
   ) -> jax.Array:
     """Hidden states [b, t, d] after the final norm, in `compute.head_dtype`."""
-    if positions_bt is None:
-      positions_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1]), tokens_bt.shape)
     # Gather in the stored dtype, then cast: only [b, t, d] is converted.
     x_btd = jnp.take(self.embedding_vd[...], tokens_bt, axis=0).astype(compute.dtype)
+    call = lambda block, x, pos: block(x, pos, compute.attention)
     if compute.remat == "none":
-      run = lambda block, x, pos: block(x, pos)
+      run = call
     else:
-      run = nnx.remat(lambda block, x, pos: block(x, pos), policy=_REMAT_POLICIES[compute.remat])
+      run = nnx.remat(call, policy=_REMAT_POLICIES[compute.remat])
     for block in self.blocks:
       x_btd = run(block, x_btd, positions_bt)
     return self.final_norm(x_btd, out_dtype=compute.head_dtype)

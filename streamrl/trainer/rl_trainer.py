@@ -55,17 +55,20 @@ class Snapshot:
 
 
 def critic_from_policy(
-    policy: Transformer, seed: int, mesh: jax.sharding.Mesh, rules=sharding.DEFAULT_RULES
+    policy: Transformer, mesh: jax.sharding.Mesh, rules=sharding.DEFAULT_RULES
 ) -> Critic:
   """A critic whose trunk starts as a copy of the policy's; zero value head.
 
   Created in its sharding on `mesh` (`sharding.init_sharded`): the trunk is
   copied shard by shard from the (sharded) policy, and no device ever holds
-  a whole critic. The random trunk init is dead code under jit.
+  a whole critic. No random numbers: the critic's structure comes from
+  `nnx.eval_shape`, its trunk from the policy, its head is zeros.
   """
+  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: Critic(policy.cfg, rngs=nnx.Rngs(0))))
 
   def build(trunk):
-    critic = Critic(policy.cfg, rngs=nnx.Rngs(seed))
+    zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), abstract)
+    critic = nnx.merge(graphdef, zeros)
     nnx.update(critic.trunk, trunk)
     return critic
 
@@ -131,7 +134,7 @@ class RLTrainer:
     policy = sharding.shard_module(policy, self.mesh)
     critic = None
     if advantage.use_critic:
-      critic = critic_from_policy(policy, seed, self.mesh)
+      critic = critic_from_policy(policy, self.mesh)
     self.lora = trainer.lora_spec()
     self.models, state = step_lib.init_state(
         policy, optimizer, optimizer_steps, critic, compute=self.compute, lora=self.lora, seed=seed

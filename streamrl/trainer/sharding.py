@@ -7,6 +7,7 @@ is split over. Everything about placement lives here and in the config.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 
 import jax
@@ -115,11 +116,47 @@ def init_sharded(build, mesh: Mesh, *args, rules=DEFAULT_RULES) -> nnx.Module:
   constructor, so each device only ever holds its own shards -- there is
   never a full unsharded copy on one device. `args` (arrays or nnx State,
   e.g. weights to copy in) keep the sharding they have.
+
+  Randomness must come in through `args` (a key, see `random_init`): a key
+  made inside `build` is a compile-time constant, and XLA would evaluate the
+  whole random initialisation while compiling (constant folding).
   """
   graphdef, abstract = nnx.split(nnx.eval_shape(build, *args))
   shardings = state_shardings(abstract, mesh, rules)
   state = jax.jit(lambda *a: nnx.state(build(*a)), out_shardings=shardings)(*args)
   return nnx.merge(graphdef, state)
+
+
+def random_init(build, mesh: Mesh, seed: int, initializer, rules=DEFAULT_RULES) -> nnx.Module:
+  """The module `build(rngs)` makes, with fresh random weights from `seed`,
+  each parameter created directly in its sharding.
+
+  Parameter i is `initializer(name)(fold_in(key(seed), i), shape, dtype)`,
+  made by a small jitted program per distinct (initializer, shape, dtype,
+  sharding) with the key a traced argument: nothing is a compile-time
+  constant, so XLA has nothing to fold, and a model compiles only as many
+  programs as it has distinct parameter shapes (one program for the whole
+  constructor would compile every parameter's random generator).
+  """
+  graphdef, abstract = nnx.split(nnx.eval_shape(lambda: build(nnx.Rngs(0))))
+  shardings = state_shardings(abstract, mesh, rules)
+  key = jax.random.key(seed)
+  index = iter(range(1 << 30))
+
+  def one(path, var, sharding_var):
+    name = next(k.key for k in reversed(path) if isinstance(getattr(k, "key", None), str))
+    value = var.get_value()
+    make = _leaf_init(initializer(name), value.shape, value.dtype, sharding_var.get_value())
+    return var.replace(make(key, np.uint32(next(index))))
+
+  is_var = lambda x: isinstance(x, nnx.Variable)
+  state = jax.tree_util.tree_map_with_path(one, abstract, shardings, is_leaf=is_var)
+  return nnx.merge(graphdef, state)
+
+
+@functools.lru_cache(maxsize=None)
+def _leaf_init(init, shape, dtype, sharding):
+  return jax.jit(lambda key, i: init(jax.random.fold_in(key, i), shape, dtype), out_shardings=sharding)
 
 
 def batch_sharding(

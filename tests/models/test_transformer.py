@@ -214,7 +214,7 @@ def _relative_difference(a, b) -> float:
   return (diff / sum(sq(x) for x in jax.tree.leaves(a))) ** 0.5
 
 
-@pytest.mark.parametrize("remat", ["full", "dots"])
+@pytest.mark.parametrize("remat", ["full", "dots", "minimal"])
 def test_remat_gives_the_same_loss_and_gradients(remat):
   """fp32: the same (bit for bit, measured). bf16: the same loss (the recomputed forward rounds the
   same way) and gradients within bf16 noise -- XLA fuses the backward's bf16
@@ -262,3 +262,71 @@ def test_read_dtype_cast_keeps_the_logprobs_and_halves_the_matmul_weights(make):
   np.testing.assert_array_equal(
       nnx.merge(cgraph, ccast)(tokens, compute=BF16), critic(tokens, compute=BF16)
   )
+
+
+@pytest.mark.parametrize("make,mha", [(config.tiny_qwen2, False), (config.tiny_llama, True)])
+def test_fused_attention_equals_the_reference_path_in_fp32(make, mha):
+  """jax.nn.dot_product_attention (grouped kv heads, causal) against the
+  spelled-out scores, on grouped-query and multi-head configs: logits,
+  logprobs and gradients."""
+  cfg = make(64)
+  if mha:
+    cfg = dataclasses.replace(cfg, num_kv_heads=cfg.num_heads)
+  assert (cfg.num_heads == cfg.num_kv_heads) == mha
+  model = transformer.Transformer(cfg, rngs=nnx.Rngs(0))
+  tokens = _tokens(64)
+  fused = config.ComputeConfig(attention="fused")
+  ref = config.ComputeConfig(attention="reference")
+  logits = nnx.jit(lambda m, c: m(tokens, compute=c), static_argnums=1)
+  assert float(jnp.abs(logits(model, fused) - logits(model, ref)).max()) <= 1e-5
+  got, want = _loss_and_grads(model, tokens, fused), _loss_and_grads(model, tokens, ref)
+  np.testing.assert_allclose(got[1], want[1], atol=1e-5)
+  for a, b in zip(jax.tree.leaves(got[3]), jax.tree.leaves(want[3])):
+    np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+def test_explicit_positions_take_the_reference_path():
+  """Positions other than 0..t-1 (here with gaps) mask by position, which the
+  fused call cannot: both settings must give the reference result."""
+  model = transformer.Transformer(config.tiny_qwen2(64), rngs=nnx.Rngs(0))
+  tokens = jnp.array([[3, 5, 7, 9, 11]])
+  positions = jnp.array([[0, 1, 4, 9, 16]])
+  a = model(tokens, positions, config.ComputeConfig(attention="fused"))
+  b = model(tokens, positions, config.ComputeConfig(attention="reference"))
+  np.testing.assert_array_equal(a, b)
+  assert float(jnp.abs(a - model(tokens)).max()) > 1e-4  # RoPE saw the positions
+
+
+def test_random_init_makes_each_parameter_in_its_sharding_with_a_traced_key():
+  cfg = config.tiny_llama(64)
+  mesh = sharding.make_mesh({"fsdp": 2, "tensor": 2})
+  build = lambda rngs: transformer.Transformer(cfg, rngs=rngs)
+  model = sharding.random_init(build, mesh, 3, transformer.initializer)
+  again = sharding.random_init(build, mesh, 3, transformer.initializer)
+  other = sharding.random_init(build, mesh, 4, transformer.initializer)
+  eager = transformer.Transformer(cfg, rngs=nnx.Rngs(3))  # the constructor's own initializers
+  want = dict(nnx.to_flat_state(nnx.state(eager, nnx.Param)))
+  shardings = sharding.state_shardings(nnx.state(model), mesh)
+  flat_shardings = dict(nnx.to_flat_state(shardings))
+  for path, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+    x, ref = np.asarray(var.get_value()), np.asarray(want[path].get_value())
+    assert x.shape == ref.shape and x.dtype == ref.dtype
+    assert var.get_value().sharding == flat_shardings[path].get_value()
+    if np.all(ref == ref.flat[0]):  # zeros / ones in the constructor: the same here
+      np.testing.assert_array_equal(x, ref)
+    else:
+      assert abs(float(x.std()) - float(ref.std())) < 0.2 * float(ref.std())
+  leaves = lambda m: [np.asarray(x) for x in jax.tree.leaves(nnx.state(m, nnx.Param))]
+  assert all(np.array_equal(a, b) for a, b in zip(leaves(model), leaves(again)))
+  assert not np.array_equal(leaves(model)[-1], leaves(other)[-1]) or not np.array_equal(
+      np.asarray(model.trunk.embedding_vd[...]), np.asarray(other.trunk.embedding_vd[...])
+  )
+  # The key is an argument of the jitted programs, not a constant inside them.
+  hlo = sharding._leaf_init(  # pylint: disable=protected-access
+      transformer.initializer("w_q_dhn"),
+      (cfg.hidden_size, cfg.num_heads, cfg.head_dim),
+      np.dtype("float32"),
+      flat_shardings[("trunk", "blocks", 0, "attn", "w_q_dhn")].get_value(),
+  ).lower(jax.random.key(0), np.uint32(0)).as_text()
+  assert "threefry" in hlo.lower() or "rng" in hlo.lower()
+  assert "constant" not in hlo.split("ENTRY")[-1].split("\n")[1] if "ENTRY" in hlo else True
