@@ -1,13 +1,25 @@
 """Reward functions (verifiers): built-in ones by name, or the user's own.
 
 `task.reward` is a built-in name or a function the user wrote,
-`package.module:function` or `path/to/file.py:function`. A reward function
-is called `fn(response, answer, **fields)`: the decoded policy output
-(already cut at EOS; for work traces the part after the trace), the row's
-reference answer, and the row's other columns as keywords (only those the
-function names, or all with `**kwargs`). It returns a score, or a dict with
-`score` and optionally `is_correct` (bool) and other numbers, which are
-logged as `reward_fn/<name>` means.
+`package.module:function`, `path/to/file.py:function` or `path/to/file.py`
+(its `compute_score`); several, comma-separated, are summed with
+`task.reward_weights`. A user's function is called the way the framework it
+was written for calls it, recognised by its parameter names (`convention`):
+
+  StreamRL  `score(response, answer, **columns)`, once per sample: the
+            decoded policy output (already cut at EOS; for work traces the
+            part after the trace), the row's reference answer, and the row's
+            other columns it names (all of them with `**kwargs`).
+  verl      `compute_score(data_source, solution_str, ground_truth,
+            extra_info=None, **kwargs)`, once per sample, by keyword.
+  TRL       `f(prompts, completions, completion_ids=None, **columns)`, once
+            per batch, every argument a list (chat prompts as message lists,
+            their completions as `[{"role": "assistant", "content": ...}]`),
+            returning one number or None (no reward) per sample.
+
+A per-sample function returns a score, or a dict with `score` and optionally
+`is_correct` (bool) and other numbers, which are logged as `reward_fn/<name>`
+means, as is each function's own reward.
 
 Built-in names:
 
@@ -30,10 +42,13 @@ Correctness — the `accuracy` metrics — is the verifier's: the function's
 `is_correct` where it returns one, else `score >= task.correct_threshold`
 (1.0: a built-in scores 1 exactly when it counts the answer right).
 
-`Rewarder` calls the function through `streamrl.usercode.WorkerPool`: in
-worker processes, each call with a deadline, as samples arrive. A reward
-that raises, hangs or returns garbage costs that sample its reward (0.0),
-is counted (`reward/errors_total`) and logged once per kind.
+`Rewarder` calls the functions through `streamrl.usercode.WorkerPool`: in
+worker processes, each call with a deadline, as samples arrive. Before the
+run it calls each once on a training row (`Rewarder.probe`): a function that
+cannot work stops the run there with one sentence. A reward that raises,
+hangs or returns garbage costs that sample its reward (0.0), is counted
+(`reward/errors_total`) and logged once per function and kind; one failing on
+more than `task.max_reward_error_rate` of its first samples stops the run.
 """
 
 from __future__ import annotations
@@ -629,7 +644,17 @@ class Rewarder:
     timeout = None if self.timeout_s is None else self.timeout_s * len(examples)
     return self.pool.call_async(("batch", fn.spec, fn.style, payload), {}, timeout_s=timeout)
 
-  def _start(self, items: list) -> list[list]:
+  def _start(self, sample, example) -> list:
+    """Starts every function's call on one sample: a future per function."""
+    return self._start_many([(sample, example)])[0]
+
+  def _start_all(self, items: list) -> list[list]:
+    """`_start_many` when a function takes batches, else one sample at a time."""
+    if self.batched:
+      return self._start_many(items)
+    return [self._start(s, ex) for s, ex in items]
+
+  def _start_many(self, items: list) -> list[list]:
     """Starts every function's calls on [(sample, example)]: per sample for
     StreamRL's and verl's signatures, in batches for TRL's. Returns, per
     item, one future (or batch slot) per function."""
@@ -734,7 +759,7 @@ class Rewarder:
       if len(self._buffer) >= (self.batch_size if self.batched else 1):
         items = list(self._buffer.items())
         self._buffer.clear()
-        for (key, _), futures in zip(items, self._start([v for _, v in items])):
+        for (key, _), futures in zip(items, self._start_all([v for _, v in items])):
           self._pending[key] = futures
       # Scores never asked for (a sample dropped by the pipeline) do not pile up.
       for table in (self._pending, self._buffer):
@@ -763,7 +788,9 @@ class Rewarder:
           self._buffer.pop(key, None)
           todo.append(i)
       if todo:  # Started together: TRL's functions get them as one batch.
-        started = self._start([(samples[i], examples_by_id[samples[i].prompt_id]) for i in todo])
+        started = self._start_all(
+            [(samples[i], examples_by_id[samples[i].prompt_id]) for i in todo]
+        )
         futures.update(zip(todo, started))
     for i, fs in futures.items():
       out[i] = self._verdict(samples[i], [f.result() for f in fs])
