@@ -548,9 +548,7 @@ def main(argv):
       results["streamrl"].update({k: v for k, v in kept.items() if v is not None})
     print(f"streamrl: {json.dumps(results['streamrl'])}", flush=True)
   if not _REPORT_ONLY.value:
-    for name in ("trl", "tunix"):
-      if name not in _SYSTEMS.value:
-        continue
+    for name in [n for n in _SYSTEMS.value if n in ("trl", "tunix")]:
       print(f"running {name} ...", flush=True)
       if name == "trl":
         results[name] = run_trl(s, _WORKDIR.value, model_dir)
