@@ -43,6 +43,16 @@ TUNIX_PINS = {
     "tokenizers": "0.22.2",
     "huggingface-hub": "1.33.0",
 }
+
+
+def tunix(module: str):
+  """`tunix.<module>`, imported by name: Tunix lives only in its own venv and is
+  deliberately no dependency of this package (pyproject.toml's `peers` note)."""
+  import importlib
+
+  return importlib.import_module(f"tunix.{module}")
+
+
 # What the bench cannot set the same way in Tunix, printed with the results.
 UNMATCHED = (
     "generation per mini-batch: Tunix generates 16 prompts x 4 samples, trains "
@@ -83,7 +93,7 @@ def ensure_venv(venv: str) -> str:
 # ------------------------------------------------------ in Tunix's venv
 def tunix_config(model_dir: str):
   """Tunix's Qwen2 ModelConfig for a Hugging Face Qwen2 directory."""
-  from tunix.models.qwen2 import model as qwen2
+  qwen2 = tunix("models.qwen2.model")
 
   with open(os.path.join(model_dir, "config.json")) as f:
     hf = json.load(f)
@@ -110,7 +120,8 @@ def flat_params(model) -> dict:
 
   out = {}
   for path, leaf in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-    out[".".join(str(p) for p in path)] = getattr(leaf, "value", leaf)
+    value = leaf.get_value() if hasattr(leaf, "get_value") else getattr(leaf, "value", leaf)
+    out[".".join(str(p) for p in path)] = value
   return jax.device_get(out)
 
 
@@ -121,8 +132,8 @@ def export_hf(params: dict, cfg, model_dir: str, out_dir: str) -> None:
   alone), tokenizer and config copied."""
   import numpy as np
   from safetensors import numpy as st
-  from tunix.models.qwen2 import params as qwen2_params
 
+  qwen2_params = tunix("models.qwen2.params")
   table = qwen2_params._get_key_and_transform_mapping(cfg)  # pylint: disable=protected-access
   original = {}
   for name in sorted(os.listdir(model_dir)):
@@ -160,16 +171,17 @@ def run_child(args: dict) -> None:
   """The Tunix run (in Tunix's venv): trains, snapshots, exports, writes times.json."""
   import jax
   import transformers
-  from tunix.models.qwen2 import params as qwen2_params
-  from tunix.rl import rl_cluster as rl_cluster_lib
-  from tunix.rl.grpo import grpo_learner
-  from tunix.rl.rollout import base_rollout
 
   from experiments import bench_peers
   from streamrl import train
   from streamrl.data import rewards as rewards_lib
   from streamrl.data.loader import PromptLoader
   from streamrl.trainer.step import make_optimizer
+
+  qwen2_params = tunix("models.qwen2.params")
+  rl_cluster_lib = tunix("rl.rl_cluster")
+  grpo_learner = tunix("rl.grpo.grpo_learner")
+  base_rollout = tunix("rl.rollout.base_rollout")
 
   s = bench_peers.settings_for(
       args["seed"], args["iterations"], args["num_eval"], args["eval_every"]
