@@ -339,6 +339,7 @@ _TRL_ARGS = ("prompts", "completions", "completion_ids")
 ERROR_WINDOW = 64
 ERROR_MIN_SAMPLES = 8
 DUMMY_RESPONSE = "0"
+PROBE_TIMEOUT_S = 60.0
 
 
 def describe(fn: Callable) -> list[tuple[str, str, bool]]:
@@ -625,11 +626,11 @@ class Rewarder:
       cols[self.answer_key] = example.answer
     return cols
 
-  def _sample_call(self, fn: _Fn, text: str, example):
+  def _sample_call(self, fn: _Fn, text: str, example, timeout_s: float | None = None):
     payload = {"response": text, "answer": example.answer, "columns": dict(example.fields or {})}
-    return self.pool.call_async(("sample", fn.spec, fn.style, payload), {})
+    return self.pool.call_async(("sample", fn.spec, fn.style, payload), {}, timeout_s=timeout_s)
 
-  def _batch_call(self, fn: _Fn, texts: list[str], token_ids: list, examples: list):
+  def _batch_call(self, fn: _Fn, texts: list[str], token_ids: list, examples: list, timeout_s=None):
     chat = [isinstance(ex.prompt, (list, tuple)) for ex in examples]
     prompts = [list(ex.prompt) if c else ex.prompt for ex, c in zip(examples, chat)]
     completions = [[{"role": "assistant", "content": t}] if c else t for t, c in zip(texts, chat)]
@@ -641,8 +642,9 @@ class Rewarder:
         "ids": [list(map(int, i)) for i in token_ids],
         "columns": {k: [c.get(k) for c in cols] for k in keys},
     }
-    timeout = None if self.timeout_s is None else self.timeout_s * len(examples)
-    return self.pool.call_async(("batch", fn.spec, fn.style, payload), {}, timeout_s=timeout)
+    if timeout_s is None and self.timeout_s is not None:
+      timeout_s = self.timeout_s * len(examples)
+    return self.pool.call_async(("batch", fn.spec, fn.style, payload), {}, timeout_s=timeout_s)
 
   def _start(self, sample, example) -> list:
     """Starts every function's call on one sample: a future per function."""
@@ -704,11 +706,13 @@ class Rewarder:
             f"{sorted(columns)}); add the column(s), or rename the parameters to one of "
             f"{_ALL_SIGNATURES}."
         )
+      # A first call may import what the function needs: it gets a longer deadline.
+      timeout = None if self.timeout_s is None else max(self.timeout_s, PROBE_TIMEOUT_S)
       if fn.style == TRL:
-        value = self._batch_call(fn, [response], [[]], [example]).result()
+        value = self._batch_call(fn, [response], [[]], [example], timeout).result()
         value = _Slot(_Done(value), 0, 1).result()
       else:
-        value = self._sample_call(fn, response, example).result()
+        value = self._sample_call(fn, response, example, timeout).result()
       try:
         if isinstance(value, usercode.Failure):
           raise _Failed(value.kind, value.message)

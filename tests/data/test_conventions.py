@@ -369,3 +369,16 @@ def test_chat_template_kwargs_reach_the_template(tmp_path):
   assert plain.render(plain.messages("abc")) == "abc"
   assert quiet.render(quiet.messages("abc")) == "abc=nothink"
   assert tok.decode(quiet.encode_prompt("abc")) == "abc=nothink"
+
+
+def test_relative_paths_in_lists_resolve_against_the_config(tmp_path):
+  from streamrl import config_utils
+
+  for name in ("a.jsonl", "b.parquet", "verl_reward.py", "trl.py"):
+    (tmp_path / name).write_text("")
+  cfg = settings.default_config()
+  cfg.task.train_path = "a.jsonl,b.parquet"
+  cfg.task.reward = "verl_reward.py,trl.py:format_reward,exact_match"
+  out = config_utils.resolve_paths(cfg, str(tmp_path))
+  assert out.task.train_path == f"{tmp_path}/a.jsonl,{tmp_path}/b.parquet"
+  assert out.task.reward == f"{tmp_path}/verl_reward.py,{tmp_path}/trl.py:format_reward,exact_match"
