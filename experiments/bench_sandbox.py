@@ -1,6 +1,6 @@
 """What the isolated sandbox costs per `python` tool call, against the older subprocess.
 
-  python experiments/bench_sandbox.py [--calls=200] [--code="print(6*7)"]
+  python experiments/bench_sandbox.py [--calls=N] [--code=SOURCE]
 
 Calls `streamrl.envs.tools.python_sandbox` as a tool worker does, alternating
 the two modes of `env.sandbox` call by call (so both see the same machine
