@@ -41,6 +41,8 @@ import subprocess
 import sys
 import time
 
+import numpy as np
+
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Dense bf16 peak FLOP/s by a substring of `device.device_kind`, first match
@@ -85,6 +87,17 @@ def model_config(name: str, layers: int | None = None):
           head_dim=128,
           **qwen2,
       ),
+      "qwen2_5_7b": dict(
+          qwen2,
+          vocab_size=152064,
+          tie_embeddings=False,
+          hidden_size=3584,
+          intermediate_size=18944,
+          num_layers=28,
+          num_heads=28,
+          num_kv_heads=4,
+          head_dim=128,
+      ),
       # Seconds on a laptop CPU; the same code path as the real shapes.
       "smoke_small": dict(
           qwen2,
@@ -128,9 +141,14 @@ def arm(
     export: bool = False,
     dlpack: bool = False,
     seed: int = 0,
+    kind: str = "step",
+    legacy: bool = False,
 ) -> dict:
-  """One measurement's spec (JSON-able; `compute` holds ComputeConfig fields)."""
+  """One measurement's spec (JSON-able; `compute` holds ComputeConfig fields;
+  `kind` picks the measurement: step, init, export or handoff, see `MEASURES`)."""
   return dict(
+      kind=kind,
+      legacy=legacy,
       name=name,
       model=model,
       layers=layers,
@@ -185,18 +203,45 @@ def random_batch(cfg, batch: int, seq_len: int, seed: int) -> dict:
   }
 
 
-def _export_seconds_per_gb(policy) -> tuple[float, float]:
-  """Walks `hf.HFTensors(policy, "bfloat16")` (what `RLTrainer.export_weights`
-  hands bf16 generators); returns (seconds per GB, GB)."""
+def _export_seconds_per_gb(policy, host_layout: bool = False) -> tuple[float, float]:
+  """Walks the bf16 export of `policy` to contiguous host arrays; returns
+  (seconds per GB, GB).
+
+  `host_layout=False`: `hf.HFTensors(policy, "bfloat16")`, what
+  `RLTrainer.export_weights` hands bf16 generators (cast and HF layout on the
+  device, one compiled program per tensor kind). `host_layout=True`: the
+  earlier export, kept here to compare against -- cast on the device, copy to
+  the host, then the HF layout (transposes) and the contiguous copy on the host.
+  """
   from streamrl.models import hf  # pylint: disable=g-import-not-at-top
 
   tensors = hf.HFTensors(policy, "bfloat16")
+  entries = hf.layout_entries(policy.cfg)
+  params = nnx_pure_params(policy)
+
+  def host(name):
+    import jax  # pylint: disable=g-import-not-at-top
+
+    e = entries[name]
+    value = hf.get_param(params, e.path).astype(tensors.dtype)
+    return np.ascontiguousarray(e.to_hf(np.asarray(jax.device_get(value))), dtype=tensors.dtype)
+
+  read = host if host_layout else tensors.__getitem__
+  for name in list(tensors)[:4]:  # compiles the programs of one layer's kinds
+    read(name)
   nbytes, t0 = 0, time.perf_counter()
-  for _, array in tensors.items():
-    nbytes += array.nbytes
+  for name in tensors:
+    nbytes += read(name).nbytes
   seconds = time.perf_counter() - t0
   gb = nbytes / 1e9
   return seconds / gb, gb
+
+
+def nnx_pure_params(model) -> dict:
+  """A model's parameters as a pure dict of arrays."""
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+
+  return nnx.to_pure_dict(nnx.state(model, nnx.Param))
 
 
 def _dlpack_check(x) -> dict:
@@ -236,6 +281,7 @@ def measure(spec: dict) -> dict:
   from flax import nnx  # pylint: disable=g-import-not-at-top
 
   from streamrl.models.config import ComputeConfig  # pylint: disable=g-import-not-at-top
+  from streamrl.models import transformer  # pylint: disable=g-import-not-at-top
   from streamrl.models.transformer import Transformer  # pylint: disable=g-import-not-at-top
   from streamrl.rl.config import Loss  # pylint: disable=g-import-not-at-top
   from streamrl.trainer import sharding, step  # pylint: disable=g-import-not-at-top
@@ -245,7 +291,9 @@ def measure(spec: dict) -> dict:
   compute = ComputeConfig(**spec["compute"])
   b, t = spec["batch"], spec["seq_len"]
   mesh = sharding.make_mesh({"fsdp": -1})
-  policy = sharding.init_sharded(lambda: Transformer(cfg, rngs=nnx.Rngs(spec["seed"])), mesh)
+  policy = sharding.random_init(
+      lambda rngs: Transformer(cfg, rngs=rngs), mesh, spec["seed"], transformer.initializer
+  )
   models, state = step.init_state(
       policy, Optimizer(lr=1e-5, warmup_steps=0), decay_steps=1000, compute=compute
   )
@@ -300,6 +348,7 @@ def measure(spec: dict) -> dict:
   if spec["export"]:
     policy = nnx.merge(models.actor_def, state.actor)
     out["export_s_per_gb"], out["export_gb"] = _export_seconds_per_gb(policy)
+    out["export_host_layout_s_per_gb"], _ = _export_seconds_per_gb(policy, host_layout=True)
   if spec["dlpack"]:
     try:
       out.update(_dlpack_check(state.actor["trunk"]["embedding_vd"][...]))
@@ -307,6 +356,125 @@ def measure(spec: dict) -> dict:
       out.update(dlpack_ok=False, dlpack_device=f"error: {type(e).__name__}: {e}"[:300])
   out["vllm_imported"] = "vllm" in sys.modules
   return out
+
+
+def measure_init(spec: dict) -> dict:
+  """The random initialisation of `spec["model"]` directly in its sharding
+  (`sharding.random_init`, the benchmark's and bench_trainer's path): seconds
+  in all (`init_s`) and of them compiling (`init_compile_s`, from JAX's own
+  compile events). With `spec["legacy"]` also the earlier init -- one jit of
+  the whole constructor, its key made inside the trace -- measured the same way.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+
+  from streamrl.models import transformer  # pylint: disable=g-import-not-at-top
+  from streamrl.trainer import compiles, sharding  # pylint: disable=g-import-not-at-top
+
+  compiles.install()
+  cfg = model_config(spec["model"], spec["layers"])
+  mesh = sharding.make_mesh({"fsdp": -1})
+
+  def timed(make) -> tuple[float, float]:
+    before = compiles.totals()["compile/seconds"]
+    t0 = time.perf_counter()
+    model = make()
+    jax.block_until_ready(nnx.state(model))
+    return time.perf_counter() - t0, compiles.totals()["compile/seconds"] - before
+
+  build = lambda rngs: transformer.Transformer(cfg, rngs=rngs)
+  out = dict(name=spec["name"], device=jax.devices()[0].device_kind, params=cfg.num_params)
+  out["init_s"], out["init_compile_s"] = timed(
+      lambda: sharding.random_init(build, mesh, spec["seed"], transformer.initializer)
+  )
+  if spec.get("legacy"):
+    legacy = lambda: sharding.init_sharded(lambda: build(nnx.Rngs(spec["seed"])), mesh)
+    out["init_legacy_s"], out["init_legacy_compile_s"] = timed(legacy)
+  out["vllm_imported"] = "vllm" in sys.modules
+  return out
+
+
+def measure_export(spec: dict) -> dict:
+  """The bf16 export of a randomly initialised `spec["model"]`, both ways
+  (`_export_seconds_per_gb`), in one process, alternating `spec["steps"]` times."""
+  import jax  # pylint: disable=g-import-not-at-top
+
+  from streamrl.models import transformer  # pylint: disable=g-import-not-at-top
+  from streamrl.trainer import sharding  # pylint: disable=g-import-not-at-top
+
+  cfg = model_config(spec["model"], spec["layers"])
+  mesh = sharding.make_mesh({"fsdp": -1})
+  policy = sharding.random_init(
+      lambda rngs: transformer.Transformer(cfg, rngs=rngs), mesh, spec["seed"], transformer.initializer
+  )
+  device, host = [], []
+  for _ in range(max(1, spec["steps"])):
+    s_gb, gb = _export_seconds_per_gb(policy)
+    device.append(s_gb)
+    host.append(_export_seconds_per_gb(policy, host_layout=True)[0])
+  return dict(
+      name=spec["name"],
+      device=jax.devices()[0].device_kind,
+      params=cfg.num_params,
+      export_gb=gb,
+      export_s_per_gb=float(np.median(device)),
+      export_host_layout_s_per_gb=float(np.median(host)),
+      vllm_imported="vllm" in sys.modules,
+  )
+
+
+def measure_handoff(spec: dict) -> dict:
+  """The colocated hand-off: every bf16 HF-layout tensor of the policy, made on
+  the device (`hf.HFTensors.device_tensors`), given to torch by DLPack (no copy)
+  and copied into a torch tensor of the same device in place (what vLLM's
+  weight loader does with each tensor of `reload_weights(weights_iterator=...)`):
+  seconds per GB and whether the values arrived exactly."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import torch  # pylint: disable=g-import-not-at-top
+
+  from streamrl.models import hf, transformer  # pylint: disable=g-import-not-at-top
+  from streamrl.trainer import sharding  # pylint: disable=g-import-not-at-top
+
+  cfg = model_config(spec["model"], spec["layers"])
+  mesh = sharding.make_mesh({"fsdp": 1})
+  policy = sharding.random_init(
+      lambda rngs: transformer.Transformer(cfg, rngs=rngs), mesh, spec["seed"], transformer.initializer
+  )
+  tensors = hf.HFTensors(policy, "bfloat16")
+  targets = {}
+  for name, x in tensors.device_tensors():
+    targets[name] = torch.empty(x.shape, dtype=torch.bfloat16, device=_torch_device(x))
+  times, ok = [], True
+  for _ in range(max(2, spec["steps"] + 1)):
+    nbytes, t0 = 0, time.perf_counter()
+    for name, x in tensors.device_tensors():
+      targets[name].copy_(torch.from_dlpack(x))
+      nbytes += x.nbytes
+    if targets and next(iter(targets.values())).is_cuda:
+      torch.cuda.synchronize()
+    times.append((time.perf_counter() - t0) / (nbytes / 1e9))
+  name = next(iter(targets))
+  want = np.asarray(tensors[name].astype(np.float32))
+  ok = bool(np.array_equal(want, targets[name].float().cpu().numpy()))
+  return dict(
+      name=spec["name"],
+      device=jax.devices()[0].device_kind,
+      handoff_s_per_gb=float(np.median(times[1:])),
+      handoff_gb=nbytes / 1e9,
+      handoff_ok=ok,
+      torch_device=str(targets[name].device),
+      vllm_imported="vllm" in sys.modules,
+  )
+
+
+def _torch_device(x) -> str:
+  """The torch device of the JAX array `x`'s (single) device."""
+  device = next(iter(x.devices()))
+  return f"cuda:{device.local_hardware_id}" if device.platform == "gpu" else "cpu"
+
+
+MEASURES = {"step": "measure", "init": "measure_init", "export": "measure_export"}
+MEASURES["handoff"] = "measure_handoff"
 
 
 def run_isolated(spec: dict, timeout_s: float | None = None) -> dict:
@@ -352,5 +520,6 @@ def table(results: list[dict]) -> str:
 
 
 if __name__ == "__main__":
-  result = measure(json.loads(sys.argv[1]))
+  _spec = json.loads(sys.argv[1])
+  result = globals()[MEASURES[_spec.get("kind", "step")]](_spec)
   print("ARM " + json.dumps(result), flush=True)

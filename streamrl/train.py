@@ -50,7 +50,7 @@ from streamrl.pipeline import base as mode_base
 from streamrl.pipeline import make_mode
 from streamrl.pipeline.timeline import Timeline
 from streamrl.scheduling.scheduler import GenerationScheduler
-from streamrl.trainer import protocol
+from streamrl.trainer import compiles, protocol
 from streamrl.trainer.checkpoint import Checkpointer, drop_defaults
 from streamrl.trainer.rl_trainer import RLTrainer
 
@@ -527,6 +527,7 @@ def run(
   actor for the disaggregated modes. `followers`: the other processes of a
   multi-process trainer (this is process 0; each runs `follow`).
   """
+  compiles.install()
   os.makedirs(workdir, exist_ok=True)
   # Refuse an incompatible workdir before anything is written into it.
   ckpt = open_checkpoints(s, workdir)
@@ -623,6 +624,7 @@ def run(
           max_tokens=s.sampling.max_tokens,
       )
       scalars = iteration_scalars(x, timeline, rollout)
+      scalars.update(compiles.totals())  # this process's XLA programs so far
       scalars["reward/errors_total"] = rewarder.errors
       scalars.update(rewarder.metrics())
       served_by = mode.round_instances.pop(it, None)

@@ -9,9 +9,11 @@ out). Exported tensors are exactly what vLLM's `load_weights` takes.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import glob
 import json
 import os
+import re
 from collections.abc import Callable, Iterator, Mapping
 
 import jax
@@ -163,14 +165,21 @@ class HFTensors(Mapping[str, np.ndarray]):
           f"{name!r} was read after the parameters it views were updated in place (a train "
           "step donates them); read exported weights before the next update, or dict() them."
       )
-    if hasattr(value, "astype") and not isinstance(value, np.ndarray):
-      value = value.astype(self.dtype)  # on device: only dtype-sized bytes leave it
-    host = np.asarray(jax.device_get(value))
-    # One host copy per tensor: the layout change and the cast in a single write.
-    return np.ascontiguousarray(e.to_hf(host), dtype=self.dtype)
+    if isinstance(value, jax.Array):
+      # Cast and HF layout on the device, in one compiled program per tensor kind:
+      # only the final bytes leave it, already contiguous.
+      return np.asarray(_device_to_hf(self.cfg, _kind(name), np.dtype(self.dtype).name)(value))
+    return np.ascontiguousarray(e.to_hf(np.asarray(value)), dtype=self.dtype)
 
   def __iter__(self):
     return iter(self._entries)
+
+  def device_tensors(self) -> Iterator[tuple[str, jax.Array]]:
+    """(HF name, tensor) in HF layout and the receiver's dtype, left on the
+    device: for a consumer on the same device (DLPack to torch, no host copy)."""
+    for name, e in self._entries.items():
+      value = _get(self._params, e.path)
+      yield name, _device_to_hf(self.cfg, _kind(name), np.dtype(self.dtype).name)(value)
 
   def __len__(self) -> int:
     return len(self._entries)
@@ -186,6 +195,18 @@ class HFTensors(Mapping[str, np.ndarray]):
 
   def nbytes(self) -> int:
     return sum(int(np.prod(s)) * d.itemsize for s, d in self.specs().values())
+
+
+def _kind(name: str) -> str:
+  """Tensors of every layer share one conversion: the name with layer 0's index."""
+  return re.sub(r"\.layers\.\d+\.", ".layers.0.", name)
+
+
+@functools.lru_cache(maxsize=None)
+def _device_to_hf(cfg: ModelConfig, kind: str, dtype: str):
+  """A jitted function: our parameter -> the HF tensor `kind`, cast to `dtype`."""
+  to_hf = layout_entries(cfg)[kind].to_hf
+  return jax.jit(lambda w: to_hf(w.astype(dtype)))
 
 
 def to_hf_tensors(model: Transformer, dtype="float32") -> dict[str, np.ndarray]:

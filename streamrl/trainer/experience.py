@@ -22,9 +22,17 @@ from streamrl import rl
 from streamrl.rl.config import Advantage, Kl
 
 
-def bucket_length(n: int, multiple: int = 32) -> int:
-  """Rounds up so few distinct shapes reach the jitted step (fewer compiles)."""
-  return max(multiple, -(-n // multiple) * multiple)
+def bucket_length(n: int, smallest: int = 32) -> int:
+  """`n` rounded up to the next of smallest x (1, 1.5, 2, 3, 4, 6, 8, ...):
+  lengths up to 512 fall in 9 buckets (32, 48, ..., 384, 512) instead of 16
+  multiples of 32, so fewer distinct shapes reach the jitted programs, each
+  bucket wasting at most a third of its length on padding."""
+  power = smallest
+  while True:
+    for b in (power, power * 3 // 2):
+      if b >= n:
+        return b
+    power *= 2
 
 
 def pad_samples(samples: Sequence, seq_len: int | None = None, pad_id: int = 0) -> dict:

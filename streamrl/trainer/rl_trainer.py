@@ -203,27 +203,34 @@ class RLTrainer:
 
   def score(self, samples: Sequence, old: Snapshot) -> dict:
     """Old / reference logprobs and values of samples (one padded batch)."""
+    return self._fetch(self._dispatch_score(samples, old))
+
+  def _dispatch_score(self, samples: Sequence, old: Snapshot) -> tuple[dict, dict]:
+    """Starts scoring `samples` on the devices: (host batch, device results)."""
     batch = experience.pad_samples(samples)
     tokens = self._put(batch["tokens_bt"])
     score = dict(
         graphdef=self.models.actor_def, temperature=self.sampling.temperature, compute=self.compute
     )
-    logp, _ = step_lib.policy_logprobs(
+    out = {}
+    out["old_logp_bt"], _ = step_lib.policy_logprobs(
         old.actor, tokens, base=self.state.actor_base, lora=self.lora, **score
     )
-    batch["old_logp_bt"] = multihost.host_array(logp)
     if self.ref is not None or self.ref_is_base:
       ref = self.state.actor_base if self.ref_is_base else self.ref
-      ref, _ = step_lib.policy_logprobs(ref, tokens, **score)
-      batch["ref_logp_bt"] = multihost.host_array(ref)
-    else:
-      batch["ref_logp_bt"] = np.zeros_like(batch["old_logp_bt"])
+      out["ref_logp_bt"], _ = step_lib.policy_logprobs(ref, tokens, **score)
     if self.models.critic_def is not None:
-      batch["old_values_bt"] = multihost.host_array(
-          step_lib.critic_values(
-              old.critic, tokens, graphdef=self.models.critic_def, compute=self.compute
-          )
+      out["old_values_bt"] = step_lib.critic_values(
+          old.critic, tokens, graphdef=self.models.critic_def, compute=self.compute
       )
+    return batch, out
+
+  @staticmethod
+  def _fetch(scored: tuple[dict, dict]) -> dict:
+    batch, out = scored
+    batch.update({k: multihost.host_array(v) for k, v in out.items()})
+    if "ref_logp_bt" not in batch:
+      batch["ref_logp_bt"] = np.zeros_like(batch["old_logp_bt"])
     return batch
 
   def length_chunks(self, samples: Sequence) -> list[list[int]]:
@@ -253,7 +260,9 @@ class RLTrainer:
     # its own length (a long-tailed mini-batch is mostly padding otherwise).
     size = self.mini_batch_size // self.num_micro
     blocks = [c[i : i + size] for c in chunks for i in range(0, len(c), size)]
-    parts = [self.score([samples[i] for i in c], old) for c in blocks]
+    # Every block is dispatched before any result is read: one wait, not one per block.
+    scored = [self._dispatch_score([samples[i] for i in c], old) for c in blocks]
+    parts = [self._fetch(x) for x in scored]
     full_len = max(p["tokens_bt"].shape[1] for p in parts)
     full = {k: np.zeros((len(samples), full_len), v.dtype) for k, v in parts[0].items()}
     block_len = {}
@@ -314,11 +323,13 @@ class RLTrainer:
       self.state, metrics = step_lib.update_step(
           self.state, batch, num_micro=self.num_micro, **self._step_parts()
       )
-      return metrics
+      return dict(metrics, ragged_micro_batches=np.float32(0))
     weights = step_lib.micro_batch_weights(mini["mask_bt"][:, :-1], self.num_micro, self.loss.agg)
     micros = [{k: self._put(v) for k, v in m.items()} for m in micros]
+    weights = np.asarray(weights, np.float32)  # host values, the same on every process
     self.state, metrics = step_lib.ragged_update(self.state, micros, weights, **self._step_parts())
-    return metrics
+    # How many micro-batches were cut to their own length (0: one scanned step).
+    return dict(metrics, ragged_micro_batches=np.float32(len(micros)))
 
   def ragged_micros(self, mini: dict) -> list[dict] | None:
     """The mini-batch's micro-batches, each cut to its own bucketed length;

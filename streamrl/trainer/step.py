@@ -27,6 +27,7 @@ from typing import Any
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
@@ -205,8 +206,11 @@ def _actor_loss(
       is_weights_bt=is_w,
       **agg,
   )
+  if not loss.entropy_coef:  # a metric only: no gradient through the vocabulary-wide entropy
+    entropy = jax.lax.stop_gradient(entropy)
   ent = rl.aggregate(entropy, mask, mode=loss.agg, norm_constant=agg["norm_constant"])
-  value = value - loss.entropy_coef * ent
+  if loss.entropy_coef:
+    value = value - loss.entropy_coef * ent
   metrics["entropy"] = ent
   if kl.loss_coef:
     kl_term, _ = rl.kl_loss(logp, batch["ref_logp_bt"][:, :-1], mask, estimator=kl.estimator, **agg)
@@ -349,28 +353,20 @@ def update_step(
 # ---------------------------------------------------- ragged micro-batches
 # A long-tailed batch padded to its longest row is mostly padding. The
 # trainer can instead pad each micro-batch of a length-sorted mini-batch to
-# its own length: `micro_grads` runs once per micro-batch (one compile per
-# distinct length bucket) and `apply_grads` takes the optimizer step on their
-# sum, with the same weights as `update_step`'s scan, so the step is the same.
+# its own length: `accumulate_micro` runs once per micro-batch (one compile per
+# distinct length bucket), adding its weighted gradient into one accumulator
+# that it donates (so one gradient buffer is alive, as in `update_step`'s
+# scan), and `apply_grads` takes the optimizer step on the sum, with the same
+# weights as `update_step`'s scan, so the step is the same. Everything runs
+# inside jitted programs whose inputs are global arrays or host numpy values
+# that every process holds alike: with a multi-process trainer, an eager op on
+# a process-local array (the old per-micro-batch `jnp.add` outside jit, fed a
+# weight computed on the process's own device) is a computation the processes
+# do not agree on.
 
 
-@functools.partial(jax.jit, static_argnames=("models", "loss", "kl", "sampling"))
-def micro_grads(
-    state: TrainState,
-    micro: dict,
-    weight: jax.Array,
-    *,
-    models: Models,
-    loss: Loss,
-    kl: Kl = _KL,
-    sampling: Sampling = _SAMPLING,
-):
-  """Weighted loss, gradient and metrics of one micro-batch, for the actor
-  and (when there is one) the critic: ({"actor": grads[, "critic": grads]},
-  {"actor": loss[, "critic": loss]}, metrics)."""
-
-  check_loss(loss)
-  grad_fn = functools.partial(_weighted_grad, compute=models.compute, parts=(loss, kl, sampling))
+def _micro_grads(state: TrainState, micro: dict, weight, models: Models, parts):
+  grad_fn = functools.partial(_weighted_grad, compute=models.compute, parts=parts)
   actor_loss = functools.partial(_actor_loss, base=state.actor_base, lora=models.lora)
   (loss, metrics), grads = grad_fn(actor_loss, models.actor_def)(state.actor, micro, weight)
   grads, losses = {"actor": grads}, {"actor": loss}
@@ -383,8 +379,46 @@ def micro_grads(
   return grads, losses, metrics
 
 
+@functools.partial(jax.jit, static_argnames=("with_critic",))
+def zero_accumulator(state: TrainState, with_critic: bool):
+  """The (grads, losses) accumulator of `accumulate_micro`, all zeros."""
+  acc = ({"actor": jax.tree.map(jnp.zeros_like, state.actor)}, {"actor": jnp.zeros(())})
+  if with_critic:
+    acc[0]["critic"] = jax.tree.map(jnp.zeros_like, state.critic)
+    acc[1]["critic"] = jnp.zeros(())
+  return acc
+
+
+@functools.partial(
+    jax.jit, static_argnames=("models", "loss", "kl", "sampling"), donate_argnums=(1,)
+)
+def accumulate_micro(
+    state: TrainState,
+    acc,
+    micro: dict,
+    weight,
+    *,
+    models: Models,
+    loss: Loss,
+    kl: Kl = _KL,
+    sampling: Sampling = _SAMPLING,
+):
+  """`acc` (grads, losses; from `zero_accumulator`) plus micro-batch
+  `micro`'s weighted gradient and loss; `acc` is donated. Returns the new
+  accumulator and the micro-batch's metrics."""
+  check_loss(loss)
+  grads, losses, metrics = _micro_grads(state, micro, weight, models, (loss, kl, sampling))
+  return jax.tree.map(jnp.add, acc, (grads, losses)), metrics
+
+
 # The optimizer step of `update_step` on gradients accumulated outside it.
-apply_grads = jax.jit(_optimizer_step, static_argnames=("models",), donate_argnums=(0,))
+apply_grads = jax.jit(_optimizer_step, static_argnames=("models",), donate_argnums=(0, 1))
+
+
+@jax.jit
+def _combine(metrics: list, weights_k):
+  stacked = {k: jnp.stack([m[k] for m in metrics]) for k in metrics[0]}
+  return combine_micro_metrics(stacked, weights_k)
 
 
 def ragged_update(
@@ -397,18 +431,18 @@ def ragged_update(
     kl: Kl = _KL,
     sampling: Sampling = _SAMPLING,
 ) -> tuple[TrainState, dict]:
-  """`update_step` on micro-batches of different lengths (`weights_k` from
-  `micro_batch_weights` of the whole mini-batch's mask)."""
-  grads = losses = None
-  metrics = []
+  """`update_step` on micro-batches of different lengths (`weights_k`: host
+  numpy weights from `micro_batch_weights` of the whole mini-batch's mask)."""
+  weights_k = np.asarray(weights_k, np.float32)
+  acc, metrics = zero_accumulator(state, models.critic_def is not None), []
   for micro, w in zip(micros, weights_k):
-    g, l, m = micro_grads(state, micro, w, models=models, loss=loss, kl=kl, sampling=sampling)
-    grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
-    losses = l if losses is None else jax.tree.map(jnp.add, losses, l)
+    acc, m = accumulate_micro(
+        state, acc, micro, w, models=models, loss=loss, kl=kl, sampling=sampling
+    )
     metrics.append(m)
+  grads, losses = acc
   state, norms = apply_grads(state, grads, models=models)
-  stacked = {k: jnp.stack([m[k] for m in metrics]) for k in metrics[0]}
-  out = combine_micro_metrics(stacked, jnp.asarray(weights_k))
+  out = dict(_combine(metrics, weights_k))
   out.update(norms, actor_loss=losses["actor"])
   if "critic" in losses:
     out["critic_loss"] = losses["critic"]

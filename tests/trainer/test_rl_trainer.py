@@ -181,6 +181,7 @@ def test_micro_batches_padded_to_their_own_length_take_the_same_step(monkeypatch
     out[name] = (metrics, jax.tree.map(np.asarray, trainer.state.actor))
   (m_r, p_r), (m_p, p_p) = out["ragged"], out["padded"]
   assert m_r.keys() == m_p.keys()
+  assert (m_r.pop("ragged_micro_batches"), m_p.pop("ragged_micro_batches")) == (2, 0)
   for k in m_p:
     assert m_r[k] == pytest.approx(m_p[k], rel=1e-4, abs=1e-6), k
   for a, b in zip(jax.tree.leaves(p_r), jax.tree.leaves(p_p)):
