@@ -405,7 +405,10 @@ def measure_export(spec: dict) -> dict:
   cfg = model_config(spec["model"], spec["layers"])
   mesh = sharding.make_mesh({"fsdp": -1})
   policy = sharding.random_init(
-      lambda rngs: transformer.Transformer(cfg, rngs=rngs), mesh, spec["seed"], transformer.initializer
+      lambda rngs: transformer.Transformer(cfg, rngs=rngs),
+      mesh,
+      spec["seed"],
+      transformer.initializer,
   )
   device, host = [], []
   for _ in range(max(1, spec["steps"])):
@@ -438,7 +441,10 @@ def measure_handoff(spec: dict) -> dict:
   cfg = model_config(spec["model"], spec["layers"])
   mesh = sharding.make_mesh({"fsdp": 1})
   policy = sharding.random_init(
-      lambda rngs: transformer.Transformer(cfg, rngs=rngs), mesh, spec["seed"], transformer.initializer
+      lambda rngs: transformer.Transformer(cfg, rngs=rngs),
+      mesh,
+      spec["seed"],
+      transformer.initializer,
   )
   tensors = hf.HFTensors(policy, "bfloat16")
   targets = {}

@@ -50,7 +50,7 @@ from streamrl.pipeline import base as mode_base
 from streamrl.pipeline import make_mode
 from streamrl.pipeline.timeline import Timeline
 from streamrl.scheduling.scheduler import GenerationScheduler
-from streamrl.trainer import compiles, protocol
+from streamrl.trainer import compiles, memory_plan, protocol
 from streamrl.trainer.checkpoint import Checkpointer, drop_defaults
 from streamrl.trainer.rl_trainer import RLTrainer
 
@@ -533,6 +533,10 @@ def run(
   ckpt = open_checkpoints(s, workdir)
   train_examples, eval_examples = load_examples(s)
   model_dir = policy_dir(s, workdir, train_examples)
+  # Before the weights load or any generator starts: will the run fit?
+  plan, fix = memory_plan.for_run(s, hf.read_config(model_dir))
+  log.info("%s", plan.table())
+  plan.check(fix)
   _, policy = hf.load_hf(model_dir)
   tokenizer = make_tokenizer(s, model_dir)
   train_examples, eval_examples = fit_prompts(s, tokenizer, train_examples, eval_examples)
@@ -540,6 +544,7 @@ def run(
   if followers:
     followers.send(protocol.Setup(model_dir, socket.gethostname()))
   trainer = RLTrainer.from_settings(policy, s)
+  del policy  # the trainer holds its own (sharded) copy; the loaded one is not kept
   if followers:
     trainer = protocol.Leader(trainer, followers)
   loader = PromptLoader(train_examples, s.trainer.prompts_per_iteration, seed=s.seed)

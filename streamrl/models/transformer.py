@@ -155,7 +155,11 @@ class Attention(nnx.Module):
       q = q + self.b_q_hn[...].astype(dt)
       k = k + self.b_k_kn[...].astype(dt)
       v = v + self.b_v_kn[...].astype(dt)
-    q, k, v = checkpoint_name(q, "q_proj"), checkpoint_name(k, "k_proj"), checkpoint_name(v, "v_proj")
+    q, k, v = (
+        checkpoint_name(q, "q_proj"),
+        checkpoint_name(k, "k_proj"),
+        checkpoint_name(v, "v_proj"),
+    )
     if cfg.qk_norm:  # over head_dim, after the projection and before RoPE, as HF's Qwen3
       q = self.q_norm(q)
       k = self.k_norm(k)

@@ -156,7 +156,9 @@ def random_init(build, mesh: Mesh, seed: int, initializer, rules=DEFAULT_RULES) 
 
 @functools.lru_cache(maxsize=None)
 def _leaf_init(init, shape, dtype, sharding):
-  return jax.jit(lambda key, i: init(jax.random.fold_in(key, i), shape, dtype), out_shardings=sharding)
+  return jax.jit(
+      lambda key, i: init(jax.random.fold_in(key, i), shape, dtype), out_shardings=sharding
+  )
 
 
 def batch_sharding(

@@ -322,11 +322,15 @@ def test_random_init_makes_each_parameter_in_its_sharding_with_a_traced_key():
       np.asarray(model.trunk.embedding_vd[...]), np.asarray(other.trunk.embedding_vd[...])
   )
   # The key is an argument of the jitted programs, not a constant inside them.
-  hlo = sharding._leaf_init(  # pylint: disable=protected-access
-      transformer.initializer("w_q_dhn"),
-      (cfg.hidden_size, cfg.num_heads, cfg.head_dim),
-      np.dtype("float32"),
-      flat_shardings[("trunk", "blocks", 0, "attn", "w_q_dhn")].get_value(),
-  ).lower(jax.random.key(0), np.uint32(0)).as_text()
+  hlo = (
+      sharding._leaf_init(  # pylint: disable=protected-access
+          transformer.initializer("w_q_dhn"),
+          (cfg.hidden_size, cfg.num_heads, cfg.head_dim),
+          np.dtype("float32"),
+          flat_shardings[("trunk", "blocks", 0, "attn", "w_q_dhn")].get_value(),
+      )
+      .lower(jax.random.key(0), np.uint32(0))
+      .as_text()
+  )
   assert "threefry" in hlo.lower() or "rng" in hlo.lower()
   assert "constant" not in hlo.split("ENTRY")[-1].split("\n")[1] if "ENTRY" in hlo else True
