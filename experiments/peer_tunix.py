@@ -306,9 +306,9 @@ def run_child(args: dict) -> None:
 
 
 def run_tunix(s, workdir: str, model_dir: str, python: str, eval_every: int) -> dict:
-  """Runs `run_child` in `python` (Tunix's venv); its rates and curve (dirs to evaluate)."""
-  from experiments import bench_peers
-
+  """Runs `run_child` in `python` (Tunix's venv); its rates and curve (dirs to evaluate).
+  (Called from bench_peers run as __main__: importing it here again would define its flags twice.)
+  """
   out_dir = os.path.join(workdir, "tunix")
   os.makedirs(out_dir, exist_ok=True)
   args = dict(
@@ -333,10 +333,9 @@ def run_tunix(s, workdir: str, model_dir: str, python: str, eval_every: int) -> 
     raise RuntimeError(f"the Tunix run exited {rc}; its log: {workdir}/tunix.log")
   with open(os.path.join(out_dir, "times.json")) as f:
     t = json.load(f)
-  per_sample = bench_peers.PROMPTS * bench_peers.GROUP
   curve = [dict(samples=0, train_s=0.0, dir=model_dir)]
   for it, path in sorted(t["dirs"].items(), key=lambda kv: int(kv[0])):
-    curve.append(dict(samples=int(it) * per_sample, train_s=t["snaps"][it], dir=path))
+    curve.append(dict(samples=int(it) * s.samples_per_iteration, train_s=t["snaps"][it], dir=path))
   return dict(
       samples_per_s=t["samples"] / t["train_s"],
       tokens_per_s=t["tokens"] / t["train_s"],
