@@ -332,6 +332,11 @@ def measure(spec: dict) -> dict:
   tokens_per_s = tokens / step_s
   out = dict(
       name=spec["name"],
+      model=spec["model"],
+      layers=spec["layers"],
+      batch=b,
+      seq_len=t,
+      compute=spec["compute"],
       device=device.device_kind,
       params=cfg.num_params,
       tokens_per_step=tokens,
