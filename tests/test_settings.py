@@ -443,9 +443,14 @@ _MIRRORS = {
         "a planned workload's work pool and migration (a plan config's keys), not a live run's",
     ),
     ("streamrl.cluster", "ClusterInfo"): ("cluster", "the cluster found at start; no defaults"),
+    ("streamrl.trainer.memory_plan", "Trainee"): (
+        "mesh",
+        "the mesh sizes of one run's memory plan, -1 resolved to a device count",
+    ),
 }
 # (class name, field): why its default differs
 _TRANSLATED: dict = {
+    ("Trainee", "fsdp"): "the plan's mesh is resolved: mesh.fsdp=-1 becomes the device count",
     ("SimConfig", "partial_oversample"): "0 turns the simulator's partial rollouts off (the run's "
     "pipeline.partial does that there)",
 }
