@@ -226,6 +226,7 @@ def arm_fields(name: str, r: dict, results: dict) -> list[str]:
         f"export_s_per_gb={r['export_s_per_gb']:.3f}",
         f"export_host_layout_s_per_gb={r['export_host_layout_s_per_gb']:.3f}",
         f"export_speedup={r['export_host_layout_s_per_gb'] / r['export_s_per_gb']:.2f}",
+        f"export_cast_only_s_per_gb={r['export_cast_only_s_per_gb']:.3f}",
     ]
   if name == "handoff":
     return [f"handoff_s_per_gb={r['handoff_s_per_gb']:.3f}", f"handoff_ok={int(r['handoff_ok'])}"]

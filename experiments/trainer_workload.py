@@ -203,7 +203,7 @@ def random_batch(cfg, batch: int, seq_len: int, seed: int) -> dict:
   }
 
 
-def _export_seconds_per_gb(policy, host_layout: bool = False) -> tuple[float, float]:
+def _export_seconds_per_gb(policy, host_layout: bool = False, cast_only: bool = False):
   """Walks the bf16 export of `policy` to contiguous host arrays; returns
   (seconds per GB, GB).
 
@@ -212,6 +212,8 @@ def _export_seconds_per_gb(policy, host_layout: bool = False) -> tuple[float, fl
   device, one compiled program per tensor kind). `host_layout=True`: the
   earlier export, kept here to compare against -- cast on the device, copy to
   the host, then the HF layout (transposes) and the contiguous copy on the host.
+  `cast_only=True`: the cast on the device alone, no layout change (not an
+  export: the floor of any export that casts on the device).
   """
   from streamrl.models import hf  # pylint: disable=g-import-not-at-top
 
@@ -226,7 +228,11 @@ def _export_seconds_per_gb(policy, host_layout: bool = False) -> tuple[float, fl
     value = hf.get_param(params, e.path).astype(tensors.dtype)
     return np.ascontiguousarray(e.to_hf(np.asarray(jax.device_get(value))), dtype=tensors.dtype)
 
-  read = host if host_layout else tensors.__getitem__
+  def cast(name):
+    e = entries[name]
+    return np.asarray(_cast_fn(hf.get_param(params, e.path), str(tensors.dtype)))
+
+  read = host if host_layout else cast if cast_only else tensors.__getitem__
   for name in list(tensors)[:4]:  # compiles the programs of one layer's kinds
     read(name)
   nbytes, t0 = 0, time.perf_counter()
@@ -235,6 +241,16 @@ def _export_seconds_per_gb(policy, host_layout: bool = False) -> tuple[float, fl
   seconds = time.perf_counter() - t0
   gb = nbytes / 1e9
   return seconds / gb, gb
+
+
+def _cast_fn(x, dtype: str):
+  import jax  # pylint: disable=g-import-not-at-top
+
+  return jax.jit(_astype, static_argnums=1)(x, dtype)
+
+
+def _astype(x, dtype: str):
+  return x.astype(dtype)
 
 
 def nnx_pure_params(model) -> dict:
@@ -415,11 +431,12 @@ def measure_export(spec: dict) -> dict:
       spec["seed"],
       transformer.initializer,
   )
-  device, host = [], []
-  for _ in range(max(1, spec["steps"])):
+  device, host, floor = [], [], []
+  for _ in range(max(1, spec["steps"])):  # interleaved: the machine's load hits each alike
     s_gb, gb = _export_seconds_per_gb(policy)
     device.append(s_gb)
     host.append(_export_seconds_per_gb(policy, host_layout=True)[0])
+    floor.append(_export_seconds_per_gb(policy, cast_only=True)[0])
   return dict(
       name=spec["name"],
       device=jax.devices()[0].device_kind,
@@ -427,6 +444,7 @@ def measure_export(spec: dict) -> dict:
       export_gb=gb,
       export_s_per_gb=float(np.median(device)),
       export_host_layout_s_per_gb=float(np.median(host)),
+      export_cast_only_s_per_gb=float(np.median(floor)),
       vllm_imported="vllm" in sys.modules,
   )
 

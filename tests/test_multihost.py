@@ -26,13 +26,16 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAIN = os.path.join(REPO, "launch", "main.py")
 TINY = json.loads(open(os.path.join(os.path.dirname(__file__), "tiny_run.json")).read())
 MESH = {"pipeline.mode": "sync", "mesh.fsdp": 2, "mesh.tensor": 1}
-# Fewer programs to compile (no reference model, one micro-batch per
-# mini-batch, one epoch): compiling sharded programs is most of these runs.
+# Fewer programs to compile (no reference model, one epoch): compiling sharded
+# programs is most of these runs. Four micro-batches of 2 per mini-batch of 8:
+# length-sorted, they fall in different length buckets, so the step takes the
+# ragged path (micro-batches cut to their own length, gradients accumulated in
+# a jitted buffer), which must agree across processes (asserted below).
 LEAN = {
     "kl.use_reference": False,
     "kl.coef": 0.0,
     "trainer.ppo_epochs": 1,
-    "trainer.micro_batch_size": 8,
+    "trainer.micro_batch_size": 2,
 }
 
 
@@ -132,6 +135,11 @@ def test_two_trainer_processes_survive_a_kill_by_resuming_to_the_parameters_of_o
   rows = [json.loads(line) for line in (two / "metrics.jsonl").read_text().splitlines()]
   steps = [r["step"] for r in rows if "reward/mean" in r]
   assert steps.count(2) == 1 and steps.count(1) <= 1 and set(steps) <= {1, 2}, steps
+  # Both runs trained on ragged micro-batches (and the parameters above agree).
+  for workdir in (one, two):
+    lines = (workdir / "metrics.jsonl").read_text().splitlines()
+    ragged = [json.loads(l).get("train/ragged_micro_batches", 0) for l in lines]
+    assert max(ragged) > 0, workdir
 
 
 def psutil_alive(pid: int, within_s: float = 15) -> bool:
