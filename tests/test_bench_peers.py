@@ -12,6 +12,8 @@ from experiments import bench_peers
 from streamrl import train
 from streamrl.data import tokenizer as tokenizer_lib
 
+pytestmark = [pytest.mark.unit]
+
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):

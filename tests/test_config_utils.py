@@ -20,6 +20,8 @@ from streamrl.config_utils import (
 )
 from streamrl.errors import MissingFileError, UserError
 
+pytestmark = [pytest.mark.unit]
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 CONFIG_PY = """

@@ -11,6 +11,8 @@ import pytest
 from streamrl import config_utils, settings, train
 from streamrl.trainer import sharding
 
+pytestmark = [pytest.mark.unit]
+
 CONFIGS = os.path.join(os.path.dirname(__file__), "..", "configs")
 
 

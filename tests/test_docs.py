@@ -5,6 +5,8 @@ import re
 
 import pytest
 
+pytestmark = [pytest.mark.unit]
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = ["README.md", "experiments/RESULTS.md", "docs/DESIGN.md"]
 

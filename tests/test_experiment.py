@@ -11,6 +11,8 @@ from streamrl import config_utils, experiment
 from streamrl.errors import UserError
 from tests.test_loopback import ListenerWatch, exposed
 
+pytestmark = [pytest.mark.engine, pytest.mark.ray, pytest.mark.e2e]
+
 CONFIGS = os.path.join(os.path.dirname(__file__), "..", "configs")
 
 # Two iterations of the tiny run, a checkpoint after each (shared by the run tests).

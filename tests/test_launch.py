@@ -16,6 +16,8 @@ import pytest
 
 from streamrl import errors
 
+pytestmark = [pytest.mark.e2e]
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAIN = os.path.join(REPO, "launch", "main.py")
 SWEEP = os.path.join(REPO, "launch", "sweep.py")

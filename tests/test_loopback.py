@@ -21,6 +21,8 @@ from streamrl.errors import UserError
 from streamrl.generator import vllm_engine
 from streamrl.trainer import multihost
 
+pytestmark = [pytest.mark.ray]
+
 
 # ----------------------------------------------------------------- helpers
 def listening(roots=None) -> dict[tuple[str, int], tuple[str, int]]:

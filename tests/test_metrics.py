@@ -26,6 +26,8 @@ from streamrl.metrics import (
     save_config,
 )
 
+pytestmark = [pytest.mark.unit]
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -22,6 +22,8 @@ from safetensors.numpy import load_file
 
 from streamrl.trainer.checkpoint import read_arrays
 
+pytestmark = [pytest.mark.e2e]
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAIN = os.path.join(REPO, "launch", "main.py")
 TINY = json.loads(open(os.path.join(os.path.dirname(__file__), "tiny_run.json")).read())

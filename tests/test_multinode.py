@@ -13,6 +13,8 @@ import ray
 from streamrl import local_cluster
 from tests.test_loopback import exposed, listening
 
+pytestmark = [pytest.mark.ray, pytest.mark.e2e]
+
 REPO = os.path.join(os.path.dirname(__file__), "..")
 TINY = json.loads(open(os.path.join(os.path.dirname(__file__), "tiny_run.json")).read())
 

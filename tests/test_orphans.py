@@ -23,6 +23,8 @@ import pytest
 
 from streamrl import lifecycle
 
+pytestmark = [pytest.mark.e2e]
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAIN = os.path.join(REPO, "launch", "main.py")
 TAG = "STREAMRL_TEST_RUN_TAG"  # Marks every process a test's run starts.

@@ -8,6 +8,10 @@ import re
 import sys
 import tomllib
 
+import pytest
+
+pytestmark = [pytest.mark.unit]
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TREES = ("streamrl", "launch", "experiments", "tests", "configs")
 

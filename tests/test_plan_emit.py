@@ -26,6 +26,8 @@ from streamrl.planner.run import (
     run_plan,
 )
 
+pytestmark = [pytest.mark.unit]
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PLAN_CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "plan", "*.py")))
 MAIN = os.path.join(ROOT, "launch", "main.py")

@@ -10,6 +10,8 @@ import pytest
 from streamrl import config_utils, settings
 from streamrl.errors import UserError
 
+pytestmark = [pytest.mark.unit]
+
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 CONFIGS = os.path.join(ROOT, "configs")
 

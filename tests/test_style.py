@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+pytestmark = [pytest.mark.unit]
+
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 
 

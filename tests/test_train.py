@@ -12,6 +12,8 @@ import pytest
 from streamrl import config_utils, experiment, settings, train
 from streamrl.errors import UserError
 
+pytestmark = [pytest.mark.engine]
+
 CONFIGS = os.path.join(os.path.dirname(__file__), "..", "configs")
 
 # Two iterations of the tiny run, a checkpoint after each (shared by the run tests).

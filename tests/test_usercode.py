@@ -12,6 +12,8 @@ import pytest
 from streamrl import usercode
 from streamrl.errors import UserError
 
+pytestmark = [pytest.mark.unit]
+
 FUNCS = textwrap.dedent("""
     import os, time
     def echo(x, y=None, **kw):

@@ -16,6 +16,8 @@ from streamrl.data import dataset, loader, rewards
 from streamrl.data.tasks import Example
 from streamrl.errors import MissingFileError, UserError
 
+pytestmark = [pytest.mark.unit]
+
 
 def _verl_rows(n=6):
   """GSM8K rows the way verl's preprocessing lays them out: a chat prompt, the

@@ -7,6 +7,8 @@ import pytest
 
 from streamrl.data import dataset
 
+pytestmark = [pytest.mark.unit]
+
 
 def _write(path, lines):
   path.write_text("\n".join(lines) + "\n")

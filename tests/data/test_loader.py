@@ -8,6 +8,8 @@ from streamrl.data import loader
 from streamrl.data import tasks
 from streamrl.data import tokenizer
 
+pytestmark = [pytest.mark.unit]
+
 
 @pytest.fixture(scope="module")
 def examples():

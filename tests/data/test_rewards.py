@@ -8,6 +8,8 @@ import pytest
 from streamrl.data import rewards
 from streamrl.data.tasks import Example
 
+pytestmark = [pytest.mark.unit]
+
 
 def _ex(answer):
   return Example(prompt_id=5, prompt="q", answer=answer, task="t")

@@ -6,6 +6,8 @@ import pytest
 from streamrl.data import tasks
 from streamrl.data import tokenizer
 
+pytestmark = [pytest.mark.unit]
+
 
 def test_deterministic_under_seed():
   a = tasks.make_examples(300, seed=7)

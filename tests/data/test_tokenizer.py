@@ -5,6 +5,8 @@ import pytest
 from streamrl.data import tasks
 from streamrl.data import tokenizer as tok
 
+pytestmark = [pytest.mark.unit]
+
 
 def test_fixed_special_ids_and_vocab_size():
   v = tok.vocab()

@@ -13,6 +13,8 @@ import pytest
 from streamrl import config_utils, experiment
 from streamrl.errors import UserError
 
+pytestmark = [pytest.mark.engine, pytest.mark.e2e]
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # configs/gsm_symbolic.py shrunk: one engine in the trainer's process, short answers.
 TINY = {

@@ -20,6 +20,8 @@ from streamrl.generator.config import Sampling
 from streamrl.models import config as model_config
 from streamrl.models import hf, tiny, transformer
 
+pytestmark = [pytest.mark.engine, pytest.mark.ray]
+
 SAMPLING = Sampling(temperature=1.0, max_tokens=8)
 SEED = 3
 

@@ -16,6 +16,8 @@ from streamrl.sim.costs import GenCostModel, TrainCostModel
 from streamrl.sim.engine import SimConfig, simulate, simulate_generation
 from streamrl.sim.lengths import PaperLengths, from_lengths
 
+pytestmark = [pytest.mark.unit]
+
 PROFILE = {"batch_sizes": [1, 2, 4], "ptl_s": [0.0021, 0.0022, 0.0024], "prefill_s_per_token": 1e-5}
 TRAINER = {"fwd_s_per_token": 2e-6, "upd_s_per_token": 4e-6, "update_overhead_s": 0.005}
 OUT = np.random.default_rng(0).integers(16, 64, 64).tolist()

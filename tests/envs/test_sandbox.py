@@ -32,9 +32,12 @@ def _kernel_gives_user_namespaces() -> bool:
 
 # The sandbox's tests fail where our code is wrong, and are skipped only where the kernel
 # itself refuses unprivileged user namespaces (then the tool refuses to start: the last tests).
-pytestmark = pytest.mark.skipif(
-    not _kernel_gives_user_namespaces(), reason="this kernel refuses user namespaces"
-)
+pytestmark = [
+    pytest.mark.unit,
+    pytest.mark.skipif(
+        not _kernel_gives_user_namespaces(), reason="this kernel refuses user namespaces"
+    ),
+]
 
 
 def _py(code: str, timeout_s: float = 20.0, **kwargs) -> sandbox.Result:

@@ -16,6 +16,8 @@ from streamrl.errors import UserError
 from streamrl.generator.rollout import Sample, TurnStats
 from streamrl.trainer import experience
 
+pytestmark = [pytest.mark.unit]
+
 
 def test_the_calc_tool_does_one_operation_per_call():
   assert tools.TOOLS["calc"] is tools.step_calculator

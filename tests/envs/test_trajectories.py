@@ -25,6 +25,8 @@ from streamrl.scheduling.request import Request
 from streamrl.models import config, hf, tiny, transformer
 from streamrl.trainer import experience
 
+pytestmark = [pytest.mark.engine]
+
 TEMPERATURE = 1.0
 SAMPLING = Sampling(temperature=TEMPERATURE, max_tokens=96)
 

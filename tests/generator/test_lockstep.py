@@ -12,6 +12,8 @@ from streamrl.models import tiny
 from streamrl.scheduling.pool import WorkPool
 from streamrl.scheduling.request import Request
 
+pytestmark = [pytest.mark.engine]
+
 SAMPLING = Sampling(temperature=1.0, max_tokens=40)
 SEED = 3
 

@@ -13,6 +13,8 @@ from streamrl.trainer import rl_trainer
 from tests.generator.test_vllm_engine import max_logprob_error
 from tests.trainer.test_rl_trainer import samples
 
+pytestmark = [pytest.mark.engine]
+
 
 def lora_settings(rank):
   s = settings.Settings()

@@ -16,6 +16,8 @@ from streamrl import cluster, config_utils, experiment, settings
 from streamrl.errors import UserError
 from streamrl.generator import local, service
 
+pytestmark = [pytest.mark.ray]
+
 CONFIGS = os.path.join(os.path.dirname(__file__), "..", "..", "configs")
 
 

@@ -21,6 +21,8 @@ from streamrl.models import hf, tiny, transformer
 from streamrl import cluster, settings
 from streamrl.generator import service
 
+pytestmark = [pytest.mark.engine, pytest.mark.ray]
+
 SAMPLING = Sampling(temperature=1.0, max_tokens=8)
 SEED = 11
 

@@ -16,6 +16,8 @@ from streamrl.models import tiny
 from streamrl.scheduling.pool import WorkPool
 from streamrl.scheduling.request import Request
 
+pytestmark = [pytest.mark.engine, pytest.mark.ray]
+
 LONG = Sampling(temperature=1.0, max_tokens=48)
 SEED = 5
 ENGINE = settings.Engine(max_num_seqs=8, max_model_len=64, kv_cache_gib=1.0, num_instances=2)

@@ -18,6 +18,8 @@ from streamrl.models import hf, tiny, transformer
 from streamrl import cluster, settings
 from streamrl.generator import delivery, service
 
+pytestmark = [pytest.mark.engine, pytest.mark.ray]
+
 PROMPTS = [(i, [1] + [4 + (5 * i + j) % 40 for j in range(3 + i % 4)]) for i in range(6)]
 
 

@@ -16,6 +16,8 @@ from streamrl.generator.config import Sampling
 from streamrl.generator.vllm_engine import GeneratorInstance, check_model_dir
 from streamrl.models import config, hf, tiny, transformer
 
+pytestmark = [pytest.mark.engine]
+
 PROMPTS = [(i, [1] + [4 + (3 * i + j) % 40 for j in range(2 + 2 * i)]) for i in range(8)]
 
 

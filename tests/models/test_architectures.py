@@ -18,6 +18,8 @@ from flax import nnx
 from streamrl.models import config, hf, transformer
 from tests.models.test_hf import save_with_transformers
 
+pytestmark = [pytest.mark.unit]
+
 ARCHITECTURES = {
     "qwen3": config.tiny_qwen3,
     "llama3": config.tiny_llama3,

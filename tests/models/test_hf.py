@@ -6,6 +6,8 @@ from flax import nnx
 
 from streamrl.models import config, hf, tiny, transformer
 
+pytestmark = [pytest.mark.unit]
+
 
 @pytest.mark.parametrize("make", [config.tiny_qwen2, config.tiny_llama])
 def test_round_trip_is_bit_exact(tmp_path, make):

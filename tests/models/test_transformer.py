@@ -9,6 +9,8 @@ from flax import nnx
 from streamrl.models import config, transformer
 from streamrl.trainer import sharding
 
+pytestmark = [pytest.mark.unit]
+
 
 @pytest.mark.parametrize("make", [config.tiny_qwen2, config.tiny_llama])
 def test_logprobs_are_a_normalised_distribution(make):

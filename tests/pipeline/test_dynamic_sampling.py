@@ -26,6 +26,8 @@ from streamrl.pipeline.stream import LengthBatcher
 from streamrl.pipeline.timeline import Timeline
 from streamrl.trainer.rl_trainer import RLTrainer
 
+pytestmark = [pytest.mark.unit]
+
 CONFIGS = os.path.join(os.path.dirname(__file__), "..", "..", "configs")
 GROUP = 2
 

@@ -7,6 +7,8 @@ from streamrl.generator.rollout import Sample
 from streamrl.pipeline.stream import LengthBatcher
 from streamrl.trainer import experience
 
+pytestmark = [pytest.mark.unit]
+
 
 def item(rid, prompt_len, resp_len):
   s = Sample(

@@ -30,6 +30,8 @@ from streamrl.models.transformer import Transformer
 from streamrl.pipeline.timeline import Timeline
 from streamrl.trainer.rl_trainer import RLTrainer
 
+pytestmark = [pytest.mark.unit]
+
 CONFIGS = os.path.join(os.path.dirname(__file__), "..", "..", "configs")
 
 

@@ -20,6 +20,8 @@ from streamrl.generator.rollout import PARTIAL, Sample, TurnStats
 from streamrl.scheduling.request import Request
 from streamrl.pipeline.partial import PartialBuffer
 
+pytestmark = [pytest.mark.unit]
+
 GROUP = 2
 
 

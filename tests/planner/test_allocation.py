@@ -11,6 +11,8 @@ from streamrl.sim.engine import simulate_generation
 from streamrl.sim.lengths import paper_lengths
 from streamrl.sim.systems import SystemCalibration
 
+pytestmark = [pytest.mark.unit]
+
 CAL = SystemCalibration(gen=costs.paper_calibration(), mfu=0.45)
 
 

@@ -10,6 +10,8 @@ from streamrl.sim.costs import GenCostModel, TrainCostModel
 from streamrl.sim.engine import SimConfig
 from streamrl.sim.lengths import PaperLengths
 
+pytestmark = [pytest.mark.unit]
+
 # A throughput-bound generator (per-sequence cost dominates), so extra
 # instances help, and a fixed-cost trainer.
 GEN = GenCostModel(

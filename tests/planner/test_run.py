@@ -7,6 +7,8 @@ import pytest
 
 from streamrl.planner.run import run_plan
 
+pytestmark = [pytest.mark.unit]
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 

@@ -3,6 +3,8 @@ import pytest
 from streamrl.data import tokenizer
 from streamrl.ranker import data
 
+pytestmark = [pytest.mark.unit]
+
 
 def test_append_and_load_pairs(tmp_path):
   path = tmp_path / "d" / "pairs.jsonl"

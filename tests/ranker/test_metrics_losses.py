@@ -7,6 +7,8 @@ import pytest
 from streamrl.ranker.losses import log_mse_loss, pairwise_logistic_loss, ranker_loss
 from streamrl.ranker.metrics import ranking_metrics, recall_at_top, spearman
 
+pytestmark = [pytest.mark.unit]
+
 
 def test_recall_perfect_reversed_and_ties():
   true = np.arange(100)

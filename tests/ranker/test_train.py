@@ -9,6 +9,8 @@ from streamrl.ranker import train as ranker_train
 from streamrl.ranker.metrics import ranking_metrics
 from streamrl.ranker.train import RankerTrainer
 
+pytestmark = [pytest.mark.unit]
+
 VOCAB, FP = data.char_tokenizer_fingerprint()
 
 

@@ -9,6 +9,8 @@ import pytest
 
 from streamrl.rl import advantages as A
 
+pytestmark = [pytest.mark.unit]
+
 RTOL, ATOL = 1e-5, 1e-5
 
 

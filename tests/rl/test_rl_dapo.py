@@ -7,6 +7,8 @@ from streamrl import rl
 from streamrl.errors import UserError
 from streamrl.rl.config import Advantage, Loss
 
+pytestmark = [pytest.mark.unit]
+
 
 def keep_reference(rewards, group_ids):
   groups = sorted(set(group_ids))

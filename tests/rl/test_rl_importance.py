@@ -11,6 +11,8 @@ import pytest
 from streamrl.rl import importance as I
 from streamrl.rl import losses as L
 
+pytestmark = [pytest.mark.unit]
+
 
 def ragged_mask(rng, b, t):
   lengths = rng.integers(0, t + 1, size=b)

@@ -8,6 +8,8 @@ import pytest
 
 from streamrl.rl import kl as K
 
+pytestmark = [pytest.mark.unit]
+
 
 def ref_estimators(logp, ref):
   k1 = np.zeros(logp.shape)

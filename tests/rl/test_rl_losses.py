@@ -10,6 +10,8 @@ import pytest
 
 from streamrl.rl import losses as L
 
+pytestmark = [pytest.mark.unit]
+
 RTOL, ATOL = 1e-5, 1e-6
 
 

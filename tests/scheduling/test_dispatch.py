@@ -9,6 +9,8 @@ import pytest
 from streamrl.scheduling.dispatch import choose_batch_size, dispatch, estimate_latency, fifo_plan
 from streamrl.scheduling.latency import LatencyProfile
 
+pytestmark = [pytest.mark.unit]
+
 # The package re-exports the function `dispatch`, which shadows the submodule attribute.
 dispatch_mod = importlib.import_module("streamrl.scheduling.dispatch")
 

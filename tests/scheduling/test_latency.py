@@ -5,6 +5,8 @@ import pytest
 
 from streamrl.scheduling.latency import LatencyProfile
 
+pytestmark = [pytest.mark.unit]
+
 
 def _profile():
   return LatencyProfile(

@@ -3,6 +3,8 @@ import pytest
 
 from streamrl.scheduling.lpt import AdmissionQueue, lpt_order
 
+pytestmark = [pytest.mark.unit]
+
 
 def test_lpt_order_longest_first_and_stable():
   assert lpt_order([3, 9, 1, 9, 5]) == [1, 3, 4, 0, 2]

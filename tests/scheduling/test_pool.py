@@ -9,6 +9,8 @@ from streamrl.scheduling import pool as pool_lib
 from streamrl.scheduling.pool import Feed, WorkPool, donor
 from streamrl.scheduling.request import Request
 
+pytestmark = [pytest.mark.unit]
+
 
 def reqs(n, prompt_of=lambda k: (1, 2 + k)):
   return [Request(k, prompt_of(k)) for k in range(n)]

@@ -4,6 +4,8 @@ import pytest
 
 from streamrl.scheduling.latency import LatencyProfile
 
+pytestmark = [pytest.mark.engine]
+
 
 @pytest.fixture(scope="module")
 def instance(tmp_path_factory):

@@ -14,6 +14,8 @@ from streamrl.generator.rollout import Sample
 from streamrl.scheduling import ranker_actor
 from streamrl.scheduling.scheduler import GenerationScheduler
 
+pytestmark = [pytest.mark.ray]
+
 
 @pytest.fixture(scope="module")
 def local_ray():

@@ -12,6 +12,8 @@ from streamrl.scheduling import LatencyProfile, dispatch
 from streamrl.scheduling.scheduler import with_length_hints
 from streamrl.scheduling.siblings import LengthHint, SiblingQueue, group_estimate
 
+pytestmark = [pytest.mark.unit]
+
 
 def test_the_group_estimate_blends_the_prior_with_finished_siblings_and_running_tokens():
   assert group_estimate(10.0, []) == 10.0

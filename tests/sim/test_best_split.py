@@ -12,6 +12,8 @@ from streamrl.sim.engine import simulate_generation
 from streamrl.sim.lengths import paper_lengths
 from streamrl.sim.systems import SystemCalibration, gen_cost
 
+pytestmark = [pytest.mark.unit]
+
 
 def _flat_gen():
   # step = 1 + 0.1 * B seconds, no context cost, no prefill, unbounded KV.

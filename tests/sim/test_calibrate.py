@@ -7,6 +7,8 @@ import pytest
 from streamrl.scheduling import LatencyProfile
 from streamrl.sim.calibrate import from_measured, predict_local_throughput
 
+pytestmark = [pytest.mark.unit]
+
 PROFILE = {"batch_sizes": [1, 4, 16], "ptl_s": [0.010, 0.011, 0.015], "prefill_s_per_token": 1e-4}
 TRAINER = {"fwd_s_per_token": 1e-4, "upd_s_per_token": 3e-4, "update_overhead_s": 0.05}
 

@@ -14,6 +14,8 @@ from streamrl.scheduling import LatencyProfile
 from streamrl.sim.calibrate import from_measured
 from streamrl.sim.engine import simulate_generation
 
+pytestmark = [pytest.mark.unit]
+
 PATH = os.path.join(os.path.dirname(__file__), "..", "..", "experiments", "calibrate_sim.py")
 PROFILE = LatencyProfile(
     batch_sizes=(1, 2, 4), ptl_s=(0.002, 0.0021, 0.0023), prefill_s_per_token=1e-5

@@ -7,6 +7,8 @@ from streamrl.scheduling import LatencyProfile
 from streamrl.sim import costs
 from streamrl.sim.costs import GPUS, MODELS, GenCostModel, TrainCostModel
 
+pytestmark = [pytest.mark.unit]
+
 
 def test_model_shapes_match_public_parameter_counts():
   assert MODELS["qwen2.5-7b"].num_params == pytest.approx(7.62e9, rel=0.01)

@@ -11,6 +11,8 @@ from streamrl.sim.costs import GenCostModel, TrainCostModel
 from streamrl.sim.engine import SimConfig, simulate, simulate_generation
 from streamrl.sim.lengths import FixedLengths, PaperLengths, from_lengths
 
+pytestmark = [pytest.mark.unit]
+
 A, B = 0.01, 0.001  # PTL(BS) = A + B * BS
 
 

@@ -6,6 +6,8 @@ import pytest
 from streamrl.sim.lengths import EmpiricalLengths, FixedLengths, PaperLengths, from_lengths, paper_lengths
 from streamrl.sim.ranker_model import noisy_scores, sigma_for_recall, tail_recall
 
+pytestmark = [pytest.mark.unit]
+
 
 def test_paper_shape():
   p, o = paper_lengths(20480).sample(np.random.default_rng(0), 20000)

@@ -12,6 +12,8 @@ import pytest
 
 from streamrl.scheduling import LatencyProfile
 
+pytestmark = [pytest.mark.unit]
+
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 PATH = os.path.join(ROOT, "experiments", "paper_figures.py")
 # Every top-level key that reproduce_paper.py, paper_figures.py or the Fig. 7

@@ -12,6 +12,8 @@ from streamrl.sim.engine import SimConfig, TrainCostModel, simulate, simulate_ge
 from streamrl.sim.lengths import PaperLengths
 from streamrl.sim.systems import SystemCalibration, gen_cost
 
+pytestmark = [pytest.mark.unit]
+
 A, B = 0.01, 0.001  # PTL(BS) = A + B * BS
 
 

@@ -11,6 +11,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from streamrl.trainer.checkpoint import Checkpointer
 
+pytestmark = [pytest.mark.unit]
+
 FP = {"algo": "ppo", "critic": True, "model": {"d_model": 16, "num_layers": 2, "mesh": (1, 8)}}
 
 

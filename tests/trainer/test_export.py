@@ -18,6 +18,8 @@ from streamrl.models import safetensors_io, transformer
 from streamrl import train
 from streamrl.trainer import export
 
+pytestmark = [pytest.mark.unit]
+
 # Token sequences to score: BOS, then characters of the tiny vocabulary.
 SEQUENCES = [[1] + [4 + (5 * i + 3 * j) % 50 for j in range(6 + 7 * i)] for i in range(4)]
 

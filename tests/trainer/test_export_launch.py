@@ -17,6 +17,8 @@ import pytest
 from streamrl import errors
 from streamrl.models import transformer
 
+pytestmark = [pytest.mark.engine, pytest.mark.e2e]
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXPORT = os.path.join(REPO, "launch", "export.py")
 PROMPTS = [[1] + [4 + (3 * i + 7 * j) % 50 for j in range(3 + 4 * i)] for i in range(4)]

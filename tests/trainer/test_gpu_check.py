@@ -9,6 +9,10 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = [pytest.mark.e2e]
+
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 
 

@@ -16,6 +16,8 @@ from streamrl.trainer import checkpoint as checkpoint_lib
 from streamrl.trainer import rl_trainer
 from tests.trainer.test_rl_trainer import make_settings, policy, samples
 
+pytestmark = [pytest.mark.unit]
+
 
 def lora_trainer(critic=True, **extra):
   s = make_settings(lora_rank=4, lora_alpha=8.0, **extra)

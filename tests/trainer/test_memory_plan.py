@@ -15,6 +15,8 @@ from streamrl.trainer import memory_plan, sharding, step
 from streamrl.trainer.config import Optimizer
 from streamrl.trainer.rl_trainer import critic_from_policy
 
+pytestmark = [pytest.mark.unit]
+
 SMALL = dict(
     vocab_size=4096,
     hidden_size=256,

@@ -15,6 +15,8 @@ from streamrl.trainer import multihost, sharding
 from streamrl.transfer import WeightsFile
 from streamrl.transfer.manifest import plan_payload
 
+pytestmark = [pytest.mark.unit]
+
 
 def sharded_policy(family="qwen2", mesh_axes=None):
   cfg = {"qwen2": model_config.tiny_qwen2, "llama": model_config.tiny_llama}[family](64)

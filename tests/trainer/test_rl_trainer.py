@@ -17,6 +17,8 @@ from streamrl.models import config as model_config
 from streamrl.models import transformer
 from streamrl.trainer import rl_trainer, sharding
 
+pytestmark = [pytest.mark.unit]
+
 MESH = {"data": 1, "fsdp": 2, "tensor": 4}
 
 

@@ -23,6 +23,8 @@ from streamrl.rl.config import Kl, Loss
 from streamrl.trainer import step
 from streamrl.trainer.config import Optimizer
 
+pytestmark = [pytest.mark.unit]
+
 VOCAB, B, T = 16, 4, 12
 TEMPERATURE = 0.7
 NORM = 10  # token_sum_norm's constant (sampling.max_tokens), != tokens / rows

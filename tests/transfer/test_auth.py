@@ -25,6 +25,8 @@ from streamrl.transfer.payload import shm_available
 from streamrl.transfer.topology import ReceiverInfo, TreeNode
 from .conftest import config, make_tensors, same, wait_until
 
+pytestmark = [pytest.mark.unit]
+
 
 def _raw(address, *frames):
   """Sends JSON frames on a fresh connection as they are; returns the last frame the node

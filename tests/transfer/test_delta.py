@@ -9,6 +9,8 @@ import pytest
 from streamrl.transfer import delta
 from streamrl.transfer.manifest import TransferError, payload_size, read_payload, verify_chunk, write_payload
 
+pytestmark = [pytest.mark.unit]
+
 
 def _adamw_step(w, lr, rng):
   g = rng.standard_normal(w.shape).astype(np.float32)

@@ -13,6 +13,8 @@ from streamrl.transfer.manifest import payload_size
 from streamrl.transfer.payload import SHM_DIR
 from .conftest import NAMES, make_tensors, same, wait_until
 
+pytestmark = [pytest.mark.unit]
+
 
 class LazyTensors(dict):
   """Like models.hf.HFTensors: specs without reading; counts every read of a tensor."""

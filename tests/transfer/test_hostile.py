@@ -26,6 +26,8 @@ from streamrl.transfer.manifest import Manifest
 from streamrl.transfer.topology import ReceiverInfo, TreeNode
 from .conftest import NAMES, config, make_tensors, same, wait_until
 
+pytestmark = [pytest.mark.unit]
+
 FAST = dict(handshake_timeout_s=0.5, io_timeout_s=2.0, connect_timeout_s=0.5)
 
 

@@ -32,7 +32,10 @@ from streamrl.transfer.topology import ReceiverInfo, TreeNode
 from .conftest import make_tensors, same, wait_until
 
 SHM = payload_lib.SHM_DIR
-pytestmark = pytest.mark.skipif(not payload_lib.shm_available(), reason="needs /dev/shm")
+pytestmark = [
+    pytest.mark.unit,
+    pytest.mark.skipif(not payload_lib.shm_available(), reason="needs /dev/shm"),
+]
 
 
 def _ready_frames(checksums) -> bytes:

@@ -22,6 +22,8 @@ from streamrl.transfer.manifest import (
     write_payload,
 )
 
+pytestmark = [pytest.mark.unit]
+
 
 def _tensors(seed=0):
   rng = np.random.default_rng(seed)

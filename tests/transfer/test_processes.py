@@ -11,6 +11,10 @@ from streamrl.transfer import Publisher, Receiver, RunKeys, new_secret, spawn_re
 from streamrl.transfer.service import relay_only
 from .conftest import Loads, config, make_tensors, wait_until
 
+import pytest
+
+pytestmark = [pytest.mark.e2e]
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 # The sender process: paced uplink so that version 1 takes ~2 s; prints its address, publishes on "go".

@@ -11,6 +11,8 @@ from streamrl.transfer import SchemaMismatch, TransferError, schema_of, service,
 from streamrl.transfer.manifest import payload_size
 from .conftest import NAMES, make_tensors, same, wait_until
 
+pytestmark = [pytest.mark.unit]
+
 
 @pytest.mark.parametrize("use_shm", [True, False])
 def test_tree_delivers_verified_version_to_everyone(cluster, use_shm):

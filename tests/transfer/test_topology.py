@@ -6,6 +6,8 @@ import pytest
 
 from streamrl.transfer.topology import ReceiverInfo, TreeNode, iter_edges, plan_direct, plan_topology
 
+pytestmark = [pytest.mark.unit]
+
 
 def _receivers(counts, host=lambda dc, i: f"{dc}-h{i}"):
   return [

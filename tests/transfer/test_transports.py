@@ -7,6 +7,8 @@ import pytest
 from streamrl.transfer.manifest import TransferError
 from streamrl.transfer.transports import RateLimiter, recv_exact, recv_json, send_error, send_json, send_limited
 
+pytestmark = [pytest.mark.unit]
+
 
 class FakeClock:
 
