@@ -22,7 +22,7 @@ warm-up first (cached in the workdir), then RL. The previous string tasks:
 Expected on a 2-core CPU laptop: about 9 minutes (2 of them the warm-up);
 held-out accuracy (sampled, temperature 1) rises by about 20 points over the
 warm-start policy (the `eval/accuracy` scalars: `tensorboard --logdir
-workdirs`). Measured: 9 min 11 s, 0.211 -> 0.438 (+22.7 points). Any field can be
+workdirs`; measured runs: experiments/RESULTS.md). Any field can be
 overridden, e.g. `--config.optimizer.lr=3e-4`.
 """
 
@@ -51,14 +51,14 @@ def get_config() -> ml_collections.ConfigDict:
   # Micro-batches of a length-sorted mini-batch train at their own length.
   c.trainer.micro_batch_size = 8
   # 260 iterations of 64 samples: partial rollouts make them fit the time
-  # 200 took without (README).
+  # 200 took without (experiments/RESULTS.md).
   c.trainer.num_iterations = 260
   c.log.eval_every = 65
   # StreamRL: colocated | sync | stream | async (streamrl/pipeline/__init__.py).
   c.pipeline.mode = "async"
   c.scheduler.kind = "skew"
   # Continuous batching replayed per instance: on this workload it beats the
-  # paper's wave formula (experiments/bench_skew.py, README).
+  # paper's wave formula (experiments/bench_skew.py, experiments/RESULTS.md).
   c.scheduler.latency_model = "simulate"
   # Partial rollouts in async mode (streamrl/pipeline/partial.py): a round
   # stops once enough groups finished and the long tail resumes next round

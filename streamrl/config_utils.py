@@ -558,8 +558,8 @@ def use_compile_cache(environ: dict[str, str] | None = None) -> str:
   """Keeps XLA's compiled programs across runs, in ~/.cache/streamrl/xla.
 
   A resumed run, a rerun or a sweep's next point then loads the trainer's
-  compiled steps instead of compiling them again (the tiny run on 2 cores:
-  122 s -> 70 s). Sets JAX_COMPILATION_CACHE_DIR unless it is set already
+  compiled steps instead of compiling them again (the times, cold and warm,
+  are in experiments/RESULTS.md). Sets JAX_COMPILATION_CACHE_DIR unless it is set already
   (a Ray actor started from this process inherits it); setting it to ""
   turns the cache off. Must run before JAX is imported. Returns the path
   in use ("" when off).

@@ -4,20 +4,20 @@ The ranker predicts before each round is dispatched and refreshes on the
 round's lengths after it (`GenerationScheduler.plan` / `.observe`). In the
 trainer's process the refresh (tens of optimizer steps of a small Flax model)
 shares the trainer's cores and, in async mode, holds up the next iteration
-until it finishes (measured: 0.33 s of a 1.9 s iteration). `RankerActor`
+until it finishes (experiments/RESULTS.md, "async trainer bubble"). `RankerActor`
 runs it as a Ray actor beside the generators instead: on a generation node,
 without an instance's pool slot or CPUs, pinned to the generator cores on a
 local Ray (`StreamGenerationService.helper_placement`), at a lower CPU
-priority (`NICE`), so a refresh (0.2-0.4 s for the tiny ranker: its
-`ranker/refresh_s`) fills the generators' idle moments instead of slowing the
-round it overlaps. Refreshes are submitted without waiting. Each returns its
-metrics and the refreshed parameters as two objects; the scheduler reports the
-metrics after each round and fetches the newest parameters only when it next
-predicts (a round whose requests all start at once asks for no prediction),
-and predicts in its own process with the newest refresh done by then: a
-prediction is ~3 ms of compute, and asked of the actor it took 19-51 ms (a Ray
-call to a process that shares busy cores), which every round waited for
-(experiments/bench_pool_runs.py).
+priority (`NICE`), so a refresh (timed as `ranker/refresh_s`) fills the
+generators' idle moments instead of slowing the round it overlaps. Refreshes
+are submitted without waiting. Each returns its metrics and the refreshed
+parameters as two objects; the scheduler reports the metrics after each round
+and fetches the newest parameters only when it next predicts (a round whose
+requests all start at once asks for no prediction), and predicts in its own
+process with the newest refresh done by then: a prediction is a few
+milliseconds of compute, while asking the actor for one is a Ray call to a
+process that shares busy cores, which every round would wait for
+(experiments/bench_pool_runs.py; times in experiments/RESULTS.md).
 """
 
 from __future__ import annotations
