@@ -1,5 +1,7 @@
-"""The relative links of the README and the results page point at files of the repository."""
+"""The README is a page, the guides in docs/ hold the rest, and every link, command and
+config they name exists."""
 
+import glob
 import os
 import re
 
@@ -8,7 +10,13 @@ import pytest
 pytestmark = [pytest.mark.unit]
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DOCS = ["README.md", "experiments/RESULTS.md", "docs/DESIGN.md"]
+GUIDES = sorted(os.path.relpath(p, REPO) for p in glob.glob(os.path.join(REPO, "docs", "*.md")))
+DOCS = ["README.md", "experiments/RESULTS.md", *GUIDES]
+# Phrases of working notes: the docs state what is, not who did what when.
+NOTES = re.compile(
+    r"of mine|this change|this session|see the issue|the issue notes|\bissue \d+|issue-\d+",
+    re.I,
+)
 
 _FENCE = re.compile(r"^(```|~~~).*?^\1", re.S | re.M)
 _CODE = re.compile(r"`+[^`]*`+")
@@ -52,3 +60,57 @@ def test_relative_links_resolve(doc):
     if not inside or not os.path.exists(target):
       broken.append(link)
   assert not broken, f"{doc}: links to missing or outside paths: {broken}"
+
+
+def _read(doc: str) -> str:
+  with open(os.path.join(REPO, doc), encoding="utf-8") as f:
+    return f.read()
+
+
+def test_the_readme_is_a_page_that_links_every_guide():
+  text = _read("README.md")
+  assert len(text.splitlines()) <= 200
+  links = set(relative_links(text))
+  assert "docs/DESIGN.md" in links and "experiments/RESULTS.md" in links
+  unlinked = [g for g in GUIDES if g not in links]
+  assert not unlinked, f"guides the README does not link: {unlinked}"
+
+
+def test_the_readme_runs_what_ci_runs():
+  """The README's two commands: install and run, and the test command of .ci/run."""
+  readme = _read("README.md")
+  ci = [l.strip() for l in _read(".ci/run").splitlines() if l.strip().startswith(".venv/")]
+  assert ci and all(line in readme for line in ci), ci
+  assert "bash install.sh && .venv/bin/python launch/main.py --config=configs/ppo.py" in readme
+
+
+def test_headline_results_link_to_the_results_page():
+  """At most 12 rows of numbers in the README, each a link into experiments/RESULTS.md."""
+  readme = _read("README.md")
+  section = readme.split("## Headline results", 1)[1].split("\n## ", 1)[0]
+  rows = [l for l in section.splitlines() if l.startswith("| ") and not l.startswith("| what")]
+  rows = [l for l in rows if not l.startswith("| ---")]
+  assert 0 < len(rows) <= 12
+  for row in rows:
+    assert "](experiments/RESULTS.md" in row, row
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_named_configs_and_launch_scripts_exist(doc):
+  """Every `configs/...py` and `launch/...py` a doc names is a file (a `:name` selector
+  after a config file is the config's argument)."""
+  path = os.path.join(REPO, doc)
+  if not os.path.exists(path):
+    pytest.skip(f"{doc} is not in this checkout")
+  names = set(re.findall(r"(?<![\w/.])((?:configs|launch)/[\w/]+\.py)", _read(doc)))
+  missing = sorted(n for n in names if not os.path.exists(os.path.join(REPO, n)))
+  assert not missing, f"{doc} names missing files: {missing}"
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_no_working_notes(doc):
+  path = os.path.join(REPO, doc)
+  if not os.path.exists(path):
+    pytest.skip(f"{doc} is not in this checkout")
+  found = [l.strip() for l in _read(doc).splitlines() if NOTES.search(l)]
+  assert not found, f"{doc}: working notes, say it plainly: {found}"

@@ -16,20 +16,19 @@ Format choices (and why):
   tensor starts at a multiple of its itemsize (aligned views) and one schema
   always gives the same byte layout, which delta transfer relies on.
 - **Checksum**: XXH3-64 (``xxhash``) per chunk, one pass over the bytes.
-  Measured on the 2-core dev box over 4 MiB chunks: XXH3-64 18 GiB/s,
-  zlib.crc32 3.3 GiB/s, chunked memcpy 9 GiB/s: with crc32 the checksum
-  passes cost more than the copy (the service reached 0.4 of memcpy
-  bandwidth); XXH3 uses the CPU's vector units and costs a fraction of the
-  copy. (``google-crc32c``'s binding accepts only ``bytes``, i.e. one more
+  zlib.crc32 is slower than a memcpy of the same bytes, so its checksum
+  passes cost more than the copy; XXH3 uses the CPU's vector units and
+  costs a fraction of the copy (rates: experiments/RESULTS.md,
+  bench_transfer.py). (``google-crc32c``'s binding accepts only ``bytes``, i.e. one more
   copy per chunk, so it was not used.) A 64-bit checksum catches transport
   and memory faults (random damage passes with probability 2^-64 per chunk);
   it is not a defence against a malicious peer, which needs an authenticated
   channel.
 - **Digest**: BLAKE3-256 (``blake3``) per chunk, cryptographic, for bytes that left the host:
   the publisher signs a manifest that lists every chunk's digest (transports.py) and a TCP
-  receiver hashes every chunk it receives. Measured here (2 cores, busy, 4 MiB chunks): XXH3
-  11.4 GB/s, BLAKE3 5.6 GB/s, SHA-256 1.2 GB/s, BLAKE2b 0.8 GB/s, memcpy 9.6 GB/s; so the
-  digest costs about one more copy, and only where bytes crossed a socket: the same-host
+  receiver hashes every chunk it receives. BLAKE3 is the fastest of the cryptographic hashes
+  tried (SHA-256 and BLAKE2b are several times slower), within a factor of two of a memcpy,
+  so the digest costs about one more copy, and only where bytes crossed a socket: the same-host
   (shared-memory) path verifies XXH3 only, and the publisher hashes a chunk only when a TCP
   stream first sends it.
 - **Chunks** (default 4 MiB, ``Transfer.chunk_bytes``): large enough that
