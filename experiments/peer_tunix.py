@@ -58,8 +58,9 @@ UNMATCHED = (
     "generation per mini-batch: Tunix generates 16 prompts x 4 samples, trains "
     "its 2 epochs on them, then generates the next 16 with the updated policy "
     "(StreamRL generates 32 x 4 one weight version ahead, asynchronously)",
-    "generation: Tunix's vanilla JAX sampler pads every prompt to one length and "
-    "decodes a fixed 320 steps per batch",
+    "lengths: Tunix pads every completion to the response cap for its log-prob and "
+    "training passes (its sampler stops when the whole batch has ended; StreamRL buckets "
+    "lengths per micro-batch)",
     "sampling seed: Tunix's RolloutConfig.seed defaults to one fixed key for every "
     "batch; the bench sets a new seed per generation (seed x 1000 + batch)",
     "advantages: Tunix's grpo estimator (group mean and std, its own epsilon)",
