@@ -39,11 +39,15 @@ from streamrl.models import hf, lora as lora_lib
 from streamrl.generator.config import Sampling
 from streamrl.rl.config import Advantage, Kl, Loss
 from streamrl.trainer.config import Optimizer, Trainer
-from streamrl.models.transformer import Critic, Transformer, read_dtype_cast
+from streamrl.models.transformer import Critic, Transformer
 from streamrl.trainer import experience, multihost, sharding, step as step_lib
 
 if typing.TYPE_CHECKING:  # The run's settings are read here, never imported at run time.
   from streamrl import settings as settings_lib
+
+
+# One program per padded length (eager, every op of it would be one).
+_mismatch_metrics = jax.jit(rl.mismatch_metrics)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,7 +187,7 @@ class RLTrainer:
     under bf16 compute."""
     if params is None:
       return None
-    return read_dtype_cast(params, self.model_cfg, self.compute)
+    return step_lib.frozen_copy(params, self.model_cfg, self.compute)
 
   def snapshot(self, copy: bool = True) -> Snapshot:
     """The current actor and critic as the old policy of an iteration.
@@ -292,7 +296,7 @@ class RLTrainer:
     }
     if "old_values_bt" in full:
       metrics["value_mean"] = float((full["old_values_bt"] * mask).sum() / ntok)
-    mismatch = rl.mismatch_metrics(full["old_logp_bt"], full["gen_logp_bt"], mask)
+    mismatch = _mismatch_metrics(full["old_logp_bt"], full["gen_logp_bt"], mask)
     metrics.update({f"mismatch/{k}": float(v) for k, v in mismatch.items()})
     if any(x.token_versions is not None for x in samples):
       # Partial rollouts: the same per weight version that sampled the tokens
@@ -302,7 +306,7 @@ class RLTrainer:
         p, r = len(x.prompt_token_ids), len(x.token_ids)
         versions[i, p - 1 : p + r - 1] = x.token_versions or x.weight_version
       for v in np.unique(versions[mask > 0]):
-        part = rl.mismatch_metrics(full["old_logp_bt"], full["gen_logp_bt"], mask * (versions == v))
+        part = _mismatch_metrics(full["old_logp_bt"], full["gen_logp_bt"], mask * (versions == v))
         metrics.update({f"mismatch_by_version/{v}/{k}": float(x) for k, x in part.items()})
     return minis, metrics
 

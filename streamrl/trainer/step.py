@@ -124,6 +124,11 @@ class Models:
     return make_optimizer(self.optimizer, lr=self.optimizer.critic_lr, decay_steps=self.decay_steps)
 
 
+# `read_dtype_cast` as one program for the whole tree (eager, it would be a
+# program per parameter shape and dtype).
+frozen_copy = jax.jit(read_dtype_cast, static_argnums=(1, 2))
+
+
 def init_state(
     actor: nnx.Module,
     optimizer: Optimizer,
@@ -144,7 +149,7 @@ def init_state(
   models = Models(actor_def, optimizer, decay_steps, compute=compute, lora=lora)
   base = None
   if lora is not None:
-    base = read_dtype_cast(actor_params, actor.cfg, compute)
+    base = frozen_copy(actor_params, actor.cfg, compute)
     actor_params = lora_lib.init_adapters(
         actor_params, actor.cfg.num_layers, lora, jax.random.key(seed)
     )
@@ -251,19 +256,21 @@ def micro_batch_weights(mask_bt: jax.Array, num_micro: int, agg: str) -> jax.Arr
     num_micro: micro-batches, consecutive blocks of b / num_micro rows.
     agg: one of `rl.AGG_MODES` (static).
   Returns:
-    [num_micro] weights.
+    [num_micro] weights: numpy for a numpy mask (computed on the host, no
+    device program), else a jax array.
   """
-  m = (jnp.asarray(mask_bt) != 0).astype(jnp.float32)
+  xp = np if isinstance(mask_bt, np.ndarray) else jnp
+  m = (xp.asarray(mask_bt) != 0).astype(xp.float32)
   m = m.reshape((num_micro, -1) + m.shape[1:])
   if agg == "token_mean":
     count_k = m.sum((1, 2))
   elif agg in ("seq_mean_token_mean", "seq_mean_token_sum"):
-    count_k = (m.sum(2) > 0).sum(1).astype(jnp.float32)
+    count_k = (m.sum(2) > 0).sum(1).astype(xp.float32)
   elif agg == "token_sum_norm":
-    count_k = jnp.full((num_micro,), m.shape[1], jnp.float32)
+    count_k = xp.full((num_micro,), m.shape[1], xp.float32)
   else:
     raise ValueError(f"Unknown loss aggregation {agg!r}; use one of {list(rl.AGG_MODES)}.")
-  return count_k / jnp.maximum(count_k.sum(), 1.0)
+  return count_k / xp.maximum(count_k.sum(), 1.0)
 
 
 def combine_micro_metrics(metrics: dict, weights_k: jax.Array) -> dict:
