@@ -38,12 +38,12 @@ Why a watchdog rather than the alternatives:
   group, and Ray puts each of its workers in a process group of its own.
 A watchdog outside the guarded process needs no one's cooperation.
 
-Ray, measured here (Ray 2.60, vLLM CPU, `kill -9` of the driver):
+Ray, as observed (Ray 2.60, vLLM CPU, `kill -9` of the driver):
 - Local Ray (the driver started it): gcs_server, raylet and the actors'
   worker processes die by themselves (Ray's fate sharing), but
   `ray::DashboardAgent` and `ray::RuntimeEnvAgent` are re-parented to init
   and keep running; without a Ray, in the colocated mode, vLLM's EngineCore
-  and its worker (3 GB on the tiny model) keep running. All of them are the
+  and its worker keep running. All of them are the
   driver's descendants and carry its token: its watchdog kills them.
 - Joined cluster (`cluster.address`): the driver starts no Ray process; the
   daemons are neither its descendants nor tagged, so they are left alone

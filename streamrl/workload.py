@@ -90,8 +90,8 @@ def set_engine_threads(n: int) -> None:
 
   One by default: decoding the tiny policy gains nothing from a second
   thread, and on a shared machine a 2-thread OpenMP team waits at every
-  barrier for whichever thread lost its core (measured here: the same
-  generation 10x slower and erratic). vLLM's CPU worker forbids changing it
+  barrier for whichever thread lost its core (the same generation ran many
+  times slower and erratic: experiments/RESULTS.md). vLLM's CPU worker forbids changing it
   once an engine exists.
   """
   import torch  # pylint: disable=g-import-not-at-top

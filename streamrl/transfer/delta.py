@@ -14,14 +14,13 @@ words of the payload's smallest itemsize (2 bytes for a bf16 model):
 
 Why: XOR of the bit patterns is exact for every dtype (no float arithmetic,
 NaNs and -0.0 survive), and an unchanged word is 0. zlib is the only
-compressor in the standard library (no zstd/lz4 here). Measured on 16M random
-bf16 weights after one AdamW-like step at lr=1e-6 (2% of the words change):
-zlib level 1 on the plain XOR keeps 0.038 of the bytes at ~100 MB/s, the
-shuffled run-length variant 0.020 at ~200 MB/s, the sparse form 0.016 at
-~500 MB/s with decoding at ~500 MB/s. A chunk whose delta would not save at
-least 5% goes raw. Exactness is checked end to end: the receiver compares
-every reconstructed chunk with the checksum of the new version's chunk, so a
-wrong base or a damaged delta is never loaded.
+compressor in the standard library (no zstd/lz4 here). On bf16 weights after
+one small optimizer step, the sparse form is both the smallest and the fastest
+of the three encodings tried (zlib on the plain XOR, the shuffled run-length
+variant, the sparse form; sizes and rates in experiments/RESULTS.md). A chunk
+whose delta would not save at least 5% goes raw. Exactness is checked end to
+end: the receiver compares every reconstructed chunk with the checksum of the
+new version's chunk, so a wrong base or a damaged delta is never loaded.
 """
 
 from __future__ import annotations

@@ -33,8 +33,8 @@ Format choices (and why):
   stream first sends it.
 - **Chunks** (default 4 MiB, ``Transfer.chunk_bytes``): large enough that
   per-chunk Python overhead is negligible (~250 chunks per GB), small enough to
-  stay in cache between copy and checksum (measured on 1 GiB: copy+XXH3
-  7.1 GiB/s with 4 MiB chunks vs 6.0 GiB/s with 64 MiB) and to make pipelined forwarding
+  stay in cache between copy and checksum (copy + XXH3 is faster with 4 MiB chunks
+  than with 64 MiB: experiments/RESULTS.md) and to make pipelined forwarding
   through a tree add only one chunk of latency per hop.
 - **Manifest** (JSON): version, tensor specs in layout order, total bytes,
   chunk size. It travels ahead of the data so a receiver can refuse a wrong
