@@ -66,6 +66,7 @@ import sys
 import threading
 from collections.abc import Sequence
 
+from streamrl import oom
 from streamrl.config_checks import need, positive
 from streamrl.errors import UnreachableClusterError, UserError
 
@@ -410,6 +411,8 @@ def init_ray(
       if address:
         kwargs = dict(address=address, log_to_driver=log_to_driver)
       else:
+        # The memory plan, not Ray's memory monitor, decides what fits (streamrl/oom.py).
+        oom.ray_env()
         kwargs = dict(
             # A new Ray of this process's own, even when `ray start` left a
             # cluster's address in /tmp/ray/ray_current_cluster.
@@ -437,6 +440,8 @@ def init_ray(
         raise ConnectionError(f"Could not start a local Ray: {e}") from e
       started_locally = not address
       _LOCAL_RAY["session"] = _ray_session(ray) if started_locally else None
+      if not log_to_driver:
+        _raylet_reports_to_log(ray)
     resources = ray.cluster_resources()
     if generation_pool not in resources:
       raise UserError(
@@ -453,6 +458,27 @@ def init_ray(
         trainer_cpus=trainer_cpus,
         resources=dict(resources),
     )
+
+
+def _raylet_reports_to_log(ray) -> None:
+  """Sends the raylet's reports (a dead worker's paragraph of causes, Ray's
+  memory monitor's list of the top consumers), which Ray's driver prints on
+  stdout, to the "ray" logger instead: <workdir>/libraries.log, with the rest
+  of what Ray says. The run's own error names the process that died
+  (streamrl/oom.py); the console keeps StreamRL's lines."""
+  worker = ray._private.worker  # pylint: disable=protected-access
+  original = getattr(worker.print_to_stdstream, "streamrl_original", worker.print_to_stdstream)
+  ray_log = logging.getLogger("ray")
+
+  def print_to_stdstream(data, ignore_prefix):
+    if data.get("pid") != "raylet":
+      return original(data, ignore_prefix)
+    for line in data.get("lines", ()):
+      ray_log.warning("(raylet) %s", line)
+    return None
+
+  print_to_stdstream.streamrl_original = original
+  worker.print_to_stdstream = print_to_stdstream
 
 
 # The session directory of the local Ray that init_ray itself started in this

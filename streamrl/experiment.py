@@ -31,6 +31,7 @@ from streamrl import cluster as cluster_lib
 from streamrl import errors
 from streamrl import lifecycle
 from streamrl import metrics
+from streamrl import oom
 from streamrl import settings as settings_lib
 from streamrl import train
 from streamrl.trainer import multihost, protocol
@@ -124,6 +125,10 @@ class TrainerActor:
     _redirect_output(path)
     metrics.configure_actor_logging(workdir)
     return path
+
+  def process(self) -> tuple[int, str]:
+    """(pid, host) of this process: the launcher watches its memory."""
+    return os.getpid(), socket.gethostname()
 
   def coordinator_address(self) -> str:
     """Where process 0 will serve JAX's coordination service: on its Ray
@@ -224,6 +229,10 @@ def run_on_actor(s: settings_lib.Settings, workdir: str) -> dict:
   os.makedirs(workdir, exist_ok=True)
   logs = [os.path.join(workdir, log_name(k, n)) for k in range(n)]
   follower = _LogFollower(logs[0])
+  # Each trainer process's memory, sampled: a kill for memory is then one sentence.
+  memory = oom.Watch(logs[0])
+  for k, (pid, host) in enumerate(ray.get([a.process.remote() for a in actors])):
+    memory.add(_trainer_name(k, n), pid, host)
   refs: dict = {}
   queues: list = []
   try:
@@ -250,22 +259,23 @@ def run_on_actor(s: settings_lib.Settings, workdir: str) -> dict:
         others = ray.wait(list(refs), num_returns=len(refs), timeout=3)[0]
         dead = {k: ready[0], **{refs[r]: r for r in others if _died(r)}}
         k = _first_to_die(sorted(dead), logs)
-        _get(dead[k], k, n, logs[k])
+        _get(dead[k], k, n, logs[k], memory)
       try:
-        value = _get(ready[0], k, n, logs[k])
+        value = _get(ready[0], k, n, logs[k], memory)
       except ray.exceptions.RayTaskError:
         if k == 0 and refs:
           # Process 0 may raise first because a peer died under its collective
           # (gloo's connection reset): then name the process that died.
           for r in ray.wait(list(refs), num_returns=len(refs), timeout=10)[0]:
             if _died(r):
-              _get(r, refs[r], n, logs[refs[r]])
+              _get(r, refs[r], n, logs[refs[r]], memory)
         raise
       if k == 0:
         ray.wait(list(refs), num_returns=len(refs), timeout=60)  # followers stop on their own
         return value
       # A follower returns once process 0 has told it to stop (at its end).
   finally:
+    memory.close()
     follower.copy_new(sys.stderr)
     for a in actors:
       ray.kill(a, no_restart=True)
@@ -304,11 +314,19 @@ def _died(ref) -> bool:
   return False
 
 
-def _get(ref, k: int, n: int, log_path: str):
+def _trainer_name(k: int, n: int) -> str:
+  return "trainer actor" if n == 1 else f"trainer process {k}"
+
+
+def _get(ref, k: int, n: int, log_path: str, memory: oom.Watch | None = None):
   """ray.get of trainer process k's call; its failure as one clear error."""
   try:
     return ray.get(ref)
   except ray.exceptions.RayTaskError as e:
+    if isinstance(getattr(e, "cause", None), errors.RunStopped):
+      # A process of the run died (a generator killed for memory...): its one
+      # sentence, not Ray's remote traceback around it.
+      raise errors.RunStopped(str(e.cause)) from None
     if n == 1 or k == 0:
       raise e.as_instanceof_cause() from None
     raise errors.RunStopped(
@@ -316,6 +334,9 @@ def _get(ref, k: int, n: int, log_path: str):
         "rerunning with the same --workdir resumes from the last checkpoint."
     ) from None
   except ray.exceptions.RayActorError as e:
+    killed = memory.explain(_trainer_name(k, n), str(e)) if memory is not None else None
+    if killed is not None:
+      raise killed from None
     what = "The trainer actor" if n == 1 else f"Trainer process {k}"
     raise errors.RunStopped(
         f"{what} died ({_death_reason(e)}); its output is in {log_path}, and rerunning with "

@@ -48,6 +48,7 @@ import time
 
 from streamrl import cluster as cluster_lib
 from streamrl import lifecycle
+from streamrl import oom
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,7 +182,7 @@ class LocalCluster:
     # `python -m streamrl.local_cluster` from a checkout that is not installed.
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    return env
+    return oom.ray_env(env)  # the memory plan, not Ray's monitor, decides what fits
 
   def _ray(self) -> list[str]:
     """Ray's command line, with a loopback node address kept (`ray_cli`)."""

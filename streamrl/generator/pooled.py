@@ -344,9 +344,9 @@ def run(service, rnd: PooledRound, sampling, seed, stall_timeout_s: float, stop_
         except ray.exceptions.RayActorError as e:
           end(gen)
           requeued = rnd.on_dead(i)
-          service._mark_dead(i, last_line(e.error_msg), requeued)
+          service._mark_dead(i, last_line(e.error_msg), requeued, error_text=e.error_msg)
           if not service.live_instances:
-            raise RuntimeError(service._all_dead_message(requeued)) from None
+            raise service._all_dead_error(service._all_dead_message(requeued)) from None
           top_up()
           continue
         except ray.exceptions.RayTaskError as e:

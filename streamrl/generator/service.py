@@ -31,6 +31,7 @@ import ray
 
 from streamrl import cluster as cluster_lib
 from streamrl import lifecycle
+from streamrl import oom
 from streamrl.cluster import Cluster
 from streamrl.envs.config import Env
 from streamrl.generator.config import Engine, Sampling
@@ -454,6 +455,10 @@ class StreamGenerationService:
     self._runs_active = 0
     self._retire_reasons: dict[int, str] = {}
     self._dead: list[DeadInstance] = []
+    # Each instance's resident memory, sampled, so that one killed for memory
+    # stops the run with one sentence when no instance is left (streamrl/oom.py).
+    self._memory = oom.Watch(os.path.join(log_dir, "trainer.log") if log_dir else "")
+    self._memory_kills: list[Exception] = []
     # (instance_id, reason, time.perf_counter()) of each instance removed on purpose.
     self.retired: list[tuple[int, str, float]] = []
     # (instance_id, start, end, num_samples) per finished stream segment, in
@@ -553,6 +558,7 @@ class StreamGenerationService:
     with self._lock:
       for info in infos:
         self.placement[info["instance_id"]] = info
+        self._memory.add(_name(info["instance_id"], info), info.get("pid"), info.get("host"))
         self._versions[info["instance_id"]] = info["weight_version"]
         self._live.add(info["instance_id"])
 
@@ -570,6 +576,7 @@ class StreamGenerationService:
       self._live.clear()
       self._draining.clear()
     self.delivery.close()
+    self._memory.close()
 
   @property
   def live_instances(self) -> list[int]:
@@ -681,7 +688,7 @@ class StreamGenerationService:
     `transfer.WeightsFile` (a multi-process trainer's export).
     """
     if not self._live:
-      raise RuntimeError("All generator instances are dead; nothing to update.")
+      raise self._all_dead_error("All generator instances are dead; nothing to update.")
     return self.delivery.push(tensors, int(version))
 
   def _finish_update(self, calls: Mapping, timeout_s: float | None) -> dict[int, int]:
@@ -699,11 +706,16 @@ class StreamGenerationService:
             f"Generator instance {i} did not load the weights within " f"{timeout_s:.0f} s."
         ) from None
       except ray.exceptions.RayActorError as e:
-        self._mark_dead(i, f"died during a weight update: {pooled_lib.last_line(e.error_msg)}", 0)
+        self._mark_dead(
+            i,
+            f"died during a weight update: {pooled_lib.last_line(e.error_msg)}",
+            0,
+            error_text=e.error_msg,
+        )
       except ray.exceptions.RayTaskError as e:
         raise e.as_instanceof_cause() from None
     if not self._live:
-      raise RuntimeError("All generator instances died during the weight update.")
+      raise self._all_dead_error("All generator instances died during the weight update.")
     return self.versions()
 
   def versions(self) -> dict[int, int]:
@@ -764,7 +776,7 @@ class StreamGenerationService:
     ones; a Sample's `instance_id` says which instance produced it.
     """
     if not self._live:
-      raise RuntimeError(self._all_dead_message(0))
+      raise self._all_dead_error(self._all_dead_message(0))
     if pool is not None:
       if requests is not None or assignments is not None:
         raise ValueError("generate takes a pool or requests / assignments, not both.")
@@ -908,14 +920,14 @@ class StreamGenerationService:
         if not any(s.instance_id == i for s in active.values()):
           self._retire(i, self._retire_reasons.pop(i, ""))
 
-    def fail_over(i: int, reason: str) -> None:
+    def fail_over(i: int, error_text: str) -> None:
       for gen in [g for g, s in active.items() if s.instance_id == i]:
         end(gen)
       leftover = list(undelivered.pop(i, {}).values())
       queued.pop(i, None)
-      self._mark_dead(i, reason, len(leftover))
+      self._mark_dead(i, pooled_lib.last_line(error_text), len(leftover), error_text=error_text)
       if not self.live_instances:
-        raise RuntimeError(self._all_dead_message(len(leftover)))
+        raise self._all_dead_error(self._all_dead_message(len(leftover)))
       moved: dict[int, list] = {}
       self._spread(leftover, moved)
       for j, reqs in moved.items():
@@ -958,7 +970,7 @@ class StreamGenerationService:
             drained(i)
             continue
           except ray.exceptions.RayActorError as e:
-            fail_over(i, pooled_lib.last_line(e.error_msg))
+            fail_over(i, e.error_msg)
             continue
           except ray.exceptions.RayTaskError as e:
             raise e.as_instanceof_cause() from None
@@ -992,7 +1004,7 @@ class StreamGenerationService:
 
   # -- faults -----------------------------------------------------------------
 
-  def _mark_dead(self, i: int, reason: str, requeued: int) -> None:
+  def _mark_dead(self, i: int, reason: str, requeued: int, error_text: str = "") -> None:
     with self._lock:
       if i not in self._live:
         return
@@ -1006,6 +1018,10 @@ class StreamGenerationService:
     # An actor that is only unreachable could come back and produce samples
     # that were already re-run elsewhere: make sure it is gone.
     ray.kill(self._actors[i], no_restart=True)
+    killed = self._memory.explain(_name(i, self.placement.get(i, {})), error_text or reason)
+    if killed is not None:
+      self._memory_kills.append(killed)
+      reason = str(killed)
     self._dead.append(DeadInstance(i, reason, requeued, time.perf_counter()))
     log.warning(
         "Generator instance %d died (%s); %d unfinished requests re-run on instances " "%s.",
@@ -1015,6 +1031,11 @@ class StreamGenerationService:
         sorted(self._live),
     )
 
+  def _all_dead_error(self, message: str) -> Exception:
+    """The error that ends the run once no instance is left: the first memory
+    kill's one sentence when there was one, else `message`."""
+    return self._memory_kills[0] if self._memory_kills else RuntimeError(message)
+
   def _all_dead_message(self, unfinished: int) -> str:
     dead = ", ".join(f"{d.instance_id} ({d.reason})" for d in self._dead)
     return (
@@ -1022,6 +1043,12 @@ class StreamGenerationService:
         "requests could not be finished. Check the instances' logs (ray logs) and "
         "restart the run."
     )
+
+
+def _name(i: int, info: Mapping) -> str:
+  """How a sentence names generator instance `i` (`info`: its placement)."""
+  pid = info.get("pid")
+  return f"generator (instance {i}, pid {pid})" if pid else f"generator (instance {i})"
 
 
 def _unstarted(r: Request) -> Sample:
