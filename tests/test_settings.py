@@ -397,7 +397,16 @@ def test_a_workdir_with_a_full_pre_rename_fingerprint_still_resumes(tmp_path):
 # part's config module (`streamrl/<part>/config.py`: plain frozen dataclasses)
 # may be read from any layer.
 LAYERS = (
-    {"errors", "config_checks", "renames", "config_utils", "metrics", "lifecycle", "usercode"},
+    {
+        "errors",
+        "config_checks",
+        "renames",
+        "config_utils",
+        "metrics",
+        "lifecycle",
+        "usercode",
+        "oom",
+    },
     {"cluster", "local_cluster", "data", "envs", "rl", "transfer", "elastic", "models", "ranker"},
     {"trainer", "scheduling"},
     {"generator"},
