@@ -156,7 +156,6 @@ class HFTensors(Mapping[str, np.ndarray]):
     self.dtype = safetensors_io.numpy_dtype(dtype)
     self._params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     self._entries = {e.hf_name: e for e in _layout(model.cfg)}
-    self._group = None  # (group, {name: device array}) of the last group read
 
   def __getitem__(self, name: str) -> np.ndarray:
     e = self._entries[name]
@@ -167,22 +166,10 @@ class HFTensors(Mapping[str, np.ndarray]):
           "step donates them); read exported weights before the next update, or dict() them."
       )
     if isinstance(value, jax.Array):
-      return np.asarray(self._device_group(name)[name])
+      # Cast and HF layout on the device, in one compiled program per tensor kind:
+      # only the final bytes leave it, already contiguous.
+      return np.asarray(_device_to_hf(self.cfg, _kind(name), np.dtype(self.dtype).name)(value))
     return np.ascontiguousarray(e.to_hf(np.asarray(value)), dtype=self.dtype)
-
-  def _device_group(self, name: str) -> dict:
-    """The HF tensors of `name`'s group (its decoder layer, or the tensor alone),
-    cast and laid out on the device by one compiled program that every layer
-    shares; the last group read is kept, so walking the names in order converts
-    each layer once and holds one layer's tensors at a time."""
-    group = _group(name)
-    if self._group is None or self._group[0] != group:
-      names = [n for n in self._entries if _group(n) == group]
-      values = tuple(_get(self._params, self._entries[n].path) for n in names)
-      kinds = tuple(_kind(n) for n in names)
-      out = _device_to_hf(self.cfg, kinds, np.dtype(self.dtype).name)(values)
-      self._group = (group, dict(zip(names, out)))
-    return self._group[1]
 
   def __iter__(self):
     return iter(self._entries)
@@ -190,8 +177,9 @@ class HFTensors(Mapping[str, np.ndarray]):
   def device_tensors(self) -> Iterator[tuple[str, jax.Array]]:
     """(HF name, tensor) in HF layout and the receiver's dtype, left on the
     device: for a consumer on the same device (DLPack to torch, no host copy)."""
-    for name in self._entries:
-      yield name, self._device_group(name)[name]
+    for name, e in self._entries.items():
+      value = _get(self._params, e.path)
+      yield name, _device_to_hf(self.cfg, _kind(name), np.dtype(self.dtype).name)(value)
 
   def __len__(self) -> int:
     return len(self._entries)
@@ -214,18 +202,11 @@ def _kind(name: str) -> str:
   return re.sub(r"\.layers\.\d+\.", ".layers.0.", name)
 
 
-def _group(name: str) -> str:
-  """The decoder layer of HF tensor `name` ("model.layers.3"), or the name itself."""
-  match = re.match(r"(.*\.layers\.\d+)\.", name)
-  return match.group(1) if match else name
-
-
 @functools.lru_cache(maxsize=None)
-def _device_to_hf(cfg: ModelConfig, kinds: tuple[str, ...], dtype: str):
-  """A jitted function: a tuple of our parameters -> the HF tensors `kinds`, cast to `dtype`."""
-  entries = layout_entries(cfg)
-  fns = [entries[k].to_hf for k in kinds]
-  return jax.jit(lambda ws: tuple(f(w.astype(dtype)) for f, w in zip(fns, ws)))
+def _device_to_hf(cfg: ModelConfig, kind: str, dtype: str):
+  """A jitted function: our parameter -> the HF tensor `kind`, cast to `dtype`."""
+  to_hf = layout_entries(cfg)[kind].to_hf
+  return jax.jit(lambda w: to_hf(w.astype(dtype)))
 
 
 def to_hf_tensors(model: Transformer, dtype="float32") -> dict[str, np.ndarray]:
