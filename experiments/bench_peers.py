@@ -104,6 +104,11 @@ _REPORT_ONLY = flags.DEFINE_bool(
     False,
     "Only report: StreamRL's run and the peers' evaluated curves as --workdir and --out hold them.",
 )
+_RESUME = flags.DEFINE_bool(
+    "resume_summary",
+    False,
+    "Start from --out's summary.json and run only --systems (the others kept as measured).",
+)
 _CHILD = flags.DEFINE_string("child", "", "Internal: JSON arguments of the TRL run (a subprocess).")
 
 CONFIG = os.path.join(ROOT, "configs", "grpo.py")
@@ -539,8 +544,9 @@ def main(argv):
   model_dir = train.policy_dir(s, _WORKDIR.value, train_examples)
   results = {}
   summary = os.path.join(_OUT.value, f"summary_seed{s.seed}.json")
-  if _REPORT_ONLY.value:
-    results = json.load(open(summary))
+  if _REPORT_ONLY.value or _RESUME.value:
+    with open(summary) as f:
+      results = json.load(f)
   if "streamrl" in _SYSTEMS.value:
     kept = {k: results.get("streamrl", {}).get(k) for k in ("startup_s", "wall_s")}
     results["streamrl"] = run_streamrl(s, _WORKDIR.value, model_dir, run=not _REPORT_ONLY.value)

@@ -171,6 +171,7 @@ def same_weights(dir_a: str, dir_b: str) -> bool:
 def run_child(args: dict) -> None:
   """The Tunix run (in Tunix's venv): trains, snapshots, exports, writes times.json."""
   import jax
+  import numpy as np
   import transformers
 
   from experiments import bench_peers
@@ -256,13 +257,18 @@ def run_child(args: dict) -> None:
   score = getattr(rewards_lib, s.task.reward)
   every = args["eval_every"]
   per_it = bench_peers.PROMPTS // mini_prompts  # generations per iteration
-  log = {"calls": [], "snap_s": 0.0, "snaps": {}, "tokens": 0}
+  log = {"calls": [], "snap_s": 0.0, "snaps": {}, "tokens": 0, "samples": 0}
+  known = set(texts.values())
   snaps = {}
 
   # The reward is called once per generated mini-batch, before Tunix trains
   # on it, so call n sees the policy after n / per_it iterations; its time
   # includes that mini-batch's generation (later than the policy's, by one).
   def reward(prompts, completions, answer, **unused):
+    if not len(prompts) == len(completions) == len(answer) == mini_prompts * group:
+      raise RuntimeError(f"Tunix passed {len(prompts)} prompts, {len(completions)} completions.")
+    if any(p not in known for p in prompts):
+      raise RuntimeError("Tunix generated from a prompt the bench did not give it.")
     n = len(log["calls"])
     if n and n % (per_it * every) == 0:  # the policy after n / per_it iterations
       t = time.time()
@@ -270,6 +276,7 @@ def run_child(args: dict) -> None:
       log["snap_s"] += time.time() - t
       log["snaps"][n // per_it] = time.time() - log["begin"] - log["snap_s"]
     log["calls"].append(time.time() - log["begin"] - log["snap_s"])
+    log["samples"] += len(completions)
     for c in completions:
       n_tok = len(hf_tok(c, add_special_tokens=False)["input_ids"])
       log["tokens"] += min(n_tok + 1, s.sampling.max_tokens)  # + <eos> unless cut
@@ -277,8 +284,14 @@ def run_child(args: dict) -> None:
     return [float(score(answer_of(c), a)) for c, a in zip(completions, answer)]
 
   learner = grpo_learner.GRPOLearner(rl_cluster=cluster, algo_config=algo, reward_fns=reward)
+  # Columns as numpy arrays, as Tunix's own data pipelines give them: it
+  # repeats each column with np.repeat over the pytree, which would take a
+  # list's strings one by one.
   data = [
-      {"prompts": [texts[ex.prompt] for ex in b], "answer": [ex.answer for ex in b]}
+      {
+          "prompts": np.array([texts[ex.prompt] for ex in b]),
+          "answer": np.array([ex.answer for ex in b]),
+      }
       for b in batches
   ]
   log["begin"] = time.time()
@@ -289,7 +302,6 @@ def run_child(args: dict) -> None:
   log["train_s"] = log["end"] - log["begin"] - log["snap_s"]
   log["startup_s"] = log["begin"] - args["t0"]
   log["train_steps"] = int(cluster.actor_trainer.train_steps)
-  log["samples"] = len(log["calls"]) * mini_prompts * group
 
   # The exporter, proved on the warm start: Tunix's loading read backwards
   # must give back the very tensors it loaded.
