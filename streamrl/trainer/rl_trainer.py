@@ -187,7 +187,10 @@ class RLTrainer:
     under bf16 compute."""
     if params is None:
       return None
-    return step_lib.frozen_copy(params, self.model_cfg, self.compute)
+    copy = step_lib.frozen_copy(params, self.model_cfg, self.compute)
+    # In the live parameters' shardings (spelled alike), so scoring with the copy and
+    # with the live parameters is one compiled program, not two.
+    return jax.tree.map(lambda c, p: jax.device_put(c, p.sharding), copy, params)
 
   def snapshot(self, copy: bool = True) -> Snapshot:
     """The current actor and critic as the old policy of an iteration.
