@@ -63,7 +63,7 @@ def main(_):
   base = dict(
       dtype=_DTYPE.value,
       fp32_lm_head=defaults.fp32_lm_head,
-      remat=defaults.remat,
+      remat=defaults.compute(_DTYPE.value).remat,  # "auto" as an unplanned run has it
       logprob_chunk=chunk,
   )
   common = dict(

@@ -534,7 +534,11 @@ def run(
   train_examples, eval_examples = load_examples(s)
   model_dir = policy_dir(s, workdir, train_examples)
   # Before the weights load or any generator starts: will the run fit?
-  plan, fix = memory_plan.for_run(s, hf.read_config(model_dir))
+  model_cfg = hf.read_config(model_dir)
+  if s.trainer.remat == "auto":
+    s = memory_plan.resolve_remat(s, model_cfg)
+    log.info("trainer.remat=auto: %s (the first that fits the memory plan)", s.trainer.remat)
+  plan, fix = memory_plan.for_run(s, model_cfg)
   log.info("%s", plan.table())
   plan.check(fix)
   _, policy = hf.load_hf(model_dir)
@@ -825,7 +829,7 @@ def follow(s: settings_lib.Settings, workdir: str, commands, reply) -> None:
   (streamrl/trainer/protocol.py), until told to stop."""
   ckpt = open_checkpoints(s, workdir)  # Orbax, like `run`: every process takes part.
   try:
-    make = lambda policy: RLTrainer.from_settings(policy, s)
+    make = lambda policy: RLTrainer.from_settings(policy, memory_plan.resolve_remat(s, policy.cfg))
     protocol.follow(protocol.Follower(make, ckpt, reply), commands)
   finally:
     ckpt.close()

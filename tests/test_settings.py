@@ -462,6 +462,8 @@ _MIRRORS = {
 # (class name, field): why its default differs
 _TRANSLATED: dict = {
     ("Trainee", "fsdp"): "the plan's mesh is resolved: mesh.fsdp=-1 becomes the device count",
+    ("ComputeConfig", "remat"): "a forward pass runs one policy; trainer.remat='auto' is "
+    "resolved by the memory plan before the trainer is built",
     ("SimConfig", "partial_oversample"): "0 turns the simulator's partial rollouts off (the run's "
     "pipeline.partial does that there)",
 }

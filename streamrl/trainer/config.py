@@ -25,7 +25,10 @@ class Trainer:
   i.e. model.dtype, else float32). fp32_lm_head: the last norm, LM head and
   log-softmax in fp32 even under bf16 compute (closer to the generators'
   logprobs). remat: what each decoder block keeps for the backward pass
-  ("none", "full": only its input, "dots": the weight matmuls' outputs).
+  ("none": everything; "minimal": q/k/v, the attention output and the MLP
+  product; "dots": the weight matmuls' outputs; "full": only its input;
+  "auto": the first of those whose memory plan fits the trainer's devices,
+  chosen at start by streamrl/trainer/memory_plan.py).
   logprob_chunk: score this many positions at a time, so no fp32 [batch,
   time, vocab] logits exist for a whole sequence (0: all at once).
 
@@ -44,7 +47,7 @@ class Trainer:
   ppo_epochs: int = 2
   compute_dtype: str = "auto"
   fp32_lm_head: bool = True
-  remat: str = "none"
+  remat: str = "auto"
   logprob_chunk: int = DEFAULT_LOGPROB_CHUNK
   lora_rank: int = 0
   lora_alpha: float = 16.0
@@ -66,7 +69,7 @@ class Trainer:
     return ComputeConfig(
         dtype=dtype,
         fp32_lm_head=self.fp32_lm_head,
-        remat=self.remat,
+        remat="none" if self.remat == "auto" else self.remat,
         logprob_chunk=self.logprob_chunk,
     )
 
@@ -89,7 +92,7 @@ class Trainer:
         f"trainer.compute_dtype={self.compute_dtype!r} is not supported; use one of "
         f"{('auto',) + COMPUTE_DTYPES} (float16 training would need loss scaling).",
     )
-    one_of("trainer.remat", self.remat, REMAT_POLICIES)
+    one_of("trainer.remat", self.remat, ("auto",) + REMAT_POLICIES)
     positive("trainer.lora_rank", self.lora_rank, zero_ok=True)
     need(
         self.lora_rank <= MAX_LORA_RANK,

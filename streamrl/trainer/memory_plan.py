@@ -291,6 +291,30 @@ def device_memory(devices) -> tuple[int, str]:
   return host // max(1, len(devices)), f"CPU device ({host / _GIB:.1f} GiB of host RAM shared)"
 
 
+def resolve_remat(s, cfg: ModelConfig):
+  """Run settings `s` with trainer.remat="auto" replaced by the first policy of
+  none, minimal, dots, full whose plan fits (full when none does: the plan's
+  check then says what else to change); other values are kept. On CPU it is
+  "none" (XLA's CPU compiler drops remat: it would cost time and save nothing).
+  The choice depends on the devices only, not on free host memory, so every
+  process of a multi-process trainer makes the same one."""
+  import jax  # pylint: disable=g-import-not-at-top
+
+  if s.trainer.remat != "auto":
+    return s
+  if jax.devices()[0].platform == "cpu":
+    return s.replace(trainer=dataclasses.replace(s.trainer, remat="none"))
+  for policy in REMAT_ORDER:
+    chosen = s.replace(trainer=dataclasses.replace(s.trainer, remat=policy))
+    if for_run(chosen, cfg)[0].fits:
+      return chosen
+  return chosen
+
+
+# remat="auto" tries these in turn: the cheapest in compute first.
+REMAT_ORDER = ("none", "minimal", "dots", "full")
+
+
 def for_run(s, cfg: ModelConfig) -> tuple[Plan, str]:
   """The plan of run settings `s` on this process's devices, and the advice
   `Plan.check` gives when it does not fit."""

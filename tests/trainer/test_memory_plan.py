@@ -123,3 +123,15 @@ def test_a_7b_ppo_with_a_critic_on_four_gpus_is_refused_in_one_sentence():
   # Less memory per GPU: the plan names the next cheapest change that fits, or more GPUs.
   small = memory_plan.advice(t, 24 * 2**30, "L4", 4)
   assert "more trainer devices" in small or "LoRA" in small
+
+
+def test_remat_auto_is_resolved_before_the_trainer_is_built():
+  from experiments import trainer_workload  # pylint: disable=g-import-not-at-top
+
+  s = settings.from_config(config_utils.load_config("configs/ppo.py"), check_files=False)
+  assert s.trainer.remat == "auto"
+  cfg = trainer_workload.model_config("smoke_small")
+  # On CPU remat saves nothing (XLA's CPU compiler drops it): "auto" is "none".
+  assert memory_plan.resolve_remat(s, cfg).trainer.remat == "none"
+  chosen = s.replace(trainer=dataclasses.replace(s.trainer, remat="dots"))
+  assert memory_plan.resolve_remat(chosen, cfg).trainer.remat == "dots"
