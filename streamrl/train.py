@@ -391,6 +391,7 @@ def train_iteration(
   rng = np.random.default_rng([seed, it])
   old = trainer.snapshot(copy=not mode.scores_up_front)
   minis, prep, updates, samples, rewards, correct = [], [], [], [], [], []
+  progress = StepProgress()
   by_id = {}
   training_s = 0.0
   for chunk in mode.chunks(it):
@@ -401,6 +402,7 @@ def train_iteration(
       part, metrics = trainer.prepare(chunk, r, old)
       for j in rng.permutation(len(part)):
         updates.append(trainer.update(part[j]))
+        progress.step(updates[-1], f"iteration {it}: mini-batch {len(updates)}")
       # The busy interval must cover the compute, not only its dispatch.
       jax.block_until_ready(updates[-1])
     training_s += mode_base.now() - start
@@ -414,6 +416,7 @@ def train_iteration(
     for _ in range(ppo_epochs - 1):
       for j in rng.permutation(len(minis)):
         updates.append(trainer.update(minis[j]))
+        progress.step(updates[-1], f"iteration {it}: mini-batch {len(updates)}")
     jax.block_until_ready(updates[-1])
   training_s += mode_base.now() - start
   t_push = mode_base.now()
@@ -436,6 +439,25 @@ def train_iteration(
       update_bytes=update_nbytes(weights),
       examples_by_id=by_id,
   )
+
+
+class StepProgress:
+  """Logs the trainer's optimizer steps once they get slow (a real model on a
+  CPU): after the first step that took over `slow_s`, each step is waited for
+  and logged with its time, so the console shows the trainer is working."""
+
+  def __init__(self, slow_s: float = 5.0):
+    self.slow_s, self.slow, self.t = slow_s, False, mode_base.now()
+
+  def step(self, metrics, what: str) -> None:
+    if not self.slow:
+      if mode_base.now() - self.t < self.slow_s:
+        return
+      self.slow = True
+    jax.block_until_ready(metrics)
+    now = mode_base.now()
+    log.info("%s trained in %.1f s", what, now - self.t)
+    self.t = now
 
 
 def update_nbytes(weights) -> int:
