@@ -149,10 +149,9 @@ class _GeneratorActor:
     the request of prompt id p samples with seed + p; None: unseeded).
 
     Samples that finish within `coalesce_s` of the first one not yet sent
-    travel together as one Ray object (0: each on its own). One object per
-    sample costs the receiving trainer ~0.7 ms of CPU on this machine; a
-    window of a few tens of ms keeps that off the trainer's core while
-    delaying no sample by more than the window (or the gap to the next
+    travel together as one Ray object (0: each on its own). Each object costs
+    the receiving trainer CPU time (experiments/RESULTS.md); a window of a few
+    tens of ms keeps that off the trainer's core while delaying no sample by more than the window (or the gap to the next
     finish, when that is longer). With a `stop_key`, `request_stop(stop_key)`
     ends the stream early: what is unfinished comes back as PARTIAL samples.
     With a `feed_key` the stream takes its requests from a shared pool's
