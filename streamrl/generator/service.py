@@ -151,9 +151,10 @@ class _GeneratorActor:
     Samples that finish within `coalesce_s` of the first one not yet sent
     travel together as one Ray object (0: each on its own). Each object costs
     the receiving trainer CPU time (experiments/RESULTS.md); a window of a few
-    tens of ms keeps that off the trainer's core while delaying no sample by more than the window (or the gap to the next
-    finish, when that is longer). With a `stop_key`, `request_stop(stop_key)`
-    ends the stream early: what is unfinished comes back as PARTIAL samples.
+    tens of ms keeps that off the trainer's core while delaying no sample by
+    more than the window (or the gap to the next finish, when that is longer).
+    With a `stop_key`, `request_stop(stop_key)` ends the stream early: what is
+    unfinished comes back as PARTIAL samples.
     With a `feed_key` the stream takes its requests from a shared pool's
     `Feed` (streamrl/scheduling/pool.py), which `feed(feed_key, ...)` tops up
     beside it; it ends once the feed is closed and its work is done, and
