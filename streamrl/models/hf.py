@@ -165,10 +165,11 @@ class HFTensors(Mapping[str, np.ndarray]):
           f"{name!r} was read after the parameters it views were updated in place (a train "
           "step donates them); read exported weights before the next update, or dict() them."
       )
-    if isinstance(value, jax.Array):
+    if isinstance(value, jax.Array) and value.size > _ON_HOST_ELEMENTS:
       # Cast and HF layout on the device, in one compiled program per tensor kind:
       # only the final bytes leave it, already contiguous.
       return np.asarray(_device_to_hf(self.cfg, _kind(name), np.dtype(self.dtype).name)(value))
+    # Norm scales and biases: too small to be worth a compiled program each.
     return np.ascontiguousarray(e.to_hf(np.asarray(value)), dtype=self.dtype)
 
   def __iter__(self):
@@ -198,8 +199,14 @@ class HFTensors(Mapping[str, np.ndarray]):
 
 
 def _kind(name: str) -> str:
-  """Tensors of every layer share one conversion: the name with layer 0's index."""
-  return re.sub(r"\.layers\.\d+\.", ".layers.0.", name)
+  """Tensors converted alike share one conversion: every layer's as layer 0's,
+  v_proj's as k_proj's and up_proj's as gate_proj's (same shapes and layout)."""
+  name = re.sub(r"\.layers\.\d+\.", ".layers.0.", name)
+  return name.replace("v_proj.", "k_proj.").replace("up_proj.", "gate_proj.")
+
+
+# Tensors of at most this many elements are converted on the host (norms, biases).
+_ON_HOST_ELEMENTS = 1 << 16
 
 
 @functools.lru_cache(maxsize=None)

@@ -100,18 +100,22 @@ class RankerTrainer:
     self.step = 0
     self._buckets = _buckets(config)
     m = config.model
-    model = LengthRanker(
+    build = lambda key: LengthRanker(
         self.vocab_size,
         int(m.max_len),
         d_model=m.d_model,
         num_layers=m.num_layers,
         num_heads=m.num_heads,
         mlp_dim=m.mlp_dim,
-        rngs=nnx.Rngs(config.seed),
+        rngs=nnx.Rngs(key),
     )
-    self._graphdef, self.params = nnx.split(model)
+    key = jax.random.key(config.seed)
+    # One compiled program each for the initial weights and the optimizer state
+    # (eager, every parameter shape's initializer would be one).
+    self._graphdef = nnx.split(nnx.eval_shape(build, key))[0]
+    self.params = jax.jit(lambda k: nnx.state(build(k)))(key)
     self._tx = _make_optimizer(config)
-    self.opt_state = self._tx.init(self.params)
+    self.opt_state = jax.jit(self._tx.init)(self.params)
     self._train_step = self._build_train_step()
     self._score = jax.jit(
         lambda params, tokens_bt, mask_bt: nnx.merge(self._graphdef, params)(tokens_bt, mask_bt)
