@@ -277,7 +277,8 @@ def test_jsonl_file_errors_are_user_errors(tmp_path):
 
   with pytest.raises(errors.MissingFileError):
     dataset.load_file(tmp_path / "missing.jsonl")
-  with pytest.raises(errors.UserError, match="is a directory"):
+  # A directory is a set of shards (task.train_path): an empty one is its own error.
+  with pytest.raises(errors.UserError, match="has no .parquet or .jsonl files"):
     dataset.load_file(tmp_path)
   (tmp_path / "bad.jsonl").write_text("not json\n")
   with pytest.raises(errors.UserError, match="malformed rows"):
