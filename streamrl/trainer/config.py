@@ -9,6 +9,7 @@ import dataclasses
 from streamrl.config_checks import need, one_of, positive
 from streamrl.models.lora import MAX_LORA_RANK, LoraSpec, parse_targets
 from streamrl.models.config import (
+    ATTENTION_IMPLS,
     COMPUTE_DTYPES,
     DEFAULT_LOGPROB_CHUNK,
     REMAT_POLICIES,
@@ -31,6 +32,8 @@ class Trainer:
   chosen at start by streamrl/trainer/memory_plan.py).
   logprob_chunk: score this many positions at a time, so no fp32 [batch,
   time, vocab] logits exist for a whole sequence (0: all at once).
+  attention: "fused" (jax.nn.dot_product_attention) or "reference" (the
+  scores spelled out), equal up to rounding.
 
   LoRA (`lora_rank` > 0): the actor trains adapters of rank `lora_rank` on
   the `lora_targets` projections ("all", or a comma list of q, k, v, o,
@@ -49,6 +52,7 @@ class Trainer:
   fp32_lm_head: bool = True
   remat: str = "auto"
   logprob_chunk: int = DEFAULT_LOGPROB_CHUNK
+  attention: str = "fused"
   lora_rank: int = 0
   lora_alpha: float = 16.0
   lora_targets: str = "all"
@@ -71,6 +75,7 @@ class Trainer:
         fp32_lm_head=self.fp32_lm_head,
         remat="none" if self.remat == "auto" else self.remat,
         logprob_chunk=self.logprob_chunk,
+        attention=self.attention,
     )
 
   def check(self) -> None:
@@ -93,6 +98,7 @@ class Trainer:
         f"{('auto',) + COMPUTE_DTYPES} (float16 training would need loss scaling).",
     )
     one_of("trainer.remat", self.remat, ("auto",) + REMAT_POLICIES)
+    one_of("trainer.attention", self.attention, ATTENTION_IMPLS)
     positive("trainer.lora_rank", self.lora_rank, zero_ok=True)
     need(
         self.lora_rank <= MAX_LORA_RANK,
