@@ -444,7 +444,8 @@ def train_iteration(
 class StepProgress:
   """Logs the trainer's optimizer steps once they get slow (a real model on a
   CPU): after the first step that took over `slow_s`, each step is waited for
-  and logged with its time, so the console shows the trainer is working."""
+  and the ones over a second are logged with their time, so the console shows
+  the trainer is working."""
 
   def __init__(self, slow_s: float = 5.0):
     self.slow_s, self.slow, self.t = slow_s, False, mode_base.now()
@@ -456,7 +457,8 @@ class StepProgress:
       self.slow = True
     jax.block_until_ready(metrics)
     now = mode_base.now()
-    log.info("%s trained in %.1f s", what, now - self.t)
+    if now - self.t >= 1.0:
+      log.info("%s trained in %.1f s", what, now - self.t)
     self.t = now
 
 
