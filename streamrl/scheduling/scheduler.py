@@ -21,6 +21,7 @@ import time
 
 import numpy as np
 
+from streamrl import oom
 from streamrl.scheduling.config import Scheduler
 from streamrl.data import tasks
 from streamrl.scheduling.request import as_requests
@@ -112,6 +113,7 @@ class GenerationScheduler:
         self._actor = ranker_actor.RankerActor.options(**options).remote(
             sched, model_dir, cores, self.pairs.maxlen
         )
+        self._memory = oom.Watch()  # a ranker killed for memory stops the run in one sentence
       # Predictions run here in either case; with the actor, on the
       # parameters of its newest refresh done (`_adopt`).
       self.ranker = ranker_actor.build_ranker(sched, model_dir)
@@ -276,7 +278,7 @@ class GenerationScheduler:
     done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
     if done:  # the actor runs its refreshes in order: the done ones come first
       k = len(done)
-      self._adopted, self._leaves = ray.get(refs[k - 1]), self._refreshes[k - 1][1]
+      self._adopted, self._leaves = self._get(refs[k - 1]), self._refreshes[k - 1][1]
       self._refreshes = self._refreshes[k:]
 
   def _adopt(self) -> None:
@@ -286,8 +288,20 @@ class GenerationScheduler:
     if self._leaves is not None:
       import ray  # pylint: disable=g-import-not-at-top
 
-      self.ranker.set_param_leaves(ray.get(self._leaves))
+      self.ranker.set_param_leaves(self._get(self._leaves))
       self._leaves = None
+
+  def _get(self, ref):
+    """ray.get of the ranker actor's result; its death for memory as one sentence."""
+    import ray  # pylint: disable=g-import-not-at-top
+
+    try:
+      return ray.get(ref)
+    except ray.exceptions.RayActorError as e:
+      killed = self._memory.explain("length ranker (scheduler.kind=skew)", str(e))
+      if killed is not None:
+        raise killed from None
+      raise
 
   def close(self) -> None:
     """Stops the ranker's actor (if it has one)."""
