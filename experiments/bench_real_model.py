@@ -72,6 +72,15 @@ QWEN2_5_0_5B = dict(
     rms_norm_eps=1e-6,
     tie_word_embeddings=True,
 )
+_SHAPE_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "tie_word_embeddings",
+)
 # The smoke run: the same family and vocabulary, a sliver of the depth and width.
 SMOKE = dict(
     QWEN2_5_0_5B,
@@ -97,7 +106,7 @@ def write_checkpoint(directory: str, shape: dict) -> str:
 
   from streamrl.data import tokenizer
 
-  if _written_shape(directory) != shape:
+  if _written_shape(directory) != {k: shape[k] for k in _SHAPE_KEYS}:
     torch.manual_seed(0)
     config = transformers.Qwen2Config(**shape, torch_dtype="bfloat16")
     model = transformers.Qwen2ForCausalLM(config).to(torch.bfloat16)
@@ -108,15 +117,13 @@ def write_checkpoint(directory: str, shape: dict) -> str:
 
 
 def _written_shape(directory: str) -> dict | None:
-  """The shape keys of the checkpoint already in `directory` (None if there is none)."""
-  try:
-    with open(os.path.join(directory, "config.json")) as f:
-      config = json.load(f)
-  except OSError:
-    return None
+  """The shape of the checkpoint already in `directory` (None if there is none)."""
+  import transformers
+
   if not os.path.isfile(os.path.join(directory, "model.safetensors")):
     return None
-  return {k: config.get(k) for k in QWEN2_5_0_5B}
+  config = transformers.Qwen2Config.from_pretrained(directory)
+  return {k: getattr(config, k, None) for k in _SHAPE_KEYS}
 
 
 def write_gsm8k(path: str, rows: int = 32) -> str:
