@@ -3,7 +3,7 @@ GRPOTrainer and Google's Tunix GRPOLearner.
 
   pip install -c constraints.txt -e .[peers]   # TRL (not installed by install.sh / CI)
   python experiments/bench_peers.py [--seed=0] [--iterations=90] [--num_eval=512]
-      [--systems=streamrl,trl,tunix] [--tunix_python=PATH]
+      [--systems=streamrl,trl,tunix] [--tunix_python=PATH] [--resume_summary]
       [--workdir=/tmp/streamrl_bench_peers] [--out=experiments/out/bench_peers]
 
 Tunix cannot share StreamRL's environment (its `safetensors<0.8` against our
