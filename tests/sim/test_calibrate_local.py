@@ -26,7 +26,20 @@ CAP = 4
 @pytest.fixture(scope="module")
 def calib():
   # The script sets vLLM environment defaults at import; keep them out of other tests.
+  # Its absl flags (workdir, ...) are defined apart from the ones other scripts' tests
+  # import in this process (bench_peers has a workdir too), then taken out again.
+  from absl import flags  # pylint: disable=g-import-not-at-top
+
   env = dict(os.environ)
+
+  def clear():
+    registry = flags.FLAGS._flags()  # pylint: disable=protected-access
+    for key in list(registry):  # long and short names
+      if key in registry:
+        delattr(flags.FLAGS, key)
+
+  before = {f.name: f for f in flags.FLAGS._flags().values()}  # pylint: disable=protected-access
+  clear()
   try:
     spec = importlib.util.spec_from_file_location("calibrate_sim_under_test", PATH)
     module = importlib.util.module_from_spec(spec)
@@ -34,6 +47,9 @@ def calib():
   finally:
     os.environ.clear()
     os.environ.update(env)
+    clear()
+    for name, flag in before.items():
+      flags.FLAGS[name] = flag
   return module
 
 
