@@ -277,17 +277,16 @@ def trainee(s, cfg: ModelConfig, platform: str) -> Trainee:
 
 def device_memory(devices) -> tuple[int, str]:
   """(usable bytes per device, its name): an accelerator's own limit, or on CPU
-  the host's RAM (what is available now plus what this process holds, at most
-  90 % of the machine), shared by this process's devices."""
+  90 % of the host's RAM, shared by this process's devices. Not what is free at
+  this instant: the run's own Ray daemons and actors may already hold some of it
+  (the plan counts them), and other jobs come and go."""
   import psutil  # pylint: disable=g-import-not-at-top
 
   device = devices[0]
   stats = device.memory_stats() if device.platform != "cpu" else None
   if stats and stats.get("bytes_limit"):
     return int(stats["bytes_limit"]), device.device_kind
-  vm = psutil.virtual_memory()
-  rss = psutil.Process().memory_info().rss
-  host = min(int(0.9 * vm.total), vm.available + rss)
+  host = int(0.9 * psutil.virtual_memory().total)
   return host // max(1, len(devices)), f"CPU device ({host / _GIB:.1f} GiB of host RAM shared)"
 
 
