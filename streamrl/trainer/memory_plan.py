@@ -30,9 +30,11 @@ memory analysis of the train step.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from streamrl.errors import UserError
 from streamrl.models.config import ComputeConfig, ModelConfig
+from streamrl.models.lora import LoraSpec, parse_targets
 
 _F32 = 4
 _GIB = 2**30
@@ -115,7 +117,8 @@ class Trainee:
   fsdp: int = 1
   tensor: int = 1
   platform: str = "cpu"
-  host_other_bytes: int = 0  # per device: other processes sharing a CPU host's RAM
+  # Per device: the other processes sharing a CPU host's RAM, as (name, bytes) rows.
+  host_rows: tuple = ()
 
 
 def _read_bytes(cfg: ModelConfig, compute: ComputeConfig, with_head: bool = True) -> int:
@@ -189,8 +192,7 @@ def plan(t: Trainee, capacity: int, device: str, devices: int) -> Plan:
   vocab = cfg.vocab_size // max(1, t.tensor)
   rows["logits"] = 3 * _F32 * rows_per_device * chunk * vocab
   rows["optimizer_update"] = grads
-  if t.host_other_bytes:
-    rows["other_processes"] = t.host_other_bytes
+  rows.update(t.host_rows)
   return Plan(rows, int(capacity), device, devices)
 
 
@@ -219,7 +221,8 @@ def advice(t: Trainee, capacity: int, device: str, devices: int) -> str:
         )
     )
   if not t.lora_params:
-    options.append(("LoRA (trainer.lora_rank=16)", dict(lora_params=_lora_params(t.model, 16))))
+    spec = LoraSpec(16, 16.0, parse_targets("all"))
+    options.append(("LoRA (trainer.lora_rank=16)", dict(lora_params=lora_params(t.model, spec))))
   for name, change in options:
     if plan(dataclasses.replace(t, **change), capacity, device, devices).fits:
       return f"set {name}"
@@ -228,14 +231,6 @@ def advice(t: Trainee, capacity: int, device: str, devices: int) -> str:
 
 def _remat(compute: ComputeConfig, policy: str) -> ComputeConfig:
   return dataclasses.replace(compute, remat=policy)
-
-
-def _lora_params(cfg: ModelConfig, rank: int) -> int:
-  """Adapter parameters of rank `rank` on every projection (trainer.lora_targets=all)."""
-  d, f = cfg.hidden_size, cfg.intermediate_size
-  a, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-  per_layer = rank * ((d + a) * 2 + (d + kv) * 2 + (d + f) * 3)
-  return cfg.num_layers * per_layer
 
 
 def lora_params(cfg: ModelConfig, spec) -> int:
@@ -321,24 +316,17 @@ def for_run(s, cfg: ModelConfig) -> tuple[Plan, str]:
 
   devices = jax.devices()
   platform = devices[0].platform
-  t = trainee(s, cfg, platform)
-  mesh = s.mesh.axes()
-  n = 1
-  for size in mesh.values():
-    n *= size if size > 0 else 1
-  if -1 in mesh.values():
-    n = len(devices)
-    t = dataclasses.replace(
-        t, **{k: len(devices) // max(1, _known(mesh)) for k, v in mesh.items() if v == -1}
-    )
-  capacity, name = device_memory(devices[:n])
-  p = plan(t, capacity, name, n)
+  mesh = s.mesh.axes()  # -1: the devices the fixed axes leave
+  known = math.prod(v for v in mesh.values() if v > 0)
+  sizes = {k: v if v > 0 else max(1, len(devices) // known) for k, v in mesh.items()}
+  n = math.prod(sizes.values())
+  t = dataclasses.replace(trainee(s, cfg, platform), **sizes)
   if platform == "cpu":
     # One host: the generators and the ranker share its RAM with the trainer.
-    others = host_processes(s, cfg)
-    p = dataclasses.replace(p, rows=dict(p.rows, **{k: v // n for k, v in others.items()}))
-    t = dataclasses.replace(t, host_other_bytes=sum(others.values()) // n)
-  return p, advice(t, capacity, name, n)
+    rows = tuple((k, v // n) for k, v in host_processes(s, cfg).items())
+    t = dataclasses.replace(t, host_rows=rows)
+  capacity, name = device_memory(devices[:n])
+  return plan(t, capacity, name, n), advice(t, capacity, name, n)
 
 
 # What a vLLM-CPU engine process holds beyond its weights and KV cache (torch, vLLM,
@@ -362,11 +350,4 @@ def host_processes(s, cfg: ModelConfig) -> dict:
     out["ranker"] = RANKER_BYTES
   if s.pipeline.mode != "colocated" and not s.cluster.address:
     out["ray"] = RAY_BYTES
-  return out
-
-
-def _known(mesh: dict) -> int:
-  out = 1
-  for v in mesh.values():
-    out *= v if v > 0 else 1
   return out

@@ -419,7 +419,7 @@ def accumulate_micro(
 
 
 # The optimizer step of `update_step` on gradients accumulated outside it.
-apply_grads = jax.jit(_optimizer_step, static_argnames=("models",), donate_argnums=(0, 1))
+apply_grads = jax.jit(_optimizer_step, static_argnames=("models",), donate_argnums=(0,))
 
 
 @jax.jit
