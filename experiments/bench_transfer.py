@@ -142,7 +142,7 @@ def adamw_like_step(tensors: dict, lr: float, wd: float = 0.01, seed: int = 1) -
 
 def _receivers(pub, secret, cfg, dc, host_of, schema):
   from streamrl.transfer import spawn_receiver
-  from streamrl.transfer.service import relay_only
+  from streamrl.transfer.process import relay_only
 
   procs = [
       spawn_receiver(

@@ -112,7 +112,7 @@ class Version:
 
 def frame_bytes() -> int:
   """Header bytes TcpPlane.send writes before each chunk (frame + index/encoding/checksum)."""
-  from streamrl.transfer.transports import CHUNK_FRAME_BYTES
+  from streamrl.transfer.planes import CHUNK_FRAME_BYTES
 
   return CHUNK_FRAME_BYTES
 

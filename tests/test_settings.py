@@ -514,13 +514,13 @@ def test_components_take_the_run_parts_themselves():
   # What the duplicates were: none of these names exists any more.
   from streamrl.generator import rollout  # pylint: disable=g-import-not-at-top
   from streamrl.trainer import experience, rl_trainer, step  # pylint: disable=g-import-not-at-top
-  from streamrl.transfer import service  # pylint: disable=g-import-not-at-top
+  from streamrl.transfer import publisher  # pylint: disable=g-import-not-at-top
 
   gone = {
       rollout: ("SamplingConfig",),
       step: ("LossConfig", "OptimConfig"),
       experience: ("AdvantageConfig",),
-      service: ("TransferConfig",),
+      publisher: ("TransferConfig",),
       rl_trainer: ("loss_config", "advantage_config", "optim_configs", "compute_config"),
   }
   assert [f"{m.__name__}.{n}" for m, names in gone.items() for n in names if hasattr(m, n)] == []

@@ -814,7 +814,7 @@ class GeneratorInstance:
     exactly one version.
     """
     new_version = self._next_version(version)
-    from streamrl.transfer.payload import WeightsFile  # pylint: disable=g-import-not-at-top
+    from streamrl.transfer.shm import WeightsFile  # pylint: disable=g-import-not-at-top
 
     own = self._own_file
     if own is None or not own.rewrite(hf_tensors):

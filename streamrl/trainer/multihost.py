@@ -214,7 +214,7 @@ class ShardExporter:
 
 def follower_export(exporter: ShardExporter, policy, name: str, manifest, leader_host: str, reply):
   """A follower's side of `Leader.export_weights`."""
-  from streamrl.transfer.payload import open_weights_file  # pylint: disable=g-import-not-at-top
+  from streamrl.transfer.shm import open_weights_file  # pylint: disable=g-import-not-at-top
 
   if socket.gethostname() == leader_host:
     exporter.write(policy, manifest, open_weights_file(name, manifest.total_bytes))

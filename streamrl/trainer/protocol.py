@@ -198,8 +198,8 @@ class Leader:
   def export_weights(self, dtype=None):
     """The policy in the generators' dtype as a filled `WeightsFile`, written
     by every process (see the module docstring)."""
-    from streamrl.transfer import WeightsFile  # pylint: disable=g-import-not-at-top
     from streamrl.transfer.manifest import plan_payload  # pylint: disable=g-import-not-at-top
+    from streamrl.transfer.shm import WeightsFile  # pylint: disable=g-import-not-at-top
 
     assert dtype is None or dtype == self.trainer.export_dtype, "one export dtype per run"
     policy = self.trainer.policy()

@@ -1,11 +1,25 @@
 """Checkpoint-transfer service: versioned, verified weight delivery from the trainer to the generators.
 
-Modules: manifest (payload format, chunks, checksums, schema), payload (a
-version's bytes as a shared-memory safetensors file, verification progress,
-pins), delta (XOR+zlib chunk deltas), transports (framing, rate limits, TCP
-and shared-memory data planes), topology (broadcast/relay plan, one receiving
-receiver per host), service (Publisher, Receiver), config (Transfer: the
-`transfer.*` settings both take).
+Modules, one job each:
+  config     Transfer: the `transfer.*` settings both ends take
+  manifest   payload format, chunks, checksums and digests, schema
+  payload    a version's bytes on one node and which chunks are verified so far
+  shm        this host's /dev/shm files: checked opens, pins, owned buffers and their pool,
+             mappings of others' files, weights files
+  delta      XOR+zlib chunk deltas
+  topology   the broadcast/relay plan (one receiving receiver per host)
+  wire       length-prefixed frames, bounded reads, deadlines
+  security   the run's secret (HMAC sessions), the publisher's Ed25519 keys, TLS
+  planes     the data planes (TCP, shared memory) and emulated link rates
+  node       what both ends share: accept, admit, authenticate, serve, announce
+  publisher  Publisher: the trainer's end (publish, plan, sign, track acks)
+  receiver   Receiver: a generator's end (pull, verify, load, relay)
+  process    spawn_receiver: a Receiver in a process of its own
+
+Protocol: announce, then pull. The publisher announces a version down the
+plan and writes it chunk by chunk; every receiver pulls from its parent,
+verifies each chunk and serves it on at once, loads the version once all of it
+and the publisher's signatures check out, and acks (publisher.py, receiver.py).
 
 Security: every node needs the run's shared secret, on loopback too (any
 local process can reach 127.0.0.1), and every receiver the publisher's keys
@@ -21,7 +35,7 @@ announce or a version's manifest (with every chunk's BLAKE3 digest, which TCP
 receivers check), so a node that holds the secret cannot make another load
 anything else; off loopback every connection is TLS (``transfer.tls``).
 Until a peer has proven the secret it gets small frames, one handshake
-deadline and a bounded share of a node's connections (transports.py).
+deadline and a bounded share of a node's connections (wire.py, node.py).
 
 Host path (what runs here): the trainer's lazy export is written once into a
 /dev/shm file, every host receives it once (same host: nothing; other hosts:
@@ -37,7 +51,7 @@ weight-transfer API (``vllm/distributed/weight_transfer/``: the worker's
 (nccl, ipc, sparse_nccl, sharded_rdt, nccl_m2n, modelexpress) all need CUDA,
 and its base ``update_weights`` calls ``torch.accelerator.synchronize()``,
 which raises on a CPU-only torch. A device-to-device path goes behind the
-same interface as the host one: a ``transports.DataPlane`` named "nccl"
+same interface as the host one: a ``planes.DataPlane`` named "nccl"
 whose ``offer`` answers when client and server share a NCCL group, whose
 ``send`` broadcasts each chunk from device memory (DLPack views of the
 trainer's jax arrays, already in the generators' dtype) and whose
@@ -58,10 +72,14 @@ from streamrl.transfer.manifest import (
     check_schema,
     schema_of,
 )
-from streamrl.transfer.payload import Pin, VersionTensors, WeightsFile
-from streamrl.transfer.service import Publisher, Receiver, spawn_receiver
+from streamrl.transfer.payload import VersionTensors
+from streamrl.transfer.process import spawn_receiver
+from streamrl.transfer.publisher import Publisher
+from streamrl.transfer.receiver import Receiver
+from streamrl.transfer.security import RunKeys, new_secret
+from streamrl.transfer.shm import Pin, WeightsFile
 from streamrl.transfer.topology import ReceiverInfo, TreeNode, plan_direct, plan_topology
-from streamrl.transfer.transports import AuthenticationError, RunKeys, new_secret
+from streamrl.transfer.wire import AuthenticationError
 
 __all__ = [
     "AuthenticationError",

@@ -1,6 +1,6 @@
-"""The checkpoint-transfer service's settings (`transfer.*`): the run reads
-them, and `Publisher` / `Receiver` (streamrl/transfer/service.py) take them as
-they are."""
+"""The checkpoint-transfer service's settings (`transfer.*`): the run reads them, and
+`Publisher` (streamrl/transfer/publisher.py) and `Receiver` (receiver.py) take them as they
+are."""
 
 from __future__ import annotations
 

@@ -25,7 +25,7 @@ Format choices (and why):
   it is not a defence against a malicious peer, which needs an authenticated
   channel.
 - **Digest**: BLAKE3-256 (``blake3``) per chunk, cryptographic, for bytes that left the host:
-  the publisher signs a manifest that lists every chunk's digest (transports.py) and a TCP
+  the publisher signs a manifest that lists every chunk's digest (security.py) and a TCP
   receiver hashes every chunk it receives. BLAKE3 is the fastest of the cryptographic hashes
   tried (SHA-256 and BLAKE2b are several times slower), within a factor of two of a memcpy,
   so the digest costs about one more copy, and only where bytes crossed a socket: the same-host

@@ -10,7 +10,7 @@ Plan (``plan_topology``), rooted at the sender:
   other receivers of that datacenter hang directly off their head and map
   its staging file. Hosts are grouped inside a datacenter only: a host label
   that appears in two datacenters counts as two machines, and bytes between
-  them go over TCP (transports.py), which is how one machine emulates a
+  them go over TCP (planes.py), which is how one machine emulates a
   cross-datacenter edge;
 - the other heads of the sender's datacenter form a ``fanout``-ary tree
   under the sender (breadth-first, so depth is log_fanout(n)); every node
@@ -23,7 +23,7 @@ Plan (``plan_topology``), rooted at the sender:
 ``plan_direct`` (every receiver a child of the sender) is the baseline the
 benchmark compares against. Plans are recomputed at every publish from the
 receivers alive at that moment, so a dead node simply drops out of the next
-plan; during a transfer its children fall back to the sender (see service.py).
+plan; during a transfer its children fall back to the sender (see receiver.py).
 """
 
 from __future__ import annotations
@@ -165,3 +165,15 @@ def iter_edges(node: TreeNode) -> Iterator[tuple[Optional[ReceiverInfo], Receive
   for c in node.children:
     yield node.info, c.info
     yield from iter_edges(c)
+
+
+def path_to(tree: TreeNode, name: str) -> Optional[list[TreeNode]]:
+  """The nodes from ``tree`` down to the receiver called ``name`` (names are unique in a plan);
+  None if the plan does not include it."""
+  if tree.info is not None and tree.info.name == name:
+    return [tree]
+  for child in tree.children:
+    below = path_to(child, name)
+    if below is not None:
+      return [tree, *below]
+  return None

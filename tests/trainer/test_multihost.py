@@ -12,8 +12,8 @@ from streamrl.errors import UserError
 from streamrl.models import config as model_config
 from streamrl.models import hf, transformer
 from streamrl.trainer import multihost, sharding
-from streamrl.transfer import WeightsFile
 from streamrl.transfer.manifest import plan_payload
+from streamrl.transfer.shm import WeightsFile
 
 pytestmark = [pytest.mark.unit]
 

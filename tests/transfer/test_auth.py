@@ -16,12 +16,15 @@ from streamrl.transfer import (
     Receiver,
     TransferError,
     new_secret,
-    service,
+    planes,
+    process,
+    security,
     spawn_receiver,
-    transports,
+    wire,
 )
+from streamrl.cluster import is_loopback
 from streamrl.transfer.manifest import payload_size
-from streamrl.transfer.payload import shm_available
+from streamrl.transfer.shm import shm_available
 from streamrl.transfer.topology import ReceiverInfo, TreeNode
 from .conftest import config, make_tensors, same, wait_until
 
@@ -32,13 +35,13 @@ def _raw(address, *frames):
   """Sends JSON frames on a fresh connection as they are; returns the last frame the node
   answers before it closes the connection, (kind, JSON body)."""
   got = []
-  with transports.connect(address, 2.0) as sock:
+  with wire.connect(address, 2.0) as sock:
     for f in frames:
-      transports.send_json(sock, f)
+      wire.send_json(sock, f)
     try:
       while True:
-        kind, n = transports.recv_frame_header(sock)
-        got.append((kind, json.loads(bytes(transports.recv_exact(sock, n)))))
+        kind, n = wire.recv_frame_header(sock)
+        got.append((kind, json.loads(bytes(wire.recv_exact(sock, n)))))
     except TransferError:  # closed
       pass
   return got[-1]
@@ -57,11 +60,11 @@ def test_every_node_needs_a_secret():
   with pytest.raises(ValueError, match="other machines can reach"):
     Publisher(config(), bind="0.0.0.0")
   with pytest.raises(ValueError, match="needs secret="):  # checked before a process is spawned
-    spawn_receiver("r", "A", service.relay_only, ("127.0.0.1", 1), bind="0.0.0.0")
+    spawn_receiver("r", "A", process.relay_only, ("127.0.0.1", 1), bind="0.0.0.0")
   with pytest.raises(ValueError, match="at least 16 bytes"):
     Publisher(config(), secret=b"short")
-  assert all(transports.is_loopback(b) for b in ("127.0.0.1", "127.4.5.6", "::1", "localhost"))
-  assert not any(transports.is_loopback(b) for b in ("0.0.0.0", "", "::", "10.1.2.3", "vm"))
+  assert all(is_loopback(b) for b in ("127.0.0.1", "127.4.5.6", "::1", "localhost"))
+  assert not any(is_loopback(b) for b in ("0.0.0.0", "", "::", "10.1.2.3", "vm"))
   for bind in ("127.0.0.1", "localhost"):
     Publisher(config(), bind=bind, secret=new_secret()).close()
   s = new_secret()
@@ -97,16 +100,16 @@ def test_a_captured_exchange_cannot_be_replayed(cluster):
   pub = cluster.publisher(secret=secret)
   ping = {"op": "ping"}
   # A genuine exchange, as a holder of the secret makes it; an eavesdropper records its frames.
-  with transports.connect(pub.address, 2.0) as sock:
-    nc = "ab" * transports.NONCE_BYTES
-    transports.send_json(sock, {"op": "hello", "nonce": nc})
-    ns = transports.recv_json(sock)["nonce"]
+  with wire.connect(pub.address, 2.0) as sock:
+    nc = "ab" * security.NONCE_BYTES
+    wire.send_json(sock, {"op": "hello", "nonce": nc})
+    ns = wire.recv_json(sock)["nonce"]
     signed = {
         **ping,
-        "mac": transports._mac(secret, b"request", bytes.fromhex(ns), bytes.fromhex(nc), ping),
+        "mac": security._mac(secret, b"request", bytes.fromhex(ns), bytes.fromhex(nc), ping),
     }
-    transports.send_json(sock, signed)
-    reply = transports.recv_json(sock)  # signed for this connection's nonces
+    wire.send_json(sock, signed)
+    reply = wire.recv_json(sock)  # signed for this connection's nonces
   assert reply["ok"] and "mac" in reply and pub.stats.get("auth_refused", 0) == 0
   # Replaying the client's frames on a new connection: the server's nonce differs, refused.
   kind, body = _raw(pub.address, {"op": "hello", "nonce": nc}, signed)
@@ -114,16 +117,16 @@ def test_a_captured_exchange_cannot_be_replayed(cluster):
 
   # Replaying the server's frames to a new client: the client's nonce differs, not believed.
   def fake_server(sock):
-    transports.recv_json(sock)  # hello
-    transports.send_json(sock, {"nonce": ns})
-    transports.recv_json(sock)  # request
-    transports.send_json(sock, reply)  # the captured reply, mac and all
+    wire.recv_json(sock)  # hello
+    wire.send_json(sock, {"nonce": ns})
+    wire.recv_json(sock)  # request
+    wire.send_json(sock, reply)  # the captured reply, mac and all
 
   client, server = socket.socketpair()
   t = threading.Thread(target=fake_server, args=(server,))
   t.start()
   try:
-    session = transports.Session.request(client, secret, ping)
+    session = security.Session.request(client, secret, ping)
     with pytest.raises(AuthenticationError, match="cannot prove"):
       session.recv_reply()
   finally:
@@ -150,8 +153,8 @@ def test_wrong_secret_receiver_never_loads_and_is_counted(cluster):
     def answer_plainly():
       conn, _ = plain.accept()
       with conn:
-        transports.recv_json(conn)
-        transports.send_json(conn, {"ok": True, "version": 1})
+        wire.recv_json(conn)
+        wire.send_json(conn, {"ok": True, "version": 1})
 
     t = threading.Thread(target=answer_plainly, daemon=True)
     t.start()
@@ -174,15 +177,15 @@ def test_a_source_without_the_secret_is_never_loaded_from(cluster, caplog):
   impostor.publish(make_tensors(2))  # version 5
   # The impostor cannot even announce to r: r refuses it.
   node = TreeNode(r.info)
-  impostor._announce_subtree(node, impostor._grant(5, node))
+  impostor.announce_subtree(node, impostor._grant(5, node))
   assert r.stats["auth_refused"] == 1 and r._target == 1
   # Told (by an authentic announce that makes it r's parent) to pull version 5 from a source
   # without the secret: the attempt fails on authentication, the source counts the refusal,
   # the retry at the publisher finds no version 5, and r keeps version 1.
   parent = ReceiverInfo("impostor", "A", "trainer", impostor.address)
   grant = pub._grant(5, TreeNode(parent, (node,)))
-  with caplog.at_level(logging.INFO, logger="streamrl.transfer.service"):
-    pub._request(r.address, {"op": "announce", **grant, "source": list(impostor.address)})
+  with caplog.at_level(logging.INFO, logger="streamrl.transfer.receiver"):
+    pub.request(r.address, {"op": "announce", **grant, "source": list(impostor.address)})
     assert wait_until(lambda: 5 in r._gave_up)
   assert any("attempt 1" in m and "authentication" in m for m in caplog.messages)
   assert r.version == 1 and r.loads.versions == [1] and same(r.loads.calls[0][1], t1)
@@ -195,20 +198,20 @@ def test_a_bad_manifest_tag_is_never_loaded(cluster, monkeypatch):
   r = cluster.receiver("r", join=pub, secret=secret, use_shm=False)
   t1 = make_tensors(1)
   assert pub.wait_acks(pub.publish(t1), 10)
-  real = transports._send_end
+  real = planes._send_end
 
   def forged_tag(sock, payload, link, full=False):  # intact chunks, not the publisher's tag
     tag = bytearray(payload.wait_tag(link.timeout) + (link.seal(payload) if full else b""))
     tag[0] ^= 1
-    sock.sendall(transports._FRAME.pack(b"E", len(tag)) + bytes(tag))
-    return transports._FRAME.size + len(tag)
+    sock.sendall(wire.FRAME.pack(b"E", len(tag)) + bytes(tag))
+    return wire.FRAME.size + len(tag)
 
-  monkeypatch.setattr(transports, "_send_end", forged_tag)
+  monkeypatch.setattr(planes, "_send_end", forged_tag)
   v2 = pub.publish(make_tensors(2))
   assert wait_until(lambda: v2 in r._gave_up)
   assert "authentication failed" in r.last_error and "tag" in r.last_error
   assert r.version == 1 and r.loads.versions == [1]
-  monkeypatch.setattr(transports, "_send_end", real)
+  monkeypatch.setattr(planes, "_send_end", real)
   t3 = make_tensors(3)
   v3 = pub.publish(t3)
   assert pub.wait_acks(v3, 10) and r.loads.versions == [1, v3] and same(r.loads.calls[-1][1], t3)
@@ -267,7 +270,7 @@ def test_cross_dc_edge_on_one_host_with_a_secret(cluster):
     assert r.loads.versions == [v1, v2] and same(r.loads.calls[-1][1], t2)
   assert all(n.stats.get("auth_refused", 0) == 0 for n in (pub, b0, b1))
   # transfer.tls="auto" off loopback: every connection above was TLS (the relay's too).
-  assert all(isinstance(n._tls, transports.Tls) for n in (pub, b0, b1))
+  assert all(isinstance(n._tls, security.Tls) for n in (pub, b0, b1))
 
 
 def test_spawned_receiver_with_the_secret(cluster):
@@ -277,7 +280,7 @@ def test_spawned_receiver_with_the_secret(cluster):
   proc = spawn_receiver(
       "p0",
       "A",
-      service.relay_only,
+      process.relay_only,
       pub.address,
       config=cfg,
       bind="0.0.0.0",

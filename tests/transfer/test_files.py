@@ -10,7 +10,7 @@ import pytest
 from streamrl.models import safetensors_io
 from streamrl.transfer import Pin, WeightsFile, schema_of
 from streamrl.transfer.manifest import payload_size
-from streamrl.transfer.payload import SHM_DIR
+from streamrl.transfer.shm import SHM_DIR
 from .conftest import NAMES, make_tensors, same, wait_until
 
 pytestmark = [pytest.mark.unit]
@@ -108,7 +108,7 @@ def test_a_pinned_file_is_neither_rewritten_nor_removed(cluster):
 
 
 def test_dev_shm_is_clean_after_close_and_after_a_failed_transfer(cluster, monkeypatch):
-  from streamrl.transfer import service
+  from streamrl.transfer import publisher as publisher_lib
 
   before = _ours()
   pub = cluster.publisher()
@@ -121,7 +121,7 @@ def test_dev_shm_is_clean_after_close_and_after_a_failed_transfer(cluster, monke
   ]
   for seed in range(1, 4):
     assert pub.wait_acks(pub.publish(make_tensors(seed)), 10)
-  real = service.fill_payload
+  real = publisher_lib.fill_payload
 
   def corrupt(tensors, manifest, out):
     for i, value in enumerate(real(tensors, manifest, out)):
@@ -129,7 +129,7 @@ def test_dev_shm_is_clean_after_close_and_after_a_failed_transfer(cluster, monke
         out[2 * manifest.chunk_bytes] ^= 0x01
       yield value
 
-  monkeypatch.setattr(service, "fill_payload", corrupt)
+  monkeypatch.setattr(publisher_lib, "fill_payload", corrupt)
   v = pub.publish(make_tensors(9))
   assert all(wait_until(lambda r=r: v in r._gave_up) for r in rs)  # every attempt refused
   assert _ours() != before  # files exist while the nodes live

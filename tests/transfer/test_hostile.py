@@ -17,9 +17,11 @@ from streamrl.transfer import (
     Publisher,
     Receiver,
     TransferError,
-    service,
+    planes,
+    process,
+    security,
     spawn_receiver,
-    transports,
+    wire,
 )
 from streamrl.transfer import manifest as manifest_lib
 from streamrl.transfer.manifest import Manifest
@@ -54,9 +56,9 @@ def _honest_round(pub, r, seed: int) -> None:
 
 def _handshake(address) -> socket.socket:
   """A connection that has sent a well-formed hello and read the server's nonce (no secret)."""
-  sock = transports.connect(address, 2.0)
-  transports.send_json(sock, {"op": "hello", "nonce": "ab" * transports.NONCE_BYTES})
-  transports.recv_json(sock)
+  sock = wire.connect(address, 2.0)
+  wire.send_json(sock, {"op": "hello", "nonce": "ab" * security.NONCE_BYTES})
+  wire.recv_json(sock)
   return sock
 
 
@@ -68,12 +70,12 @@ def test_huge_frame_headers_cost_no_memory(cluster):
   socks = []
   try:
     for _ in range(6):  # each header claims 64 MiB: before the fix, each was allocated at once
-      s = transports.connect(pub.address, 2.0)
-      s.sendall(transports._FRAME.pack(b"J", transports.MAX_JSON_BYTES) + b'{"op":')
+      s = wire.connect(pub.address, 2.0)
+      s.sendall(wire.FRAME.pack(b"J", wire.MAX_JSON_BYTES) + b'{"op":')
       socks.append(s)
     # A well-formed hello, then a request header far over the pre-authentication cap.
     s = _handshake(pub.address)
-    s.sendall(transports._FRAME.pack(b"J", transports.MAX_JSON_BYTES))
+    s.sendall(wire.FRAME.pack(b"J", wire.MAX_JSON_BYTES))
     socks.append(s)
     time.sleep(0.3)  # the server has read every header by now
     grown = proc.memory_info().rss - before
@@ -88,8 +90,8 @@ def test_huge_frame_headers_cost_no_memory(cluster):
 def test_a_trickled_handshake_is_cut_at_its_deadline(cluster):
   pub = cluster.publisher(**FAST)  # io_timeout_s=2 per recv would never cut a 20 Hz trickle
   r = cluster.receiver("r", join=pub, **FAST)
-  with transports.connect(pub.address, 2.0) as s:
-    s.sendall(transports._FRAME.pack(b"J", 1000))  # a hello of leading whitespace, 1 B at a time
+  with wire.connect(pub.address, 2.0) as s:
+    s.sendall(wire.FRAME.pack(b"J", 1000))  # a hello of leading whitespace, 1 B at a time
     start, cut = time.monotonic(), None
     while time.monotonic() - start < 3.0:
       try:
@@ -137,8 +139,8 @@ def test_the_accept_loop_survives_a_failed_submit(cluster, monkeypatch, caplog):
     return real(*args, **kwargs)
 
   monkeypatch.setattr(pub._conn_pool, "submit", submit_fails_once)
-  with caplog.at_level(logging.WARNING, logger="streamrl.transfer.service"):
-    with transports.connect(pub.address, 2.0) as s:
+  with caplog.at_level(logging.WARNING, logger="streamrl.transfer.node"):
+    with wire.connect(pub.address, 2.0) as s:
       assert _closed_by_peer(s, 2.0)  # that one connection is closed...
   assert failures and pub._accept_thread.is_alive()
   assert wait_until(lambda: pub._serving == 0, 2)  # its slot was freed (r's ack may be in flight)
@@ -154,16 +156,16 @@ def test_malformed_input_is_one_log_line_without_a_traceback(cluster, caplog):
   r = cluster.receiver("r", join=pub, **FAST)
   deep = b"[" * 30000 + b"]" * 30000  # within the request cap, far deeper than the parser goes
   frames = [
-      (True, transports._FRAME.pack(b"J", len(deep)) + deep),  # after a well-formed hello
-      (False, transports._FRAME.pack(b"J", 600) + b"[" * 300 + b"]" * 300),  # a deep hello
-      (False, transports._FRAME.pack(b"J", 5) + b"\xff\xfe{]!"),  # not JSON
-      (False, transports._FRAME.pack(b"J", 2) + b"[]"),  # not an object
-      (False, transports._FRAME.pack(b"C", 4) + b"abcd"),  # not a control frame
+      (True, wire.FRAME.pack(b"J", len(deep)) + deep),  # after a well-formed hello
+      (False, wire.FRAME.pack(b"J", 600) + b"[" * 300 + b"]" * 300),  # a deep hello
+      (False, wire.FRAME.pack(b"J", 5) + b"\xff\xfe{]!"),  # not JSON
+      (False, wire.FRAME.pack(b"J", 2) + b"[]"),  # not an object
+      (False, wire.FRAME.pack(b"C", 4) + b"abcd"),  # not a control frame
       (False, b"J\x00\x00"),  # a cut header
   ]
   with caplog.at_level(logging.DEBUG, logger="streamrl.transfer"):
     for after_hello, data in frames:
-      s = _handshake(pub.address) if after_hello else transports.connect(pub.address, 2.0)
+      s = _handshake(pub.address) if after_hello else wire.connect(pub.address, 2.0)
       with s:
         s.sendall(data)
         if data == b"J\x00\x00":
@@ -171,7 +173,7 @@ def test_malformed_input_is_one_log_line_without_a_traceback(cluster, caplog):
         assert _closed_by_peer(s, 2.0)
 
     def lines():
-      return [rec for rec in caplog.records if rec.name == "streamrl.transfer.service"]
+      return [rec for rec in caplog.records if rec.name == "streamrl.transfer.node"]
 
     assert wait_until(lambda: len(lines()) >= len(frames), 3)
     time.sleep(0.1)
@@ -195,7 +197,7 @@ def test_nodes_without_a_secret_refuse_to_start():
   with pytest.raises(ValueError, match=r"needs secret=streamrl\.transfer\.new_secret\(\)"):
     Receiver("r", "A", lambda t, v: None, config=config())
   with pytest.raises(ValueError, match="needs secret="):
-    spawn_receiver("r", "A", service.relay_only, ("127.0.0.1", 1))
+    spawn_receiver("r", "A", process.relay_only, ("127.0.0.1", 1))
 
 
 def test_publish_returns_while_a_hostile_receiver_trickles(cluster):
@@ -211,7 +213,7 @@ def test_publish_returns_while_a_hostile_receiver_trickles(cluster):
       while not stop.is_set() and time.monotonic() < end:
         try:
           conns.append(evil.accept()[0])
-          conns[-1].sendall(transports._FRAME.pack(b"J", 900))
+          conns[-1].sendall(wire.FRAME.pack(b"J", 900))
         except socket.timeout:
           pass
         for c in conns:
@@ -257,7 +259,7 @@ def test_a_version_minted_without_the_signing_key_is_refused(cluster):
   cluster.nodes.append(mint)
   assert mint.publish(make_tensors(99)) == 2  # its own "version 2"
   node = TreeNode(r.info)
-  mint._announce_subtree(node, mint._grant(1000001, node))
+  mint.announce_subtree(node, mint._grant(1000001, node))
   assert r.stats["announces_refused"] == 1 and r._target == 1
   # ...and so is its version 2 where the publisher's plan made it r's parent: r refuses the
   # forgery and falls back to the publisher's version 2.
@@ -266,7 +268,7 @@ def test_a_version_minted_without_the_signing_key_is_refused(cluster):
   assert pub.publish(t2) == 2
   parent = ReceiverInfo("mint", "A", "mint", mint.address)
   grant = pub._grant(2, TreeNode(parent, (node,)))
-  mint._request(r.address, {"op": "announce", **grant, "source": list(mint.address)})
+  mint.request(r.address, {"op": "announce", **grant, "source": list(mint.address)})
   assert r.wait_version(2, 10), r.last_error
   assert same(r.loads.calls[-1][1], t2) and r.stats["failed_attempts"] == 1
   assert mint.stats["served_tcp"] == 1 and r.loads.versions == [1, 2]
@@ -284,13 +286,13 @@ def test_a_bogus_high_version_does_not_stall_a_receiver(cluster):
   # From a node that is not r's parent: unsigned, and a signed plan that names another parent.
   other = ReceiverInfo("other", "A", "other", ("127.0.0.1", 9))
   for signed in ({}, pub._grant(bogus, TreeNode(other, (TreeNode(r.info),)))):
-    evil._request(r.address, {"op": "announce", **legacy, **signed, "source": list(evil.address)})
+    evil.request(r.address, {"op": "announce", **legacy, **signed, "source": list(evil.address)})
   assert r.stats["announces_refused"] == 2 and r._target == 1
   # From r's parent in a signed plan, whose fetch then fails: r gives the version up and the
   # next real version still arrives.
   parent = ReceiverInfo("evil", "A", "evil", evil.address)
   grant = pub._grant(bogus, TreeNode(parent, (TreeNode(r.info),)))
-  evil._request(r.address, {"op": "announce", **legacy, **grant, "source": list(evil.address)})
+  evil.request(r.address, {"op": "announce", **legacy, **grant, "source": list(evil.address)})
   assert wait_until(lambda: bogus in r._gave_up and not r._fetching, 5)
   assert r._target == 1
   _honest_round(pub, r, 2)
@@ -300,7 +302,7 @@ def test_a_tcp_receiver_checks_each_chunk_against_the_signed_digest(cluster, mon
   pub = cluster.publisher(use_shm=False, **FAST)
   r = cluster.receiver("r", join=pub, use_shm=False, max_retries=0, **FAST)
   _honest_round(pub, r, 1)
-  real_sum, real_send, collisions = manifest_lib.checksum, transports.TcpPlane.send, {}
+  real_sum, real_send, collisions = manifest_lib.checksum, planes.TcpPlane.send, {}
 
   class Tampered:
     """Version 2 as a serving path that flips a byte of chunk 0 would send it."""
@@ -324,7 +326,7 @@ def test_a_tcp_receiver_checks_each_chunk_against_the_signed_digest(cluster, mon
     return real_send(plane, sock, Tampered(payload) if payload.version == 2 else payload, link)
 
   monkeypatch.setattr(manifest_lib, "checksum", lambda b: collisions.get(bytes(b)) or real_sum(b))
-  monkeypatch.setattr(transports.TcpPlane, "send", send)
+  monkeypatch.setattr(planes.TcpPlane, "send", send)
   v2 = pub.publish(make_tensors(2))
   assert wait_until(lambda: v2 in r._gave_up and not r._fetching, 5)
   assert collisions and "chunk 0" in r.last_error and "digest does not match" in r.last_error
@@ -374,15 +376,15 @@ class _Tap:
 
 
 def test_tls_refuses_plain_peers_and_encrypts_the_wire(cluster):
-  assert transports.tls_enabled("auto", "0.0.0.0") and not transports.tls_enabled("auto", "::1")
+  assert security.tls_enabled("auto", "0.0.0.0") and not security.tls_enabled("auto", "::1")
   with pytest.raises(ValueError, match="transfer.tls"):
     config(tls="yes").check()
   pub = cluster.publisher(use_shm=False, tls="on", **FAST)
   t1 = make_tensors(1)
   pub.publish(t1)
   # A client that speaks plain TCP (it even holds the secret) is refused before its request.
-  with transports.connect(pub.address, 2.0) as s, pytest.raises(AuthenticationError, match="TLS"):
-    transports.Session.request(s, cluster.secret, {"op": "ping"})
+  with wire.connect(pub.address, 2.0) as s, pytest.raises(AuthenticationError, match="TLS"):
+    security.Session.request(s, cluster.secret, {"op": "ping"})
   assert wait_until(lambda: pub.stats.get("tls_refused") == 1)
   assert "auth_refused" not in pub.stats
   tap = _Tap(pub.address)  # everything r and the publisher say to each other goes through it
@@ -391,17 +393,17 @@ def test_tls_refuses_plain_peers_and_encrypts_the_wire(cluster):
     assert r.join(tap.address, timeout=5) == 1 and same(r.loads.calls[0][1], t1)
   finally:
     tap.close()
-  wire = bytes(tap.seen)
+  seen = bytes(tap.seen)
   raw = t1[NAMES[1]].tobytes()
-  assert len(wire) > len(raw) and wire[:1] == b"\x16"  # a TLS handshake record
+  assert len(seen) > len(raw) and seen[:1] == b"\x16"  # a TLS handshake record
   for plain in (raw[:64], raw[-64:], NAMES[1].encode(), b'"op"', b'"register"'):
-    assert plain not in wire
+    assert plain not in seen
 
 
 def test_a_receiver_that_pins_another_certificate_refuses(cluster):
   pub = cluster.publisher(tls="on", **FAST)
   pub.publish(make_tensors(1))
-  _, theirs = transports.new_run_keys()
+  _, theirs = security.new_run_keys()
   wrong = dataclasses.replace(pub.run_keys, tls_cert=theirs.tls_cert, tls_key=theirs.tls_key)
   r = cluster.receiver("r", tls="on", run_keys=wrong, **FAST)
   with pytest.raises(AuthenticationError, match="TLS certificate is not this run's"):

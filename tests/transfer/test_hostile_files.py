@@ -24,22 +24,23 @@ import pytest
 
 from streamrl import lifecycle
 from streamrl.models import safetensors_io
-from streamrl.transfer import Pin, TransferError, WeightsFile, new_secret, service
+from streamrl.transfer import Pin, TransferError, WeightsFile, new_secret, security, wire
 from streamrl.transfer import payload as payload_lib
-from streamrl.transfer import transports
+from streamrl.transfer import publisher as publisher_lib
+from streamrl.transfer import shm as shm_lib
 from streamrl.transfer.manifest import checksum, plan_payload
 from streamrl.transfer.topology import ReceiverInfo, TreeNode
 from .conftest import make_tensors, same, wait_until
 
-SHM = payload_lib.SHM_DIR
+SHM = shm_lib.SHM_DIR
 pytestmark = [
     pytest.mark.unit,
-    pytest.mark.skipif(not payload_lib.shm_available(), reason="needs /dev/shm"),
+    pytest.mark.skipif(not shm_lib.shm_available(), reason="needs /dev/shm"),
 ]
 
 
 def _ready_frames(checksums) -> bytes:
-  """R frames (transports.py: kind, length, then index and checksum), one per chunk."""
+  """R frames (planes.py: kind, length, then index and checksum), one per chunk."""
   return b"".join(struct.pack("!cQIQ", b"R", 12, i, c) for i, c in enumerate(checksums))
 
 
@@ -78,7 +79,7 @@ class Hostile:
     with conn:
       conn.settimeout(5.0)
       try:
-        session, req = transports.Session.accept(conn, self.secret)
+        session, req = security.Session.accept(conn, self.secret)
       except (OSError, TransferError):
         return
       self.received.append(json.dumps(req))
@@ -112,8 +113,8 @@ class Hostile:
     msg = {"op": "announce", **grant, "source": list(source)}
     if host is not None:
       msg.update(source_host=host, source_dc=dc)
-    with transports.connect(receiver.address, 2.0) as sock:
-      transports.Session.request(sock, self.secret, msg).recv_reply()
+    with wire.connect(receiver.address, 2.0) as sock:
+      security.Session.request(sock, self.secret, msg).recv_reply()
 
   def ops(self) -> list:
     return [json.loads(r).get("op") for r in self.received if r.startswith("{")]
@@ -195,7 +196,7 @@ def test_a_symlink_named_by_a_peer_is_refused_read_never_and_reported_nowhere(
   assert wait_until(lambda: _gave_up(r, 2), 5)
   assert "symbolic link" in r.last_error
   # Read nothing: no mapping of the target, in the cache or anywhere in the process.
-  assert link not in payload_lib._MAPS
+  assert link not in shm_lib._MAPS
   with open("/proc/self/maps") as f:
     assert str(target) not in f.read()
   # Sent no digest anywhere: the hostile peer heard a get and nothing more (no nack, no ack);
@@ -241,7 +242,7 @@ def test_a_shm_header_the_receiver_did_not_ask_for_is_refused(cluster, hostile, 
   try:
     m = dataclasses.replace(f.manifest, version=2)
     sums = [checksum(f.buf[a:b]) for a, b in map(m.chunk_range, range(m.num_chunks))]
-    tag = transports.sign_manifest(pub._signer, dataclasses.replace(m, checksums=tuple(sums)))
+    tag = security.sign_manifest(pub._signer, dataclasses.replace(m, checksums=tuple(sums)))
     frames = _ready_frames(sums) + _end_frame(tag)
     h = hostile(secret, m, {"plane": "shm", "shm": f.name}, frames, publisher=pub)
     h.announce(r, 2, *claim)  # not known to be on our host and datacenter
@@ -360,7 +361,7 @@ def test_the_sweep_removes_dead_processes_files_and_keeps_the_living_ones(shm_pa
       kept["other user"] = f"srl_{dead.pid}_{dead_ticks}_{ns}_{next(hexes)}"
       shm_paths.append(_plant(kept["other user"], owner=65534))
     pin = Pin(os.path.join(SHM, kept["pinned"]))  # a generator still to load it
-    removed = payload_lib.sweep_orphans(force=True)
+    removed = shm_lib.sweep_orphans(force=True)
     assert sorted(set(removed) & set((*gone.values(), *kept.values()))) == sorted(gone.values())
     assert not any(os.path.exists(os.path.join(SHM, n)) for n in gone.values())
     assert all(os.path.exists(os.path.join(SHM, n)) for n in kept.values())
@@ -405,7 +406,7 @@ def test_the_watchdog_sweeps_when_its_process_group_is_killed(shm_paths):
 
 
 def test_a_file_being_rewritten_cannot_be_pinned_until_it_is_written():
-  pool = payload_lib.SegmentPool(1, 3, shared=True)
+  pool = shm_lib.SegmentPool(1, 3, shared=True)
   try:
     first, _ = pool.acquire(4096, lambda p: True)  # fresh: nobody has seen it
     path = os.path.join(SHM, first.name)
@@ -435,7 +436,7 @@ def test_the_newest_version_is_never_recycled_and_a_rewrite_holds_its_lock(clust
   t1, t2, t3 = make_tensors(1), make_tensors(2), make_tensors(3)
   assert pub.publish(t1) == 1
   v1_path = pub._newest().path
-  real, gate, paused = service.fill_payload, threading.Event(), threading.Event()
+  real, gate, paused = publisher_lib.fill_payload, threading.Event(), threading.Event()
 
   def slow(tensors, manifest, out):  # stops after two chunks until the test lets it go on
     for i, value in enumerate(real(tensors, manifest, out)):
@@ -444,7 +445,7 @@ def test_the_newest_version_is_never_recycled_and_a_rewrite_holds_its_lock(clust
         paused.set()
         gate.wait(10)
 
-  monkeypatch.setattr(service, "fill_payload", slow)
+  monkeypatch.setattr(publisher_lib, "fill_payload", slow)
   writer = threading.Thread(target=pub.publish, args=(t2,))
   writer.start()
   assert paused.wait(5)

@@ -8,7 +8,7 @@ import sys
 import time
 
 from streamrl.transfer import Publisher, Receiver, RunKeys, new_secret, spawn_receiver
-from streamrl.transfer.service import relay_only
+from streamrl.transfer.process import relay_only
 from .conftest import Loads, config, make_tensors, wait_until
 
 import pytest

@@ -7,7 +7,8 @@ import time
 import numpy as np
 import pytest
 
-from streamrl.transfer import SchemaMismatch, TransferError, schema_of, service, transports
+from streamrl.transfer import SchemaMismatch, TransferError, planes, schema_of
+from streamrl.transfer import publisher as publisher_lib
 from streamrl.transfer.manifest import payload_size
 from .conftest import NAMES, make_tensors, same, wait_until
 
@@ -37,7 +38,7 @@ def test_corrupted_chunk_is_detected_and_never_loaded(cluster, monkeypatch):
   ]
   v1 = pub.publish(make_tensors(1))
   assert pub.wait_acks(v1, 10)
-  real = service.fill_payload
+  real = publisher_lib.fill_payload
 
   def corrupt(
       tensors, manifest, out
@@ -47,7 +48,7 @@ def test_corrupted_chunk_is_detected_and_never_loaded(cluster, monkeypatch):
         out[3 * manifest.chunk_bytes + 5] ^= 0x01
       yield value
 
-  monkeypatch.setattr(service, "fill_payload", corrupt)
+  monkeypatch.setattr(publisher_lib, "fill_payload", corrupt)
   v2 = pub.publish(make_tensors(2))
   for r in rs:
     assert wait_until(lambda: v2 in r._gave_up)
@@ -56,7 +57,7 @@ def test_corrupted_chunk_is_detected_and_never_loaded(cluster, monkeypatch):
     assert r.stats["failed_attempts"] == 3  # 1 + max_retries, shm then TCP
     assert wait_until(lambda: r.name in pub.errors) and "corrupted" in pub.errors[r.name]
   assert not pub.wait_acks(v2, timeout=0.1)
-  monkeypatch.setattr(service, "fill_payload", real)
+  monkeypatch.setattr(publisher_lib, "fill_payload", real)
   t3 = make_tensors(3)
   v3 = pub.publish(t3)
   assert pub.wait_acks(v3, 10)
@@ -66,7 +67,7 @@ def test_corrupted_chunk_is_detected_and_never_loaded(cluster, monkeypatch):
 def test_damage_on_the_wire_is_retried_and_then_loaded_exactly(cluster, monkeypatch):
   pub = cluster.publisher(use_shm=False)
   r = cluster.receiver("r0", join=pub)
-  real = transports.send_limited
+  real = planes.send_limited
   flips = []
 
   def flaky(sock, data, limiters):
@@ -77,7 +78,7 @@ def test_damage_on_the_wire_is_retried_and_then_loaded_exactly(cluster, monkeypa
       data = memoryview(data)
     real(sock, data, limiters)
 
-  monkeypatch.setattr(transports, "send_limited", flaky)
+  monkeypatch.setattr(planes, "send_limited", flaky)
   t = make_tensors(4)
   v = pub.publish(t)
   assert pub.wait_acks(v, 10)
@@ -91,7 +92,7 @@ def test_interrupted_transfer_leaves_the_old_version(cluster, monkeypatch):
   child = cluster.receiver("child", join=pub)
   v1 = pub.publish(make_tensors(1))
   assert pub.wait_acks(v1, 10)
-  real = transports.send_limited
+  real = planes.send_limited
   sent = {}
 
   def cut_halfway(sock, data, limiters):  # every stream dies after 4 of its 8 chunks
@@ -101,14 +102,14 @@ def test_interrupted_transfer_leaves_the_old_version(cluster, monkeypatch):
       raise ConnectionResetError("sender killed")
     real(sock, data, limiters)
 
-  monkeypatch.setattr(transports, "send_limited", cut_halfway)
+  monkeypatch.setattr(planes, "send_limited", cut_halfway)
   v2 = pub.publish(make_tensors(2))
   assert wait_until(lambda: v2 in r._gave_up and v2 in child._gave_up)
   for x in (r, child):
     assert x.version == v1 and x.loads.versions == [v1]
     assert "closed mid-transfer" in x.last_error or "failed" in x.last_error
     assert x._current.version == v1 and x._inflight is None  # old version kept and served
-  monkeypatch.setattr(transports, "send_limited", real)
+  monkeypatch.setattr(planes, "send_limited", real)
   late = cluster.receiver("late")  # a peer can still pull v1 from r
   assert late._fetch_from(r.address, 1, use_shm=False) == v1 and late.loads.versions == [v1]
 

@@ -4,7 +4,14 @@ import collections
 
 import pytest
 
-from streamrl.transfer.topology import ReceiverInfo, TreeNode, iter_edges, plan_direct, plan_topology
+from streamrl.transfer.topology import (
+    ReceiverInfo,
+    TreeNode,
+    iter_edges,
+    path_to,
+    plan_direct,
+    plan_topology,
+)
 
 pytestmark = [pytest.mark.unit]
 
@@ -87,3 +94,13 @@ def test_the_senders_host_label_in_another_datacenter_gets_one_relay_edge():
   assert shape == [("A0", []), ("A1", []), ("B0", ["B1", "B2"])]  # A: off the sender (shm)
   edges = list(iter_edges(tree))
   assert [c.name for p, c in edges if (p.dc if p else "A") != c.dc] == ["B0"]  # one crossing
+
+
+def test_path_to_names_every_parent_down_to_the_receiver():
+  tree = plan_topology(_receivers({"A": 7}), "A", 2)
+  for parent, child in iter_edges(tree):
+    path = path_to(tree, child.name)
+    assert path[0] is tree and path[-1].info == child
+    assert (path[-2].info if len(path) > 1 else None) == parent
+    assert all(b in a.children for a, b in zip(path, path[1:]))
+  assert path_to(tree, "nobody") is None

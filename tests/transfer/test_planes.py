@@ -1,11 +1,8 @@
-"""Framing over a real socket pair and token-bucket pacing on a fake clock."""
-
-import socket
+"""Token-bucket pacing of an emulated link, on a fake clock."""
 
 import pytest
 
-from streamrl.transfer.manifest import TransferError
-from streamrl.transfer.transports import RateLimiter, recv_exact, recv_json, send_error, send_json, send_limited
+from streamrl.transfer.planes import RateLimiter
 
 pytestmark = [pytest.mark.unit]
 
@@ -41,18 +38,3 @@ def test_two_streams_share_one_link():
     lim.consume(100)  # stream 1
     lim.consume(100)  # stream 2
   assert clock.t == pytest.approx(1.0)
-
-
-def test_frames_roundtrip_and_errors_surface():
-  a, b = socket.socketpair()
-  with a, b:
-    send_json(a, {"op": "get", "want": 3})
-    assert recv_json(b) == {"op": "get", "want": 3}
-    send_limited(a, memoryview(b"x" * 1000), [RateLimiter(1e12)])
-    assert bytes(recv_exact(b, 1000)) == b"x" * 1000
-    send_error(a, "chunk 3 is corrupted")
-    with pytest.raises(TransferError, match="chunk 3 is corrupted"):
-      recv_json(b)
-    a.close()
-    with pytest.raises(TransferError, match="closed"):
-      recv_json(b)
