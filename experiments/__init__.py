@@ -1,6 +1,7 @@
-"""Benchmarks and checks, each a script ending with a `RESULT key=value ...`
-line; measured results go to experiments/RESULTS.md. Run them from the
-checkout (`python experiments/bench_modes.py --quick`); shared helpers are
-imported as `experiments.<module>` (the package is installed with
-streamrl) and the tiny PPO workload they share is `streamrl/workload.py`.
+"""Benchmarks and checks as one suite: `harness.py` (common flags, the
+`RESULT key=value ...` line and summary.json, engine set-up, the tiny policy,
+CPU pinning) and the scripts by kind in `bench/`, `check/`, `sim/` and
+`diag/`; measured results go to experiments/RESULTS.md. Run a script as
+`python experiments/bench/bench_modes.py --quick` or
+`python -m experiments.bench.bench_modes --quick`.
 """

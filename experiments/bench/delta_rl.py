@@ -1,12 +1,12 @@
 r"""Delta transfer on a real RL run: bytes a delta would put on the slow link vs full versions.
 
-  python experiments/delta_rl.py [--iterations=8] [--workdir=/tmp/streamrl_delta_rl] [--quick]
+  python experiments/bench/delta_rl.py [--iterations=8] [--workdir=/tmp/streamrl_delta_rl] [--quick]
 
 What runs: the tiny PPO policy of configs/ppo.py with its defaults (colocated
 mode: the real in-process vLLM engine, ``LocalRollout``, generates, the JAX
 trainer trains with actor + critic + reference, weights are pushed to the
 engine every iteration; each iteration is ``train.train_iteration`` on the
-mode from ``train.setup_mode``, as in a real run), warm-started once into
+mode from ``setup.setup_mode``, as in a real run), warm-started once into
 ``--workdir`` (``warmstart.prepare_model_dir`` reuses the cached warm start
 there). The lr schedule is the config's: its
 horizon is ``trainer.num_iterations`` (250), not ``--iterations``, so the
@@ -38,26 +38,14 @@ Ends with ``RESULT delta_bytes_ratio_fp32=<mean k=1> delta_bytes_ratio_bf16=<mea
 delta_bytes_ratio_bf16_k4=<mean k=4>`` (means over the iterations measured).
 """
 
-import os
 import time
 
+from absl import app, flags
 
-from absl import app, flags  # noqa: E402
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from experiments import harness
 
 _ITERATIONS = flags.DEFINE_integer(
     "iterations", 8, "RL iterations to run (one weight version each)."
-)
-_WORKDIR = flags.DEFINE_string(
-    "workdir",
-    "/tmp/streamrl_delta_rl",
-    "Where the warm start is cached (reused if its fingerprint matches).",
-)
-_QUICK = flags.DEFINE_bool(
-    "quick",
-    False,
-    "5 iterations of 16 prompts (same optimizer steps per " "iteration), for development.",
 )
 _CHUNK_MIB = flags.DEFINE_integer(
     "chunk_mib", 4, "Payload chunk size, MiB (the service's default)."
@@ -69,10 +57,8 @@ DTYPES = ("fp32", "bf16")
 
 
 def load_config(quick: bool):
-  """configs/ppo.py in colocated mode (``--quick``: 16 prompts), as typed settings."""
-  from streamrl import config_utils, settings
-
-  config = config_utils.load_config(os.path.join(REPO, "configs", "ppo.py"))
+  """configs/ppo.py (or --config) in colocated mode (``--quick``: 16 prompts), as typed
+  settings."""
   overrides = {"log.progress": False, "pipeline.mode": "colocated"}
   if quick:
     # 4 optimizer steps per iteration as in the default (2 mini-batches x 2 epochs).
@@ -83,7 +69,7 @@ def load_config(quick: bool):
             "trainer.micro_batch_size": 8,
         }
     )
-  return settings.from_config(config_utils.apply_overrides(config, overrides))
+  return harness.settings("configs/ppo.py", overrides)
 
 
 def lr_at(s, step: int) -> float:
@@ -182,29 +168,30 @@ def main(argv):
   from streamrl.generator.local import LocalRollout
   from streamrl.models import hf
   from streamrl.pipeline.timeline import Timeline
+  from streamrl.trainer import setup
   from streamrl.trainer.rl_trainer import RLTrainer
 
   t_start = time.perf_counter()
-  iterations = 5 if _QUICK.value else _ITERATIONS.value
+  # --quick: 5 iterations of 16 prompts (same optimizer steps per iteration).
+  iterations = 5 if harness.QUICK.value else _ITERATIONS.value
   chunk = _CHUNK_MIB.value << 20
-  s = load_config(_QUICK.value)
-  workdir = _WORKDIR.value
-  os.makedirs(workdir, exist_ok=True)
-  train_examples, _ = train.load_examples(s)
-  model_dir = train.policy_dir(s, workdir, train_examples)
+  s = load_config(harness.QUICK.value)
+  workdir = harness.workdir()  # the warm start's cache (reused if its fingerprint matches)
+  train_examples, _ = setup.load_examples(s)
+  model_dir = setup.policy_dir(s, workdir, train_examples)
   _, policy = hf.load_hf(model_dir)
-  tokenizer = train.make_tokenizer(s, model_dir)
-  rewarder = train.make_rewarder(s, tokenizer)
+  tokenizer = setup.make_tokenizer(s, model_dir)
+  rewarder = setup.make_rewarder(s, tokenizer)
   trainer = RLTrainer.from_settings(policy, s)
   loader = PromptLoader(train_examples, s.trainer.prompts_per_iteration, seed=s.seed)
   rollout = LocalRollout(model_dir, s.engine, dtype=s.model.dtype, seed=s.seed)
   try:
-    mode = train.setup_mode(
+    mode = setup.setup_mode(
         s,
         rollout,
         model_dir=model_dir,
         workdir=workdir,
-        rounds=train.make_rounds(loader, tokenizer, s.advantage.group_size),
+        rounds=setup.make_rounds(loader, tokenizer, s.advantage.group_size),
     )
   except BaseException:
     rollout.close()
@@ -304,9 +291,11 @@ def main(argv):
       f"every delta chunk reconstructed bit-exactly (checksum + byte compare); encoder "
       f"{enc_bytes / max(enc_s, 1e-9) / 1e6:.0f} MB/s of full payload; total {time.perf_counter() - t_start:.0f} s"
   )
-  print(
-      f"RESULT delta_bytes_ratio_fp32={mean('fp32', 1):.3f} delta_bytes_ratio_bf16={mean('bf16', 1):.3f} "
-      f"delta_bytes_ratio_bf16_k4={mean('bf16', 4):.3f}"
+  harness.report(
+      summary={"ratios": {f"{d}_k{k}": v for (d, k), v in ratios.items()}},
+      delta_bytes_ratio_fp32=f"{mean('fp32', 1):.3f}",
+      delta_bytes_ratio_bf16=f"{mean('bf16', 1):.3f}",
+      delta_bytes_ratio_bf16_k4=f"{mean('bf16', 4):.3f}",
   )
 
 

@@ -1,7 +1,7 @@
 r"""The output lengths a task's warm-started policy really produces.
 
-  python experiments/workload_stats.py [--config=configs/ppo.py] [--workdir=/tmp/streamrl_workload]
-      [--prompts=128] [--samples=8] [--override=task.kind=trace ...]
+  python experiments/diag/workload_stats.py [--config=configs/ppo.py] [--workdir=/tmp/streamrl_workload]
+      [--prompts=128] [--samples=8] [--override=task.kind=trace ...] [--quick]
 
 Warm-starts the config's tiny policy (cached in --workdir, as a run caches
 it), then samples `--samples` responses for each of `--prompts` training
@@ -18,25 +18,21 @@ and reports what the trainer and the generators would see:
   accuracy               share of samples whose verified answer is right
 
 and the same for the task's own distribution (what the warm-up teaches; for
-work traces `tasks.sample_trace`), so a gap between the two is visible. Ends with
+work traces `tasks.sample_trace`), so a gap between the two is visible.
+--quick: 8 prompts, 2 samples each. Ends with
 
   RESULT p50=.. p99=.. max=.. p99_over_p50=.. cv_within=.. truncated=.. accuracy=..
 """
 
-import os
+from absl import app, flags
+import numpy as np
 
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+from experiments import harness
 
-from absl import app, flags  # noqa: E402
-import numpy as np  # noqa: E402
+harness.engines_in_process()
 
-_CONFIG = flags.DEFINE_string("config", "configs/ppo.py", "The run's config file.")
-_WORKDIR = flags.DEFINE_string("workdir", "/tmp/streamrl_workload", "Warm-start cache.")
 _PROMPTS = flags.DEFINE_integer("prompts", 128, "Training prompts to sample.")
 _SAMPLES = flags.DEFINE_integer("samples", 8, "Samples per prompt.")
-_OVERRIDES = flags.DEFINE_multi_string("override", [], "key=value config overrides.")
 _SHOW = flags.DEFINE_integer("show", 0, "Print this many of the longest responses.")
 
 
@@ -57,20 +53,19 @@ def length_report(groups: list[list[int]], max_tokens: int) -> dict:
 
 def main(argv):
   del argv
-  from streamrl import config_utils, settings, train
+  from streamrl.trainer import setup
   from streamrl.data import tasks
   from streamrl.data.loader import make_requests
   from streamrl.generator import local
 
-  config = config_utils.load_config(_CONFIG.value)
-  config = config_utils.apply_overrides(config, list(_OVERRIDES.value))
-  s = settings.from_config(config)
-  os.makedirs(_WORKDIR.value, exist_ok=True)
-  train_examples, _ = train.load_examples(s)
-  model_dir = train.policy_dir(s, _WORKDIR.value, train_examples)
-  tokenizer = train.make_tokenizer(s, model_dir)
-  examples = train_examples[: _PROMPTS.value]
-  requests, by_id = make_requests(examples, tokenizer, _SAMPLES.value)
+  s = harness.settings("configs/ppo.py")
+  n_prompts, n_samples = (8, 2) if harness.QUICK.value else (_PROMPTS.value, _SAMPLES.value)
+  train_examples, _ = setup.load_examples(s)
+  # The warm-start cache, as a run keeps it.
+  model_dir = setup.policy_dir(s, harness.workdir("/tmp/streamrl_workload"), train_examples)
+  tokenizer = setup.make_tokenizer(s, model_dir)
+  examples = train_examples[:n_prompts]
+  requests, by_id = make_requests(examples, tokenizer, n_samples)
   rollout = local.LocalRollout(model_dir, s.engine, dtype=s.model.dtype, seed=s.seed)
   try:
     samples = list(rollout.generate(requests, s.sampling, seed=local.round_seed(s.seed, 0)))
@@ -78,8 +73,8 @@ def main(argv):
     rollout.close()
   groups: dict[int, list[int]] = {}
   for x in samples:
-    groups.setdefault(x.prompt_id // _SAMPLES.value, []).append(len(x.token_ids))
-  rewarder = train.make_rewarder(s, tokenizer)
+    groups.setdefault(x.prompt_id // n_samples, []).append(len(x.token_ids))
+  rewarder = setup.make_rewarder(s, tokenizer)
   _, correct = rewarder(samples, by_id)
   policy = length_report(list(groups.values()), s.sampling.max_tokens)
   policy["accuracy"] = float(np.mean(correct))
@@ -101,17 +96,17 @@ def main(argv):
         f"{len(x.token_ids):4d} tokens, {by_id[x.prompt_id].prompt!r}: {tokenizer.decode(x.token_ids)!r}"
     )
 
-  trace = train.trace_config(s)
+  trace = setup.trace_config(s)
   rng = np.random.default_rng(s.seed)
   taught = [
-      [len(tasks.sft_target(ex, rng, trace)) + 1 for _ in range(_SAMPLES.value)] for ex in examples
+      [len(tasks.sft_target(ex, rng, trace)) + 1 for _ in range(n_samples)] for ex in examples
   ]
   target = length_report(taught, s.sampling.max_tokens)
-  print(f"task.kind={s.task.kind} prompts={len(examples)} samples/prompt={_SAMPLES.value}")
+  print(f"task.kind={s.task.kind} prompts={len(examples)} samples/prompt={n_samples}")
   print(f"{'':10s}" + "".join(f"{k:>14s}" for k in policy))
   print(f"{'policy':10s}" + "".join(f"{v:14.3f}" for v in policy.values()))
   print(f"{'taught':10s}" + "".join(f"{v:14.3f}" for v in target.values()))
-  print("RESULT " + " ".join(f"{k}={v:.3f}" for k, v in policy.items()))
+  harness.report(summary={"taught": target}, **{k: f"{v:.3f}" for k, v in policy.items()})
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Checkpoint-transfer service: bandwidth vs memcpy, relay vs direct on a slow link, delta vs full.
 
-  python experiments/bench_transfer.py [--quick] [--reps=3] [--link_gbit=1.0]
+  python experiments/bench/bench_transfer.py [--quick] [--reps=3] [--link_gbit=1.0]
 
 Model: random bf16 weights with Qwen2-0.5B's HF names and shapes (494M
 parameters, 988 MB; ``--quick``: 4 layers, 32k vocab, ~60M parameters).
@@ -66,11 +66,10 @@ tcp_signed_ratio_vs_memcpy=.. tcp_tls_ratio_vs_memcpy=..``.
 import os
 import time
 
+from absl import app, flags
 
-from absl import app, flags  # noqa: E402
+from experiments import harness
 
-_QUICK = flags.DEFINE_bool("quick", False, "~60M-parameter model instead of 494M, for development.")
-_REPS = flags.DEFINE_integer("reps", 3, "Timed publishes / memcpy rounds (best is reported).")
 _LINK_GBIT = flags.DEFINE_float(
     "link_gbit", 1.0, "Rate of the emulated cross-datacenter link, Gbit/s."
 )
@@ -307,13 +306,14 @@ def main(argv):
   del argv
   chunk = _CHUNK_MIB.value << 20
   t0 = time.perf_counter()
-  tensors = qwen2_like(_QUICK.value)
+  tensors = qwen2_like(harness.QUICK.value)
   n_params = sum(t.size for t in tensors.values())
   print(
       f"model: {n_params / 1e6:.0f}M params, {sum(t.nbytes for t in tensors.values()) / 1e9:.3f} GB bf16, "
       f"{len(tensors)} tensors (built in {time.perf_counter() - t0:.1f}s); chunk {_CHUNK_MIB.value} MiB"
   )
-  bw = bench_bandwidth(tensors, chunk, _REPS.value, _SKIP_TCP.value)
+  # --reps: timed publishes / memcpy rounds (best is reported).
+  bw = bench_bandwidth(tensors, chunk, harness.reps(3), _SKIP_TCP.value)
   nan = float("nan")
   link = (
       dict(
@@ -372,12 +372,16 @@ def main(argv):
       f"\nlr={_LR.value}: delta/full bytes on the link {delta_ratio:.3f}; "
       f"memcpy {total / bw['memcpy_s']:.2f} GB/s{extra}; total {time.perf_counter() - t0:.0f}s"
   )
-  print(
-      f"RESULT bandwidth_ratio_vs_memcpy={ratio:.3f} relay_speedup={speedup:.2f} "
-      f"delta_bytes_ratio={delta_ratio:.3f} host_copies_per_update={bw['shm_copies']:.3f} "
-      f"tcp_copies_per_update={tcp_copies:.3f} "
-      f"digest_cost_vs_checksum={bw['digest_s'] / bw['checksum_s']:.2f} "
-      f"tcp_signed_ratio_vs_memcpy={tcp_signed:.3f} tcp_tls_ratio_vs_memcpy={tcp_tls:.3f}"
+  harness.report(
+      summary={"bandwidth": bw, "link": link},
+      bandwidth_ratio_vs_memcpy=f"{ratio:.3f}",
+      relay_speedup=f"{speedup:.2f}",
+      delta_bytes_ratio=f"{delta_ratio:.3f}",
+      host_copies_per_update=f"{bw['shm_copies']:.3f}",
+      tcp_copies_per_update=f"{tcp_copies:.3f}",
+      digest_cost_vs_checksum=f"{bw['digest_s'] / bw['checksum_s']:.2f}",
+      tcp_signed_ratio_vs_memcpy=f"{tcp_signed:.3f}",
+      tcp_tls_ratio_vs_memcpy=f"{tcp_tls:.3f}",
   )
 
 

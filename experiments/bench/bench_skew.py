@@ -1,15 +1,15 @@
 """Skewness-aware generation on a real vLLM long-tail workload: FIFO, the ranker's plans,
 a shared work pool with straggler migration, and the oracle, instances running concurrently.
 
-  python experiments/bench_skew.py [--workdir=/tmp/streamrl_skew] [--quick]
+  python experiments/bench/bench_skew.py [--workdir=/tmp/streamrl_skew] [--quick]
 
 What runs (everything real, on this machine):
   1. Policy: the tiny Qwen2-style model, warmed up with supervised steps
      (streamrl.trainer.sft) on the run configs' work traces (`--task=trace`,
      the default: a random number of passes over the input before the
      answer, so lengths vary between samples of a prompt as well as across
-     prompts) or on the plain string tasks (`--task=synthetic`). Cached in
-     the workdir.
+     prompts) or on the plain string tasks (`--task=synthetic`), through
+     `warmstart.prepare_model_dir` (cached in the workdir).
   2. Length history: the policy generates for `--train_prompts` prompts;
      (prompt ids, generated length) pairs go to <workdir>/length_pairs.jsonl,
      as the RL loop saves them.
@@ -63,34 +63,24 @@ Ends with
 Measured results: experiments/RESULTS.md (section bench_skew.py).
 """
 
-import json
 import os
 import statistics
 import time
 
+from absl import app, flags
+
+from experiments import harness
+
 # One compute thread per engine, engines in this process: the lockstep clock is
 # each engine thread's CPU time (set before torch / vLLM are imported).
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+harness.engines_in_process(threads=1, bind="nobind")
 
-from absl import app, flags  # noqa: E402
-
-_WORKDIR = flags.DEFINE_string(
-    "workdir", "/tmp/streamrl_skew", "Cache for policy, pairs, rankers, profile."
-)
-_QUICK = flags.DEFINE_bool(
-    "quick", False, "Small everything, for development (explicit flags win)."
-)
 _NUM_PROMPTS = flags.DEFINE_integer("num_prompts", 128, "Benchmark prompts.")
 _GROUP_SIZE = flags.DEFINE_integer(
     "group_size", 4, "Samples per prompt (a GRPO group; each with its own seed)."
 )
 _NUM_INSTANCES = flags.DEFINE_integer("num_instances", 4, "Generator instances.")
 _MAX_BS = flags.DEFINE_integer("max_batch_size", 32, "Most requests in flight per instance.")
-_REPS = flags.DEFINE_integer("reps", 5, "Timed repetitions of every arm.")
 _TRAIN_PROMPTS = flags.DEFINE_integer(
     "train_prompts", 3000, "Prompts generated for the length history."
 )
@@ -150,56 +140,21 @@ def _max_tokens() -> int:
 
 
 def build_policy(workdir: str) -> str:
-  """Tiny policy warmed up on the tasks; cached by (steps, task settings)."""
-  import numpy as np
-  from flax import nnx
-
+  """--model, else the tiny policy warmed up on the tasks (cached in `workdir`)."""
   from streamrl.data import tasks
-  from streamrl.data import tokenizer as tok
-  from streamrl.models import config, tiny
-  from streamrl.models.transformer import Transformer
-  from streamrl.trainer.sft import warm_start
 
-  path = os.path.join(workdir, "policy")
   trace = _trace_config()
-  meta = {
-      "sft_steps": _SFT_STEPS.value,
-      "task": _task_kwargs(),
-      "trace": str(trace),
-      "trace_format": tasks.TRACE_FORMAT,
-  }
-  meta_path = os.path.join(path, "bench_skew_meta.json")
-  if os.path.exists(meta_path) and json.load(open(meta_path)) == meta:
-    return path
   examples = tasks.make_examples(4000, seed=100, **_task_kwargs())
   if trace is not None:
     examples = tasks.add_traces(examples, trace)
-  rng = np.random.default_rng(_SEED)
-  pairs = [
-      (
-          [tok.BOS_ID] + tok.encode(e.prompt),
-          tok.encode(tasks.sft_target(e, rng, trace)) + [tok.EOS_ID],
-      )
-      for e in examples
-  ]
-  cfg = config.tiny_qwen2(tok.VOCAB_SIZE)
-  t0 = time.perf_counter()
-  model, loss = warm_start(
-      Transformer(cfg, rngs=nnx.Rngs(_SEED)),
-      pairs,
+  return harness.tiny_policy(
+      examples,
       steps=_SFT_STEPS.value,
-      batch_size=32,
-      lr=3e-3,
-      seq_len=max(len(p) + len(r) for p, r in pairs),
+      seed=_SEED,
+      trace=trace,
+      max_answer_len=_max_answer(),
+      directory=workdir,
   )
-  print(
-      f"[bench] policy warm-up: {_SFT_STEPS.value} steps, loss {loss:.3f}, "
-      f"{time.perf_counter() - t0:.0f}s",
-      flush=True,
-  )
-  tiny.build_tiny_model_dir(path, cfg, model=model)
-  json.dump(meta, open(meta_path, "w"))
-  return path
 
 
 def generate_lengths(gen, prompts, sampling) -> dict[int, int]:
@@ -326,16 +281,16 @@ def run_config_scheduler():
 
 def main(argv):
   del argv
-  if _QUICK.value:
+  reps = harness.reps(2 if harness.QUICK.value else 5)  # of every arm
+  if harness.QUICK.value:  # small everything; flags given explicitly win
     for flag, value in (
         ("num_prompts", 32),
-        ("reps", 2),
         ("train_prompts", 600),
         ("sft_steps", 100),
         ("ranker_steps", 200),
         ("compare_losses", ["mse"]),
     ):
-      if not flags.FLAGS[flag].present:  # flags given explicitly win
+      if not flags.FLAGS[flag].present:
         flags.FLAGS[flag].value = value
   import numpy as np
 
@@ -350,7 +305,11 @@ def main(argv):
   from streamrl.scheduling.dispatch import rank_quantiles
 
   # Everything cached depends on the policy, hence on these two settings.
-  workdir = os.path.join(_WORKDIR.value, f"{_TASK.value}_ans{_max_answer()}_sft{_SFT_STEPS.value}")
+  # Policy, pairs, rankers and profile: the cache of these settings.
+  workdir = os.path.join(
+      harness.workdir("/tmp/streamrl_skew"),
+      f"{_TASK.value}_ans{_max_answer()}_sft{_SFT_STEPS.value}",
+  )
   os.makedirs(workdir, exist_ok=True)
   n_inst, max_bs = _NUM_INSTANCES.value, _MAX_BS.value
   policy = build_policy(workdir)
@@ -504,7 +463,7 @@ def main(argv):
   moved = {a: 0 for a in names}
   mismatched = {a: 0 for a in names}
   t0 = time.perf_counter()
-  for rep in range(_REPS.value):
+  for rep in range(reps):
     k = rep % len(names)
     for a in names[k:] + names[:k]:
       res = runs[a]()
@@ -516,7 +475,7 @@ def main(argv):
         gens[:1], [[arms.requests[longest]]], list(solo.batch_sizes), sampling, seed=_SEED
     )
     bound_runs.append(one.makespan_s)
-    print(f"[bench] rep {rep + 1}/{_REPS.value} done, {time.perf_counter() - t0:.0f}s", flush=True)
+    print(f"[bench] rep {rep + 1}/{reps} done, {time.perf_counter() - t0:.0f}s", flush=True)
 
   med = {a: statistics.median(v) for a, v in spans.items()}
   spread = {a: (max(v) - min(v)) / med[a] for a, v in spans.items()}
@@ -553,26 +512,25 @@ def main(argv):
       f"migrate={sched.migrate}"
   )
   print(
-      f"makespan = lockstep CPU-time clock at the last answer, median of {_REPS.value} "
+      f"makespan = lockstep CPU-time clock at the last answer, median of {reps} "
       f"repetitions; fifo = mean of {len(fifo_plans)} random orders"
   )
   print(f"{'arm':14s} {'s':>7s} {'/fifo':>6s} {'spread':>7s} {'moved':>6s} {'changed':>8s}")
   for a in ["fifo", *names, "bound"]:
     print(
         f"{a:14s} {med[a]:7.3f} {ratio[a]:6.3f} {spread.get(a, float('nan')):7.3f} "
-        f"{moved.get(a, 0) / _REPS.value:6.1f} {mismatched.get(a, 0) / _REPS.value:8.1f}"
+        f"{moved.get(a, 0) / reps:6.1f} {mismatched.get(a, 0) / reps:8.1f}"
     )
   m = rank_metrics[_RANKER_LOSS.value]
-  print(
-      "RESULT fifo=1.00 "
-      + " ".join(f"{a}={ratio[a]:.2f}" for a in names if a not in fifo_plans)
-      + f" bound={ratio['bound']:.2f} fifo_spread={spread['fifo']:.2f} "
-      + (f"ranker_sim_spread={spread['ranker_sim']:.2f} " if "ranker_sim" in spread else "")
-      + f"at_max_tokens={int(np.sum(true_len >= sampling.max_tokens))} "
-      f"recall20={m['recall20']:.2f} recall10={m['recall10']:.2f} recall5={m['recall5']:.2f} "
-      f"spearman={m['spearman']:.2f}"
-      + (f" expected_recall20={rank_metrics['expected']['recall20']:.2f}" if trace else "")
-  )
+  result = {"fifo": "1.00", **{a: f"{ratio[a]:.2f}" for a in names if a not in fifo_plans}}
+  result.update(bound=f"{ratio['bound']:.2f}", fifo_spread=f"{spread['fifo']:.2f}")
+  if "ranker_sim" in spread:
+    result["ranker_sim_spread"] = f"{spread['ranker_sim']:.2f}"
+  result["at_max_tokens"] = int(np.sum(true_len >= sampling.max_tokens))
+  result.update({k: f"{m[k]:.2f}" for k in ("recall20", "recall10", "recall5", "spearman")})
+  if trace:
+    result["expected_recall20"] = f"{rank_metrics['expected']['recall20']:.2f}"
+  harness.report(summary={"makespan_s": med, "spread": spread, "ranking": rank_metrics}, **result)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-r"""The Tunix arm of experiments/bench_peers.py: Google's JAX RL library on the same GRPO job.
+r"""The Tunix arm of experiments/bench/bench_peers.py: Google's JAX RL library on the same GRPO job.
 
 Tunix (`google-tunix`) pins `safetensors<0.8` and our `transformers` needs
 `safetensors>=0.8`, so it cannot share StreamRL's environment; it runs in a
@@ -30,7 +30,7 @@ import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if ROOT not in sys.path:
   sys.path.insert(0, ROOT)
 
@@ -174,8 +174,8 @@ def run_child(args: dict) -> None:
   import numpy as np
   import transformers
 
-  from experiments import bench_peers
-  from streamrl import train
+  from experiments.bench import bench_peers
+  from streamrl.trainer import setup
   from streamrl.data import rewards as rewards_lib
   from streamrl.data.loader import PromptLoader
   from streamrl.trainer.step import make_optimizer
@@ -189,8 +189,8 @@ def run_child(args: dict) -> None:
       args["seed"], args["iterations"], args["num_eval"], args["eval_every"]
   )
   model_dir, out_dir = args["model_dir"], args["out_dir"]
-  train_examples, _ = train.load_examples(s)
-  tok = train.make_tokenizer(s, model_dir)
+  train_examples, _ = setup.load_examples(s)
+  tok = setup.make_tokenizer(s, model_dir)
   hf_tok = transformers.AutoTokenizer.from_pretrained(model_dir)
   loader = PromptLoader(train_examples, bench_peers.PROMPTS, seed=s.seed)
   batches = [next(loader) for _ in range(s.trainer.num_iterations)]
@@ -253,7 +253,7 @@ def run_child(args: dict) -> None:
     if list(sampler.tokenize(texts[p])) != ids:
       raise RuntimeError(f"Tunix would tokenize {p!r} differently from StreamRL.")
 
-  answer_of = train.answer_of(s)
+  answer_of = setup.answer_of(s)
   score = getattr(rewards_lib, s.task.reward)
   every = args["eval_every"]
   per_it = bench_peers.PROMPTS // mini_prompts  # generations per iteration

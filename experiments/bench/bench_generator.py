@@ -1,6 +1,6 @@
 """Throughput cost of our streaming generator, and the cost of a weight update.
 
-  python experiments/bench_generator.py [--quick] [--in_process] [--workdir=/tmp/streamrl_bench]
+  python experiments/bench/bench_generator.py [--quick] [--in_process] [--workdir=/tmp/streamrl_bench]
 
 Takes ~4 minutes on 2 busy cores (first run also builds the 0.5B dir, ~2 GB).
 
@@ -19,7 +19,7 @@ the Flax -> HF conversion and the engine reload (a safetensors file in
 /dev/shm -> engine worker -> in-place reload -> prefix cache dropped)
 separately, for the tiny model and for a random-weight model with Qwen2-0.5B's
 shapes (494M params, 24 layers, vocab 151936, with the 64-token char
-tokenizer). The 0.5B update is skipped, with a note and `nan`, when free
+tokenizer; experiments/bench/big_model.py). The 0.5B update is skipped, with a note and `nan`, when free
 memory is below what it was measured to need (see _COPIES_UPDATE).
 
 By default the engines run vLLM's multiprocess engine core, which is what users
@@ -40,19 +40,17 @@ import os
 import statistics
 import time
 
+from absl import app, flags
 
-from absl import app, flags  # noqa: E402
+from experiments import harness
+from experiments.bench import big_model as big
 
-_QUICK = flags.DEFINE_bool(
-    "quick", False, "Small workload, 1 rep, 1 update, a 2-layer big model (explicit flags win)."
-)
+# --quick: a small workload, 1 rep, 1 update, a 2-layer big model (explicit flags win).
 _IN_PROCESS = flags.DEFINE_bool(
     "in_process", False, "Run the engines in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)."
 )
-_WORKDIR = flags.DEFINE_string("workdir", "/tmp/streamrl_bench", "Where the model dirs are built.")
 _NUM_PROMPTS = flags.DEFINE_integer("num_prompts", 256, "Prompts per repetition.")
 _MAX_TOKENS = flags.DEFINE_integer("max_tokens", 64, "max_tokens of every request.")
-_REPS = flags.DEFINE_integer("reps", 11, "Timed repetitions per arm (after one warm-up).")
 _MAX_NUM_SEQS = flags.DEFINE_integer("max_num_seqs", 64, "Engine max_num_seqs (both engines).")
 _MAX_MODEL_LEN = flags.DEFINE_integer("max_model_len", 256, "Engine max_model_len (both engines).")
 _UPDATES = flags.DEFINE_integer("updates", 3, "Weight updates timed per model.")
@@ -200,7 +198,8 @@ def bench_throughput(model_dir: str, vocab_size: int):
   times = {k: [] for k in arms}
   cpus = {k: [] for k in arms}
   tokens = {}
-  for rep in range(_REPS.value + 1):  # rep 0 is the untimed warm-up
+  # --reps timed repetitions per arm (--quick: 1); rep 0 is the untimed warm-up.
+  for rep in range(harness.reps(1 if harness.QUICK.value else 11) + 1):
     # Alternate who goes first, so neither arm always follows the other.
     for name in (("ours", "plain") if rep % 2 else ("plain", "ours")):
       fn = arms[name]
@@ -314,133 +313,12 @@ def time_backends(model_dir: str, model, updates: int) -> dict[str, list[float]]
   return out
 
 
-def _available_gib() -> float:
-  import psutil  # pylint: disable=g-import-not-at-top
-
-  return psutil.virtual_memory().available / 2**30
-
-
-class _PeakMemory:
-  """Samples the summed RSS of this process and its children (the engine
-  processes) in a thread; `peak_gib` after the block. RSS counts shared pages
-  once per process, so this is an upper bound."""
-
-  def __init__(self, period_s: float = 0.1):
-    self.period_s, self.peak_gib, self.base_gib = period_s, 0.0, None
-
-  def _sample(self):
-    import psutil  # pylint: disable=g-import-not-at-top
-
-    me = psutil.Process()
-    while not self._stop.is_set():
-      total = 0
-      for p in [me] + me.children(recursive=True):
-        try:
-          total += p.memory_info().rss
-        except psutil.Error:
-          pass
-      if self.base_gib is None:
-        self.base_gib = total / 2**30
-      self.peak_gib = max(self.peak_gib, total / 2**30)
-      self._stop.wait(self.period_s)
-
-  def __enter__(self):
-    import threading  # pylint: disable=g-import-not-at-top
-
-    self._stop = threading.Event()
-    self._thread = threading.Thread(target=self._sample, daemon=True)
-    self._thread.start()
-    while self.base_gib is None:
-      time.sleep(0.01)
-    return self
-
-  @property
-  def extra_gib(self) -> float:
-    return self.peak_gib - self.base_gib
-
-  def __exit__(self, *exc):
-    self._stop.set()
-    self._thread.join()
-
-
 def _check_generates(gen, vocab_size: int, max_tokens: int = 8) -> None:
   """The engine still serves after the updates, at the new weight version."""
   from streamrl.generator.config import Sampling  # pylint: disable=g-import-not-at-top
 
   samples = list(gen.generate(_prompts(4, vocab_size), Sampling(max_tokens=max_tokens), seed=SEED))
   assert len(samples) == 4 and all(s.weight_version == gen.weight_version for s in samples)
-
-
-def big_config(num_layers: int):
-  """Qwen2-0.5B's shapes (tied embeddings, q/k/v bias, vocab 151936)."""
-  from streamrl.models.config import ModelConfig  # pylint: disable=g-import-not-at-top
-
-  return ModelConfig(
-      vocab_size=151936,
-      hidden_size=896,
-      intermediate_size=4864,
-      num_layers=num_layers,
-      num_heads=14,
-      num_kv_heads=2,
-      head_dim=64,
-      rope_theta=1000000.0,
-      rms_norm_eps=1e-6,
-      tie_embeddings=True,
-      qkv_bias=True,
-      max_position_embeddings=512,
-      family="qwen2",
-  )
-
-
-def random_model(cfg, seed: int):
-  """A Transformer with N(0, 0.02) weights drawn by numpy (JAX's threefry on
-  two cores is much slower for 0.5B numbers); norms 1, biases 0, as the init."""
-  import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  from flax import nnx  # pylint: disable=g-import-not-at-top
-
-  from streamrl.models.transformer import Transformer  # pylint: disable=g-import-not-at-top
-
-  rng = np.random.default_rng(seed)
-  abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
-  graphdef, state = nnx.split(abstract)
-
-  def fill(path, leaf):
-    name = str(path[-1].key if hasattr(path[-1], "key") else path[-1])
-    if name == "scale":
-      return jnp.ones(leaf.shape, leaf.dtype)
-    if name.startswith("b_"):
-      return jnp.zeros(leaf.shape, leaf.dtype)
-    x = rng.standard_normal(leaf.shape, dtype=np.float32)
-    x *= 0.02
-    return jnp.asarray(x)  # a JAX array, as the trainer holds it
-
-  pure = jax.tree_util.tree_map_with_path(fill, nnx.to_pure_dict(state))
-  nnx.replace_by_pure_dict(state, pure)
-  return nnx.merge(graphdef, state)
-
-
-def build_big_dir(path: str, cfg) -> str:
-  """Writes (once) the random 0.5B-shaped model with the char tokenizer."""
-  import json  # pylint: disable=g-import-not-at-top
-
-  from streamrl.models import hf, tiny  # pylint: disable=g-import-not-at-top
-
-  cfg_path = os.path.join(path, "config.json")
-  if os.path.isfile(cfg_path) and os.path.isfile(os.path.join(path, "model.safetensors")):
-    with open(cfg_path) as f:
-      if json.load(f) == hf.hf_config_dict(cfg, bos_token_id=1, eos_token_id=2, pad_token_id=0):
-        return path
-  t0 = time.perf_counter()
-  model = random_model(cfg, seed=1)
-  tiny.build_tiny_model_dir(path, cfg, model=model)
-  print(
-      f"[bench] built {path} ({cfg.num_params / 1e6:.0f}M params) in "
-      f"{time.perf_counter() - t0:.1f}s",
-      flush=True,
-  )
-  return path
 
 
 def main(argv):
@@ -452,11 +330,10 @@ def main(argv):
 
 def _main(argv):
   del argv
-  if _QUICK.value:
+  if harness.QUICK.value:
     for flag, value in (
         ("num_prompts", 64),
         ("max_tokens", 32),
-        ("reps", 1),
         ("updates", 1),
         ("big_layers", 2),
     ):
@@ -464,14 +341,13 @@ def _main(argv):
         flags.FLAGS[flag].value = value
   if _IN_PROCESS.value:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-  os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-  os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+  harness.quiet_engines()
 
   from flax import nnx  # pylint: disable=g-import-not-at-top
 
   from streamrl.data import tokenizer as tok  # pylint: disable=g-import-not-at-top
   from streamrl.generator.vllm_engine import GeneratorInstance  # pylint: disable=g-import-not-at-top
-  from streamrl.models import config, tiny  # pylint: disable=g-import-not-at-top
+  from streamrl.models import hf  # pylint: disable=g-import-not-at-top
   from streamrl.models.transformer import Transformer  # pylint: disable=g-import-not-at-top
 
   mode = (
@@ -480,8 +356,9 @@ def _main(argv):
       else "multiprocess engine core (vLLM default)"
   )
   print(f"[bench] engine mode: {mode}", flush=True)
-  tiny_cfg = config.tiny_qwen2(tok.VOCAB_SIZE)
-  tiny_dir = tiny.build_tiny_model_dir(os.path.join(_WORKDIR.value, "tiny"), tiny_cfg, seed=0)
+  workdir = harness.workdir("/tmp/streamrl_bench")  # where the model dirs are built
+  tiny_dir = harness.tiny_policy()  # --model, else the random tiny policy
+  tiny_cfg = hf.read_config(tiny_dir)
 
   # Part 1.
   rows, info, gen, llm_closer = bench_throughput(tiny_dir, tiny_cfg.vocab_size)
@@ -496,32 +373,30 @@ def _main(argv):
   _stop(llm_closer)
   del gen, llm_closer, models
 
-  big_cfg = big_config(_BIG_LAYERS.value)
+  big_cfg = big.big_config(_BIG_LAYERS.value)
   big_name = f"0.5B shapes, {big_cfg.num_layers} layers"
   weights_gib = big_cfg.num_params * 4 / 2**30
   notes, peaks, lazy, backends = [], {}, [], {}
   if not _SKIP_BIG.value:
-    big_dir = build_big_dir(
-        os.path.join(_WORKDIR.value, f"qwen2_0p5b_l{big_cfg.num_layers}"), big_cfg
-    )
+    big_dir = big.build_big_dir(os.path.join(workdir, f"qwen2_0p5b_l{big_cfg.num_layers}"), big_cfg)
     t0 = time.perf_counter()
     big_gen = GeneratorInstance(
         big_dir, max_num_seqs=8, max_model_len=_MAX_MODEL_LEN.value, seed=SEED, kv_cache_gib=1.0
     )
     _CLOSERS.append(big_gen.close)
     print(f"[bench] big engine up in {time.perf_counter() - t0:.1f}s", flush=True)
-    big_model = random_model(big_cfg, seed=2)  # new values, same shapes
+    big_model = big.random_model(big_cfg, seed=2)  # new values, same shapes
     # The same model for each update: reload cost does not depend on values.
     copies = _COPIES_UPDATE["in_process" if _IN_PROCESS.value else "multiprocess"]
     need = copies * weights_gib
-    if _available_gib() < need:
+    if big.available_gib() < need:
       notes.append(
           f"{big_name}: skipped, needs ~{need:.0f} GiB free ({copies} copies of "
-          f"{weights_gib:.1f} GiB of weights), {_available_gib():.0f} GiB available"
+          f"{weights_gib:.1f} GiB of weights), {big.available_gib():.0f} GiB available"
       )
       print(f"[bench] {notes[-1]}", flush=True)
     else:
-      with _PeakMemory() as mem:
+      with big.PeakMemory() as mem:
         upd[big_name] = time_updates(big_gen, [big_model] * _UPDATES.value)
       peaks[big_name] = mem.extra_gib
       lazy = time_lazy_updates(big_gen, [big_model] * _UPDATES.value)
@@ -592,13 +467,15 @@ def _main(argv):
       f"{median(lazy)}; one Ray instance per backend: "
       + ", ".join(f"{k} {median(v)}" for k, v in backends.items())
   )
-  print(
-      f"RESULT generator_overhead_ratio={info['ratio']:.3f} "
-      f"weight_update_s_tiny={tot(upd['tiny']):.3f} weight_update_s_0p5b={big_s} "
-      f"weight_update_s_0p5b_lazy={median(lazy)} "
-      f"weight_update_s_0p5b_ray={median(backends.get('ray'))} "
-      f"weight_update_s_0p5b_transfer={median(backends.get('transfer'))} "
-      f"load_avg_1m={os.getloadavg()[0]:.2f}"
+  harness.report(
+      summary={"throughput": info, "updates": upd, "lazy": lazy, "backends": backends},
+      generator_overhead_ratio=f"{info['ratio']:.3f}",
+      weight_update_s_tiny=f"{tot(upd['tiny']):.3f}",
+      weight_update_s_0p5b=big_s,
+      weight_update_s_0p5b_lazy=median(lazy),
+      weight_update_s_0p5b_ray=median(backends.get("ray")),
+      weight_update_s_0p5b_transfer=median(backends.get("transfer")),
+      load_avg_1m=f"{os.getloadavg()[0]:.2f}",
   )
 
 

@@ -1,6 +1,6 @@
 """LoRA adapter vs full weights over the cross-datacenter path, at Qwen2-0.5B shapes.
 
-  python experiments/bench_lora_transfer.py [--rank=8] [--link_gbit=1.0] [--reps=3] [--quick]
+  python experiments/bench/bench_lora_transfer.py [--rank=8] [--link_gbit=1.0] [--reps=3] [--quick]
 
 The transfer service as a LoRA run uses it (`trainer.lora_rank`): the
 publisher in datacenter A, 4 receiver processes in datacenter B (each its
@@ -24,18 +24,16 @@ speedup=.. bytes_ratio=..`. About a minute at 1 Gbit/s.
 
 from __future__ import annotations
 
-import os
-import sys
 import time
 
 from absl import app, flags
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from experiments import bench_transfer  # pylint: disable=wrong-import-position
+from experiments import harness
+from experiments.bench import bench_transfer
 
 _RANK = flags.DEFINE_integer("rank", 8, "The adapter's rank (trainer.lora_rank).")
-# --link_gbit, --reps (versions per payload), --chunk_mib and --quick are bench_transfer's flags.
+# --link_gbit and --chunk_mib are bench_transfer's flags; --reps (versions per
+# payload) and --quick the harness's.
 
 # Qwen2-0.5B: hidden 896, MLP 4864, 24 layers, 2 kv heads of 64.
 _SHAPES = {"hidden": 896, "inter": 4864, "layers": 24, "kv": 128}
@@ -105,7 +103,7 @@ def timed_versions(make, chunk: int, link_bytes_per_s: float, versions: int) -> 
 def main(argv):
   del argv
   # pylint: disable=protected-access
-  quick, reps = bench_transfer._QUICK.value, bench_transfer._REPS.value
+  quick, reps = harness.QUICK.value, harness.reps(3)
   link_gbit = bench_transfer._LINK_GBIT.value
   link, chunk = link_gbit * 1e9 / 8, bench_transfer._CHUNK_MIB.value << 20
   t0 = time.perf_counter()
@@ -126,10 +124,13 @@ def main(argv):
   print(
       f"link {link_gbit} Gbit/s, 4 receivers in B, relay tree; total {time.perf_counter() - t0:.0f} s"
   )
-  print(
-      f"RESULT full_s={full_s:.3f} adapter_s={adapter_s:.3f} full_mb={full_mb:.1f} "
-      f"adapter_mb={adapter_mb:.2f} speedup={full_s / adapter_s:.1f} "
-      f"bytes_ratio={adapter_b / full_b:.4f}"
+  harness.report(
+      full_s=f"{full_s:.3f}",
+      adapter_s=f"{adapter_s:.3f}",
+      full_mb=f"{full_mb:.1f}",
+      adapter_mb=f"{adapter_mb:.2f}",
+      speedup=f"{full_s / adapter_s:.1f}",
+      bytes_ratio=f"{adapter_b / full_b:.4f}",
   )
 
 

@@ -1,6 +1,6 @@
 r"""`configs/ppo.py` on two generator instances, per scheduler, run after run.
 
-  python experiments/bench_pool_runs.py [--runs=3] [--iterations=100]
+  python experiments/bench/bench_pool_runs.py [--reps=3] [--iterations=100]
       [--arms=default,fifo,pool,ranker_on_trainer] [--workdir=/tmp/streamrl_pool_runs]
 
 Each arm is the StreamRL default run (`launch/main.py --config=configs/ppo.py`,
@@ -35,26 +35,22 @@ import os
 import shutil
 import statistics
 import subprocess
-import sys
 import time
 
 from absl import app, flags
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from experiments import harness
 
 ARMS = {
-    "default": [],
-    "fifo": ["--config.scheduler.kind=fifo"],
-    "pool": ["--config.scheduler.pool=shared"],
-    "ranker_on_trainer": ["--config.scheduler.ranker_side=trainer"],
+    "default": {},
+    "fifo": {"scheduler.kind": "fifo"},
+    "pool": {"scheduler.pool": "shared"},
+    "ranker_on_trainer": {"scheduler.ranker_side": "trainer"},
 }
 
-_RUNS = flags.DEFINE_integer("runs", 3, "Runs per arm.")
 _ITERATIONS = flags.DEFINE_integer("iterations", 100, "trainer.num_iterations of each run.")
 _ARMS = flags.DEFINE_list("arms", ["default", "fifo", "pool"], f"Arms to run, of {sorted(ARMS)}.")
 _SKIP = flags.DEFINE_integer("skip", 5, "Leading iterations left out (compiles, first rounds).")
-_WORKDIR = flags.DEFINE_string("workdir", "/tmp/streamrl_pool_runs", "A fresh directory per run.")
-_OVERRIDES = flags.DEFINE_multi_string("override", [], "Extra overrides key=value for every run.")
 
 
 def summarize(metrics_path: str, skip: int) -> dict:
@@ -82,30 +78,28 @@ def main(argv):
   unknown = set(_ARMS.value) - set(ARMS)
   if unknown:
     raise app.UsageError(f"--arms has {sorted(unknown)}; pick from {sorted(ARMS)}.")
-  os.makedirs(_WORKDIR.value, exist_ok=True)
+  root = harness.workdir("/tmp/streamrl_pool_runs")  # a fresh directory per run below it
   warm = None  # the first run's warm-started policy, shared with the others
   results: dict[str, list[dict]] = {a: [] for a in _ARMS.value}
-  for rep in range(_RUNS.value):
+  for rep in range(harness.reps(3)):  # runs per arm
     for arm in _ARMS.value:
-      wd = os.path.join(_WORKDIR.value, f"{arm}{rep}")
+      wd = os.path.join(root, f"{arm}{rep}")
       shutil.rmtree(wd, ignore_errors=True)
       os.makedirs(wd)
       if warm:
         os.symlink(warm, os.path.join(wd, os.path.basename(warm)))
-      cmd = [
-          sys.executable,
-          os.path.join(ROOT, "launch", "main.py"),
-          "--config=" + os.path.join(ROOT, "configs", "ppo.py"),
-          f"--workdir={wd}",
-          "--config.engine.num_instances=2",
-          f"--config.trainer.num_iterations={_ITERATIONS.value}",
-          f"--config.log.eval_every={_ITERATIONS.value}",
-          *ARMS[arm],
-          *(f"--config.{o}" for o in _OVERRIDES.value),
-      ]
+      cmd = harness.main_command(
+          wd,
+          {
+              "engine.num_instances": 2,
+              "trainer.num_iterations": _ITERATIONS.value,
+              "log.eval_every": _ITERATIONS.value,
+              **ARMS[arm],
+          },
+      )
       t0 = time.time()
       with open(os.path.join(wd, "run.log"), "w") as log:
-        rc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT).returncode
+        rc = subprocess.run(cmd, cwd=harness.ROOT, stdout=log, stderr=subprocess.STDOUT).returncode
       if rc:
         raise RuntimeError(f"{arm} run {rep} exited {rc}; its log: {wd}/run.log")
       if warm is None:
@@ -120,16 +114,14 @@ def main(argv):
           f"acc {r['acc']:.3f}  wall {r['wall_s']:.0f} s",
           flush=True,
       )
-  out = []
+  out = {}
   for arm, rs in results.items():
     ms = [r["makespan"] for r in rs]
-    out += [
-        f"{arm}_makespan={statistics.mean(ms):.3f}",
-        f"{arm}_makespan_spread={max(ms) - min(ms):.3f}",
-        f"{arm}_idle={statistics.mean(r['idle'] for r in rs):.3f}",
-        f"{arm}_acc={statistics.mean(r['acc'] for r in rs):.3f}",
-    ]
-  print("RESULT " + " ".join(out))
+    out[f"{arm}_makespan"] = f"{statistics.mean(ms):.3f}"
+    out[f"{arm}_makespan_spread"] = f"{max(ms) - min(ms):.3f}"
+    out[f"{arm}_idle"] = f"{statistics.mean(r['idle'] for r in rs):.3f}"
+    out[f"{arm}_acc"] = f"{statistics.mean(r['acc'] for r in rs):.3f}"
+  harness.report(summary={"runs": results}, **out)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """A bf16 checkpoint written by `transformers` through the whole RL run.
 
-  python experiments/check_bf16_run.py [--family=qwen2|llama] [--iterations=3] [--workdir=...]
+  python experiments/check/check_bf16_run.py [--family=qwen2|llama] [--iterations=3] [--workdir=DIR]
 
 Builds the tiny policy (warm-started on the default task, so the run has
 something to learn), hands it to `transformers`, which saves it as a
@@ -22,16 +22,14 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 
 from absl import app, flags
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from experiments import harness
 
 _FAMILY = flags.DEFINE_enum("family", "qwen2", ["qwen2", "llama"], "Architecture to save.")
 _ITERATIONS = flags.DEFINE_integer("iterations", 3, "RL iterations of the run.")
-_WORKDIR = flags.DEFINE_string("workdir", "", "Scratch directory (default: a temp dir).")
 _MODE = flags.DEFINE_string("mode", "colocated", "pipeline.mode of the run.")
 
 
@@ -40,13 +38,14 @@ def build_bf16_dir(workdir: str, family: str) -> str:
   import torch  # pylint: disable=g-import-not-at-top
   import transformers  # pylint: disable=g-import-not-at-top
 
-  from streamrl import settings, train  # pylint: disable=g-import-not-at-top
+  from streamrl import settings  # pylint: disable=g-import-not-at-top
+  from streamrl.trainer import setup  # pylint: disable=g-import-not-at-top
 
   cfg = settings.default_config()
   cfg.model.tiny = family
   s = settings.from_config(cfg)
-  train_examples, _ = train.load_examples(s)
-  fp32_dir = train.policy_dir(s, workdir, train_examples)
+  train_examples, _ = setup.load_examples(s)
+  fp32_dir = setup.policy_dir(s, workdir, train_examples)
   cls = {"qwen2": transformers.Qwen2ForCausalLM, "llama": transformers.LlamaForCausalLM}[family]
   model = cls.from_pretrained(fp32_dir, torch_dtype=torch.bfloat16)
   out = os.path.join(workdir, f"{family}-bf16")
@@ -61,20 +60,19 @@ def build_bf16_dir(workdir: str, family: str) -> str:
 
 def main(argv):
   del argv
-  workdir = _WORKDIR.value or tempfile.mkdtemp(prefix="bf16_run_")
+  workdir = tempfile.mkdtemp(prefix="bf16_run_", dir=harness.workdir())
   model_dir = build_bf16_dir(workdir, _FAMILY.value)
   run_dir = os.path.join(workdir, "run")
-  cmd = [
-      sys.executable,
-      os.path.join(ROOT, "launch", "main.py"),
-      "--config=" + os.path.join(ROOT, "configs", "ppo.py"),
-      f"--workdir={run_dir}",
-      f"--config.model.path={model_dir}",
-      "--config.model.dtype=bfloat16",
-      f"--config.trainer.num_iterations={_ITERATIONS.value}",
-      f"--config.pipeline.mode={_MODE.value}",
-      "--config.log.eval_every=0",
-  ]
+  cmd = harness.main_command(
+      run_dir,
+      {
+          "model.path": model_dir,
+          "model.dtype": "bfloat16",
+          "trainer.num_iterations": _ITERATIONS.value,
+          "pipeline.mode": _MODE.value,
+          "log.eval_every": 0,
+      },
+  )
   print(" ".join(cmd), flush=True)
   subprocess.run(cmd, check=True)
   rows = [json.loads(l) for l in open(os.path.join(run_dir, "metrics.jsonl"))]
@@ -85,11 +83,12 @@ def main(argv):
         f"max_abs_logprob_diff={r['mismatch/max_abs_logprob_diff']:.3f} "
         f"ratio_mean={r['train/ratio_mean']:.5f}"
     )
-  print(
-      f"RESULT family={_FAMILY.value} iterations={len(rows)} "
-      f"k3_kl_max={max(r['mismatch/k3_kl'] for r in rows):.2e} "
-      f"max_abs_logprob_diff_max={max(r['mismatch/max_abs_logprob_diff'] for r in rows):.3f} "
-      f"ratio_mean={sum(r['train/ratio_mean'] for r in rows) / len(rows):.5f}"
+  harness.report(
+      family=_FAMILY.value,
+      iterations=len(rows),
+      k3_kl_max=f"{max(r['mismatch/k3_kl'] for r in rows):.2e}",
+      max_abs_logprob_diff_max=f"{max(r['mismatch/max_abs_logprob_diff'] for r in rows):.3f}",
+      ratio_mean=f"{sum(r['train/ratio_mean'] for r in rows) / len(rows):.5f}",
   )
 
 

@@ -1,13 +1,13 @@
 """The trainer's GPU benchmark: arms in their own processes, most important first.
 
-  python experiments/gpu_check.py                  # one H100/H200: under 8 minutes
-  python experiments/gpu_check.py --only=init      # also on a CPU: the 1.5B random init
-  python experiments/gpu_check.py --only=export    # also on a CPU: the bf16 export, both ways
-  python experiments/gpu_check.py --smoke          # tiny shapes, any CPU: seconds
+  python experiments/check/gpu_check.py                  # one H100/H200: under 8 minutes
+  python experiments/check/gpu_check.py --only=init      # also on a CPU: the 1.5B random init
+  python experiments/check/gpu_check.py --only=export    # also on a CPU: the bf16 export, both ways
+  python experiments/check/gpu_check.py --quick          # tiny shapes, any CPU: seconds
 
 Needs JAX, Flax, optax and torch, not vLLM: nothing here imports it, directly
 or through streamrl (each arm reports `vllm_imported`, and the check fails if
-any did; tests/trainer/test_gpu_check.py runs --smoke with a vllm package on
+any did; tests/trainer/test_gpu_check.py runs --quick with a vllm package on
 the path that refuses to be imported). Every arm runs in a fresh process
 (`trainer_workload.run_isolated`), so its peak memory is its own.
 
@@ -48,13 +48,12 @@ import time
 
 from absl import app, flags
 
+from experiments import harness
 from experiments import trainer_workload as tw
 
-_SMOKE = flags.DEFINE_bool("smoke", False, "Tiny shapes (seconds on a CPU), same code paths.")
 _ONLY = flags.DEFINE_list("only", [], "Arms to run (default: all, in order).")
 _SEQ_LEN = flags.DEFINE_integer("seq_len", 2048, "Tokens per sequence of the 1.5B arms.")
 _BATCH = flags.DEFINE_integer("batch", 8, "Sequences per step of the 1.5B arms.")
-_STEPS = flags.DEFINE_integer("steps", 5, "Timed steps per arm.")
 _BUDGET_S = flags.DEFINE_integer(
     "budget_s", 450, "Wall-clock limit of the whole check; arms that do not fit are skipped."
 )
@@ -80,7 +79,7 @@ ARMS = (
 
 
 def specs(smoke: bool, seq_len: int, batch: int, steps: int, cpu: bool) -> dict:
-  """{arm: its trainer_workload spec}."""
+  """{arm: its trainer_workload spec}; `smoke`: the tiny shapes of --quick."""
   big, small, seven = (
       ("smoke_large", "smoke_small", "smoke_large")
       if smoke
@@ -177,7 +176,7 @@ def main(_):
   unknown = sorted(set(arms) - set(ARMS))
   if unknown:
     raise app.UsageError(f"Unknown arm(s) {unknown}; use some of {list(ARMS)}.")
-  all_specs = specs(_SMOKE.value, _SEQ_LEN.value, _BATCH.value, _STEPS.value, cpu)
+  all_specs = specs(harness.QUICK.value, _SEQ_LEN.value, _BATCH.value, harness.reps(5), cpu)
   results, fields, skipped = {}, [], []
   for name in (a for a in ARMS if a in arms):
     left = _BUDGET_S.value - (time.perf_counter() - t0)
@@ -197,17 +196,15 @@ def main(_):
   handoff = results.get("handoff", {}).get("handoff_ok", True)
   ok = finite and handoff and not vllm and not any(f.endswith("_failed=1") for f in fields)
   device = next((r["device"] for r in results.values()), "none").replace(" ", "_")
-  fields = (
-      [f"device={device}"]
-      + fields
-      + [
-          f"skipped={','.join(skipped) or 'none'}",
-          f"vllm_imported={int(vllm)}",
-          f"wall_s={time.perf_counter() - t0:.0f}",
-          f"ok={int(ok)}",
-      ]
+  harness.report(
+      summary={"arms": results},
+      device=device,
+      **dict(f.split("=", 1) for f in fields),
+      skipped=",".join(skipped) or "none",
+      vllm_imported=int(vllm),
+      wall_s=f"{time.perf_counter() - t0:.0f}",
+      ok=int(ok),
   )
-  print("RESULT " + " ".join(fields), flush=True)
   sys.exit(0 if ok else 1)
 
 

@@ -1,6 +1,6 @@
 """A trainer over 2 processes against 1 process, on the same 8-device mesh.
 
-  python experiments/check_multihost.py [--iterations=8] [--mode=sync] [--workdir=...]
+  python experiments/check/check_multihost.py [--iterations=8] [--mode=sync] [--workdir=DIR]
 
 Runs the tiny PPO job twice through `launch/main.py`, as a user would, with
 real Ray actors, a real vLLM generator and real collectives:
@@ -22,34 +22,31 @@ over loopback, the leader's command queue), not a speedup.
 import json
 import os
 import subprocess
-import sys
 import tempfile
 import time
 
 import numpy as np
 from absl import app, flags
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from experiments import harness
 
 _ITERATIONS = flags.DEFINE_integer("iterations", 8, "RL iterations of each run.")
 _MODE = flags.DEFINE_string("mode", "sync", "pipeline.mode of both runs (not colocated).")
-_WORKDIR = flags.DEFINE_string("workdir", "", "Scratch directory (default: a temp dir).")
 
 
 def run(workdir: str, processes: int, iterations: int, mode: str) -> float:
   """One run through launch/main.py; returns its wall time."""
-  cmd = [
-      sys.executable,
-      os.path.join(ROOT, "launch", "main.py"),
-      f"--config={os.path.join(ROOT, 'configs', 'ppo.py')}",
-      f"--workdir={workdir}",
-      f"--config.pipeline.mode={mode}",
-      "--config.mesh.fsdp=4",
-      "--config.mesh.tensor=2",
-      f"--config.cluster.trainer_processes={processes}",
-      f"--config.trainer.num_iterations={iterations}",
-      "--config.log.progress=False",
-  ]
+  cmd = harness.main_command(
+      workdir,
+      {
+          "pipeline.mode": mode,
+          "mesh.fsdp": 4,
+          "mesh.tensor": 2,
+          "cluster.trainer_processes": processes,
+          "trainer.num_iterations": iterations,
+          "log.progress": False,
+      },
+  )
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
   t0 = time.time()
   subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
@@ -65,7 +62,7 @@ def training_times(workdir: str) -> list[float]:
 def main(_):
   from streamrl.trainer.checkpoint import read_arrays  # pylint: disable=g-import-not-at-top
 
-  root = _WORKDIR.value or tempfile.mkdtemp(prefix="check_multihost_")
+  root = tempfile.mkdtemp(prefix="check_multihost_", dir=harness.workdir())
   out = {}
   for n in (1, 2):
     workdir = os.path.join(root, f"p{n}")
@@ -88,9 +85,11 @@ def main(_):
   diffs = {k: float(np.max(np.abs(a[k].astype(np.float64) - b[k].astype(np.float64)))) for k in a}
   worst = max(diffs, key=diffs.get)
   print(f"{len(diffs)} arrays compared; largest difference {diffs[worst]:.3g} at {worst}")
-  print(
-      f"RESULT processes=2 devices=8 param_max_abs_diff={diffs[worst]:.3g} "
-      f"step_time_ratio={out[2]['step'] / out[1]['step']:.3f}"
+  harness.report(
+      processes=2,
+      devices=8,
+      param_max_abs_diff=f"{diffs[worst]:.3g}",
+      step_time_ratio=f"{out[2]['step'] / out[1]['step']:.3f}",
   )
 
 

@@ -1,7 +1,7 @@
 """Trainer step: throughput and peak memory, remat on/off, chunked/unchunked logprobs.
 
-  python experiments/bench_trainer.py [--layers=N] [--seq_len=T] [--batch=B]
-      [--steps=S] [--dtype=bfloat16|float32] [--chunk=C]
+  python experiments/bench/bench_trainer.py [--layers=N] [--seq_len=T] [--batch=B]
+      [--reps=S] [--dtype=bfloat16|float32] [--chunk=C] [--quick]
 
 A random Qwen2-0.5B-shaped policy (hidden 896, 14 heads / 2 kv heads of 64,
 MLP 4864, vocab 151936, tied embeddings, q/k/v bias) trained with the real
@@ -30,6 +30,8 @@ Defaults by platform (each flag overrides):
        merges rematerialised blocks back into the forward pass (see
        `ComputeConfig.remat`), so on CPU the remat arms save nothing and
        only cost time: their ratios mean something on a GPU only.
+  --quick: the tiny smoke shape (trainer_workload's "smoke_small"), 1 x 64
+       tokens, 1 timed step: seconds, the same code path.
 
 Ends with
   RESULT tokens_per_s=.. peak_bytes_per_token=.. mfu=.. remat_peak_ratio=..
@@ -40,14 +42,14 @@ peak of its baseline (remat_*: remat_* / default; chunk: default / unchunked)
 and *_speed_ratio the same for tokens/s.
 """
 
-from absl import app, flags  # noqa: E402
+from absl import app, flags
 
-from experiments import trainer_workload as tw  # noqa: E402
+from experiments import harness
+from experiments import trainer_workload as tw
 
 _LAYERS = flags.DEFINE_integer("layers", None, "Decoder layers (default: 24 on GPU, 2 on CPU).")
 _SEQ_LEN = flags.DEFINE_integer("seq_len", 1024, "Tokens per sequence.")
 _BATCH = flags.DEFINE_integer("batch", None, "Sequences per step (default: 8 on GPU, 1 on CPU).")
-_STEPS = flags.DEFINE_integer("steps", None, "Timed steps per arm (default: 5 on GPU, 2 on CPU).")
 _DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "Compute dtype.")
 _CHUNK = flags.DEFINE_integer(
     "chunk", None, "logprob_chunk of the chunked arms (default: the trainer's default)."
@@ -66,12 +68,13 @@ def main(_):
       remat=defaults.compute(_DTYPE.value).remat,  # "auto" as an unplanned run has it
       logprob_chunk=chunk,
   )
+  quick = harness.QUICK.value
   common = dict(
-      model="qwen2_0_5b",
-      layers=_LAYERS.value or (None if gpu else 2),
-      seq_len=_SEQ_LEN.value,
+      model="smoke_small" if quick else "qwen2_0_5b",
+      layers=_LAYERS.value or (None if gpu or quick else 2),
+      seq_len=64 if quick else _SEQ_LEN.value,
       batch=_BATCH.value or (8 if gpu else 1),
-      steps=_STEPS.value or (5 if gpu else 2),
+      steps=harness.reps(1 if quick else 5 if gpu else 2),
   )
   arms = [
       tw.arm("default", compute=base, **common),
@@ -79,9 +82,9 @@ def main(_):
       tw.arm("remat_full", compute=dict(base, remat="full"), **common),
       tw.arm("remat_dots", compute=dict(base, remat="dots"), **common),
   ]
-  cfg = tw.model_config("qwen2_0_5b", common["layers"])
+  cfg = tw.model_config(common["model"], common["layers"])
   print(
-      f"qwen2-0.5B shape, {cfg.num_layers} layers ({cfg.num_params / 1e6:.0f}M params), "
+      f"{common['model']} shape, {cfg.num_layers} layers ({cfg.num_params / 1e6:.0f}M params), "
       f"{common['batch']} x {common['seq_len']} tokens, compute {_DTYPE.value}, "
       f"default remat={base['remat']} logprob_chunk={chunk}",
       flush=True,
@@ -104,14 +107,16 @@ def main(_):
 
   d = results["default"]
   speed = lambda a, b: results[a]["tokens_per_s"] / results[b]["tokens_per_s"]
-  print(
-      f"RESULT tokens_per_s={d['tokens_per_s']:.1f} "
-      f"peak_bytes_per_token={d['peak_bytes_per_token']:.0f} mfu={d['mfu']:.3f} "
-      f"remat_peak_ratio={peak('remat_full') / peak('default'):.3f} "
-      f"remat_dots_peak_ratio={peak('remat_dots') / peak('default'):.3f} "
-      f"chunk_peak_ratio={peak('default') / peak('unchunked'):.3f} "
-      f"remat_speed_ratio={speed('remat_full', 'default'):.3f} "
-      f"chunk_speed_ratio={speed('default', 'unchunked'):.3f}"
+  harness.report(
+      summary={"arms": results},
+      tokens_per_s=f"{d['tokens_per_s']:.1f}",
+      peak_bytes_per_token=f"{d['peak_bytes_per_token']:.0f}",
+      mfu=f"{d['mfu']:.3f}",
+      remat_peak_ratio=f"{peak('remat_full') / peak('default'):.3f}",
+      remat_dots_peak_ratio=f"{peak('remat_dots') / peak('default'):.3f}",
+      chunk_peak_ratio=f"{peak('default') / peak('unchunked'):.3f}",
+      remat_speed_ratio=f"{speed('remat_full', 'default'):.3f}",
+      chunk_speed_ratio=f"{speed('default', 'unchunked'):.3f}",
   )
 
 

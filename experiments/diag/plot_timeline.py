@@ -1,14 +1,14 @@
 r"""Pipeline timelines as pictures: one row per stage, busy bars by iteration.
 
-  python experiments/plot_timeline.py experiments/out/bench_modes/timeline_async.json [...]
-  python experiments/plot_timeline.py --summary=experiments/out/bench_modes
+  python experiments/diag/plot_timeline.py experiments/out/bench_modes/timeline_async.json [...]
+  python experiments/diag/plot_timeline.py --summary=experiments/out/bench_modes
 
 Reads what `Timeline.to_json` wrote (a list of {"stage", "start", "end",
 "label"}, seconds from the run's start) and draws, like the StreamRL paper's
 pipeline diagrams, one row per stage (trainer on top, then generator0, ...),
 a bar for every busy interval coloured by its iteration (the trailing number
 of its label: "gen 2", "train 2", "reward 2"), and white where the stage
-idles: the bubbles. With --summary (the folder experiments/bench_modes.py
+idles: the bubbles. With --summary (the folder experiments/bench/bench_modes.py
 wrote), it reads summary.json for each mode's last block, its untimed
 iterations (shaded) and throughputs, and draws timeline_<mode>.png per mode
 and timeline_all.png with every mode on one time scale.
@@ -16,12 +16,12 @@ and timeline_all.png with every mode on one time scale.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
 from collections.abc import Sequence
 
+from absl import app, flags
 import matplotlib
 
 matplotlib.use("Agg")
@@ -29,6 +29,10 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
 MODE_ORDER = ("colocated", "sync", "stream", "async")
+
+_SUMMARY = flags.DEFINE_string(
+    "summary", "", "A folder experiments/bench/bench_modes.py wrote (its summary.json)."
+)
 
 
 def load_intervals(path: str) -> list[dict]:
@@ -208,21 +212,20 @@ def plot_summary(out_dir: str) -> list[str]:
   return pngs
 
 
-def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("paths", nargs="*", help="timeline JSON files (Timeline.to_json)")
-  parser.add_argument("--summary", default="", help="folder written by experiments/bench_modes.py")
-  args = parser.parse_args()
-  if not args.paths and not args.summary:
-    parser.error("give timeline JSON paths or --summary=<folder of bench_modes.py>.")
-  outs = [plot_file(p) for p in args.paths]
-  if args.summary:
-    if not os.path.isfile(os.path.join(args.summary, "summary.json")):
-      parser.error(f"{args.summary!r} has no summary.json; run experiments/bench_modes.py first.")
-    outs += plot_summary(args.summary)
+def main(argv) -> None:
+  paths = argv[1:]  # timeline JSON files (Timeline.to_json)
+  if not paths and not _SUMMARY.value:
+    raise app.UsageError("give timeline JSON paths or --summary=<folder of bench_modes.py>.")
+  outs = [plot_file(p) for p in paths]
+  if _SUMMARY.value:
+    if not os.path.isfile(os.path.join(_SUMMARY.value, "summary.json")):
+      raise app.UsageError(
+          f"{_SUMMARY.value!r} has no summary.json; run experiments/bench/bench_modes.py first."
+      )
+    outs += plot_summary(_SUMMARY.value)
   for p in outs:
     print(p)
 
 
 if __name__ == "__main__":
-  main()
+  app.run(main)

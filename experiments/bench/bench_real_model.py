@@ -1,9 +1,9 @@
 r"""The 0.5B recipe on a checkpoint of Qwen2.5-0.5B's shapes: memory and time per phase.
 
-  python experiments/bench_real_model.py --mode=full,lora --iterations=2
-  python experiments/bench_real_model.py --smoke    # a tiny shape, same path
+  python experiments/bench/bench_real_model.py --mode=full,lora --iterations=2
+  python experiments/bench/bench_real_model.py --quick    # a tiny shape, same path
 
-Writes, under --out (no download):
+Writes, under --workdir (no download):
 
   model/   a checkpoint with Qwen2.5-0.5B-Instruct's shapes, written by
            `transformers` (random bf16 weights: 24 layers, hidden 896, 14 query
@@ -26,9 +26,9 @@ in `transformers`. Ends with one line
 
   RESULT full_peak_rss_gb=.. full_iteration_s=.. full_generation_s=.. ... lora_...
 
-and a JSON summary. A run that fails prints its last lines and its memory
-plan (the table the trainer logs at start) and the benchmark exits non-zero.
-Not run in CI (tests/experiments/test_bench_real_model.py runs --smoke).
+and summary.json under --out. A run that fails prints its last lines and its
+memory plan (the table the trainer logs at start) and the benchmark exits
+non-zero. Not run in CI (tests/test_bench_real_model.py runs --quick).
 """
 
 from __future__ import annotations
@@ -43,18 +43,14 @@ import uuid
 
 from absl import app, flags
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIG = os.path.join(ROOT, "configs", "grpo_qwen0_5b_cpu.py")
+from experiments import harness
+
+CONFIG = "configs/grpo_qwen0_5b_cpu.py"
 
 _MODE = flags.DEFINE_list("mode", ["full", "lora"], "Variants of the recipe to run: full, lora.")
 _ITERATIONS = flags.DEFINE_integer("iterations", 2, "RL iterations per run.")
-_OUT = flags.DEFINE_string("out", "/tmp/bench_real_model", "Checkpoint, data and workdirs.")
-_SMOKE = flags.DEFINE_bool("smoke", False, "A tiny model of the same family through the same path.")
 _SAMPLE_S = flags.DEFINE_float("sample_s", 0.5, "Seconds between memory samples.")
 _TIMEOUT_S = flags.DEFINE_float("timeout_s", 3600.0, "Longest a run may take.")
-_OVERRIDE = flags.DEFINE_multi_string(
-    "override", [], "Extra key=value overrides of the recipe, e.g. trainer.micro_batch_size=1."
-)
 
 TAG_VAR = "STREAMRL_BENCH_TAG"
 TIME_KEYS = ("iteration_s", "generation_s", "training_s", "weight_update_s")
@@ -81,7 +77,7 @@ _SHAPE_KEYS = (
     "num_key_value_heads",
     "tie_word_embeddings",
 )
-# The smoke run: the same family and vocabulary, a sliver of the depth and width.
+# The --quick run: the same family and vocabulary, a sliver of the depth and width.
 SMOKE = dict(
     QWEN2_5_0_5B,
     vocab_size=32000,
@@ -222,13 +218,10 @@ def run_mode(mode: str, model_dir: str, data: str, out: str) -> dict:
       "task.train_path": data,
       "trainer.num_iterations": _ITERATIONS.value,
       "log.progress": False,
-      **(SMOKE_OVERRIDES if _SMOKE.value else {}),
+      **(SMOKE_OVERRIDES if harness.QUICK.value else {}),
   }
-  for item in _OVERRIDE.value:
-    key, _, value = item.partition("=")
-    overrides[key] = value
-  cmd = [sys.executable, os.path.join(ROOT, "launch", "main.py"), f"--config={CONFIG}:{mode}"]
-  cmd += [f"--workdir={workdir}"] + [f"--config.{k}={v}" for k, v in overrides.items()]
+  # --override (e.g. trainer.micro_batch_size=1) comes last and wins.
+  cmd = harness.main_command(workdir, overrides, config=f"{CONFIG}:{mode}")
   tag = uuid.uuid4().hex
   env = dict(os.environ, **{TAG_VAR: tag})
   log_path = os.path.join(out, f"run_{mode}.log")
@@ -236,7 +229,12 @@ def run_mode(mode: str, model_dir: str, data: str, out: str) -> dict:
   t0 = time.perf_counter()
   with open(log_path, "w") as log, TreeMemory(tag, _SAMPLE_S.value) as memory:
     proc = subprocess.run(
-        cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=_TIMEOUT_S.value
+        cmd,
+        cwd=harness.ROOT,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        timeout=_TIMEOUT_S.value,
     )
   wall = time.perf_counter() - t0
   with open(log_path) as f:
@@ -308,25 +306,19 @@ def main(argv):
   bad = [m for m in _MODE.value if m not in ("full", "lora")]
   if bad:
     raise app.UsageError(f"--mode has {bad}; use full, lora or both.")
-  os.makedirs(_OUT.value, exist_ok=True)
-  shape = SMOKE if _SMOKE.value else QWEN2_5_0_5B
-  name = "smoke" if _SMOKE.value else "qwen2_5_0_5b"
-  model_dir = write_checkpoint(os.path.join(_OUT.value, f"model_{name}"), shape)
-  data = write_gsm8k(os.path.join(_OUT.value, "gsm8k.jsonl"))
-  runs = {mode: run_mode(mode, model_dir, data, _OUT.value) for mode in _MODE.value}
-  line = {f"{m}_{k}": v for m, r in runs.items() for k, v in r["result"].items()}
-  print("RESULT " + " ".join(f"{k}={v}" for k, v in line.items()))
-  print(
-      json.dumps(
-          {
-              "bench": "bench_real_model",
-              "smoke": _SMOKE.value,
-              "iterations": _ITERATIONS.value,
-              **line,
-              "details": {m: r["details"] for m, r in runs.items()},
-          }
-      )
-  )
+  root = harness.workdir("/tmp/bench_real_model")  # checkpoint, data and workdirs
+  shape = SMOKE if harness.QUICK.value else QWEN2_5_0_5B
+  name = "smoke" if harness.QUICK.value else "qwen2_5_0_5b"
+  model_dir = write_checkpoint(os.path.join(root, f"model_{name}"), shape)
+  data = write_gsm8k(os.path.join(root, "gsm8k.jsonl"))
+  runs = {mode: run_mode(mode, model_dir, data, root) for mode in _MODE.value}
+  line = {f"{m}_{k}": str(v) for m, r in runs.items() for k, v in r["result"].items()}
+  summary = {
+      "quick": harness.QUICK.value,
+      "iterations": _ITERATIONS.value,
+      "details": {m: r["details"] for m, r in runs.items()},
+  }
+  harness.report(summary=summary, **line)
 
 
 if __name__ == "__main__":

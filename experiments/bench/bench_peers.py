@@ -2,7 +2,7 @@ r"""StreamRL against its peers on the same GRPO job: Hugging Face TRL's
 GRPOTrainer and Google's Tunix GRPOLearner.
 
   pip install -c constraints.txt -e .[peers]   # TRL (not installed by install.sh / CI)
-  python experiments/bench_peers.py [--seed=0] [--iterations=90] [--num_eval=512]
+  python experiments/bench/bench_peers.py [--seed=0] [--iterations=90] [--num_eval=512]
       [--systems=streamrl,trl,tunix] [--tunix_python=PATH] [--resume_summary]
       [--workdir=/tmp/streamrl_bench_peers] [--out=experiments/out/bench_peers]
 
@@ -10,7 +10,7 @@ Tunix cannot share StreamRL's environment (its `safetensors<0.8` against our
 transformers' `safetensors>=0.8`); without --tunix_python the script creates
 a virtualenv for it in <workdir>/tunix-venv on first use (StreamRL editable,
 `google-tunix`, constraints.txt but for the pins in
-`experiments/peer_tunix.py` TUNIX_PINS; its docstring has the commands).
+`experiments/bench/peer_tunix.py` TUNIX_PINS; its docstring has the commands).
 
 The job is `configs/grpo.py` (the long-tailed work-trace task; its group
 size, prompts per iteration, mini-batch and epochs as `settings_for` checks
@@ -39,7 +39,7 @@ tests/test_bench_peers.py with the call TRL makes).
             group-normalised advantages, temperature and top-p, the response
             length cap;
   tunix:    `tunix.rl.grpo.GRPOLearner` with its vanilla JAX sampler, colocated
-            on the CPU device (experiments/peer_tunix.py): the policy loaded
+            on the CPU device (experiments/bench/peer_tunix.py): the policy loaded
             through Tunix's Qwen2 model, StreamRL's optimizer (the same
             optax chain), the same group size, mini-batch, epochs, KL (k3,
             `low_var_kl`), clip range and token-mean loss; its policy
@@ -47,7 +47,7 @@ tests/test_bench_peers.py with the call TRL makes).
 
 What stays unmatched is printed with the results (`TRL_UNMATCHED`,
 `peer_tunix.UNMATCHED`) and kept in summary.json. The peers' policies are
-evaluated by StreamRL's own held-out evaluation (`train.evaluate`: a vLLM
+evaluated by StreamRL's own held-out evaluation (`evaluation.evaluate`: a vLLM
 engine on the saved policy, --num_eval held-out prompts, sampled at
 temperature 1 and greedy) after their runs, outside their timing. Reported
 per system: samples/s and response tokens/s over the training iterations
@@ -81,23 +81,20 @@ import time
 
 from absl import app, flags
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from experiments import harness
+
+ROOT = harness.ROOT
 
 _SEED = flags.DEFINE_integer("seed", 0, "The run's seed (both systems).")
 _ITERATIONS = flags.DEFINE_integer("iterations", 90, "GRPO iterations of 128 samples.")
 _NUM_EVAL = flags.DEFINE_integer("num_eval", 512, "Held-out prompts per evaluation.")
 _EVAL_EVERY = flags.DEFINE_integer("eval_every", 30, "Iterations between evaluations.")
-_WORKDIR = flags.DEFINE_string("workdir", "/tmp/streamrl_bench_peers", "Scratch directory.")
-_OUT = flags.DEFINE_string(
-    "out", os.path.join(ROOT, "experiments", "out", "bench_peers"), "summary.json and the PNG."
-)
 _SYSTEMS = flags.DEFINE_list("systems", ["streamrl", "trl", "tunix"], "Which systems to run.")
 _TUNIX_PYTHON = flags.DEFINE_string(
     "tunix_python",
     "",
     "Python of a virtualenv with Tunix and StreamRL (default: <workdir>/tunix-venv, created "
-    "on first use; experiments/peer_tunix.py).",
+    "on first use; experiments/bench/peer_tunix.py).",
 )
 _REPORT_ONLY = flags.DEFINE_bool(
     "report_only",
@@ -154,14 +151,11 @@ def run_streamrl(s, workdir: str, warm_dir: str, run: bool = True) -> dict:
   link = os.path.join(run_dir, os.path.basename(warm_dir))
   if not os.path.exists(link):
     os.symlink(warm_dir, link)
-  cmd = [sys.executable, os.path.join(ROOT, "launch", "main.py"), f"--config={CONFIG}"]
-  cmd += [f"--workdir={run_dir}"]
-  cmd += [
-      f"--config.{k}={v}"
-      for k, v in overrides(
-          s.seed, s.trainer.num_iterations, s.task.num_eval, s.log.eval_every
-      ).items()
-  ]
+  cmd = harness.main_command(
+      run_dir,
+      overrides(s.seed, s.trainer.num_iterations, s.task.num_eval, s.log.eval_every),
+      config="configs/grpo.py",
+  )
   t0 = time.time()
   if run:
     with open(os.path.join(workdir, "streamrl.log"), "w") as log:
@@ -217,10 +211,10 @@ def run_streamrl(s, workdir: str, warm_dir: str, run: bool = True) -> dict:
 def drawn_examples(s) -> list:
   """The training examples in the order StreamRL's loader draws them, one
   iteration's prompts after another (both peers take them in this order)."""
-  from streamrl import train
+  from streamrl.trainer import setup
   from streamrl.data.loader import PromptLoader
 
-  train_examples, _ = train.load_examples(s)
+  train_examples, _ = setup.load_examples(s)
   loader = PromptLoader(train_examples, PROMPTS, seed=s.seed)
   return [ex for _ in range(s.trainer.num_iterations) for ex in next(loader)]
 
@@ -264,21 +258,21 @@ def trl_child(args: dict) -> None:
   import transformers
   import trl
 
-  from streamrl import train
+  from streamrl.trainer import setup
   from streamrl.data import rewards as rewards_lib
 
   torch.set_num_threads(os.cpu_count() or 2)
   s = settings_for(args["seed"], args["iterations"], args["num_eval"], args["eval_every"])
   examples = drawn_examples(s)
   model_dir, out_dir = args["model_dir"], args["out_dir"]
-  tok = train.make_tokenizer(s, model_dir)
+  tok = setup.make_tokenizer(s, model_dir)
   hf_tok = transformers.AutoTokenizer.from_pretrained(model_dir)
   prompt_ids = [list(tok.encode_prompt(ex.prompt)) for ex in examples]
   prompts = [peer_prompt(hf_tok, ids) for ids in prompt_ids]
   check_trl_prompts(hf_tok, prompts, prompt_ids)
   answers = [ex.answer for ex in examples]
   data = datasets.Dataset.from_dict({"prompt": prompts, "answer": answers})
-  answer_of = train.answer_of(s)
+  answer_of = setup.answer_of(s)
   score = getattr(rewards_lib, s.task.reward)
 
   def reward(completions, answer, **unused):
@@ -414,17 +408,17 @@ def run_trl(s, workdir: str, model_dir: str) -> dict:
 
 def evaluate_dirs(s, name: str, curve: list[dict], model_dir: str) -> None:
   """Adds StreamRL's held-out accuracy (sampled and greedy) of each saved policy."""
-  from streamrl import train
+  from streamrl.trainer import evaluation, setup
   from streamrl.generator.local import LocalRollout
 
-  _, evals = train.load_examples(s)
-  tok = train.make_tokenizer(s, model_dir)
-  rewarder = train.make_rewarder(s, tok)
+  _, evals = setup.load_examples(s)
+  tok = setup.make_tokenizer(s, model_dir)
+  rewarder = setup.make_rewarder(s, tok)
   try:
     for point in curve:
       rollout = LocalRollout(point["dir"], s.engine, dtype=s.model.dtype, seed=s.seed)
       try:
-        m = train.evaluate(rollout, evals, tok, rewarder, s)
+        m = evaluation.evaluate(rollout, evals, tok, rewarder, s)
       finally:
         rollout.close()
       point["acc"], point["acc_greedy"] = m["accuracy"], m["accuracy_greedy"]
@@ -461,8 +455,9 @@ def plot(results: dict, path: str, title: str) -> None:
 
 
 def report(results: dict, s, out_dir: str) -> str:
-  """Prints the table, the unmatched settings and the RESULT line (returned);
-  writes the plot of every system's curve to `out_dir`."""
+  """Prints the table, the unmatched settings and the RESULT line (returned;
+  `harness.report`, summary.json in `out_dir`); writes the plot of every
+  system's curve to `out_dir`."""
   n = s.task.num_eval
   print(
       f"\n{'system':<10}{'samples/s':>11}{'tokens/s':>10}{'train s':>9}{'start-up s':>11}  accuracy"
@@ -488,7 +483,7 @@ def report(results: dict, s, out_dir: str) -> str:
       f"compiles for new padded lengths) took {a['stall_s']:.0f} of its {a['train_s']:.0f} "
       f"training seconds; without them {a['steady_samples_per_s']:.1f} samples/s"
   )
-  keys = []
+  keys = {}
   for peer in ("trl", "tunix"):
     if peer not in results:
       continue
@@ -496,24 +491,25 @@ def report(results: dict, s, out_dir: str) -> str:
     t = min(a["train_s"], b["train_s"])
     d_samples = a["curve"][-1]["acc"] - b["curve"][-1]["acc"]
     d_se = math.sqrt(stderr(a["curve"][-1]["acc"], n) ** 2 + stderr(b["curve"][-1]["acc"], n) ** 2)
-    keys += [
-        f"streamrl_over_{peer}_samples_per_s={a['samples_per_s'] / b['samples_per_s']:.2f}",
-        f"streamrl_over_{peer}_tokens_per_s={a['tokens_per_s'] / b['tokens_per_s']:.2f}",
-        f"accuracy_delta_{peer}_equal_samples={100 * d_samples:.1f}",
-        f"accuracy_delta_{peer}_equal_samples_se={100 * d_se:.1f}",
-        f"accuracy_delta_{peer}_equal_time={100 * (at_time(a['curve'], t) - at_time(b['curve'], t)):.1f}",
-        f"{peer}_samples_per_s={b['samples_per_s']:.1f}",
-        f"{peer}_acc={b['curve'][-1]['acc']:.3f}",
-    ]
-  keys += [
-      f"streamrl_samples_per_s={a['samples_per_s']:.1f}",
-      f"streamrl_acc={a['curve'][-1]['acc']:.3f}",
-      f"streamrl_stall_s={a['stall_s']:.0f}",
-      f"streamrl_steady_samples_per_s={a['steady_samples_per_s']:.1f}",
-  ]
-  line = "RESULT " + " ".join(keys)
-  print(line)
-  return line
+    d_time = at_time(a["curve"], t) - at_time(b["curve"], t)
+    keys.update(
+        {
+            f"streamrl_over_{peer}_samples_per_s": f"{a['samples_per_s'] / b['samples_per_s']:.2f}",
+            f"streamrl_over_{peer}_tokens_per_s": f"{a['tokens_per_s'] / b['tokens_per_s']:.2f}",
+            f"accuracy_delta_{peer}_equal_samples": f"{100 * d_samples:.1f}",
+            f"accuracy_delta_{peer}_equal_samples_se": f"{100 * d_se:.1f}",
+            f"accuracy_delta_{peer}_equal_time": f"{100 * d_time:.1f}",
+            f"{peer}_samples_per_s": f"{b['samples_per_s']:.1f}",
+            f"{peer}_acc": f"{b['curve'][-1]['acc']:.3f}",
+        }
+    )
+  keys.update(
+      streamrl_samples_per_s=f"{a['samples_per_s']:.1f}",
+      streamrl_acc=f"{a['curve'][-1]['acc']:.3f}",
+      streamrl_stall_s=f"{a['stall_s']:.0f}",
+      streamrl_steady_samples_per_s=f"{a['steady_samples_per_s']:.1f}",
+  )
+  return harness.report(out=out_dir, summary={"systems": results}, **keys)
 
 
 def main(argv):
@@ -529,27 +525,27 @@ def main(argv):
           "TRL is not installed; install the peers extra "
           "(pip install -c constraints.txt -e .[peers]) first, or leave it out: --systems=streamrl,tunix."
       ) from None
-  from experiments import peer_tunix
-  from streamrl import train
+  from experiments.bench import peer_tunix
+  from streamrl.trainer import setup
 
   s = settings_for(_SEED.value, _ITERATIONS.value, _NUM_EVAL.value, _EVAL_EVERY.value)
-  os.makedirs(_WORKDIR.value, exist_ok=True)
-  os.makedirs(_OUT.value, exist_ok=True)
+  workdir = harness.workdir("/tmp/streamrl_bench_peers")
+  out = harness.out_dir()  # summary.json and the PNG
   tunix_python = None
   if "tunix" in _SYSTEMS.value and not _REPORT_ONLY.value:
     tunix_python = _TUNIX_PYTHON.value or peer_tunix.ensure_venv(
-        os.path.join(_WORKDIR.value, "tunix-venv")
+        os.path.join(workdir, "tunix-venv")
     )
-  train_examples, _ = train.load_examples(s)
-  model_dir = train.policy_dir(s, _WORKDIR.value, train_examples)
+  train_examples, _ = setup.load_examples(s)
+  model_dir = setup.policy_dir(s, workdir, train_examples)
   results = {}
-  summary = os.path.join(_OUT.value, f"summary_seed{s.seed}.json")
+  summary = os.path.join(out, f"summary_seed{s.seed}.json")
   if _REPORT_ONLY.value or _RESUME.value:
     with open(summary) as f:
       results = json.load(f)
   if "streamrl" in _SYSTEMS.value:
     kept = {k: results.get("streamrl", {}).get(k) for k in ("startup_s", "wall_s")}
-    results["streamrl"] = run_streamrl(s, _WORKDIR.value, model_dir, run=not _REPORT_ONLY.value)
+    results["streamrl"] = run_streamrl(s, workdir, model_dir, run=not _REPORT_ONLY.value)
     if _REPORT_ONLY.value:
       results["streamrl"].update({k: v for k, v in kept.items() if v is not None})
     print(f"streamrl: {json.dumps(results['streamrl'])}", flush=True)
@@ -557,12 +553,10 @@ def main(argv):
     for name in [n for n in _SYSTEMS.value if n in ("trl", "tunix")]:
       print(f"running {name} ...", flush=True)
       if name == "trl":
-        results[name] = run_trl(s, _WORKDIR.value, model_dir)
+        results[name] = run_trl(s, workdir, model_dir)
         results[name]["unmatched"] = list(TRL_UNMATCHED)
       else:
-        results[name] = peer_tunix.run_tunix(
-            s, _WORKDIR.value, model_dir, tunix_python, _EVAL_EVERY.value
-        )
+        results[name] = peer_tunix.run_tunix(s, workdir, model_dir, tunix_python, _EVAL_EVERY.value)
         results[name]["unmatched"] = list(peer_tunix.UNMATCHED)
       evaluate_dirs(s, name, results[name]["curve"], model_dir)
       print(f"{name}: {json.dumps(results[name])}", flush=True)
@@ -570,7 +564,7 @@ def main(argv):
         json.dump(results, f, indent=2)
   with open(summary, "w") as f:
     json.dump(results, f, indent=2)
-  report(results, s, _OUT.value)
+  report(results, s, out)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,1 @@
+"""Benchmarks: throughput, latency and cost of the parts and the pipeline modes."""

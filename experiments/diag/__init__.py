@@ -1,0 +1,1 @@
+"""Diagnostics: profiles, the workload's length statistics, timeline plots."""

@@ -1,0 +1,220 @@
+"""What every script in experiments/ shares: its common flags, its one way to
+report, vLLM engines in this process, the tiny policy, CPU pinning.
+
+Every script runs from the checkout either way:
+
+  python experiments/bench/bench_skew.py --quick
+  python -m experiments.bench.bench_skew --quick
+
+(the package is installed editable with streamrl; without the install, run the
+`-m` form from the checkout's root). The common flags, defined here once so
+that a script may import another's functions:
+
+  --config    the run's config file (where the script runs one)
+  --override  config overrides key=value (repeatable)
+  --model     a local HF model directory (default: the tiny policy)
+  --workdir   scratch and caches (default /tmp/streamrl_<script>)
+  --out       where summary.json and figures go (default experiments/out/<script>)
+  --reps      timed repetitions (default: the script's own)
+  --quick     a small, fast version through the same code paths
+
+`report(**kv)` prints the `RESULT key=value ...` line and writes summary.json.
+Nothing here imports vLLM, Ray or ml_collections at import time:
+experiments/check/gpu_check.py runs on machines without them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from collections.abc import Mapping, Sequence
+
+from absl import app, flags
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+CONFIG = flags.DEFINE_string("config", None, "The run's config file (default: the script's).")
+OVERRIDE = flags.DEFINE_multi_string("override", [], "Config overrides key=value (repeatable).")
+MODEL = flags.DEFINE_string(
+    "model", "", "A local HF model directory (default: the tiny policy, warm-started in --workdir)."
+)
+WORKDIR = flags.DEFINE_string(
+    "workdir", "", "Scratch and cache directory (default: /tmp/streamrl_<script>)."
+)
+OUT = flags.DEFINE_string(
+    "out", "", "Where summary.json and figures go (default: experiments/out/<script>)."
+)
+REPS = flags.DEFINE_integer("reps", None, "Timed repetitions (default: the script's own).")
+QUICK = flags.DEFINE_bool("quick", False, "A small, fast version through the same code paths.")
+
+
+# ------------------------------------------------------------------- flags
+def script() -> str:
+  """The running script's name ("bench_skew"), for default directories."""
+  return os.path.splitext(os.path.basename(sys.argv[0] or "experiment"))[0]
+
+
+def workdir(default: str = "") -> str:
+  """--workdir, else `default`, else /tmp/streamrl_<script>; created."""
+  path = WORKDIR.value or default or os.path.join("/tmp", f"streamrl_{script()}")
+  os.makedirs(path, exist_ok=True)
+  return path
+
+
+def out_dir(default: str = "") -> str:
+  """--out, else `default`, else experiments/out/<script>; created."""
+  path = OUT.value or default or os.path.join(ROOT, "experiments", "out", script())
+  os.makedirs(path, exist_ok=True)
+  return path
+
+
+def reps(default: int) -> int:
+  """--reps, else the script's `default`."""
+  n = default if REPS.value is None else REPS.value
+  if n < 1:
+    raise app.UsageError(f"--reps={n}: give at least 1.")
+  return n
+
+
+def config_path(default: str) -> str:
+  """--config, else `default` (relative to the checkout)."""
+  return CONFIG.value or os.path.join(ROOT, default)
+
+
+def overrides(extra: Sequence[str] = ()) -> dict[str, str]:
+  """--override (after `extra`, so the command line wins) as {key: value}."""
+  out = {}
+  for item in [*extra, *OVERRIDE.value]:
+    key, sep, value = item.partition("=")
+    if not sep:
+      raise app.UsageError(f"--override={item!r} is not key=value.")
+    out[key.strip()] = value.strip()
+  return out
+
+
+def settings(default_config: str, script_overrides: Mapping | None = None):
+  """The typed settings of --config (else `default_config`) with the script's
+  overrides, then --model (as model.path) and --override's, applied."""
+  from streamrl import config_utils  # pylint: disable=g-import-not-at-top
+  from streamrl import settings as settings_lib  # pylint: disable=g-import-not-at-top
+
+  config = config_utils.load_config(config_path(default_config))
+  model = {"model.path": MODEL.value} if MODEL.value else {}
+  config = config_utils.apply_overrides(
+      config, {**(script_overrides or {}), **model, **overrides()}
+  )
+  return settings_lib.from_config(config)
+
+
+def main_command(workdir: str, script_overrides: Mapping, config: str = "configs/ppo.py") -> list:
+  """The command of a run as a user starts it: launch/main.py with --config
+  (else `config`), the workdir and `--config.<key>=<value>` for each of
+  `script_overrides` and then --override's."""
+  cmd = [sys.executable, os.path.join(ROOT, "launch", "main.py")]
+  cmd += [f"--config={config_path(config)}", f"--workdir={workdir}"]
+  for k, v in {**script_overrides, **overrides()}.items():
+    cmd.append(f"--config.{k}={json.dumps(v) if isinstance(v, bool) else v}")
+  return cmd
+
+
+# ------------------------------------------------------------------ report
+def _fmt(v) -> str:
+  if isinstance(v, bool):
+    return str(int(v))
+  if isinstance(v, float):
+    if math.isfinite(v) and abs(v) >= 1e4:
+      return f"{v:.0f}"
+    return f"{v:.4g}"
+  return str(v)
+
+
+def report(*, out: str | None = None, summary: Mapping | None = None, **kv) -> str:
+  """Prints `RESULT k=v ...` (floats to 4 significant digits; pass a string to
+  choose the format) and writes `summary` plus {"result": kv} as summary.json
+  under `out` (default: `out_dir()`). Returns the line."""
+  line = "RESULT " + " ".join(f"{k}={_fmt(v)}" for k, v in kv.items())
+  path = os.path.join(out or out_dir(), "summary.json")
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  with open(path, "w") as f:
+    json.dump({**(summary or {}), "result": kv}, f, indent=1, default=str)
+  print(line, flush=True)
+  return line
+
+
+# ----------------------------------------------------------------- engines
+def engines_in_process(*, threads: int | None = None, bind: str | None = None) -> None:
+  """vLLM's engine core in this process (several times faster to start than
+  its own process, and its clock is this process's), quiet logs; `threads`
+  torch threads per engine, `bind` VLLM_CPU_OMP_THREADS_BIND. Call before
+  vLLM is imported; a variable already set wins."""
+  if threads is not None:
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+  if bind is not None:
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", bind)
+  os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+  quiet_engines()
+
+
+def quiet_engines() -> None:
+  """vLLM's warnings only, and no tokenizer thread pools in forked workers."""
+  os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+  os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+# ------------------------------------------------------------------ policy
+def tiny_policy(
+    examples: Sequence = (),
+    *,
+    steps: int = 0,
+    seed: int = 0,
+    trace=None,
+    batch_size: int = 32,
+    lr: float = 3e-3,
+    max_answer_len: int = 48,
+    directory: str = "",
+) -> str:
+  """--model, else the tiny policy warm-started for `steps` on `examples`
+  (`streamrl.trainer.warmstart.prepare_model_dir`: cached in `directory`,
+  default the workdir, under a name of what its weights depend on); with
+  steps=0 the random tiny policy."""
+  from streamrl.data.config import Task  # pylint: disable=g-import-not-at-top
+  from streamrl.models.config import Model  # pylint: disable=g-import-not-at-top
+  from streamrl.trainer import warmstart  # pylint: disable=g-import-not-at-top
+  from streamrl.trainer.config import Warmstart  # pylint: disable=g-import-not-at-top
+
+  warm = Warmstart(steps=steps, batch_size=batch_size, lr=lr, num_examples=max(1, len(examples)))
+  return warmstart.prepare_model_dir(
+      Model(path=MODEL.value),
+      warm,
+      Task(max_answer_len=max_answer_len),
+      seed=seed,
+      workdir=directory or workdir(),
+      train_examples=list(examples),
+      trace=trace,
+  )
+
+
+# ---------------------------------------------------------------- pinning
+def all_cores() -> set[int]:
+  """Every core of the machine, whatever this process is pinned to."""
+  return set(range(os.cpu_count() or 1))
+
+
+def pin(cores) -> None:
+  """Runs this process (and what it starts from now on) on `cores`."""
+  os.sched_setaffinity(0, set(cores))
+
+
+def taskset(cmd: list[str], cores) -> list[str]:
+  """`cmd` run on `cores` (under taskset), or as it is when `cores` is empty."""
+  if not cores:
+    return cmd
+  return ["taskset", "-c", ",".join(map(str, sorted(cores)))] + cmd
+
+
+# The common flags are the script's own in its --help (absl lists a main
+# module's flags under its sys.argv[0]).
+for _name in ("config", "override", "model", "workdir", "out", "reps", "quick"):
+  flags.FLAGS.register_key_flag_for_module(sys.argv[0], flags.FLAGS[_name])

@@ -1,0 +1,1 @@
+"""The simulator against measurements: calibration on this machine, the paper's figures."""
