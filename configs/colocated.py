@@ -13,11 +13,11 @@ import os
 
 import ml_collections
 
-from streamrl import config_utils
+from streamrl import config as config_lib
 
 
 def get_config(arg: str = "ppo") -> ml_collections.ConfigDict:
-  c = config_utils.load_config(os.path.join(os.path.dirname(__file__), f"{arg}.py"))
+  c = config_lib.load_config(os.path.join(os.path.dirname(__file__), f"{arg}.py"))
   c.pipeline.mode = "colocated"
   c.scheduler.kind = "fifo"
   c.transfer.enabled = False

@@ -21,11 +21,11 @@ import os
 
 import ml_collections
 
-from streamrl import config_utils
+from streamrl import config as config_lib
 
 
 def get_config() -> ml_collections.ConfigDict:
-  c = config_utils.load_config(os.path.join(os.path.dirname(__file__), "ppo.py"))
+  c = config_lib.load_config(os.path.join(os.path.dirname(__file__), "ppo.py"))
   c.advantage.estimator = "grpo"
   # 32 prompts x 4 samples: at equal samples, 16 x 8 learned less (experiments/RESULTS.md).
   c.advantage.group_size = 4

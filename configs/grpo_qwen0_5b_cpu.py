@@ -31,11 +31,11 @@ import os
 
 import ml_collections
 
-from streamrl import config_utils
+from streamrl import config as config_lib
 
 
 def get_config(arg: str = "full") -> ml_collections.ConfigDict:
-  c = config_utils.load_config(os.path.join(os.path.dirname(__file__), "grpo.py"))
+  c = config_lib.load_config(os.path.join(os.path.dirname(__file__), "grpo.py"))
   c.model.path = ""  # The user's Qwen2.5-0.5B-Instruct directory (--config.model.path).
   c.model.dtype = "bfloat16"
   c.warmstart.steps = 0

@@ -26,11 +26,11 @@ import os
 
 import ml_collections
 
-from streamrl import config_utils
+from streamrl import config as config_lib
 
 
 def get_config() -> ml_collections.ConfigDict:
-  c = config_utils.load_config(os.path.join(os.path.dirname(__file__), "grpo.py"))
+  c = config_lib.load_config(os.path.join(os.path.dirname(__file__), "grpo.py"))
   c.model.tiny = "qwen3"
   c.model.tokenizer = "sentencepiece"
   c.warmstart.steps = 0  # Random weights: nothing to warm up on this task.

@@ -28,12 +28,12 @@ overridden, e.g. `--config.optimizer.lr=3e-4`.
 
 import ml_collections
 
-from streamrl import settings
+from streamrl.config import settings
 
 
 def get_config() -> ml_collections.ConfigDict:
-  # Every key with its default (streamrl/settings.py, the one place defaults
-  # live). Printed in full: `python -c "from streamrl import settings;
+  # Every key with its default (streamrl/config/settings.py, the one place defaults
+  # live). Printed in full: `python -c "from streamrl.config import settings;
   # print(settings.default_config())"`.
   c = settings.default_config()
   # Actor + critic (GAE) + frozen reference, KL penalty in the reward.

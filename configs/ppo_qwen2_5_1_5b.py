@@ -26,13 +26,13 @@ import os
 
 import ml_collections
 
-from streamrl import config_utils
+from streamrl import config as config_lib
 
 NUM_GPUS = 8  # the GPUs this config claims: trainer + generators
 
 
 def get_config() -> ml_collections.ConfigDict:
-  c = config_utils.load_config(os.path.join(os.path.dirname(__file__), "ppo.py"))
+  c = config_lib.load_config(os.path.join(os.path.dirname(__file__), "ppo.py"))
   c.model.path = "/models/Qwen2.5-1.5B-Instruct"
   c.model.dtype = "bfloat16"
   c.warmstart.steps = 0

@@ -13,11 +13,11 @@ import os
 
 import ml_collections
 
-from streamrl import config_utils
+from streamrl import config as config_lib
 
 
 def get_config() -> ml_collections.ConfigDict:
-  c = config_utils.load_config(os.path.join(os.path.dirname(__file__), "ppo.py"))
+  c = config_lib.load_config(os.path.join(os.path.dirname(__file__), "ppo.py"))
   c.task.kind = "synthetic"
   c.task.trace_token_fraction = 1.0
   c.task.num_eval = 256

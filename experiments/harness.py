@@ -97,14 +97,12 @@ def overrides(extra: Sequence[str] = ()) -> dict[str, str]:
 def settings(default_config: str, script_overrides: Mapping | None = None):
   """The typed settings of --config (else `default_config`) with the script's
   overrides, then --model (as model.path) and --override's, applied."""
-  from streamrl import config_utils  # pylint: disable=g-import-not-at-top
-  from streamrl import settings as settings_lib  # pylint: disable=g-import-not-at-top
+  from streamrl import config as config_lib  # pylint: disable=g-import-not-at-top
+  from streamrl.config import settings as settings_lib  # pylint: disable=g-import-not-at-top
 
-  config = config_utils.load_config(config_path(default_config))
+  config = config_lib.load_config(config_path(default_config))
   model = {"model.path": MODEL.value} if MODEL.value else {}
-  config = config_utils.apply_overrides(
-      config, {**(script_overrides or {}), **model, **overrides()}
-  )
+  config = config_lib.apply_overrides(config, {**(script_overrides or {}), **model, **overrides()})
   return settings_lib.from_config(config)
 
 

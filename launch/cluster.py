@@ -41,8 +41,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import flags  # pylint: disable=g-import-not-at-top,wrong-import-position
 
-from streamrl import config_utils, errors  # pylint: disable=g-import-not-at-top,wrong-import-position
-from streamrl import local_cluster  # pylint: disable=g-import-not-at-top,wrong-import-position
+from streamrl import cli, errors  # pylint: disable=g-import-not-at-top,wrong-import-position
+from streamrl.cluster import local as local_cluster  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 _DIR = flags.DEFINE_string("dir", "/tmp/streamrl_cluster", "Node logs, token and cluster.json.")
 _SLOTS = flags.DEFINE_integer(
@@ -128,4 +128,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  config_utils.run_main(main)
+  cli.run_main(main)

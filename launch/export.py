@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app, flags  # pylint: disable=g-import-not-at-top,wrong-import-position
 
-from streamrl import config_utils, metrics  # pylint: disable=g-import-not-at-top,wrong-import-position
+from streamrl import cli, metrics  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 _WORKDIR = flags.DEFINE_string("workdir", None, "The training run's workdir.", required=True)
 _OUT = flags.DEFINE_string("out", None, "The Hugging Face directory to write.", required=True)
@@ -57,4 +57,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  config_utils.run_main(main)
+  cli.run_main(main)

@@ -31,9 +31,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import app, flags  # pylint: disable=g-import-not-at-top,wrong-import-position
 from ml_collections.config_flags import config_flags  # pylint: disable=g-import-not-at-top,wrong-import-position
 
-from streamrl import config_utils, errors  # pylint: disable=g-import-not-at-top,wrong-import-position
+from streamrl import cli, errors  # pylint: disable=g-import-not-at-top,wrong-import-position
+from streamrl import config as config_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
 
-_CONFIG = config_utils.define_config_file(
+_CONFIG = cli.define_config_file(
     "config",
     None,
     "The experiment's config file, path.py or path.py:arg (a relative path missing here is "
@@ -50,10 +51,8 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments {argv[1:]}; flags look like --name=value.")
   # Relative paths in the config resolve against its file's directory (then the checkout).
-  config_file = config_utils.find_config_file(
-      config_flags.get_config_filename(flags.FLAGS["config"])
-  )
-  config = config_utils.resolve_paths(_CONFIG.value, os.path.dirname(config_file.split(":")[0]))
+  config_file = config_lib.find_config_file(config_flags.get_config_filename(flags.FLAGS["config"]))
+  config = config_lib.resolve_paths(_CONFIG.value, os.path.dirname(config_file.split(":")[0]))
   if _PLAN.value:
     from streamrl.planner import emit  # pylint: disable=g-import-not-at-top
 
@@ -61,7 +60,7 @@ def main(argv):
     config = emit.apply_plan(config, emit.load_plan(_PLAN.value), cli, path=_PLAN.value)
   # Both checked before anything is written: a refused run leaves no workdir behind.
   workdir = errors.check_workdir(_WORKDIR.value)
-  from streamrl import settings  # pylint: disable=g-import-not-at-top
+  from streamrl.config import settings  # pylint: disable=g-import-not-at-top
 
   s = settings.from_config(config)
   from streamrl import metrics  # pylint: disable=g-import-not-at-top
@@ -77,4 +76,4 @@ def main(argv):
 
 if __name__ == "__main__":
   flags.mark_flag_as_required("config")
-  config_utils.run_main(main)
+  cli.run_main(main)

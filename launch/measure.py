@@ -47,9 +47,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from absl import app, flags  # pylint: disable=wrong-import-position
 
-from streamrl import config_utils, errors  # pylint: disable=wrong-import-position
+from streamrl import cli, errors  # pylint: disable=wrong-import-position
 
-_CONFIG = config_utils.define_config_file(
+_CONFIG = cli.define_config_file(
     "config", None, "Run config whose generator and trainer are measured.", lock_config=True
 )
 _OUT = flags.DEFINE_string("out", "costs.json", "Where the measured costs (JSON) go.")
@@ -169,7 +169,8 @@ def main(argv):
   if os.path.isdir(out_path):
     raise errors.UserError(f"--out={_OUT.value} is a directory; name a JSON file.")
   workdir = errors.check_workdir(_WORKDIR.value)
-  from streamrl import metrics, settings  # pylint: disable=g-import-not-at-top
+  from streamrl import metrics  # pylint: disable=g-import-not-at-top
+  from streamrl.config import settings  # pylint: disable=g-import-not-at-top
 
   metrics.configure_logging(workdir)
   s = settings.from_config(_CONFIG.value)
@@ -255,4 +256,4 @@ def main(argv):
 
 if __name__ == "__main__":
   flags.mark_flag_as_required("config")
-  config_utils.run_main(main)
+  cli.run_main(main)

@@ -26,13 +26,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import app, flags  # pylint: disable=wrong-import-position
 from ml_collections.config_flags import config_flags  # pylint: disable=wrong-import-position
 
-from streamrl import config_utils, errors  # pylint: disable=wrong-import-position
+from streamrl import cli, errors  # pylint: disable=wrong-import-position
 from streamrl.planner import emit  # pylint: disable=wrong-import-position
 from streamrl.planner.run import run_plan  # pylint: disable=wrong-import-position
 
-_CONFIG = config_utils.define_config_file(
-    "config", "configs/plan/qwen7b_single_dc.py", "Plan config file."
-)
+_CONFIG = cli.define_config_file("config", "configs/plan/qwen7b_single_dc.py", "Plan config file.")
 _EMIT = flags.DEFINE_string(
     "emit", "", "Write the plan file (JSON) here; see launch/main.py --plan."
 )
@@ -71,4 +69,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  config_utils.run_main(main)
+  cli.run_main(main)

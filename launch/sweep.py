@@ -5,7 +5,7 @@
 
 The config file defines `get_sweep()` next to `get_config()`: a list of
 override dicts where a list value is a grid axis (see
-`streamrl.config_utils.expand_sweep`). Each point's overrides go onto
+`streamrl.config.expand_sweep`). Each point's overrides go onto
 `get_config()` plus any `--config.x=y` given here (a key set by both is
 refused), and the run goes to `<workdir>/<run_name(overrides)>/` — e.g.
 `workdirs/sweep/optimizer.lr=3e-06,kl.coef=0.01/` — so TensorBoard pointed
@@ -32,9 +32,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import app, flags
 from ml_collections import config_flags
 
-from streamrl import config_utils, errors, metrics, renames
+from streamrl import cli, errors, metrics
+from streamrl import config as config_lib
+from streamrl.config import renames
 
-_CONFIG = config_utils.define_config_file(
+_CONFIG = cli.define_config_file(
     "config", None, "Config file defining get_config() and get_sweep()."
 )
 flags.mark_flag_as_required("config")
@@ -91,16 +93,16 @@ def _resolve_run_fn(spec: str | None):
 def _plan():
   """[(run name, overrides, config)] for every point, all validated."""
   flag = flags.FLAGS["config"]
-  given = config_utils.load_sweep(config_flags.get_config_filename(flag))
-  # Keys renamed in 0.1 under their new names (streamrl/renames.py).
-  points = [{config_utils.renamed(_CONFIG.value, k): v for k, v in p.items()} for p in given]
-  names = config_utils.check_run_names(points)
+  given = config_lib.load_sweep(config_flags.get_config_filename(flag))
+  # Keys renamed in 0.1 under their new names (streamrl/config/renames.py).
+  points = [{config_lib.renamed(_CONFIG.value, k): v for k, v in p.items()} for p in given]
+  names = config_lib.check_run_names(points)
   # A point started before the rename resumes in the directory it was named then.
   workdir = _WORKDIR.value
   for i, (old, point) in enumerate(zip(given, points)):
     if os.path.exists(os.path.join(workdir, names[i])):
       continue
-    for old_name in (config_utils.run_name(old), config_utils.run_name(renames.legacy_name(point))):
+    for old_name in (config_lib.run_name(old), config_lib.run_name(renames.legacy_name(point))):
       if old_name != names[i] and os.path.isdir(os.path.join(workdir, old_name)):
         print(f"sweep: resuming {old_name} (named before the 0.1 key rename)", flush=True)
         names[i] = old_name
@@ -117,7 +119,7 @@ def _plan():
       raise errors.UserError(
           f"--config.{clash[0]} is set both on the command line and by the sweep; drop one of them."
       )
-    plan.append((name, point, config_utils.apply_overrides(_CONFIG.value, point)))
+    plan.append((name, point, config_lib.apply_overrides(_CONFIG.value, point)))
   return plan
 
 
@@ -181,4 +183,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  config_utils.run_main(main)
+  cli.run_main(main)

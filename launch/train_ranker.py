@@ -15,9 +15,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import flags  # pylint: disable=wrong-import-position
 
-from streamrl import config_utils, errors, metrics  # pylint: disable=wrong-import-position
+from streamrl import cli, errors, metrics  # pylint: disable=wrong-import-position
 
-_CONFIG = config_utils.define_config_file("config", "configs/ranker.py", "Ranker config file.")
+_CONFIG = cli.define_config_file("config", "configs/ranker.py", "Ranker config file.")
 _WORKDIR = flags.DEFINE_string(
     "workdir", None, "Checkpoints and TensorBoard logs go here.", required=True
 )
@@ -34,4 +34,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  config_utils.run_main(main)
+  cli.run_main(main)

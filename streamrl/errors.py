@@ -1,7 +1,7 @@
 """Errors caused by the user's input (a config value, a path, a cluster address).
 
 A `UserError` carries one sentence that names the fix. The launch scripts
-(through `streamrl.config_utils.run_main`) print just that sentence as
+(through `streamrl.cli.run_main`) print just that sentence as
 `error: <sentence>` and exit with status 2; `--debug` or STREAMRL_DEBUG=1
 shows the traceback instead. Anything else is a bug and keeps its traceback.
 

@@ -32,7 +32,7 @@ from streamrl import errors
 from streamrl import lifecycle
 from streamrl import metrics
 from streamrl import oom
-from streamrl import settings as settings_lib
+from streamrl.config import settings as settings_lib
 from streamrl import train
 from streamrl.trainer import multihost, protocol
 

@@ -18,7 +18,7 @@ whose generation of the next batch overlaps this iteration's training).
 With dynamic sampling (`advantage.filter_groups`) the mode also judges each
 prompt group by the same shaped rewards (`shaped_rewards`) and releases the
 informative ones only.
-`run` sets up the parts from typed settings (streamrl/settings.py) and
+`run` sets up the parts from typed settings (streamrl/config/settings.py) and
 resumes from the workdir's last checkpoint.
 """
 
@@ -36,7 +36,7 @@ import numpy as np
 
 from streamrl import metrics as metrics_lib
 from streamrl import rl
-from streamrl import settings as settings_lib
+from streamrl.config import settings as settings_lib
 from streamrl.data import calc, dataset, gym, loader as loader_lib, tasks as tasks_lib
 from streamrl.data.loader import PromptLoader, make_requests
 from streamrl.data.rewards import Rewarder

@@ -35,7 +35,7 @@ def with_mode(s, mode: str):
   baseline of configs/colocated.py: FIFO order, weights loaded in process;
   async_partial is async with `pipeline.partial=on`, and
   async_partial_sibling that with `scheduler.sibling_lengths=on`."""
-  from streamrl import settings as settings_lib  # pylint: disable=g-import-not-at-top
+  from streamrl.config import settings as settings_lib  # pylint: disable=g-import-not-at-top
 
   partial = "on" if mode.startswith("async_partial") else "off"
   siblings = "on" if mode == "async_partial_sibling" else "off"
@@ -258,10 +258,11 @@ def make_settings(
   None keeps the config's value (`mini_batch` also sets the micro-batch).
   `overrides` are "key=value" strings of config keys.
   """
-  from streamrl import config_utils, settings  # pylint: disable=g-import-not-at-top
+  from streamrl import config as config_lib  # pylint: disable=g-import-not-at-top
+  from streamrl.config import settings  # pylint: disable=g-import-not-at-top
 
   repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  config = config_utils.load_config(os.path.join(repo, "configs", f"{config_name}.py"))
+  config = config_lib.load_config(os.path.join(repo, "configs", f"{config_name}.py"))
   sizes = {
       "trainer.prompts_per_iteration": prompts,
       "trainer.mini_batch_size": mini_batch,
@@ -277,15 +278,15 @@ def make_settings(
       "log.progress": False,
       **(extra or {}),
   }
-  config = config_utils.apply_overrides(config, values)
-  config = config_utils.apply_overrides(config, list(overrides))
+  config = config_lib.apply_overrides(config, values)
+  config = config_lib.apply_overrides(config, list(overrides))
   return settings.from_config(config)
 
 
 def config_json(s) -> dict:
   """The settings as the nested config dict (for summary.json)."""
   import json  # pylint: disable=g-import-not-at-top
-  from streamrl import settings  # pylint: disable=g-import-not-at-top
+  from streamrl.config import settings  # pylint: disable=g-import-not-at-top
 
   return json.loads(settings.to_config(s).to_json())
 

@@ -166,7 +166,7 @@ class _HeavyGuard:
     for name in cls.PROCESSES:
       if name in line:
         cls._refuse(f"a process running {name}")
-    ray_cli = "streamrl.local_cluster" in words or any(os.path.basename(w) == "ray" for w in words)
+    ray_cli = "streamrl.cluster.local" in words or any(os.path.basename(w) == "ray" for w in words)
     if ray_cli and "start" in words:
       cls._refuse("a Ray node (ray start)")
 

@@ -8,7 +8,7 @@ import sys
 import ml_collections
 import pytest
 
-from streamrl.config_utils import (
+from streamrl.config import (
     apply_overrides,
     check_run_names,
     expand_sweep,
@@ -216,7 +216,7 @@ def test_load_sweep_from_file(tmp_path):
 LAUNCHER_PY = """
 import json, sys
 from absl import app
-from streamrl.config_utils import define_config_file, parse_flags_or_exit
+from streamrl.cli import define_config_file, parse_flags_or_exit
 
 CONFIG = define_config_file("config", {default!r}, "config file")
 
@@ -372,14 +372,14 @@ def test_sweep_refuses_bad_sweeps_before_running_anything(tmp_path):
 
 
 def test_the_compile_cache_defaults_to_the_user_cache_and_keeps_a_set_value():
-  from streamrl import config_utils
+  from streamrl import cli
 
   env = {"HOME_IS_NOT_READ": "1"}
-  path = config_utils.use_compile_cache(env)
-  assert env[config_utils.COMPILE_CACHE_ENV] == path
+  path = cli.use_compile_cache(env)
+  assert env[cli.COMPILE_CACHE_ENV] == path
   assert path == os.path.join(os.path.expanduser("~"), ".cache", "streamrl", "xla")
-  assert config_utils.use_compile_cache({config_utils.COMPILE_CACHE_ENV: "/x"}) == "/x"
-  assert config_utils.use_compile_cache({config_utils.COMPILE_CACHE_ENV: ""}) == ""  # off
+  assert cli.use_compile_cache({cli.COMPILE_CACHE_ENV: "/x"}) == "/x"
+  assert cli.use_compile_cache({cli.COMPILE_CACHE_ENV: ""}) == ""  # off
 
 
 def test_relative_paths_resolve_against_the_config_file_then_the_checkout(tmp_path, monkeypatch):
@@ -401,3 +401,14 @@ def test_relative_paths_resolve_against_the_config_file_then_the_checkout(tmp_pa
   assert out.task.eval_path == "" and out.model.path == "/abs/model"
   assert out.other.name == "data/train.jsonl"  # not a path key
   assert cfg.task.train_path == "data/train.jsonl"  # the input is left as it was
+
+
+def test_one_strict_type_check_serves_the_settings_and_the_overrides():
+  from streamrl.config.checks import coerce
+
+  assert coerce(1, float) == 1.0 and isinstance(coerce(1, "float"), float)
+  assert coerce([1, 8], "tuple") == (1, 8)
+  assert coerce({"a": 1}, dict) == {"a": 1}  # other types: ConfigDict's own check decides
+  for value, want in [(True, int), (True, float), (1.5, int), (1, bool), (3, str), (3, tuple)]:
+    with pytest.raises(TypeError):
+      coerce(value, want)

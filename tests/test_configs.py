@@ -8,7 +8,9 @@ import jax
 import numpy as np
 import pytest
 
-from streamrl import config_utils, settings, train
+from streamrl import train
+from streamrl import config as config_lib
+from streamrl.config import settings
 from streamrl.trainer import sharding
 
 pytestmark = [pytest.mark.unit]
@@ -33,7 +35,7 @@ def test_every_gpu_config_is_checked_here():
 
 @pytest.mark.parametrize("name", ["ppo", "grpo", "agentic", *GPU_CONFIGS])
 def test_rl_configs_validate(name):
-  cfg = config_utils.load_config(os.path.join(CONFIGS, f"{name}.py"))
+  cfg = config_lib.load_config(os.path.join(CONFIGS, f"{name}.py"))
   # The GPU configs name paths on a GPU machine; everything else is checked.
   s = settings.from_config(cfg, check_files=name not in GPU_CONFIGS)
   assert s.pipeline.mode in settings.PIPELINE_MODES
@@ -44,7 +46,7 @@ def test_run_configs_validate_from_any_directory(tmp_path, monkeypatch):
   # depend on the working directory.
   monkeypatch.chdir(tmp_path)
   for spec in ("ppo.py", "grpo.py", "ppo_strings.py", "colocated.py:ppo"):
-    settings.from_config(config_utils.load_config(os.path.join(CONFIGS, spec)))
+    settings.from_config(config_lib.load_config(os.path.join(CONFIGS, spec)))
   assert not os.listdir(tmp_path)
 
 
@@ -82,7 +84,7 @@ def test_every_config_file_has_a_documented_get_config():
 
 
 def _settings(spec: str) -> settings.Settings:
-  return settings.from_config(config_utils.load_config(os.path.join(CONFIGS, spec)))
+  return settings.from_config(config_lib.load_config(os.path.join(CONFIGS, spec)))
 
 
 @pytest.mark.parametrize("name", ["ppo", "grpo"])
@@ -112,4 +114,4 @@ def test_the_string_task_config_keeps_the_previous_workload():
 
 def test_the_baseline_of_a_missing_config_names_the_file():
   with pytest.raises(Exception, match="nope.py"):
-    config_utils.load_config(os.path.join(CONFIGS, "colocated.py:nope"))
+    config_lib.load_config(os.path.join(CONFIGS, "colocated.py:nope"))

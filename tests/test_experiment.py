@@ -7,7 +7,8 @@ import os
 import pytest
 import ray
 
-from streamrl import config_utils, experiment
+from streamrl import experiment
+from streamrl import config as config_lib
 from streamrl.errors import UserError
 from tests.test_loopback import ListenerWatch, exposed
 
@@ -25,7 +26,7 @@ def load(**overrides):
   spec = importlib.util.spec_from_file_location("cfg_ppo_actor", os.path.join(CONFIGS, "ppo.py"))
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
-  return config_utils.apply_overrides(module.get_config(), {**TINY, **overrides})
+  return config_lib.apply_overrides(module.get_config(), {**TINY, **overrides})
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -69,7 +69,7 @@ def test_main_reports_input_errors_in_one_line(tmp_path):
 
 
 def test_main_reports_a_bad_setting_in_one_line(tmp_path):
-  # streamrl.settings checks values when the config is read, before anything starts;
+  # streamrl.config.settings checks values when the config is read, before anything starts;
   # from another directory, the relative config path is found in the checkout.
   args = [MAIN, "--config=configs/ppo.py", "--workdir=wd", "--config.optimizer.lr=-1"]
   res = _run(args, cwd=tmp_path)
@@ -121,7 +121,7 @@ def test_debug_shows_the_traceback(tmp_path, how):
 RUN_MAIN_PY = """
 import sys
 import ray.exceptions
-from streamrl import config_utils
+from streamrl import cli
 from streamrl.errors import UserError
 
 def main(argv):
@@ -133,7 +133,7 @@ def main(argv):
     remote = ray.exceptions.RayTaskError("TrainerActor.run", "Traceback (most recent call last):\\n  ...", cause)
     raise remote.as_instanceof_cause() from None
 
-config_utils.run_main(main)
+cli.run_main(main)
 """
 
 

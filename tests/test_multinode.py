@@ -10,7 +10,7 @@ import sys
 import pytest
 import ray
 
-from streamrl import local_cluster
+from streamrl.cluster import local as local_cluster
 from tests.test_loopback import exposed, listening
 
 pytestmark = [pytest.mark.ray, pytest.mark.e2e]

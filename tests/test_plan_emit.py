@@ -15,7 +15,9 @@ import sys
 
 import pytest
 
-from streamrl import cluster, config_utils, errors, experiment, settings
+from streamrl import cluster, errors, experiment
+from streamrl import config as config_lib
+from streamrl.config import settings
 from streamrl.planner import emit
 from streamrl.planner.allocation import StageEstimator, plan
 from streamrl.planner.run import (
@@ -36,7 +38,7 @@ MEASURE = os.path.join(ROOT, "launch", "measure.py")
 
 
 def _plan_config(path, **calibration):
-  c = config_utils.load_config(path)
+  c = config_lib.load_config(path)
   c.batch_size = 128  # keep the tests fast
   c.lengths.max_output = 4096
   c.simulate_iterations = 2
@@ -46,7 +48,7 @@ def _plan_config(path, **calibration):
 
 
 def _ppo():
-  return config_utils.load_config(os.path.join(ROOT, "configs", "ppo.py"))
+  return config_lib.load_config(os.path.join(ROOT, "configs", "ppo.py"))
 
 
 def _costs(*, ptl=(0.01, 0.012, 0.02), fwd=1e-6, upd=4e-6, tp=1, devices=1) -> dict:
@@ -82,7 +84,7 @@ def test_plan_configs_are_all_covered():
   names = {os.path.basename(p)[:-3] for p in PLAN_CONFIGS}
   assert {"qwen7b_single_dc", "hetero_h20_h800", "qwen72b_128"} <= names
   for p in PLAN_CONFIGS:
-    assert config_utils.load_config(p).calibration.measured == ""  # paper costs by default
+    assert config_lib.load_config(p).calibration.measured == ""  # paper costs by default
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +105,7 @@ def test_emitted_overrides_validate_on_ppo(path, target, reports, tmp_path, monk
   assert set(loaded) == {"plan", "overrides"}
   o, p = loaded["overrides"], loaded["plan"]
   # Only existing settings keys, and the run config accepts every value.
-  s = settings.from_config(config_utils.apply_overrides(_ppo(), o))
+  s = settings.from_config(config_lib.apply_overrides(_ppo(), o))
   # The readable part always describes the GPU plan.
   assert p["target"] == target and p["mode"] == report.mode == s.pipeline.mode
   assert p["generation"]["gpus"] == b.gen_gpus and p["training"]["gpus"] == b.train_gpus
@@ -236,7 +238,7 @@ def test_record_plan_copies_the_file_and_validates(tmp_path, monkeypatch):
   assert s.pipeline.mode == "async" and s.engine.num_instances == 2 and s.optimizer.lr == 1e-4
   assert (workdir / "plan.json").read_bytes() == open(path, "rb").read()
   experiment.record_plan(str(workdir / "plan.json"), str(workdir), config)  # the same file: fine
-  bad = config_utils.apply_overrides(config, {"pipeline.mode": "colocated"})
+  bad = config_lib.apply_overrides(config, {"pipeline.mode": "colocated"})
   os.remove(workdir / "plan.json")
   with pytest.raises(errors.UserError, match="num_instances"):
     experiment.record_plan(path, str(workdir), bad)

@@ -7,7 +7,9 @@ import os
 
 import pytest
 
-from streamrl import config_utils, settings
+from streamrl import cli
+from streamrl import config as config_lib
+from streamrl.config import settings
 from streamrl.errors import UserError
 
 pytestmark = [pytest.mark.unit]
@@ -31,7 +33,7 @@ def rl_configs():
   """Every config of an RL run (ranker and planner configs have their own readers)."""
   out = []
   for path in sorted(glob.glob(os.path.join(CONFIGS, "*.py"))):
-    cfg = config_utils.load_config(path)
+    cfg = config_lib.load_config(path)
     if "advantage" in cfg:
       out.append(path)
   return out
@@ -44,7 +46,7 @@ def test_the_rl_configs_are_found():
 
 @pytest.mark.parametrize("path", rl_configs(), ids=os.path.basename)
 def test_every_config_leaf_is_a_setting_and_every_setting_is_in_the_config(path):
-  cfg = config_utils.load_config(path)
+  cfg = config_lib.load_config(path)
   given, known = leaves(cfg), set(settings.config_keys())
   assert given - known == set(), "config keys no setting reads"
   assert known - given == set(), "settings read from keys the config lacks"
@@ -262,7 +264,7 @@ def _assert_keys_are_attributes(config, points=()):
     want = _lookup(config, key)
     assert _read(s, key) == (tuple(want) if isinstance(want, list) else want), key
   for point in points:
-    cfg = config_utils.apply_overrides(config, point)
+    cfg = config_lib.apply_overrides(config, point)
     s = settings.from_config(cfg, check_files=False)
     for key, value in point.items():
       got = _read(s, key)
@@ -278,12 +280,12 @@ def _lookup(config, key):
 
 @pytest.mark.parametrize("path", rl_configs(), ids=os.path.basename)
 def test_every_key_is_its_attribute_path_in_configs_and_their_sweeps(path):
-  cfg = config_utils.load_config(path)
+  cfg = config_lib.load_config(path)
   spec = path
   points = []
   module_text = open(path).read()
   if "def get_sweep" in module_text:
-    points = config_utils.load_sweep(spec)
+    points = config_lib.load_sweep(spec)
     for point in points:
       assert all(k in set(settings.config_keys()) for k in point), point
   _assert_keys_are_attributes(cfg, points)
@@ -294,14 +296,14 @@ def test_every_key_of_an_emitted_plan_is_its_attribute_path(tmp_path, monkeypatc
   from streamrl.planner.run import run_plan
 
   monkeypatch.chdir(ROOT)
-  plan_cfg = config_utils.load_config(os.path.join(CONFIGS, "plan", "qwen7b_single_dc.py"))
+  plan_cfg = config_lib.load_config(os.path.join(CONFIGS, "plan", "qwen7b_single_dc.py"))
   for target in emit.TARGETS:
     plan = emit.build_plan(run_plan(plan_cfg), target=target, max_instances=2)
     path = str(tmp_path / f"{target}.json")
     emit.write_plan(plan, path)
     overrides = emit.load_plan(path)["overrides"]
     assert set(overrides) <= set(settings.config_keys())
-    _assert_keys_are_attributes(config_utils.load_config("configs/ppo.py"), [overrides])
+    _assert_keys_are_attributes(config_lib.load_config("configs/ppo.py"), [overrides])
 
 
 def test_every_part_field_is_a_key_and_no_group_is_read_under_another_name():
@@ -314,15 +316,15 @@ def test_every_part_field_is_a_key_and_no_group_is_read_under_another_name():
 
 # ------------------------------------------------------ keys renamed in 0.1
 def test_old_keys_map_to_their_new_names_and_say_so(capfd):
-  from streamrl import renames
+  from streamrl.config import renames
 
   renames._noted.clear()
   assert set(renames.OLD_TO_NEW.values()) <= set(settings.config_keys())
   assert not set(renames.OLD_TO_NEW) & set(settings.config_keys())
   base = settings.default_config()
   # Overrides (the command line, sweeps, plans go through apply_overrides).
-  cfg = config_utils.apply_overrides(base, ["generation.partial=on", "pipeline.mode=async"])
-  cfg = config_utils.apply_overrides(cfg, {"algo.kl_coef": 0.0, "trainer.lr": 1e-4})
+  cfg = config_lib.apply_overrides(base, ["generation.partial=on", "pipeline.mode=async"])
+  cfg = config_lib.apply_overrides(cfg, {"algo.kl_coef": 0.0, "trainer.lr": 1e-4})
   s = settings.from_config(cfg)
   assert (s.pipeline.partial, s.kl.coef, s.optimizer.lr) == ("on", 0.0, 1e-4)
   err = capfd.readouterr().err
@@ -337,8 +339,8 @@ def test_old_keys_map_to_their_new_names_and_say_so(capfd):
     settings.from_config({"generation": {"partial": "on"}, "pipeline": {"partial": "off"}})
   # Each old key's note comes once per process.
   renames._noted.clear()
-  config_utils.apply_overrides(base, ["generation.top_p=0.9"])
-  config_utils.apply_overrides(base, ["generation.top_p=0.8"])
+  config_lib.apply_overrides(base, ["generation.top_p=0.9"])
+  config_lib.apply_overrides(base, ["generation.top_p=0.8"])
   assert capfd.readouterr().err.count("'generation.top_p' is now") == 1
 
 
@@ -346,7 +348,7 @@ def test_old_keys_on_the_command_line_are_renamed_for_run_configs_only():
   from absl import flags
 
   fv = flags.FlagValues()
-  config_utils.define_config_file("config", None, "c", flag_values=fv)
+  cli.define_config_file("config", None, "c", flag_values=fv)
   argv = [
       "main.py",
       "--config=configs/ppo.py",
@@ -354,7 +356,7 @@ def test_old_keys_on_the_command_line_are_renamed_for_run_configs_only():
       "--config.trainer.lr=1e-4",
       "--config.trainer.num_iterations=3",
   ]
-  new = config_utils._rename_flag_keys(argv, fv)
+  new = cli._rename_flag_keys(argv, fv)
   assert new[2:] == [
       "--config.pipeline.partial=off",
       "--config.optimizer.lr=1e-4",
@@ -362,7 +364,7 @@ def test_old_keys_on_the_command_line_are_renamed_for_run_configs_only():
   ]
   # A config of another schema that has the old key keeps it.
   other = ["train_ranker.py", "--config=configs/ranker.py:tiny", "--config.steps=3"]
-  assert config_utils._rename_flag_keys(other, fv) == other
+  assert cli._rename_flag_keys(other, fv) == other
 
 
 def test_fingerprints_leave_out_defaults_so_new_fields_never_block_a_resume():
@@ -380,7 +382,7 @@ def test_a_workdir_with_a_full_pre_rename_fingerprint_still_resumes(tmp_path):
   from streamrl import train
   from streamrl.trainer.checkpoint import Checkpointer
 
-  s = settings.from_config(config_utils.load_config(os.path.join(CONFIGS, "grpo.py")))
+  s = settings.from_config(config_lib.load_config(os.path.join(CONFIGS, "grpo.py")))
   old = Checkpointer(str(tmp_path / "checkpoints"), keep=1, fingerprint=train.full_fingerprint(s))
   old.save(1, {"w": np.zeros(2, np.float32)}, {"it": 1})
   old.close()
@@ -397,21 +399,11 @@ def test_a_workdir_with_a_full_pre_rename_fingerprint_still_resumes(tmp_path):
 # part's config module (`streamrl/<part>/config.py`: plain frozen dataclasses)
 # may be read from any layer.
 LAYERS = (
-    {
-        "errors",
-        "config_checks",
-        "renames",
-        "config_utils",
-        "metrics",
-        "lifecycle",
-        "usercode",
-        "oom",
-    },
-    {"cluster", "local_cluster", "data", "envs", "rl", "transfer", "elastic", "models", "ranker"},
+    {"errors", "config", "cli", "metrics", "lifecycle", "usercode", "oom"},
+    {"cluster", "data", "envs", "rl", "transfer", "elastic", "models", "ranker"},
     {"trainer", "scheduling"},
     {"generator"},
     {"pipeline", "sim"},
-    {"settings"},
     {"planner"},
     {"train"},
     {"experiment", "workload"},
@@ -453,7 +445,10 @@ _MIRRORS = {
         "scheduler",
         "a planned workload's work pool and migration (a plan config's keys), not a live run's",
     ),
-    ("streamrl.cluster", "ClusterInfo"): ("cluster", "the cluster found at start; no defaults"),
+    ("streamrl.cluster.start", "ClusterInfo"): (
+        "cluster",
+        "the cluster found at start; no defaults",
+    ),
     ("streamrl.trainer.memory_plan", "Trainee"): (
         "mesh",
         "the mesh sizes of one run's memory plan, -1 resolved to a device count",
@@ -528,7 +523,7 @@ def test_components_take_the_run_parts_themselves():
 
 def test_settings_functions_are_short():
   # validate is each part's check() plus a list of small cross-part rules.
-  paths = [os.path.join(ROOT, "streamrl", "settings.py")]
+  paths = [os.path.join(ROOT, "streamrl", "config", "settings.py")]
   paths += glob.glob(os.path.join(ROOT, "streamrl", "**", "config.py"), recursive=True)
   long = []
   for path in paths:

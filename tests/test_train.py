@@ -9,7 +9,9 @@ import jax
 import numpy as np
 import pytest
 
-from streamrl import config_utils, experiment, settings, train
+from streamrl import experiment, train
+from streamrl import config as config_lib
+from streamrl.config import settings
 from streamrl.errors import UserError
 
 pytestmark = [pytest.mark.engine]
@@ -22,7 +24,7 @@ TINY = json.loads(open(os.path.join(os.path.dirname(__file__), "tiny_run.json"))
 
 def load(name, **overrides):
   cfg = _load(name)
-  return config_utils.apply_overrides(cfg, {**TINY, **overrides})
+  return config_lib.apply_overrides(cfg, {**TINY, **overrides})
 
 
 def _load(name):
@@ -188,7 +190,7 @@ def test_incompatible_workdir_is_refused_untouched(ppo_run, tmp_path):
   workdir = tmp_path / "wd"
   shutil.copytree(run_dir, workdir)
   before = sorted((p, os.path.getmtime(p)) for p in glob.glob(f"{workdir}/**", recursive=True))
-  other = config_utils.apply_overrides(cfg, {"model.tiny": "llama"})
+  other = config_lib.apply_overrides(cfg, {"model.tiny": "llama"})
   with pytest.raises(ValueError, match="new --workdir"):
     experiment.run(other, str(workdir))
   after = sorted((p, os.path.getmtime(p)) for p in glob.glob(f"{workdir}/**", recursive=True))
@@ -273,7 +275,7 @@ def test_the_gsm_symbolic_example_runs_end_to_end(tmp_path):
 
   from streamrl.models import hf
 
-  cfg = config_utils.apply_overrides(
+  cfg = config_lib.apply_overrides(
       _load("gsm_symbolic"),
       {
           "pipeline.mode": "colocated",

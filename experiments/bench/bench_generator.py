@@ -281,7 +281,8 @@ def time_backends(model_dir: str, model, updates: int) -> dict[str, list[float]]
   instance, for each weight-delivery backend (streamrl/generator/delivery.py)."""
   import ray  # pylint: disable=g-import-not-at-top
 
-  from streamrl import cluster, settings  # pylint: disable=g-import-not-at-top
+  from streamrl import cluster  # pylint: disable=g-import-not-at-top
+  from streamrl.config import settings  # pylint: disable=g-import-not-at-top
   from streamrl.generator.service import StreamGenerationService  # pylint: disable=g-import-not-at-top
   from streamrl.models import hf  # pylint: disable=g-import-not-at-top
 

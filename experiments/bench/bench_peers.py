@@ -122,10 +122,11 @@ def overrides(seed: int, iterations: int, num_eval: int, eval_every: int) -> dic
 
 
 def settings_for(seed, iterations, num_eval, eval_every):
-  from streamrl import config_utils, settings
+  from streamrl import config as config_lib
+  from streamrl.config import settings
 
-  config = config_utils.apply_overrides(
-      config_utils.load_config(CONFIG), overrides(seed, iterations, num_eval, eval_every)
+  config = config_lib.apply_overrides(
+      config_lib.load_config(CONFIG), overrides(seed, iterations, num_eval, eval_every)
   )
   s = settings.from_config(config)
   got = (
@@ -259,7 +260,7 @@ def trl_child(args: dict) -> None:
   import trl
 
   from streamrl.trainer import setup
-  from streamrl.data import rewards as rewards_lib
+  from streamrl.data import verifiers as rewards_lib
 
   torch.set_num_threads(os.cpu_count() or 2)
   s = settings_for(args["seed"], args["iterations"], args["num_eval"], args["eval_every"])

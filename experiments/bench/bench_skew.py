@@ -270,10 +270,10 @@ class Arms:
 
 def run_config_scheduler():
   """configs/ppo.py's scheduler settings (`scheduler.*`)."""
-  from streamrl import config_utils
+  from streamrl import config as config_lib
   from streamrl.scheduling.config import Scheduler
 
-  cfg = config_utils.load_config("configs/ppo.py")
+  cfg = config_lib.load_config("configs/ppo.py")
   return Scheduler(
       **{k: cfg.scheduler[k] for k in Scheduler.__dataclass_fields__ if k in cfg.scheduler}
   )

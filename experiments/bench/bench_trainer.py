@@ -57,7 +57,7 @@ _CHUNK = flags.DEFINE_integer(
 
 
 def main(_):
-  from streamrl import settings  # pylint: disable=g-import-not-at-top
+  from streamrl.config import settings  # pylint: disable=g-import-not-at-top
 
   gpu = tw.platform() == "gpu"
   defaults = settings.Trainer()

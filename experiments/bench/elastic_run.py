@@ -45,7 +45,7 @@ from experiments.bench.elastic_setup import (
     typed_settings,
     workload_overrides,
 )
-from streamrl import local_cluster
+from streamrl.cluster import local as local_cluster
 
 
 def run(o: Options) -> dict:

@@ -17,7 +17,7 @@ import threading
 import time
 
 from experiments import harness
-from streamrl import local_cluster
+from streamrl.cluster import local as local_cluster
 
 ROOT = harness.ROOT
 CONFIG = os.path.join(ROOT, "configs", "ppo.py")
@@ -212,10 +212,11 @@ def as_flags(overrides: dict) -> list[str]:
 
 
 def typed_settings(overrides: dict):
-  from streamrl import config_utils, settings  # pylint: disable=g-import-not-at-top
+  from streamrl import config as config_lib  # pylint: disable=g-import-not-at-top
+  from streamrl.config import settings  # pylint: disable=g-import-not-at-top
 
-  config = config_utils.load_config(CONFIG)
-  return settings.from_config(config_utils.apply_overrides(config, overrides))
+  config = config_lib.load_config(CONFIG)
+  return settings.from_config(config_lib.apply_overrides(config, overrides))
 
 
 # ---------------------------------------------------------------- the run

@@ -176,7 +176,7 @@ def run_child(args: dict) -> None:
 
   from experiments.bench import bench_peers
   from streamrl.trainer import setup
-  from streamrl.data import rewards as rewards_lib
+  from streamrl.data import verifiers as rewards_lib
   from streamrl.data.loader import PromptLoader
   from streamrl.trainer.step import make_optimizer
 

@@ -38,7 +38,7 @@ def build_bf16_dir(workdir: str, family: str) -> str:
   import torch  # pylint: disable=g-import-not-at-top
   import transformers  # pylint: disable=g-import-not-at-top
 
-  from streamrl import settings  # pylint: disable=g-import-not-at-top
+  from streamrl.config import settings  # pylint: disable=g-import-not-at-top
   from streamrl.trainer import setup  # pylint: disable=g-import-not-at-top
 
   cfg = settings.default_config()

@@ -6,8 +6,8 @@ import dataclasses
 import json
 import math
 
-from streamrl.config_checks import need, one_of, positive
-from streamrl.data import dataset, gym, rewards, tasks
+from streamrl.config.checks import need, one_of, positive
+from streamrl.data import dataset, gym, tasks, verifiers
 from streamrl.data.tokenizer import CHAT_TEMPLATE_MODES
 from streamrl.errors import UserError
 
@@ -40,7 +40,7 @@ class Task:
   calc_digits: int = 4
   calc_tool_fraction: float = 0.25
   calc_tool_steps: int = 0
-  # A built-in name (streamrl/data/rewards.py) or the user's function,
+  # A built-in name (streamrl/data/verifiers.py) or the user's function,
   # `package.module:function` or `path/to/file.py:function` (a `.py` path
   # alone means its `compute_score`); several, comma-separated, are summed
   # with `reward_weights` (comma-separated numbers, "" for all 1), like TRL's
@@ -110,7 +110,7 @@ class Task:
       positive("task.max_answer_len", self.max_answer_len)
     try:
       for name in self.reward_names():
-        rewards.check_reward_name(name)
+        verifiers.check_reward_name(name)
     except (ValueError, UserError) as err:
       need(False, str(err))
     self.weights()

@@ -11,7 +11,7 @@ messages, rendered with the tokenizer's chat template
 form; a list or an object (search and tool tasks) is passed on as it is.
 Every other top-level column reaches the reward function (`Example.fields`;
 which of them a function receives depends on its signature,
-streamrl/data/rewards.py); a `data_source` column also splits the accuracy
+streamrl/data/reward_conventions.py); a `data_source` column also splits the accuracy
 by source.
 
 A path (`task.train_path`, `task.eval_path`) is a file, a directory of

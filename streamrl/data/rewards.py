@@ -1,46 +1,12 @@
-"""Reward functions (verifiers): built-in ones by name, or the user's own.
+"""Scoring samples with the task's reward functions, in worker processes (`Rewarder`).
 
 `task.reward` is a built-in name or a function the user wrote,
 `package.module:function`, `path/to/file.py:function` or `path/to/file.py`
 (its `compute_score`); several, comma-separated, are summed with
 `task.reward_weights`. A user's function is called the way the framework it
-was written for calls it, recognised by its parameter names (`convention`):
-
-  StreamRL  `score(response, answer, **columns)`, once per sample: the
-            decoded policy output (already cut at EOS; for work traces the
-            part after the trace), the row's reference answer, and the row's
-            other columns it names (all of them with `**kwargs`).
-  verl      `compute_score(data_source, solution_str, ground_truth,
-            extra_info=None, **kwargs)`, once per sample, by keyword.
-  TRL       `f(prompts, completions, completion_ids=None, **columns)`, once
-            per batch, every argument a list (chat prompts as message lists,
-            their completions as `[{"role": "assistant", "content": ...}]`),
-            returning one number or None (no reward) per sample.
-
-A per-sample function returns a score, or a dict with `score` and optionally
-`is_correct` (bool) and other numbers, which are logged as `reward_fn/<name>`
-means, as is each function's own reward.
-
-Built-in names:
-
-  exact_match        1.0 if the stripped response equals the answer, else 0.0.
-  partial_match      exact_match, plus partial credit for near misses on the
-                     synthetic tasks: `partial_weight * (characters right at
-                     the right position) / max(len(answer), len(response))`
-                     (default weight 0.5, so a near miss never beats a hit).
-  math_verify        HF's `math-verify` package: the response's final answer
-                     against the reference (its `\\boxed{}` or GSM8K `####`
-                     part, else all of it), as mathematical objects
-                     (`\\sqrt 2` = `\\sqrt{2}`, `x=5` = `5`, `0.5` = `\\frac12`).
-  math_verify_light  the same idea without the dependency: the last
-                     `\\boxed{}` / `####` / number, compared as exact
-                     fractions or normalised strings (fast, no sympy).
-  reasoning_gym      rows made by reasoning-gym (task.kind="gym"): the
-                     generator's own scorer on the final answer.
-
-Correctness — the `accuracy` metrics — is the verifier's: the function's
-`is_correct` where it returns one, else `score >= task.correct_threshold`
-(1.0: a built-in scores 1 exactly when it counts the answer right).
+was written for calls it, recognised by its parameter names
+(`reward_conventions.py`: StreamRL's, verl's or TRL's signature). The built-in
+names and what a function may return are in `verifiers.py`.
 
 `Rewarder` calls the functions through `streamrl.usercode.WorkerPool`: in
 worker processes, each call with a deadline, as samples arrive. Before the
@@ -55,409 +21,30 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import fractions
-import functools
-import inspect
-import logging
-import math
-import re
 import threading
 from typing import Any, Callable, Mapping
 
 import numpy as np
 
 from streamrl import usercode
+from streamrl.data import reward_conventions
+from streamrl.data.reward_conventions import (
+    ALL_SIGNATURES,
+    SIGNATURES,
+    TRL,
+    convention,
+    missing_arguments,
+    signature_text,
+    warn_failure,
+)
+from streamrl.data.verifiers import Score, check_reward_name, to_score
 from streamrl.errors import UserError
 
-RewardFn = Callable[..., Any]
-
-_log = logging.getLogger(__name__)
-
-
-def exact_match(response: str, answer: str) -> float:
-  """1.0 if `response` equals `answer` (outer whitespace ignored), else 0.0."""
-  return float(response.strip() == answer.strip())
-
-
-def partial_match(response: str, answer: str, *, partial_weight: float = 0.5) -> float:
-  """Exact match, else `partial_weight` times the positional character overlap.
-
-  The overlap is the number of positions i with response[i] == answer[i],
-  divided by max(len(answer), len(response)); it is < 1 for any miss, so the
-  reward of a miss stays below `partial_weight`.
-  """
-  response, answer = response.strip(), answer.strip()
-  if response == answer:
-    return 1.0
-  denom = max(len(answer), len(response))
-  if denom == 0:
-    return 0.0
-  hits = sum(a == b for a, b in zip(response, answer))
-  return partial_weight * hits / denom
-
-
-# ---------------------------------------------------------------- math_verify
-
-_NUMBER_RE = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?|-?\.\d+")
-_FRAC_RE = re.compile(r"\\[dt]?frac\{([^{}]*)\}\{([^{}]*)\}")
-_TEXT_RE = re.compile(r"\\(?:text|mathrm|textbf|mbox)\{([^{}]*)\}")
-
-
-def _last_boxed(text: str) -> str | None:
-  """Content of the last `\\boxed{...}` (or `\\fbox{...}`), braces balanced."""
-  start = max(text.rfind("\\boxed{"), text.rfind("\\fbox{"))
-  if start < 0:
-    return None
-  i = text.index("{", start) + 1
-  depth, j = 1, i
-  while j < len(text):
-    if text[j] == "{":
-      depth += 1
-    elif text[j] == "}":
-      depth -= 1
-      if depth == 0:
-        return text[i:j]
-    j += 1
-  return None  # unbalanced: the response was cut off inside the box.
-
-
-def _marked_answer(text: str) -> str | None:
-  """Last `\\boxed{}` content, else the text after the last `####`."""
-  boxed = _last_boxed(text)
-  if boxed is not None:
-    return boxed.strip()
-  if "####" in text:
-    tail = text.rsplit("####", 1)[1].strip()
-    if tail:
-      return tail.splitlines()[0].strip()
-  return None
-
-
-def extract_final_answer(text: str) -> str | None:
-  """Final answer of a solution: last boxed content, else after the last
-  `####` (GSM8K), else the last number in the text; None if there is none."""
-  marked = _marked_answer(text)
-  if marked is not None:
-    return marked
-  numbers = _NUMBER_RE.findall(text)
-  # A sentence may end "... is 1,000, so": drop the trailing separator.
-  return numbers[-1].rstrip(",") if numbers else None
-
-
-def normalize_answer(ans: str) -> str:
-  """Canonical string form: no `$`, spaces, `\\left`/`\\right`, `\\text{}`
-  wrappers, thousands separators or trailing period; `\\dfrac` -> `\\frac`."""
-  s = ans.strip()
-  s = _TEXT_RE.sub(r"\1", s)
-  for junk in ("$", "\\left", "\\right", "\\!", "\\,", "\\;", "^\\circ", "^{\\circ}", "\\%", "%"):
-    s = s.replace(junk, "")
-  s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac")
-  s = re.sub(r"\s+", "", s)
-  s = s.rstrip(".")
-  # Thousands separators only between digit groups: "1,000" but not "(1,2)".
-  if re.fullmatch(r"-?\d{1,3}(,\d{3})+(\.\d+)?", s):
-    s = s.replace(",", "")
-  return s
-
-
-def parse_number(ans: str) -> fractions.Fraction | None:
-  """Exact value of a normalised answer ("12", "-0.5", "3/4", "\\frac{3}{4}",
-  "1e3"), or None if it is not a plain number."""
-  s = normalize_answer(ans)
-  m = _FRAC_RE.fullmatch(s) or re.fullmatch(r"(-?[\d.]+)/(-?[\d.]+)", s)
-  try:
-    if m:
-      num, den = m.group(1), m.group(2)
-      return fractions.Fraction(num) / fractions.Fraction(den)
-    if s.startswith("-\\frac"):
-      inner = parse_number(s[1:])
-      return -inner if inner is not None else None
-    return fractions.Fraction(s)
-  except (ValueError, ZeroDivisionError):
-    return None
-
-
-def math_verify_light(response: str, answer: str) -> float:
-  """1.0 if the response's final answer equals the reference's, else 0.0.
-
-  The reference may be a bare answer ("72", "\\frac{3}{4}", used whole) or a
-  full solution ending in `#### 72` or `\\boxed{72}` (that part is used). The
-  response goes through `extract_final_answer`.
-  Numbers compare exactly as fractions, anything else as normalised strings.
-  """
-  got = extract_final_answer(response)
-  # A reference without a marker is the bare answer ("\frac{3}{4}", "72"):
-  # taking its last number would turn "\frac{3}{4}" into "4".
-  want = _marked_answer(answer)
-  if want is None:
-    want = answer.strip()
-  if got is None or not want:
-    return 0.0
-  got_num, want_num = parse_number(got), parse_number(want)
-  if got_num is not None and want_num is not None:
-    return float(got_num == want_num)
-  return float(normalize_answer(got) == normalize_answer(want))
-
-
-def _reference(answer: str) -> str:
-  """The part of a reference the verifier compares: its boxed / `####` part,
-  else all of it (a bare "\\frac{3}{4}" is the answer, not its last number)."""
-  want = _marked_answer(answer)
-  return answer.strip() if want is None else want
-
-
-def math_verify(response: str, answer: str) -> float:
-  """1.0 if `math-verify` finds the response's final answer equal to the
-  reference's, else 0.0. The reference (its marked part) is read as LaTeX
-  math; the response as the package reads model output (boxed answers,
-  `$...$` math, else the last expression)."""
-  import math_verify as mv  # pylint: disable=g-import-not-at-top
-
-  want = _reference(answer)
-  if not want or not response.strip():
-    return 0.0
-  # Signal-based timeouts work only in a main thread (a worker process's is).
-  kw = {} if threading.current_thread() is threading.main_thread() else {"parsing_timeout": None}
-  gold = mv.parse(want if "$" in want or "\\boxed" in want else f"${want}$", **kw)
-  pred = mv.parse(response, **kw)
-  if not gold or not pred:
-    return 0.0
-  vkw = {} if not kw else {"timeout_seconds": None}
-  return float(mv.verify(gold, pred, **vkw))
-
-
-def reasoning_gym_score(response: str, answer: str, metadata: dict, gym_dataset: str) -> float:
-  """A reasoning-gym row's score (streamrl/data/gym.py): the generator's own
-  scorer on the response's final answer (the last `\\boxed{}`, `#### x` or
-  number in it; the scorers read the first number of what they are given)."""
-  import reasoning_gym  # pylint: disable=g-import-not-at-top
-
-  entry = {"answer": answer, "metadata": metadata}
-  return float(
-      reasoning_gym.get_score_answer_fn(gym_dataset)(extract_final_answer(response), entry)
-  )
-
-
-# -------------------------------------------------------------------- registry
-
-_REGISTRY: dict[str, Callable[..., float]] = {
-    "exact_match": exact_match,
-    "partial_match": partial_match,
-    "math_verify": math_verify,
-    "math_verify_light": math_verify_light,
-    # Rows of task.kind="gym": the reasoning-gym generator's own scorer.
-    "reasoning_gym": reasoning_gym_score,
-}
-
-
-def known_reward_fns() -> list[str]:
-  """Built-in names (a `module:function` or `file.py:function` works too)."""
-  return sorted(_REGISTRY)
-
-
-def check_reward_name(name: str) -> None:
-  """ValueError unless `name` is a built-in or names a user's function (a
-  UserError when a spec is malformed)."""
-  if usercode.is_spec(name):
-    usercode.split_spec(name)
-    return
-  if name not in _REGISTRY:
-    raise ValueError(
-        f"task.reward={name!r} is unknown; use one of {known_reward_fns()}, or your own "
-        "function as `package.module:function`, `path/to/file.py:function` or "
-        "`path/to/file.py` (its compute_score)."
-    )
-
-
-def get_reward_fn(name: str, **kwargs: Any) -> RewardFn:
-  """The built-in reward `name` (keyword options bound), or the user's
-  function a `module:function` / `file.py:function` / `file.py` spec names.
-
-  Example: `get_reward_fn("partial_match", partial_weight=0.3)`.
-  """
-  if usercode.is_spec(name):
-    return usercode.load_function(name, what="reward function")
-  check_reward_name(name)
-  fn = _REGISTRY[name]
-  return functools.partial(fn, **kwargs) if kwargs else fn
-
-
-# ---------------------------------------------------------------- results
-
-
-@dataclasses.dataclass(frozen=True)
-class Score:
-  """One verdict: the reward, whether the answer is right, extra metrics."""
-
-  reward: float
-  correct: bool
-  metrics: Mapping[str, float] = dataclasses.field(default_factory=dict)
-
-
-def to_score(value: Any, threshold: float = 1.0) -> Score:
-  """A reward function's result as a Score; ValueError for anything else
-  (a non-number, a non-finite score, a dict without a numeric `score`)."""
-  metrics = {}
-  correct = None
-  if isinstance(value, Mapping):
-    if "score" not in value:
-      raise ValueError(f"returned a dict without 'score' (keys {sorted(value)[:8]})")
-    for k, v in value.items():
-      if k in ("score", "is_correct"):
-        continue
-      if isinstance(v, (bool, int, float, np.number)) and math.isfinite(float(v)):
-        metrics[str(k)] = float(v)
-    if value.get("is_correct") is not None:
-      correct = bool(value["is_correct"])
-    value = value["score"]
-  if isinstance(value, (bool, np.bool_)):
-    value = float(value)
-  if not isinstance(value, (int, float, np.number)):
-    raise ValueError(f"returned {type(value).__name__}, not a number")
-  reward = float(value)
-  if not math.isfinite(reward):
-    raise ValueError(f"returned the non-finite score {reward}")
-  return Score(reward, reward >= threshold if correct is None else correct, metrics)
-
-
-# ------------------------------------------------------------- signatures
-STREAMRL, VERL, TRL = "StreamRL", "verl", "TRL"
-# How each framework calls a reward; the functions below call it the same way.
-SIGNATURES = {
-    STREAMRL: "score(response, answer, **columns) -> float | dict",
-    VERL: "compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs)",
-    TRL: "f(prompts, completions, completion_ids=None, **columns) -> list[float | None]",
-}
-_ALL_SIGNATURES = (
-    f"StreamRL's {SIGNATURES[STREAMRL]}, verl's {SIGNATURES[VERL]} or TRL's {SIGNATURES[TRL]}"
-)
-_NAMED = ("POSITIONAL_OR_KEYWORD", "KEYWORD_ONLY")
-# The keywords verl's reward manager passes, and those TRL's trainer passes.
-_VERL_ARGS = ("data_source", "solution_str", "ground_truth", "extra_info")
-_TRL_ARGS = ("prompts", "completions", "completion_ids")
 # A reward's first samples, where its error rate may stop the run.
 ERROR_WINDOW = 64
 ERROR_MIN_SAMPLES = 8
 DUMMY_RESPONSE = "0"
 PROBE_TIMEOUT_S = 60.0
-
-
-def describe(fn: Callable) -> list[tuple[str, str, bool]]:
-  """(name, kind, has a default) of each parameter of `fn` ([] when unknown)."""
-  try:
-    params = inspect.signature(fn).parameters.values()
-  except (TypeError, ValueError):
-    return []
-  return [(p.name, p.kind.name, p.default is not p.empty) for p in params]
-
-
-def convention(params: list[tuple[str, str, bool]]) -> str:
-  """Which framework's signature the parameters are: verl's when they name
-  `solution_str` or `ground_truth`, TRL's when they name `completions` or
-  `prompts`, StreamRL's otherwise."""
-  names = {n for n, kind, _ in params if kind in _NAMED}
-  if names & {"solution_str", "ground_truth"}:
-    return VERL
-  if names & {"completions", "prompts"}:
-    return TRL
-  return STREAMRL
-
-
-def signature_text(name: str, params: list[tuple[str, str, bool]]) -> str:
-  """`name(a, b=..., **kw)`: the signature a function was found to have."""
-  parts = []
-  for n, kind, default in params:
-    prefix = {"VAR_POSITIONAL": "*", "VAR_KEYWORD": "**"}.get(kind, "")
-    parts.append(f"{prefix}{n}{'=...' if default else ''}")
-  return f"{name}({', '.join(parts)})"
-
-
-def missing_arguments(params, style: str, columns) -> list[str]:
-  """Required parameters of a `style` function that neither the framework's
-  call nor the row's `columns` fill."""
-  given = set(columns) | set(_VERL_ARGS if style == VERL else _TRL_ARGS if style == TRL else ())
-  required = [n for n, kind, default in params if kind in _NAMED and not default]
-  if style == STREAMRL:  # response and answer fill the first two, by position.
-    positional = [
-        n for n, kind, _ in params if kind in ("POSITIONAL_ONLY", "POSITIONAL_OR_KEYWORD")
-    ]
-    required = [n for n in required if n not in positional[:2]]
-  return [n for n in required if n not in given]
-
-
-def call_sample(fn: Callable, style: str, response: str, answer: Any, columns: dict) -> Any:
-  """One sample's reward, called as its framework calls it: StreamRL's
-  `fn(response, answer, **columns)`, verl's keyword call. Only the columns the
-  function names reach it (all of them when it takes `**kwargs`)."""
-  if style == VERL:
-    kw = {
-        **columns,
-        "data_source": columns.get("data_source"),
-        "solution_str": response,
-        "ground_truth": answer,
-        "extra_info": columns.get("extra_info"),
-    }
-    return usercode.call_with_fields(fn, (), kw)
-  cols = {k: v for k, v in columns.items() if k not in ("response", "answer")}
-  return usercode.call_with_fields(fn, (response, answer), cols)
-
-
-def call_batch(fn: Callable, prompts: list, completions: list, ids: list, columns: dict) -> Any:
-  """A batch's rewards, called as TRL calls a reward function: keyword lists
-  of the prompts, the completions and their token ids, and of every column."""
-  kw = {**columns, "prompts": prompts, "completions": completions, "completion_ids": ids}
-  return usercode.call_with_fields(fn, (), kw)
-
-
-@functools.cache
-def _function(spec: str) -> Callable:
-  return get_reward_fn(spec)
-
-
-def in_worker(op: str, spec: str, style: str, payload: dict) -> Any:
-  """What a reward worker process runs: `describe` the function `spec` names,
-  or call it (`sample`: `call_sample`; `batch`: `call_batch`)."""
-  fn = _function(spec)
-  if op == "describe":
-    return describe(fn)
-  if op == "batch":
-    return call_batch(fn, **payload)
-  return call_sample(fn, style, **payload)
-
-
-# ---------------------------------------------------------------- safe calling
-
-_warned: set[tuple[str, str]] = set()
-
-
-def _warn(warned: set, name: str, kind: str, message: str, prompt_id: Any) -> None:
-  """A failure's warning, once per function and kind of failure."""
-  if (name, kind) in warned:
-    return
-  warned.add((name, kind))
-  _log.warning(
-      "Reward function %s failed with %s: %s (sample %s gets reward 0 from it; further %s "
-      "failures of %s are counted in reward/errors_total, not logged).",
-      name,
-      kind,
-      message,
-      prompt_id,
-      kind,
-      name,
-  )
-
-
-def safe_reward(fn: RewardFn, response: str, example: Any) -> tuple[float, bool]:
-  """Calls `fn(response, example.answer, **example.fields)` in this process
-  and never raises: (reward, failed), with (0.0, True) and a warning once per
-  function and error kind when it raises or returns no finite number."""
-  try:
-    fields = dict(getattr(example, "fields", {}) or {})
-    return to_score(usercode.call_with_fields(fn, (response, example.answer), fields)).reward, False
-  except Exception as err:  # pylint: disable=broad-except
-    name = getattr(fn, "__name__", repr(fn))
-    _warn(_warned, name, type(err).__name__, str(err), getattr(example, "prompt_id", "?"))
-    return 0.0, True
 
 
 @dataclasses.dataclass
@@ -580,7 +167,9 @@ class Rewarder:
     self.answer_key = answer_key
     self.max_error_rate = max_error_rate
     self.batch_size = batch_size
-    self.pool = usercode.WorkerPool(f"{__name__}:in_worker", workers=workers, timeout_s=timeout_s)
+    self.pool = usercode.WorkerPool(
+        f"{reward_conventions.__name__}:in_worker", workers=workers, timeout_s=timeout_s
+    )
     try:
       self.fns = self._load(labels, weights, base_dir)
     except BaseException:
@@ -704,7 +293,7 @@ class Rewarder:
             f"The reward {fn.label!r} was called as {tried} (its signature is {fn.found()}), "
             f"and that call leaves its parameter(s) {missing} unfilled ({where} has the columns "
             f"{sorted(columns)}); add the column(s), or rename the parameters to one of "
-            f"{_ALL_SIGNATURES}."
+            f"{ALL_SIGNATURES}."
         )
       # A first call may import what the function needs: it gets a longer deadline.
       timeout = None if self.timeout_s is None else max(self.timeout_s, PROBE_TIMEOUT_S)
@@ -723,7 +312,7 @@ class Rewarder:
         ).rstrip(".")
         raise UserError(
             f"The reward {fn.label!r} was called as {tried} (its signature is {fn.found()}) on "
-            f"{where} and a dummy response, and it {why}; write it as one of {_ALL_SIGNATURES}."
+            f"{where} and a dummy response, and it {why}; write it as one of {ALL_SIGNATURES}."
         ) from None
 
   def _score(self, value, fn: _Fn) -> Score | None:
@@ -841,7 +430,7 @@ class Rewarder:
           self.errors += 1
           self.errors_by_kind[kind] += 1
           fn.last = f"{kind}: {message}"
-        _warn(self._warned, fn.label, kind, message, sample.prompt_id)
+        warn_failure(self._warned, fn.label, kind, message, sample.prompt_id)
       self._count(fn, failed)
       if score is None:
         continue

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from streamrl.config_checks import need, positive
+from streamrl.config.checks import need, positive
 from streamrl.elastic.policy import parse_schedule
 from streamrl.errors import UserError
 

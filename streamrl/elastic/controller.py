@@ -34,7 +34,7 @@ class ElasticGeneration:
   """Drives a `StreamGenerationService`'s instance count during a run.
 
   Args:
-    el: a `streamrl.settings.Elastic`.
+    el: a `streamrl.config.settings.Elastic`.
     rollout: the service.
     pool: the Ray resource one instance takes (cluster.generation_pool).
     workdir: where elastic.jsonl goes (None: nowhere).

@@ -103,7 +103,7 @@ class ElasticPolicy:
 
   @classmethod
   def from_settings(cls, el, start_instances: int) -> "ElasticPolicy":
-    """From a `streamrl.settings.Elastic`."""
+    """From a `streamrl.config.settings.Elastic`."""
     return cls(
         start_instances=start_instances,
         min_instances=el.min_instances,

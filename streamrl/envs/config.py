@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from streamrl.config_checks import positive
+from streamrl.config.checks import positive
 from streamrl.envs import sandbox as sandbox_lib
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from streamrl.config_checks import need, positive
+from streamrl.config.checks import need, positive
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from streamrl.config_checks import one_of
+from streamrl.config.checks import one_of
 
 # vLLM's CPU attention kernels exist for these head sizes only.
 CPU_SUPPORTED_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)

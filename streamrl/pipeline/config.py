@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from streamrl.config_checks import need, one_of, positive
+from streamrl.config.checks import need, one_of, positive
 
 PIPELINE_MODES = ("colocated", "sync", "stream", "async")
 

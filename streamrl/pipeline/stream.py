@@ -45,7 +45,7 @@ class LengthBatcher:
   happened to arrive with them (on the tiny task: 64-96 tokens instead of 32).
   When the stream ends, `flush` sorts what is left by length and cuts it into
   mini-batches, so the number of optimizer steps equals sync's.
-  `size` must be a multiple of the group size (streamrl.settings checks it).
+  `size` must be a multiple of the group size (streamrl.config.settings checks it).
   """
 
   def __init__(self, size: int, group_size: int = 1):

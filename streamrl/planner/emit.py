@@ -13,7 +13,7 @@ A plan file is JSON with two parts:
                 models it came from, and for a CPU stand-in what was scaled;
    "overrides": {"pipeline.mode": "async", "engine.num_instances": 16, ...}}
 
-`overrides` are ordinary StreamRL config keys (streamrl/settings.py) with
+`overrides` are ordinary StreamRL config keys (streamrl/config/settings.py) with
 their values; launch/main.py applies them onto the run config before the
 command line's --config.* overrides, so the command line wins. The mapping
 (target "gpu"):
@@ -204,10 +204,11 @@ def check_overrides(overrides: Mapping[str, Any], base=None) -> None:
   Raises:
     UserError: an unknown key, a wrong type, or a value the settings refuse.
   """
-  from streamrl import config_utils, settings  # pylint: disable=g-import-not-at-top
+  from streamrl import config as config_lib  # pylint: disable=g-import-not-at-top
+  from streamrl.config import settings  # pylint: disable=g-import-not-at-top
 
   config = settings.default_config() if base is None else base
-  settings.from_config(config_utils.apply_overrides(config, dict(overrides)), check_files=False)
+  settings.from_config(config_lib.apply_overrides(config, dict(overrides)), check_files=False)
 
 
 def write_plan(plan: Mapping[str, Any], path: str) -> None:
@@ -306,7 +307,7 @@ def apply_plan(
     UserError: one sentence naming the plan key that is not a setting, or
       whose value has the wrong type.
   """
-  from streamrl import config_utils  # pylint: disable=g-import-not-at-top
+  from streamrl import config as config_lib  # pylint: disable=g-import-not-at-top
 
   overrides = dict(plan["overrides"])
   for key in overrides:
@@ -318,10 +319,10 @@ def apply_plan(
           f'the plan\'s "overrides" or {_fix(path)}.'
       )
   try:
-    merged = config_utils.apply_overrides(config, overrides)
+    merged = config_lib.apply_overrides(config, overrides)
   except UserError as e:
     raise UserError(
         f"--plan={path}: {str(e).rstrip('.')}; fix that value in the plan's \"overrides\" or "
         f"{_fix(path)}."
     ) from None
-  return config_utils.apply_overrides(merged, cli_overrides)
+  return config_lib.apply_overrides(merged, cli_overrides)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from streamrl.config_checks import need, one_of, positive
+from streamrl.config.checks import need, one_of, positive
 from streamrl.rl.kl import KL_ESTIMATORS
 
 ADVANTAGES = ("gae", "grpo", "rloo", "reinforce_pp")

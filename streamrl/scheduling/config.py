@@ -6,8 +6,8 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from streamrl import config_utils
-from streamrl.config_checks import need, one_of, positive
+from streamrl import config as config_lib
+from streamrl.config.checks import need, one_of, positive
 from streamrl.scheduling.policy import SCHEDULERS
 from streamrl.scheduling.pool import POOLS
 
@@ -108,7 +108,7 @@ class Scheduler:
       )
     else:
       # configs/ranker.py:tiny names a file of the checkout, from any directory.
-      path = config_utils.find_config_file(self.ranker_config).split(":", 1)[0]
+      path = config_lib.find_config_file(self.ranker_config).split(":", 1)[0]
       need(
           os.path.isfile(path),
           f"scheduler.ranker_config={self.ranker_config!r}: no file {path!r}; use "

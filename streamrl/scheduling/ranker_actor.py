@@ -33,7 +33,7 @@ import ray
 def build_ranker(sched, model_dir: str):
   """The scheduler's `RankerTrainer`: restored from `sched.ranker_checkpoint`,
   or new from `sched.ranker_config` (sched is a `settings.Scheduler`)."""
-  from streamrl import config_utils  # pylint: disable=g-import-not-at-top
+  from streamrl import config as config_lib  # pylint: disable=g-import-not-at-top
   from streamrl.ranker import data as ranker_data  # pylint: disable=g-import-not-at-top
   from streamrl.ranker.train import RankerTrainer  # pylint: disable=g-import-not-at-top
 
@@ -42,7 +42,7 @@ def build_ranker(sched, model_dir: str):
     return RankerTrainer.restore(
         sched.ranker_checkpoint, vocab_size=vocab, tokenizer_fingerprint=fp
     )
-  rcfg = config_utils.load_config(sched.ranker_config)
+  rcfg = config_lib.load_config(sched.ranker_config)
   return RankerTrainer(rcfg, vocab_size=vocab, tokenizer_fingerprint=fp)
 
 

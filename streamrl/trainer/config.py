@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from streamrl.config_checks import need, one_of, positive
+from streamrl.config.checks import need, one_of, positive
 from streamrl.models.lora import MAX_LORA_RANK, LoraSpec, parse_targets
 from streamrl.models.config import (
     ATTENTION_IMPLS,

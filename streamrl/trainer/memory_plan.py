@@ -251,7 +251,7 @@ def lora_params(cfg: ModelConfig, spec) -> int:
 
 
 def trainee(s, cfg: ModelConfig, platform: str) -> Trainee:
-  """The trainee of run settings `s` (streamrl/settings.py) on model `cfg`."""
+  """The trainee of run settings `s` (streamrl/config/settings.py) on model `cfg`."""
   spec = s.trainer.lora_spec()
   mesh = s.mesh.axes()
   return Trainee(

@@ -43,7 +43,7 @@ from streamrl.models.transformer import Critic, Transformer
 from streamrl.trainer import experience, multihost, sharding, step as step_lib
 
 if typing.TYPE_CHECKING:  # The run's settings are read here, never imported at run time.
-  from streamrl import settings as settings_lib
+  from streamrl.config import settings as settings_lib
 
 
 # One program per padded length (eager, every op of it would be one).
@@ -90,7 +90,7 @@ class RLTrainer:
   before any update); stored like this it costs half an fp32 copy and gives
   exactly the log-probabilities the initial policy has in the trainer.
 
-  Every option comes from the run's own parts (streamrl/settings.py lists
+  Every option comes from the run's own parts (streamrl/config/settings.py lists
   them; `from_settings` passes a run's):
 
   Args:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from streamrl.config_checks import in_range, need, one_of, positive
+from streamrl.config.checks import in_range, need, one_of, positive
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,8 +11,8 @@ import textwrap
 import numpy as np
 import pytest
 
-from streamrl import settings
-from streamrl.data import dataset, loader, rewards
+from streamrl.config import settings
+from streamrl.data import dataset, loader, reward_conventions, rewards
 from streamrl.data.tasks import Example
 from streamrl.errors import MissingFileError, UserError
 
@@ -164,7 +164,7 @@ def test_a_verl_compute_score_is_called_by_keyword(tmp_path):
   by_id = {e.prompt_id: e for e in examples}
   # A .py path alone means its compute_score.
   with rewards.Rewarder(str(tmp_path / "gsm8k_reward.py"), _Chars(), workers=1) as rw:
-    assert rw.fns[0].style == rewards.VERL and rw.fns[0].name == "compute_score"
+    assert rw.fns[0].style == reward_conventions.VERL and rw.fns[0].name == "compute_score"
     rw.probe(examples[0])
     score, correct = rw([_S("so #### 3", 0), _S("#### 5", 1), _S("no idea", 1)], by_id)
     metrics = rw.metrics()
@@ -209,7 +209,7 @@ def test_trl_rewards_are_batched_weighted_and_logged_each(tmp_path):
   with rewards.Rewarder(
       spec, _Chars(), workers=1, weights=(1.0, 0.5), answer_key="solution", batch_size=3
   ) as rw:
-    assert [f.style for f in rw.fns] == [rewards.TRL, rewards.TRL]
+    assert [f.style for f in rw.fns] == [reward_conventions.TRL, reward_conventions.TRL]
     rw.probe(examples[0])
     calls.write_text("")
     rw.submit([_S(t, i) for t, i in texts[:3]], examples)  # a full batch: started now
@@ -374,13 +374,13 @@ def test_chat_template_kwargs_reach_the_template(tmp_path):
 
 
 def test_relative_paths_in_lists_resolve_against_the_config(tmp_path):
-  from streamrl import config_utils
+  from streamrl import config as config_lib
 
   for name in ("a.jsonl", "b.parquet", "verl_reward.py", "trl.py"):
     (tmp_path / name).write_text("")
   cfg = settings.default_config()
   cfg.task.train_path = "a.jsonl,b.parquet"
   cfg.task.reward = "verl_reward.py,trl.py:format_reward,exact_match"
-  out = config_utils.resolve_paths(cfg, str(tmp_path))
+  out = config_lib.resolve_paths(cfg, str(tmp_path))
   assert out.task.train_path == f"{tmp_path}/a.jsonl,{tmp_path}/b.parquet"
   assert out.task.reward == f"{tmp_path}/verl_reward.py,{tmp_path}/trl.py:format_reward,exact_match"

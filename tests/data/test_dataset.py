@@ -125,7 +125,8 @@ def test_a_parquet_path_that_is_not_parquet_is_a_user_error(tmp_path):
 
 
 def test_eval_rows_come_from_their_own_file(tmp_path):
-  from streamrl import settings, train
+  from streamrl import train
+  from streamrl.config import settings
 
   for name, n in (("train", 30), ("test", 5)):
     rows = [{"q": f"{name} {i}", "a": str(i)} for i in range(n)]

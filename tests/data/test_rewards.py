@@ -1,11 +1,11 @@
-"""Reward functions, the registry and safe_reward."""
+"""The built-in reward functions, the registry, safe_reward and the Rewarder."""
 
 import logging
 
 import numpy as np
 import pytest
 
-from streamrl.data import rewards
+from streamrl.data import reward_conventions, rewards, verifiers
 from streamrl.data.tasks import Example
 
 pytestmark = [pytest.mark.unit]
@@ -16,24 +16,24 @@ def _ex(answer):
 
 
 def test_exact_match():
-  assert rewards.exact_match("abc", "abc") == 1.0
-  assert rewards.exact_match(" abc\n", "abc") == 1.0
-  assert rewards.exact_match("abd", "abc") == 0.0
-  assert rewards.exact_match("abcc", "abc") == 0.0
-  assert rewards.exact_match("", "abc") == 0.0
+  assert verifiers.exact_match("abc", "abc") == 1.0
+  assert verifiers.exact_match(" abc\n", "abc") == 1.0
+  assert verifiers.exact_match("abd", "abc") == 0.0
+  assert verifiers.exact_match("abcc", "abc") == 0.0
+  assert verifiers.exact_match("", "abc") == 0.0
 
 
 def test_partial_match():
-  assert rewards.partial_match("abcd", "abcd") == 1.0
-  assert rewards.partial_match("abxd", "abcd") == pytest.approx(0.5 * 3 / 4)
+  assert verifiers.partial_match("abcd", "abcd") == 1.0
+  assert verifiers.partial_match("abxd", "abcd") == pytest.approx(0.5 * 3 / 4)
   # Junk after a correct prefix is penalised through the longer denominator.
-  assert rewards.partial_match("abcdxxxx", "abcd") == pytest.approx(0.5 * 4 / 8)
-  assert rewards.partial_match("", "abcd") == 0.0
-  assert rewards.partial_match("zzzz", "abcd") == 0.0
-  fn = rewards.get_reward_fn("partial_match", partial_weight=0.2)
+  assert verifiers.partial_match("abcdxxxx", "abcd") == pytest.approx(0.5 * 4 / 8)
+  assert verifiers.partial_match("", "abcd") == 0.0
+  assert verifiers.partial_match("zzzz", "abcd") == 0.0
+  fn = verifiers.get_reward_fn("partial_match", partial_weight=0.2)
   assert fn("abxd", "abcd") == pytest.approx(0.2 * 3 / 4)
   # A miss never reaches the reward of a hit.
-  assert rewards.partial_match("abcde", "abcd") < 0.5
+  assert verifiers.partial_match("abcde", "abcd") < 0.5
 
 
 @pytest.mark.parametrize(
@@ -60,8 +60,8 @@ def test_partial_match():
     ],
 )
 def test_both_math_verifiers(response, answer, want):
-  assert rewards.math_verify(response, answer) == want
-  assert rewards.math_verify_light(response, answer) == want
+  assert verifiers.math_verify(response, answer) == want
+  assert verifiers.math_verify_light(response, answer) == want
 
 
 @pytest.mark.parametrize(
@@ -80,22 +80,22 @@ def test_both_math_verifiers(response, answer, want):
     ],
 )
 def test_math_verify_uses_the_package(response, answer, package, light):
-  assert rewards.math_verify(response, answer) == package
-  assert rewards.math_verify_light(response, answer) == light
+  assert verifiers.math_verify(response, answer) == package
+  assert verifiers.math_verify_light(response, answer) == light
 
 
 def test_registry_and_unknown_name():
   for name in ("exact_match", "partial_match", "math_verify", "math_verify_light"):
-    assert name in rewards.known_reward_fns()
-    assert rewards.get_reward_fn(name)("7", "7") == 1.0
+    assert name in verifiers.known_reward_fns()
+    assert verifiers.get_reward_fn(name)("7", "7") == 1.0
   with pytest.raises(ValueError, match="exact_match") as err:
-    rewards.get_reward_fn("exact")
+    verifiers.get_reward_fn("exact")
   assert "'exact'" in str(err.value)
 
 
 def test_safe_reward_passes_values_through():
-  assert rewards.safe_reward(rewards.exact_match, "ab", _ex("ab")) == (1.0, False)
-  assert rewards.safe_reward(rewards.exact_match, "a", _ex("ab")) == (0.0, False)
+  assert reward_conventions.safe_reward(verifiers.exact_match, "ab", _ex("ab")) == (1.0, False)
+  assert reward_conventions.safe_reward(verifiers.exact_match, "a", _ex("ab")) == (0.0, False)
 
 
 def test_safe_reward_catches_and_warns_once_per_function_and_error_type(caplog):
@@ -108,12 +108,12 @@ def test_safe_reward_catches_and_warns_once_per_function_and_error_type(caplog):
   def wrong_type(response, answer):
     return "high"
 
-  caplog.set_level(logging.WARNING, logger=rewards.__name__)
-  rewards._warned.clear()
-  results = [rewards.safe_reward(boom, "x", _ex("y")) for _ in range(3)]
+  caplog.set_level(logging.WARNING, logger=reward_conventions.__name__)
+  reward_conventions._warned.clear()
+  results = [reward_conventions.safe_reward(boom, "x", _ex("y")) for _ in range(3)]
   assert results == [(0.0, True)] * 3
-  assert rewards.safe_reward(nan, "x", _ex("y")) == (0.0, True)
-  assert rewards.safe_reward(wrong_type, "x", _ex("y")) == (0.0, True)
+  assert reward_conventions.safe_reward(nan, "x", _ex("y")) == (0.0, True)
+  assert reward_conventions.safe_reward(wrong_type, "x", _ex("y")) == (0.0, True)
   messages = [r.getMessage() for r in caplog.records]
   assert sum("RuntimeError" in m for m in messages) == 1
   assert any("verifier crashed" in m and "boom" in m for m in messages)

@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from streamrl import config_utils, experiment
+from streamrl import experiment
+from streamrl import config as config_lib
 from streamrl.errors import UserError
 
 pytestmark = [pytest.mark.engine, pytest.mark.e2e]
@@ -103,8 +104,8 @@ def test_a_reward_with_a_wrong_signature_stops_before_the_first_update(gsm8k, tm
       "def compute_score(data_source, solution, answer, extra_info=None):\n"
       "  return float(solution.strip().endswith(answer))\n"
   )
-  cfg = config_utils.apply_overrides(
-      config_utils.load_config(os.path.join(ROOT, "configs", "gsm_symbolic.py")),
+  cfg = config_lib.apply_overrides(
+      config_lib.load_config(os.path.join(ROOT, "configs", "gsm_symbolic.py")),
       {
           **TINY,
           "task.train_path": str(gsm8k / "train.parquet"),

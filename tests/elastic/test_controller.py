@@ -13,7 +13,8 @@ import pytest
 import ray
 from flax import nnx
 
-from streamrl import cluster, settings
+from streamrl import cluster
+from streamrl.config import settings
 from streamrl.generator import service
 from streamrl.elastic.controller import ElasticGeneration
 from streamrl.generator.config import Sampling

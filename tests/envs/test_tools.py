@@ -7,7 +7,7 @@ import time
 import numpy as np
 import pytest
 
-from streamrl import settings
+from streamrl.config import settings
 from streamrl.data import calc, tasks
 from streamrl.data import tokenizer as tok
 from streamrl.envs import base, runner, tools

@@ -6,7 +6,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from streamrl import settings
+from streamrl.config import settings
 from streamrl.generator.vllm_engine import GeneratorInstance
 from streamrl.models import config, hf, lora, tiny
 from streamrl.trainer import rl_trainer

@@ -12,7 +12,9 @@ import types
 import pytest
 import ray
 
-from streamrl import cluster, config_utils, experiment, settings
+from streamrl import cluster, experiment
+from streamrl import config as config_lib
+from streamrl.config import settings
 from streamrl.errors import UserError
 from streamrl.generator import local, service
 
@@ -99,7 +101,7 @@ def test_placement_json_keeps_the_gpu_ids(tmp_path):
 
 
 def _gpu_settings(name: str) -> settings.Settings:
-  cfg = config_utils.load_config(os.path.join(CONFIGS, f"{name}.py"))
+  cfg = config_lib.load_config(os.path.join(CONFIGS, f"{name}.py"))
   return settings.from_config(cfg, check_files=False)
 
 

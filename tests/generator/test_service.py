@@ -18,7 +18,8 @@ from flax import nnx
 from streamrl.generator.config import Sampling
 from streamrl.models import config as model_config
 from streamrl.models import hf, tiny, transformer
-from streamrl import cluster, settings
+from streamrl import cluster
+from streamrl.config import settings
 from streamrl.generator import service
 
 pytestmark = [pytest.mark.engine, pytest.mark.ray]
@@ -73,7 +74,8 @@ def test_bound_trainer_threads_pins_every_thread():
   # In a child process: pinning this test process would slow the others.
   code = textwrap.dedent("""
       import os, threading, time
-      from streamrl import cluster, settings
+      from streamrl import cluster
+      from streamrl.config import settings
       core = min(os.sched_getaffinity(0))
       ev = threading.Event()
       t = threading.Thread(target=ev.wait); t.start()  # exists before the call
@@ -102,7 +104,7 @@ def test_a_failed_join_leaves_the_auth_mode_as_it_was(monkeypatch):
   # A join turns token auth on when a token exists; a join that fails must
   # not leave it on for a local Ray this process starts later.
   monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
-  monkeypatch.setattr(cluster, "token_available", lambda: True)
+  monkeypatch.setattr(cluster.start, "token_available", lambda: True)
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]

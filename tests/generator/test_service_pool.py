@@ -7,7 +7,8 @@ import collections
 import pytest
 import ray
 
-from streamrl import cluster, settings
+from streamrl import cluster
+from streamrl.config import settings
 from streamrl.generator import service
 from streamrl.generator.config import Sampling
 from streamrl.generator.rollout import PARTIAL

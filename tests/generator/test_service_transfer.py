@@ -15,7 +15,8 @@ from flax import nnx
 from streamrl.generator.config import Sampling
 from streamrl.models import config as model_config
 from streamrl.models import hf, tiny, transformer
-from streamrl import cluster, settings
+from streamrl import cluster
+from streamrl.config import settings
 from streamrl.generator import delivery, service
 
 pytestmark = [pytest.mark.engine, pytest.mark.ray]

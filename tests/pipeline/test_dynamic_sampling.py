@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from streamrl import config_utils, settings, train
+from streamrl import train
+from streamrl import config as config_lib
+from streamrl.config import settings
 from streamrl.data import tasks
 from streamrl.data.loader import PromptLoader
 from streamrl.data.rewards import Rewarder
@@ -48,7 +50,7 @@ def grpo_config(**overrides):
       "advantage.filter_groups": True,
       "advantage.filter_max_rounds": 3,
   }
-  return config_utils.apply_overrides(module.get_config(), {**base, **overrides})
+  return config_lib.apply_overrides(module.get_config(), {**base, **overrides})
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from streamrl import config_utils, settings, train
+from streamrl import train
+from streamrl import config as config_lib
+from streamrl.config import settings
 from streamrl.errors import UserError
 from streamrl.data import tasks
 from streamrl.data.loader import PromptLoader
@@ -49,7 +51,7 @@ def load(name, **overrides):
       # The plain modes; the partial-rollout tests below turn it on.
       "pipeline.partial": "off",
   }
-  return config_utils.apply_overrides(module.get_config(), {**base, **overrides})
+  return config_lib.apply_overrides(module.get_config(), {**base, **overrides})
 
 
 @pytest.fixture(scope="module")

@@ -377,7 +377,7 @@ def test_simulate_with_rank_history_matches_brute_force_over_the_same_draws(obje
 def test_the_scheduler_records_each_requests_rank_with_the_length_it_had():
   import types
 
-  from streamrl import settings
+  from streamrl.config import settings
   from streamrl.data import tasks
   from streamrl.scheduling.dispatch import MIN_RANK_HISTORY
   from streamrl.scheduling.scheduler import GenerationScheduler
@@ -486,7 +486,7 @@ def test_first_k_plan_finishes_the_first_groups_sooner_than_lpt_and_the_long_tai
 
 
 def test_a_stoppable_round_is_planned_for_its_first_groups_resumed_first():
-  from streamrl import settings
+  from streamrl.config import settings
   from streamrl.data import tasks
   from streamrl.scheduling import scheduler as scheduler_lib
   from streamrl.scheduling.scheduler import GenerationScheduler

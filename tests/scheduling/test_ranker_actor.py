@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import ray
 
-from streamrl import settings
+from streamrl.config import settings
 from streamrl.data import tokenizer
 from streamrl.generator.rollout import Sample
 from streamrl.scheduling import ranker_actor

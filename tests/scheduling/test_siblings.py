@@ -4,7 +4,7 @@ dispatcher keeping a prompt's samples together."""
 import numpy as np
 import pytest
 
-from streamrl import settings
+from streamrl.config import settings
 from streamrl.errors import UserError
 from streamrl.generator.rollout import Request
 from streamrl.pipeline import base

@@ -30,7 +30,9 @@ EXPORT_RUN = {
 def export_run(tmp_path_factory):
   """(workdir, settings, trainer) of a finished two-iteration run with
   checkpoints 1 and 2; the trainer, taken from the run, holds step 2's state."""
-  from streamrl import config_utils, settings, train
+  from streamrl import train
+  from streamrl import config as config_lib
+  from streamrl.config import settings
   from streamrl.generator.fake import FakeRollout
 
   class Recorded(train.RLTrainer):
@@ -40,7 +42,7 @@ def export_run(tmp_path_factory):
       super().__init__(*args, **kwargs)
       Recorded.made.append(self)
 
-  config = config_utils.apply_overrides(config_utils.load_config("configs/ppo.py"), EXPORT_RUN)
+  config = config_lib.apply_overrides(config_lib.load_config("configs/ppo.py"), EXPORT_RUN)
   s = settings.from_config(config)
   workdir = str(tmp_path_factory.mktemp("export_run") / "run")
   with pytest.MonkeyPatch.context() as mp:

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from streamrl import settings
+from streamrl.config import settings
 from streamrl.errors import UserError
 from streamrl.models import hf, lora
 from streamrl.trainer import checkpoint as checkpoint_lib
@@ -107,7 +107,8 @@ def test_bad_lora_settings_name_the_fix(key, value, fix):
 
 
 def test_a_lora_run_pushes_adapters_and_exports_merged_and_adapter_dirs(tmp_path):
-  from streamrl import config_utils, train
+  from streamrl import train
+  from streamrl import config as config_lib
   from streamrl.generator.fake import FakeRollout
   from streamrl.models import safetensors_io
   from streamrl.trainer import export
@@ -127,8 +128,8 @@ def test_a_lora_run_pushes_adapters_and_exports_merged_and_adapter_dirs(tmp_path
       super().__init__(*args, **kwargs)
       made.append(self)
 
-  config = config_utils.apply_overrides(
-      config_utils.load_config("configs/ppo.py"), {**EXPORT_RUN, "trainer.lora_rank": 4}
+  config = config_lib.apply_overrides(
+      config_lib.load_config("configs/ppo.py"), {**EXPORT_RUN, "trainer.lora_rank": 4}
   )
   s = settings.from_config(config)
   workdir = str(tmp_path / "run")

@@ -6,7 +6,8 @@ import jax
 import numpy as np
 import pytest
 
-from streamrl import config_utils, settings
+from streamrl import config as config_lib
+from streamrl.config import settings
 from streamrl.errors import UserError
 from streamrl.models import transformer
 from streamrl.models.config import ComputeConfig, ModelConfig
@@ -95,7 +96,7 @@ def test_the_plan_of_a_train_step_is_within_20_percent_of_xlas_own(
 def _gpu_trainee(name: str, **changes):
   from experiments import trainer_workload  # pylint: disable=g-import-not-at-top
 
-  s = settings.from_config(config_utils.load_config(f"configs/{name}.py"), check_files=False)
+  s = settings.from_config(config_lib.load_config(f"configs/{name}.py"), check_files=False)
   model = {"ppo_qwen2_5_7b": "qwen2_5_7b", "ppo_qwen2_5_1_5b": "qwen2_1_5b"}[name]
   t = memory_plan.trainee(s, trainer_workload.model_config(model), "gpu")
   return dataclasses.replace(t, **changes)
@@ -128,7 +129,7 @@ def test_a_7b_ppo_with_a_critic_on_four_gpus_is_refused_in_one_sentence():
 def test_remat_auto_is_resolved_before_the_trainer_is_built():
   from experiments import trainer_workload  # pylint: disable=g-import-not-at-top
 
-  s = settings.from_config(config_utils.load_config("configs/ppo.py"), check_files=False)
+  s = settings.from_config(config_lib.load_config("configs/ppo.py"), check_files=False)
   assert s.trainer.remat == "auto"
   cfg = trainer_workload.model_config("smoke_small")
   # On CPU remat saves nothing (XLA's CPU compiler drops it): "auto" is "none".

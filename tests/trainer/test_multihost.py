@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from streamrl import settings
+from streamrl.config import settings
 from streamrl.errors import UserError
 from streamrl.models import config as model_config
 from streamrl.models import hf, transformer

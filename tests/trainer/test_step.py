@@ -292,7 +292,7 @@ def test_the_trainer_scores_at_the_sampling_temperature():
   # The loss must score tokens at the temperature the generators sampled
   # with, or the PPO ratio is not 1 even before the first update; and
   # token_sum_norm divides by the generators' max_tokens.
-  from streamrl import settings  # pylint: disable=g-import-not-at-top
+  from streamrl.config import settings  # pylint: disable=g-import-not-at-top
   from streamrl.trainer import rl_trainer  # pylint: disable=g-import-not-at-top
 
   s = settings.Settings().replace(

@@ -475,7 +475,7 @@ def test_the_newest_version_is_never_recycled_and_a_rewrite_holds_its_lock(clust
 def test_stopping_a_local_cluster_removes_what_its_dead_workers_left(shm_paths):
   """`LocalCluster.stop` kills the nodes' workers with their resource trackers (what
   bench_elastic and launch/cluster.py do): their files go when the cluster stops."""
-  from streamrl import local_cluster  # pylint: disable=g-import-not-at-top
+  from streamrl.cluster import local as local_cluster  # pylint: disable=g-import-not-at-top
 
   dead = subprocess.Popen(["true"])
   ticks = lifecycle.start_ticks(dead.pid)

@@ -15,8 +15,8 @@ Every node's address is 127.0.0.1 unless `node_ip_address` names another
 address of this machine, and on 127.0.0.1 every Ray server listens on
 loopback only. Ray 2.60 would replace that address with the machine's
 network address (and listen on every interface), so each node runs those
-lines as `python -m streamrl.local_cluster start ...`: Ray's own command line
-with the address kept (`streamrl.cluster.loopback_kept`).
+lines as `python -m streamrl.cluster.local start ...`: Ray's own command line
+with the address kept (`streamrl.cluster.addresses.loopback_kept`).
 
 Token authentication is on by default, as `ray start --head` does when a
 token exists: every node and every process that joins gets RAY_AUTH_MODE=token
@@ -46,9 +46,9 @@ import subprocess
 import sys
 import time
 
-from streamrl import cluster as cluster_lib
-from streamrl import lifecycle
-from streamrl import oom
+from streamrl import lifecycle, oom
+from streamrl.cluster.addresses import LOOPBACK, is_loopback, loopback_kept
+from streamrl.cluster.start import GENERATION_POOL, TRAINING_POOL
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,14 +82,14 @@ def default_nodes(
           "trainer",
           cpus=trainer_cpus * training_slots,
           gpus=gpus,
-          resources={cluster_lib.TRAINING_POOL: training_slots},
+          resources={TRAINING_POOL: training_slots},
           labels={"datacenter": trainer_dc, "pool": "training", "accelerator": "trainer-standin"},
       ),
       NodeSpec(
           "generator",
           cpus=generator_cpus,
           gpus=gpus,
-          resources={cluster_lib.GENERATION_POOL: generation_slots},
+          resources={GENERATION_POOL: generation_slots},
           labels={
               "datacenter": generation_dc,
               "pool": "generation",
@@ -104,7 +104,7 @@ def default_nodes(
 _SINGLE_MACHINE = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
-def _free_port(host: str = cluster_lib.LOOPBACK) -> int:
+def _free_port(host: str = LOOPBACK) -> int:
   with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
     s.bind((host, 0))
     return s.getsockname()[1]
@@ -148,7 +148,7 @@ class LocalCluster:
       port: int = 0,
       object_store_mb: int = 256,
       start_timeout_s: float = 120.0,
-      node_ip_address: str = cluster_lib.LOOPBACK,
+      node_ip_address: str = LOOPBACK,
   ):
     if not nodes:
       raise ValueError("A cluster needs at least one node (the head).")
@@ -172,21 +172,21 @@ class LocalCluster:
     out = {}
     if self.auth:
       out.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=self.token_path)
-    if cluster_lib.is_loopback(self.node_ip_address):
+    if is_loopback(self.node_ip_address):
       out[_SINGLE_MACHINE] = "0"
     return out
 
   def _node_env(self) -> dict[str, str]:
     env = {**os.environ, **self.env()}
     env.pop(_SINGLE_MACHINE, None)
-    # `python -m streamrl.local_cluster` from a checkout that is not installed.
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    # `python -m streamrl.cluster.local` from a checkout that is not installed.
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     return oom.ray_env(env)  # the memory plan, not Ray's monitor, decides what fits
 
   def _ray(self) -> list[str]:
     """Ray's command line, with a loopback node address kept (`ray_cli`)."""
-    return [sys.executable, "-m", "streamrl.local_cluster"]
+    return [sys.executable, "-m", "streamrl.cluster.local"]
 
   def _command(self, node: NodeSpec, head: bool) -> list[str]:
     cmd = [*self._ray(), "start", "--block", "--disable-usage-stats"]
@@ -287,11 +287,11 @@ def _shm_names() -> list[str]:
 
 def ray_cli(argv: list[str]) -> int:
   """`ray <argv>` with a loopback node or head address kept as given
-  (`streamrl.cluster.loopback_kept`): what each node of a LocalCluster runs."""
+  (`streamrl.cluster.addresses.loopback_kept`): what each node of a LocalCluster runs."""
   from ray.scripts.scripts import main  # pylint: disable=g-import-not-at-top
 
   sys.argv = ["ray", *argv]
-  with cluster_lib.loopback_kept():
+  with loopback_kept():
     return main()
 
 

@@ -13,10 +13,10 @@ defaults and its own checks, next to the code that reads it:
   trainer, optimizer, mesh,
   checkpoint, warmstart         streamrl/trainer/config.py
   pipeline                      streamrl/pipeline/config.py
-  cluster                       streamrl/cluster.py
+  cluster                       streamrl/cluster/config.py
   transfer                      streamrl/transfer/config.py
   elastic                       streamrl/elastic/config.py
-  log                           streamrl/metrics.py
+  log                           streamrl/metrics/config.py
 
 The key you type is the attribute you grep: field `x` of part `p` is the
 config key `p.x` (`--config.pipeline.partial=on` sets `s.pipeline.partial`).
@@ -24,7 +24,7 @@ A run config (configs/*.py) is a plain `ml_collections.ConfigDict` built from
 `default_config()`; `from_config` maps it onto `Settings` and checks every
 value (each part's `check()`, then `CROSS_PART_RULES`) before anything heavy
 starts. Keys from before this layout are accepted until 0.2.0
-(streamrl/renames.py).
+(streamrl/config/renames.py).
 
   config = settings.default_config()        # every key, with its default
   s = settings.from_config(config)          # typed, validated; UserError if not
@@ -40,15 +40,15 @@ from typing import Any, Callable
 
 import ml_collections
 
-from streamrl import renames
-from streamrl.cluster import Cluster
-from streamrl.config_checks import need
+from streamrl.cluster.config import Cluster
+from streamrl.config import renames
+from streamrl.config.checks import coerce, need
 from streamrl.data.config import Task
 from streamrl.elastic.config import Elastic
 from streamrl.envs.config import Env
 from streamrl.errors import UserError
 from streamrl.generator.config import Engine, Sampling
-from streamrl.metrics import Log
+from streamrl.metrics.config import Log
 from streamrl.models.config import Model
 from streamrl.pipeline.config import PIPELINE_MODES, Pipeline
 from streamrl.rl.config import Advantage, Kl, Loss
@@ -190,21 +190,14 @@ def _config_leaves(node, prefix: str = "") -> dict[str, Any]:
   return out
 
 
-_TYPES = {"int": int, "float": float, "str": str, "bool": bool, "tuple": tuple}
-
-
 def _coerce(key: str, value: Any, want: Any) -> Any:
-  want = _TYPES.get(want, want)
-  if want is float and isinstance(value, int) and not isinstance(value, bool):
-    return float(value)
-  if want is tuple and isinstance(value, list):
-    return tuple(value)
-  if (want is int and isinstance(value, bool)) or not isinstance(value, want):
+  try:
+    return coerce(value, want)
+  except TypeError:
+    want = getattr(want, "__name__", want)
     raise UserError(
-        f"{key}={value!r} must be {want.__name__}; fix it in the config or "
-        f"with --config.{key}=..."
-    )
-  return value
+        f"{key}={value!r} must be {want}; fix it in the config or with --config.{key}=..."
+    ) from None
 
 
 def from_config(config, *, check_files: bool = True) -> Settings:
@@ -212,7 +205,7 @@ def from_config(config, *, check_files: bool = True) -> Settings:
 
   Raises UserError (one sentence naming the fix) for a key the settings
   don't know, a wrong type or a bad value; a key left out keeps its
-  default. Old key names (streamrl/renames.py) are read under their new
+  default. Old key names (streamrl/config/renames.py) are read under their new
   ones. `check_files=False` skips the checks that paths exist (for configs
   describing another machine).
   """
@@ -224,7 +217,7 @@ def from_config(config, *, check_files: bool = True) -> Settings:
   if unknown:
     raise UserError(
         f"config key {unknown[0]!r} is not a StreamRL setting; remove it or rename it to "
-        "one of settings.config_keys() (each part's fields: streamrl/settings.py lists them)."
+        "one of settings.config_keys() (each part's fields: streamrl/config/settings.py lists them)."
     )
   parts: dict[str, dict] = {p: {} for p in PARTS}
   top: dict = {}

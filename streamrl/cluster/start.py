@@ -1,4 +1,4 @@
-"""Ray as the distributed engine: start or join a cluster, split CPU cores.
+"""Ray as the distributed engine: start or join a cluster, and check what it offers.
 
 Placement is by custom resources used as labels: a node that may host
 generator instances offers `generation_pool`, a node that may host the trainer
@@ -10,24 +10,6 @@ own label, e.g.
   ray start --address=<head>:6379 --resources='{"generation_pool": 8}'  # H20 node
 
 and the run joins it with `--config.cluster.address=<head>:6379`.
-
-CPU shares on one machine (what is actually enforced):
-- Each side gets its own cores (`plan_cpu_shares`). A generator actor pins all
-  its threads with `sched_setaffinity` (kernel-enforced: its threads cannot
-  run on other cores) and sizes torch's OpenMP pool to its share
-  (`OMP_NUM_THREADS` before torch loads, `torch.set_num_threads` before the
-  engine starts; vLLM forbids changing it afterwards). With the engine in the
-  actor's process (VLLM_ENABLE_V1_MULTIPROCESSING=0, the default here) that
-  is all there is. With worker processes (engine.in_process=False)
-  `VLLM_CPU_OMP_THREADS_BIND` is set to the same cores, so vLLM binds its
-  worker there, and the actor pins its engine-core process tree as well.
-- The trainer process calls `bound_trainer_threads(cores)` before JAX creates
-  its CPU client: its threads are pinned to the trainer's cores, and XLA
-  sizes its thread pool from that affinity mask.
-- Ray's own `num_cpus` per actor is bookkeeping for the scheduler only; Ray
-  enforces nothing about cores.
-- On a remote cluster no core ids are known in advance: actors only bound
-  their thread counts (no pinning), and the node labels do the separation.
 
 Console output: Ray starts with `log_to_driver=False` by default, so what the
 actors print (vLLM's engine, Ray's worker chatter) is not forwarded to the
@@ -43,64 +25,28 @@ A wrong `cluster.address` (unreachable, not a Ray head, no node offering
 `generation_pool`) fails fast with a `streamrl.errors.UserError` (for an
 unreachable one, an `UnreachableClusterError`, also a ConnectionError).
 
-Addresses: a local Ray's node address is `cluster.node_ip_address`, 127.0.0.1
-by default, and everything a run starts listens there: Ray's GCS, raylet,
-workers, agents and autoscaler metrics, the trainer's JAX coordinator and
-gloo collectives, and the generators' vLLM sockets, which each take their
-Ray node's address (`node_address`). Ray 2.60 replaces a loopback node or
-head address with the machine's network address
-(`ray._private.services.resolve_ip_for_localhost`) and then listens on every
-interface; `loopback_kept` stops that. Joining a cluster (`cluster.address`),
-each node keeps the address its `ray start` gave it (`--node-ip-address`).
+CPU shares and pinning are in `shares.py`, node addresses in `addresses.py`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import ipaddress
 import logging
 import os
 import socket
-import sys
 import threading
-from collections.abc import Sequence
 
 from streamrl import oom
-from streamrl.config_checks import need, positive
+from streamrl.cluster.addresses import LOOPBACK, check_node_ip_address, check_reachable, loopback_kept
+from streamrl.cluster.config import parse_labels
+from streamrl.cluster.shares import CpuShares, plan_cpu_shares
 from streamrl.errors import UnreachableClusterError, UserError
 
 log = logging.getLogger(__name__)
 
 GENERATION_POOL = "generation_pool"
 TRAINING_POOL = "training_pool"
-_DEFAULT_GCS_PORT = 6379
-# A local Ray's node address unless cluster.node_ip_address says otherwise.
-LOOPBACK = "127.0.0.1"
-# The node addresses on which Ray's servers listen on loopback only (with
-# any other, 127.0.0.2 included, they listen on every interface).
-_RAY_LOOPBACK = ("127.0.0.1", "::1", "localhost")
-
-
-@dataclasses.dataclass(frozen=True)
-class CpuShares:
-  """Core ids of this machine given to each side of the pipeline."""
-
-  generator_cores: tuple[int, ...]
-  trainer_cores: tuple[int, ...]
-
-  def instance_cores(self, instance_id: int, num_instances: int) -> tuple[int, ...]:
-    """Contiguous, disjoint slices of the generator cores, one per instance.
-
-    With fewer cores than instances, instances share cores round-robin (no
-    instance ever gets an empty set).
-    """
-    cores = self.generator_cores
-    if num_instances <= len(cores):
-      per, extra = divmod(len(cores), num_instances)
-      start = instance_id * per + min(instance_id, extra)
-      return cores[start : start + per + (instance_id < extra)]
-    return (cores[instance_id % len(cores)],)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,225 +61,6 @@ class ClusterInfo:
 
 
 # Read once at import: pinning the trainer later narrows this process's own
-# affinity, and a second pipeline must still see every core.
-_CORES_AT_START = tuple(sorted(os.sched_getaffinity(0)))
-
-
-def available_cores() -> tuple[int, ...]:
-  return _CORES_AT_START
-
-
-def plan_cpu_shares(
-    generator_cpus: int, trainer_cpus: int, cores: Sequence[int] | None = None
-) -> CpuShares:
-  """Generators take the first `generator_cpus` cores, the trainer the last
-  `trainer_cpus`; they are disjoint when the machine has enough cores, and
-  overlap (with a warning) when it hasn't."""
-  if generator_cpus < 1 or trainer_cpus < 1:
-    raise UserError(
-        f"cluster.generator_cpus and cluster.trainer_cpus must be >= 1, got "
-        f"{generator_cpus} and {trainer_cpus}."
-    )
-  cores = tuple(cores) if cores is not None else available_cores()
-  n = len(cores)
-  gen = tuple(cores[i % n] for i in range(generator_cpus))
-  trainer = tuple(cores[(n - trainer_cpus + i) % n] for i in range(trainer_cpus))
-  shared = sorted(set(gen) & set(trainer))
-  if shared:
-    log.warning(
-        "generator_cpus=%d + trainer_cpus=%d exceed the %d cores available: cores "
-        "%s are shared by both sides, so they are not disaggregated.",
-        generator_cpus,
-        trainer_cpus,
-        n,
-        shared,
-    )
-  return CpuShares(
-      generator_cores=tuple(sorted(set(gen))), trainer_cores=tuple(sorted(set(trainer)))
-  )
-
-
-def pin_process_threads(cores: Sequence[int], *, children: bool = False) -> None:
-  """Pins every thread this process has now, and (by inheritance) every thread
-  it creates later, to `cores`; with `children`, its descendant processes'
-  threads too. `os.sched_setaffinity(0, ...)` alone would pin only the
-  calling thread."""
-  cores = set(cores)
-  pids = [os.getpid()] + (_descendants(os.getpid()) if children else [])
-  for pid in pids:
-    try:
-      tids = os.listdir(f"/proc/{pid}/task")
-    except FileNotFoundError:
-      continue
-    for tid in tids:
-      try:
-        os.sched_setaffinity(int(tid), cores)
-      except (ProcessLookupError, PermissionError, OSError):
-        pass  # A thread that just exited, or one we may not touch.
-  os.sched_setaffinity(0, cores)
-
-
-def _descendants(root: int) -> list[int]:
-  parent: dict[int, int] = {}
-  for name in os.listdir("/proc"):
-    if name.isdigit():
-      try:
-        with open(f"/proc/{name}/stat") as f:
-          # The command name may hold spaces: the fields after it start at ')'.
-          parent[int(name)] = int(f.read().rsplit(")", 1)[1].split()[1])
-      except (OSError, IndexError, ValueError):
-        pass
-  found, frontier = [], [root]
-  while frontier:
-    kids = [p for p, pp in parent.items() if pp in frontier]
-    found += kids
-    frontier = kids
-  return found
-
-
-def bound_trainer_threads(cores: Sequence[int]) -> dict:
-  """Confines the calling (trainer) process to `cores`; call it before JAX's
-  first computation, since XLA sizes its CPU thread pool from the affinity
-  mask when its client is created. Returns what was set, for the log."""
-  cores = tuple(sorted(set(cores)))
-  if not cores:
-    raise ValueError("bound_trainer_threads needs at least one core.")
-  n = str(len(cores))
-  for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
-    os.environ[var] = n
-  if set(os.sched_getaffinity(0)) <= set(cores):
-    # Already confined (e.g. a TrainerActor pinned itself before JAX started):
-    # nothing to pin again, and nothing to warn about.
-    return {"cores": cores, "num_threads": len(cores), "already_bound": True}
-  jax_started = _jax_backend_started()
-  if jax_started:
-    log.warning(
-        "bound_trainer_threads called after JAX created its CPU client: threads are "
-        "pinned to %s, but XLA's pool keeps its size.",
-        cores,
-    )
-  pin_process_threads(cores)
-  return {"cores": cores, "num_threads": len(cores), "jax_already_started": jax_started}
-
-
-def _jax_backend_started() -> bool:
-  if "jax" not in sys.modules:
-    return False
-  try:
-    from jax._src import xla_bridge  # pylint: disable=g-import-not-at-top
-
-    return bool(getattr(xla_bridge, "_backends", {}))
-  except ImportError:
-    return False
-
-
-def _strip_scheme(address: str) -> str:
-  for prefix in ("ray://", "http://", "https://"):
-    if address.startswith(prefix):
-      return address[len(prefix) :]
-  return address
-
-
-def _parse_address(address: str) -> tuple[str, int]:
-  addr = _strip_scheme(address)
-  host, sep, port = addr.rpartition(":")
-  if not sep:
-    host, port = addr, str(10001 if address.startswith("ray://") else _DEFAULT_GCS_PORT)
-  if not host or not port.isdigit():
-    raise UserError(
-        f"cluster.address={address!r} is not of the form host:port "
-        "(e.g. 10.0.0.1:6379); fix --config.cluster.address."
-    )
-  return host, int(port)
-
-
-def check_reachable(address: str, timeout_s: float) -> tuple[str, int]:
-  """One TCP connect to the head's port, so a wrong address fails in seconds
-  with a clear message instead of inside Ray's retry loop."""
-  host, port = _parse_address(address)
-  try:
-    with socket.create_connection((host, port), timeout=timeout_s):
-      pass
-  except OSError as e:
-    raise UnreachableClusterError(
-        f"Cannot reach the Ray cluster at {address!r} ({e.__class__.__name__}: {e}); start "
-        "it with `ray start --head` there or fix --config.cluster.address (empty starts a "
-        "local Ray)."
-    ) from None
-  return host, port
-
-
-def is_loopback(host: str) -> bool:
-  """Whether only this machine can reach `host`: 127.x.x.x, ::1 (also as
-  ::ffff:127.x.x.x or in brackets) or localhost. A host name, "" or 0.0.0.0
-  may resolve to an outside interface: not loopback."""
-  if host.lower() == "localhost":
-    return True
-  try:
-    ip = ipaddress.ip_address(host.strip("[]"))
-  except ValueError:
-    return False
-  return (getattr(ip, "ipv4_mapped", None) or ip).is_loopback
-
-
-@contextlib.contextmanager
-def loopback_kept():
-  """While active, Ray keeps a loopback node or head address as it is given.
-
-  Ray 2.60 replaces 127.0.0.1, ::1 and localhost, given as a node's address
-  (`ray.init(_node_ip_address=...)`, `ray start --node-ip-address`) or as the
-  head's (`address`, `ray start --address`), with the machine's network
-  address, and a node with that address listens on every interface. With
-  the loopback address kept, the node's servers listen on loopback only.
-  """
-  from ray._private import services  # pylint: disable=g-import-not-at-top
-
-  resolve = services.resolve_ip_for_localhost
-  services.resolve_ip_for_localhost = lambda host: host if is_loopback(host) else resolve(host)
-  try:
-    yield
-  finally:
-    services.resolve_ip_for_localhost = resolve
-
-
-def node_address() -> str:
-  """This process's Ray node address (its servers listen there), 127.0.0.1 outside Ray."""
-  if "ray" in sys.modules:
-    import ray  # pylint: disable=g-import-not-at-top
-
-    if ray.is_initialized():
-      return ray.util.get_node_ip_address()
-  return LOOPBACK
-
-
-def interface_of(address: str) -> str | None:
-  """The network interface that carries `address` ("lo" for 127.0.0.1 on
-  Linux), or None when none of this machine's does."""
-  import psutil  # pylint: disable=g-import-not-at-top
-
-  for name, addrs in psutil.net_if_addrs().items():
-    if any(a.address.split("%")[0] == address for a in addrs):
-      return name
-  return None
-
-
-def check_node_ip_address(address: str, key: str = "cluster.node_ip_address") -> None:
-  """UserError naming `key` unless `address` can be a Ray node's address here."""
-  if address in _RAY_LOOPBACK or interface_of(address) is not None:
-    return
-  import psutil  # pylint: disable=g-import-not-at-top
-
-  ips = [
-      ipaddress.ip_address(a.address.split("%")[0])
-      for addrs in psutil.net_if_addrs().values()
-      for a in addrs
-      if a.family in (socket.AF_INET, socket.AF_INET6)
-  ]
-  mine = sorted(str(ip) for ip in ips if not (ip.is_loopback or ip.is_link_local))
-  raise UserError(
-      f"{key}={address!r} is neither 127.0.0.1 nor an address of this "
-      f"machine's interfaces; use 127.0.0.1 (this machine only) or one of {mine}."
-  )
 
 
 def init_ray(
@@ -623,73 +350,6 @@ def use_token_auth() -> bool:
     os.environ["RAY_AUTH_MODE"] = "token"
     return True
   return False
-
-
-def parse_labels(text: str) -> dict[str, str]:
-  """ "datacenter=dc1,accelerator=H20" -> {"datacenter": "dc1", "accelerator": "H20"}."""
-  out: dict[str, str] = {}
-  for part in (p.strip() for p in (text or "").split(",")):
-    if not part:
-      continue
-    key, sep, value = part.partition("=")
-    if not sep or not key.strip() or not value.strip():
-      raise ValueError(
-          f"{part!r} is not key=value; write labels as comma-separated key=value pairs, "
-          "e.g. datacenter=dc1,accelerator=H20."
-      )
-    out[key.strip()] = value.strip()
-  return out
-
-
-@dataclasses.dataclass(frozen=True)
-class Cluster:
-  """Ray (`cluster.*`): an empty address starts a local Ray where each side
-  gets its own cores; the trainer runs as a Ray actor on the `training_pool`
-  unless trainer_actor is False (handy under a debugger)."""
-
-  address: str = ""
-  generator_cpus: int = 1
-  trainer_cpus: int = 1
-  trainer_gpus: int = 0
-  # Trainer processes (Ray actors, one JAX runtime; streamrl/trainer/multihost.py).
-  trainer_processes: int = 1
-  connect_timeout_s: float = 30.0
-  trainer_actor: bool = True
-  # Placement on a multi-node cluster (launch/cluster.py starts one on a
-  # single machine). Each generator instance takes one unit of the Ray
-  # resource `generation_pool`, each trainer process one of `training_pool`;
-  # the *_labels (comma-separated key=value, e.g. "datacenter=dc1,
-  # accelerator=H20") further restrict them to Ray nodes carrying those
-  # labels (`ray start --labels=...`). A process's datacenter is its node's
-  # `datacenter` label ("dc0" when it has none).
-  generation_pool: str = "generation_pool"
-  training_pool: str = "training_pool"
-  generation_labels: str = ""
-  training_labels: str = ""
-  # The local Ray's node address (empty `address`), where Ray, the trainer's
-  # JAX coordinator and the generators' vLLM listen: 127.0.0.1 keeps them on
-  # this machine; another address of it opens them to its network (Ray then
-  # listens on every interface). On a cluster each node has its own.
-  node_ip_address: str = LOOPBACK
-
-  def check(self) -> None:
-    positive("cluster.generator_cpus", self.generator_cpus)
-    positive("cluster.trainer_cpus", self.trainer_cpus)
-    positive("cluster.trainer_gpus", self.trainer_gpus, zero_ok=True)
-    positive("cluster.trainer_processes", self.trainer_processes)
-    positive("cluster.connect_timeout_s", self.connect_timeout_s)
-    need(
-        not self.address or self.node_ip_address == LOOPBACK,
-        f"cluster.node_ip_address={self.node_ip_address!r} is the address of a local Ray, "
-        "but cluster.address joins a cluster whose nodes have the addresses `ray start "
-        "--node-ip-address` gave them; drop cluster.node_ip_address.",
-    )
-    for key in ("generation_labels", "training_labels"):
-      value = getattr(self, key)
-      try:
-        parse_labels(value)
-      except ValueError as e:
-        raise UserError(f"cluster.{key}={value!r}: {e}") from None
 
 
 def check_placement(c, nodes: list[dict]) -> None:
