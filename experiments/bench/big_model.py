@@ -61,24 +61,14 @@ class PeakMemory:
 
 
 def big_config(num_layers: int):
-  """Qwen2-0.5B's shapes (tied embeddings, q/k/v bias, vocab 151936)."""
-  from streamrl.models.config import ModelConfig  # pylint: disable=g-import-not-at-top
+  """Qwen2-0.5B's shapes (tied embeddings, q/k/v bias, vocab 151936) with
+  `num_layers` layers and positions up to 512."""
+  import dataclasses  # pylint: disable=g-import-not-at-top
 
-  return ModelConfig(
-      vocab_size=151936,
-      hidden_size=896,
-      intermediate_size=4864,
-      num_layers=num_layers,
-      num_heads=14,
-      num_kv_heads=2,
-      head_dim=64,
-      rope_theta=1000000.0,
-      rms_norm_eps=1e-6,
-      tie_embeddings=True,
-      qkv_bias=True,
-      max_position_embeddings=512,
-      family="qwen2",
-  )
+  from experiments import trainer_workload  # pylint: disable=g-import-not-at-top
+
+  cfg = trainer_workload.model_config("qwen2_0_5b", num_layers)
+  return dataclasses.replace(cfg, max_position_embeddings=512)
 
 
 def random_model(cfg, seed: int):

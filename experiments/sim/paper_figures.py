@@ -33,7 +33,7 @@ MODEL_GPUS = {"qwen2.5-7b": 32, "qwen2.5-32b": 64, "qwen2.5-72b": 128}
 
 # The paper's figures as numbers, kept next to this file.
 REFERENCE_JSON = os.path.join(
-    os.path.dirname(os.path.abspath(__file__)), "reference", "streamrl_paper.json"
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "reference", "streamrl_paper.json"
 )
 
 
