@@ -155,15 +155,15 @@ def test_cpu_target_keeps_at_least_one_instance(reports):
 
 
 def test_trainer_layout_rules():
-  from streamrl.sim import costs
+  from streamrl.sim import hardware
 
-  h800 = costs.get_gpu("H800")
+  h800 = hardware.get_gpu("H800")
   assert emit.trainer_processes(16, 8) == 2 and emit.trainer_processes(8, 8) == 1
   assert emit.trainer_processes(20, 8) == 4  # 3 machines' worth, split evenly over 4
-  m7 = costs.get_model("qwen2.5-7b")
+  m7 = hardware.get_model("qwen2.5-7b")
   assert emit.trainer_mesh(m7, h800, 16, 2) == {"data": 2, "fsdp": 8, "tensor": 1}
   # 72B: the state of actor + critic + reference needs FSDP over all 48 GPUs.
-  m72 = costs.get_model("qwen2.5-72b")
+  m72 = hardware.get_model("qwen2.5-72b")
   assert emit.trainer_mesh(m72, h800, 48, 6) == {"data": 1, "fsdp": 48, "tensor": 1}
 
 

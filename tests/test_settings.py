@@ -440,7 +440,7 @@ _MIRRORS = {
         "task",
         "the synthetic task distribution, with shape fields the run does not set",
     ),
-    ("streamrl.sim.engine", "SimConfig"): ("pipeline", "a simulated run, not a live one"),
+    ("streamrl.sim.config", "SimConfig"): ("pipeline", "a simulated run, not a live one"),
     ("streamrl.planner.allocation", "Workload"): (
         "scheduler",
         "a planned workload's work pool and migration (a plan config's keys), not a live run's",

@@ -21,7 +21,7 @@ import ml_collections
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   del arg
   c = ml_collections.ConfigDict()
-  c.model = "qwen2.5-7b"  # one of streamrl.sim.costs.MODELS
+  c.model = "qwen2.5-7b"  # one of streamrl.sim.hardware.MODELS
   c.batch_size = 1024  # samples per RL iteration
   c.seed = 0
   c.lengths = ml_collections.ConfigDict(dict(kind="paper", max_output=10240))

@@ -25,7 +25,7 @@ def gen_model(profile: dict, cap: int):
 def replay(profile: dict, b: dict, cap: int, cores: int | None = None) -> float:
   """The simulator's time for generator-alone batch `b` (its lengths, round-robin
   over its instances as the service plans a FIFO round)."""
-  from streamrl.sim.engine import simulate_generation  # pylint: disable=g-import-not-at-top
+  from streamrl.sim.generation import simulate_generation  # pylint: disable=g-import-not-at-top
 
   n, m = len(b["output_lens"]), b["instances"]
   return simulate_generation(

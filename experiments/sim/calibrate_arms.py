@@ -261,7 +261,7 @@ class Components:
     import numpy as np  # pylint: disable=g-import-not-at-top
     from streamrl.pipeline.stream import LengthBatcher  # pylint: disable=g-import-not-at-top
     from streamrl.sim.costs import GenCostModel  # pylint: disable=g-import-not-at-top
-    from streamrl.sim.engine import simulate_generation  # pylint: disable=g-import-not-at-top
+    from streamrl.sim.generation import simulate_generation  # pylint: disable=g-import-not-at-top
 
     s = self.s
     cap = s.engine.max_num_seqs

@@ -16,7 +16,7 @@ OVERLAPPING = ("stream", "async", "async_partial")
 ASYNC = ("async", "async_partial")
 
 
-# The modes the simulator models (streamrl.sim.engine.MODES, async_partial as
+# The modes the simulator models (streamrl.sim.config.MODES, async_partial as
 # async with SimConfig.partial_oversample). async_partial_sibling runs but is
 # not predicted: the simulator does not model sibling length hints.
 PREDICTED = ("colocated", "sync", "stream", "async", "async_partial")
@@ -100,7 +100,7 @@ def cost_models(
   """
   import dataclasses  # pylint: disable=g-import-not-at-top
   from streamrl.sim.calibrate import from_measured  # pylint: disable=g-import-not-at-top
-  from streamrl.sim.engine import simulate_generation  # pylint: disable=g-import-not-at-top
+  from streamrl.sim.generation import simulate_generation  # pylint: disable=g-import-not-at-top
 
   gen_only, _ = from_measured(
       profile, {"fwd_s_per_token": 0.0, "upd_s_per_token": 0.0}, max_num_seqs=cap

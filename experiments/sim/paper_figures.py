@@ -20,9 +20,10 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from streamrl.planner.allocation import Pool, Workload, plan
-from streamrl.sim import costs
+from streamrl.sim import hardware
 from streamrl.sim.best_split import best_split_makespan
-from streamrl.sim.engine import simulate, simulate_generation
+from streamrl.sim.engine import simulate
+from streamrl.sim.generation import simulate_generation
 from streamrl.sim.lengths import paper_lengths
 from streamrl.sim.ranker_model import sigma_for_recall
 from streamrl.sim.systems import SystemCalibration, disaggregated_config, gen_cost, system_config
@@ -79,7 +80,7 @@ def planned_gen_gpus(
     model_name: str, num_gpus: int, lengths, calib: SystemCalibration, *, seed: int = 0
 ) -> int:
   """Algorithm 1 (single DC, throughput) on `num_gpus` H800."""
-  w = Workload(model=costs.MODELS[model_name], lengths=lengths, calib=calib, seed=seed)
+  w = Workload(model=hardware.MODELS[model_name], lengths=lengths, calib=calib, seed=seed)
   return plan([Pool("main", "H800", num_gpus)], w).best.gen_gpus
 
 
@@ -94,8 +95,8 @@ def run_cell(
     gen_gpus: int | None = None,
 ) -> CellResult:
   """Simulates `systems` on one Fig. 8 cell (same length draws for all systems)."""
-  model = costs.MODELS[model_name]
-  gpu = costs.GPUS["H800"]
+  model = hardware.MODELS[model_name]
+  gpu = hardware.GPUS["H800"]
   n = MODEL_GPUS[model_name]
   lengths = paper_lengths(LENGTHS[length])
   if gen_gpus is None and any(s.startswith("streamrl") or s == "disagg_sync" for s in systems):
@@ -240,8 +241,8 @@ def fig9_latencies(
   the oracle's Algorithm 2 with the split chosen in hindsight per draw
   (`best_split_makespan`, a lower bound on "oracle").
   """
-  model = costs.MODELS[model_name]
-  gpu = costs.GPUS["H800"]
+  model = hardware.MODELS[model_name]
+  gpu = hardware.GPUS["H800"]
   dist = paper_lengths(length)
   gen = gen_cost(model, gpu, calib, dist)
   n_inst = gen_gpus // gen.gpus
@@ -281,8 +282,8 @@ def hetero_vs_homog(
 
   Returns samples/s, cost (Table 1 machine prices) and samples/s per cost.
   """
-  model = costs.MODELS["qwen2.5-7b"]
-  h800, h20 = costs.GPUS["H800"], costs.GPUS["H20"]
+  model = hardware.MODELS["qwen2.5-7b"]
+  h800, h20 = hardware.GPUS["H800"], hardware.GPUS["H20"]
   lengths = paper_lengths(LENGTHS[length])
   het_cfg = disaggregated_config(
       "async",

@@ -15,7 +15,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from experiments.sim import paper_figures as paper  # noqa: E402
-from streamrl.sim import costs  # noqa: E402
+from streamrl.sim import hardware  # noqa: E402
 from streamrl.sim.lengths import paper_lengths  # noqa: E402
 from streamrl.sim.systems import gen_cost  # noqa: E402
 
@@ -172,7 +172,7 @@ def table3(ref, cal, rep, iters, seed, out):
           ref["fig8_throughput_samples_per_s"]["qwen2.5-72b"]["20K"],
       )
   )
-  bs = c.results["colocation"].config.batch_size
+  bs = c.results["colocation"].config.samples_per_iteration
   rows3 = [
       [
           SYSTEM_LABEL[s],
@@ -248,7 +248,7 @@ def fig9(ref, cal, rep, cells, seed, out):
     sims[m] = norm
     for k in ("streamrl", "oracle"):
       errs.append(abs(norm[k] - p9[m][k]))
-    gen = gen_cost(costs.MODELS[m], costs.GPUS["H800"], cal, paper_lengths(20480))
+    gen = gen_cost(hardware.MODELS[m], hardware.GPUS["H800"], cal, paper_lengths(20480))
     kv_ms = gen.per_ctx_token_s * 15000 * 1e3
     phys.append(
         f"{m}: one sequence at 15K context adds {kv_ms:.2f} ms of KV read per decode step "

@@ -43,7 +43,7 @@ from experiments import harness  # noqa: E402
 from experiments.sim import paper_figures as paper  # noqa: E402
 from experiments.sim.paper_sections import Report, fig8, fig9, table3  # noqa: E402
 from streamrl.planner import ElasticController, Workload, run_elastic  # noqa: E402
-from streamrl.sim import costs, engine  # noqa: E402
+from streamrl.sim import costs, hardware, plans  # noqa: E402
 from streamrl.sim.engine import simulate  # noqa: E402
 from streamrl.sim.lengths import paper_lengths  # noqa: E402
 from streamrl.sim.systems import SystemCalibration, disaggregated_config, system_config  # noqa: E402
@@ -179,7 +179,7 @@ def fig10(ref, cal, rep, iters, seed, out):
     for length in paper.LENGTHS:
       lengths = paper_lengths(paper.LENGTHS[length])
       x = paper.planned_gen_gpus(m, n, lengths, cal, seed=seed)
-      model, gpu = costs.MODELS[m], costs.GPUS["H800"]
+      model, gpu = hardware.MODELS[m], hardware.GPUS["H800"]
       thr = {}
       for name, g in (("chosen", x), ("even", n // 2)):
         thr[name] = simulate(
@@ -216,7 +216,7 @@ def fig10(ref, cal, rep, iters, seed, out):
 
 
 def _elastic_run(model_name, num_gpus, cal, seed, iters=30, max_units=6):
-  model, gpu = costs.MODELS[model_name], costs.GPUS["H800"]
+  model, gpu = hardware.MODELS[model_name], hardware.GPUS["H800"]
   dists = tuple(paper_lengths(int(round(10240 + 10240 * j / (iters - 1)))) for j in range(iters))
   x0 = paper.planned_gen_gpus(model_name, num_gpus, dists[0], cal, seed=seed)
   cfg = disaggregated_config(
@@ -339,7 +339,7 @@ def fig12(ref, cal, rep, iters, seed, out):
 
 def fig2_check(ref, cal, rep, seed):
   rep.h("Check (not fitted): Fig. 2 scaling of 7B from 8 to 32 GPUs")
-  model = costs.MODELS["qwen2.5-7b"]
+  model = hardware.MODELS["qwen2.5-7b"]
   w = Workload(model=model, lengths=paper_lengths(20480), calib=cal, seed=seed)
   from streamrl.planner.allocation import StageEstimator
 
@@ -356,12 +356,12 @@ def scale_benchmark(cal, rep):
   rep.h(
       "Scale: simulator cost vs events (7B, async, 5K lengths, half the GPUs generate, 2 iterations)"
   )
-  model, gpu = costs.MODELS["qwen2.5-7b"], costs.GPUS["H800"]
+  model, gpu = hardware.MODELS["qwen2.5-7b"], hardware.GPUS["H800"]
   # Algorithm 2's closed-form latency model: the "simulate" model replays every
   # candidate split, too slow for hundreds of instances.
   cal = dataclasses.replace(cal, dispatch_latency_model="paper")
   rows = []
-  real_dispatch = engine.dispatch
+  real_dispatch = plans.dispatch
   spent = [0.0]
 
   def timed_dispatch(*a, **kw):  # Separates Algorithm 2's own cost from the event loop's.
@@ -371,7 +371,7 @@ def scale_benchmark(cal, rep):
     finally:
       spent[0] += time.perf_counter() - t
 
-  engine.dispatch = timed_dispatch
+  plans.dispatch = timed_dispatch
   try:
     for gpus, samples in ((128, 8192), (256, 16384), (512, 32768), (1024, 65536)):
       for sched in ("fifo", "skew"):
@@ -406,7 +406,7 @@ def scale_benchmark(cal, rep):
             ]
         )
   finally:
-    engine.dispatch = real_dispatch
+    plans.dispatch = real_dispatch
   rep.table(
       [
           "GPUs",

@@ -25,9 +25,10 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from streamrl.sim import costs
-from streamrl.sim.costs import GenCostModel, GpuSpec, ModelSpec, TrainCostModel
-from streamrl.sim.engine import simulate_generation
+from streamrl.sim import costs, hardware
+from streamrl.sim.costs import GenCostModel, TrainCostModel
+from streamrl.sim.generation import simulate_generation
+from streamrl.sim.hardware import GpuSpec, ModelSpec
 from streamrl.sim.systems import SystemCalibration, gen_cost
 
 OBJECTIVES = ("throughput", "throughput_per_cost")
@@ -109,7 +110,7 @@ class StageEstimator:
 
   def __init__(self, workload: Workload, gpus: Mapping[str, GpuSpec] | None = None):
     self.w = workload
-    self.gpus = dict(costs.GPUS if gpus is None else gpus)
+    self.gpus = dict(hardware.GPUS if gpus is None else gpus)
     self._gen: dict = {}
     self._train: dict = {}
     rng = np.random.default_rng([workload.seed, 7])
@@ -124,10 +125,10 @@ class StageEstimator:
         raise ValueError("the length distribution produced no or non-positive lengths; fix it.")
 
   def gpu(self, name: str) -> GpuSpec:
-    return costs.get_gpu(name, self.gpus)
+    return hardware.get_gpu(name, self.gpus)
 
   def tp(self, gpu_name: str) -> int:
-    return costs.default_tp(self.w.model, self.gpu(gpu_name))
+    return hardware.default_tp(self.w.model, self.gpu(gpu_name))
 
   def gen_cost(self, gpu_name: str) -> GenCostModel:
     return gen_cost(
@@ -190,7 +191,7 @@ class StageEstimator:
         self.w.model,
         x,
         gen_gpu.gpus_per_machine,
-        inter_dc_link=costs.INTER_DC_LINK if cross else None,
+        inter_dc_link=hardware.INTER_DC_LINK if cross else None,
     )
     cost = x * gen_gpu.cost_per_gpu + y * self.gpu(train_pool.gpu).cost_per_gpu
     return Allocation(

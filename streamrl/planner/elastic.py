@@ -17,7 +17,9 @@ from typing import Callable, Sequence
 import numpy as np
 
 from streamrl.sim.costs import GenCostModel
-from streamrl.sim.engine import IterationStats, SimConfig, SimResult, simulate, simulate_generation
+from streamrl.sim.config import SimConfig
+from streamrl.sim.engine import IterationStats, SimResult, simulate
+from streamrl.sim.generation import simulate_generation
 
 
 @dataclasses.dataclass(frozen=True)

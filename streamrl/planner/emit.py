@@ -102,7 +102,7 @@ def build_plan(report, *, target: str = "gpu", max_instances: int = 2, source: s
   Raises:
     UserError: an unknown target or max_instances < 1.
   """
-  from streamrl.sim import costs  # pylint: disable=g-import-not-at-top
+  from streamrl.sim import hardware  # pylint: disable=g-import-not-at-top
 
   if target not in TARGETS:
     raise UserError(f"--emit_target={target!r} is unknown; use one of {TARGETS}.")
@@ -110,7 +110,7 @@ def build_plan(report, *, target: str = "gpu", max_instances: int = 2, source: s
     raise UserError(f"--max_instances={max_instances} must be >= 1 (one generator at least).")
   b, w = report.result.best, report.workload
   gen_pool, train_pool = report.pool(b.gen_pool), report.pool(b.train_pool)
-  gen_spec, train_spec = costs.get_gpu(b.gen_gpu), costs.get_gpu(b.train_gpu)
+  gen_spec, train_spec = hardware.get_gpu(b.gen_gpu), hardware.get_gpu(b.train_gpu)
   tp = report.tp
   instances = b.gen_gpus // tp
   processes = trainer_processes(b.train_gpus, train_spec.gpus_per_machine)

@@ -29,17 +29,20 @@ from streamrl.planner.allocation import (
     plan,
 )
 from streamrl.scheduling.dispatch import dispatch
-from streamrl.sim import costs
+from streamrl.scheduling.config import Scheduler
+from streamrl.sim import costs, hardware
 from streamrl.sim.calibrate import from_measured
+from streamrl.sim.config import ToolModel
 from streamrl.sim.costs import GenCostModel, TrainCostModel
-from streamrl.sim.engine import SimConfig, dispatch_inputs, simulate
+from streamrl.sim.engine import simulate
+from streamrl.sim.plans import dispatch_inputs
 from streamrl.sim.lengths import FixedLengths, PaperLengths, from_lengths
 from streamrl.sim.ranker_model import sigma_for_recall
 from streamrl.sim.systems import SystemCalibration, disaggregated_config
 
 # The long-tail fraction of Algorithm 2 in every simulation the planner runs
-# (the simulator's default; a plan hands it to scheduler.long_tail_alpha).
-LONG_TAIL_ALPHA = {f.name: f.default for f in dataclasses.fields(SimConfig)}["alpha"]
+# (the run's default; a plan hands it to scheduler.long_tail_alpha).
+LONG_TAIL_ALPHA = Scheduler.long_tail_alpha
 
 
 def _get(cfg: Any, key: str, default: Any = None) -> Any:
@@ -88,8 +91,6 @@ def tools_from_config(cfg: Any):
   (or latency_s and turn_tokens unset) for single-turn samples."""
   if cfg is None or not _get(cfg, "turn_tokens", 0):
     return None
-  from streamrl.sim.engine import ToolModel  # pylint: disable=g-import-not-at-top
-
   return ToolModel(
       latency_s=float(_get(cfg, "latency_s", 0.0)),
       turn_tokens=int(_get(cfg, "turn_tokens")),
@@ -259,11 +260,11 @@ class PlanReport:
 
 def run_plan(config: Any) -> PlanReport:
   """Plans per `config` (see configs/plan/qwen7b_single_dc.py) and simulates the choice."""
-  model = costs.get_model(str(config.model))
+  model = hardware.get_model(str(config.model))
   lengths = lengths_from_config(config.lengths)
   pools = pools_from_config(config.cluster)
   for p in pools:
-    costs.get_gpu(p.gpu)
+    hardware.get_gpu(p.gpu)
   calib = calibration_from_config(config.calibration, lengths)
   source = str(_get(config.calibration, "measured", "") or "")
   measured = load_measured(source) if source else None
@@ -386,7 +387,7 @@ def simulate_allocation(
     iterations: int = 3,
     measured: MeasuredCosts | None = None,
 ):
-  gen_gpu, train_gpu = costs.get_gpu(a.gen_gpu), costs.get_gpu(a.train_gpu)
+  gen_gpu, train_gpu = hardware.get_gpu(a.gen_gpu), hardware.get_gpu(a.train_gpu)
   cfg = disaggregated_config(
       mode,
       w.model,

@@ -12,7 +12,8 @@ import numpy as np
 
 from streamrl.scheduling.dispatch import _balance, calibrated_lengths, choose_batch_size
 from streamrl.scheduling.lpt import lpt_order
-from streamrl.sim.engine import dispatch_inputs, simulate_generation
+from streamrl.sim.generation import simulate_generation
+from streamrl.sim.plans import dispatch_inputs
 
 
 def best_split_makespan(

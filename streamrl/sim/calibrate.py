@@ -29,7 +29,8 @@ import numpy as np
 
 from streamrl.scheduling import LatencyProfile
 from streamrl.sim.costs import GenCostModel, TrainCostModel
-from streamrl.sim.engine import SimConfig, simulate
+from streamrl.sim.config import SimConfig
+from streamrl.sim.engine import simulate
 from streamrl.sim.lengths import from_lengths
 
 _TRAINER_KEYS = ("fwd_s_per_token", "upd_s_per_token")
@@ -117,6 +118,7 @@ def predict_local_throughput(
     iterations: int = 3,
     scheduler: str = "fifo",
     ranker_sigma: float = 0.0,
+    objective: str = "sum",
     seed: int = 0,
     partial_oversample: float = 0.0,
     group_size: int = 1,
@@ -133,6 +135,10 @@ def predict_local_throughput(
     pool: "fixed" or "shared" (SimConfig.pool; a shared pool migrates too,
       SimConfig.migrate, as scheduler.migrate does).
     max_in_flight: per-instance cap on running requests (engine max_num_seqs).
+    num_minibatches: PPO mini-batches per iteration (SimConfig.mini_batch_size
+      is batch_size / num_minibatches, rounded up).
+    scheduler, ranker_sigma, objective: SimConfig's; objective only counts
+      for scheduler="skew" ("sum", the paper's Algorithm 2, by default).
     transfer_s: measured weight-update time (trainer -> generators).
     ppo_epochs: passes over the batch (SimConfig.ppo_epochs: where stream's
       later epochs run).
@@ -150,15 +156,16 @@ def predict_local_throughput(
       num_instances=num_instances,
       gen_cores=gen_cores,
       train=train,
-      num_train_gpus=1,
+      trainer_gpus=1,
       lengths=lengths,
-      batch_size=batch_size,
-      num_minibatches=num_minibatches,
+      samples_per_iteration=batch_size,
+      num_iterations=iterations,
+      mini_batch_size=-(-batch_size // num_minibatches),
       ppo_epochs=ppo_epochs,
-      iterations=iterations,
       warmup=1 if iterations > 1 else 0,
       scheduler=scheduler,
       ranker_sigma=ranker_sigma,
+      objective=objective,
       transfer_s=transfer_s,
       seed=seed,
       pool=pool,
@@ -198,6 +205,7 @@ def predict_elastic_throughput(
     free_slots: int | Callable[[int, int], int] = 1 << 30,
     scheduler: str = "fifo",
     ranker_sigma: float = 0.0,
+    objective: str = "sum",
     ranker_refresh_s: float = 0.0,
     added_round_s: float = 0.0,
 ) -> dict:
@@ -210,8 +218,8 @@ def predict_elastic_throughput(
 
   Args:
     profile_json, trainer_json, mode, batch_size, max_in_flight,
-      num_minibatches, transfer_s, scheduler, ranker_sigma, seed: as in
-      predict_local_throughput.
+      num_minibatches, transfer_s, scheduler, ranker_sigma, objective, seed:
+      as in predict_local_throughput.
     ranker_refresh_s: the ranker's refresh after each round, on the
       generators' core (`SimConfig.ranker_refresh_s`; measured by
       launch/measure.py's "ranker" entry).
@@ -279,14 +287,15 @@ def predict_elastic_throughput(
       gen=gen,
       num_instances=policy.instances,
       train=train,
-      num_train_gpus=1,
+      trainer_gpus=1,
       lengths=lengths,
-      batch_size=batch_size,
-      num_minibatches=num_minibatches,
-      iterations=iterations,
+      samples_per_iteration=batch_size,
+      num_iterations=iterations,
+      mini_batch_size=-(-batch_size // num_minibatches),
       warmup=warmup,
       scheduler=scheduler,
       ranker_sigma=ranker_sigma,
+      objective=objective,
       transfer_s=transfer_s,
       seed=seed,
       gen_cores=gen_cores,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from streamrl.elastic.policy import ElasticPolicy, StageTimes
+from streamrl.elastic.policy import Decision, ElasticPolicy, StageTimes
 from streamrl.sim.engine import IterationStats
 
 FreeSlots = int | Callable[[int, int], int]

@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from streamrl.sim import costs
-from streamrl.sim.costs import GenCalibration, GenCostModel, GpuSpec, ModelSpec, TrainCostModel
-from streamrl.sim.engine import SimConfig
+from streamrl.sim import costs, hardware
+from streamrl.sim.config import SimConfig
+from streamrl.sim.costs import GenCalibration, GenCostModel, TrainCostModel
+from streamrl.sim.hardware import GpuSpec, ModelSpec
 
 SYSTEMS = (
     "verl",
@@ -105,7 +106,7 @@ def colocated_config(
     seed: int = 0,
 ) -> SimConfig:
   """All `num_gpus` GPUs generate, then all train (the colocated baselines)."""
-  tp = costs.default_tp(model, gpu) if tp is None else tp
+  tp = hardware.default_tp(model, gpu) if tp is None else tp
   gcal = calib.gen
   if verl:
     gcal = dataclasses.replace(gcal, extra_step_s=calib.verl_step_overhead_s)
@@ -133,15 +134,15 @@ def colocated_config(
       gen=gen,
       num_instances=max(1, num_gpus // tp),
       train=train,
-      num_train_gpus=num_gpus,
+      trainer_gpus=num_gpus,
       lengths=lengths,
-      batch_size=batch_size,
-      num_minibatches=calib.num_minibatches,
-      iterations=iterations,
+      samples_per_iteration=batch_size,
+      num_iterations=iterations,
+      mini_batch_size=-(-batch_size // calib.num_minibatches),
       scheduler=scheduler,
       ranker_sigma=calib.ranker_sigma,
-      dispatch_objective=calib.dispatch_objective,
-      dispatch_latency_model=calib.dispatch_latency_model,
+      objective=calib.dispatch_objective,
+      latency_model=calib.dispatch_latency_model,
       transfer_s=switch,
       seed=seed,
   )
@@ -165,7 +166,7 @@ def disaggregated_config(
     seed: int = 0,
 ) -> SimConfig:
   """Generation on `gen_gpus` of `gen_gpu`, training on `train_gpus` of `train_gpu`."""
-  tp = costs.default_tp(model, gen_gpu) if tp is None else tp
+  tp = hardware.default_tp(model, gen_gpu) if tp is None else tp
   if gen_gpus < tp:
     raise ValueError(f"{gen_gpus} generation GPUs cannot hold one {model.name} instance of TP{tp}.")
   gen = gen_cost(model, gen_gpu, calib, lengths, tp=tp)
@@ -174,22 +175,22 @@ def disaggregated_config(
       model,
       gen_gpus,
       gen_gpu.gpus_per_machine,
-      inter_dc_link=costs.INTER_DC_LINK if cross_dc else None,
+      inter_dc_link=hardware.INTER_DC_LINK if cross_dc else None,
   )
   return SimConfig(
       mode=mode,
       gen=gen,
       num_instances=gen_gpus // tp,
       train=train,
-      num_train_gpus=train_gpus,
+      trainer_gpus=train_gpus,
       lengths=lengths,
-      batch_size=batch_size,
-      num_minibatches=calib.num_minibatches,
-      iterations=iterations,
+      samples_per_iteration=batch_size,
+      num_iterations=iterations,
+      mini_batch_size=-(-batch_size // calib.num_minibatches),
       scheduler=scheduler,
       ranker_sigma=calib.ranker_sigma,
-      dispatch_objective=calib.dispatch_objective,
-      dispatch_latency_model=calib.dispatch_latency_model,
+      objective=calib.dispatch_objective,
+      latency_model=calib.dispatch_latency_model,
       transfer_s=transfer,
       seed=seed,
   )

@@ -13,7 +13,9 @@ from streamrl.elastic.policy import ElasticPolicy, StageTimes
 from streamrl.sim.elastic import policy_controller
 from streamrl.sim.calibrate import from_measured, predict_elastic_throughput
 from streamrl.sim.costs import GenCostModel, TrainCostModel
-from streamrl.sim.engine import SimConfig, simulate, simulate_generation
+from streamrl.sim.config import SimConfig
+from streamrl.sim.engine import simulate
+from streamrl.sim.generation import simulate_generation
 from streamrl.sim.lengths import PaperLengths, from_lengths
 
 pytestmark = [pytest.mark.unit]
@@ -31,11 +33,11 @@ def _config(mode, gen_cores=None, transfer_s=0.0, iterations=ITERS):
       gen=gen,
       num_instances=1,
       train=train,
-      num_train_gpus=1,
+      trainer_gpus=1,
       lengths=from_lengths(OUT, 24),
-      batch_size=32,
-      num_minibatches=2,
-      iterations=iterations,
+      samples_per_iteration=32,
+      mini_batch_size=16,
+      num_iterations=iterations,
       warmup=2,
       transfer_s=transfer_s,
       gen_cores=gen_cores,
@@ -146,11 +148,13 @@ def test_gen_cores_none_reproduces_the_old_engine(mode):
       gen=gen,
       num_instances=3,
       train=train,
-      num_train_gpus=1,
+      trainer_gpus=1,
       lengths=PaperLengths(max_output=600),
-      batch_size=96,
-      iterations=5,
+      samples_per_iteration=96,
+      num_iterations=5,
+      mini_batch_size=24,
       scheduler="skew",
+      objective="sum",
       ranker_sigma=0.3,
       transfer_s=0.05,
       seed=3,

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from streamrl.planner.allocation import Pool, StageEstimator, Workload, plan, shrink_faster, single_dc
-from streamrl.sim import costs
-from streamrl.sim.engine import simulate_generation
+from streamrl.sim import costs, hardware
+from streamrl.sim.generation import simulate_generation
 from streamrl.sim.lengths import paper_lengths
 from streamrl.sim.systems import SystemCalibration
 
@@ -18,7 +18,7 @@ CAL = SystemCalibration(gen=costs.paper_calibration(), mfu=0.45)
 
 def _workload(batch=64, max_out=4096):
   return Workload(
-      model=costs.MODELS["qwen2.5-7b"],
+      model=hardware.MODELS["qwen2.5-7b"],
       lengths=paper_lengths(max_out),
       calib=CAL,
       batch_size=batch,
@@ -31,14 +31,14 @@ def _brute_gen(w, gpu, x):
   """T_gen from the simulator directly (same draws as the estimator)."""
   rng = np.random.default_rng([w.seed, 7])
   p, o = w.lengths.sample(rng, w.batch_size)
-  gen = costs.GenCostModel.for_deployment(w.model, costs.GPUS[gpu], CAL.gen)
+  gen = costs.GenCostModel.for_deployment(w.model, hardware.GPUS[gpu], CAL.gen)
   return simulate_generation(gen, x // gen.gpus, p, o, scheduler="fifo", seed=w.seed).makespan
 
 
 def _brute_train(w, gpu, y):
   rng = np.random.default_rng([w.seed, 7])
   p, o = w.lengths.sample(rng, w.batch_size)
-  t = costs.TrainCostModel.for_gpu(w.model, costs.GPUS[gpu], CAL.mfu)
+  t = costs.TrainCostModel.for_gpu(w.model, hardware.GPUS[gpu], CAL.mfu)
   return t.iteration_seconds((p + o).astype(float), y, CAL.num_minibatches)
 
 

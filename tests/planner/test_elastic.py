@@ -7,7 +7,7 @@ import pytest
 
 from streamrl.planner.elastic import ElasticController, run_elastic
 from streamrl.sim.costs import GenCostModel, TrainCostModel
-from streamrl.sim.engine import SimConfig
+from streamrl.sim.config import SimConfig
 from streamrl.sim.lengths import PaperLengths
 
 pytestmark = [pytest.mark.unit]
@@ -30,10 +30,11 @@ def _run(lengths, iters=12, start=2):
       gen=GEN,
       num_instances=start,
       train=TRAIN,
-      num_train_gpus=1,
+      trainer_gpus=1,
       lengths=lengths,
-      batch_size=64,
-      iterations=iters,
+      samples_per_iteration=64,
+      num_iterations=iters,
+      mini_batch_size=16,
       scheduler="fifo",
       seed=0,
   )
@@ -64,10 +65,11 @@ def test_no_scale_up_when_training_is_the_bottleneck():
       gen=GEN,
       num_instances=2,
       train=slow_train,
-      num_train_gpus=1,
+      trainer_gpus=1,
       lengths=PaperLengths(max_output=400),
-      batch_size=64,
-      iterations=8,
+      samples_per_iteration=64,
+      num_iterations=8,
+      mini_batch_size=16,
       seed=0,
   )
   run = run_elastic(cfg, ElasticController(GEN, 2, 1, 12, scheduler="fifo"))

@@ -454,7 +454,7 @@ def test_first_k_plan_finishes_the_first_groups_sooner_than_lpt_and_the_long_tai
   sooner with the first-K plan than with Algorithm 2's LPT plan on the same
   true lengths, and sooner than FIFO on average; LPT still wins the makespan."""
   from streamrl.sim.costs import GenCostModel
-  from streamrl.sim.engine import simulate_generation
+  from streamrl.sim.generation import simulate_generation
 
   gen = GenCostModel(
       step_fixed_s=0.01,

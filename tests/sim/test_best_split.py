@@ -5,10 +5,10 @@ import math
 import numpy as np
 import pytest
 
-from streamrl.sim import costs
+from streamrl.sim import costs, hardware
 from streamrl.sim.best_split import best_split_makespan
 from streamrl.sim.costs import GenCostModel
-from streamrl.sim.engine import simulate_generation
+from streamrl.sim.generation import simulate_generation
 from streamrl.sim.lengths import paper_lengths
 from streamrl.sim.systems import SystemCalibration, gen_cost
 
@@ -45,7 +45,7 @@ def test_closed_form_three_instances_picks_the_faster_split():
 def test_is_a_lower_bound_on_the_oracle_dispatch_and_deterministic():
   cal = SystemCalibration(gen=costs.paper_calibration(), reserve_max_output=True)
   dist = paper_lengths(20480)
-  gen = gen_cost(costs.MODELS["qwen2.5-7b"], costs.GPUS["H800"], cal, dist)
+  gen = gen_cost(hardware.MODELS["qwen2.5-7b"], hardware.GPUS["H800"], cal, dist)
   rng = np.random.default_rng(3)
   p, o = dist.sample(rng, 256)
   recent = dist.sample(rng, 256)[1]

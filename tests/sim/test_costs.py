@@ -4,8 +4,9 @@ import numpy as np
 import pytest
 
 from streamrl.scheduling import LatencyProfile
-from streamrl.sim import costs
-from streamrl.sim.costs import GPUS, MODELS, GenCostModel, TrainCostModel
+from streamrl.sim import costs, hardware
+from streamrl.sim.costs import GenCostModel, TrainCostModel
+from streamrl.sim.hardware import GPUS, MODELS
 
 pytestmark = [pytest.mark.unit]
 
@@ -41,7 +42,7 @@ def test_decode_scaling_is_physical():
   g72_8 = GenCostModel.for_deployment(m72, h800, cal, tp=8)
   assert g72_8.step_time(32, 32 * 4096) < g72_4.step_time(32, 32 * 4096)
   assert g72_8.kv_capacity_tokens > 2 * g72_4.kv_capacity_tokens
-  assert [costs.default_tp(MODELS[m], h800) for m in MODELS] == [1, 4, 8]
+  assert [hardware.default_tp(MODELS[m], h800) for m in MODELS] == [1, 4, 8]
 
 
 def test_decode_time_closed_form_matches_step_sum():
@@ -75,17 +76,17 @@ def test_training_flops_are_6n_for_updates_and_2n_for_forwards():
 def test_weight_transfer_in_dc_vs_cross_dc():
   m = MODELS["qwen2.5-72b"]
   local = costs.weight_transfer_seconds(m, 80)
-  remote = costs.weight_transfer_seconds(m, 80, inter_dc_link=costs.INTER_DC_LINK)
+  remote = costs.weight_transfer_seconds(m, 80, inter_dc_link=hardware.INTER_DC_LINK)
   assert local == pytest.approx(
       m.weight_bytes / 200e9, rel=0.05
   )  # one 200 GB/s node link, pipelined
   assert remote > m.weight_bytes / 10e9  # 80 Gbps single relay dominates
-  assert costs.broadcast_seconds(1e9, 0, costs.MAIN_NODE_LINK) == 0.0
+  assert costs.broadcast_seconds(1e9, 0, hardware.MAIN_NODE_LINK) == 0.0
 
 
 def test_unknown_gpu_and_bad_values():
   with pytest.raises(ValueError, match="no cost model"):
-    costs.get_gpu("A100")
+    hardware.get_gpu("A100")
   with pytest.raises(ValueError, match="MFU"):
     TrainCostModel.for_gpu(MODELS["qwen2.5-7b"], GPUS["H800"], mfu=1.5)
   with pytest.raises(ValueError, match="KV cache"):

@@ -6,9 +6,11 @@ import math
 import numpy as np
 import pytest
 
-from streamrl.sim import engine
+from streamrl.sim import plans
+from streamrl.sim.config import SimConfig, ToolModel
 from streamrl.sim.costs import GenCostModel, TrainCostModel
-from streamrl.sim.engine import SimConfig, simulate, simulate_generation
+from streamrl.sim.engine import simulate
+from streamrl.sim.generation import simulate_generation
 from streamrl.sim.lengths import FixedLengths, PaperLengths, from_lengths
 
 pytestmark = [pytest.mark.unit]
@@ -144,11 +146,11 @@ def _trivial(mode, *, out_len=100, fwd=2e-4, upd=6e-4, transfer=0.1, iterations=
       gen=_gen(),
       num_instances=2,
       train=TrainCostModel.from_measured(fwd_s_per_token=fwd, upd_s_per_token=upd),
-      num_train_gpus=1,
+      trainer_gpus=1,
       lengths=FixedLengths(prompt_len=10, output_len=out_len),
-      batch_size=8,
-      num_minibatches=2,
-      iterations=iterations,
+      samples_per_iteration=8,
+      mini_batch_size=4,
+      num_iterations=iterations,
       transfer_s=transfer,
       **kw,
   )
@@ -157,7 +159,7 @@ def _trivial(mode, *, out_len=100, fwd=2e-4, upd=6e-4, transfer=0.1, iterations=
 def _stage_times(cfg):
   g = cfg.lengths.output_len * (A + 4 * B)  # 4 samples per instance, one wave
   t = (
-      cfg.batch_size
+      cfg.samples_per_iteration
       * (cfg.lengths.prompt_len + cfg.lengths.output_len)
       * (cfg.train.fwd_s_per_token + cfg.train.upd_s_per_token)
   )
@@ -187,9 +189,10 @@ def test_stream_beats_sync_with_skewed_lengths():
   kw = dict(fwd=1e-4, upd=3e-4, transfer=0.0, iterations=4)
   base = _trivial("sync", **kw)
 
-  sync = simulate(dataclasses.replace(base, lengths=lengths, batch_size=64))
-  stream = simulate(dataclasses.replace(base, mode="stream", lengths=lengths, batch_size=64))
-  asyn = simulate(dataclasses.replace(base, mode="async", lengths=lengths, batch_size=64))
+  base = dataclasses.replace(base, lengths=lengths, samples_per_iteration=64, mini_batch_size=32)
+  sync = simulate(base)
+  stream = simulate(dataclasses.replace(base, mode="stream"))
+  asyn = simulate(dataclasses.replace(base, mode="async"))
   assert sync.samples_per_s < stream.samples_per_s < asyn.samples_per_s
 
 
@@ -199,10 +202,11 @@ def _paper_cfg(seed, scheduler="skew"):
       gen=_gen(c=2e-8),
       num_instances=4,
       train=TrainCostModel.from_measured(fwd_s_per_token=1e-6, upd_s_per_token=3e-6),
-      num_train_gpus=1,
+      trainer_gpus=1,
       lengths=PaperLengths(max_output=2048),
-      batch_size=128,
-      iterations=3,
+      samples_per_iteration=128,
+      num_iterations=3,
+      mini_batch_size=32,
       scheduler=scheduler,
       ranker_sigma=0.2,
       seed=seed,
@@ -219,13 +223,13 @@ def test_deterministic_under_seed():
 
 def test_skew_scheduler_uses_the_project_dispatcher(monkeypatch):
   calls = []
-  real = engine.dispatch
+  real = plans.dispatch
 
   def spy(*args, **kw):
     calls.append(kw)
     return real(*args, **kw)
 
-  monkeypatch.setattr(engine, "dispatch", spy)
+  monkeypatch.setattr(plans, "dispatch", spy)
   simulate(_paper_cfg(0, "skew"))
   assert len(calls) == 3  # once per iteration
   calls.clear()
@@ -246,9 +250,9 @@ def test_the_simulate_latency_model_gets_the_noisy_rankers_error_on_recent_lengt
   from streamrl.scheduling.dispatch import MIN_RANK_HISTORY
 
   seen = []
-  real = engine.dispatch
+  real = plans.dispatch
   monkeypatch.setattr(
-      engine, "dispatch", lambda *a, **kw: seen.append(dict(kw, profile=a[2])) or real(*a, **kw)
+      plans, "dispatch", lambda *a, **kw: seen.append(dict(kw, profile=a[2])) or real(*a, **kw)
   )
   rng = np.random.default_rng(0)
   out = rng.integers(1, 300, size=256)
@@ -281,7 +285,7 @@ def test_the_simulate_latency_model_gets_the_noisy_rankers_error_on_recent_lengt
 
 def test_a_trajectory_leaves_the_batch_for_each_tool_call_and_returns_with_its_observation():
   p = 2e-4
-  tools = engine.ToolModel(latency_s=0.5, turn_tokens=10, observation_tokens=5)
+  tools = ToolModel(latency_s=0.5, turn_tokens=10, observation_tokens=5)
   assert list(tools.calls([1, 10, 11, 25])) == [0, 0, 1, 2]
   # One trajectory of 25 tokens: turns of 10, 10, 5 with two calls of 0.5 s between them;
   # each return prefills only its observation (the context before it is cached).
@@ -305,19 +309,19 @@ def test_tool_latency_is_hidden_by_other_work_and_async_gains_from_it():
   # decoding, so generation grows far less than calls x latency; and an async run overlaps
   # the longer generation with training.
   lengths = from_lengths([20, 40, 80], 64)
-  tools = engine.ToolModel(latency_s=0.2, turn_tokens=20, observation_tokens=4)
+  tools = ToolModel(latency_s=0.2, turn_tokens=20, observation_tokens=4)
   cfg = _trivial("colocated", iterations=4)
 
-  base = dataclasses.replace(cfg, lengths=lengths, batch_size=64)
+  base = dataclasses.replace(cfg, lengths=lengths, samples_per_iteration=64, mini_batch_size=32)
   plain = simulate(base)
   with_tools = simulate(dataclasses.replace(base, tools=tools))
   calls = tools.calls([20, 40, 80]).mean() * 64
   extra = with_tools.mean_iteration_s - plain.mean_iteration_s
   assert 0.2 <= extra < 0.5 * calls * 0.2
-  async_tools = simulate(dataclasses.replace(base, tools=tools, mode="async", iterations=6))
+  async_tools = simulate(dataclasses.replace(base, tools=tools, mode="async", num_iterations=6))
   assert async_tools.mean_iteration_s < with_tools.mean_iteration_s
   with pytest.raises(ValueError, match="turn_tokens"):
-    engine.ToolModel(latency_s=0.1, turn_tokens=0)
+    ToolModel(latency_s=0.1, turn_tokens=0)
 
 
 class _Queue:
@@ -345,23 +349,23 @@ def test_partial_rollouts_stop_at_the_target_carry_the_tokens_and_drop_too_old_o
       gen=_gen(prefill=prefill),
       num_instances=1,
       lengths=_Queue([10, 100, 10, 10, 10]),
-      batch_size=1,
-      num_minibatches=1,
+      samples_per_iteration=1,
+      mini_batch_size=1,
       partial_oversample=1.0,
       max_token_version_gap=2,
   )
-  plans = []
-  real = engine.first_k_plan
+  planned = []
+  real = plans.first_k_plan
 
   def spy(lengths, n, max_bs, first=()):
-    plans.append(list(first))
+    planned.append(list(first))
     return real(lengths, n, max_bs, first=first)
 
   with pytest.MonkeyPatch.context() as mp:
-    mp.setattr(engine, "first_k_plan", spy)
+    mp.setattr(plans, "first_k_plan", spy)
     r = simulate(dataclasses.replace(cfg, scheduler="skew"))
   assert r.resumed == (0, 1, 0, 1)
-  assert plans == [[], [0], [], [0]]  # the resumed response is planned first
+  assert planned == [[], [0], [], [0]]  # the resumed response is planned first
   assert r.wasted_tokens == 20
   assert [int(s.output_lens[0]) for s in r.iterations] == [10, 10, 10, 10]
   step = 10 * (A + 2 * B)
@@ -383,7 +387,7 @@ def test_partial_rollouts_stop_at_the_target_carry_the_tokens_and_drop_too_old_o
   with pytest.raises(ValueError, match="async"):
     dataclasses.replace(cfg, mode="sync")
   with pytest.raises(ValueError, match="multiple of group_size"):
-    dataclasses.replace(cfg, batch_size=3, group_size=2)
+    dataclasses.replace(cfg, samples_per_iteration=3, group_size=2)
 
 
 def test_partial_rollouts_cut_the_long_tail_of_a_generation_bound_run():
@@ -391,8 +395,8 @@ def test_partial_rollouts_cut_the_long_tail_of_a_generation_bound_run():
   base = dataclasses.replace(
       _trivial("async", iterations=8, fwd=1e-7, upd=1e-7),
       lengths=lengths,
-      batch_size=32,
-      num_minibatches=2,
+      samples_per_iteration=32,
+      mini_batch_size=16,
   )
   plain = simulate(base)
   partial = simulate(dataclasses.replace(base, partial_oversample=0.25, group_size=2))
@@ -412,8 +416,8 @@ def test_stream_trains_its_later_epochs_after_generation():
       _trivial("stream", iterations=1, fwd=f, upd=u),
       num_instances=1,
       lengths=_Queue([10, 10, 100, 100]),
-      batch_size=4,
-      num_minibatches=2,
+      samples_per_iteration=4,
+      mini_batch_size=2,
       ppo_epochs=2,
   )
   t2 = 10 * (A + 4 * B) + 90 * (A + 2 * B)
@@ -434,7 +438,8 @@ def test_the_rankers_refresh_takes_its_leftover_from_the_next_round():
       _trivial("sync", iterations=3, fwd=1e-4, upd=3e-4),
       num_instances=1,
       lengths=_Queue([10, 10, 100, 100]),
-      batch_size=4,
+      samples_per_iteration=4,
+      mini_batch_size=2,
       transfer_s=0.05,
   )
   base = simulate(cfg)
@@ -460,7 +465,8 @@ def test_a_round_on_added_instances_starts_later_by_their_first_rounds_cost():
       _trivial("sync", iterations=4, fwd=1e-4, upd=3e-4),
       num_instances=1,
       lengths=_Queue([10, 10, 100, 100]),
-      batch_size=4,
+      samples_per_iteration=4,
+      mini_batch_size=2,
   )
   ctl = lambda g, stats: counts[g]  # pylint: disable=unnecessary-lambda-assignment
   base = simulate(cfg, controller=ctl)

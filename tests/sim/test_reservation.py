@@ -6,9 +6,11 @@ import math
 import numpy as np
 import pytest
 
-from streamrl.sim import costs
-from streamrl.sim.costs import GenCostModel
-from streamrl.sim.engine import SimConfig, TrainCostModel, simulate, simulate_generation
+from streamrl.sim import costs, hardware
+from streamrl.sim.config import SimConfig
+from streamrl.sim.costs import GenCostModel, TrainCostModel
+from streamrl.sim.engine import simulate
+from streamrl.sim.generation import simulate_generation
 from streamrl.sim.lengths import PaperLengths
 from streamrl.sim.systems import SystemCalibration, gen_cost
 
@@ -76,7 +78,7 @@ def test_reservation_deterministic_and_late_admission_of_long_sample():
 
 def test_gen_cost_reserves_the_distribution_maximum():
   cal = SystemCalibration(gen=costs.paper_calibration(), reserve_max_output=True)
-  model, gpu = costs.MODELS["qwen2.5-7b"], costs.GPUS["H800"]
+  model, gpu = hardware.MODELS["qwen2.5-7b"], hardware.GPUS["H800"]
   g = gen_cost(model, gpu, cal, PaperLengths(20480))
   assert g.reserve_output_tokens == 20480
   assert g.max_concurrent(400) == int(g.kv_capacity_tokens // (400 + 1 + 20480))
@@ -101,20 +103,22 @@ def test_bad_reservation_is_rejected():
 def test_full_simulation_with_reservation_is_deterministic():
   gen = dataclasses.replace(
       GenCostModel.for_deployment(
-          costs.MODELS["qwen2.5-7b"], costs.GPUS["H800"], costs.paper_calibration()
+          hardware.MODELS["qwen2.5-7b"], hardware.GPUS["H800"], costs.paper_calibration()
       ),
       reserve_output_tokens=5120.0,
   )
-  train = TrainCostModel.for_gpu(costs.MODELS["qwen2.5-7b"], costs.GPUS["H800"], 0.4)
+  train = TrainCostModel.for_gpu(hardware.MODELS["qwen2.5-7b"], hardware.GPUS["H800"], 0.4)
   cfg = SimConfig(
       mode="async",
       gen=gen,
       num_instances=4,
       train=train,
-      num_train_gpus=4,
+      trainer_gpus=4,
       lengths=PaperLengths(5120),
-      batch_size=256,
-      iterations=3,
+      samples_per_iteration=256,
+      num_iterations=3,
+      mini_batch_size=64,
+      objective="sum",
       scheduler="skew",
       seed=3,
   )
