@@ -56,8 +56,8 @@ def main(argv):
   if _PLAN.value:
     from streamrl.planner import emit  # pylint: disable=g-import-not-at-top
 
-    cli = config_flags.get_override_values(flags.FLAGS["config"])
-    config = emit.apply_plan(config, emit.load_plan(_PLAN.value), cli, path=_PLAN.value)
+    command_line = config_flags.get_override_values(flags.FLAGS["config"])
+    config = emit.apply_plan(config, emit.load_plan(_PLAN.value), command_line, path=_PLAN.value)
   # Both checked before anything is written: a refused run leaves no workdir behind.
   workdir = errors.check_workdir(_WORKDIR.value)
   from streamrl.config import settings  # pylint: disable=g-import-not-at-top

@@ -107,13 +107,14 @@ def _plan():
         print(f"sweep: resuming {old_name} (named before the 0.1 key rename)", flush=True)
         names[i] = old_name
         break
-  cli = config_flags.get_override_values(flag)
+  command_line = config_flags.get_override_values(flag)
   plan = []
   for name, point in zip(names, points):
     clash = [
         k
         for k in point
-        if k in cli or any(k.startswith(c + ".") or c.startswith(k + ".") for c in cli)
+        if k in command_line
+        or any(k.startswith(c + ".") or c.startswith(k + ".") for c in command_line)
     ]
     if clash:
       raise errors.UserError(
