@@ -19,6 +19,7 @@ so XLA compiles a handful of programs once.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import math
@@ -154,15 +155,18 @@ class RankerTrainer:
     rows = len(prompts) if rows is None else rows
     tokens = np.zeros((rows, bucket), np.int32)
     mask = np.zeros((rows, bucket), bool)
-    for i, (p, n) in enumerate(zip(prompts, lens)):
-      arr = np.asarray(p[:n], dtype=np.int64)
-      if arr.size and (arr.min() < 0 or arr.max() >= self.vocab_size):
-        raise ValueError(
-            f"prompt {i} has token ids outside [0, {self.vocab_size}); the ranker was built for "
-            f"a vocabulary of {self.vocab_size} — use a ranker trained with the policy's tokenizer."
-        )
-      tokens[i, :n] = arr
-      mask[i, :n] = True
+    mask[: len(lens)] = np.arange(bucket) < np.asarray(lens, np.int64)[:, None]
+    flat = np.fromiter(
+        itertools.chain.from_iterable(p[:n] for p, n in zip(prompts, lens)), np.int64, sum(lens)
+    )
+    if flat.size and (flat.min() < 0 or flat.max() >= self.vocab_size):
+      bad = (flat < 0) | (flat >= self.vocab_size)
+      i = int(np.searchsorted(np.cumsum(lens), np.argmax(bad), side="right"))
+      raise ValueError(
+          f"prompt {i} has token ids outside [0, {self.vocab_size}); the ranker was built for "
+          f"a vocabulary of {self.vocab_size} — use a ranker trained with the policy's tokenizer."
+      )
+    tokens[mask] = flat  # row by row, as `flat` holds them
     return tokens, mask
 
   def _writer_or_none(self):
@@ -297,12 +301,17 @@ class RankerTrainer:
     """
     n = len(prompt_ids_list)
     scores = np.zeros((n,), np.float64)
+    # Shortest first, so that short prompts share calls padded to a short bucket.
+    by_len = sorted(range(n), key=lambda i: len(prompt_ids_list[i]))
+    outs = []
     s = 0
     for rows in _row_chunks(n, int(self.config.predict_batch)):  # A few row counts per bucket.
-      part = prompt_ids_list[s : s + rows]
-      tokens, mask = self._pad(part, rows=rows)
-      scores[s : s + len(part)] = np.asarray(self._score(self.params, tokens, mask))[: len(part)]
+      part = by_len[s : s + rows]
+      tokens, mask = self._pad([prompt_ids_list[i] for i in part], rows=rows)
+      outs.append((part, self._score(self.params, tokens, mask)))  # dispatched, not waited for
       s += len(part)
+    for part, out in outs:
+      scores[part] = np.asarray(out)[: len(part)]
     return np.expm1(scores)
 
   def evaluate(self, pairs: Sequence[ranker_data.Pair]) -> dict[str, float]:

@@ -129,6 +129,7 @@ class DispatchPlan:
     return {p: i for i, ps in enumerate(self.assignments) for p in ps}
 
 
+@functools.lru_cache(maxsize=4096)  # a plan asks it for the same few loads again and again
 def choose_batch_size(profile: LatencyProfile, num_prompts: int, max_batch_size: int) -> int:
   """Batch cap minimising PTL(b) * ceil(M / b) for M = num_prompts (see module doc).
 
@@ -210,11 +211,12 @@ def _balance(
   """
   buckets: list[list[int]] = [[] for _ in range(num_instances)]
   heap = [(0.0, 0, i) for i in range(num_instances)]  # (load, count, index)
+  lengths = np.maximum(np.asarray(lengths, dtype=np.float64), 0.0).tolist()
   for unit in _units(prompts, groups):  # Already longest first.
-    load, count, i = heapq.heappop(heap)
+    load, count, i = heap[0]
     buckets[i].extend(unit)
-    added = sum(max(0.0, float(lengths[p])) for p in unit)
-    heapq.heappush(heap, (load + added, count + len(unit), i))
+    added = lengths[unit[0]] if len(unit) == 1 else sum(lengths[p] for p in unit)
+    heapq.heapreplace(heap, (load + added, count + len(unit), i))
   return buckets
 
 
@@ -236,28 +238,51 @@ def continuous_batching_time(
   Returns:
     Time until the last request finishes; 0 for no requests.
   """
-  pending = [max(0.0, float(x)) for x in lengths]
+  return float(
+      continuous_batching_times(np.asarray(lengths, np.float64)[None], max_in_flight, profile)[0]
+  )
+
+
+def continuous_batching_times(
+    lengths_dm: np.ndarray, max_in_flight: int, profile: LatencyProfile
+) -> np.ndarray:
+  """[D] `continuous_batching_time` of each row of `lengths_dm` [D, M] (D
+  draws of one instance's queue, each in admission order), all rows at once.
+
+  No step-by-step replay is needed. While requests still wait, exactly
+  `cap` run, so every step until the last request starts costs PTL(cap);
+  when each request starts is list scheduling (it takes the slot of the
+  running request that finishes first), done for all rows together. From the
+  last start on, the requests still running finish in order of their finish
+  steps, with cap, cap - 1, ..., 1 of them running. The context cost does not
+  depend on the schedule at all: a request of l tokens holds 0, 1, ..., l - 1
+  tokens of context over its steps, whatever runs beside it, l (l - 1) / 2
+  token-steps in all.
+  """
+  x = np.maximum(np.asarray(lengths_dm, dtype=np.float64), 0.0)
+  if x.ndim != 2:
+    raise ValueError(f"lengths_dm must be [draws, requests], got shape {x.shape}.")
+  d, m = x.shape
+  if m == 0:
+    return np.zeros(d)
   cap = max(1, int(max_in_flight))
-  per_ctx = profile.context_s_per_token
-  ptl = _ptl_table(profile, min(cap, len(pending)))
-  running: list[tuple[float, float]] = []  # Heap of (finish, start), in decode steps.
-  starts = 0.0  # Sum of the running requests' starts.
-  now_steps, now_s, k = 0.0, 0.0, 0
-  while k < len(pending) or running:
-    while k < len(pending) and len(running) < cap:
-      heapq.heappush(running, (now_steps + pending[k], now_steps))
-      starts += now_steps
-      k += 1
-    n = len(running)
-    steps = running[0][0] - now_steps
-    now_s += steps * ptl[n]
-    if per_ctx:
-      # Steps j = 0 .. steps-1 hold n * (now + j) - starts tokens of context.
-      now_s += per_ctx * (steps * (n * now_steps - starts) + n * steps * (steps - 1) / 2)
-    now_steps = running[0][0]
-    while running and running[0][0] <= now_steps:
-      starts -= heapq.heappop(running)[1]
-  return now_s
+  k = min(cap, m)
+  ptl = np.asarray(_ptl_table(profile, k))
+  if m > cap:
+    finish = x[:, :cap].copy()  # [D, cap] finish steps of the requests running
+    rows = np.arange(d)
+    for j in range(cap, m):
+      slot = finish.argmin(axis=1)
+      last_start = finish[rows, slot]
+      finish[rows, slot] = last_start + x[:, j]
+  else:
+    finish, last_start = x, np.zeros(d)
+  # Segment i of the drain runs k - i requests: PTL(k), PTL(k - 1), ..., PTL(1).
+  drain = np.diff(np.sort(finish, axis=1), axis=1, prepend=last_start[:, None])
+  out = last_start * ptl[k] + drain @ ptl[k:0:-1]
+  if profile.context_s_per_token:
+    out = out + profile.context_s_per_token * np.sum(x * (x - 1.0), axis=1) / 2
+  return out
 
 
 @functools.lru_cache(maxsize=64)
@@ -301,7 +326,9 @@ def rank_bins(rank_history, num_bins: int = RANK_BINS) -> list[np.ndarray]:
   neighbour's (lower first)."""
   pairs = np.asarray(rank_history, dtype=np.float64).reshape(-1, 2)
   idx = np.clip((pairs[:, 0] * num_bins).astype(int), 0, num_bins - 1)
-  bins = [pairs[idx == k, 1] for k in range(num_bins)]
+  # Bin k's lengths in their order of `rank_history` (a stable sort by bin).
+  by_bin = pairs[np.argsort(idx, kind="stable"), 1]
+  bins = np.split(by_bin, np.cumsum(np.bincount(idx, minlength=num_bins))[:-1])
   full = [k for k in range(num_bins) if bins[k].size]
   if not full:
     raise ValueError("rank_history is empty; record some (rank quantile, length) pairs first.")
@@ -315,7 +342,7 @@ def _rank_draws(pred, bins, draws: int, seed: int):
   """(est [P], lengths [draws, P]): the mean length seen at each prompt's
   rank bin, and draws from the lengths seen there."""
   b = np.minimum((rank_quantiles(pred) * len(bins)).astype(int), len(bins) - 1)
-  est = np.asarray([bins[k].mean() for k in b])
+  est = np.asarray([x.mean() for x in bins])[b]
   rng = np.random.default_rng(seed)
   out = np.empty((draws, len(b)))
   for k in np.unique(b):
@@ -465,10 +492,8 @@ def dispatch(
       _warned_no_history = True
     return fifo_plan(num_prompts, num_instances, max_batch_size)
 
-  l_long = float(np.percentile(recent, 90))
-  l_reg = float(np.percentile(recent, 50))
+  l_long, l_reg = (float(x) for x in np.percentile(recent, [90, 50]))
   order = lpt_order(pred)
-  est = calibrated_lengths(pred, recent)
   n_long = min(num_prompts, math.ceil(alpha * num_prompts - 1e-9)) if num_prompts else 0
   if groups is not None:
     if len(groups) != num_prompts:
@@ -486,13 +511,15 @@ def dispatch(
     per_draw = 2 * num_instances * max(1, num_instances)
     n_draws = max(2, min(RANK_DRAWS, REPLAY_BUDGET // per_draw))
     est, draws = _rank_draws(pred, rank_bins(rank_history), n_draws, seed)
+  else:
+    est = calibrated_lengths(pred, recent)
 
   if num_instances == 1:
     # One instance serves everything, in LPT order.
     bs = choose_batch_size(profile, num_prompts, max_batch_size)
     if simulate:
-      runs = [est] if draws is None else draws
-      t = float(np.mean([continuous_batching_time(r[order], bs, profile) for r in runs]))
+      runs = (est[None] if draws is None else draws)[:, order]
+      t = float(np.mean(continuous_batching_times(runs, bs, profile)))
     else:
       l_avg = (n_long * l_long + len(reg_ids) * l_reg) / num_prompts if num_prompts else 0.0
       t = _group_time(profile, num_prompts, l_avg, 1, max_batch_size)
@@ -529,11 +556,8 @@ def dispatch(
     if not simulate:
       return wave_cap, math.nan
     options = {wave_cap, max(1, min(max_batch_size, len(bucket)))}
-    runs = [est] if draws is None else draws
-    timed = [
-        (np.asarray([continuous_batching_time(r[bucket], c, profile) for r in runs]), c)
-        for c in sorted(options)
-    ]
+    runs = (est[None] if draws is None else draws)[:, bucket]
+    timed = [(continuous_batching_times(runs, c, profile), c) for c in sorted(options)]
     t, c = min(timed, key=lambda tc: (tc[0].mean(), tc[1]))
     return c, t if draws is not None else float(t[0])
 

@@ -9,8 +9,9 @@ last and running alone at the end (the skewness bubble).
 from __future__ import annotations
 
 import collections
-import math
 from typing import Hashable, Iterable, Sequence
+
+import numpy as np
 
 
 def lpt_order(predicted_lengths: Sequence[float]) -> list[int]:
@@ -24,10 +25,10 @@ def lpt_order(predicted_lengths: Sequence[float]) -> list[int]:
   Returns:
     [P] permutation of range(P).
   """
-  lengths = [float(x) for x in predicted_lengths]
-  if any(math.isnan(x) for x in lengths):
+  lengths = np.asarray(predicted_lengths, dtype=np.float64).reshape(-1)
+  if np.isnan(lengths).any():
     raise ValueError("predicted lengths contain NaN; check the ranker's output before scheduling.")
-  return sorted(range(len(lengths)), key=lambda i: -lengths[i])
+  return np.argsort(-lengths, kind="stable").tolist()
 
 
 class AdmissionQueue:

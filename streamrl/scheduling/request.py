@@ -70,7 +70,13 @@ class Request:
     )
 
   def with_hint(self, hint: LengthHint | None) -> Request:
-    return dataclasses.replace(self, hint=hint)
+    if hint is not None and not isinstance(hint, LengthHint):
+      raise TypeError(f"Request {self.id}'s hint must be a scheduling.siblings.LengthHint or None.")
+    # A copy with the new hint, without checking the other fields again (as
+    # `dataclasses.replace` would): they were checked when this one was made.
+    out = object.__new__(Request)
+    out.__dict__.update(self.__dict__, hint=hint)
+    return out
 
 
 def as_requests(requests: Sequence) -> list[Request]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import logging
 import os
 import time
@@ -45,6 +46,17 @@ def with_length_hints(requests, groups, lengths) -> list:
       r.with_hint(LengthHint(group=g, prior=total[g] / count[g]))
       for r, g in zip(as_requests(requests), groups)
   ]
+
+
+def _array(values) -> np.ndarray | None:
+  """A deque of numbers ([N]) or of (rank quantile, length) pairs ([N, 2]) as
+  float64; None when empty."""
+  if not values:
+    return None
+  if isinstance(values[0], tuple):
+    flat = itertools.chain.from_iterable(values)
+    return np.fromiter(flat, np.float64, 2 * len(values)).reshape(-1, 2)
+  return np.fromiter(values, np.float64, len(values))
 
 
 class GenerationScheduler:
@@ -161,22 +173,19 @@ class GenerationScheduler:
       ]
       parts = [order[k::num_instances] for k in range(num_instances)]
       return parts, [self.max_batch_size] * num_instances
-    prompts = [list(r.prompt) for r in requests]
-    groups = None
-    if self.siblings:  # samples of one prompt form a group
-      keys: dict = {}
-      groups = [keys.setdefault(tuple(ids), len(keys)) for ids in prompts]
+    # The samples of one prompt share its tokens: index of each request's
+    # prompt among the round's distinct prompts, in order of first appearance.
+    index: dict = {}
+    slot = [index.setdefault(r.prompt, len(index)) for r in requests]
+    groups = slot if self.siblings else None  # samples of one prompt form a group
     predicted = true = None
     if self.kind == "skew":
       if not self.recent and not self._warned:
         log.warning("No output lengths seen yet: the first round is dispatched FIFO.")
         self._warned = True
-      # A group's samples share a prompt: each distinct prompt is scored once.
-      index: dict = {}
-      slot = [index.setdefault(tuple(ids), len(index)) for ids in prompts]
-      unique = [list(ids) for ids in index]
       self._adopt()
-      predicted = np.asarray(self.ranker.predict(unique))[slot]
+      # Each distinct prompt is scored once.
+      predicted = np.asarray(self.ranker.predict([list(p) for p in index]))[slot]
     else:
       exs = [examples_by_id[r.id] for r in requests]
       if any(e.task in ("file", "gym") for e in exs):
@@ -206,13 +215,13 @@ class GenerationScheduler:
         profile=self.profile,
         predicted_lengths=predicted,
         true_lengths=true,
-        recent_lengths=list(self.recent) or None,
+        recent_lengths=_array(self.recent),
         alpha=self.alpha,
         objective=self.objective,
         latency_model=self._latency_model(),
         seed=seed,
         groups=groups,
-        rank_history=list(self.rank_history) or None,
+        rank_history=_array(self.rank_history),
         stoppable=stoppable,
         first=[i for i, r in enumerate(requests) if r.id in carried],
     )

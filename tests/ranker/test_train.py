@@ -60,6 +60,21 @@ def test_predict_handles_any_batch_and_rejects_unknown_ids(trained):
   assert trainer.predict([[]]).shape == (1,)  # Empty prompt does not crash.
   with pytest.raises(ValueError, match="vocabulary"):
     trainer.predict([[1, VOCAB + 3]])
+  # The prompt named is the one with the bad id, whatever the order scored in.
+  with pytest.raises(ValueError, match="prompt 1 "):
+    trainer._pad([[1, 2, 3], [4, -1], [5]])
+
+
+def test_a_prompt_scores_the_same_whatever_it_is_predicted_with(trained):
+  trainer = trained[0]
+  prompts = [p for p, _ in trained[2][:40]]
+  mixed = [prompts[i] if i % 3 else prompts[i][:3] for i in range(40)]  # short and long ones
+  alone = np.concatenate([trainer.predict([p]) for p in mixed])
+  np.testing.assert_allclose(trainer.predict(mixed), alone, rtol=1e-5)
+  np.testing.assert_allclose(trainer.predict(mixed[::-1]), alone[::-1], rtol=1e-5)
+  tokens, mask = trainer._pad([[3, 4, 5], [], [6]], rows=4)
+  assert tokens.tolist()[:3] == [[3, 4, 5] + [0] * 29, [0] * 32, [6] + [0] * 31]
+  assert mask.sum(axis=1).tolist() == [3, 0, 1, 0]
 
 
 def test_checkpoint_restore_gives_identical_predictions(trained):

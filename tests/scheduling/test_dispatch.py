@@ -520,3 +520,64 @@ def test_a_stoppable_round_is_planned_for_its_first_groups_resumed_first():
     assert [true[r.id - 100] for r in part] == sorted(
         (true[r.id - 100] for r in part), reverse=True
     )
+
+
+# ------------------------------------------- the vectorised plan against its reference
+@pytest.mark.parametrize("profile", [PAPER, STEEP, STEEP_CTX], ids=["paper", "steep", "ctx"])
+@pytest.mark.parametrize("seed", range(8))
+def test_batched_replay_matches_the_event_by_event_replay(seed, profile):
+  from tests.scheduling import reference_dispatch as ref
+
+  rng = np.random.default_rng(seed)
+  draws, m = int(rng.integers(1, 17)), int(rng.integers(0, 60))
+  lengths = rng.lognormal(3, 1, size=(draws, m)) * (rng.random((draws, m)) > 0.1)
+  lengths[:, : m // 4] = np.round(lengths[:, : m // 4])  # ties between finishes
+  for cap in (1, 3, max(1, m // 2), m, m + 5):
+    got = dispatch_mod.continuous_batching_times(lengths, cap, profile)
+    want = [ref.continuous_batching_time(row, cap, profile) for row in lengths]
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+  assert dispatch_mod.continuous_batching_time([4.0, -1.0, 2.0], 2, profile) == pytest.approx(
+      ref.continuous_batching_time([4.0, -1.0, 2.0], 2, profile), rel=1e-12
+  )
+
+
+def _seeded_rounds():
+  """(args, kwargs) of `dispatch` for rounds of 128 and fewer requests."""
+  for seed in range(40):
+    rng = np.random.default_rng(1000 + seed)
+    group = int(rng.choice([1, 4, 8]))
+    p = int(rng.choice([128, 128, 40, 9])) // group * group or group
+    pred = np.repeat(rng.lognormal(3, 1, size=p // group), group)
+    if seed % 5 == 0:
+      pred = np.round(pred / 10)  # many equal predictions
+    history = np.stack([rng.random(600), rng.integers(1, 300, 600)], axis=1)
+    kw = dict(
+        alpha=float(rng.choice([0.1, 0.2, 0.5])),
+        objective=str(rng.choice(["makespan", "sum"])),
+        max_batch_size=int(rng.choice([4, 16, 128])),
+        latency_model=str(rng.choice(["paper", "simulate"])),
+        groups=list(np.repeat(np.arange(p // group), group)) if seed % 2 else None,
+        rank_history=history[: int(rng.choice([50, 600]))],
+        seed=seed,
+    )
+    profile = [PAPER, STEEP, STEEP_CTX][seed % 3]
+    yield (pred, int(rng.choice([1, 2, 3, 8])), profile, history[:, 1]), kw
+
+
+def test_the_plan_decides_exactly_as_the_reference_helpers_on_seeded_rounds(monkeypatch):
+  from tests.scheduling import reference_dispatch as ref
+
+  rounds = list(_seeded_rounds())
+  now = [dispatch(*args, **kw) for args, kw in rounds]
+  ref.install(monkeypatch)
+  before = [dispatch(*args, **kw) for args, kw in rounds]
+  assert any(p.n_long_instances for p in now) and any(len(p.assignments) > 2 for p in now)
+  for a, b in zip(now, before):
+    assert (a.assignments, a.batch_sizes, a.n_long_instances) == (
+        b.assignments,
+        b.batch_sizes,
+        b.n_long_instances,
+    )
+    assert a.lengths == b.lengths
+    assert a.objective_value == pytest.approx(b.objective_value, rel=1e-9)
+    assert a.group_times == pytest.approx(b.group_times, rel=1e-9)

@@ -43,3 +43,12 @@ def test_admission_queue_misuse():
     AdmissionQueue([0], max_in_flight=0)
   with pytest.raises(ValueError, match="duplicate"):
     AdmissionQueue([0, 0], max_in_flight=1)
+
+
+def test_lpt_order_is_the_stable_sort_longest_first_with_ties_and_infinities():
+  rng = np.random.default_rng(0)
+  for _ in range(50):
+    x = rng.integers(0, 5, size=int(rng.integers(0, 40))).astype(float)
+    x[rng.random(x.size) < 0.1] = np.inf
+    want = sorted(range(x.size), key=lambda i: -x[i])
+    assert lpt_order(x) == want and lpt_order(list(x)) == want

@@ -138,6 +138,11 @@ def test_a_request_is_a_dataclass_and_tuples_are_accepted_where_users_call():
     Request(1, (1,), -2)
   with pytest.raises(TypeError, match="LengthHint"):
     Request(1, (1,), None, 7.0)
+  hint = LengthHint(group=2, prior=9.0)
+  hinted = Request(5, (1, 2), 7).with_hint(hint)
+  assert hinted == Request(5, (1, 2), 7, hint) and hinted.with_hint(None) == Request(5, (1, 2), 7)
+  with pytest.raises(TypeError, match="LengthHint"):
+    r.with_hint(3.0)
 
 
 def test_sibling_lengths_needs_a_length_predicting_scheduler():
