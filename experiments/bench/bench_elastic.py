@@ -3,7 +3,7 @@ r"""Elastic generation end to end, and the simulator's replay of the same run.
   python experiments/bench/bench_elastic.py [--iterations=9] [--prompts=64] [--observe=3]
       [--workdir=/tmp/streamrl_bench_elastic] [--out=experiments/out/bench_elastic]
 
-Everything real: Ray raylets (`streamrl.local_cluster.LocalCluster`: a head,
+Everything real: Ray raylets (`streamrl.cluster.local.LocalCluster`: a head,
 a training node in dc0, a generation node in dc1 with 2 generation slots,
 token authentication on), vLLM engines on generator actors, the JAX trainer
 on a trainer actor, weights through the checkpoint-transfer service. Ends
