@@ -84,9 +84,11 @@ def config_path(default: str) -> str:
 
 
 def overrides(extra: Sequence[str] = ()) -> dict[str, str]:
-  """--override (after `extra`, so the command line wins) as {key: value}."""
+  """`extra`, then --model (as model.path), then --override, as {key: value}:
+  the command line wins."""
   out = {}
-  for item in [*extra, *OVERRIDE.value]:
+  model = [f"model.path={MODEL.value}"] if MODEL.value else []
+  for item in [*extra, *model, *OVERRIDE.value]:
     key, sep, value = item.partition("=")
     if not sep:
       raise app.UsageError(f"--override={item!r} is not key=value.")
@@ -94,22 +96,26 @@ def overrides(extra: Sequence[str] = ()) -> dict[str, str]:
   return out
 
 
+def override_list() -> list[str]:
+  """`overrides()` as "key=value" strings."""
+  return [f"{k}={v}" for k, v in overrides().items()]
+
+
 def settings(default_config: str, script_overrides: Mapping | None = None):
   """The typed settings of --config (else `default_config`) with the script's
-  overrides, then --model (as model.path) and --override's, applied."""
+  overrides, then `overrides()`, applied."""
   from streamrl import config as config_lib  # pylint: disable=g-import-not-at-top
   from streamrl.config import settings as settings_lib  # pylint: disable=g-import-not-at-top
 
   config = config_lib.load_config(config_path(default_config))
-  model = {"model.path": MODEL.value} if MODEL.value else {}
-  config = config_lib.apply_overrides(config, {**(script_overrides or {}), **model, **overrides()})
+  config = config_lib.apply_overrides(config, {**(script_overrides or {}), **overrides()})
   return settings_lib.from_config(config)
 
 
 def main_command(workdir: str, script_overrides: Mapping, config: str = "configs/ppo.py") -> list:
   """The command of a run as a user starts it: launch/main.py with --config
   (else `config`), the workdir and `--config.<key>=<value>` for each of
-  `script_overrides` and then --override's."""
+  `script_overrides` and then of `overrides()` (--model, --override)."""
   cmd = [sys.executable, os.path.join(ROOT, "launch", "main.py")]
   cmd += [f"--config={config_path(config)}", f"--workdir={workdir}"]
   for k, v in {**script_overrides, **overrides()}.items():

@@ -162,7 +162,7 @@ def load_config():
       max_num_seqs=_MAX_NUM_SEQS.value,
       max_tokens=_MAX_TOKENS.value,
       extra={"trainer.ppo_epochs": _PPO_EPOCHS.value} if _PPO_EPOCHS.value else None,
-      overrides=harness.OVERRIDE.value,
+      overrides=harness.override_list(),
       # --config: configs/<name>.py, by name or path (ppo, grpo, agentic: multi-turn
       # trajectories with the calculator tool; env.extra_tool_latency_s a slow tool).
       config_name=os.path.splitext(os.path.basename(harness.CONFIG.value or "ppo"))[0],

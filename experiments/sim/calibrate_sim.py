@@ -157,7 +157,7 @@ def load_config():
       max_num_seqs=_MAX_NUM_SEQS.value,
       max_tokens=_MAX_TOKENS.value,
       extra=STRING_WORKLOAD,
-      overrides=harness.OVERRIDE.value,
+      overrides=harness.override_list(),
   )
   return s, warm, iters
 
