@@ -358,7 +358,7 @@ def _main(argv):
   )
   print(f"[bench] engine mode: {mode}", flush=True)
   workdir = harness.workdir("/tmp/streamrl_bench")  # where the model dirs are built
-  tiny_dir = harness.tiny_policy()  # --model, else the random tiny policy
+  tiny_dir = harness.tiny_policy(directory=workdir)  # --model, else the random tiny policy
   tiny_cfg = hf.read_config(tiny_dir)
 
   # Part 1.
