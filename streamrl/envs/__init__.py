@@ -10,9 +10,10 @@ bookkeeping beside each engine.
               of its own per call (jail.py sets up its namespaces)
   runner.py   `Trajectory` (token-in, token-out), `ToolRunner` (the tool
               workers beside an engine), `trajectory_metrics`
-
-The engine's side of a trajectory (turns, tool calls overlapping decoding)
-is `GeneratorInstance._generate_trajectories` (streamrl/generator/vllm_engine.py).
+  agent_loop.py  `AgentLoop`: the multi-turn loop (turns, tool calls
+              overlapping decoding) over an engine's narrow turn API
+              (`TurnEngine`; streamrl/generator/vllm_engine.py is one);
+              streamrl/generator/agentic.py turns its segments into Samples
 """
 
 from streamrl.envs.base import BUILTIN, Environment, Step, ToolEnv, parse_call

@@ -1,14 +1,27 @@
 """Generation: vLLM engines behind the `Rollout` protocol (rollout.py).
 
-The only package that imports torch and vLLM (inside `vllm_engine.py`, and
-only in the processes that run an engine):
+The only package that imports torch and vLLM (inside `vllm_engine.py` and
+`vllm_worker.py`, and only in the processes that run an engine):
 
   rollout.py      the protocol, Sample, UpdateHandle
   fake.py         FakeRollout: the protocol without an engine (tests of the loop)
-  vllm_engine.py  one engine = one generator instance
+  vllm_engine.py  one engine = one generator instance; its turn API
+  vllm_worker.py  what runs inside vLLM's workers: the in-place weight reload
+  admission.py    the order one generate call admits its requests in
+  agentic.py      AgentStream: multi-turn rollouts on one engine, as Samples
   local.py        LocalRollout: one engine in the trainer's process
+  actor.py        GeneratorActor: one engine in a Ray worker process
+  instances.py    the actors of a service: start, live / draining / dead, versions
+  delivery.py     how new weights reach the instances (Ray, transfer service)
+  fanin.py        the fan-in loop: one call's streams merged into one
+  fixed.py        a call over fixed per-instance lists
+  pooled.py       a call over a shared work pool (and its bookkeeping)
   service.py      StreamGenerationService: N engines on Ray actors
+  lockstep.py     engines in one process on a CPU-time clock (benchmarks)
   profiler.py     the PTL(BS) latency profile of one engine
+
+The multi-turn agent loop itself is streamrl/envs/agent_loop.py, over the
+engine's turn API.
 """
 
 from __future__ import annotations

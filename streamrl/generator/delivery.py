@@ -1,8 +1,8 @@
 """Weight delivery: how a new policy version reaches the generator instances.
 
-`StreamGenerationService` keeps the instances' lifecycle and their streams;
-a `Delivery` backend moves the weights. Backends are registered by name
-(`register`), and the service picks one by the run's settings
+`Instances` (instances.py) keeps the generator instances' lifecycle; a
+`Delivery` backend moves the weights. Backends are registered by name
+(`register`), and `Instances` picks one by the run's settings
 (`backend_for`):
 
   ray       Ray: when every Ray node is this machine, one safetensors file
@@ -14,10 +14,10 @@ a `Delivery` backend moves the weights. Backends are registered by name
             added mid-run catches up to the current version through it.
 
 A third backend (device-to-device on GPUs, say) subclasses `Delivery` and
-registers itself under a new name; the service needs no change.
+registers itself under a new name; nothing else needs a change.
 
-Every backend's `push` returns at once with an `UpdateHandle`; the service's
-`finish` turns the instances' load calls into {instance: version} (marking
+Every backend's `push` returns at once with an `UpdateHandle`;
+`Instances.finish_update` turns the instances' load calls into {instance: version} (marking
 the ones that died meanwhile). No torch or vLLM here.
 """
 

@@ -42,6 +42,32 @@ def engine_kwargs(
   )
 
 
+def start_instance(
+    model_dir: str,
+    *,
+    instance_id: int,
+    env: Env | None = None,
+    chat_template: str = "auto",
+    **kwargs,
+):
+  """Starts one engine: (its `GeneratorInstance`, what streams its samples).
+
+  The second is the engine itself, or for multi-turn rollouts (`env`
+  enabled) an `agentic.AgentStream` on it (the agent loop of
+  streamrl/envs/agent_loop.py); both have the same `generate`. `kwargs` are
+  the engine's (`engine_kwargs` less env and chat_template). Imports vLLM:
+  only in a process that runs an engine.
+  """
+  from streamrl.generator.vllm_engine import GeneratorInstance  # pylint: disable=g-import-not-at-top
+
+  gen = GeneratorInstance(model_dir, instance_id=instance_id, **kwargs)
+  if env is None or not env.enabled:
+    return gen, gen
+  from streamrl.generator.agentic import AgentStream  # pylint: disable=g-import-not-at-top
+
+  return gen, AgentStream(gen, env, chat_template=chat_template)
+
+
 def round_seed(seed: int, iteration: int) -> int:
   """The sampling seed of one training round (`generate(..., seed=...)`): a
   fresh one per iteration (each request adds its prompt id to it), so a
@@ -50,7 +76,8 @@ def round_seed(seed: int, iteration: int) -> int:
 
 
 class LocalRollout:
-  """One `GeneratorInstance` in this process; `options` are `engine_kwargs`'
+  """One `GeneratorInstance` in this process (`engine`; multi-turn rollouts
+  run on it through an `agentic.AgentStream`); `options` are `engine_kwargs`'
   keyword arguments (dtype, seed, env, chat_template, lora_rank)."""
 
   def __init__(self, model_dir: str, engine: Engine, **options):
@@ -61,12 +88,8 @@ class LocalRollout:
     # vLLM's start-up chatter (its engine-core process inherits this
     # process's output as it is now) goes to <workdir>/libraries.log.
     with metrics.output_to_library_log():
-      from streamrl.generator.vllm_engine import GeneratorInstance  # pylint: disable=g-import-not-at-top
-
-      self.engine = GeneratorInstance(
-          model_dir,
-          instance_id=0,
-          **engine_kwargs(engine, **options),
+      self.engine, self._stream = start_instance(
+          model_dir, instance_id=0, **engine_kwargs(engine, **options)
       )
     self.busy_intervals: list[tuple[int, float, float, int]] = []
     self.num_instances = 1
@@ -90,7 +113,7 @@ class LocalRollout:
     cap = caps[0] if caps else None
     start, n = time.perf_counter(), 0
     try:
-      for s in self.engine.generate(requests, sampling, seed=seed, max_in_flight=cap):
+      for s in self._stream.generate(requests, sampling, seed=seed, max_in_flight=cap):
         n += 1
         yield s
     finally:
@@ -100,4 +123,6 @@ class LocalRollout:
     return UpdateHandle.done(version, {0: self.engine.update_weights(tensors, version)})
 
   def close(self) -> None:
+    if self._stream is not self.engine:
+      self._stream.close()
     self.engine.close()

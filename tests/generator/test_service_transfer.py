@@ -93,7 +93,9 @@ def test_ray_path_loads_one_file_per_host_and_removes_it(svc, shared_file):
   version = max(svc.versions().values()) + 1
   model = transformer.Transformer(svc.model_cfg, rngs=nnx.Rngs(20 + version))
   # The Ray backend beside this service's transfer one (streamrl/generator/delivery.py).
-  ray_delivery = delivery.RayDelivery(svc.actor, lambda: svc.live_instances, svc._finish_update)
+  ray_delivery = delivery.RayDelivery(
+      svc.actor, lambda: svc.live_instances, svc.instances.finish_update
+  )
   handle = ray_delivery.push(hf.HFTensors(model, "float32"), version, shared_file=shared_file)
   assert handle.wait() == {0: version, 1: version}
   a, b = _files(svc)

@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from streamrl.data import tokenizer as tok
-from streamrl.generator import vllm_engine
+from streamrl.generator import vllm_engine, vllm_worker
 from streamrl.generator.config import Sampling
 from streamrl.generator.vllm_engine import GeneratorInstance, check_model_dir
 from streamrl.models import config, hf, tiny, transformer
@@ -271,18 +271,18 @@ def test_weight_update_is_quiet(engine):
   ]
   assert not noisy
   # Nothing stays armed: the next reset (e.g. one we did not cause) is shown again.
-  assert not vllm_engine._PREFIX_RESET_FILTER.armed
+  assert not vllm_worker.PREFIX_RESET_FILTER.armed
 
 
 def test_reload_filter_hides_only_the_expected_layers():
-  quiet = vllm_engine._ReloadLogFilter(frozenset({"RotaryEmbedding"}))
+  quiet = vllm_worker.ReloadLogFilter(frozenset({"RotaryEmbedding"}))
 
   def record(msg, *args):
     return logging.LogRecord("vllm.x", logging.WARNING, __file__, 1, msg, args, None)
 
-  assert not quiet.filter(record(vllm_engine._NOT_LOADED_MSG, "RotaryEmbedding"))
+  assert not quiet.filter(record(vllm_worker.NOT_LOADED_MSG, "RotaryEmbedding"))
   # A layer that should have received weights but did not is a real defect.
-  assert quiet.filter(record(vllm_engine._NOT_LOADED_MSG, "QKVParallelLinear"))
+  assert quiet.filter(record(vllm_worker.NOT_LOADED_MSG, "QKVParallelLinear"))
   assert not quiet.filter(record("Reloading and processing weights took %.2f seconds", 0.1))
   assert quiet.filter(record("Following weights were not loaded from checkpoint: %s", {"x"}))
   assert quiet.hidden == {"RotaryEmbedding"}
@@ -313,8 +313,8 @@ def test_layers_without_checkpoint_weights():
       self.norm = torch.nn.LayerNorm(4)
       self.lm_head = Head(self.embed.weight if tied else torch.nn.Parameter(torch.zeros(8, 4)))
 
-  assert vllm_engine.layers_without_checkpoint_weights(Model(tied=True)) == {"Rotary", "Head"}
-  assert vllm_engine.layers_without_checkpoint_weights(Model(tied=False)) == {"Rotary"}
+  assert vllm_worker.layers_without_checkpoint_weights(Model(tied=True)) == {"Rotary", "Head"}
+  assert vllm_worker.layers_without_checkpoint_weights(Model(tied=False)) == {"Rotary"}
 
 
 def test_public_views_step_callback_and_ignore_eos(engine):
