@@ -1,4 +1,4 @@
-"""experiments/bench_peers.py without its peers: the prompt ids TRL and Tunix
+"""experiments/bench/bench_peers.py without its peers: the prompt ids TRL and Tunix
 are given, and the report. Neither TRL nor Tunix is needed (CI has neither);
 the tokenizer calls below are the ones their trainers make."""
 

@@ -112,7 +112,7 @@ def test_the_installed_versions_are_the_pinned_ones():
   assert not drift, "installed versions differ from constraints.txt: " + ", ".join(drift)
 
 
-# Extras no install file takes: experiments/bench_peers.py's peer (TRL).
+# Extras no install file takes: experiments/bench/bench_peers.py's peer (TRL).
 NOT_IN_CI = {"peers"}
 
 
