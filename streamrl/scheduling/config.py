@@ -32,6 +32,10 @@ class Scheduler:
   ranker_config: str = "configs/ranker.py:tiny"
   ranker_checkpoint: str = ""
   length_history: int = 1024
+  # Each prompt's newest response lengths kept (by prompt id, for the run, in
+  # its checkpoints): a prompt seen in an earlier epoch is predicted mostly
+  # from them (streamrl/scheduling/lengths.py); 0: the ranker alone.
+  prompt_lengths: int = 8
   # Where the skew scheduler's ranker predicts and refreshes when the
   # generators are Ray actors: "generators" (its own process beside them, so
   # the trainer's cores only train) or "trainer" (in the trainer's process).
@@ -62,6 +66,7 @@ class Scheduler:
     one_of("scheduler.objective", self.objective, DISPATCH_OBJECTIVES)
     one_of("scheduler.latency_model", self.latency_model, LATENCY_MODELS)
     positive("scheduler.length_history", self.length_history)
+    positive("scheduler.prompt_lengths", self.prompt_lengths, zero_ok=True)
     one_of("scheduler.ranker_side", self.ranker_side, ("generators", "trainer"))
     one_of("scheduler.sibling_lengths", self.sibling_lengths, ("off", "on"))
     one_of("scheduler.pool", self.pool, POOLS)

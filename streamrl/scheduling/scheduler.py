@@ -7,8 +7,13 @@ instance admits its prompts longest-first (LPT) up to its batch cap. The
 ranker is refreshed online from every round's generations (the policy's
 lengths drift as it learns), and every (prompt, length) pair is appended to
 `<workdir>/length_pairs.jsonl` for offline training
-(`launch/train_ranker.py --config.data.pairs_path=...`). `oracle` uses the
-task's true answer lengths (synthetic tasks only; for experiments).
+(`launch/train_ranker.py --config.data.pairs_path=...`). A prompt seen in
+an earlier epoch is predicted mostly from its own lengths then
+(`scheduler.prompt_lengths`, kept in the run's checkpoints: `get_state`);
+every round logs recall@20 and Spearman of the ranker, that history, the
+finished siblings and their combination (streamrl/scheduling/lengths.py).
+`oracle` uses the task's true answer lengths (synthetic tasks only; for
+experiments).
 """
 
 from __future__ import annotations
@@ -27,7 +32,8 @@ from streamrl.scheduling.config import Scheduler
 from streamrl.data import tasks
 from streamrl.scheduling.request import as_requests
 from streamrl.scheduling import ranker_actor
-from streamrl.scheduling.dispatch import MIN_RANK_HISTORY, rank_quantiles
+from streamrl.scheduling.dispatch import MIN_RANK_HISTORY, calibrated_lengths, rank_quantiles
+from streamrl.scheduling.lengths import LengthHistory, combine, sibling_estimates, source_metrics
 from streamrl.scheduling.latency import LatencyProfile
 from streamrl.scheduling.policy import plan_generation
 from streamrl.scheduling.siblings import LengthHint
@@ -46,6 +52,17 @@ def with_length_hints(requests, groups, lengths) -> list:
       r.with_hint(LengthHint(group=g, prior=total[g] / count[g]))
       for r, g in zip(as_requests(requests), groups)
   ]
+
+
+@dataclasses.dataclass(frozen=True)
+class Planned:
+  """What a request's length sources said when its round was planned."""
+
+  prompt_id: int | None  # its example's prompt id (None: unknown, no history kept)
+  group: int  # its prompt among the round's distinct prompts
+  ranker: float  # the ranker's score (only its order means anything)
+  ranker_tokens: float  # that score as a length: the recent lengths at its rank
+  history: tuple[int, ...]  # its prompt's lengths in earlier epochs
 
 
 def _array(values) -> np.ndarray | None:
@@ -106,6 +123,10 @@ class GenerationScheduler:
     self._adopted = None  # metrics of the newest refresh taken, not yet reported
     self._leaves = None  # that refresh's parameters (a Ray reference), not yet set here
     self.plan_s = 0.0  # how long the last `plan` took
+    # Each prompt's newest lengths (by prompt id), and per request planned and
+    # not yet observed what each source predicted (`Planned`).
+    self.history = LengthHistory(sched.prompt_lengths) if sched.prompt_lengths else None
+    self._planned: collections.OrderedDict = collections.OrderedDict()
     if self.kind == "fifo":
       return
     if sched.latency_profile:
@@ -179,6 +200,7 @@ class GenerationScheduler:
     slot = [index.setdefault(r.prompt, len(index)) for r in requests]
     groups = slot if self.siblings else None  # samples of one prompt form a group
     predicted = true = None
+    recent = _array(self.recent)
     if self.kind == "skew":
       if not self.recent and not self._warned:
         log.warning("No output lengths seen yet: the first round is dispatched FIFO.")
@@ -186,6 +208,7 @@ class GenerationScheduler:
       self._adopt()
       # Each distinct prompt is scored once.
       predicted = np.asarray(self.ranker.predict([list(p) for p in index]))[slot]
+      predicted = self._with_history(requests, examples_by_id, slot, predicted, recent)
     else:
       exs = [examples_by_id[r.id] for r in requests]
       if any(e.task in ("file", "gym") for e in exs):
@@ -206,6 +229,8 @@ class GenerationScheduler:
       self._ranked.move_to_end(r.id)
     while len(self._ranked) > 4 * self.rank_history.maxlen:  # never observed (dropped)
       self._ranked.popitem(last=False)
+    while len(self._planned) > 4 * self.rank_history.maxlen:
+      self._planned.popitem(last=False)
     carried = set(resumed)
     plan = plan_generation(
         self.kind,
@@ -215,7 +240,7 @@ class GenerationScheduler:
         profile=self.profile,
         predicted_lengths=predicted,
         true_lengths=true,
-        recent_lengths=_array(self.recent),
+        recent_lengths=recent,
         alpha=self.alpha,
         objective=self.objective,
         latency_model=self._latency_model(),
@@ -232,6 +257,25 @@ class GenerationScheduler:
       requests = with_length_hints(requests, groups, plan.lengths)
     assignments = [[requests[i] for i in part] for part in plan.assignments]
     return assignments, list(plan.batch_sizes)
+
+  def _with_history(self, requests, examples_by_id, slot, predicted, recent) -> np.ndarray:
+    """The lengths the plan orders by: the ranker's `predicted` scores as they
+    are while no request's prompt has a history (the ranker alone decides),
+    else each request's `lengths.combine` of the ranker's estimate (its rank
+    in the recent lengths) and its prompt's history. Records what each
+    source said, for `observe`'s metrics."""
+    ranker_tokens = predicted if recent is None else calibrated_lengths(predicted, recent)
+    seen = []
+    for r in requests:
+      ex = examples_by_id.get(r.id) if self.history is not None else None
+      pid = None if ex is None else ex.prompt_id
+      seen.append((pid, self.history.get(pid) if pid is not None else ()))
+    for r, g, score, tokens, (pid, hist) in zip(requests, slot, predicted, ranker_tokens, seen):
+      self._planned[r.id] = Planned(pid, g, float(score), float(tokens), hist)
+      self._planned.move_to_end(r.id)
+    if not any(hist for _, hist in seen):
+      return predicted
+    return np.asarray([combine(t, hist) for t, (_, hist) in zip(ranker_tokens, seen)])
 
   def _latency_model(self) -> str:
     """The configured model; "paper" while "simulate" lacks the rank history
@@ -252,6 +296,7 @@ class GenerationScheduler:
 
   def _observe(self, samples) -> dict:
     new = [(list(s.prompt_token_ids), len(s.token_ids)) for s in samples]
+    out = self._source_metrics(samples, [n for _, n in new])
     self.recent.extend(n for _, n in new)
     for sample, (_, n) in zip(samples, new):
       q = self._ranked.pop(sample.prompt_id, None)
@@ -268,13 +313,49 @@ class GenerationScheduler:
       self._refreshes.append(tuple(self._actor.update.remote(new)))
       self._take()
       metrics, self._adopted = self._adopted, None
-      if metrics is None:
-        return {}
-    elif self.ranker is None:
-      return {}
-    else:
+    elif self.ranker is not None:
       metrics = self.ranker.update(list(self.pairs))
-    return {f"ranker/{k}": float(v) for k, v in metrics.items() if np.isscalar(v)}
+    else:
+      metrics = None
+    out.update({k: float(v) for k, v in (metrics or {}).items() if np.isscalar(v)})
+    return {f"ranker/{k}": v for k, v in out.items()}
+
+  def _source_metrics(self, samples, lengths) -> dict:
+    """Each length source's recall@20 and Spearman on the samples planned
+    by `_with_history` (`lengths.source_metrics`); each sample's length then
+    joins its prompt's history."""
+    planned = [self._planned.pop(s.prompt_id, None) for s in samples]
+    known = [(p, n) for p, n in zip(planned, lengths) if p is not None]
+    if not known:
+      return {}
+    siblings = sibling_estimates([p.group for p, _ in known], [n for _, n in known])
+    mean = lambda xs: float(np.mean(xs)) if xs else None
+    out = source_metrics(
+        {
+            "ranker": [p.ranker for p, _ in known],
+            "history": [mean(p.history) for p, _ in known],
+            "siblings": [mean(sib) for sib in siblings],
+            "combined": [
+                combine(p.ranker_tokens, p.history, sib) for (p, _), sib in zip(known, siblings)
+            ],
+        },
+        [n for _, n in known],
+    )
+    if self.history is not None:
+      for p, n in known:
+        if p.prompt_id is not None:
+          self.history.add(p.prompt_id, n)
+    return out
+
+  def get_state(self) -> dict:
+    """What a checkpoint keeps of the scheduler: each prompt's newest
+    lengths (JSON-serialisable; `set_state` restores it)."""
+    return {} if self.history is None else {"prompt_lengths": self.history.get_state()}
+
+  def set_state(self, state: dict | None) -> None:
+    """Takes `get_state()` of a checkpoint (None or {}: nothing kept)."""
+    if self.history is not None and state and "prompt_lengths" in state:
+      self.history.set_state(state["prompt_lengths"])
 
   def _take(self) -> None:
     """Takes the actor's newest refresh done by now: its metrics wait in
