@@ -29,6 +29,7 @@ requests whose group had a finished sample).
 from __future__ import annotations
 
 import collections
+import threading
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 
 import numpy as np
@@ -66,6 +67,8 @@ class LengthHistory:
     self.per_prompt = int(per_prompt)
     self.max_prompts = int(max_prompts)
     self._lengths: collections.OrderedDict[int, collections.deque] = collections.OrderedDict()
+    # An async run's generation thread adds while the trainer's saves a checkpoint.
+    self._lock = threading.Lock()
 
   def __len__(self) -> int:
     return len(self._lengths)
@@ -79,25 +82,26 @@ class LengthHistory:
 
   def add(self, prompt_id: int, length: int) -> None:
     key = int(prompt_id)
-    lengths = self._lengths.get(key)
-    if lengths is None:
-      lengths = self._lengths[key] = collections.deque(maxlen=self.per_prompt)
-    self._lengths.move_to_end(key)
-    lengths.append(int(length))
-    while len(self._lengths) > self.max_prompts:
-      self._lengths.popitem(last=False)
+    with self._lock:
+      lengths = self._lengths.get(key)
+      if lengths is None:
+        lengths = self._lengths[key] = collections.deque(maxlen=self.per_prompt)
+      self._lengths.move_to_end(key)
+      lengths.append(int(length))
+      while len(self._lengths) > self.max_prompts:
+        self._lengths.popitem(last=False)
 
   def get_state(self) -> dict:
     """JSON-serialisable contents; `set_state` restores them."""
-    return {
-        "per_prompt": self.per_prompt,
-        "lengths": [[k, list(v)] for k, v in self._lengths.items()],
-    }
+    with self._lock:
+      lengths = [[k, list(v)] for k, v in self._lengths.items()]
+    return {"per_prompt": self.per_prompt, "lengths": lengths}
 
   def set_state(self, state: Mapping) -> None:
     """Takes `get_state()`'s contents (kept within this history's bounds:
     the newest lengths of the most recently seen prompts)."""
-    self._lengths.clear()
+    with self._lock:
+      self._lengths.clear()
     for key, lengths in state["lengths"]:
       for n in lengths:
         self.add(key, n)
