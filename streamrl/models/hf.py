@@ -221,8 +221,11 @@ def to_hf_tensors(model: Transformer, dtype="float32") -> dict[str, np.ndarray]:
   return dict(HFTensors(model, dtype))
 
 
-def from_hf_tensors(cfg: ModelConfig, tensors: Mapping[str, np.ndarray]) -> Transformer:
-  """{HF name: array} -> a Flax policy with exactly those weights."""
+def from_hf_tensors(
+    cfg: ModelConfig, tensors: Mapping[str, np.ndarray], dtype=np.float32
+) -> Transformer:
+  """{HF name: array} -> a Flax policy with exactly those weights, in `dtype`
+  (None: each as the checkpoint stores it)."""
   abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
   graphdef, state = nnx.split(abstract)
   expected = nnx.to_pure_dict(state)
@@ -233,7 +236,7 @@ def from_hf_tensors(cfg: ModelConfig, tensors: Mapping[str, np.ndarray]) -> Tran
           f"Checkpoint is missing {e.hf_name!r}; it does not look like a "
           f"{cfg.family} checkpoint with this config.json."
       )
-    value = np.asarray(e.from_hf(np.asarray(tensors[e.hf_name])), dtype=np.float32)
+    value = np.asarray(e.from_hf(np.asarray(tensors[e.hf_name])), dtype=dtype)
     want = _get(expected, e.path).shape
     if value.shape != want:
       raise UserError(
@@ -451,8 +454,10 @@ def load_hf_tensors(model_dir: str) -> dict[str, np.ndarray]:
   return tensors
 
 
-def load_hf(model_dir: str) -> tuple[ModelConfig, Transformer]:
-  """Loads any local Qwen2 / Qwen3 / Llama / Mistral HF checkpoint directory into Flax."""
+def load_hf(model_dir: str, dtype=np.float32) -> tuple[ModelConfig, Transformer]:
+  """Loads any local Qwen2 / Qwen3 / Llama / Mistral HF checkpoint directory into Flax,
+  its weights in `dtype` (None: as stored, e.g. a frozen LoRA base that needs no fp32
+  copy)."""
   cfg = read_config(model_dir)
   tensors = load_hf_tensors(model_dir)
   if (
@@ -464,7 +469,7 @@ def load_hf(model_dir: str) -> tuple[ModelConfig, Transformer]:
         f"{model_dir!r} says tie_word_embeddings but has a separate "
         "lm_head.weight; fix config.json."
     )
-  return cfg, from_hf_tensors(cfg, tensors)
+  return cfg, from_hf_tensors(cfg, tensors, dtype)
 
 
 def save_hf(

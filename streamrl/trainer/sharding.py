@@ -101,11 +101,17 @@ def state_shardings(state: nnx.State, mesh: Mesh, rules=DEFAULT_RULES):
 
 
 def shard_module(module: nnx.Module, mesh: Mesh, rules=DEFAULT_RULES) -> nnx.Module:
-  """Places a module's variables on the mesh according to their logical axes."""
-  graphdef, state = nnx.split(module)
-  shardings = state_shardings(state, mesh, rules)
-  state = jax.device_put(state, shardings)
-  return nnx.merge(graphdef, state)
+  """Places a module's variables on the mesh according to their logical axes.
+
+  In place, one variable at a time: each variable's host array is dropped as
+  soon as its placed copy exists, so placing a loaded checkpoint holds one
+  whole copy of the weights plus one tensor, never two whole copies (the
+  caller must hold no other reference to the arrays). Returns `module`."""
+  shardings = dict(nnx.to_flat_state(state_shardings(nnx.state(module), mesh, rules)))
+  for path, var in nnx.iter_graph(module):
+    if isinstance(var, nnx.Variable) and path in shardings:
+      var.value = jax.device_put(var.value, shardings[path].value)
+  return module
 
 
 def init_sharded(build, mesh: Mesh, *args, rules=DEFAULT_RULES) -> nnx.Module:

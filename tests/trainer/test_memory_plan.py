@@ -136,3 +136,14 @@ def test_remat_auto_is_resolved_before_the_trainer_is_built():
   assert memory_plan.resolve_remat(s, cfg).trainer.remat == "none"
   chosen = s.replace(trainer=dataclasses.replace(s.trainer, remat="dots"))
   assert memory_plan.resolve_remat(chosen, cfg).trainer.remat == "dots"
+
+
+def test_measured_memory_counts_the_live_arrays_and_the_process():
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+
+  before = memory_plan.measured()
+  x = jnp.ones((64, 2**20), jnp.float32)  # 0.25 GiB
+  after = memory_plan.measured()
+  assert after["memory/live_arrays_gb"] - before["memory/live_arrays_gb"] == pytest.approx(0.25)
+  assert after["memory/peak_rss_gb"] >= after["memory/rss_gb"] > 0.25
+  del x
