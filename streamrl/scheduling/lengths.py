@@ -107,6 +107,20 @@ class LengthHistory:
         self.add(key, n)
 
 
+def rank_lengths(scores: Sequence[float], recent: np.ndarray) -> np.ndarray:
+  """[P] each score read as a length: the `recent` lengths' quantile at its
+  rank (the highest score gets quantile 1 - 0.5 / P, the lowest 0.5 / P; ties
+  keep input order), linearly interpolated between the sorted lengths as
+  `dispatch.calibrated_lengths` does, here from one sort."""
+  scores = np.asarray(scores, dtype=np.float64).reshape(-1)
+  lengths = np.sort(np.asarray(recent, dtype=np.float64).reshape(-1))
+  p, n = scores.size, lengths.size
+  out = np.empty(p)
+  q = 1.0 - (np.arange(p) + 0.5) / max(p, 1)
+  out[np.argsort(-scores, kind="stable")] = np.interp(q * (n - 1), np.arange(n), lengths)
+  return out
+
+
 def sibling_estimates(groups: Sequence[Hashable], lengths: Sequence[float]) -> list[tuple]:
   """Per request, in the order the requests finished: the lengths of its
   group's requests that finished before it."""

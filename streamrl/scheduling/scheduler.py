@@ -24,6 +24,7 @@ import itertools
 import logging
 import os
 import time
+import typing
 
 import numpy as np
 
@@ -32,8 +33,14 @@ from streamrl.scheduling.config import Scheduler
 from streamrl.data import tasks
 from streamrl.scheduling.request import as_requests
 from streamrl.scheduling import ranker_actor
-from streamrl.scheduling.dispatch import MIN_RANK_HISTORY, calibrated_lengths, rank_quantiles
-from streamrl.scheduling.lengths import LengthHistory, combine, sibling_estimates, source_metrics
+from streamrl.scheduling.dispatch import MIN_RANK_HISTORY, rank_quantiles
+from streamrl.scheduling.lengths import (
+    LengthHistory,
+    combine,
+    rank_lengths,
+    sibling_estimates,
+    source_metrics,
+)
 from streamrl.scheduling.latency import LatencyProfile
 from streamrl.scheduling.policy import plan_generation
 from streamrl.scheduling.siblings import LengthHint
@@ -54,8 +61,7 @@ def with_length_hints(requests, groups, lengths) -> list:
   ]
 
 
-@dataclasses.dataclass(frozen=True)
-class Planned:
+class Planned(typing.NamedTuple):
   """What a request's length sources said when its round was planned."""
 
   prompt_id: int | None  # its example's prompt id (None: unknown, no history kept)
@@ -264,14 +270,16 @@ class GenerationScheduler:
     else each request's `lengths.combine` of the ranker's estimate (its rank
     in the recent lengths) and its prompt's history. Records what each
     source said, for `observe`'s metrics."""
-    ranker_tokens = predicted if recent is None else calibrated_lengths(predicted, recent)
+    ranker_tokens = predicted if recent is None else rank_lengths(predicted, recent)
     seen = []
     for r in requests:
       ex = examples_by_id.get(r.id) if self.history is not None else None
       pid = None if ex is None else ex.prompt_id
       seen.append((pid, self.history.get(pid) if pid is not None else ()))
-    for r, g, score, tokens, (pid, hist) in zip(requests, slot, predicted, ranker_tokens, seen):
-      self._planned[r.id] = Planned(pid, g, float(score), float(tokens), hist)
+    for r, g, score, tokens, (pid, hist) in zip(
+        requests, slot, predicted.tolist(), ranker_tokens.tolist(), seen
+    ):
+      self._planned[r.id] = Planned(pid, g, score, tokens, hist)
       self._planned.move_to_end(r.id)
     if not any(hist for _, hist in seen):
       return predicted

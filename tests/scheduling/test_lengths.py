@@ -15,6 +15,7 @@ from streamrl.scheduling.lengths import (
     MIN_METRIC_REQUESTS,
     LengthHistory,
     combine,
+    rank_lengths,
     sibling_estimates,
     source_metrics,
 )
@@ -53,6 +54,18 @@ def test_the_history_restores_from_its_json_state_within_its_own_bounds():
   small = LengthHistory(per_prompt=1, max_prompts=2)
   small.set_state(state)
   assert [small.get(k) for k in range(5)] == [(), (), (), (118,), (119,)]
+
+
+def test_rank_lengths_read_scores_as_the_recent_lengths_at_their_rank():
+  from streamrl.scheduling.dispatch import calibrated_lengths
+
+  rng = np.random.default_rng(0)
+  for p in (1, 7, 128):
+    scores = np.round(rng.normal(size=p), 1)  # ties too
+    recent = rng.geometric(1 / 50, size=int(rng.integers(1, 2000))).astype(float)
+    np.testing.assert_allclose(
+        rank_lengths(scores, recent), calibrated_lengths(scores, recent), rtol=1e-12
+    )
 
 
 def test_sibling_estimates_are_the_lengths_of_the_group_finished_before():
