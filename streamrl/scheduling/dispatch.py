@@ -223,20 +223,14 @@ def _balance(
 def continuous_batching_time(
     lengths: Sequence[float], max_in_flight: int, profile: LatencyProfile
 ) -> float:
-  """Decode time of one instance doing continuous batching, in seconds.
+  """Seconds until one instance doing continuous batching finishes `lengths`
+  ([M] output lengths in admission order; 0 for none).
 
-  Requests are admitted in the given order, at most `max_in_flight` at once,
-  a new one whenever one finishes; while n requests run every decode step
-  takes PTL(n), plus `profile.context_s_per_token` for every token the
+  Requests are admitted in the given order, at most `max_in_flight` (>= 1) at
+  once, a new one whenever one finishes; while n requests run every decode
+  step takes PTL(n), plus `profile.context_s_per_token` for every token the
   running requests have generated so far (their context; prompts are left
   out). Prefill is ignored (small next to decoding long outputs).
-
-  Args:
-    lengths: [M] output lengths in admission order.
-    max_in_flight: the cap (>= 1).
-    profile: PTL curve (and context cost).
-  Returns:
-    Time until the last request finishes; 0 for no requests.
   """
   return float(
       continuous_batching_times(np.asarray(lengths, np.float64)[None], max_in_flight, profile)[0]
