@@ -161,9 +161,9 @@ def bench_throughput(model_dir: str, vocab_size: int):
   )
   _CLOSERS.append(gen.close)
   print(f"[bench] ours engine up in {time.perf_counter() - t0:.1f}s", flush=True)
-  # GeneratorInstance has set VLLM_CPU_KVCACHE_SPACE=1 (GiB); the plain engine
-  # reads the same value. The scheduler settings GeneratorInstance picks
-  # (chunked prefill off on CPU, its token budget) are copied from it.
+  # The same 1 GiB KV cache as GeneratorInstance's. The scheduler settings
+  # GeneratorInstance picks (chunked prefill off on CPU, its token budget) are
+  # copied from it.
   sched = gen.scheduler_limits()
   t0 = time.perf_counter()
   llm = LLM(
@@ -173,6 +173,7 @@ def bench_throughput(model_dir: str, vocab_size: int):
       max_num_seqs=_MAX_NUM_SEQS.value,
       max_model_len=_MAX_MODEL_LEN.value,
       enforce_eager=True,
+      kv_cache_memory_bytes=2**30,
       enable_prefix_caching=True,
       enable_chunked_prefill=sched.chunked_prefill,
       max_num_batched_tokens=sched.max_num_batched_tokens,

@@ -16,19 +16,27 @@ This package's own names load configs; `settings` is imported as a module
 settings.
 """
 
-from streamrl.config.files import REPO_ROOT, find_config_file, load_config, resolve_paths
-from streamrl.config.overrides import apply_overrides, renamed
-from streamrl.config.sweeps import check_run_names, expand_sweep, load_sweep, run_name
+import importlib
 
-__all__ = [
-    "REPO_ROOT",
-    "apply_overrides",
-    "check_run_names",
-    "expand_sweep",
-    "find_config_file",
-    "load_config",
-    "load_sweep",
-    "renamed",
-    "resolve_paths",
-    "run_name",
-]
+# Loaded on first use (PEP 562): every part's settings import `checks` from here,
+# and loading configs needs ml_collections, which a trainer-only process (the
+# GPU checks) does without.
+_OWNERS = {
+    "REPO_ROOT": "files",
+    "find_config_file": "files",
+    "load_config": "files",
+    "resolve_paths": "files",
+    "apply_overrides": "overrides",
+    "renamed": "overrides",
+    "check_run_names": "sweeps",
+    "expand_sweep": "sweeps",
+    "load_sweep": "sweeps",
+    "run_name": "sweeps",
+}
+__all__ = sorted(_OWNERS)
+
+
+def __getattr__(name: str):
+  if name not in _OWNERS:
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+  return getattr(importlib.import_module(f"{__name__}.{_OWNERS[name]}"), name)

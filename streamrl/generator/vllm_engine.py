@@ -162,9 +162,11 @@ class GeneratorInstance:
     self.model_config = check_model_dir(model_dir, on_cpu=on_cpu)
     memory = {}
     if on_cpu:
-      # Read by the CPU backend when the engine starts; without it the engine
-      # reserves a fraction of all RAM.
-      os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, int(np.ceil(kv_cache_gib))))
+      # The KV cache in bytes, as asked (vLLM's VLLM_CPU_KVCACHE_SPACE takes whole
+      # GiB only and would override this, so it is cleared); without a size the
+      # engine reserves a fraction of all RAM.
+      os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+      memory["kv_cache_memory_bytes"] = int(kv_cache_gib * 2**30)
     else:
       # On a GPU the KV cache takes what this fraction of the GPU's memory
       # leaves after the weights. (On CPU vLLM reads it as a fraction of RAM
