@@ -22,7 +22,7 @@ bf16) runs on one core, the trainer on the other, one weight version apart
 The settings were chosen with the memory plan the run logs at start (the
 trainer's log in <workdir>), so that both variants plan within the goals of a
 24 GB machine (full within 16 GB, LoRA within 8 GB, all processes). What the
-runs measured with experiments/bench_real_model.py on a Qwen2.5-0.5B-shaped
+runs measured with experiments/bench/bench_real_model.py on a Qwen2.5-0.5B-shaped
 checkpoint (peak memory of all processes, time per iteration by phase) is in
 experiments/RESULTS.md; the measured peak is above the plan.
 """

@@ -58,7 +58,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.pipeline.mode = "async"
   c.scheduler.kind = "skew"
   # Continuous batching replayed per instance: on this workload it beats the
-  # paper's wave formula (experiments/bench_skew.py, experiments/RESULTS.md).
+  # paper's wave formula (experiments/bench/bench_skew.py, experiments/RESULTS.md).
   c.scheduler.latency_model = "simulate"
   # Partial rollouts in async mode (streamrl/pipeline/partial.py): a round
   # stops once enough groups finished and the long tail resumes next round

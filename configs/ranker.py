@@ -13,7 +13,7 @@ recall10 = 0.99, recall5 = 1.00, spearman = 0.995 with loss=mse (pairwise: the
 same recalls, spearman 0.91; both: spearman 0.995). A random ranker gets recall
 ≈ the fraction itself and spearman ≈ 0; "longer prompt = longer answer" gets
 recall20 = 0.78, spearman = 0.94. `:tiny` (300 steps, ~1 min): recall20 ≈ 0.99.
-On real generations of a warmed-up tiny policy (experiments/bench_skew.py)
+On real generations of a warmed-up tiny policy (experiments/bench/bench_skew.py)
 recall20 = 0.98, recall10 = 0.86-0.88, recall5 = 0.62, spearman = 0.97-0.985
 for all three losses. Metrics go to TensorBoard under <workdir>/tb;
 checkpoints to <workdir>/checkpoints.

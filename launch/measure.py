@@ -74,7 +74,7 @@ def profile_batch_sizes(max_num_seqs: int, cap: int) -> list[int]:
 
 def measure_generator(engine, e, prompt_len: int, reps: int):
   """PTL(BS) and prefill cost of `engine` (engine settings `e`), decode lengths
-  fitting engine.max_model_len, as experiments/calibrate_sim.py chooses them."""
+  fitting engine.max_model_len, as experiments/sim/calibrate_sim.py chooses them."""
   from streamrl.generator.profiler import profile_instance  # pylint: disable=g-import-not-at-top
 
   prompt_len = max(1, min(prompt_len, e.max_model_len // 2))

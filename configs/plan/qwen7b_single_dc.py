@@ -38,7 +38,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.pool = "fixed"
   c.migrate = False
   c.top_k = 5
-  # Fitted by experiments/reproduce_paper.py on the paper's 7B cells (MFU) and
+  # Fitted by experiments/sim/reproduce_paper.py on the paper's 7B cells (MFU) and
   # Table 4 (ranker recall); see its report.
   c.calibration = ml_collections.ConfigDict(
       dict(

@@ -40,7 +40,7 @@ def replay(profile: dict, b: dict, cap: int, cores: int | None = None) -> float:
 
 
 def with_request_cost(costs: dict, alone: dict, cap: int) -> tuple[dict, float, float]:
-  """The PTL profile plus a per-request cost, as experiments/calibrate_sim.py
+  """The PTL profile plus a per-request cost, as experiments/sim/calibrate_sim.py
   derives it: the profile's two-length slope cancels whatever does not scale
   with decode steps (request set-up, the first step, output processing, the
   sample's trip through Ray to the trainer), so each one-instance

@@ -1,4 +1,4 @@
-"""Simulating the paper's experiments: the cells behind experiments/reproduce_paper.py.
+"""Simulating the paper's experiments: the cells behind experiments/sim/reproduce_paper.py.
 
 The paper's setups (models, GPU counts, output lengths) run through the
 simulator in streamrl/sim. The reference numbers come from

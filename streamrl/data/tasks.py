@@ -38,11 +38,11 @@ verifier reads only what follows the last `#` (`final_answer`). The warm-up
 teaches the policy the trace distribution; RL may then lengthen or shorten
 it (with the tiny policy it shortens it: longer traces are answered less
 accurately). With the defaults, output lengths have p99/p50 above 8 and the
-longest run past 256 tokens (`experiments/workload_stats.py` measures them).
+longest run past 256 tokens (`experiments/diag/workload_stats.py` measures them).
 
 Why filler and not a copy of the input: the tiny policy copies a string of
 more than a few characters badly, so copied passes turned into garbage that
-ran on (`experiments/workload_stats.py` on the warm-started policy with
+ran on (`experiments/diag/workload_stats.py` on the warm-started policy with
 copied passes: 2.2 % of samples hit the 320-token limit, and the longest
 quarter of samples was right 0.4 % of the time).
 """

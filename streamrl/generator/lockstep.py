@@ -1,7 +1,7 @@
 """Generator instances run concurrently in one process, on a CPU-time clock.
 
 For benchmarks of generation scheduling on a machine with fewer cores than
-instances (experiments/bench_skew.py). Each `GeneratorInstance` runs in its
+instances (experiments/bench/bench_skew.py). Each `GeneratorInstance` runs in its
 own thread, but only one thread runs at a time: before every engine step
 the instance hands the turn to whichever instance with work has the
 smallest clock, and its own clock advances by the CPU time its thread used
