@@ -100,6 +100,10 @@ class RankerTrainer:
     self.workdir = workdir
     self.step = 0
     self._buckets = _buckets(config)
+    # Prediction also pads to half the smallest bucket: prompts are often
+    # much shorter than it, and the scorer's time grows with the padded length.
+    half = self._buckets[0] // 2
+    self._predict_buckets = ((half,) if half >= 8 else ()) + self._buckets
     m = config.model
     build = lambda key: LengthRanker(
         self.vocab_size,
@@ -145,13 +149,16 @@ class RankerTrainer:
     return jax.jit(train_step, donate_argnums=(0, 1))
 
   def _pad(
-      self, prompts: Sequence[Sequence[int]], rows: int | None = None
+      self, prompts: Sequence[Sequence[int]], rows: int | None = None, buckets=None
   ) -> tuple[np.ndarray, np.ndarray]:
-    """[rows, bucket] int32 tokens and bool mask; prompts longer than max_len keep their head."""
-    max_len = self._buckets[-1]
+    """[rows, bucket] int32 tokens and bool mask, bucket the smallest of
+    `buckets` (default: the training ones) that fits; prompts longer than
+    max_len keep their head."""
+    buckets = buckets or self._buckets
+    max_len = buckets[-1]
     lens = [min(len(p), max_len) for p in prompts]
     need = max(lens, default=1)
-    bucket = next(b for b in self._buckets if b >= need)
+    bucket = next(b for b in buckets if b >= need)
     rows = len(prompts) if rows is None else rows
     tokens = np.zeros((rows, bucket), np.int32)
     mask = np.zeros((rows, bucket), bool)
@@ -243,8 +250,8 @@ class RankerTrainer:
     (experiments/bench_modes.py)."""
     bsz, batch = int(self.config.batch_size), int(self.config.predict_batch)
     ones = np.ones((bsz,), np.float32)
-    for b in self._buckets:
-      if train:
+    for b in self._predict_buckets:
+      if train and b in self._buckets:
         params, opt_state = jax.tree.map(jnp.copy, (self.params, self.opt_state))
         out = self._train_step(
             params, opt_state, np.zeros((bsz, b), np.int32), np.ones((bsz, b), bool), ones, ones
@@ -307,7 +314,9 @@ class RankerTrainer:
     s = 0
     for rows in _row_chunks(n, int(self.config.predict_batch)):  # A few row counts per bucket.
       part = by_len[s : s + rows]
-      tokens, mask = self._pad([prompt_ids_list[i] for i in part], rows=rows)
+      tokens, mask = self._pad(
+          [prompt_ids_list[i] for i in part], rows=rows, buckets=self._predict_buckets
+      )
       outs.append((part, self._score(self.params, tokens, mask)))  # dispatched, not waited for
       s += len(part)
     for part, out in outs:

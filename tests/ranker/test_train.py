@@ -120,8 +120,9 @@ def test_compile_all_leaves_the_ranker_as_it_was_and_nothing_to_compile():
   assert trainer.step == 0
   np.testing.assert_array_equal(trainer.predict([p for p, _ in pairs]), before)
   compiled = (trainer._train_step._cache_size(), trainer._score._cache_size())
-  # One train program per bucket, a scorer per bucket and row count.
-  assert compiled == (2, 2 * len(ranker_train._row_sizes(int(c.predict_batch))))
+  # One train program per bucket, a scorer per bucket (and half the smallest) and row count.
+  assert trainer._predict_buckets == (8, 16, 32)
+  assert compiled == (2, 3 * len(ranker_train._row_sizes(int(c.predict_batch))))
   trainer.update(pairs)
   trainer.predict([p[:10] for p, _ in pairs])  # the short bucket too
   assert (trainer._train_step._cache_size(), trainer._score._cache_size()) == compiled
