@@ -175,7 +175,7 @@ def main(argv):
   metrics.configure_logging(workdir)
   s = settings.from_config(_CONFIG.value)
   # Before vLLM is imported: a CPU engine runs its engine core in this
-  # process, as a generator actor runs it (streamrl/generator/service.py).
+  # process, as a generator actor runs it (streamrl/generator/actor.py).
   in_process = s.engine.in_process and not s.engine.gpus_per_instance
   os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
   if s.engine.gpus_per_instance:

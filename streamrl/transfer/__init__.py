@@ -40,7 +40,7 @@ deadline and a bounded share of a node's connections (wire.py, node.py).
 Host path (what runs here): the trainer's lazy export is written once into a
 /dev/shm file, every host receives it once (same host: nothing; other hosts:
 one TCP stream into a staging file), and the engines load that file in
-place (``generator.vllm_engine.WorkerExtension``).
+place (``generator.vllm_worker.WorkerExtension``).
 
 GPU plug point (not built: nothing here can run it). vLLM has a pluggable
 weight-transfer API (``vllm/distributed/weight_transfer/``: the worker's

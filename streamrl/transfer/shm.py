@@ -6,7 +6,7 @@ loads. The sender's payloads (shared memory on) and a receiver's staging buffers
 shared-memory files in /dev/shm (created through multiprocessing's
 SharedMemory, so the resource tracker unlinks them if their process dies);
 ``VersionTensors.path`` names the file, and every engine on that host loads
-that one file (``vllm_engine.WorkerExtension`` reads it zero-copy). Same-host
+that one file (``vllm_worker.WorkerExtension`` reads it zero-copy). Same-host
 receivers map a sender's file read-only instead of receiving a copy. Without
 /dev/shm, buffers are private memory (no path).
 
