@@ -40,13 +40,13 @@ _MERGE_LORA = flags.DEFINE_bool(
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments {argv[1:]}; flags look like --name=value.")
-  from streamrl import train  # pylint: disable=g-import-not-at-top
+  from streamrl.trainer import export  # pylint: disable=g-import-not-at-top
 
   workdir = _WORKDIR.value
-  train.read_settings(workdir)  # A missing workdir fails before a log file is made there.
+  export.read_settings(workdir)  # A missing workdir fails before a log file is made there.
   # A read-only workdir (someone else's run) still exports; Orbax then logs here.
   metrics.configure_logging(workdir if os.access(workdir, os.W_OK) else None)
-  step = train.export_checkpoint(
+  step = export.export_checkpoint(
       workdir,
       _OUT.value,
       step=_STEP.value,

@@ -34,7 +34,7 @@ from streamrl import metrics
 from streamrl import oom
 from streamrl.config import settings as settings_lib
 from streamrl import train
-from streamrl.trainer import multihost, protocol
+from streamrl.trainer import follower as follower_lib, multihost, protocol, setup
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ def run(config, workdir: str) -> dict:
   disaggregated = s.pipeline.mode != "colocated"
   if disaggregated and s.cluster.trainer_actor:
     # Refuse an incompatible workdir here too, before Ray or an actor starts.
-    train.open_checkpoints(s, workdir).close()
+    setup.open_checkpoints(s, workdir).close()
     return run_on_actor(s, workdir)
   if not disaggregated:
     share_gpu_memory(s.engine, os.environ)
@@ -177,7 +177,7 @@ class TrainerActor:
 
   def follow(self, s: settings_lib.Settings, workdir: str, commands, reply) -> None:
     self.open_log(workdir)
-    train.follow(s, workdir, commands, reply)
+    follower_lib.follow(s, workdir, commands, reply)
 
 
 def _redirect_output(path: str) -> None:
@@ -414,7 +414,7 @@ def record_plan(path: str, workdir: str, config) -> settings_lib.Settings:
   a workdir whose checkpoints another config wrote (nothing is written then),
   copies the plan file to <workdir>/plan.json and returns the run's Settings."""
   s = settings_lib.from_config(config)
-  train.open_checkpoints(s, workdir).close()
+  setup.open_checkpoints(s, workdir).close()
   dst = os.path.join(workdir, "plan.json")
   if not (os.path.exists(dst) and os.path.samefile(path, dst)):
     shutil.copyfile(path, dst)

@@ -7,8 +7,8 @@ API a real run uses (`streamrl/train.py`): a fresh `RLTrainer.from_settings`
 per arm (equal settings share the jitted update step, so a second trainer
 compiles nothing), the rollout of a mode (`LocalRollout` in this process for
 colocated, a `StreamGenerationService` on the local Ray otherwise), the mode
-itself (`train.setup_mode`: generation scheduler + `pipeline.make_mode`) and
-its `rounds(it)` (`train.make_rounds`). `train_alone` is the trainer's side
+itself (`pipeline.make_mode`, with its generation scheduler) and
+its `rounds(it)` (`pipeline.make_rounds`). `train_alone` is the trainer's side
 of `train.train_iteration` on given samples, timed in parts.
 """
 
@@ -104,15 +104,15 @@ class Workload:
   """Settings, examples, policy directory, tokenizer; builds the run's parts."""
 
   def __init__(self, s, workdir: str):
-    from streamrl import train  # pylint: disable=g-import-not-at-top
+    from streamrl.trainer import setup  # pylint: disable=g-import-not-at-top
 
     self.s = s
     self.workdir = workdir
-    self.train_examples, _ = train.load_examples(s)
+    self.train_examples, _ = setup.load_examples(s)
     t0 = now()
-    self.model_dir = train.policy_dir(s, workdir, self.train_examples)
+    self.model_dir = setup.policy_dir(s, workdir, self.train_examples)
     print(f"policy: {self.model_dir} ({now() - t0:.0f} s)", flush=True)
-    self.tokenizer = train.make_tokenizer(self.s, self.model_dir)
+    self.tokenizer = setup.make_tokenizer(self.s, self.model_dir)
     self._local = None
     self._cluster = None
 
@@ -134,9 +134,9 @@ class Workload:
     return make_requests(examples, self.tokenizer, self.s.advantage.group_size)
 
   def rewarder(self):
-    from streamrl import train  # pylint: disable=g-import-not-at-top
+    from streamrl.trainer import setup  # pylint: disable=g-import-not-at-top
 
-    return train.make_rewarder(self.s, self.tokenizer)
+    return setup.make_rewarder(self.s, self.tokenizer)
 
   # --------------------------------------------------------------- trainer
   def trainer(self, s):
@@ -217,14 +217,14 @@ class Workload:
   def mode(self, s, rollout, loader):
     """The mode of `s` over `rollout` (fifo/skew scheduler as configured),
     taking its prompt batches from `loader`."""
-    from streamrl import train  # pylint: disable=g-import-not-at-top
+    from streamrl import pipeline  # pylint: disable=g-import-not-at-top
 
-    return train.setup_mode(
+    return pipeline.make_mode(
         s,
         rollout,
         model_dir=self.model_dir,
         workdir=None,
-        rounds=train.make_rounds(loader, self.tokenizer, s.advantage.group_size),
+        rounds=pipeline.make_rounds(loader, self.tokenizer, s.advantage.group_size),
     )
 
 

@@ -8,10 +8,9 @@ import jax
 import numpy as np
 import pytest
 
-from streamrl import train
 from streamrl import config as config_lib
 from streamrl.config import settings
-from streamrl.trainer import sharding
+from streamrl.trainer import setup, sharding
 
 pytestmark = [pytest.mark.unit]
 
@@ -96,7 +95,7 @@ def test_the_run_configs_are_streamrl_and_the_baseline_differs_only_in_how_it_ru
   assert s.partial_rollouts  # the long tail resumes next round
   assert s.task.kind == "trace" and s.trainer.micro_batch_size < s.trainer.mini_batch_size
   # The warm-up's traces leave the sampled policy headroom before the limit.
-  budget = train.trace_config(s).max_tokens
+  budget = setup.trace_config(s).max_tokens
   assert budget == int(s.task.trace_token_fraction * s.sampling.max_tokens) < s.sampling.max_tokens
   base = _settings(f"colocated.py:{name}")
   assert base.pipeline.mode == "colocated" and base.scheduler.kind == "fifo"

@@ -145,14 +145,14 @@ def test_a_generator_killed_for_memory_stops_the_run_with_one_sentence(tmp_path)
   assert "trainer.micro_batch_size" in last and "trainer.log" in last
   assert "Traceback" not in stderr and "Worker exit type" not in stderr, stderr[-3000:]
   # The last checkpoint is whole: its step is listed (Orbax lists finished ones only).
-  from streamrl import train
   from streamrl import config as config_lib
   from streamrl.config import settings
+  from streamrl.trainer import setup
 
   config = config_lib.apply_overrides(
       config_lib.load_config(os.path.join(REPO, "configs", "ppo.py")), overrides
   )
-  ckpt = train.open_checkpoints(settings.from_config(config), str(workdir))
+  ckpt = setup.open_checkpoints(settings.from_config(config), str(workdir))
   try:
     assert ckpt.latest_step() >= 1
   finally:

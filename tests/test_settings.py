@@ -368,30 +368,30 @@ def test_old_keys_on_the_command_line_are_renamed_for_run_configs_only():
 
 
 def test_fingerprints_leave_out_defaults_so_new_fields_never_block_a_resume():
-  from streamrl import train
+  from streamrl.trainer import setup
 
   s = settings.Settings()
-  assert train.fingerprint(s) == {}
+  assert setup.fingerprint(s) == {}
   changed = s.replace(kl=dataclasses.replace(s.kl, coef=0.0))
-  assert train.fingerprint(changed) == {"kl": {"coef": 0.0}}
+  assert setup.fingerprint(changed) == {"kl": {"coef": 0.0}}
 
 
 def test_a_workdir_with_a_full_pre_rename_fingerprint_still_resumes(tmp_path):
   import numpy as np
 
-  from streamrl import train
+  from streamrl.trainer import setup
   from streamrl.trainer.checkpoint import Checkpointer
 
   s = settings.from_config(config_lib.load_config(os.path.join(CONFIGS, "grpo.py")))
-  old = Checkpointer(str(tmp_path / "checkpoints"), keep=1, fingerprint=train.full_fingerprint(s))
+  old = Checkpointer(str(tmp_path / "checkpoints"), keep=1, fingerprint=setup.full_fingerprint(s))
   old.save(1, {"w": np.zeros(2, np.float32)}, {"it": 1})
   old.close()
-  ckpt = train.open_checkpoints(s, str(tmp_path))  # no UserError: the same run
+  ckpt = setup.open_checkpoints(s, str(tmp_path))  # no UserError: the same run
   assert ckpt.restore({"w": np.zeros(2, np.float32)})[0] == 1
   ckpt.close()
   other = s.replace(kl=dataclasses.replace(s.kl, coef=s.kl.coef + 0.5))
   with pytest.raises(UserError, match="kl.coef"):
-    train.open_checkpoints(other, str(tmp_path))
+    setup.open_checkpoints(other, str(tmp_path))
 
 
 # The layers of streamrl/, lowest first: a module may import its own layer

@@ -13,6 +13,7 @@ from streamrl import experiment, train
 from streamrl import config as config_lib
 from streamrl.config import settings
 from streamrl.errors import UserError
+from streamrl.trainer import export, setup
 
 pytestmark = [pytest.mark.engine]
 
@@ -113,7 +114,7 @@ def test_ppo_two_iterations_log_and_checkpoint(ppo_run):
   assert os.path.isfile(os.path.join(workdir, "config.json"))
   assert sorted(os.listdir(os.path.join(workdir, "checkpoints")))[-1] == "2"
   # The trained policy as a Hugging Face directory (tests/trainer/test_export*.py load it).
-  hf_files = set(os.listdir(os.path.join(workdir, train.HF_DIR)))
+  hf_files = set(os.listdir(os.path.join(workdir, export.HF_DIR)))
   assert {
       "config.json",
       "model.safetensors",
@@ -151,7 +152,7 @@ def _actor_leaves(workdir, cfg):
   _, policy = hf.load_hf(glob.glob(os.path.join(workdir, "warmstart-*"))[0])
   s = settings.from_config(cfg)
   template = RLTrainer.from_settings(policy, s).checkpoint_arrays()
-  ck = Checkpointer(os.path.join(workdir, "checkpoints"), fingerprint=train.fingerprint(s))
+  ck = Checkpointer(os.path.join(workdir, "checkpoints"), fingerprint=setup.fingerprint(s))
   step, arrays, meta = ck.restore(template)
   return step, [np.asarray(x) for x in jax.tree.leaves(arrays["state"].actor)], meta
 
@@ -296,7 +297,7 @@ def test_the_gsm_symbolic_example_runs_end_to_end(tmp_path):
   assert [r["step"] for r in rows if "reward/mean" in r] == [1, 2, 3]
   assert "accuracy/gsm_symbolic" in rows[-1] and "eval/accuracy/gsm_symbolic" in rows[-1]
   assert final["samples/count"] == 16 and final["reward/errors_total"] == 0
-  out = os.path.join(workdir, train.HF_DIR)
+  out = os.path.join(workdir, export.HF_DIR)
   model = transformers.AutoModelForCausalLM.from_pretrained(out, torch_dtype=torch.float32)
   assert type(model).__name__ == "Qwen3ForCausalLM" and model.config.vocab_size == 32000
   tok = transformers.AutoTokenizer.from_pretrained(out)

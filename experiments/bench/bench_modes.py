@@ -16,8 +16,8 @@ mode exactly as a real run (`streamrl.train.run`) runs it:
     this process (`LocalRollout`) and uses both cores; the others run one
     Ray generator actor (`StreamGenerationService` on a local Ray) pinned to
     core 0 and pin this process (the trainer) to core 1. The mode comes
-    from `setup.setup_mode` (generation scheduler + `pipeline.make_mode`)
-    with `rounds(it)` from `setup.make_rounds`, and every iteration is
+    from `pipeline.make_mode` (with its generation scheduler) with
+    `rounds(it)` from `pipeline.make_rounds`, and every iteration is
     `train.train_iteration` + `train.iteration_scalars` on a `Timeline`.
     Same prompts (PromptLoader seed) and sampling seeds (`local.round_seed`)
     in every mode; the `it0 digest` column hashes iteration 0's samples

@@ -6,7 +6,7 @@ What runs: the tiny PPO policy of configs/ppo.py with its defaults (colocated
 mode: the real in-process vLLM engine, ``LocalRollout``, generates, the JAX
 trainer trains with actor + critic + reference, weights are pushed to the
 engine every iteration; each iteration is ``train.train_iteration`` on the
-mode from ``setup.setup_mode``, as in a real run), warm-started once into
+mode from ``pipeline.make_mode``, as in a real run), warm-started once into
 ``--workdir`` (``warmstart.prepare_model_dir`` reuses the cached warm start
 there). The lr schedule is the config's: its
 horizon is ``trainer.num_iterations`` (250), not ``--iterations``, so the
@@ -163,7 +163,7 @@ def bf16_of(tensors: dict) -> dict:
 def main(argv):
   del argv
   import numpy as np
-  from streamrl import train
+  from streamrl import pipeline, train
   from streamrl.data.loader import PromptLoader
   from streamrl.generator.local import LocalRollout
   from streamrl.models import hf
@@ -186,12 +186,12 @@ def main(argv):
   loader = PromptLoader(train_examples, s.trainer.prompts_per_iteration, seed=s.seed)
   rollout = LocalRollout(model_dir, s.engine, dtype=s.model.dtype, seed=s.seed)
   try:
-    mode = setup.setup_mode(
+    mode = pipeline.make_mode(
         s,
         rollout,
         model_dir=model_dir,
         workdir=workdir,
-        rounds=setup.make_rounds(loader, tokenizer, s.advantage.group_size),
+        rounds=pipeline.make_rounds(loader, tokenizer, s.advantage.group_size),
     )
   except BaseException:
     rollout.close()

@@ -40,7 +40,7 @@ class Arm:
   Each block builds the mode's rollout (in-process engine or Ray actor),
   loads the arm's current weights into it the way a resumed run does
   (`rollout.update(trainer.export_weights(), next iteration).wait()`), sets
-  the mode up over it (`setup.setup_mode`), runs its iterations through
+  the mode up over it (`pipeline.make_mode`), runs its iterations through
   `train.train_iteration` and closes everything, so only one engine holds
   memory at a time. Every arm has a trainer of its own.
   """

@@ -38,7 +38,7 @@ them (bench_elastic's --costs_from). For each of the other arms, in this one pro
 (experiments/sim/calibrate_arms.py; the cost models and predictions in
 experiments/sim/calibrate_costs.py):
   1. the real loop (`train.train_iteration` on the mode from
-     `setup.setup_mode`, over the real rollout: the in-process engine for
+     `pipeline.make_mode`, over the real rollout: the in-process engine for
      colocated, a Ray generator actor on one core for the others, whose
      trainer gets the other core): `--warmup` untimed iterations, then
      `--iterations` timed ones; throughput = samples / summed iteration time.

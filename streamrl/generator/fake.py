@@ -38,7 +38,13 @@ class FakeRollout:
     self.produced = []
     self.assignments = []
     self.num_instances = 2
+    self.retired = []
+    self.pooled = False
+    self.publisher = None
     self._stop = False
+
+  def helper_placement(self):
+    return None
 
   def stop_generation(self):
     self._stop = True

@@ -94,6 +94,9 @@ class LocalRollout:
     self.busy_intervals: list[tuple[int, float, float, int]] = []
     self.num_instances = 1
     self.placement: dict = {}
+    self.retired: list = []
+    self.pooled = False
+    self.publisher = None
 
   @property
   def live_instances(self) -> list[int]:
@@ -102,6 +105,9 @@ class LocalRollout:
   @property
   def dead_instances(self) -> list:
     return []
+
+  def helper_placement(self) -> None:
+    return None  # no generation side apart from this process
 
   def generate(
       self, requests, sampling: Sampling, *, seed: int | None = None, assignments=None, caps=None

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import typing
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -25,8 +25,10 @@ import numpy as np
 from streamrl.generator.config import Sampling
 from streamrl.scheduling.request import Request, as_requests  # noqa: F401  (re-exported)
 
-if typing.TYPE_CHECKING:  # Only named here: a Sample carries one, never builds one.
+if typing.TYPE_CHECKING:  # Only named in annotations (a Sample carries a Resume, never builds one).
   from streamrl.envs.runner import Resume
+  from streamrl.scheduling.pool import WorkPool
+  from streamrl.transfer import Publisher
 
 # The finish_reason of a response stopped before it finished
 # (`Rollout.stop_generation`): its tokens so far, to be resumed later.
@@ -132,7 +134,11 @@ class UpdateHandle:
 
 
 class Rollout(Protocol):
-  """Streamed generation on one or more generator instances."""
+  """Streamed generation on one or more generator instances.
+
+  Every member below is what the run (streamrl/train.py, streamrl/pipeline)
+  uses; each implementation has them all.
+  """
 
   # Instances ever started; ids 0..num_instances-1.
   num_instances: int
@@ -140,6 +146,20 @@ class Rollout(Protocol):
   placement: dict
   # (instance_id, start, end, num_samples) per stream segment, perf_counter s.
   busy_intervals: list
+  # (instance_id, reason, perf_counter s) of each instance removed on purpose
+  # (elastic generation); empty where instances never change.
+  retired: list
+  # Whether `generate` takes a shared work pool (`pool=`, streamrl/scheduling/pool.py).
+  pooled: bool
+
+  @property
+  def publisher(self) -> Publisher | None:
+    """The transfer service's publisher (its `stats` are logged); None where
+    weights do not go through the transfer service."""
+
+  def helper_placement(self) -> tuple[dict, tuple[int, ...] | None] | None:
+    """Ray options and cores for a helper process on the generation side
+    (the ranker, streamrl/scheduling/ranker_actor.py); None: no such side."""
 
   def generate(
       self,
@@ -150,8 +170,12 @@ class Rollout(Protocol):
       assignments: Sequence[Sequence[Request]] | None = None,
       caps: Sequence[int | None] | None = None,
       stoppable: bool = False,
-  ) -> Iterator[Sample]:
-    """Yields one Sample per request as soon as an instance finishes it.
+      pool: WorkPool | None = None,
+      migrate: bool = False,
+      straggler_tokens: int = 0,
+  ) -> Generator[Sample, None, None]:
+    """Yields one Sample per request as soon as an instance finishes it;
+    closing the generator early ends the call.
 
     A request is a `Request` or an (id, prompt token ids) tuple.
     `sampling` is the run's `sampling.*` (streamrl/generator/config.py).
@@ -160,7 +184,8 @@ class Rollout(Protocol):
     unseeded). `assignments` (one list per instance, run in order) replaces
     the round-robin split of `requests`; `caps` bounds each instance's
     requests in flight; `stoppable` lets `stop_generation` end this call
-    early.
+    early. `pool`, `migrate` and `straggler_tokens`: a shared work pool
+    instead of `requests` (only where `pooled`).
     """
 
   def stop_generation(self) -> None:

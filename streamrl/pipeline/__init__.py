@@ -11,16 +11,47 @@ Every mode can drop uninformative prompt groups and generate more
 (`advantage.filter_groups`: dynamic_sampling.py).
 
 A mode only decides order and overlap; `streamrl/train.py` runs the iteration.
+`make_mode` builds the configured one with its generation scheduler, over
+the rounds of `make_rounds`.
 """
 
 from __future__ import annotations
 
-from streamrl.pipeline import base, partial, stream, sync
+from collections.abc import Callable
+
+from streamrl.generator.rollout import Rollout, Sample
+from streamrl.pipeline import base, dynamic_sampling, partial, stream, sync
 
 
-def make_mode(s, rollout, scheduler, rounds) -> base.Mode:
-  """The mode of settings `s` over `rollout`; `rounds(it)` gives iteration it's Round."""
+def make_mode(
+    s,
+    rollout: Rollout,
+    *,
+    rounds: Callable[[int], base.Round],
+    model_dir: str,
+    workdir: str | None,
+    on_sample: Callable[[list[Sample], dict], None] | None = None,
+    group_rewards: dynamic_sampling.GroupRewards | None = None,
+) -> base.Mode:
+  """The mode of settings `s` over `rollout`, with its generation scheduler
+  (which reads `model_dir` and keeps its files in `workdir`); `rounds(it)`
+  gives iteration it's Round (`make_rounds`); `on_sample` and
+  `group_rewards` as `base.Mode` takes them."""
+  # Imported here: the scheduler's module imports Ray, and reading the
+  # settings imports this package.
+  from streamrl.scheduling.scheduler import GenerationScheduler  # pylint: disable=g-import-not-at-top
+
+  scheduler = GenerationScheduler(
+      s.scheduler,
+      model_dir=model_dir,
+      workdir=workdir,
+      num_instances=rollout.num_instances,
+      max_batch_size=s.engine.max_num_seqs,
+      helper=rollout.helper_placement(),
+  )
   kw = dict(
+      on_sample=on_sample,
+      group_rewards=group_rewards,
       sampling=s.sampling,
       seed=s.seed,
       group_size=s.advantage.group_size,
@@ -38,3 +69,18 @@ def make_mode(s, rollout, scheduler, rounds) -> base.Mode:
     buffer = partial.PartialBuffer.from_settings(s, s.advantage.group_size)
     return partial.PartialAsyncMode(rollout, scheduler, rounds, buffer=buffer, **kw)
   return stream.AsyncMode(rollout, scheduler, rounds, **kw)
+
+
+def make_rounds(loader, tokenizer, group_size: int) -> Callable[[int], base.Round]:
+  """`rounds(it)`: the next prompt batch of `loader` (a `data.loader.PromptLoader`)
+  as iteration it's Round, `group_size` requests per prompt."""
+  # Imported here: the loader's module imports grain, and reading the
+  # settings imports this package.
+  from streamrl.data.loader import make_requests  # pylint: disable=g-import-not-at-top
+
+  def rounds(it: int) -> base.Round:
+    examples = next(loader)
+    requests, by_id = make_requests(examples, tokenizer, group_size)
+    return base.Round(it, requests, by_id, loader.get_state())
+
+  return rounds

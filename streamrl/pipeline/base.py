@@ -9,7 +9,9 @@ updates, logging) is `streamrl/train.py`'s loop, the same for every mode.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
+import typing
 from collections.abc import Callable, Iterator
 
 from streamrl.generator.config import Sampling
@@ -18,6 +20,11 @@ from streamrl.generator.rollout import PARTIAL, Rollout, Sample, UpdateHandle
 from streamrl.pipeline import dynamic_sampling
 from streamrl.scheduling import pool as pool_lib
 from streamrl.scheduling.request import Request, as_requests
+
+if typing.TYPE_CHECKING:  # Only named here: its module imports Ray.
+  from streamrl.scheduling.scheduler import GenerationScheduler
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass
@@ -75,21 +82,22 @@ class Mode:
   then need not copy its parameters to keep the old policy).
 
   `filter_rounds` (None: off) turns on dynamic sampling with at most that
-  many extra rounds per iteration (streamrl/pipeline/dynamic_sampling.py); the run then
-  sets `group_rewards`.
+  many extra rounds per iteration (streamrl/pipeline/dynamic_sampling.py),
+  judging groups by `group_rewards` (the rewards the trainer will use).
+  `on_sample` is called with ([sample], its round's examples_by_id) for each
+  finished sample as it arrives (the run starts scoring its reward there).
+
+  What the loop reads of a mode: `scores_up_front`, `chunks`, `round` (the
+  round being released), `generated` (once `chunks` ended), `round_instances`,
+  `push`, `restore`, `quiesce` and `close`.
   """
 
   scores_up_front = True
-  # Called with ([sample], its round's examples_by_id) for each finished sample
-  # as it arrives (the run starts scoring its reward there).
-  on_sample: Callable[[list[Sample], dict], None] | None = None
-  # Dynamic sampling: the rewards the trainer will use for some samples.
-  group_rewards: dynamic_sampling.GroupRewards | None = None
 
   def __init__(
       self,
       rollout: Rollout,
-      scheduler,
+      scheduler: GenerationScheduler,
       rounds: Callable[[int], Round],
       *,
       sampling: Sampling,
@@ -98,7 +106,11 @@ class Mode:
       mini_batch_size: int,
       prompts_per_iteration: int = 0,
       filter_rounds: int | None = None,
+      on_sample: Callable[[list[Sample], dict], None] | None = None,
+      group_rewards: dynamic_sampling.GroupRewards | None = None,
   ):
+    if filter_rounds is not None and group_rewards is None:
+      raise ValueError("dynamic sampling (filter_rounds) needs the group_rewards to judge by.")
     self.rollout = rollout
     self.scheduler = scheduler
     self.rounds = rounds
@@ -108,6 +120,8 @@ class Mode:
     self.mini_batch_size = mini_batch_size
     self.prompts_per_iteration = prompts_per_iteration
     self.filter_rounds = filter_rounds
+    self.on_sample = on_sample
+    self.group_rewards = group_rewards
     self.round_instances: dict[int, int] = {}  # iteration -> instances its round was planned for
     self.round: Round | None = None  # the round whose chunks are being released
     self.generated: Generated | None = None  # the last round's, once chunks() ended
@@ -130,9 +144,7 @@ class Mode:
         resumed=rnd.resume,
     )
     kw = {"stoppable": True} if stoppable else {}
-    if getattr(self.scheduler, "pool", "fixed") == "shared" and getattr(
-        self.rollout, "pooled", False
-    ):
+    if self.scheduler.pool == "shared" and self.rollout.pooled:
       # One shared pool (streamrl/scheduling/pool.py): the plan says what goes first and to whom.
       if assignments is None:  # FIFO: round-robin, in arrival order
         assignments = [rnd.requests[k :: len(live)] for k in range(len(live))]
@@ -178,11 +190,6 @@ class Mode:
   # ------------------------------------------------------- dynamic sampling
   def new_filter(self) -> dynamic_sampling.GroupFilter:
     """An iteration's `GroupFilter` (dynamic sampling is on)."""
-    if self.group_rewards is None:
-      raise RuntimeError(
-          "advantage.filter_groups is on but the mode has no group_rewards to judge groups "
-          "by; set mode.group_rewards (streamrl/train.py does); this is a bug."
-      )
     return dynamic_sampling.GroupFilter(
         self.group_rewards,
         group_size=self.group_size,
@@ -249,9 +256,7 @@ class Mode:
           self.on_sample([sample], rnd.examples_by_id)
         yield sample
     finally:
-      close = getattr(stream, "close", None)
-      if close is not None:
-        close()
+      stream.close()
 
   def push(self, tensors, version: int) -> UpdateHandle:
     """Sends new weights; on-policy modes wait until every instance loaded them."""
@@ -259,11 +264,21 @@ class Mode:
     handle.wait()
     return handle
 
+  def restore(self, carry: dict | None, loader_state: dict) -> None:
+    """What a checkpoint saved of the unfinished responses (`Round.carry`)
+    and the loader position, before the first round of a resumed run. Only
+    partial rollouts keep them; here they are dropped, with a warning."""
+    del loader_state  # the run's loader is restored already
+    if carry and carry.get("groups"):
+      log.warning(
+          "The checkpoint holds %d prompt groups of unfinished partial responses; this run "
+          "(pipeline.partial=off) drops them. Resume with pipeline.partial=on to keep them.",
+          len(carry["groups"]),
+      )
+
   def quiesce(self) -> None:
     """Returns when no stream or update of the mode is in flight (before eval)."""
 
   def close(self) -> None:
     self.quiesce()
-    close = getattr(self.scheduler, "close", None)
-    if close is not None:
-      close()
+    self.scheduler.close()

@@ -39,7 +39,7 @@ from streamrl.generator.rollout import Sample
 
 
 class GroupRewards(Protocol):
-  """What groups are judged by (`streamrl.train.GroupRewards`)."""
+  """What groups are judged by (`streamrl.trainer.shaping.GroupRewards`)."""
 
   def __call__(self, samples: list[Sample], examples_by_id: dict) -> np.ndarray:
     """[B] the rewards `samples` will be trained with (scored once: held for the trainer)."""

@@ -2,8 +2,11 @@
 
   python launch/export.py --workdir=W --out=DIR [--step=N] [--overwrite]
 
-  streamrl.train.export_checkpoint(W, DIR, step=None)   # checkpoint N (default: newest) of run W
+  export_checkpoint(W, DIR, step=None)   # checkpoint N (default: newest) of run W
   export_policy(trainer.policy(), model_dir=policy_dir, out=DIR, dtype=s.model.dtype)
+
+A run with `checkpoint.export_hf` writes its final policy as <workdir>/hf
+itself (`export_trained`), and a LoRA run its adapter as <workdir>/adapter.
 
 DIR then holds what `transformers.AutoModelForCausalLM.from_pretrained(DIR)`
 and `vllm.LLM(DIR)` read:
@@ -28,6 +31,7 @@ empty is refused unless `overwrite`.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import uuid
@@ -39,9 +43,16 @@ import orbax.checkpoint as ocp
 import tokenizers
 from flax import nnx
 
+from streamrl.config import settings as settings_lib
 from streamrl.errors import MissingFileError, UserError
 from streamrl.models import hf, lora as lora_lib
 from streamrl.models.transformer import Transformer
+from streamrl.trainer import setup
+
+log = logging.getLogger(__name__)
+
+HF_DIR = "hf"  # <workdir>/hf: the trained policy, for transformers and vLLM.
+ADAPTER_DIR = "adapter"  # <workdir>/adapter: a LoRA run's adapter alone (PEFT).
 
 # Tokenizer files a model directory may ship (sentencepiece, BPE, WordPiece,
 # chat templates); each one present is copied as it is.
@@ -322,3 +333,113 @@ def _write_whole(out: str, overwrite: bool, model_dir: str, write) -> str:
     shutil.rmtree(tmp, ignore_errors=True)
     raise
   return out
+
+
+# ---------------------------------------------------------------- the run's
+def export_trained(
+    s: settings_lib.Settings, workdir: str, trainer, model_dir: str, *, multi_process: bool
+) -> None:
+  """The trained policy as a Hugging Face directory, <workdir>/hf (replaced
+  whole on a rerun), and a LoRA run's adapter alone as <workdir>/adapter.
+
+  `trainer` is the run's `RLTrainer`, or with `multi_process` its
+  `protocol.Leader`, whose shards live in several processes: every process
+  writes its own into one weights file (the collective `export_weights`, as
+  for a weight push), which process 0 saves. (Reading the final checkpoint
+  instead would hang: Orbax waits for every process of the run at each
+  restore.)
+  """
+  out = os.path.join(workdir, HF_DIR)
+  if trainer.lora:  # the adapter alone too, beside the merged policy
+    export_adapter(
+        trainer.export_weights(s.model.dtype),
+        model_dir=model_dir,
+        out=os.path.join(workdir, ADAPTER_DIR),
+        overwrite=True,
+    )
+  weights = trainer.export_weights() if multi_process else None
+  try:
+    export_policy(
+        trainer.policy(),
+        model_dir=model_dir,
+        out=out,
+        dtype=s.model.dtype,
+        overwrite=True,
+        tensors=None if weights is None else weights.tensors(),
+    )
+  finally:
+    if weights is not None:
+      weights.unlink()
+  log.info("Trained policy exported to %s", out)
+
+
+def read_settings(workdir: str) -> settings_lib.Settings:
+  """The settings a run saved in <workdir>/config.json.
+
+  Raises:
+    MissingFileError: no such directory, or no config.json in it.
+    UserError: config.json is not a run config this version reads.
+  """
+  if not os.path.isdir(workdir):
+    raise MissingFileError(
+        f"workdir {workdir} does not exist; pass the --workdir of a training run."
+    )
+  path = os.path.join(workdir, "config.json")
+  if not os.path.isfile(path):
+    raise MissingFileError(
+        f"{workdir} has no config.json, so it is not the workdir of a training run; pass "
+        "the --workdir that launch/main.py wrote."
+    )
+  try:
+    with open(path, encoding="utf-8") as f:
+      config = json.load(f)
+  except json.JSONDecodeError as e:
+    raise UserError(f"{path} is not valid JSON ({e.msg} at line {e.lineno}).") from None
+  # The data and profile files the run read need not exist where it is exported.
+  return settings_lib.from_config(config, check_files=False)
+
+
+def export_checkpoint(
+    workdir: str,
+    out: str,
+    *,
+    step: int | None = None,
+    overwrite: bool = False,
+    merge_lora: bool = True,
+) -> int:
+  """Writes the actor of run `workdir`'s checkpoint `step` (default: the
+  newest) as the Hugging Face directory `out`, in the run's `model.dtype`.
+  A LoRA run's actor is its policy directory with the adapter merged in, or
+  with `merge_lora=False` the adapter alone as a PEFT directory (vLLM's
+  `LoRARequest` and `peft` load it on the run's policy directory).
+
+  Returns:
+    The step exported.
+
+  Raises:
+    UserError: no such workdir (or not a run's), no checkpoints, no
+      checkpoint of `step` (the message lists the saved ones), the run's
+      policy directory is gone, or `out` is refused (`export_policy`).
+  """
+  s = read_settings(workdir)
+  step = pick_step(workdir, step)
+  model_dir = setup.saved_policy_dir(s, workdir)
+  check_out(out, overwrite=overwrite, model_dir=model_dir)  # before the restore
+  spec = s.trainer.lora_spec()
+  if spec is not None and not merge_lora:
+    adapters = restore_adapter(workdir, model_dir, step, spec)
+    export_adapter(
+        lora_lib.peft_tensors(adapters, spec, s.model.dtype),
+        model_dir=model_dir,
+        out=out,
+        overwrite=overwrite,
+    )
+    return step
+  if spec is None and not merge_lora:
+    raise UserError(
+        f"run {workdir} trained full weights (trainer.lora_rank=0): it has no adapter; "
+        "export it without --nomerge_lora."
+    )
+  model = restore_actor(workdir, model_dir, step, spec)
+  export_policy(model, model_dir=model_dir, out=out, dtype=s.model.dtype, overwrite=overwrite)
+  return step

@@ -87,7 +87,7 @@ def prepare_model_dir(
   """The policy's HF directory: `model.path`, or the warm-started tiny one.
 
   `trace` (a `tasks.TraceConfig`) is the work-trace shape the warm-up
-  teaches for trace examples (`streamrl.train.trace_config`); `calc` (a
+  teaches for trace examples (`streamrl.trainer.setup.trace_config`); `calc` (a
   `data.calc.CalcConfig`) the share of tool trajectories in the targets of
   the agentic sums."""
   if model.path:
@@ -111,7 +111,7 @@ def prepare_model_dir(
       )
     if trace is None and any(e.task.startswith("trace-") for e in train_examples):
       raise ValueError(
-          "Trace examples need the run's TraceConfig; pass trace=train.trace_config(s)."
+          "Trace examples need the run's TraceConfig; pass trace=setup.trace_config(s)."
       )
     t0 = time.time()
     for steps, pairs in warmup_phases(warm, train_examples, seed=seed, trace=trace, calc=calc):

@@ -125,8 +125,8 @@ def test_a_parquet_path_that_is_not_parquet_is_a_user_error(tmp_path):
 
 
 def test_eval_rows_come_from_their_own_file(tmp_path):
-  from streamrl import train
   from streamrl.config import settings
+  from streamrl.trainer import setup
 
   for name, n in (("train", 30), ("test", 5)):
     rows = [{"q": f"{name} {i}", "a": str(i)} for i in range(n)]
@@ -134,13 +134,13 @@ def test_eval_rows_come_from_their_own_file(tmp_path):
   s = settings.Settings()
   task = dict(kind="file", prompt_key="q", answer_key="a", num_eval=3)
   s = s.replace(task=settings.Task(train_path=str(tmp_path / "train.jsonl"), **task))
-  train_ex, eval_ex = train.load_examples(s)
+  train_ex, eval_ex = setup.load_examples(s)
   assert len(train_ex) == 27 and [e.prompt for e in eval_ex] == ["train 0", "train 1", "train 2"]
   s = s.replace(
       task=settings.Task(
           train_path=str(tmp_path / "train.jsonl"), eval_path=str(tmp_path / "test.jsonl"), **task
       )
   )
-  train_ex, eval_ex = train.load_examples(s)
+  train_ex, eval_ex = setup.load_examples(s)
   assert len(train_ex) == 30 and [e.prompt for e in eval_ex] == ["test 0", "test 1", "test 2"]
   assert {e.prompt_id for e in train_ex}.isdisjoint(e.prompt_id for e in eval_ex)

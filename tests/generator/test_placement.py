@@ -85,7 +85,7 @@ def test_engine_kwargs_carry_the_gpu_settings():
 
 
 def test_placement_json_keeps_the_gpu_ids(tmp_path):
-  from streamrl import train  # pylint: disable=g-import-not-at-top
+  from streamrl.trainer import setup  # pylint: disable=g-import-not-at-top
 
   rollout = types.SimpleNamespace(
       placement={
@@ -95,7 +95,7 @@ def test_placement_json_keeps_the_gpu_ids(tmp_path):
       dead_instances=[],
       retired=[],
   )
-  train.write_placement(str(tmp_path), {"trainer": {"pid": 0}}, rollout)
+  setup.write_placement(str(tmp_path), {"trainer": {"pid": 0}}, rollout)
   with open(tmp_path / "placement.json") as f:
     got = json.load(f)
   assert got["generators"]["0"] == {"pid": 1, "cores": [0], "torch_threads": 1, "gpu_ids": "0,1"}

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from streamrl import train
+from streamrl import pipeline, train
 from streamrl import config as config_lib
 from streamrl.config import settings
 from streamrl.data import tasks
@@ -26,6 +26,7 @@ from streamrl.models import tiny
 from streamrl.models.transformer import Transformer
 from streamrl.pipeline.stream import LengthBatcher
 from streamrl.pipeline.timeline import Timeline
+from streamrl.trainer import shaping
 from streamrl.trainer.rl_trainer import RLTrainer
 
 pytestmark = [pytest.mark.unit]
@@ -66,11 +67,15 @@ def run_filtered(config, model_dir, iterations):
   tok = Tokenizer(model_dir)
   loader = PromptLoader(tasks.make_examples(64, 0), s.trainer.prompts_per_iteration, seed=0)
   rewarder = Rewarder("partial_match", tok, workers=0)
-  mode = train.setup_mode(
-      s, rollout, model_dir=model_dir, workdir=None, rounds=train.make_rounds(loader, tok, GROUP)
+  mode = pipeline.make_mode(
+      s,
+      rollout,
+      model_dir=model_dir,
+      workdir=None,
+      rounds=pipeline.make_rounds(loader, tok, GROUP),
+      on_sample=rewarder.submit,
+      group_rewards=shaping.GroupRewards(rewarder, s.loss, s.sampling.max_tokens),
   )
-  mode.on_sample = rewarder.submit
-  mode.group_rewards = train.GroupRewards(rewarder, s.loss, s.sampling.max_tokens)
   timeline, outs = Timeline(), []
   for it in range(iterations):
     x = train.train_iteration(
@@ -136,7 +141,7 @@ def test_rewards_are_shaped_near_the_length_limit(model_dir):
   by_id = dict.fromkeys(range(3), ex)
   loss = settings.Loss(overlong_buffer=8, overlong_penalty=0.5, mask_truncated=True)
   plain, _ = rewarder(samples, by_id)
-  shaped, _ = train.shaped_rewards(rewarder, samples, by_id, loss, 16)
+  shaped, _ = shaping.shaped_rewards(rewarder, samples, by_id, loss, 16)
   # Lengths 4, 10, 16 against max_tokens 16 and a buffer of 8: 0, -(10-8)/8, -1 times 0.5.
   np.testing.assert_allclose(shaped - plain, [0.0, -0.125, -0.5], atol=1e-6)
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from streamrl import train
+from streamrl import pipeline, train
 from streamrl import config as config_lib
 from streamrl.config import settings
 from streamrl.errors import UserError
@@ -69,12 +69,12 @@ def run_mode(config, model_dir, iterations, workdir=None, start=0):
   loader = PromptLoader(examples, s.trainer.prompts_per_iteration, seed=0)
   tok = Tokenizer(model_dir)
   rewarder = Rewarder("partial_match", tok, workers=0)
-  mode = train.setup_mode(
+  mode = pipeline.make_mode(
       s,
       rollout,
       model_dir=model_dir,
       workdir=workdir,
-      rounds=train.make_rounds(loader, tok, s.advantage.group_size),
+      rounds=pipeline.make_rounds(loader, tok, s.advantage.group_size),
   )
   timeline = Timeline()
   if start:  # as train.run does on resume: the generators get the restored weights

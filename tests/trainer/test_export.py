@@ -15,8 +15,7 @@ import pytest
 from streamrl.data import tokenizer as char_tok
 from streamrl.errors import UserError
 from streamrl.models import safetensors_io, transformer
-from streamrl import train
-from streamrl.trainer import export
+from streamrl.trainer import export, setup
 
 pytestmark = [pytest.mark.unit]
 
@@ -43,7 +42,7 @@ def torch_logprobs(model, seq):
 def exported(export_run, tmp_path_factory):
   workdir = export_run[0]
   out = str(tmp_path_factory.mktemp("export") / "hf")
-  return train.export_checkpoint(workdir, out), out
+  return export.export_checkpoint(workdir, out), out
 
 
 def test_export_holds_the_trained_actor_and_the_policy_dirs_files(
@@ -53,7 +52,7 @@ def test_export_holds_the_trained_actor_and_the_policy_dirs_files(
   model_dir, policy = trained_policy
   step, out = exported
   assert step == 2 and export.checkpoint_steps(workdir) == [1, 2]
-  assert train.saved_policy_dir(train.read_settings(workdir), workdir) == model_dir
+  assert setup.saved_policy_dir(export.read_settings(workdir), workdir) == model_dir
   assert sorted(os.listdir(out)) == [
       "config.json",
       "generation_config.json",
@@ -117,17 +116,17 @@ def test_refusals_are_one_sentence(export_run, trained_policy, exported, tmp_pat
   model_dir, policy = trained_policy
   _, out = exported
   with pytest.raises(UserError, match=r"workdir .*nowhere does not exist"):
-    train.export_checkpoint(str(tmp_path / "nowhere"), str(tmp_path / "x"))
+    export.export_checkpoint(str(tmp_path / "nowhere"), str(tmp_path / "x"))
   with pytest.raises(UserError, match=r"has no checkpoint of step 7; pick one of .* 1, 2\.$"):
-    train.export_checkpoint(workdir, str(tmp_path / "x"), step=7)
+    export.export_checkpoint(workdir, str(tmp_path / "x"), step=7)
   fresh = tmp_path / "fresh"
   fresh.mkdir()
   shutil.copy(os.path.join(workdir, "config.json"), fresh)
   with pytest.raises(UserError, match=r"has no checkpoints"):
-    train.export_checkpoint(str(fresh), str(tmp_path / "x"))
+    export.export_checkpoint(str(fresh), str(tmp_path / "x"))
   before = sorted(os.listdir(out))
   with pytest.raises(UserError, match=r"exists and is not empty.*--overwrite"):
-    train.export_checkpoint(workdir, out, step=1)
+    export.export_checkpoint(workdir, out, step=1)
   assert sorted(os.listdir(out)) == before
   with pytest.raises(UserError, match=r"is the run's own policy directory"):
     export.export_policy(policy, model_dir=model_dir, out=model_dir, overwrite=True)
@@ -148,7 +147,7 @@ def test_overwrite_replaces_the_directory_whole(export_run, tmp_path):
   out = tmp_path / "hf"
   out.mkdir()
   (out / "stale.bin").write_text("from an older export")
-  assert train.export_checkpoint(workdir, str(out), step=1, overwrite=True) == 1
+  assert export.export_checkpoint(workdir, str(out), step=1, overwrite=True) == 1
   assert "stale.bin" not in os.listdir(out) and "model.safetensors" in os.listdir(out)
   assert os.listdir(tmp_path) == ["hf"]
 

@@ -146,13 +146,13 @@ def test_a_lora_run_pushes_adapters_and_exports_merged_and_adapter_dirs(tmp_path
   # The run's own exports: merged policy and adapter; launch/export.py's, both ways.
   merged_dir = str(tmp_path / "merged")
   adapter_dir = str(tmp_path / "adapter")
-  train.export_checkpoint(workdir, merged_dir)
-  train.export_checkpoint(workdir, adapter_dir, merge_lora=False)
-  for d in (f"{workdir}/{train.HF_DIR}", merged_dir):
+  export.export_checkpoint(workdir, merged_dir)
+  export.export_checkpoint(workdir, adapter_dir, merge_lora=False)
+  for d in (f"{workdir}/{export.HF_DIR}", merged_dir):
     got = hf.load_hf_tensors(d)
     for name, w in want.items():
       np.testing.assert_allclose(got[name], w, atol=1e-6, err_msg=f"{d} {name}")
-  for d in (f"{workdir}/{train.ADAPTER_DIR}", adapter_dir):
+  for d in (f"{workdir}/{export.ADAPTER_DIR}", adapter_dir):
     got = safetensors_io.load(f"{d}/{lora.ADAPTER_WEIGHTS}")
     assert got.keys() == pushed[-1].keys()
     for name, w in pushed[-1].items():
