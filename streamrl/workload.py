@@ -1,4 +1,4 @@
-"""The tiny PPO workload the benchmarks (experiments/bench_modes.py,
+"""The tiny PPO workload the benchmarks (experiments/bench/bench_modes.py,
 calibrate_sim.py, bench_elastic.py) and launch/measure.py share.
 
 `Workload` holds the typed settings, the examples, the warm-started policy
