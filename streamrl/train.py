@@ -50,7 +50,7 @@ from streamrl.generator.rollout import Rollout
 from streamrl.models import hf
 from streamrl.pipeline import base as mode_base
 from streamrl.pipeline.timeline import Timeline
-from streamrl.trainer import compiles, evaluation, export, protocol, setup, shaping
+from streamrl.trainer import compiles, evaluation, export, memory_plan, protocol, setup, shaping
 from streamrl.trainer.rl_trainer import RLTrainer
 
 log = logging.getLogger(__name__)
@@ -278,7 +278,7 @@ def run(
     train_examples, eval_examples = setup.load_examples(s)
     model_dir = setup.policy_dir(s, workdir, train_examples)
     s = setup.plan_memory(s, model_dir)  # will the run fit? (before the weights load)
-    _, policy = hf.load_hf(model_dir)
+    policy = setup.load_policy(s, model_dir)
     tokenizer = setup.make_tokenizer(s, model_dir)
     train_examples, eval_examples = setup.fit_prompts(s, tokenizer, train_examples, eval_examples)
     rewarder = setup.make_rewarder(s, tokenizer, probe=train_examples[0])
@@ -353,6 +353,7 @@ def run(
       )
       scalars = iteration_scalars(x, timeline, rollout)
       scalars.update(compiles.totals())  # this process's XLA programs so far
+      scalars.update(memory_plan.measured())  # the trainer's memory/* beside its plan
       scalars["reward/errors_total"] = rewarder.errors
       scalars.update(rewarder.metrics())
       served_by = mode.round_instances.pop(it, None)

@@ -142,6 +142,9 @@ def test_a_users_reward_reads_a_column_and_a_hanging_one_is_cut_every_call(ppo_r
   assert step1["reward/errors_total"] == step1["reward/errors/Timeout"] == 4
   assert step2["reward/errors_total"] == 4
   assert final["eval/accuracy"] == final["eval/accuracy_greedy"] == 0.0
+  # The trainer's own memory beside its plan, every iteration.
+  assert 0 < step1["memory/trainer_live_arrays_gb"] < step1["memory/trainer_rss_gb"]
+  assert step1["memory/trainer_rss_gb"] <= step1["memory/trainer_peak_rss_gb"]
 
 
 def _actor_leaves(workdir, cfg):

@@ -355,23 +355,23 @@ def host_processes(s, cfg: ModelConfig) -> dict:
 
 def measured(devices=None) -> dict:
   """What this trainer process holds now, to set beside the plan, in GiB:
-  `memory/rss_gb` and `memory/peak_rss_gb` (the process's resident set and
+  `memory/trainer_rss_gb` and `memory/trainer_peak_rss_gb` (the process's resident set and
   its high-water mark, from /proc/self/status where it exists),
-  `memory/live_arrays_gb` (every live JAX array), and on an accelerator
-  `memory/device_gb` / `memory/device_peak_gb` of its first device."""
+  `memory/trainer_live_arrays_gb` (every live JAX array), and on an accelerator
+  `memory/trainer_device_gb` / `memory/trainer_device_peak_gb` of its first device."""
   import jax  # pylint: disable=g-import-not-at-top
 
-  out = {"memory/live_arrays_gb": sum(x.nbytes for x in jax.live_arrays()) / _GIB}
+  out = {"memory/trainer_live_arrays_gb": sum(x.nbytes for x in jax.live_arrays()) / _GIB}
   try:
     with open("/proc/self/status") as f:
       status = dict(line.split(":", 1) for line in f if ":" in line)
-    out["memory/rss_gb"] = int(status["VmRSS"].split()[0]) * 1024 / _GIB
-    out["memory/peak_rss_gb"] = int(status["VmHWM"].split()[0]) * 1024 / _GIB
+    out["memory/trainer_rss_gb"] = int(status["VmRSS"].split()[0]) * 1024 / _GIB
+    out["memory/trainer_peak_rss_gb"] = int(status["VmHWM"].split()[0]) * 1024 / _GIB
   except (OSError, KeyError, ValueError):
     pass  # not Linux: the JAX arrays alone
   device = (devices or jax.devices())[0]
   stats = device.memory_stats() if device.platform != "cpu" else None
   if stats:
-    out["memory/device_gb"] = stats.get("bytes_in_use", 0) / _GIB
-    out["memory/device_peak_gb"] = stats.get("peak_bytes_in_use", 0) / _GIB
+    out["memory/trainer_device_gb"] = stats.get("bytes_in_use", 0) / _GIB
+    out["memory/trainer_device_peak_gb"] = stats.get("peak_bytes_in_use", 0) / _GIB
   return out

@@ -24,6 +24,8 @@ import os
 import socket
 import typing
 
+import numpy as np
+
 from streamrl.config import settings as settings_lib
 from streamrl.data import calc, dataset, gym, loader as loader_lib, tasks as tasks_lib
 from streamrl.data.loader import PromptLoader
@@ -144,6 +146,14 @@ def plan_memory(s: settings_lib.Settings, model_dir: str) -> settings_lib.Settin
   log.info("%s", plan.table())
   plan.check(fix)
   return s
+
+
+def load_policy(s: settings_lib.Settings, model_dir: str):
+  """The policy as the trainer takes it: fp32 master weights, or under LoRA
+  the weights as the checkpoint stores them (the frozen base is only read, in
+  the forward pass's dtypes: an fp32 copy of it would be a transient extra
+  copy of the whole model)."""
+  return hf.load_hf(model_dir, dtype=None if s.trainer.lora_rank else np.float32)[1]
 
 
 def make_tokenizer(s: settings_lib.Settings, model_dir: str) -> Tokenizer:

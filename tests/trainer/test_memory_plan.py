@@ -144,6 +144,8 @@ def test_measured_memory_counts_the_live_arrays_and_the_process():
   before = memory_plan.measured()
   x = jnp.ones((64, 2**20), jnp.float32)  # 0.25 GiB
   after = memory_plan.measured()
-  assert after["memory/live_arrays_gb"] - before["memory/live_arrays_gb"] == pytest.approx(0.25)
-  assert after["memory/peak_rss_gb"] >= after["memory/rss_gb"] > 0.25
+  assert after["memory/trainer_live_arrays_gb"] - before[
+      "memory/trainer_live_arrays_gb"
+  ] == pytest.approx(0.25)
+  assert after["memory/trainer_peak_rss_gb"] >= after["memory/trainer_rss_gb"] > 0.25
   del x
