@@ -12,7 +12,8 @@ that a script may import another's functions:
 
   --config    the run's config file (where the script runs one)
   --override  config overrides key=value (repeatable)
-  --model     a local HF model directory (default: the tiny policy)
+  --model     the policy: "tiny" (the default), "mid" (the benchmark model,
+              `MODEL_PRESETS`) or a local HF model directory
   --workdir   scratch and caches (default /tmp/streamrl_<script>)
   --out       where summary.json and figures go (default experiments/out/<script>)
   --reps      timed repetitions (default: the script's own)
@@ -38,8 +39,27 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = flags.DEFINE_string("config", None, "The run's config file (default: the script's).")
 OVERRIDE = flags.DEFINE_multi_string("override", [], "Config overrides key=value (repeatable).")
 MODEL = flags.DEFINE_string(
-    "model", "", "A local HF model directory (default: the tiny policy, warm-started in --workdir)."
+    "model",
+    "",
+    "tiny | mid | a local HF model directory (default: tiny; tiny and mid are warm-started in "
+    "--workdir).",
 )
+# The built-in policies --model names, as config overrides. "mid" is the
+# benchmark model (a Qwen2 shape with the 32,000-piece SentencePiece tokenizer
+# and a ChatML template, bf16 on the generators: streamrl/models/config.py's
+# `mid_qwen2`); its warm-up takes smaller batches at a lower learning rate so
+# that it stays within minutes on a CPU.
+MODEL_PRESETS = {
+    "tiny": {},
+    "mid": {
+        "model.tiny": "qwen2_mid",
+        "model.tokenizer": "sentencepiece",
+        "model.dtype": "bfloat16",
+        "warmstart.steps": 150,
+        "warmstart.batch_size": 16,
+        "warmstart.lr": 1e-3,
+    },
+}
 WORKDIR = flags.DEFINE_string(
     "workdir", "", "Scratch and cache directory (default: /tmp/streamrl_<script>)."
 )
@@ -83,11 +103,18 @@ def config_path(default: str) -> str:
   return CONFIG.value or os.path.join(ROOT, default)
 
 
+def model_overrides() -> dict[str, str]:
+  """--model as config overrides: a preset's (`MODEL_PRESETS`), else model.path."""
+  if MODEL.value in MODEL_PRESETS:
+    return {k: str(v) for k, v in MODEL_PRESETS[MODEL.value].items()}
+  return {"model.path": MODEL.value} if MODEL.value else {}
+
+
 def overrides(extra: Sequence[str] = ()) -> dict[str, str]:
-  """`extra`, then --model (as model.path), then --override, as {key: value}:
-  the command line wins."""
+  """`extra`, then --model (`model_overrides`), then --override, as {key:
+  value}: the command line wins."""
   out = {}
-  model = [f"model.path={MODEL.value}"] if MODEL.value else []
+  model = [f"{k}={v}" for k, v in model_overrides().items()]
   for item in [*extra, *model, *OVERRIDE.value]:
     key, sep, value = item.partition("=")
     if not sep:
@@ -179,18 +206,26 @@ def tiny_policy(
     max_answer_len: int = 48,
     directory: str = "",
 ) -> str:
-  """--model, else the tiny policy warm-started for `steps` on `examples`
-  (`streamrl.trainer.warmstart.prepare_model_dir`: cached in `directory`,
-  default the workdir, under a name of what its weights depend on); with
-  steps=0 the random tiny policy."""
+  """--model's directory, else its built-in policy (tiny by default)
+  warm-started for `steps` on `examples` (`streamrl.trainer.warmstart.
+  prepare_model_dir`: cached in `directory`, default the workdir, under a name
+  of what its weights depend on); with steps=0 the random policy. A preset's
+  own warm-up settings (`MODEL_PRESETS`) replace `steps`, `batch_size` and `lr`
+  when `steps` > 0."""
   from streamrl.data.config import Task  # pylint: disable=g-import-not-at-top
   from streamrl.models.config import Model  # pylint: disable=g-import-not-at-top
   from streamrl.trainer import warmstart  # pylint: disable=g-import-not-at-top
   from streamrl.trainer.config import Warmstart  # pylint: disable=g-import-not-at-top
 
+  preset = model_overrides()
+  if steps and "warmstart.steps" in preset:
+    steps = int(preset["warmstart.steps"])
+    batch_size = int(preset["warmstart.batch_size"])
+    lr = float(preset["warmstart.lr"])
+  fields = {k.split(".", 1)[1]: v for k, v in preset.items() if k.startswith("model.")}
   warm = Warmstart(steps=steps, batch_size=batch_size, lr=lr, num_examples=max(1, len(examples)))
   return warmstart.prepare_model_dir(
-      Model(path=MODEL.value),
+      Model(**fields),
       warm,
       Task(max_answer_len=max_answer_len),
       seed=seed,

@@ -160,6 +160,13 @@ TURNS_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}{{ eos_token }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
+# Qwen2's ChatML layout (`<|im_start|>role\n...`, no BOS) for a vocabulary
+# without ChatML's special tokens: the markers are plain text, and each turn
+# ends with the tokenizer's EOS where Qwen2 writes `<|im_end|>` (its EOS).
+CHATML_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}{{ eos_token }}\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 def _cache_dir() -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from streamrl.config.checks import one_of
+from streamrl.config.checks import need, one_of
 
 # vLLM's CPU attention kernels exist for these head sizes only.
 CPU_SUPPORTED_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
@@ -167,6 +167,28 @@ def tiny_qwen2(vocab_size: int = 64) -> ModelConfig:
   )
 
 
+def mid_qwen2(vocab_size: int = 32000) -> ModelConfig:
+  """The benchmark model: a Qwen2 shape (tied embeddings, q/k/v bias, grouped
+  kv heads of head_dim 64) big enough that generation and training cost like a
+  real model's per token (~41M params with the 32,000-piece vocabulary), small
+  enough to warm-start on a CPU."""
+  return ModelConfig(
+      vocab_size=vocab_size,
+      hidden_size=512,
+      intermediate_size=1536,
+      num_layers=8,
+      num_heads=8,
+      num_kv_heads=2,
+      head_dim=64,
+      rope_theta=1000000.0,
+      rms_norm_eps=1e-6,
+      tie_embeddings=True,
+      qkv_bias=True,
+      max_position_embeddings=2048,
+      family="qwen2",
+  )
+
+
 def tiny_llama(vocab_size: int = 64) -> ModelConfig:
   """Llama-style test config: untied, no bias, other head counts and theta."""
   return ModelConfig(
@@ -293,16 +315,22 @@ class ComputeConfig:
 
 
 # ------------------------------------------------------------ run settings
-TINY_MODELS = ("qwen2", "llama", "qwen3")
+# The built-in policies (`model.tiny`): the tiny test shapes, and "qwen2_mid"
+# (`mid_qwen2`), the benchmark model, which needs model.tokenizer=sentencepiece.
+TINY_MODELS = ("qwen2", "llama", "qwen3", "qwen2_mid")
 TINY_TOKENIZERS = ("chars", "sentencepiece")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclasses.dataclass(frozen=True)
 class Model:
-  """The policy (`model.*`): a local HF directory, or (empty path) the tiny default."""
+  """The policy (`model.*`): a local HF directory, or (empty path) a built-in one."""
 
   path: str = ""
+  # The built-in policy's shape (`TINY_MODELS`): "qwen2" the tiny default,
+  # "qwen2_mid" the benchmark model (Qwen2 shape, ~41M params, ChatML chat
+  # template; with model.tokenizer=sentencepiece and model.dtype=bfloat16 it is
+  # experiments/harness.py's `--model=mid`).
   tiny: str = "qwen2"
   # The tiny model's tokenizer: "chars" (the synthetic tasks' character
   # tokenizer) or "sentencepiece" (mistral-common's real 32,000-piece one,
@@ -316,3 +344,8 @@ class Model:
     if not self.path:
       one_of("model.tiny", self.tiny, TINY_MODELS)
       one_of("model.tokenizer", self.tokenizer, TINY_TOKENIZERS)
+      need(
+          self.tiny != "qwen2_mid" or self.tokenizer == "sentencepiece",
+          "model.tiny=qwen2_mid is built with the 32,000-piece tokenizer; set "
+          "--config.model.tokenizer=sentencepiece.",
+      )

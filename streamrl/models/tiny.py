@@ -1,7 +1,7 @@
-"""The tiny default policy: random init + the character tokenizer (or a real
-SentencePiece one), saved as a
-normal HF directory (config.json, model.safetensors, tokenizer files) so the
-trainer and vLLM load it like any real checkpoint. Nothing is downloaded."""
+"""The built-in policies (the tiny default, the benchmark model): random init
+and the character tokenizer (or a real SentencePiece one), saved as a normal
+HF directory (config.json, model.safetensors, tokenizer files) so the trainer
+and vLLM load it like any real checkpoint. Nothing is downloaded."""
 
 from __future__ import annotations
 
@@ -14,6 +14,10 @@ from streamrl.models import config as config_lib
 from streamrl.models import hf
 from streamrl.models.transformer import Transformer
 
+# The SentencePiece model's special ids (Llama / Mistral): <unk> 0, <s> 1,
+# </s> 2; it has no pad token, so <unk> pads.
+SENTENCEPIECE_PAD_ID, SENTENCEPIECE_BOS_ID, SENTENCEPIECE_EOS_ID = 0, 1, 2
+
 
 def build_tiny_model_dir(
     path: str,
@@ -21,16 +25,22 @@ def build_tiny_model_dir(
     seed: int = 0,
     model: Transformer | None = None,
     tokenizer: str = "chars",
+    chat_template: str = tok.TURNS_TEMPLATE,
 ) -> str:
-  """Writes a tiny model (random init unless `model` is given) to `path`,
+  """Writes a built-in model (random init unless `model` is given) to `path`,
   with the character tokenizer or (`tokenizer="sentencepiece"`) the real
-  32,000-piece one mistral-common ships, chat template included."""
+  32,000-piece one mistral-common ships, with `chat_template`."""
   cfg = cfg or config_lib.tiny_qwen2(tok.VOCAB_SIZE)
   model = model or Transformer(cfg, rngs=nnx.Rngs(seed))
   if tokenizer == "sentencepiece":
-    # Llama / Mistral ids: <unk> 0, <s> 1, </s> 2 (no pad token: <unk> pads).
-    hf.save_hf(model, path, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    tok.save_sentencepiece_tokenizer(path)
+    hf.save_hf(
+        model,
+        path,
+        bos_token_id=SENTENCEPIECE_BOS_ID,
+        eos_token_id=SENTENCEPIECE_EOS_ID,
+        pad_token_id=SENTENCEPIECE_PAD_ID,
+    )
+    tok.save_sentencepiece_tokenizer(path, chat_template=chat_template)
     return os.fspath(path)
   hf.save_hf(model, path, bos_token_id=tok.BOS_ID, eos_token_id=tok.EOS_ID, pad_token_id=tok.PAD_ID)
   tok.save_hf_tokenizer(path, model_max_length=cfg.max_position_embeddings)

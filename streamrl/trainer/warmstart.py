@@ -1,9 +1,12 @@
-"""The run's policy directory: a local HF checkpoint, or the warm-started tiny.
+"""The run's policy directory: a local HF checkpoint, or a warm-started built-in one.
 
-With an empty `model.path` the tiny default (random init, character
-tokenizer; `tiny.py`) gets a short supervised warm-up on the synthetic task
+With an empty `model.path` the built-in policy of `model.tiny` (random init,
+the tokenizer of `model.tokenizer`; `streamrl/models/tiny.py`) gets a short
+supervised warm-up on the task's own demonstrations
 (`streamrl/trainer/sft.py`), is written as an HF directory into the workdir
 under a name derived from what it depends on, and is reused on the next run.
+With the SentencePiece tokenizer the prompts are the chat template's
+renderings, as the run encodes them (`data.tokenizer.Tokenizer`).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from streamrl.trainer.config import Warmstart
 from streamrl.data import calc as calc_lib
 from streamrl.data import tasks
 from streamrl.data import tokenizer as char_tok
+from streamrl.data.tokenizer import Tokenizer
 from streamrl.models import config as model_config_lib
 from streamrl.models import hf, tiny
 
@@ -34,7 +38,11 @@ _TINY = {
     "qwen2": model_config_lib.tiny_qwen2,
     "llama": model_config_lib.tiny_llama,
     "qwen3": model_config_lib.tiny_qwen3,
+    "qwen2_mid": model_config_lib.mid_qwen2,
 }
+# The chat template written with the SentencePiece tokenizer (the tiny
+# shapes keep the plain turn template).
+_CHAT_TEMPLATES = {"qwen2_mid": char_tok.CHATML_TEMPLATE}
 # The tiny model's vocabulary follows its tokenizer (`model.tokenizer`).
 _VOCAB = {"chars": char_tok.VOCAB_SIZE, "sentencepiece": 32000}
 
@@ -52,8 +60,17 @@ def tiny_model_dir(
   key = fingerprint(
       {
           "tiny": model.tiny,
-          # Only when not the default, so the caches of earlier runs keep their names.
-          **({"tokenizer": model.tokenizer} if model.tokenizer != "chars" else {}),
+          # Only when not the default, so the caches of earlier runs keep their names;
+          # a real tokenizer's prompts are its chat template's renderings.
+          **(
+              {
+                  "tokenizer": model.tokenizer,
+                  "template": _CHAT_TEMPLATES.get(model.tiny, char_tok.TURNS_TEMPLATE),
+                  "chat": [task.chat_template, task.system_prompt, task.chat_template_kwargs],
+              }
+              if model.tokenizer != "chars"
+              else {}
+          ),
           "warm": dataclasses.asdict(warm),
           "ops": list(task.ops),
           "max_answer_len": task.max_answer_len,
@@ -84,7 +101,7 @@ def prepare_model_dir(
     trace=None,
     calc=None,
 ) -> str:
-  """The policy's HF directory: `model.path`, or the warm-started tiny one.
+  """The policy's HF directory: `model.path`, or the warm-started built-in one.
 
   `trace` (a `tasks.TraceConfig`) is the work-trace shape the warm-up
   teaches for trace examples (`streamrl.trainer.setup.trace_config`); `calc` (a
@@ -102,19 +119,34 @@ def prepare_model_dir(
   from streamrl.models.transformer import Transformer  # pylint: disable=g-import-not-at-top
   from streamrl.trainer import sft  # pylint: disable=g-import-not-at-top
 
+  if warm.steps and model.tokenizer != "chars" and calc is not None:
+    raise ValueError(
+        "The agentic sums' warm-up writes its tool trajectories with the character "
+        "tokenizer; set model.tokenizer=chars (or warmstart.steps=0) with task.kind=calc."
+    )
   policy = Transformer(cfg, rngs=nnx.Rngs(seed))
+  tmp = f"{path}.tmp{os.getpid()}"
+  template = _CHAT_TEMPLATES.get(model.tiny, char_tok.TURNS_TEMPLATE)
+  tokenizer = None
+  if model.tokenizer != "chars":
+    # The tokenizer first: the warm-up encodes its prompts as the run will.
+    char_tok.save_sentencepiece_tokenizer(tmp, chat_template=template)
+    tokenizer = Tokenizer(
+        tmp,
+        chat_template=task.chat_template,
+        system_prompt=task.system_prompt,
+        chat_template_kwargs=task.template_kwargs(),
+    )
   if warm.steps:
-    if model.tokenizer != "chars":
-      raise ValueError(
-          "The warm-up teaches the synthetic tasks with the character tokenizer; set "
-          "warmstart.steps=0 with model.tokenizer=sentencepiece."
-      )
     if trace is None and any(e.task.startswith("trace-") for e in train_examples):
       raise ValueError(
           "Trace examples need the run's TraceConfig; pass trace=setup.trace_config(s)."
       )
     t0 = time.time()
-    for steps, pairs in warmup_phases(warm, train_examples, seed=seed, trace=trace, calc=calc):
+    phases = warmup_phases(
+        warm, train_examples, seed=seed, trace=trace, calc=calc, tokenizer=tokenizer
+    )
+    for steps, pairs in phases:
       seq_len = max(len(p) + len(a) for p, a, *_ in pairs)
       policy, loss = sft.warm_start(
           policy,
@@ -127,8 +159,9 @@ def prepare_model_dir(
           log_every=max(steps // 5, 1),
       )
     log.info("Warm-up: %d steps, final loss %.3f, %.0f s", warm.steps, loss, time.time() - t0)
-  tmp = f"{path}.tmp{os.getpid()}"
-  tiny.build_tiny_model_dir(tmp, cfg, model=policy, tokenizer=model.tokenizer)
+  tiny.build_tiny_model_dir(
+      tmp, cfg, model=policy, tokenizer=model.tokenizer, chat_template=template
+  )
   try:
     os.replace(tmp, path)  # Atomic: a reader never sees half a directory.
   except OSError:
@@ -137,8 +170,11 @@ def prepare_model_dir(
   return path
 
 
-def warmup_phases(warm: Warmstart, examples, *, seed: int, trace=None, calc=None):
+def warmup_phases(warm: Warmstart, examples, *, seed: int, trace=None, calc=None, tokenizer=None):
   """[(steps, (prompt ids, answer ids[, answer mask]) pairs)] of the warm-up.
+
+  `tokenizer` (a `data.tokenizer.Tokenizer`) encodes them with a real
+  tokenizer's chat template (`_encode_pairs`); None: the character tokenizer.
 
   One phase on the synthetic tasks. On the agentic sums two: tool trajectories
   alone for `calc.tool_steps` steps (so the policy learns to copy what is left
@@ -147,6 +183,9 @@ def warmup_phases(warm: Warmstart, examples, *, seed: int, trace=None, calc=None
   observations are the tool's: masked out of the loss.
   """
   rng = np.random.default_rng(seed)
+  if tokenizer is not None:
+    targets = [tasks.sft_target(e, rng, trace) for e in examples]
+    return [(warm.steps, _encode_pairs(tokenizer, examples, targets))]
   prompts = [[char_tok.BOS_ID] + char_tok.encode(e.prompt) for e in examples]
   if calc is None:
     answers = [
@@ -168,3 +207,21 @@ def warmup_phases(warm: Warmstart, examples, *, seed: int, trace=None, calc=None
   if warm.steps > first:
     phases.append((warm.steps - first, pairs(calc)))
   return phases
+
+
+def _encode_pairs(tokenizer: Tokenizer, examples, targets: Sequence[str]) -> list[tuple]:
+  """(prompt ids, answer ids + EOS) with a real tokenizer: the answer's ids
+  are those of the prompt's rendering followed by the answer, past the
+  prompt's (as the policy generates them: SentencePiece gives text at the start
+  of an encoding a word-boundary mark it has nowhere else)."""
+  out = []
+  for e, target in zip(examples, targets):
+    prompt = tokenizer.encode_prompt(e.prompt)
+    if tokenizer.chat:
+      text = tokenizer.render(tokenizer.messages(e.prompt))
+      both = tokenizer.encode_text(text + target)
+      answer = both[len(prompt) :] if both[: len(prompt)] == prompt else None
+    if not tokenizer.chat or answer is None:
+      answer = tokenizer.encode_text(target)
+    out.append((prompt, answer + [tiny.SENTENCEPIECE_EOS_ID]))
+  return out
