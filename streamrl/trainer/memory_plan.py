@@ -133,6 +133,19 @@ def _read_bytes(cfg: ModelConfig, compute: ComputeConfig, with_head: bool = True
   return total
 
 
+def _lora_merged_bytes(t: Trainee) -> int:
+  """What a LoRA step's backward pass keeps of the merged weights: each adapted
+  weight merged with its adapter, in the read dtype. XLA's CPU backend computes
+  a bf16 dot in fp32, and the backward pass keeps the fp32 operands it converted:
+  there, every merged weight and the bf16 head count at 4 bytes a parameter
+  (tests/trainer/test_memory_plan.py holds this against XLA's own analysis)."""
+  cfg = t.model
+  if t.platform == "cpu" and t.compute.dtype == "bfloat16":
+    embedding = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.hidden_size  # read by a gather
+    return (cfg.num_params - embedding) * _F32
+  return _read_bytes(cfg, t.compute)
+
+
 def _critic_params(cfg: ModelConfig) -> int:
   head = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.hidden_size
   return cfg.num_params - head + cfg.hidden_size + 1
@@ -178,7 +191,7 @@ def plan(t: Trainee, capacity: int, device: str, devices: int) -> Plan:
       _read_bytes(cfg, t.compute) // shards if t.reference and not t.lora_params else 0
   )
   # LoRA: the step merges base and adapter into full weights (read dtypes) inside it.
-  rows["lora_merged"] = _read_bytes(cfg, t.compute) // shards if t.lora_params else 0
+  rows["lora_merged"] = _lora_merged_bytes(t) // shards if t.lora_params else 0
   snap = 0
   if t.snapshot:
     snap = trained * _F32 if t.lora_params else _read_bytes(cfg, t.compute)

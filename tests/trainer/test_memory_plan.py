@@ -11,6 +11,7 @@ from streamrl.config import settings
 from streamrl.errors import UserError
 from streamrl.models import transformer
 from streamrl.models.config import ComputeConfig, ModelConfig
+from streamrl.models.lora import LoraSpec, parse_targets
 from streamrl.rl.config import Loss
 from streamrl.trainer import memory_plan, sharding, step
 from streamrl.trainer.config import Optimizer
@@ -32,7 +33,7 @@ SMALL = dict(
 GPU = int(0.9 * 80 * 2**30)  # an 80 GB GPU at the trainer's memory fraction
 
 
-def _compiled_step_bytes(cfg, compute, rows, seq_len, num_micro, critic) -> int:
+def _compiled_step_bytes(cfg, compute, rows, seq_len, num_micro, critic, lora=None) -> int:
   """Arguments + outputs not aliased to them + temporaries of the compiled train step."""
   mesh = sharding.make_mesh({"fsdp": 1})
   policy = sharding.random_init(
@@ -44,6 +45,7 @@ def _compiled_step_bytes(cfg, compute, rows, seq_len, num_micro, critic) -> int:
       100,
       critic_from_policy(policy, mesh) if critic else None,
       compute=compute,
+      lora=lora,
   )
   rng = np.random.default_rng(0)
   batch = {
@@ -67,24 +69,28 @@ def _compiled_step_bytes(cfg, compute, rows, seq_len, num_micro, critic) -> int:
 
 
 @pytest.mark.parametrize(
-    "over,rows,seq_len,num_micro,critic",
+    "over,rows,seq_len,num_micro,critic,lora",
     [
-        (dict(), 8, 128, 2, False),
-        (dict(num_layers=8), 4, 256, 1, False),
-        (dict(vocab_size=16384, tie_embeddings=False), 8, 128, 1, True),
+        (dict(), 8, 128, 2, False, False),
+        (dict(num_layers=8), 4, 256, 1, False, False),
+        (dict(vocab_size=16384, tie_embeddings=False), 8, 128, 1, True, False),
+        # LoRA under bf16 compute: on CPU, XLA keeps the merged weights in fp32.
+        (dict(vocab_size=32000), 8, 128, 2, False, True),
     ],
 )
 def test_the_plan_of_a_train_step_is_within_20_percent_of_xlas_own(
-    over, rows, seq_len, num_micro, critic
+    over, rows, seq_len, num_micro, critic, lora
 ):
   cfg = ModelConfig(**dict(SMALL, **over))
-  compute = ComputeConfig()
-  want = _compiled_step_bytes(cfg, compute, rows, seq_len, num_micro, critic)
+  compute = ComputeConfig(dtype="bfloat16") if lora else ComputeConfig()
+  spec = LoraSpec(rank=16, alpha=32.0, targets=parse_targets("all")) if lora else None
+  want = _compiled_step_bytes(cfg, compute, rows, seq_len, num_micro, critic, spec)
   t = memory_plan.Trainee(
       cfg,
       compute,
       micro_batch_size=rows // num_micro,
       seq_len=seq_len,
+      lora_params=memory_plan.lora_params(cfg, spec) if lora else 0,
       critic=critic,
       snapshot=False,
       platform=jax.devices()[0].platform,
