@@ -67,7 +67,7 @@ class TurnEngine(Protocol):
   def abort(self, keys: Sequence[str] | None = None) -> None:
     """Stops `keys`; None: every running request, leaving the engine empty."""
 
-  def tokenizer(self, chat_template: str = "auto"):
+  def tokenizer(self, chat_template: str = "auto", chat_template_kwargs: dict | None = None):
     """The model's `streamrl.data.tokenizer.Tokenizer`."""
 
 
@@ -98,11 +98,19 @@ class AgentLoop:
     env: the run's `env.*`, with an environment named.
     chat_template: the task's `task.chat_template` mode (how observations
       are rendered).
+    chat_template_kwargs: the template's extra variables (`task.chat_template_kwargs`).
   """
 
-  def __init__(self, engine: TurnEngine, env: Env, *, chat_template: str = "auto"):
+  def __init__(
+      self,
+      engine: TurnEngine,
+      env: Env,
+      *,
+      chat_template: str = "auto",
+      chat_template_kwargs: dict | None = None,
+  ):
     self.engine = engine
-    self.tools = ToolRunner(env, engine.tokenizer(chat_template))
+    self.tools = ToolRunner(env, engine.tokenizer(chat_template, chat_template_kwargs))
     self.tool_wait_s = 0.0  # seconds the engine had nothing to decode, waiting on tools
 
   def close(self) -> None:

@@ -40,6 +40,7 @@ def make_rollout(s, model_dir: str, cluster=None, workdir: str | None = None):
         seed=s.seed,
         env=s.env,
         chat_template=s.task.chat_template,
+        chat_template_kwargs=s.task.template_kwargs(),
         lora_rank=s.trainer.lora_rank,
     )
   from streamrl import cluster as cluster_lib  # pylint: disable=g-import-not-at-top
@@ -60,5 +61,6 @@ def make_rollout(s, model_dir: str, cluster=None, workdir: str | None = None):
       stoppable=s.partial_rollouts,
       env=s.env,
       chat_template=s.task.chat_template,
+      chat_template_kwargs=s.task.template_kwargs(),
       lora_rank=s.trainer.lora_rank,
   )

@@ -21,11 +21,20 @@ from streamrl.scheduling.pool import Feed
 
 class AgentStream:
   """Multi-turn rollouts of `env` on `engine` (a `vllm_engine.GeneratorInstance`),
-  with the tool workers beside it; `chat_template` as in `task.chat_template`."""
+  with the tool workers beside it; `chat_template` and `chat_template_kwargs` as in `task.*`."""
 
-  def __init__(self, engine, env: Env, *, chat_template: str = "auto"):
+  def __init__(
+      self,
+      engine,
+      env: Env,
+      *,
+      chat_template: str = "auto",
+      chat_template_kwargs: dict | None = None,
+  ):
     self.engine = engine
-    self.loop = AgentLoop(engine, env, chat_template=chat_template)
+    self.loop = AgentLoop(
+        engine, env, chat_template=chat_template, chat_template_kwargs=chat_template_kwargs
+    )
 
   @property
   def tool_wait_s(self) -> float:

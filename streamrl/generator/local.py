@@ -21,15 +21,18 @@ def engine_kwargs(
     seed: int,
     env: Env | None = None,
     chat_template: str = "auto",
+    chat_template_kwargs: dict | None = None,
     lora_rank: int = 0,
 ) -> dict:
   """`GeneratorInstance` keyword arguments for one engine (`env`: its environment, for
-  multi-turn rollouts, with the task's `chat_template` mode; `lora_rank`: the
+  multi-turn rollouts, with the task's `chat_template` mode and its extra variables
+  `chat_template_kwargs`; `lora_rank`: the
   trainer's, when versions arrive as LoRA adapters)."""
   return dict(
       env=env,
       lora_rank=lora_rank,
       chat_template=chat_template,
+      chat_template_kwargs=dict(chat_template_kwargs or {}),
       max_num_seqs=engine.max_num_seqs,
       max_model_len=engine.max_model_len,
       seed=seed,
@@ -48,6 +51,7 @@ def start_instance(
     instance_id: int,
     env: Env | None = None,
     chat_template: str = "auto",
+    chat_template_kwargs: dict | None = None,
     **kwargs,
 ):
   """Starts one engine: (its `GeneratorInstance`, what streams its samples).
@@ -55,7 +59,7 @@ def start_instance(
   The second is the engine itself, or for multi-turn rollouts (`env`
   enabled) an `agentic.AgentStream` on it (the agent loop of
   streamrl/envs/agent_loop.py); both have the same `generate`. `kwargs` are
-  the engine's (`engine_kwargs` less env and chat_template). Imports vLLM:
+  the engine's (`engine_kwargs` less env and the chat template's). Imports vLLM:
   only in a process that runs an engine.
   """
   from streamrl.generator.vllm_engine import GeneratorInstance  # pylint: disable=g-import-not-at-top
@@ -65,7 +69,9 @@ def start_instance(
     return gen, gen
   from streamrl.generator.agentic import AgentStream  # pylint: disable=g-import-not-at-top
 
-  return gen, AgentStream(gen, env, chat_template=chat_template)
+  return gen, AgentStream(
+      gen, env, chat_template=chat_template, chat_template_kwargs=chat_template_kwargs
+  )
 
 
 def round_seed(seed: int, iteration: int) -> int:
@@ -78,7 +84,7 @@ def round_seed(seed: int, iteration: int) -> int:
 class LocalRollout:
   """One `GeneratorInstance` in this process (`engine`; multi-turn rollouts
   run on it through an `agentic.AgentStream`); `options` are `engine_kwargs`'
-  keyword arguments (dtype, seed, env, chat_template, lora_rank)."""
+  keyword arguments (dtype, seed, env, chat_template, chat_template_kwargs, lora_rank)."""
 
   def __init__(self, model_dir: str, engine: Engine, **options):
     # vLLM's engine-core and worker processes die with this one (a no-op

@@ -91,6 +91,7 @@ class StreamGenerationService:
       pooled: bool = False,
       env: Env | None = None,
       chat_template: str = "auto",
+      chat_template_kwargs: dict | None = None,
       lora_rank: int = 0,
   ):
     num_instances = int(num_instances or engine.num_instances)
@@ -123,6 +124,7 @@ class StreamGenerationService:
             seed=seed,
             env=env,
             chat_template=chat_template,
+            chat_template_kwargs=chat_template_kwargs,
             lora_rank=lora_rank,
         ),
         num_instances=num_instances,

@@ -351,10 +351,14 @@ class GeneratorInstance:
         self._engine.step()
     self._running.clear()
 
-  def tokenizer(self, chat_template: str = "auto") -> tokenizer_lib.Tokenizer:
-    """The tokenizer of the engine's model directory (`chat_template` as in
-    `task.chat_template`)."""
-    return tokenizer_lib.Tokenizer(self._model_dir, chat_template=chat_template)
+  def tokenizer(
+      self, chat_template: str = "auto", chat_template_kwargs: dict | None = None
+  ) -> tokenizer_lib.Tokenizer:
+    """The tokenizer of the engine's model directory (`chat_template` and
+    `chat_template_kwargs` as in `task.*`)."""
+    return tokenizer_lib.Tokenizer(
+        self._model_dir, chat_template=chat_template, chat_template_kwargs=chat_template_kwargs
+    )
 
   def _sample(self, prompt_id: int, ids: tuple, completion, finish_reason: str) -> Sample:
     """A single-turn Sample of `completion` (None: no tokens)."""

@@ -246,3 +246,13 @@ def test_a_hanging_and_a_crashing_tool_become_error_observations(policy_dir, tmp
   idle = [s.turns.idle_s for s in samples]
   assert 0 < sum(idle) <= took
   assert max(s.turns.idle_s for s, t in zip(samples, texts) if "(error timeout)" in t) > 0.05
+
+
+def test_the_chat_templates_extra_variables_reach_the_agent_loops_tokenizer(calc_engine):
+  """`task.chat_template_kwargs` (e.g. Qwen3's enable_thinking) render the observations too."""
+  env = Env(name="calc", max_turns=3, max_tokens_per_turn=24)
+  loop = AgentStream(calc_engine.loop.engine, env, chat_template_kwargs={"enable_thinking": False})
+  try:
+    assert loop.loop.tools.tokenizer.chat_template_kwargs == {"enable_thinking": False}
+  finally:
+    loop.close()
