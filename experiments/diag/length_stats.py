@@ -15,16 +15,20 @@ reports over all samples (output tokens, EOS included):
                        samples' own spread adds to it (mean within-prompt
                        variance / samples), over the total variance
   truncated            share of samples cut at sampling.max_tokens
+  well_formed          (work traces) share of samples in the trace's shape:
+                       passes of a digit, dots and `|`, then `#`, letters, EOS
   accuracy             share of samples whose verified answer is right
 
 and the same lengths for what the warm-up teaches (the task's own sampler,
 encoded with the policy's tokenizer), so a variant of the task can be sized
 before any warm start. --quick: 8 prompts, 4 samples each. Ends with
 
-  RESULT p50=.. p90=.. p99=.. max=.. prompt_share=.. truncated=.. accuracy=.. warmstart_s=..
+  RESULT p50=.. p90=.. p99=.. max=.. prompt_share=.. truncated=.. well_formed=.. accuracy=..
+      warmstart_s=..
 """
 
 import os
+import re
 import time
 
 from absl import app, flags
@@ -36,6 +40,8 @@ harness.engines_in_process()
 
 _PROMPTS = flags.DEFINE_integer("prompts", 64, "Held-out prompts to sample.")
 _SAMPLES = flags.DEFINE_integer("samples", 8, "Samples per prompt (at least 2).")
+# A finished work trace: passes (the passes left, WORK, PASS_END), WORK_END, the answer.
+_TRACE = re.compile(r"(\d\.+\|)*#[a-z]*")
 
 
 def length_summary(groups: list[list[int]], max_tokens: int) -> dict:
@@ -94,6 +100,11 @@ def main(argv):
     groups.setdefault(x.prompt_id // n_samples, []).append(len(x.token_ids))
   _, correct = setup.make_rewarder(s, tokenizer)(samples, by_id)
   policy = length_summary(list(groups.values()), s.sampling.max_tokens)
+  if s.task.kind == "trace":
+    texts = [tokenizer.decode(x.token_ids).strip() for x in samples]
+    finished = [len(x.token_ids) < s.sampling.max_tokens for x in samples]
+    shaped = [f and _TRACE.fullmatch(t) is not None for f, t in zip(finished, texts)]
+    policy["well_formed"] = float(np.mean(shaped))
   policy["accuracy"] = float(np.mean(correct))
 
   trace = setup.trace_config(s)
