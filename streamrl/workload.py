@@ -113,6 +113,9 @@ class Workload:
     self.model_dir = setup.policy_dir(s, workdir, self.train_examples)
     print(f"policy: {self.model_dir} ({now() - t0:.0f} s)", flush=True)
     self.tokenizer = setup.make_tokenizer(self.s, self.model_dir)
+    # The prompts a run would keep (too long for the engine: dropped or cut, as
+    # task.truncation says), so the benchmarks generate what a run generates.
+    self.train_examples, _ = setup.fit_prompts(s, self.tokenizer, self.train_examples, [])
     self._local = None
     self._cluster = None
 
