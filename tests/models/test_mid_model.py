@@ -34,3 +34,20 @@ def test_the_benchmarks_mid_preset_names_a_valid_policy():
   assert fields == {"tiny": "qwen2_mid", "tokenizer": "sentencepiece", "dtype": "bfloat16"}
   config.Model(**fields).check()
   assert harness.MODEL_PRESETS["tiny"] == {}
+
+
+@pytest.mark.parametrize(
+    "model, expected",
+    [("", {}), ("tiny", {}), ("/some/dir", {"model.path": "/some/dir"}), ("mid", None)],
+)
+def test_model_flag_names_a_preset_or_a_directory(model, expected):
+  from absl.testing import flagsaver
+
+  from experiments import harness
+
+  with flagsaver.as_parsed(model=model, override=["model.dtype=float32"]):
+    got = harness.overrides()
+  if expected is None:
+    expected = {k: str(v) for k, v in harness.MODEL_PRESETS["mid"].items()}
+  # The command line's overrides win over the preset's.
+  assert got == {**expected, "model.dtype": "float32"}
