@@ -72,7 +72,7 @@ from streamrl.scheduling.lpt import lpt_order
 
 _log = logging.getLogger(__name__)
 
-OBJECTIVES = ("makespan", "sum")
+OBJECTIVES = ("makespan", "sum")  # the settings' DISPATCH_OBJECTIVES (a test holds them alike)
 LATENCY_MODELS = ("paper", "simulate")
 # Rank bins of `rank_history`, the pairs it needs before "simulate" uses it
 # (about 20 per bin), and the length draws each candidate split is timed on:

@@ -581,3 +581,14 @@ def test_the_plan_decides_exactly_as_the_reference_helpers_on_seeded_rounds(monk
     assert a.lengths == b.lengths
     assert a.objective_value == pytest.approx(b.objective_value, rel=1e-9)
     assert a.group_times == pytest.approx(b.group_times, rel=1e-9)
+
+
+def test_every_objective_the_settings_accept_is_one_dispatch_runs():
+  from streamrl.errors import UserError  # pylint: disable=g-import-not-at-top
+  from streamrl.scheduling.config import DISPATCH_OBJECTIVES, Scheduler  # pylint: disable=g-import-not-at-top
+
+  for objective in DISPATCH_OBJECTIVES:
+    Scheduler(kind="skew", objective=objective).check()
+    assert dispatch([5, 1, 3, 2], 2, PAPER, [1], objective=objective).assignments
+  with pytest.raises((UserError, ValueError), match="scheduler.objective"):
+    Scheduler(kind="skew", objective="mean").check()
