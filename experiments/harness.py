@@ -194,6 +194,28 @@ def quiet_engines() -> None:
   os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def sample_groups(s, model_dir: str, tokenizer, examples: Sequence, n_samples: int):
+  """`n_samples` responses to each of `examples` from one in-process engine of
+  `model_dir` (the run's sampling, round 0's seed), scored by the run's
+  Rewarder: (samples, {request id: Example}, per-prompt lists of response
+  lengths in tokens, per-sample correctness)."""
+  from streamrl.data.loader import make_requests  # pylint: disable=g-import-not-at-top
+  from streamrl.generator import local  # pylint: disable=g-import-not-at-top
+  from streamrl.trainer import setup  # pylint: disable=g-import-not-at-top
+
+  requests, by_id = make_requests(examples, tokenizer, n_samples)
+  rollout = local.LocalRollout(model_dir, s.engine, dtype=s.model.dtype, seed=s.seed)
+  try:
+    samples = list(rollout.generate(requests, s.sampling, seed=local.round_seed(s.seed, 0)))
+  finally:
+    rollout.close()
+  groups: dict[int, list[int]] = {}
+  for x in samples:
+    groups.setdefault(x.prompt_id // n_samples, []).append(len(x.token_ids))
+  _, correct = setup.make_rewarder(s, tokenizer)(samples, by_id)
+  return samples, by_id, list(groups.values()), correct
+
+
 # ------------------------------------------------------------------ policy
 def tiny_policy(
     examples: Sequence = (),

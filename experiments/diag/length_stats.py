@@ -69,8 +69,6 @@ def length_summary(groups: list[list[int]], max_tokens: int) -> dict:
 def main(argv):
   del argv
   from streamrl.data import tasks
-  from streamrl.data.loader import make_requests
-  from streamrl.generator import local
   from streamrl.trainer import setup, warmstart
 
   s = harness.settings("configs/grpo.py")
@@ -89,17 +87,10 @@ def main(argv):
   warmstart_s = float("nan") if cached or s.model.path else time.time() - t0
   tokenizer = setup.make_tokenizer(s, model_dir)
   examples = eval_examples[:n_prompts]
-  requests, by_id = make_requests(examples, tokenizer, n_samples)
-  rollout = local.LocalRollout(model_dir, s.engine, dtype=s.model.dtype, seed=s.seed)
-  try:
-    samples = list(rollout.generate(requests, s.sampling, seed=local.round_seed(s.seed, 0)))
-  finally:
-    rollout.close()
-  groups: dict[int, list[int]] = {}
-  for x in samples:
-    groups.setdefault(x.prompt_id // n_samples, []).append(len(x.token_ids))
-  _, correct = setup.make_rewarder(s, tokenizer)(samples, by_id)
-  policy = length_summary(list(groups.values()), s.sampling.max_tokens)
+  samples, by_id, groups, correct = harness.sample_groups(
+      s, model_dir, tokenizer, examples, n_samples
+  )
+  policy = length_summary(groups, s.sampling.max_tokens)
   if s.task.kind == "trace":
     texts = [tokenizer.decode(x.token_ids).strip() for x in samples]
     finished = [len(x.token_ids) < s.sampling.max_tokens for x in samples]

@@ -55,8 +55,6 @@ def main(argv):
   del argv
   from streamrl.trainer import setup
   from streamrl.data import tasks
-  from streamrl.data.loader import make_requests
-  from streamrl.generator import local
 
   s = harness.settings("configs/ppo.py")
   n_prompts, n_samples = (8, 2) if harness.QUICK.value else (_PROMPTS.value, _SAMPLES.value)
@@ -65,18 +63,10 @@ def main(argv):
   model_dir = setup.policy_dir(s, harness.workdir("/tmp/streamrl_workload"), train_examples)
   tokenizer = setup.make_tokenizer(s, model_dir)
   examples = train_examples[:n_prompts]
-  requests, by_id = make_requests(examples, tokenizer, n_samples)
-  rollout = local.LocalRollout(model_dir, s.engine, dtype=s.model.dtype, seed=s.seed)
-  try:
-    samples = list(rollout.generate(requests, s.sampling, seed=local.round_seed(s.seed, 0)))
-  finally:
-    rollout.close()
-  groups: dict[int, list[int]] = {}
-  for x in samples:
-    groups.setdefault(x.prompt_id // n_samples, []).append(len(x.token_ids))
-  rewarder = setup.make_rewarder(s, tokenizer)
-  _, correct = rewarder(samples, by_id)
-  policy = length_report(list(groups.values()), s.sampling.max_tokens)
+  samples, by_id, groups, correct = harness.sample_groups(
+      s, model_dir, tokenizer, examples, n_samples
+  )
+  policy = length_report(groups, s.sampling.max_tokens)
   policy["accuracy"] = float(np.mean(correct))
   lengths = np.asarray([len(x.token_ids) for x in samples])
   # Is a long response a worse one? Accuracy by length quartile.
