@@ -43,7 +43,7 @@ import uuid
 
 from absl import app, flags
 
-from experiments import harness
+from experiments import harness, trainer_workload
 
 CONFIG = "configs/grpo_qwen0_5b_cpu.py"
 
@@ -55,19 +55,6 @@ _TIMEOUT_S = flags.DEFINE_float("timeout_s", 3600.0, "Longest a run may take.")
 TAG_VAR = "STREAMRL_BENCH_TAG"
 TIME_KEYS = ("iteration_s", "generation_s", "training_s", "weight_update_s")
 
-# Qwen2.5-0.5B-Instruct's config.json, less what transformers fills in itself.
-QWEN2_5_0_5B = dict(
-    vocab_size=151936,
-    hidden_size=896,
-    intermediate_size=4864,
-    num_hidden_layers=24,
-    num_attention_heads=14,
-    num_key_value_heads=2,
-    max_position_embeddings=32768,
-    rope_theta=1000000.0,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=True,
-)
 _SHAPE_KEYS = (
     "vocab_size",
     "hidden_size",
@@ -77,9 +64,21 @@ _SHAPE_KEYS = (
     "num_key_value_heads",
     "tie_word_embeddings",
 )
-# The --quick run: the same family and vocabulary, a sliver of the depth and width.
-SMOKE = dict(
-    QWEN2_5_0_5B,
+
+
+def _config_json(name: str) -> dict:
+  """config.json keys of trainer_workload's model `name` (head_dim left for
+  transformers to derive), less what transformers fills in itself."""
+  from streamrl.models import hf  # pylint: disable=g-import-not-at-top
+
+  config = hf.hf_config_dict(trainer_workload.model_config(name))
+  return {
+      k: config[k] for k in _SHAPE_KEYS + ("max_position_embeddings", "rope_theta", "rms_norm_eps")
+  }
+
+
+# The --quick run: Qwen2.5-0.5B's family and vocabulary, a sliver of its depth and width.
+SMOKE_SHAPE = dict(
     vocab_size=32000,
     hidden_size=128,  # head_dim 32: the smallest vLLM's CPU attention takes
     intermediate_size=256,
@@ -307,7 +306,9 @@ def main(argv):
   if bad:
     raise app.UsageError(f"--mode has {bad}; use full, lora or both.")
   root = harness.workdir("/tmp/bench_real_model")  # checkpoint, data and workdirs
-  shape = SMOKE if harness.QUICK.value else QWEN2_5_0_5B
+  shape = _config_json("qwen2_0_5b")  # Qwen2.5-0.5B-Instruct's shapes
+  if harness.QUICK.value:
+    shape.update(SMOKE_SHAPE)
   name = "smoke" if harness.QUICK.value else "qwen2_5_0_5b"
   model_dir = write_checkpoint(os.path.join(root, f"model_{name}"), shape)
   data = write_gsm8k(os.path.join(root, "gsm8k.jsonl"))
