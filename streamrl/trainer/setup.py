@@ -8,6 +8,7 @@ that drive the loop themselves use the same ones:
   load_examples      the task's train and held-out examples
   policy_dir         the policy directory (`model.path`, or a warm-started tiny one)
   plan_memory        the memory plan, checked before the weights load
+  load_policy        the policy's weights, in the dtype the trainer keeps them
   make_tokenizer     its tokenizer, with the task's chat template
   fit_prompts        the examples without the prompts too long for the engine
   make_rewarder      the task's verifier

@@ -3,7 +3,6 @@ plain loops, one request or one draw at a time. `install` puts them into
 `streamrl.scheduling.dispatch`, so a test can plan the same round both ways
 and compare the decisions."""
 
-import functools
 import heapq
 import importlib
 
