@@ -16,7 +16,8 @@ reports over all samples (output tokens, EOS included):
                        variance / samples), over the total variance
   truncated            share of samples cut at sampling.max_tokens
   well_formed          (work traces) share of samples in the trace's shape:
-                       passes of a digit, dots and `|`, then `#`, letters, EOS
+                       passes of a digit, work units (`tasks.work_unit` of the
+                       tokenizer) and `|`, then `#`, letters, EOS
   accuracy             share of samples whose verified answer is right
 
 and the same lengths for what the warm-up teaches (the task's own sampler,
@@ -40,8 +41,12 @@ harness.engines_in_process()
 
 _PROMPTS = flags.DEFINE_integer("prompts", 64, "Held-out prompts to sample.")
 _SAMPLES = flags.DEFINE_integer("samples", 8, "Samples per prompt (at least 2).")
-# A finished work trace: passes (the passes left, WORK, PASS_END), WORK_END, the answer.
-_TRACE = re.compile(r"(\d\.+\|)*#[a-z]*")
+
+
+def trace_pattern(work: str) -> re.Pattern:
+  """A finished work trace of `work` units: passes (the passes left, the
+  units, PASS_END), WORK_END, the answer."""
+  return re.compile(rf"([1-9]{re.escape(work)}+\|)*#[a-z]*")
 
 
 def length_summary(groups: list[list[int]], max_tokens: int) -> dict:
@@ -94,14 +99,18 @@ def main(argv):
   if s.task.kind == "trace":
     texts = [tokenizer.decode(x.token_ids).strip() for x in samples]
     finished = [len(x.token_ids) < s.sampling.max_tokens for x in samples]
-    shaped = [f and _TRACE.fullmatch(t) is not None for f, t in zip(finished, texts)]
+    pattern = trace_pattern(tasks.work_unit(s.model.tokenizer))
+    shaped = [f and pattern.fullmatch(t) is not None for f, t in zip(finished, texts)]
     policy["well_formed"] = float(np.mean(shaped))
   policy["accuracy"] = float(np.mean(correct))
 
-  trace = setup.trace_config(s)
+  trace, work = setup.trace_config(s), tasks.work_unit(s.model.tokenizer)
   rng = np.random.default_rng(s.seed)
   taught = [
-      [len(tokenizer.encode_text(tasks.sft_target(ex, rng, trace))) + 1 for _ in range(n_samples)]
+      [
+          len(tokenizer.encode_text(tasks.sft_target(ex, rng, trace, work))) + 1
+          for _ in range(n_samples)
+      ]
       for ex in examples
   ]
   target = length_summary(taught, s.sampling.max_tokens)

@@ -86,10 +86,16 @@ def main(argv):
         f"{len(x.token_ids):4d} tokens, {by_id[x.prompt_id].prompt!r}: {tokenizer.decode(x.token_ids)!r}"
     )
 
-  trace = setup.trace_config(s)
+  # The taught responses in the policy's tokens (a real tokenizer merges
+  # characters), with the tokenizer's work unit.
+  trace, work = setup.trace_config(s), tasks.work_unit(s.model.tokenizer)
   rng = np.random.default_rng(s.seed)
   taught = [
-      [len(tasks.sft_target(ex, rng, trace)) + 1 for _ in range(n_samples)] for ex in examples
+      [
+          len(tokenizer.encode_text(tasks.sft_target(ex, rng, trace, work))) + 1
+          for _ in range(n_samples)
+      ]
+      for ex in examples
   ]
   target = length_report(taught, s.sampling.max_tokens)
   print(f"task.kind={s.task.kind} prompts={len(examples)} samples/prompt={n_samples}")

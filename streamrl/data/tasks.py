@@ -40,6 +40,18 @@ it (with the tiny policy it shortens it: longer traces are answered less
 accurately). With the defaults, output lengths have p99/p50 above 8 and the
 longest run past 256 tokens (`experiments/diag/workload_stats.py` measures them).
 
+The work unit follows the policy's tokenizer, so that a pass costs one token
+per input character under any of them (`work_unit`): `.` for the character
+tokenizer, `0` for SentencePiece, which merges runs of dots into a few
+pieces but splits digits one per token (the passes' countdown digits never
+reach 0, so a unit is never read as a countdown):
+
+  `rev:abc=` -> `2000|1000|#cba`   (the same trace under SentencePiece)
+
+A response then has `passes * (len(input) + 2)` tokens of work under either
+tokenizer; the answer's own tokens are the tokenizer's (`answer_tokens` of
+`expected_response_length`).
+
 Why filler and not a copy of the input: the tiny policy copies a string of
 more than a few characters badly, so copied passes turned into garbage that
 ran on (`experiments/diag/workload_stats.py` on the warm-started policy with
@@ -277,12 +289,26 @@ def answer_length_stats(examples: Sequence[Example]) -> dict[str, float]:
 
 # ------------------------------------------------------------------ traces
 PASS_END, WORK_END, WORK = "|", "#", "."
-# A pass: the passes left (one digit, so at most 9 passes), one WORK per input
-# character, PASS_END.
+# A pass: the passes left (one digit, so at most 9 passes), one work unit per
+# input character, PASS_END.
 MAX_PASSES = 9
 # Bumped when the text of a trace changes, so a cached warm start taught the
 # old text is not reused (2: countdown passes of WORK; 1 copied the input).
+# A work unit other than WORK enters the key on its own (`work_unit`).
 TRACE_FORMAT = 2
+# The work unit per tokenizer kind (`model.tokenizer`): one token per unit.
+# SentencePiece (Llama/Mistral's, split_digits) merges `....` into one piece
+# but keeps every digit its own token.
+WORK_UNITS = {"chars": WORK, "sentencepiece": "0"}
+
+
+def work_unit(tokenizer_kind: str) -> str:
+  """The trace's work unit under `model.tokenizer=tokenizer_kind`."""
+  if tokenizer_kind not in WORK_UNITS:
+    raise ValueError(
+        f"No trace work unit for tokenizer {tokenizer_kind!r}; choose one of {list(WORK_UNITS)}."
+    )
+  return WORK_UNITS[tokenizer_kind]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -316,28 +342,47 @@ class TraceConfig:
     return min(max(fit, 0), MAX_PASSES)
 
 
-def trace_text(s: str, answer: str, passes: int) -> str:
-  """The response with `passes` passes over `s`: `2...|1...|#cba`."""
-  return "".join(f"{left}{WORK * len(s)}{PASS_END}" for left in range(passes, 0, -1)) + (
+def trace_text(s: str, answer: str, passes: int, work: str = WORK) -> str:
+  """The response with `passes` passes over `s`: `2...|1...|#cba` (`work`
+  the unit: `work_unit`)."""
+  return "".join(f"{left}{work * len(s)}{PASS_END}" for left in range(passes, 0, -1)) + (
       WORK_END + answer
   )
 
 
-def sample_trace(s: str, answer: str, rng: np.random.Generator, config: TraceConfig) -> str:
+def sample_trace(
+    s: str, answer: str, rng: np.random.Generator, config: TraceConfig, work: str = WORK
+) -> str:
   """One response to a prompt with input `s`: passes, `#`, the answer."""
   stop = config.stop_probability(len(s))
-  return trace_text(s, answer, min(int(rng.geometric(stop)) - 1, config.max_passes(s, answer)))
+  passes = min(int(rng.geometric(stop)) - 1, config.max_passes(s, answer))
+  return trace_text(s, answer, passes, work)
 
 
-def expected_response_length(s: str, answer: str, config: TraceConfig) -> float:
+def expected_response_length(
+    s: str, answer: str, config: TraceConfig, answer_tokens: int | None = None
+) -> float:
   """E[tokens] of a `sample_trace` response, EOS included (exact: the
-  truncated geometric's mean)."""
+  truncated geometric's mean). A pass is `len(s) + 2` tokens under every
+  tokenizer (`work_unit`); `answer_tokens` is the answer's own count (default
+  `len(answer)`, the character tokenizer's; `answer_token_counter` for
+  another tokenizer)."""
   stop = config.stop_probability(len(s))
   cap = config.max_passes(s, answer)
   q = 1.0 - stop
   # E[min(K, cap)] for K ~ Geometric(stop) on {0, 1, ...} = sum_{j=1..cap} q^j.
   mean_k = q * (1.0 - q**cap) / stop if stop < 1.0 else 0.0
-  return mean_k * (len(s) + 2) + len(answer) + 2
+  n_answer = len(answer) if answer_tokens is None else answer_tokens
+  return mean_k * (len(s) + 2) + n_answer + 2
+
+
+def answer_token_counter(encode: Callable[[str], Sequence[int]]) -> Callable[[str], int]:
+  """answer -> its tokens where a trace writes it, after `|#`, under
+  `encode` (a tokenizer's text -> ids, no special tokens): what the answer
+  adds to the encoding of a pass's end and the `#`."""
+  lead = PASS_END + WORK_END
+  base = len(encode(lead))
+  return lambda answer: len(encode(lead + answer)) - base
 
 
 def final_answer(response: str) -> str:
@@ -347,25 +392,34 @@ def final_answer(response: str) -> str:
   return response[cut + 1 :].strip() if cut >= 0 else ""
 
 
-def add_traces(examples: Sequence[Example], config: TraceConfig) -> list[Example]:
+def add_traces(
+    examples: Sequence[Example],
+    config: TraceConfig,
+    answer_tokens: Callable[[str], int] | None = None,
+) -> list[Example]:
   """The same examples as trace prompts: same prompt and answer, task
-  `trace-<op>`, and their expected response length."""
+  `trace-<op>`, and their expected response length (the answer counted by
+  `answer_tokens`, default its characters: `expected_response_length`)."""
   out = []
   for ex in examples:
     _, s = parse_prompt(ex.prompt)
+    n_answer = None if answer_tokens is None else answer_tokens(ex.answer)
     out.append(
         dataclasses.replace(
             ex,
             task=f"trace-{ex.task}",
-            expected_length=expected_response_length(s, ex.answer, config),
+            expected_length=expected_response_length(s, ex.answer, config, n_answer),
         )
     )
   return out
 
 
-def sft_target(example: Example, rng: np.random.Generator, config: TraceConfig | None) -> str:
-  """The warm-up's target response: the answer, or (trace tasks) a sampled trace."""
+def sft_target(
+    example: Example, rng: np.random.Generator, config: TraceConfig | None, work: str = WORK
+) -> str:
+  """The warm-up's target response: the answer, or (trace tasks) a sampled
+  trace of `work` units (`work_unit`)."""
   if config is None or not example.task.startswith("trace-"):
     return example.answer
   _, s = parse_prompt(example.prompt)
-  return sample_trace(s, example.answer, rng, config)
+  return sample_trace(s, example.answer, rng, config, work)

@@ -57,6 +57,7 @@ def tiny_model_dir(
   """Where `prepare_model_dir` keeps the warm-started tiny policy of these
   settings: <workdir>/warmstart-<key>, the key covering only what changes its
   weights (not, say, the eval set size). Nothing is created or checked."""
+  work = tasks.work_unit(model.tokenizer)
   key = fingerprint(
       {
           "tiny": model.tiny,
@@ -76,7 +77,12 @@ def tiny_model_dir(
           "max_answer_len": task.max_answer_len,
           "seed": seed,
           **(
-              {"trace": dataclasses.asdict(trace), "trace_format": tasks.TRACE_FORMAT}
+              {
+                  "trace": dataclasses.asdict(trace),
+                  "trace_format": tasks.TRACE_FORMAT,
+                  # Only when not the character tokenizer's, so its caches keep their names.
+                  **({"work": work} if work != tasks.WORK else {}),
+              }
               if trace is not None
               else {}
           ),
@@ -144,7 +150,13 @@ def prepare_model_dir(
       )
     t0 = time.time()
     phases = warmup_phases(
-        warm, train_examples, seed=seed, trace=trace, calc=calc, tokenizer=tokenizer
+        warm,
+        train_examples,
+        seed=seed,
+        trace=trace,
+        calc=calc,
+        tokenizer=tokenizer,
+        work=tasks.work_unit(model.tokenizer),
     )
     for steps, pairs in phases:
       seq_len = max(len(p) + len(a) for p, a, *_ in pairs)
@@ -170,11 +182,21 @@ def prepare_model_dir(
   return path
 
 
-def warmup_phases(warm: Warmstart, examples, *, seed: int, trace=None, calc=None, tokenizer=None):
+def warmup_phases(
+    warm: Warmstart,
+    examples,
+    *,
+    seed: int,
+    trace=None,
+    calc=None,
+    tokenizer=None,
+    work: str = tasks.WORK,
+):
   """[(steps, (prompt ids, answer ids[, answer mask]) pairs)] of the warm-up.
 
   `tokenizer` (a `data.tokenizer.Tokenizer`) encodes them with a real
   tokenizer's chat template (`_encode_pairs`); None: the character tokenizer.
+  `work` is the traces' work unit (`tasks.work_unit` of the tokenizer).
 
   One phase on the synthetic tasks. On the agentic sums two: tool trajectories
   alone for `calc.tool_steps` steps (so the policy learns to copy what is left
@@ -184,12 +206,12 @@ def warmup_phases(warm: Warmstart, examples, *, seed: int, trace=None, calc=None
   """
   rng = np.random.default_rng(seed)
   if tokenizer is not None:
-    targets = [tasks.sft_target(e, rng, trace) for e in examples]
+    targets = [tasks.sft_target(e, rng, trace, work) for e in examples]
     return [(warm.steps, _encode_pairs(tokenizer, examples, targets))]
   prompts = [[char_tok.BOS_ID] + char_tok.encode(e.prompt) for e in examples]
   if calc is None:
     answers = [
-        char_tok.encode(tasks.sft_target(e, rng, trace)) + [char_tok.EOS_ID] for e in examples
+        char_tok.encode(tasks.sft_target(e, rng, trace, work)) + [char_tok.EOS_ID] for e in examples
     ]
     return [(warm.steps, list(zip(prompts, answers)))]
 

@@ -167,3 +167,33 @@ def test_trace_examples_carry_their_expected_length():
   assert ex.task.startswith("trace-")
   assert ex.expected_length == tasks.expected_response_length(s, ex.answer, cfg)
   assert tasks.sft_target(ex, np.random.default_rng(0), cfg).endswith("#" + ex.answer)
+
+
+def test_the_work_unit_follows_the_tokenizer_and_the_character_text_stays():
+  assert tasks.trace_text("abc", "cba", 2) == "2...|1...|#cba"
+  assert tasks.work_unit("chars") == tasks.WORK
+  unit = tasks.work_unit("sentencepiece")
+  assert tasks.trace_text("abc", "cba", 2, unit) == "2000|1000|#cba"
+  cfg = tasks.TraceConfig(base_passes=1.0, passes_per_char=0.0, max_tokens=64)
+  a, b = np.random.default_rng(0), np.random.default_rng(0)
+  for _ in range(20):
+    dots, zeros = tasks.sample_trace("ab", "ba", a, cfg), tasks.sample_trace(
+        "ab", "ba", b, cfg, unit
+    )
+    assert zeros == dots.replace(".", unit)
+  with pytest.raises(ValueError, match="work unit"):
+    tasks.work_unit("bytes")
+
+
+def test_expected_length_counts_the_answer_in_the_tokenizers_tokens():
+  cfg = tasks.TraceConfig()
+  s = "abcdef"
+  chars = tasks.expected_response_length(s, s, cfg)
+  # An answer of 2 tokens where the characters are 6: 4 tokens fewer.
+  assert tasks.expected_response_length(s, s, cfg, answer_tokens=2) == pytest.approx(chars - 4)
+  # The character tokenizer's count of what an answer adds after `|#`.
+  count = tasks.answer_token_counter(list)
+  assert count("abc") == 3 and count("") == 0
+  (ex,) = tasks.add_traces(tasks.make_examples(1, seed=0), cfg, answer_tokens=lambda a: 1)
+  _, s = tasks.parse_prompt(ex.prompt)
+  assert ex.expected_length == tasks.expected_response_length(s, ex.answer, cfg, 1)
