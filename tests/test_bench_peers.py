@@ -99,3 +99,21 @@ def test_the_report_compares_streamrl_with_each_peer(setup, tmp_path, capsys):
   assert os.path.exists(tmp_path / "accuracy_vs_time_seed0.png")
   out = capsys.readouterr().out
   assert re.search(r"unmatched \(tunix\): a setting", out)
+
+
+def test_streamrl_alone_reports_its_own_keys_and_bounds(setup, tmp_path):
+  s = setup[0]
+  streamrl = dict(
+      _system(120.0, [0.2, 0.3], [0.0, 2.0]),
+      stalls=0,
+      stall_s=0.0,
+      steady_samples_per_s=120.0,
+      time_split=dict(generation=1.0, training=2.0, weight_update=0.0, generation_wait=0.0),
+  )
+  line = bench_peers.report({"streamrl": streamrl}, s, str(tmp_path))
+  got = dict(kv.split("=") for kv in line.split()[1:])
+  assert not any("trl" in k or "tunix" in k for k in got)
+  assert got["streamrl_samples_per_s"] == "120.0"
+  # 240 samples: over the trainer's 2 s, and over the 1.5 s mean of both parts.
+  assert got["streamrl_overlap_bound_samples_per_s"] == "120.0"
+  assert got["streamrl_split_bound_samples_per_s"] == "160.0"

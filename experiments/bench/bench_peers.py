@@ -64,9 +64,18 @@ all systems. Ends with
          accuracy_delta_trl_equal_time=.. trl_samples_per_s=.. trl_acc=..
          streamrl_over_tunix_samples_per_s=.. (the same keys for tunix)
          streamrl_samples_per_s=.. streamrl_acc=.. streamrl_stall_s=..
-         streamrl_steady_samples_per_s=..
+         streamrl_steady_samples_per_s=.. streamrl_generation_s=..
+         streamrl_training_s=.. streamrl_overlap_bound_samples_per_s=..
+         streamrl_split_bound_samples_per_s=..
 
-(deltas: StreamRL minus the peer, points of sampled held-out accuracy).
+(deltas: StreamRL minus the peer, points of sampled held-out accuracy; a
+peer's keys only where it ran or --resume_summary kept it, so
+`--systems=streamrl` prints StreamRL's alone). StreamRL's bounds come from
+its own run: generation_s and training_s are the generator's and the
+trainer's busy seconds summed over the iterations, the overlap bound is the
+samples over the larger of the two (each on its own core, perfectly
+overlapped), the split bound the samples over their mean (the same work
+spread evenly over both cores).
 Results: experiments/RESULTS.md and the README.
 """
 
@@ -473,7 +482,7 @@ def report(results: dict, s, out_dir: str) -> str:
   for name, r in results.items():
     for line in r.get("unmatched", []):
       print(f"unmatched ({name}): {line}")
-  if "streamrl" not in results or len(results) < 2:
+  if "streamrl" not in results:
     return ""
   a = results["streamrl"]
   png = os.path.join(out_dir, f"accuracy_vs_time_seed{s.seed}.png")
@@ -510,6 +519,15 @@ def report(results: dict, s, out_dir: str) -> str:
       streamrl_stall_s=f"{a['stall_s']:.0f}",
       streamrl_steady_samples_per_s=f"{a['steady_samples_per_s']:.1f}",
   )
+  if "time_split" in a:
+    samples = a["samples_per_s"] * a["train_s"]
+    gen_s, train_s = a["time_split"]["generation"], a["time_split"]["training"]
+    keys.update(
+        streamrl_generation_s=f"{gen_s:.1f}",
+        streamrl_training_s=f"{train_s:.1f}",
+        streamrl_overlap_bound_samples_per_s=f"{samples / max(gen_s, train_s, 1e-9):.1f}",
+        streamrl_split_bound_samples_per_s=f"{samples / max((gen_s + train_s) / 2, 1e-9):.1f}",
+    )
   return harness.report(out=out_dir, summary={"systems": results}, **keys)
 
 
