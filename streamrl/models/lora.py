@@ -11,6 +11,11 @@ the order the HF layout flattens them (streamrl/models/hf.py). `b` starts at
 zero, so a fresh adapter is the base model exactly, and the base model with
 the adapter off is the reference policy: no second copy.
 
+The trainer never forms W': its forward passes take the adapter by layer
+(`by_layer`) and add x a b beside each x W (`transformer.project`), so
+neither a merged weight nor its weight-sized gradient exists in a step.
+`merged` builds W' where a whole model is wanted (exports, an HF policy).
+
 For the generators an adapter travels as PEFT-named tensors
 (`base_model.model.model.layers.<i>.self_attn.q_proj.lora_A.weight` [r, in],
 `...lora_B.weight` [out, r]) with the scale folded into B, so any PEFT
@@ -117,10 +122,20 @@ def delta(ab: Mapping, shape: tuple[int, ...], scale: float, dtype) -> jax.Array
   return (scale * (ab["a"] @ ab["b"])).reshape(shape).astype(dtype)
 
 
+def by_layer(adapters: Mapping, spec: LoraSpec, num_layers: int) -> list[dict]:
+  """The adapter as the model's projections take it (`transformer.project`):
+  per layer, target -> {"a": a, "b": scale * b}. Traceable: the train step
+  calls it inside its jitted loss, so gradients reach `a` and `b`."""
+  out = [{} for _ in range(num_layers)]
+  for key, ab in adapters.items():
+    layer, target = key.split(".")
+    out[int(layer)][target] = {"a": ab["a"], "b": spec.scale * ab["b"]}
+  return out
+
+
 def merged(base, adapters: Mapping, spec: LoraSpec):
   """`base` (the policy's parameter State) with each adapted weight replaced
-  by W + scale * a @ b; everything else is `base`'s own arrays. Traceable:
-  the train step merges inside its jitted loss, so gradients reach `a`, `b`."""
+  by W + scale * a @ b; everything else is `base`'s own arrays (traceable)."""
 
   def add(path, leaf):
     keys = [getattr(k, "key", getattr(k, "idx", None)) for k in path]

@@ -13,13 +13,19 @@ whatever it is; logits and log-probabilities are always fp32, and with
 `read_dtype_cast` stores a frozen copy in exactly the dtypes the forward pass
 reads, which halves it under bf16 compute without changing any result.
 
+LoRA: the trunk takes an optional adapter per layer (`project`), applied
+beside each frozen weight rather than merged into it, so a LoRA step never
+holds a merged weight or a weight-sized gradient (streamrl/models/lora.py).
+
 Shapes: b batch, t time, d hidden, h query heads, k kv heads, g = h // k,
-n head_dim, f MLP width, v vocab.
+n head_dim, f MLP width, v vocab, r adapter rank.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +48,104 @@ _REMAT_POLICIES = {
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
     "minimal": jax.checkpoint_policies.save_only_these_names(*_SAVED_NAMES),
 }
+
+
+# A layer's adapters: projection name (q, k, v, o, gate, up, down) -> {"a": [in, r],
+# "b": [r, out]} with the scale folded into b (`lora.by_layer`).
+LayerAdapters = Mapping[str, Mapping[str, jax.Array]]
+
+
+def project(
+    spec: str, x: jax.Array, w: jax.Array, adapter: Mapping[str, jax.Array] | None = None
+) -> jax.Array:
+  """`einsum(spec, x, w)` in x's dtype, plus an unmerged LoRA term (x @ a) @ b.
+
+  Args:
+    spec: the einsum of the projection; x's leading two dims are batch and time.
+    x: [b, t, ...] activations; w: the stored weight, cast to x's dtype here.
+    adapter: None, or {"a": [in, r], "b": [r, out]} (scale folded into b) with
+      `in` x's trailing dims and `out` the result's trailing dims, each
+      flattened in order (the HF layout's flattening, streamrl/models/lora.py).
+  Returns:
+    x w + (x a) b, the result of the merged weight w + a b up to rounding; the
+    low-rank term is [b, t, r] in between, so no weight-sized array is formed
+    forward or backward.
+  """
+  dt = x.dtype
+  y = matmul(spec, x, w)
+  if adapter is None:
+    return y
+  low_btr = x.reshape(x.shape[:2] + (-1,)) @ adapter["a"].astype(dt)
+  return y + (low_btr @ adapter["b"].astype(dt)).reshape(y.shape)
+
+
+def _tie(w: jax.Array, dy: jax.Array) -> jax.Array:
+  """`w`, computable only once `dy` exists: XLA cannot hoist or share a cast of
+  it with the forward pass's (it keeps a float multiply by zero, and its CPU
+  compiler drops optimization barriers)."""
+  return w + (dy.reshape(-1)[0] * 0).astype(w.dtype)
+
+
+def _einsum_specs(spec: str) -> tuple[str, str, str]:
+  ins, y = spec.split("->")
+  x, w = ins.split(",")
+  return x, w, y
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3, 4))
+def matmul(
+    spec: str, x: jax.Array, w: jax.Array, out_dtype=None, weight_left: bool = False
+) -> jax.Array:
+  """`einsum(spec, x, w)` on a weight: bf16 operands, fp32 sums, no weight-sized copies.
+
+  The weight is cast to x's dtype and the products accumulate in fp32, in
+  the forward and the backward pass alike. Written as a plain einsum, a bf16
+  dot with a bf16 result runs on XLA's CPU backend as an fp32 dot of fp32
+  copies of its operands, and autodiff keeps the weight's copy from the
+  forward pass to the backward pass: an fp32 copy of every weight at once.
+  Here the backward pass reads the stored weight again (cast again when its
+  dtype is not x's) and keeps only x.
+
+  Args:
+    spec: a two-operand einsum "X,W->Y" (x first) without repeated indices.
+    x: activations; w: the stored weight (any float dtype), read in x's dtype.
+    out_dtype: the result's dtype (default x's).
+    weight_left: the weight is the dot's left operand (XLA's CPU dot reads
+      its left operand's contracted dimension in place when it is the minor
+      one, as for a tied head [v, d], which it would otherwise copy transposed).
+  Returns:
+    the einsum, in `out_dtype`; gradients for x in x's dtype and for w in w's.
+  """
+  xs, ws, ys = _einsum_specs(spec)
+  w = w.astype(x.dtype)
+  if weight_left:  # jnp.einsum may swap the operands: the dot spelled out
+    contract = [c for c in ws if c in xs and c not in ys]
+    dims = ((tuple(ws.index(c) for c in contract), tuple(xs.index(c) for c in contract)), ((), ()))
+    y = jax.lax.dot_general(w, x, dims, preferred_element_type=_F32)
+    order = [c for c in ws if c not in contract] + [c for c in xs if c not in contract]
+    y = jnp.transpose(y, [order.index(c) for c in ys])
+  else:
+    y = jnp.einsum(spec, x, w, preferred_element_type=_F32)
+  return y.astype(out_dtype or x.dtype)
+
+
+def _matmul_fwd(spec, x, w, out_dtype, weight_left):
+  return matmul(spec, x, w, out_dtype, weight_left), (x, w)
+
+
+def _matmul_bwd(spec, out_dtype, weight_left, res, dy):
+  del out_dtype, weight_left
+  x, w_stored = res
+  xs, ws, ys = _einsum_specs(spec)
+  dt = x.dtype
+  w = w_stored if w_stored.dtype == dt else _tie(w_stored, dy)
+  w, dy = w.astype(dt), dy.astype(dt)
+  dx = jnp.einsum(f"{ys},{ws}->{xs}", dy, w, preferred_element_type=_F32).astype(dt)
+  dw = jnp.einsum(f"{xs},{ys}->{ws}", x, dy, preferred_element_type=_F32)
+  return dx, dw.astype(w_stored.dtype)
+
+
+matmul.defvjp(_matmul_fwd, _matmul_bwd)
 
 
 def _param(rngs: nnx.Rngs, init, shape, axes, dtype=jnp.float32) -> nnx.Param:
@@ -145,12 +249,15 @@ class Attention(nnx.Module):
       x_btd: jax.Array,
       positions_bt: jax.Array | None = None,
       attention: str = "fused",
+      adapters: LayerAdapters | None = None,
   ) -> jax.Array:
-    """Causal self-attention; `positions_bt` None means 0, 1, ..., t - 1 in every row."""
+    """Causal self-attention; `positions_bt` None means 0, 1, ..., t - 1 in every row;
+    `adapters` (q, k, v, o) as `project` takes them."""
     cfg, dt = self.cfg, x_btd.dtype
-    q = jnp.einsum("BTD,DHN->BTHN", x_btd, self.w_q_dhn[...].astype(dt))
-    k = jnp.einsum("BTD,DKN->BTKN", x_btd, self.w_k_dkn[...].astype(dt))
-    v = jnp.einsum("BTD,DKN->BTKN", x_btd, self.w_v_dkn[...].astype(dt))
+    ad = adapters or {}
+    q = project("BTD,DHN->BTHN", x_btd, self.w_q_dhn[...], ad.get("q"))
+    k = project("BTD,DKN->BTKN", x_btd, self.w_k_dkn[...], ad.get("k"))
+    v = project("BTD,DKN->BTKN", x_btd, self.w_v_dkn[...], ad.get("v"))
     if cfg.qkv_bias:
       q = q + self.b_q_hn[...].astype(dt)
       k = k + self.b_k_kn[...].astype(dt)
@@ -173,7 +280,7 @@ class Attention(nnx.Module):
     else:
       out_bthn = reference_attention(q, k, v, positions_bt)
     out_bthn = checkpoint_name(out_bthn, "attn_out")
-    return jnp.einsum("BTHN,HND->BTD", out_bthn, self.w_o_hnd[...].astype(dt))
+    return project("BTHN,HND->BTD", out_bthn, self.w_o_hnd[...], ad.get("o"))
 
 
 def fused_attention(q_bthn: jax.Array, k_btkn: jax.Array, v_btkn: jax.Array) -> jax.Array:
@@ -210,11 +317,13 @@ class MLP(nnx.Module):
     self.w_up_df = _param(rngs, _normal, (d, f), ("embed", "mlp"))
     self.w_down_fd = _param(rngs, _normal, (f, d), ("mlp", "embed"))
 
-  def __call__(self, x_btd: jax.Array) -> jax.Array:
-    dt = x_btd.dtype
-    gate = jax.nn.silu(x_btd @ self.w_gate_df[...].astype(dt))
-    hidden = checkpoint_name(gate * (x_btd @ self.w_up_df[...].astype(dt)), "mlp_hidden")
-    return hidden @ self.w_down_fd[...].astype(dt)
+  def __call__(self, x_btd: jax.Array, adapters: LayerAdapters | None = None) -> jax.Array:
+    """SwiGLU; `adapters` (gate, up, down) as `project` takes them."""
+    ad = adapters or {}
+    gate = jax.nn.silu(project("BTD,DF->BTF", x_btd, self.w_gate_df[...], ad.get("gate")))
+    up = project("BTD,DF->BTF", x_btd, self.w_up_df[...], ad.get("up"))
+    hidden = checkpoint_name(gate * up, "mlp_hidden")
+    return project("BTF,FD->BTD", hidden, self.w_down_fd[...], ad.get("down"))
 
 
 class Block(nnx.Module):
@@ -226,10 +335,14 @@ class Block(nnx.Module):
     self.mlp = MLP(cfg, rngs=rngs)
 
   def __call__(
-      self, x_btd: jax.Array, positions_bt: jax.Array | None, attention: str = "fused"
+      self,
+      x_btd: jax.Array,
+      positions_bt: jax.Array | None,
+      attention: str = "fused",
+      adapters: LayerAdapters | None = None,
   ) -> jax.Array:
-    x_btd = x_btd + self.attn(self.attn_norm(x_btd), positions_bt, attention)
-    return x_btd + self.mlp(self.mlp_norm(x_btd))
+    x_btd = x_btd + self.attn(self.attn_norm(x_btd), positions_bt, attention, adapters)
+    return x_btd + self.mlp(self.mlp_norm(x_btd), adapters)
 
 
 class Trunk(nnx.Module):
@@ -246,17 +359,19 @@ class Trunk(nnx.Module):
       tokens_bt: jax.Array,
       positions_bt: jax.Array | None = None,
       compute: ComputeConfig = _DEFAULT_COMPUTE,
+      adapters: Sequence[LayerAdapters] | None = None,
   ) -> jax.Array:
-    """Hidden states [b, t, d] after the final norm, in `compute.head_dtype`."""
+    """Hidden states [b, t, d] after the final norm, in `compute.head_dtype`;
+    `adapters`: one layer's LoRA adapters per block (`project`), or None."""
     # Gather in the stored dtype, then cast: only [b, t, d] is converted.
     x_btd = jnp.take(self.embedding_vd[...], tokens_bt, axis=0).astype(compute.dtype)
-    call = lambda block, x, pos: block(x, pos, compute.attention)
+    call = lambda block, x, pos, ad: block(x, pos, compute.attention, ad)
     if compute.remat == "none":
       run = call
     else:
       run = nnx.remat(call, policy=_REMAT_POLICIES[compute.remat])
-    for block in self.blocks:
-      x_btd = run(block, x_btd, positions_bt)
+    for i, block in enumerate(self.blocks):
+      x_btd = run(block, x_btd, positions_bt, adapters[i] if adapters else None)
     return self.final_norm(x_btd, out_dtype=compute.head_dtype)
 
 
@@ -281,9 +396,10 @@ class Transformer(nnx.Module):
       tokens_bt: jax.Array,
       positions_bt: jax.Array | None = None,
       compute: ComputeConfig = _DEFAULT_COMPUTE,
+      adapters: Sequence[LayerAdapters] | None = None,
   ) -> jax.Array:
     """Returns float32 logits [b, t, v] (all of them: see `next_token_logprobs`)."""
-    h_btd = self.trunk(tokens_bt, positions_bt, compute)
+    h_btd = self.trunk(tokens_bt, positions_bt, compute, adapters)
     return head_logits(h_btd, self.head_weight, self.cfg.tie_embeddings)
 
 
@@ -332,9 +448,8 @@ def head_logits(h_btd: jax.Array, w_head: jax.Array, tied: bool) -> jax.Array:
     w_head: `Transformer.head_weight` as stored: [v, d] if `tied`, else [d, v].
     tied: whether `w_head` is the embedding.
   """
-  w = w_head.astype(h_btd.dtype)
   spec = "BTD,VD->BTV" if tied else "BTD,DV->BTV"
-  return jnp.einsum(spec, h_btd, w, preferred_element_type=_F32)
+  return matmul(spec, h_btd, w_head, _F32, weight_left=tied)
 
 
 def chunked_token_logprobs(
@@ -391,14 +506,16 @@ def next_token_logprobs(
     tokens_bt: jax.Array,
     temperature: float = 1.0,
     compute: ComputeConfig = _DEFAULT_COMPUTE,
+    adapters: Sequence[LayerAdapters] | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """Per-token logprobs and entropies [b, t] of a right-padded token batch.
 
   Position t scores token t + 1 given tokens [0, t]; the last column is
   padding (zero) so the outputs keep shape [b, t]. Chunked over time by
   `compute.logprob_chunk` (no full [b, t, v] logits), always fp32.
+  `adapters`: LoRA adapters by layer (`Trunk`), applied unmerged.
   """
-  h_btd = model.trunk(tokens_bt, None, compute)
+  h_btd = model.trunk(tokens_bt, None, compute, adapters)
   targets_bt = jnp.concatenate([tokens_bt[:, 1:], jnp.zeros_like(tokens_bt[:, :1])], 1)
   logp, ent = chunked_token_logprobs(
       h_btd,

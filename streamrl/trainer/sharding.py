@@ -15,6 +15,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from streamrl.models import lora
+
 MESH_AXES = ("data", "fsdp", "tensor")
 
 # Data parallel over (data, fsdp); parameters fully sharded over fsdp on their
@@ -174,3 +176,39 @@ def batch_sharding(
   (replicated when `shape` says the batch doesn't divide evenly)."""
   spec = logical_to_spec(("batch",) + (None,) * (ndim - 1), rules, mesh, shape)
   return NamedSharding(mesh, spec)
+
+
+def adapter_shardings(adapters: Mapping, params) -> dict:
+  """`adapters` (`lora.init_adapters`) placed like the weights they adapt.
+
+  `a` [in, r] is split as the weight's first input dimension and `b` [r, out]
+  as its first output dimension (where it divides evenly): the placement the
+  train step's outputs take, so a fresh or restored adapter runs the same
+  programs, with the same sums, as a trained one. `params` is the policy's
+  parameter State; unsharded weights leave the adapter as it is.
+  """
+  out = {}
+  for key, ab in adapters.items():
+    layer, target = key.split(".")
+    module, name, n_in, _ = lora.TARGETS[target]
+    weight = params["trunk"]["blocks"][int(layer)][module][name]
+    s = getattr(weight, "value", weight).sharding
+    if not isinstance(s, NamedSharding):
+      out[key] = ab
+      continue
+    spec = tuple(s.spec) + (None,) * (len(weight.shape) - len(s.spec))
+    out[key] = {
+        "a": _split_one(ab["a"], s.mesh, spec[0], 0),
+        "b": _split_one(ab["b"], s.mesh, spec[n_in], 1),
+    }
+  return out
+
+
+def _split_one(x: jax.Array, mesh: Mesh, axes, dim: int) -> jax.Array:
+  """`x` [m, n] on `mesh`, split over mesh `axes` along `dim` where it divides evenly."""
+  names = (axes,) if isinstance(axes, str) else tuple(axes or ())
+  size = int(np.prod([mesh.shape[m] for m in names]))
+  parts = [None, None]
+  if names and x.shape[dim] % size == 0:
+    parts[dim] = axes
+  return jax.device_put(x, NamedSharding(mesh, P(*parts)))

@@ -37,6 +37,7 @@ from streamrl.models.config import ComputeConfig
 from streamrl.models.transformer import next_token_logprobs, read_dtype_cast
 from streamrl.generator.config import Sampling
 from streamrl.rl.config import Kl, Loss
+from streamrl.trainer import sharding
 from streamrl.trainer.config import Optimizer
 
 # The jitted step reads the run's own parts, which are frozen dataclasses and
@@ -150,9 +151,10 @@ def init_state(
   base = None
   if lora is not None:
     base = frozen_copy(actor_params, actor.cfg, compute)
-    actor_params = lora_lib.init_adapters(
+    adapters = lora_lib.init_adapters(
         actor_params, actor.cfg.num_layers, lora, jax.random.key(seed)
     )
+    actor_params = sharding.adapter_shardings(adapters, actor_params)
   state = TrainState(
       step=jnp.zeros((), jnp.int32),
       actor=actor_params,
@@ -170,8 +172,18 @@ def init_state(
 
 def actor_params(params, base, lora: lora_lib.LoraSpec | None):
   """The actor's full parameters: `params` itself, or with LoRA the frozen
-  `base` with the adapter `params` merged in (traceable)."""
+  `base` with the adapter `params` merged in (for exports; the step never merges)."""
   return params if lora is None else lora_lib.merged(base, params, lora)
+
+
+def actor_model(params, graphdef, base, lora: lora_lib.LoraSpec | None):
+  """(model, adapters) for `next_token_logprobs`: the model of `params`, or
+  with LoRA the frozen `base`'s model and the adapter `params` by layer,
+  applied beside each weight unmerged (traceable)."""
+  if lora is None:
+    return nnx.merge(graphdef, params), None
+  model = nnx.merge(graphdef, base)
+  return model, lora_lib.by_layer(params, lora, model.cfg.num_layers)
 
 
 def _actor_loss(
@@ -185,8 +197,10 @@ def _actor_loss(
     base=None,
     lora=None,
 ):
-  model = nnx.merge(graphdef, actor_params(params, base, lora))
-  logp, entropy = next_token_logprobs(model, batch["tokens_bt"], sampling.temperature, compute)
+  model, adapters = actor_model(params, graphdef, base, lora)
+  logp, entropy = next_token_logprobs(
+      model, batch["tokens_bt"], sampling.temperature, compute, adapters
+  )
   logp, entropy = logp[:, :-1], entropy[:, :-1]
   mask = batch["mask_bt"][:, :-1]
   old_logp = batch["old_logp_bt"][:, :-1]
@@ -471,10 +485,10 @@ def policy_logprobs(
 
   fp32, chunked over time as the loss is (`compute.logprob_chunk`), so
   scoring never holds [b, t, v] logits either. With `lora`, `params` is an
-  adapter on `base` (see `actor_params`).
+  adapter on `base` (see `actor_model`).
   """
-  model = nnx.merge(graphdef, actor_params(params, base, lora))
-  return next_token_logprobs(model, tokens_bt, temperature, compute)
+  model, adapters = actor_model(params, graphdef, base, lora)
+  return next_token_logprobs(model, tokens_bt, temperature, compute, adapters)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "compute"))

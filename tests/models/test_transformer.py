@@ -336,3 +336,46 @@ def test_random_init_makes_each_parameter_in_its_sharding_with_a_traced_key():
   )
   assert "threefry" in hlo.lower() or "rng" in hlo.lower()
   assert "constant" not in hlo.split("ENTRY")[-1].split("\n")[1] if "ENTRY" in hlo else True
+
+
+@pytest.mark.parametrize(
+    "spec,x_shape,w_shape,weight_left",
+    [
+        ("BTD,DHN->BTHN", (2, 5, 8), (8, 3, 4), False),
+        ("BTHN,HND->BTD", (2, 5, 3, 4), (3, 4, 8), False),
+        ("BTD,VD->BTV", (2, 5, 8), (11, 8), True),
+    ],
+)
+def test_matmul_equals_the_einsum_with_its_gradients(spec, x_shape, w_shape, weight_left):
+  kx, kw, ky = jax.random.split(jax.random.key(0), 3)
+  x = jax.random.normal(kx, x_shape)
+  w = jax.random.normal(kw, w_shape)
+  dy = jax.random.normal(ky, jnp.einsum(spec, x, w).shape)
+  plain = lambda x, w: jnp.einsum(spec, x, w)
+  ours = lambda x, w: transformer.matmul(spec, x, w, None, weight_left)
+  np.testing.assert_allclose(ours(x, w), plain(x, w), rtol=1e-5, atol=1e-5)
+  for got, want in zip(jax.vjp(ours, x, w)[1](dy), jax.vjp(plain, x, w)[1](dy)):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  # bf16 activations on an fp32 weight: the gradients come back in each input's dtype.
+  xb = x.astype(jnp.bfloat16)
+  y, vjp = jax.vjp(ours, xb, w)
+  dx, dw = vjp(dy.astype(jnp.bfloat16))
+  assert y.dtype == dx.dtype == jnp.bfloat16 and dw.dtype == jnp.float32
+  np.testing.assert_allclose(dw, jax.vjp(plain, x, w)[1](dy)[1], rtol=0.05, atol=0.1)
+
+
+def test_a_bf16_backward_pass_holds_no_fp32_copy_of_the_weights():
+  """Activations' gradient through a stack of frozen bf16 weights: XLA's own
+  temporaries stay far below one fp32 copy of the weights."""
+  n, d = 6, 512
+  ws = [jax.random.normal(jax.random.key(i), (d, d), jnp.bfloat16) for i in range(n)]
+  x = jnp.ones((4, 16, d), jnp.bfloat16)
+
+  def loss(x, ws):
+    for w in ws:
+      x = jnp.tanh(transformer.matmul("BTD,DE->BTE", x, w))
+    return x.astype(jnp.float32).sum()
+
+  grad = jax.jit(jax.grad(loss))
+  temp = grad.lower(x, ws).compile().memory_analysis().temp_size_in_bytes
+  assert temp < n * d * d * 4 / 4, temp
