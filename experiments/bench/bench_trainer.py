@@ -40,8 +40,33 @@ Ends with
 where the first three are the default arm's, *_peak_ratio = peak of the arm /
 peak of its baseline (remat_*: remat_* / default; chunk: default / unchunked)
 and *_speed_ratio the same for tokens/s.
+
+  python experiments/bench/bench_trainer.py --rl_job [--baseline=COMMIT]
+      [--iterations=N] [--reps=R] [--lengths=PATH] [--model_dir=DIR]
+
+instead times the RL trainer on configs/grpo.py's job as a run's trainer
+does it, pinned to one core (`trainer_workload.measure_rl`): the tiny
+warm-started policy of bench_peers.py (--model_dir, default its workdir's
+warm start), N iterations of samples with the prompts and response lengths a
+run recorded (--lengths, default bench_peers' StreamRL length_pairs.jsonl),
+each batch once untimed (compiles) and once timed. Per phase (snapshot,
+prepare, updates, metric fetch): wall and CPU milliseconds per iteration.
+With --baseline the same arm also runs on that commit's streamrl/ (a `git
+archive` in a temporary directory), the two alternating R times (default 2),
+so the machine's load falls on both alike; the ratio is of CPU time, the
+closer measure on a shared machine. Ends with
+
+  RESULT cpu_ms_per_iteration=.. wall_ms_per_iteration=.. prepare_cpu_ms=..
+      update_cpu_ms=.. [baseline_cpu_ms_per_iteration=.. cpu_ratio=..]
 """
 
+import glob
+import os
+import shutil
+import subprocess
+import tempfile
+
+import numpy as np
 from absl import app, flags
 
 from experiments import harness
@@ -54,9 +79,83 @@ _DTYPE = flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "Comput
 _CHUNK = flags.DEFINE_integer(
     "chunk", None, "logprob_chunk of the chunked arms (default: the trainer's default)."
 )
+_RL_JOB = flags.DEFINE_bool("rl_job", False, "Time the RL trainer on configs/grpo.py's job.")
+_BASELINE = flags.DEFINE_string("baseline", "", "--rl_job: also time this commit's trainer.")
+_ITERATIONS = flags.DEFINE_integer("iterations", 12, "--rl_job: iterations per arm.")
+_PEERS_WORKDIR = "/tmp/streamrl_bench_peers"
+_LENGTHS = flags.DEFINE_string(
+    "lengths",
+    os.path.join(_PEERS_WORKDIR, "streamrl", "length_pairs.jsonl"),
+    "--rl_job: a run's length_pairs.jsonl.",
+)
+_MODEL_DIR = flags.DEFINE_string(
+    "model_dir", "", "--rl_job: the warm-started policy (default: bench_peers' warm start)."
+)
+
+_RL_PHASES = ("snapshot", "prepare", "update", "fetch")
+
+
+def _archive(commit: str, into: str) -> str:
+  """streamrl/ and configs/ of `commit` under `into`; returns `into`."""
+  tar = subprocess.run(
+      ["git", "archive", commit, "streamrl", "configs"],
+      cwd=tw._ROOT,
+      capture_output=True,
+      check=True,
+  ).stdout
+  subprocess.run(["tar", "-x", "-C", into], input=tar, check=True)
+  return into
+
+
+def rl_job():
+  model_dir = _MODEL_DIR.value or sorted(glob.glob(os.path.join(_PEERS_WORKDIR, "warmstart-*")))[-1]
+  common = dict(model_dir=model_dir, lengths=_LENGTHS.value, iterations=_ITERATIONS.value)
+  arms = [tw.rl_arm("current", **common)]
+  tmp = None
+  if _BASELINE.value:
+    tmp = tempfile.mkdtemp(prefix="bench_trainer_baseline_")
+    arms.append(
+        tw.rl_arm(f"baseline {_BASELINE.value}", src=_archive(_BASELINE.value, tmp), **common)
+    )
+  runs = {a["name"]: [] for a in arms}
+  try:
+    for _ in range(harness.reps(2 if _BASELINE.value else 1)):
+      for spec in arms:
+        r = tw.run_isolated(spec)
+        runs[spec["name"]].append(r)
+        print(
+            f"  {r['name']}: {r['total_cpu_ms']:.0f} CPU ms, {r['total_wall_ms']:.0f} wall ms "
+            "per iteration ("
+            + ", ".join(f"{k} {r[f'{k}_cpu_ms']:.0f}" for k in _RL_PHASES)
+            + f" CPU ms; update dispatch {r['update_dispatch_ms']:.0f} ms; "
+            f"{r['programs']} programs, {r['timed_compiles']} compiled while timed)",
+            flush=True,
+        )
+  finally:
+    if tmp:
+      shutil.rmtree(tmp, ignore_errors=True)
+  mean = lambda name, key: float(np.mean([r[key] for r in runs[name]]))
+  keys = dict(
+      cpu_ms_per_iteration=f"{mean('current', 'total_cpu_ms'):.1f}",
+      wall_ms_per_iteration=f"{mean('current', 'total_wall_ms'):.1f}",
+      prepare_cpu_ms=f"{mean('current', 'prepare_cpu_ms'):.1f}",
+      update_cpu_ms=f"{mean('current', 'update_cpu_ms'):.1f}",
+  )
+  if _BASELINE.value:
+    base = arms[1]["name"]
+    keys.update(
+        baseline_cpu_ms_per_iteration=f"{mean(base, 'total_cpu_ms'):.1f}",
+        baseline_prepare_cpu_ms=f"{mean(base, 'prepare_cpu_ms'):.1f}",
+        baseline_update_cpu_ms=f"{mean(base, 'update_cpu_ms'):.1f}",
+        cpu_ratio=f"{mean('current', 'total_cpu_ms') / mean(base, 'total_cpu_ms'):.3f}",
+    )
+  harness.report(summary={"runs": runs}, **keys)
 
 
 def main(_):
+  if _RL_JOB.value:
+    rl_job()
+    return
   from streamrl.config import settings  # pylint: disable=g-import-not-at-top
 
   gpu = tw.platform() == "gpu"

@@ -35,10 +35,13 @@ def bucket_length(n: int, smallest: int = 32) -> int:
     power *= 2
 
 
-def pad_samples(samples: Sequence, seq_len: int | None = None, pad_id: int = 0) -> dict:
-  """Samples (prompt_token_ids, token_ids, logprobs, mask) -> numpy [b, t] arrays."""
+def pad_samples(
+    samples: Sequence, seq_len: int | None = None, pad_id: int = 0, smallest: int = 32
+) -> dict:
+  """Samples (prompt_token_ids, token_ids, logprobs, mask) -> numpy [b, t]
+  arrays, t = `seq_len` or the `bucket_length` (from `smallest`) of the longest."""
   total = [len(s.prompt_token_ids) + len(s.token_ids) for s in samples]
-  seq_len = seq_len or bucket_length(max(total))
+  seq_len = seq_len or bucket_length(max(total), smallest)
   if max(total) > seq_len:
     raise ValueError(f"A sample has {max(total)} tokens, more than seq_len={seq_len}.")
   b = len(samples)

@@ -49,6 +49,12 @@ if typing.TYPE_CHECKING:  # The run's settings are read here, never imported at 
 # One program per padded length (eager, every op of it would be one).
 _mismatch_metrics = jax.jit(rl.mismatch_metrics)
 
+# `prepare` pads each scored block to its own bucket from this length (16,
+# 24, then `bucket_length`'s 32, 48, ...): on a task of short responses most
+# blocks fit in 16 or 24 tokens, and a mini-batch of such blocks keeps that
+# length through its updates. Two more shapes per program than from 32.
+SCORE_SMALLEST_BUCKET = 16
+
 
 @dataclasses.dataclass(frozen=True)
 class Snapshot:
@@ -181,6 +187,15 @@ class RLTrainer:
     # Each process transfers only the rows its devices hold (multihost.py).
     return multihost.global_array(x, sharding.batch_sharding(self.mesh, x.ndim, shape=x.shape))
 
+  def _put_all(self, arrays: dict) -> dict:
+    """`_put` of each array; in one process, one transfer for them all."""
+    if jax.process_count() > 1:
+      return {k: self._put(v) for k, v in arrays.items()}
+    shardings = {
+        k: sharding.batch_sharding(self.mesh, v.ndim, shape=v.shape) for k, v in arrays.items()
+    }
+    return jax.device_put(arrays, shardings)
+
   def _frozen(self, params):
     """A copy of actor or critic params for scoring only, in the dtypes the
     forward pass reads (`read_dtype_cast`): same results, half the bytes
@@ -214,28 +229,26 @@ class RLTrainer:
 
   def _dispatch_score(self, samples: Sequence, old: Snapshot) -> tuple[dict, dict]:
     """Starts scoring `samples` on the devices: (host batch, device results)."""
-    batch = experience.pad_samples(samples)
-    tokens = self._put(batch["tokens_bt"])
-    score = dict(
-        graphdef=self.models.actor_def, temperature=self.sampling.temperature, compute=self.compute
+    batch = experience.pad_samples(samples, smallest=SCORE_SMALLEST_BUCKET)
+    out = step_lib.score_batch(
+        self._put(batch["tokens_bt"]),
+        old.actor,
+        old.critic,
+        self.ref,
+        self.state.actor_base,
+        models=self.models,
+        temperature=self.sampling.temperature,
+        ref_is_base=self.ref_is_base,
     )
-    out = {}
-    out["old_logp_bt"], _ = step_lib.policy_logprobs(
-        old.actor, tokens, base=self.state.actor_base, lora=self.lora, **score
-    )
-    if self.ref is not None or self.ref_is_base:
-      ref = self.state.actor_base if self.ref_is_base else self.ref
-      out["ref_logp_bt"], _ = step_lib.policy_logprobs(ref, tokens, **score)
-    if self.models.critic_def is not None:
-      out["old_values_bt"] = step_lib.critic_values(
-          old.critic, tokens, graphdef=self.models.critic_def, compute=self.compute
-      )
     return batch, out
 
   @staticmethod
   def _fetch(scored: tuple[dict, dict]) -> dict:
     batch, out = scored
-    batch.update({k: multihost.host_array(v) for k, v in out.items()})
+    if jax.process_count() == 1:
+      batch.update(jax.device_get(out))  # one transfer for all outputs
+    else:
+      batch.update({k: multihost.host_array(v) for k, v in out.items()})
     if "ref_logp_bt" not in batch:
       batch["ref_logp_bt"] = np.zeros_like(batch["old_logp_bt"])
     return batch
@@ -299,8 +312,7 @@ class RLTrainer:
     }
     if "old_values_bt" in full:
       metrics["value_mean"] = float((full["old_values_bt"] * mask).sum() / ntok)
-    mismatch = _mismatch_metrics(full["old_logp_bt"], full["gen_logp_bt"], mask)
-    metrics.update({f"mismatch/{k}": float(v) for k, v in mismatch.items()})
+    device = {"": _mismatch_metrics(full["old_logp_bt"], full["gen_logp_bt"], mask)}
     if any(x.token_versions is not None for x in samples):
       # Partial rollouts: the same per weight version that sampled the tokens
       # (train.iteration_scalars names them by version gap).
@@ -309,8 +321,13 @@ class RLTrainer:
         p, r = len(x.prompt_token_ids), len(x.token_ids)
         versions[i, p - 1 : p + r - 1] = x.token_versions or x.weight_version
       for v in np.unique(versions[mask > 0]):
-        part = _mismatch_metrics(full["old_logp_bt"], full["gen_logp_bt"], mask * (versions == v))
-        metrics.update({f"mismatch_by_version/{v}/{k}": float(x) for k, x in part.items()})
+        device[f"{v}/"] = _mismatch_metrics(
+            full["old_logp_bt"], full["gen_logp_bt"], mask * (versions == v)
+        )
+    # Fetched once, not once per scalar.
+    for prefix, part in jax.device_get(device).items():
+      group = "mismatch_by_version/" if prefix else "mismatch/"
+      metrics.update({f"{group}{prefix}{k}": float(x) for k, x in part.items()})
     return minis, metrics
 
   # ----------------------------------------------------------------- updates
@@ -326,13 +343,13 @@ class RLTrainer:
     length only (`step.ragged_update`); else one jitted scan does the step."""
     micros = self.ragged_micros(mini)
     if micros is None:
-      batch = {k: self._put(v) for k, v in mini.items()}
+      batch = self._put_all(mini)
       self.state, metrics = step_lib.update_step(
           self.state, batch, num_micro=self.num_micro, **self._step_parts()
       )
       return dict(metrics, ragged_micro_batches=np.float32(0))
     weights = step_lib.micro_batch_weights(mini["mask_bt"][:, :-1], self.num_micro, self.loss.agg)
-    micros = [{k: self._put(v) for k, v in m.items()} for m in micros]
+    micros = [self._put_all(m) for m in micros]
     weights = np.asarray(weights, np.float32)  # host values, the same on every process
     self.state, metrics = step_lib.ragged_update(self.state, micros, weights, **self._step_parts())
     # How many micro-batches were cut to their own length (0: one scanned step).

@@ -118,6 +118,18 @@ class Models:
   compute: ComputeConfig = ComputeConfig()
   lora: lora_lib.LoraSpec | None = None
 
+  def __hash__(self) -> int:
+    # jit hashes its static arguments on every call, and a GraphDef's hash
+    # walks the whole graph: hashed once per Models, not per dispatch.
+    h = self.__dict__.get("_hash")
+    if h is None:
+      h = hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self)))
+      object.__setattr__(self, "_hash", h)
+    return h
+
+  def __getstate__(self) -> dict:  # str hashes differ between processes
+    return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+
   def actor_tx(self) -> optax.GradientTransformation:
     return make_optimizer(self.optimizer, lr=self.optimizer.lr, decay_steps=self.decay_steps)
 
@@ -489,6 +501,42 @@ def policy_logprobs(
   """
   model, adapters = actor_model(params, graphdef, base, lora)
   return next_token_logprobs(model, tokens_bt, temperature, compute, adapters)
+
+
+@functools.partial(jax.jit, static_argnames=("models", "temperature", "ref_is_base"))
+def score_batch(
+    tokens_bt,
+    old_actor,
+    old_critic=None,
+    ref=None,
+    base=None,
+    *,
+    models: Models,
+    temperature: float = 1.0,
+    ref_is_base: bool = False,
+) -> dict:
+  """Everything `RLTrainer.prepare` scores on one padded batch, in one program:
+
+    old_logp_bt    [b, t] the old policy's logprobs (`old_actor`, an adapter
+                   on `base` under `models.lora`)
+    ref_logp_bt    [b, t] the reference's, when `ref` is given (or, with
+                   `ref_is_base`, the frozen `base` itself)
+    old_values_bt  [b, t] the old critic's values, when `models` has a critic
+
+  The same functions as `policy_logprobs` and `critic_values` (the same
+  values), one dispatch and one transfer instead of one per model, and no
+  entropies (scoring never reads them).
+  """
+  score = dict(graphdef=models.actor_def, temperature=temperature, compute=models.compute)
+  old_logp, _ = policy_logprobs(old_actor, tokens_bt, base=base, lora=models.lora, **score)
+  out = {"old_logp_bt": old_logp}
+  if ref_is_base or ref is not None:
+    out["ref_logp_bt"], _ = policy_logprobs(base if ref_is_base else ref, tokens_bt, **score)
+  if models.critic_def is not None:
+    out["old_values_bt"] = critic_values(
+        old_critic, tokens_bt, graphdef=models.critic_def, compute=models.compute
+    )
+  return out
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "compute"))
