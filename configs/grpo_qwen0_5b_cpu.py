@@ -12,9 +12,11 @@ The model and the data are the user's own downloads (docs/own_model_cpu.md):
 Rows are GSM8K's own JSONL ({"question": ..., "answer": "... #### 72"}); the
 reward is HF's math-verify on the response's final answer against the text
 after `####`. The first command trains every weight (fp32 master weights and
-AdamW moments, bf16 forward passes); the second (`:lora`) trains rank-16
-adapters on every projection over a frozen bf16 base, which is also the KL
-reference. Each iteration is 4 prompts x 4 samples of at most 96 new tokens,
+second AdamW moment, the first moment in bf16: `optimizer.mu_dtype`, the
+cheapest resident copy to halve; bf16 forward passes); the second (`:lora`)
+trains rank-16 adapters on every projection over a frozen bf16 base, which is
+also the KL reference (the adapters are applied beside the base weights, never
+merged into a copy of them). Each iteration is 4 prompts x 4 samples of at most 96 new tokens,
 one update of 16 samples in micro-batches of 2. The generator (vLLM-CPU,
 bf16) runs on one core, the trainer on the other, one weight version apart
 (pipeline.mode=async).
@@ -76,6 +78,7 @@ def get_config(arg: str = "full") -> ml_collections.ConfigDict:
     # No reference copy: the KL term would hold another bf16 policy.
     c.kl.coef = 0.0
     c.kl.use_reference = False
+    c.optimizer.mu_dtype = "bfloat16"
   elif arg == "lora":
     c.trainer.lora_rank = 16
     c.trainer.lora_alpha = 32.0

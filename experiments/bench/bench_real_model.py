@@ -256,9 +256,16 @@ def run_mode(mode: str, model_dir: str, data: str, out: str) -> dict:
       "peak_gb_by_process": {k: round(v / 1e9, 2) for k, v in memory.peak_by_kind.items()},
       "memory_samples": memory.samples,
       "per_iteration": {k: [r.get(f"time/{k}") for r in rows] for k in TIME_KEYS},
+      # The trainer's own memory/* (streamrl/trainer/memory_plan.py `measured`) per iteration.
+      "trainer_memory": {
+          k: [r.get(k) for r in rows]
+          for k in sorted({k for r in rows for k in r})
+          if "memory/" in k
+      },
       "plan": _plan_table(workdir, console),
   }
   print(f"{mode}: {result} {details['peak_gb_by_process']} in {wall:.0f} s", flush=True)
+  print(f"{mode}: trainer {details['trainer_memory']}", flush=True)
   return {"result": result, "details": details}
 
 

@@ -149,6 +149,10 @@ def init_ray(
             include_dashboard=False,
             log_to_driver=log_to_driver,
             _node_ip_address=node_ip_address,
+            # No idle Python workers started ahead of need (one per CPU by
+            # default): every process of a run is an actor or task it starts,
+            # and an idle one holds memory the plan does not count.
+            _system_config={"enable_worker_prestart": False, "prestart_worker_first_driver": False},
         )
       try:
         # Kept: a local node on 127.0.0.1, or a head at 127.0.0.1 (launch/cluster.py up).

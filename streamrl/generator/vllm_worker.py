@@ -10,6 +10,8 @@ expected per-reload messages are filtered out (`ReloadLogFilter`,
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import logging
 import os
 from collections.abc import Iterator, Sequence
@@ -218,6 +220,7 @@ class WorkerExtension:
       else:
         tensors = file_tensors(path)
       self.reload_weights(weights_iterator=tensors)
+      del tensors  # the last reference to a copy-on-write mapping of the file
     finally:
       for lg in loggers:
         lg.removeFilter(quiet)
@@ -233,7 +236,19 @@ class WorkerExtension:
     # one INFO line per update still shows.
     logging.getLogger(_BLOCK_POOL_LOGGER).addFilter(PREFIX_RESET_FILTER)
     PREFIX_RESET_FILTER.arm()
+    release_freed_memory()
     return sorted(quiet.hidden)
+
+
+def release_freed_memory() -> None:
+  """Hands what the loader freed back to the OS: a reload's temporaries are
+  weight-sized, and glibc keeps freed blocks of that size in its heap, so
+  without this every update would leave the process larger by them."""
+  gc.collect()
+  try:
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+  except (OSError, AttributeError):  # not glibc: the allocator keeps what it keeps
+    pass
 
 
 # Whether update_weights has said why vLLM's reload warnings are hidden.

@@ -92,10 +92,25 @@ def _einsum_specs(spec: str) -> tuple[str, str, str]:
   return x, w, y
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3, 4))
-def matmul(
-    spec: str, x: jax.Array, w: jax.Array, out_dtype=None, weight_left: bool = False
-) -> jax.Array:
+def _weight_dot(xs: str, x: jax.Array, ws: str, w: jax.Array, ys: str) -> jax.Array:
+  """einsum(f"{xs},{ws}->{ys}", x, w) as one fp32-summed dot, the weight on the
+  side where XLA's CPU dot reads it as it lies: the left operand when its
+  contracted dimensions are its last ones, else the right (the other way
+  round it would copy every weight transposed, and keep the copies)."""
+  contract = [c for c in ws if c in xs and c not in ys]
+  batch = [c for c in ws if c in xs and c in ys]
+  w_left = ws.endswith("".join(contract))
+  (ls, lhs), (rs, rhs) = ((ws, w), (xs, x)) if w_left else ((xs, x), (ws, w))
+  index = lambda spec, names: tuple(spec.index(c) for c in names)
+  dims = ((index(ls, contract), index(rs, contract)), (index(ls, batch), index(rs, batch)))
+  y = jax.lax.dot_general(lhs, rhs, dims, preferred_element_type=_F32)
+  free = lambda spec: [c for c in spec if c not in contract and c not in batch]
+  order = batch + free(ls) + free(rs)
+  return jnp.transpose(y, [order.index(c) for c in ys])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3))
+def matmul(spec: str, x: jax.Array, w: jax.Array, out_dtype=None) -> jax.Array:
   """`einsum(spec, x, w)` on a weight: bf16 operands, fp32 sums, no weight-sized copies.
 
   The weight is cast to x's dtype and the products accumulate in fp32, in
@@ -104,43 +119,33 @@ def matmul(
   copies of its operands, and autodiff keeps the weight's copy from the
   forward pass to the backward pass: an fp32 copy of every weight at once.
   Here the backward pass reads the stored weight again (cast again when its
-  dtype is not x's) and keeps only x.
+  dtype is not x's) and keeps only x; each dot takes the weight in its
+  stored layout (`_weight_dot`).
 
   Args:
     spec: a two-operand einsum "X,W->Y" (x first) without repeated indices.
     x: activations; w: the stored weight (any float dtype), read in x's dtype.
     out_dtype: the result's dtype (default x's).
-    weight_left: the weight is the dot's left operand (XLA's CPU dot reads
-      its left operand's contracted dimension in place when it is the minor
-      one, as for a tied head [v, d], which it would otherwise copy transposed).
   Returns:
     the einsum, in `out_dtype`; gradients for x in x's dtype and for w in w's.
   """
   xs, ws, ys = _einsum_specs(spec)
-  w = w.astype(x.dtype)
-  if weight_left:  # jnp.einsum may swap the operands: the dot spelled out
-    contract = [c for c in ws if c in xs and c not in ys]
-    dims = ((tuple(ws.index(c) for c in contract), tuple(xs.index(c) for c in contract)), ((), ()))
-    y = jax.lax.dot_general(w, x, dims, preferred_element_type=_F32)
-    order = [c for c in ws if c not in contract] + [c for c in xs if c not in contract]
-    y = jnp.transpose(y, [order.index(c) for c in ys])
-  else:
-    y = jnp.einsum(spec, x, w, preferred_element_type=_F32)
+  y = _weight_dot(xs, x, ws, w.astype(x.dtype), ys)
   return y.astype(out_dtype or x.dtype)
 
 
-def _matmul_fwd(spec, x, w, out_dtype, weight_left):
-  return matmul(spec, x, w, out_dtype, weight_left), (x, w)
+def _matmul_fwd(spec, x, w, out_dtype):
+  return matmul(spec, x, w, out_dtype), (x, w)
 
 
-def _matmul_bwd(spec, out_dtype, weight_left, res, dy):
-  del out_dtype, weight_left
+def _matmul_bwd(spec, out_dtype, res, dy):
+  del out_dtype
   x, w_stored = res
   xs, ws, ys = _einsum_specs(spec)
   dt = x.dtype
   w = w_stored if w_stored.dtype == dt else _tie(w_stored, dy)
   w, dy = w.astype(dt), dy.astype(dt)
-  dx = jnp.einsum(f"{ys},{ws}->{xs}", dy, w, preferred_element_type=_F32).astype(dt)
+  dx = _weight_dot(ys, dy, ws, w, xs).astype(dt)
   dw = jnp.einsum(f"{xs},{ys}->{ws}", x, dy, preferred_element_type=_F32)
   return dx, dw.astype(w_stored.dtype)
 
@@ -170,6 +175,18 @@ def initializer(name: str):
   """The initializer of the parameter called `name`, as the constructors use it
   (for `sharding.random_init`, which makes each parameter on its own)."""
   return _NOT_RANDOM.get(name, _normal)
+
+
+def embed(table_vd: jax.Array, tokens_bt: jax.Array) -> jax.Array:
+  """Rows `tokens_bt` of the table [v, d], in its stored dtype (only [b, t, d]
+  is converted afterwards). A 16-bit table that takes no gradient (a frozen
+  base or reference) is gathered as integers: XLA's CPU backend gathers
+  16-bit floats through an fp32 copy of the whole table (inside a loop over
+  micro-batches made once and kept for the loop)."""
+  if table_vd.dtype.itemsize != 2:
+    return jnp.take(table_vd, tokens_bt, axis=0)
+  bits = jax.lax.bitcast_convert_type(jax.lax.stop_gradient(table_vd), jnp.uint16)
+  return jax.lax.bitcast_convert_type(jnp.take(bits, tokens_bt, axis=0), table_vd.dtype)
 
 
 class RMSNorm(nnx.Module):
@@ -363,8 +380,7 @@ class Trunk(nnx.Module):
   ) -> jax.Array:
     """Hidden states [b, t, d] after the final norm, in `compute.head_dtype`;
     `adapters`: one layer's LoRA adapters per block (`project`), or None."""
-    # Gather in the stored dtype, then cast: only [b, t, d] is converted.
-    x_btd = jnp.take(self.embedding_vd[...], tokens_bt, axis=0).astype(compute.dtype)
+    x_btd = embed(self.embedding_vd[...], tokens_bt).astype(compute.dtype)
     call = lambda block, x, pos, ad: block(x, pos, compute.attention, ad)
     if compute.remat == "none":
       run = call
@@ -449,7 +465,7 @@ def head_logits(h_btd: jax.Array, w_head: jax.Array, tied: bool) -> jax.Array:
     tied: whether `w_head` is the embedding.
   """
   spec = "BTD,VD->BTV" if tied else "BTD,DV->BTV"
-  return matmul(spec, h_btd, w_head, _F32, weight_left=tied)
+  return matmul(spec, h_btd, w_head, _F32)
 
 
 def chunked_token_logprobs(

@@ -135,9 +135,13 @@ class Optimizer:
   min_lr_ratio: float = 0.1
   b1: float = 0.9
   b2: float = 0.95
+  # AdamW's first moment in this dtype ("bfloat16" halves its memory; the second
+  # moment and the weights stay fp32).
+  mu_dtype: str = "float32"
 
   def check(self) -> None:
     positive("optimizer.lr", self.lr)
+    one_of("optimizer.mu_dtype", self.mu_dtype, ("float32", "bfloat16"))
     need(
         0 <= self.min_lr_ratio <= 1,
         f"optimizer.min_lr_ratio={self.min_lr_ratio} must be in [0, 1].",

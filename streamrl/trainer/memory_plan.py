@@ -3,8 +3,9 @@
 `plan(...)` counts, for one device of the trainer's mesh, the bytes of
 
   actor            trained parameters (fp32 master weights; the adapter under LoRA)
-  actor_optimizer  AdamW's two moments of the trained parameters (fp32)
-  actor_base       LoRA: the frozen policy, in the dtypes the forward pass reads
+  actor_optimizer  AdamW's two moments of the trained parameters (`optimizer.mu_dtype`, fp32)
+  actor_base       LoRA: the frozen policy, in the dtypes the forward pass reads (the
+                   adapter is applied beside it: no merged copy exists)
   critic, critic_optimizer   with a critic (PPO/GAE): its trunk, value head and moments
   reference        the frozen reference policy (read dtypes), when the KL uses one
   snapshot         the iteration's old policy (and critic), when the mode copies it
@@ -19,7 +20,9 @@ and sets them against the device's usable memory. Parameters and optimizer
 state are split over the mesh's fsdp x tensor devices, the batch over data x
 fsdp. On CPU the device is the host: its memory is the machine's available
 RAM shared by every (faked) device of this process, and XLA's CPU compiler
-drops remat's optimisation barriers, so every policy keeps what "none" keeps.
+drops remat's optimisation barriers, so every policy keeps what "none" keeps;
+under bf16 it computes elementwise ops in fp32 and keeps some of those fp32
+values for the backward pass (`CPU_BF16_ACTIVATION_BYTES`).
 
 `Plan.check()` raises `UserError` with one sentence naming the cheapest change
 that fits (`Plan.advice`); `Plan.table()` is what the run logs at start.
@@ -53,6 +56,14 @@ ACTIVATION_WORDS = {
     "dots": dict(d=3, a=1, kv=1, f=2, d32=0),
     "full": dict(d=1, a=0, kv=0, f=0, d32=0),
 }
+
+
+# On CPU under bf16: bytes per token per decoder layer that XLA keeps for the backward
+# pass (read from its buffer assignment of the step): the MLP's gate in fp32 and four
+# [t, f] bf16 values, six [t, d] fp32 values, q and the attention output in bf16, k and v;
+# the attention scores (three fp32 values per head and key) are counted apart.
+CPU_BF16_ACTIVATION_BYTES = dict(d=24, a=4, kv=2, f=12)
+CPU_BF16_SCORE_COPIES = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +121,7 @@ class Trainee:
   micro_batch_size: int
   seq_len: int
   lora_params: int = 0  # trained adapter parameters; 0: full fine-tuning
+  mu_dtype: str = "float32"  # AdamW's first moment (`optimizer.mu_dtype`)
   critic: bool = False
   reference: bool = False
   snapshot: bool = True  # the mode scores with a copy of the old policy
@@ -133,19 +145,6 @@ def _read_bytes(cfg: ModelConfig, compute: ComputeConfig, with_head: bool = True
   return total
 
 
-def _lora_merged_bytes(t: Trainee) -> int:
-  """What a LoRA step's backward pass keeps of the merged weights: each adapted
-  weight merged with its adapter, in the read dtype. XLA's CPU backend computes
-  a bf16 dot in fp32, and the backward pass keeps the fp32 operands it converted:
-  there, every merged weight and the bf16 head count at 4 bytes a parameter
-  (tests/trainer/test_memory_plan.py holds this against XLA's own analysis)."""
-  cfg = t.model
-  if t.platform == "cpu" and t.compute.dtype == "bfloat16":
-    embedding = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.hidden_size  # read by a gather
-    return (cfg.num_params - embedding) * _F32
-  return _read_bytes(cfg, t.compute)
-
-
 def _critic_params(cfg: ModelConfig) -> int:
   head = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.hidden_size
   return cfg.num_params - head + cfg.hidden_size + 1
@@ -167,6 +166,10 @@ def activation_bytes(t: Trainee, tokens: int) -> int:
   if t.platform == "cpu" or compute.attention == "reference":
     scores = 2 * _F32 * cfg.num_heads * t.seq_len
   kept = per_layer + (scores if remat == "none" else 0)
+  if t.platform == "cpu" and compute.dtype == "bfloat16":
+    b = CPU_BF16_ACTIVATION_BYTES
+    kept = b["d"] * d + b["a"] * a + b["kv"] * kv + b["f"] * f
+    kept += CPU_BF16_SCORE_COPIES * _F32 * cfg.num_heads * t.seq_len
   working = ACTIVATION_WORDS["none"]
   one_layer = c * (working["d"] * d + working["a"] * a + working["kv"] * kv + working["f"] * f)
   return tokens * (cfg.num_layers * kept + one_layer + scores + 2 * _F32 * d)
@@ -179,9 +182,10 @@ def plan(t: Trainee, capacity: int, device: str, devices: int) -> Plan:
   rows_per_device = max(1, -(-t.micro_batch_size // max(1, t.data * t.fsdp)))
   tokens = rows_per_device * t.seq_len
   trained = t.lora_params or cfg.num_params
+  mu = 2 if t.mu_dtype == "bfloat16" else _F32
   rows = {
       "actor": trained * _F32 // shards,
-      "actor_optimizer": 2 * trained * _F32 // shards,
+      "actor_optimizer": trained * (mu + _F32) // shards,
       "actor_base": _read_bytes(cfg, t.compute) // shards if t.lora_params else 0,
   }
   critic = _critic_params(cfg) if t.critic else 0
@@ -190,8 +194,6 @@ def plan(t: Trainee, capacity: int, device: str, devices: int) -> Plan:
   rows["reference"] = (
       _read_bytes(cfg, t.compute) // shards if t.reference and not t.lora_params else 0
   )
-  # LoRA: the step merges base and adapter into full weights (read dtypes) inside it.
-  rows["lora_merged"] = _lora_merged_bytes(t) // shards if t.lora_params else 0
   snap = 0
   if t.snapshot:
     snap = trained * _F32 if t.lora_params else _read_bytes(cfg, t.compute)
@@ -273,6 +275,7 @@ def trainee(s, cfg: ModelConfig, platform: str) -> Trainee:
       micro_batch_size=s.trainer.micro_batch_size,
       seq_len=s.engine.max_model_len,
       lora_params=lora_params(cfg, spec) if spec else 0,
+      mu_dtype=s.optimizer.mu_dtype,
       critic=s.advantage.use_critic,
       reference=s.kl.use_reference,
       snapshot=s.pipeline.mode == "stream",  # the other modes score before any update

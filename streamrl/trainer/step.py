@@ -81,7 +81,9 @@ def make_optimizer(opt: Optimizer, *, lr: float, decay_steps: int) -> optax.Grad
   schedule = lr_schedule(opt, lr=lr, decay_steps=decay_steps)
   return optax.chain(
       optax.clip_by_global_norm(opt.grad_clip),
-      optax.adamw(schedule, b1=opt.b1, b2=opt.b2, weight_decay=opt.weight_decay),
+      optax.adamw(
+          schedule, b1=opt.b1, b2=opt.b2, weight_decay=opt.weight_decay, mu_dtype=opt.mu_dtype
+      ),
   )
 
 

@@ -339,20 +339,21 @@ def test_random_init_makes_each_parameter_in_its_sharding_with_a_traced_key():
 
 
 @pytest.mark.parametrize(
-    "spec,x_shape,w_shape,weight_left",
+    "spec,x_shape,w_shape",
     [
-        ("BTD,DHN->BTHN", (2, 5, 8), (8, 3, 4), False),
-        ("BTHN,HND->BTD", (2, 5, 3, 4), (3, 4, 8), False),
-        ("BTD,VD->BTV", (2, 5, 8), (11, 8), True),
+        ("BTD,DHN->BTHN", (2, 5, 8), (8, 3, 4)),
+        ("BTHN,HND->BTD", (2, 5, 3, 4), (3, 4, 8)),
+        ("BTD,VD->BTV", (2, 5, 8), (11, 8)),
+        ("BTD,DV->BTV", (2, 5, 8), (8, 11)),
     ],
 )
-def test_matmul_equals_the_einsum_with_its_gradients(spec, x_shape, w_shape, weight_left):
+def test_matmul_equals_the_einsum_with_its_gradients(spec, x_shape, w_shape):
   kx, kw, ky = jax.random.split(jax.random.key(0), 3)
   x = jax.random.normal(kx, x_shape)
   w = jax.random.normal(kw, w_shape)
   dy = jax.random.normal(ky, jnp.einsum(spec, x, w).shape)
   plain = lambda x, w: jnp.einsum(spec, x, w)
-  ours = lambda x, w: transformer.matmul(spec, x, w, None, weight_left)
+  ours = lambda x, w: transformer.matmul(spec, x, w)
   np.testing.assert_allclose(ours(x, w), plain(x, w), rtol=1e-5, atol=1e-5)
   for got, want in zip(jax.vjp(ours, x, w)[1](dy), jax.vjp(plain, x, w)[1](dy)):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

@@ -68,21 +68,28 @@ def _compiled_step_bytes(cfg, compute, rows, seq_len, num_micro, critic, lora=No
   )
 
 
+# The 0.5B recipe's width and compute (configs/grpo_qwen0_5b_cpu.py), on fewer layers.
+WIDE = dict(vocab_size=32000, hidden_size=896, intermediate_size=4864, num_heads=14)
+RECIPE = dict(dtype="bfloat16", fp32_lm_head=False, logprob_chunk=64)
+
+
 @pytest.mark.parametrize(
-    "over,rows,seq_len,num_micro,critic,lora",
+    "over,rows,seq_len,num_micro,critic,lora,compute",
     [
-        (dict(), 8, 128, 2, False, False),
-        (dict(num_layers=8), 4, 256, 1, False, False),
-        (dict(vocab_size=16384, tie_embeddings=False), 8, 128, 1, True, False),
-        # LoRA under bf16 compute: on CPU, XLA keeps the merged weights in fp32.
-        (dict(vocab_size=32000), 8, 128, 2, False, True),
+        (dict(), 8, 128, 2, False, False, {}),
+        (dict(num_layers=8), 4, 256, 1, False, False, {}),
+        (dict(vocab_size=16384, tie_embeddings=False), 8, 128, 1, True, False, {}),
+        # LoRA under bf16 compute: the adapter beside a bf16 base, whose dots XLA's CPU
+        # backend runs without fp32 copies of the weights.
+        (dict(vocab_size=32000), 8, 128, 2, False, True, dict(dtype="bfloat16")),
+        (dict(WIDE, num_kv_heads=2), 4, 160, 2, False, True, RECIPE),
     ],
 )
 def test_the_plan_of_a_train_step_is_within_20_percent_of_xlas_own(
-    over, rows, seq_len, num_micro, critic, lora
+    over, rows, seq_len, num_micro, critic, lora, compute
 ):
   cfg = ModelConfig(**dict(SMALL, **over))
-  compute = ComputeConfig(dtype="bfloat16") if lora else ComputeConfig()
+  compute = ComputeConfig(**compute)
   spec = LoraSpec(rank=16, alpha=32.0, targets=parse_targets("all")) if lora else None
   want = _compiled_step_bytes(cfg, compute, rows, seq_len, num_micro, critic, spec)
   t = memory_plan.Trainee(
