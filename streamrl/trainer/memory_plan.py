@@ -228,6 +228,8 @@ def advice(t: Trainee, capacity: int, device: str, devices: int) -> str:
             dict(compute=dataclasses.replace(t.compute, fp32_lm_head=False)),
         )
     )
+  if not t.lora_params and t.mu_dtype != "bfloat16":
+    options.append(("optimizer.mu_dtype=bfloat16", dict(mu_dtype="bfloat16")))
   if t.critic:
     options.append(
         (
