@@ -30,6 +30,7 @@ LIBRARIES = {
     "paper_figures",
     "paper_sections",
     "peer_tunix",
+    "skew_arms",
 }
 SCRIPTS = sorted(
     os.path.relpath(p, ROOT)

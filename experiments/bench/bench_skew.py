@@ -81,6 +81,7 @@ import time
 from absl import app, flags
 
 from experiments import harness
+from experiments.bench import skew_arms
 
 # One compute thread per engine, engines in this process: the lockstep clock is
 # each engine thread's CPU time (set before torch / vLLM are imported).
@@ -182,32 +183,6 @@ def generate_lengths(gen, prompts, sampling, seed: int = _SEED) -> dict[int, int
   }
 
 
-def policy_prompts(policy: str, examples) -> list[tuple[int, list[int]]]:
-  """(prompt id, token ids) as a run encodes them for `policy`: [BOS] and the
-  characters under the character tokenizer (the tiny policy's), else the
-  policy's own tokenizer and chat template (`data.tokenizer.Tokenizer`)."""
-  from streamrl.data.loader import make_prompts
-  from streamrl.data.tokenizer import Tokenizer
-  from streamrl.ranker import data as rdata
-
-  if rdata.fingerprint_tokenizer_dir(policy) == rdata.char_tokenizer_fingerprint():
-    return make_prompts(examples)
-  tokenizer = Tokenizer(policy)
-  return [(ex.prompt_id, tokenizer.encode_prompt(ex.prompt)) for ex in examples]
-
-
-def answer_tokens(policy: str):
-  """answer -> its tokens in a trace under the policy's tokenizer (None: the
-  character tokenizer's, one per character)."""
-  from streamrl.data import tasks
-  from streamrl.data.tokenizer import Tokenizer
-  from streamrl.ranker import data as rdata
-
-  if rdata.fingerprint_tokenizer_dir(policy) == rdata.char_tokenizer_fingerprint():
-    return None
-  return tasks.answer_token_counter(Tokenizer(policy).encode_text)
-
-
 def length_history(workdir, gen, sampling, policy) -> list:
   """(prompt ids, length) pairs of the policy on training prompts; cached JSONL."""
   from streamrl.data import tasks
@@ -219,7 +194,7 @@ def length_history(workdir, gen, sampling, policy) -> list:
     if len(pairs) >= _TRAIN_PROMPTS.value:
       return pairs[: _TRAIN_PROMPTS.value]
     os.remove(path)
-  prompts = policy_prompts(
+  prompts = skew_arms.policy_prompts(
       policy,
       tasks.make_examples(_TRAIN_PROMPTS.value, seed=1, first_id=1_000_000, **_task_kwargs()),
   )
@@ -257,71 +232,6 @@ def train_ranker(workdir, loss, pairs, policy):
       flush=True,
   )
   return trainer
-
-
-class Arms:
-  """The engines and the arms' runs; see the module docstring."""
-
-  def __init__(self, gens, sampling, prompts):
-    from streamrl.scheduling.request import Request
-
-    self.gens, self.sampling = gens, sampling
-    self.requests = [Request(k, ids) for k, ids in prompts]
-
-  def fixed(self, plan):
-    from streamrl.generator import lockstep
-
-    return lockstep.run_fixed(
-        self.gens,
-        [[self.requests[k] for k in a] for a in plan.assignments],
-        list(plan.batch_sizes),
-        self.sampling,
-        seed=_SEED,
-    )
-
-  def pooled(
-      self,
-      plan,
-      *,
-      migrate: bool,
-      estimates=None,
-      straggler_tokens=0,
-      straggler=None,
-      long_share=4,
-      long_instances=None,
-  ):
-    from streamrl.generator import lockstep, pooled
-    from streamrl.scheduling import pool as pool_lib
-
-    n = len(self.gens)
-    pool = pool_lib.from_parts(
-        [[self.requests[k] for k in a] for a in plan.assignments],
-        list(range(n)),
-        n_long=plan.n_long_instances,
-        estimates=estimates,
-    )
-    rnd = pooled.PooledRound(
-        pool,
-        dict(enumerate(plan.batch_sizes)),
-        max_tokens=self.sampling.max_tokens,
-        migrate=migrate,
-        straggler_tokens=straggler_tokens,
-        straggler=straggler,
-        long_instances=long_instances or tuple(pool.long_instances) or (n - 1,),
-        long_share=long_share,
-    )
-    return lockstep.run_pooled(self.gens, rnd, self.sampling, seed=_SEED)
-
-
-def run_config_scheduler():
-  """configs/ppo.py's scheduler settings (`scheduler.*`)."""
-  from streamrl import config as config_lib
-  from streamrl.scheduling.config import Scheduler
-
-  cfg = config_lib.load_config("configs/ppo.py")
-  return Scheduler(
-      **{k: cfg.scheduler[k] for k in Scheduler.__dataclass_fields__ if k in cfg.scheduler}
-  )
 
 
 def main(argv):
@@ -392,7 +302,7 @@ def main(argv):
   # Request k samples prompt k // group_size (its own seed: sampling seed + k).
   group_size = _GROUP_SIZE.value
   groups = [k // group_size for k in range(len(examples) * group_size)]
-  unique = policy_prompts(policy, examples)
+  unique = skew_arms.policy_prompts(policy, examples)
   prompts = [(k, unique[g][1]) for k, g in enumerate(groups)]
   # Untimed warm-up of every engine; the true lengths (same tokens in every arm).
   for g in gens[1:]:
@@ -411,7 +321,7 @@ def main(argv):
   }
   preds = {loss: r.predict([ids for _, ids in prompts]) for loss, r in rankers.items()}
   rank_metrics = {loss: ranking_metrics(p, true_len) for loss, p in preds.items()}
-  trace, count = _trace_config(), answer_tokens(policy)
+  trace, count = _trace_config(), skew_arms.answer_tokens(policy)
   if trace is not None:
     expected = [
         tasks.expected_response_length(
@@ -436,7 +346,7 @@ def main(argv):
     kw = {"alpha": _ALPHA.value, **kw}
     return dispatch(lengths, n_inst, profile, recent, max_batch_size=max_bs, **kw)
 
-  sched = run_config_scheduler()
+  sched = skew_arms.run_config_scheduler()
   # The ranker's scores read as lengths, and combined with each prompt's
   # history as the scheduler plans from the second epoch on.
   ranker_tokens = lengths_lib.rank_lengths(pred, recent)
@@ -471,7 +381,7 @@ def main(argv):
   }
   base = fifo_plans["fifo0"]
   oracle_plan = alg2(true_len)
-  arms = Arms(gens, sampling, prompts)
+  arms = skew_arms.Arms(gens, sampling, prompts, _SEED)
 
   def by_id(lengths):
     return {k: float(n) for k, n in enumerate(lengths)}
@@ -557,29 +467,7 @@ def main(argv):
     bound_runs.append(one.makespan_s)
     print(f"[bench] rep {rep + 1}/{reps} done, {time.perf_counter() - t0:.0f}s", flush=True)
 
-  # Each length source alone and combined (streamrl/scheduling/lengths.py),
-  # as the scheduler scores them: siblings in the order the first FIFO run
-  # finished its requests.
-  sibs = dict(
-      zip(
-          finish_order,
-          lengths_lib.sibling_estimates(
-              [groups[r] for r in finish_order], [true_len[r] for r in finish_order]
-          ),
-      )
-  )
-  sources = lengths_lib.source_metrics(
-      {
-          "ranker": pred.tolist(),
-          "history": [float(np.mean(history[g])) for g in groups],
-          "siblings": [float(np.mean(sibs[r])) if sibs[r] else None for r in range(len(groups))],
-          "combined": [
-              lengths_lib.combine(ranker_tokens[r], history[g], sibs[r])
-              for r, g in enumerate(groups)
-          ],
-      },
-      true_len,
-  )
+  sources = skew_arms.source_scores(pred, ranker_tokens, history, groups, true_len, finish_order)
 
   med = {a: statistics.median(v) for a, v in spans.items()}
   spread = {a: (max(v) - min(v)) / med[a] for a, v in spans.items()}
