@@ -12,7 +12,8 @@ consumed to the end, and plain `vllm.LLM.generate`. Repetitions alternate
 ours / plain, plain / ours, ... after one untimed warm-up of each, so the noise
 of a shared machine hits both alike; the reported ratio is the median of the
 per-pair ratios (the ratio of the fastest runs is printed too). Prompts repeat across repetitions, so both engines serve them
-from an equally warm prefix cache.
+from an equally warm prefix cache. The prompts are random characters in the policy's own
+tokens (`--model=mid`: its SentencePiece tokenizer and chat template).
 
 Part 2 times `GeneratorInstance.update_weights(hf.to_hf_tensors(model))`:
 the Flax -> HF conversion and the engine reload (a safetensors file in
