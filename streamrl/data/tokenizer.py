@@ -257,6 +257,37 @@ def read_chat_template(model_dir: str) -> str | None:
   return template if isinstance(template, str) and template.strip() else None
 
 
+# The named special tokens a chat template sees as variables, as transformers' tokenizers pass them.
+_TEMPLATE_TOKENS = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
+
+
+def template_tokens(model_dir: str) -> dict[str, str]:
+  """{"bos_token": "<s>", ...}: the named special tokens of a tokenizer
+  directory (tokenizer_config.json's, special_tokens_map.json's winning), each
+  as its text; those it does not name are left out."""
+  out = {}
+  for name in ("tokenizer_config.json", "special_tokens_map.json"):
+    path = os.path.join(model_dir, name)
+    if not os.path.isfile(path):
+      continue
+    with open(path, encoding="utf-8") as f:
+      config = json.load(f)
+    for key in _TEMPLATE_TOKENS:
+      token = config.get(key)
+      token = token.get("content") if isinstance(token, dict) else token
+      if isinstance(token, str):
+        out[key] = token
+  return out
+
+
 def stop_token_ids(model_dir: str) -> list[int]:
   """Token ids that end a sample: generation_config.json's `eos_token_id` (an
   id or a list: Instruct models stop at their end-of-turn token too), then
@@ -309,7 +340,8 @@ class Tokenizer:
     path = os.path.join(model_dir, "tokenizer.json")
     self._fast = tokenizers.Tokenizer.from_file(path) if os.path.isfile(path) else None
     self._hf = None
-    has_template = read_chat_template(model_dir) is not None
+    self._template = read_chat_template(model_dir)
+    has_template = self._template is not None
     if chat_template == "on" and not has_template:
       raise UserError(
           f"task.chat_template='on' but the tokenizer in {model_dir!r} has no chat template; "
@@ -353,6 +385,19 @@ class Tokenizer:
   def render(self, messages, *, add_generation_prompt: bool = True) -> str:
     """The chat template's text for a conversation (`chat_template_kwargs`,
     e.g. Qwen3's `enable_thinking`, reach the template as variables)."""
+    if self._template is not None:
+      # transformers' own Jinja rendering, without its tokenizer classes: loading
+      # those imports torch, which the trainer's process must not hold.
+      from transformers.utils import chat_template_utils  # pylint: disable=g-import-not-at-top
+
+      variables = {**template_tokens(self.model_dir), **self.chat_template_kwargs}
+      rendered, _ = chat_template_utils.render_jinja_template(
+          conversations=[list(messages)],
+          chat_template=self._template,
+          add_generation_prompt=add_generation_prompt,
+          **variables,
+      )
+      return rendered[0]
     return self._load_hf().apply_chat_template(
         list(messages),
         tokenize=False,

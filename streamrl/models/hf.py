@@ -14,16 +14,21 @@ import glob
 import json
 import os
 import re
+import typing
 from collections.abc import Callable, Iterator, Mapping
 
-import jax
 import numpy as np
-from flax import nnx
 
 from streamrl.errors import MissingFileError, UserError
 from streamrl.models import safetensors_io
 from streamrl.models.config import ModelConfig, RopeScaling
-from streamrl.models.transformer import Transformer
+
+# JAX and Flax are imported by the functions that convert live parameters: the
+# generator reads checkpoint configs through this module without loading them.
+if typing.TYPE_CHECKING:
+  import jax
+
+  from streamrl.models.transformer import Transformer
 
 SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
@@ -152,12 +157,16 @@ class HFTensors(Mapping[str, np.ndarray]):
   """
 
   def __init__(self, model: Transformer, dtype="float32"):
+    from flax import nnx  # pylint: disable=g-import-not-at-top
+
     self.cfg = model.cfg
     self.dtype = safetensors_io.numpy_dtype(dtype)
     self._params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     self._entries = {e.hf_name: e for e in _layout(model.cfg)}
 
   def __getitem__(self, name: str) -> np.ndarray:
+    import jax  # pylint: disable=g-import-not-at-top
+
     e = self._entries[name]
     value = _get(self._params, e.path)
     if isinstance(value, jax.Array) and value.is_deleted():
@@ -187,6 +196,8 @@ class HFTensors(Mapping[str, np.ndarray]):
 
   def specs(self) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
     """{name: (HF shape, dtype)} without reading any parameter."""
+    import jax  # pylint: disable=g-import-not-at-top
+
     out = {}
     for name, e in self._entries.items():
       param = _get(self._params, e.path)
@@ -212,6 +223,8 @@ _ON_HOST_ELEMENTS = 1 << 16
 @functools.lru_cache(maxsize=None)
 def _device_to_hf(cfg: ModelConfig, kind: str, dtype: str):
   """A jitted function: our parameter -> the HF tensor `kind`, cast to `dtype`."""
+  import jax  # pylint: disable=g-import-not-at-top
+
   to_hf = layout_entries(cfg)[kind].to_hf
   return jax.jit(lambda w: to_hf(w.astype(dtype)))
 
@@ -226,6 +239,10 @@ def from_hf_tensors(
 ) -> Transformer:
   """{HF name: array} -> a Flax policy with exactly those weights, in `dtype`
   (None: each as the checkpoint stores it)."""
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+
+  from streamrl.models.transformer import Transformer  # pylint: disable=g-import-not-at-top
+
   abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
   graphdef, state = nnx.split(abstract)
   expected = nnx.to_pure_dict(state)

@@ -32,13 +32,17 @@ import json
 import math
 import os
 import re
+import typing
 from collections.abc import Mapping
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from streamrl.models import safetensors_io
+
+# JAX is imported by the functions that build or read live adapters: the
+# generator writes PEFT directories through this module without loading it.
+if typing.TYPE_CHECKING:
+  import jax
 
 # target -> (module, parameter, leading dims that are the input, HF module name)
 TARGETS = {
@@ -104,6 +108,9 @@ def _weight(params, layer: int, target: str):
 def init_adapters(params, num_layers: int, spec: LoraSpec, key: jax.Array) -> dict:
   """A fresh adapter for the policy parameters `params` (an nnx.State or a
   pure dict): `a` ~ N(0, 1/in), `b` = 0, fp32."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+
   out = {}
   for layer in range(num_layers):
     for target in spec.targets:
@@ -136,6 +143,7 @@ def by_layer(adapters: Mapping, spec: LoraSpec, num_layers: int) -> list[dict]:
 def merged(base, adapters: Mapping, spec: LoraSpec):
   """`base` (the policy's parameter State) with each adapted weight replaced
   by W + scale * a @ b; everything else is `base`'s own arrays (traceable)."""
+  import jax  # pylint: disable=g-import-not-at-top
 
   def add(path, leaf):
     keys = [getattr(k, "key", getattr(k, "idx", None)) for k in path]
@@ -153,6 +161,8 @@ def merged(base, adapters: Mapping, spec: LoraSpec):
 
 def peft_tensors(adapters: Mapping, spec: LoraSpec, dtype="float32") -> dict[str, np.ndarray]:
   """The adapter as PEFT-named host arrays in `dtype`, the scale folded into B."""
+  import jax  # pylint: disable=g-import-not-at-top
+
   np_dtype = safetensors_io.numpy_dtype(dtype)
   out = {}
   for key, ab in adapters.items():
