@@ -42,11 +42,11 @@ peak of its baseline (remat_*: remat_* / default; chunk: default / unchunked)
 and *_speed_ratio the same for tokens/s.
 
   python experiments/bench/bench_trainer.py --rl_job [--baseline=COMMIT]
-      [--iterations=N] [--reps=R] [--lengths=PATH] [--model_dir=DIR]
+      [--iterations=N] [--reps=R] [--lengths=PATH] [--model=DIR]
 
 instead times the RL trainer on configs/grpo.py's job as a run's trainer
-does it, pinned to one core (`trainer_workload.measure_rl`): the tiny
-warm-started policy of bench_peers.py (--model_dir, default its workdir's
+does it, pinned to one core (`rl_workload.measure_rl`): the tiny
+warm-started policy of bench_peers.py (--model, default its workdir's
 warm start), N iterations of samples with the prompts and response lengths a
 run recorded (--lengths, default bench_peers' StreamRL length_pairs.jsonl),
 each batch once untimed (compiles) and once timed. Per phase (snapshot,
@@ -70,6 +70,7 @@ import numpy as np
 from absl import app, flags
 
 from experiments import harness
+from experiments import rl_workload
 from experiments import trainer_workload as tw
 
 _LAYERS = flags.DEFINE_integer("layers", None, "Decoder layers (default: 24 on GPU, 2 on CPU).")
@@ -88,9 +89,6 @@ _LENGTHS = flags.DEFINE_string(
     os.path.join(_PEERS_WORKDIR, "streamrl", "length_pairs.jsonl"),
     "--rl_job: a run's length_pairs.jsonl.",
 )
-_MODEL_DIR = flags.DEFINE_string(
-    "model_dir", "", "--rl_job: the warm-started policy (default: bench_peers' warm start)."
-)
 
 _RL_PHASES = ("snapshot", "prepare", "update", "fetch")
 
@@ -108,14 +106,18 @@ def _archive(commit: str, into: str) -> str:
 
 
 def rl_job():
-  model_dir = _MODEL_DIR.value or sorted(glob.glob(os.path.join(_PEERS_WORKDIR, "warmstart-*")))[-1]
+  model_dir = harness.MODEL.value
+  if not model_dir or model_dir in harness.MODEL_PRESETS:  # bench_peers' warm start
+    model_dir = sorted(glob.glob(os.path.join(_PEERS_WORKDIR, "warmstart-*")))[-1]
   common = dict(model_dir=model_dir, lengths=_LENGTHS.value, iterations=_ITERATIONS.value)
-  arms = [tw.rl_arm("current", **common)]
+  arms = [rl_workload.rl_arm("current", **common)]
   tmp = None
   if _BASELINE.value:
     tmp = tempfile.mkdtemp(prefix="bench_trainer_baseline_")
     arms.append(
-        tw.rl_arm(f"baseline {_BASELINE.value}", src=_archive(_BASELINE.value, tmp), **common)
+        rl_workload.rl_arm(
+            f"baseline {_BASELINE.value}", src=_archive(_BASELINE.value, tmp), **common
+        )
     )
   runs = {a["name"]: [] for a in arms}
   try:
