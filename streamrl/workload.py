@@ -359,7 +359,7 @@ def precompile(work: Workload, settings_list, num_batches: int, streaming: bool 
   """
   import numpy as np  # pylint: disable=g-import-not-at-top
   from streamrl.generator.rollout import Sample  # pylint: disable=g-import-not-at-top
-  from streamrl.trainer import experience  # pylint: disable=g-import-not-at-top
+  from streamrl.trainer import experience, rl_trainer  # pylint: disable=g-import-not-at-top
 
   s0 = work.s
   longest = max(
@@ -392,6 +392,10 @@ def precompile(work: Workload, settings_list, num_batches: int, streaming: bool 
 
   t0 = now()
   for s in distinct.values():
+    score_only = sorted(
+        {experience.bucket_length(n, rl_trainer.SCORE_SMALLEST_BUCKET) for n in range(1, top + 1)}
+        - set(lengths)
+    )
     for length in lengths:
       trainer = work.trainer(s)
       resp = max(1, length - 3)
@@ -403,6 +407,9 @@ def precompile(work: Workload, settings_list, num_batches: int, streaming: bool 
           )
       trainer.update(minis[0])
       trainer.update(minis[0])
+      for short in score_only:  # scored blocks pad from a smaller bucket than updates
+        trainer.prepare(samples(size, max(1, short - 3), size), rewards, trainer.snapshot())
+      score_only = ()
       if micro < mb:
         # A long-tailed mini-batch: one micro-batch at this length, the rest
         # short (`RLTrainer.ragged_micros` cuts each to its own length).
