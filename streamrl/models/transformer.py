@@ -179,14 +179,32 @@ def initializer(name: str):
 
 def embed(table_vd: jax.Array, tokens_bt: jax.Array) -> jax.Array:
   """Rows `tokens_bt` of the table [v, d], in its stored dtype (only [b, t, d]
-  is converted afterwards). A 16-bit table that takes no gradient (a frozen
-  base or reference) is gathered as integers: XLA's CPU backend gathers
-  16-bit floats through an fp32 copy of the whole table (inside a loop over
-  micro-batches made once and kept for the loop)."""
+  is converted afterwards). A 16-bit table is gathered as integers: XLA's CPU
+  backend gathers 16-bit floats through an fp32 copy of the whole table
+  (inside a loop over micro-batches made once and kept for the loop). Its
+  gradient is the usual scatter-add, formed only when the table is trained."""
   if table_vd.dtype.itemsize != 2:
     return jnp.take(table_vd, tokens_bt, axis=0)
-  bits = jax.lax.bitcast_convert_type(jax.lax.stop_gradient(table_vd), jnp.uint16)
+  return _take_16bit(table_vd, tokens_bt)
+
+
+@jax.custom_vjp
+def _take_16bit(table_vd: jax.Array, tokens_bt: jax.Array) -> jax.Array:
+  bits = jax.lax.bitcast_convert_type(table_vd, jnp.uint16)
   return jax.lax.bitcast_convert_type(jnp.take(bits, tokens_bt, axis=0), table_vd.dtype)
+
+
+def _take_16bit_fwd(table_vd, tokens_bt):
+  return _take_16bit(table_vd, tokens_bt), (table_vd, tokens_bt)
+
+
+def _take_16bit_bwd(res, dx_btd):
+  table_vd, tokens_bt = res
+  grad = jnp.zeros(table_vd.shape, _F32).at[tokens_bt].add(dx_btd.astype(_F32))
+  return grad.astype(table_vd.dtype), None
+
+
+_take_16bit.defvjp(_take_16bit_fwd, _take_16bit_bwd)
 
 
 class RMSNorm(nnx.Module):

@@ -380,3 +380,14 @@ def test_a_bf16_backward_pass_holds_no_fp32_copy_of_the_weights():
   grad = jax.jit(jax.grad(loss))
   temp = grad.lower(x, ws).compile().memory_analysis().temp_size_in_bytes
   assert temp < n * d * d * 4 / 4, temp
+
+
+def test_a_bf16_embedding_gathers_exactly_and_still_takes_its_gradient():
+  table = jax.random.normal(jax.random.key(0), (11, 4)).astype(jnp.bfloat16)
+  tokens = jnp.array([[1, 3, 3], [0, 10, 1]])
+  np.testing.assert_array_equal(transformer.embed(table, tokens), jnp.take(table, tokens, axis=0))
+  loss = lambda gather: lambda w: (gather(w).astype(jnp.float32) ** 2).sum()
+  ours = jax.jit(jax.grad(loss(lambda w: transformer.embed(w, tokens))))(table)
+  plain = jax.grad(loss(lambda w: jnp.take(w, tokens, axis=0)))(table)
+  assert ours.dtype == jnp.bfloat16 and float(jnp.abs(plain.astype(jnp.float32)).sum()) > 0
+  np.testing.assert_array_equal(ours, plain)
