@@ -84,6 +84,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -157,6 +158,8 @@ def stderr(p: float, n: int) -> float:
 def run_streamrl(s, workdir: str, warm_dir: str, run: bool = True) -> dict:
   """Runs StreamRL (or with `run=False` only reads the run in `workdir`)."""
   run_dir = os.path.join(workdir, "streamrl")
+  if run and os.path.isdir(run_dir):  # a run left there would resume from its checkpoint
+    shutil.rmtree(run_dir)
   os.makedirs(run_dir, exist_ok=True)
   link = os.path.join(run_dir, os.path.basename(warm_dir))
   if not os.path.exists(link):
