@@ -341,6 +341,7 @@ class Tokenizer:
     self._fast = tokenizers.Tokenizer.from_file(path) if os.path.isfile(path) else None
     self._hf = None
     self._template = read_chat_template(model_dir)
+    self._template_vars = None  # its named special tokens and chat_template_kwargs (`render`)
     has_template = self._template is not None
     if chat_template == "on" and not has_template:
       raise UserError(
@@ -390,7 +391,9 @@ class Tokenizer:
       # those imports torch, which the trainer's process must not hold.
       from transformers.utils import chat_template_utils  # pylint: disable=g-import-not-at-top
 
-      variables = {**template_tokens(self.model_dir), **self.chat_template_kwargs}
+      if self._template_vars is None:  # read once, not per prompt
+        self._template_vars = {**template_tokens(self.model_dir), **self.chat_template_kwargs}
+      variables = self._template_vars
       rendered, _ = chat_template_utils.render_jinja_template(
           conversations=[list(messages)],
           chat_template=self._template,

@@ -44,6 +44,7 @@ import tokenizers
 from flax import nnx
 
 from streamrl.config import settings as settings_lib
+from streamrl.data import tokenizer as tokenizer_lib
 from streamrl.errors import MissingFileError, UserError
 from streamrl.models import hf, lora as lora_lib
 from streamrl.models.transformer import Transformer
@@ -214,17 +215,11 @@ def _token_ids(model_dir: str) -> dict:
   tokenizer_json = os.path.join(model_dir, "tokenizer.json")
   if all(v is not None for v in ids.values()) or not os.path.isfile(tokenizer_json):
     return ids
-  special = {}
-  for name in ("tokenizer_config.json", "special_tokens_map.json"):  # the latter wins
-    path = os.path.join(model_dir, name)
-    if os.path.isfile(path):
-      with open(path, encoding="utf-8") as f:
-        special.update({k: v for k, v in json.load(f).items() if k.endswith("_token")})
+  special = tokenizer_lib.template_tokens(model_dir)
   tok = tokenizers.Tokenizer.from_file(tokenizer_json)
   for key in _TOKEN_IDS:
     token = special.get(key.removesuffix("_id"))
-    token = token.get("content") if isinstance(token, dict) else token
-    if ids[key] is None and isinstance(token, str):
+    if ids[key] is None and token is not None:
       ids[key] = tok.token_to_id(token)
   return ids
 
