@@ -84,11 +84,29 @@ Ends with
          async_partial=<x> partial_vs_async=<x>
          async_partial_sibling=<x> sibling_vs_async=<x>
          [<mode>_trained_tokens_per_s=<x> ... ranker_recall20=<x>]
+         [<mode>_sim_err=<x> ... max_sim_err=<x>]
 (mode throughputs in samples/s / colocated's; efficiency = async /
 min(generation alone, training alone); the partial and sibling keys when that
 arm runs; the bracketed ones with an environment, where a sample is a
 trajectory, trained tokens are the policy's and the ranker's recall@20 is on
-trajectory length).
+trajectory length; `_sim_err` with `--predict`, the default).
+
+The simulator's prediction (`--predict`): once every arm's engine is gone,
+an in-process instance on the generator's core is profiled (PTL(BS) and
+prefill, experiments/sim/calibrate_arms.py's `measure_generator`), and each
+mode's samples/s is predicted from the parts measured alone in the blocks
+(generator alone, trainer alone, and on every core for colocated, one push
+per block) as experiments/sim/calibrate_sim.py predicts, on the mode's own
+output and prompt lengths (`modes_arms.predict_modes`): `<mode>_sim_err` is
+predicted / measured - 1. Unlike calibrate_sim, the overlapping modes
+(stream, async) get the sides' isolated speeds, not their speeds while both
+run.
+
+The mid-scale benchmark model (`--model=mid`, experiments/harness.py's
+`MODEL_PRESETS`; its warm start is cached in --workdir under the same name
+bench_skew and length_stats use, so a cached one can be copied in):
+
+  python experiments/bench/bench_modes.py --model=mid --workdir=/tmp/streamrl_bench_modes_mid
 
 The agentic workload (multi-turn trajectories with the calculator, a slow
 tool standing in for a search API or code runner):
@@ -104,7 +122,7 @@ import statistics
 from absl import app, flags, logging as absl_logging
 
 from experiments import harness
-from experiments.bench.modes_arms import AloneArms, Arm, rss_gib
+from experiments.bench.modes_arms import AloneArms, Arm, predict_modes, rss_gib
 
 # The colocated engine runs in this process (as the Ray actors run theirs):
 # no engine-core process, fast start-up. Set before vLLM is imported.
@@ -140,6 +158,13 @@ _PLOT = flags.DEFINE_bool("plot", True, "Draw the timeline PNGs.")
 _LOG_COMPILES = flags.DEFINE_bool(
     "log_compiles", False, "Log every JAX compile after the precompile step."
 )
+_PREDICT = flags.DEFINE_bool(
+    "predict",
+    True,
+    "After the blocks, profile the generator and print the simulator's samples/s per mode "
+    "against the measured (modes_arms.predict_modes).",
+)
+_PROFILE_REPS = flags.DEFINE_integer("profile_reps", 2, "Repetitions per PTL(BS) timing.")
 _COLOC_THREADS = flags.DEFINE_integer(
     "colocated_engine_threads",
     1,
@@ -184,6 +209,44 @@ def save_timeline(res: dict, out_dir: str) -> str:
   return path
 
 
+def simulate(work: Workload, s, results: dict, alone: AloneArms, out: str) -> dict:
+  """The generator's PTL profile (an in-process instance on the generator's
+  core, once every arm's engine is gone), then the simulator's prediction of
+  each mode from the costs measured alone (`modes_arms.predict_modes`),
+  printed against the measured samples/s."""
+  from experiments.sim.calibrate_arms import measure_generator  # pylint: disable=g-import-not-at-top
+  from streamrl import cluster  # pylint: disable=g-import-not-at-top
+  from streamrl.workload import generator_cores, unpin  # pylint: disable=g-import-not-at-top
+
+  t0 = now()
+  prompt = statistics.fmean(n for b in alone.per_batch for n in b["prompt_lens"])
+  cluster.pin_process_threads(generator_cores(s))
+  try:
+    profile = measure_generator(
+        work, int(round(prompt)), os.path.join(out, "profile.json"), _PROFILE_REPS.value
+    )
+  finally:
+    work.close_local()
+    unpin()
+  predicted = predict_modes(s, results, alone, profile)
+  print(
+      f"\nsimulator (profile {now() - t0:.0f} s; PTL ms "
+      + " ".join(f"{b}:{1e3 * t:.1f}" for b, t in zip(profile.batch_sizes, profile.ptl_s))
+      + f"; push {statistics.fmean(alone.push_s):.2f} s):"
+  )
+  print(
+      f"{'mode':11s} {'measured':>8s} {'predicted':>9s} {'error':>7s} {'sim gen s':>9s} "
+      f"{'sim train s':>11s}"
+  )
+  for m, p in predicted.items():
+    meas = results[m]["samples_per_s"]
+    print(
+        f"{m:11s} {meas:8.2f} {p['samples_per_s']:9.2f} {p['samples_per_s'] / meas - 1:+7.1%} "
+        f"{p['gen_s']:9.2f} {p['train_s']:11.2f}"
+    )
+  return predicted
+
+
 def main(argv):
   del argv
   absl_logging.set_verbosity(absl_logging.WARNING)
@@ -209,7 +272,7 @@ def main(argv):
   work = Workload(s, workdir)
   precompile(work, [with_mode(s, m) for m in modes + ["sync"]], blocks * (warm + iters) + 1)
   arms = {m: Arm(work, m, _COLOC_THREADS.value) for m in modes}
-  alone = AloneArms(work)
+  alone = AloneArms(work, every_core=_PREDICT.value and "colocated" in modes)
   if _LOG_COMPILES.value:
     import jax  # pylint: disable=g-import-not-at-top
 
@@ -228,6 +291,7 @@ def main(argv):
     alone.run_block(warm + iters, warm)
   results = {m: arms[m].result() for m in modes}
   gen, trn = alone.results()
+  predicted = simulate(work, s, results, alone, out) if _PREDICT.value else {}
 
   tput = {m: results[m]["samples_per_s"] for m in modes}
   tput["gen_alone"], tput["train_alone"] = gen["samples_per_s"], trn["samples_per_s"]
@@ -354,6 +418,11 @@ def main(argv):
     recalls = [results[m]["ranker_recall20"] for m in modes]
     recalls = [r for r in recalls if r == r]
     result["ranker_recall20"] = f"{statistics.fmean(recalls) if recalls else float('nan'):.2f}"
+  if predicted:
+    err = {m: p["samples_per_s"] / tput[m] - 1.0 for m, p in predicted.items()}
+    summary["predicted"] = predicted
+    result.update({f"{m}_sim_err": f"{e:+.3f}" for m, e in err.items()})
+    result["max_sim_err"] = f"{max(abs(e) for e in err.values()):.3f}"
   harness.report(out=out, summary=summary, **result)
   import ray  # pylint: disable=g-import-not-at-top
 

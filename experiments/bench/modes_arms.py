@@ -12,7 +12,7 @@ import re
 import statistics
 import time
 
-from streamrl.workload import Workload, now, train_alone, with_mode
+from streamrl.workload import Workload, now, pin_trainer, train_alone, unpin, with_mode
 
 
 def proc_cpu_s(pid: int | None) -> float:
@@ -176,6 +176,9 @@ class Arm:
         "samples_per_s": n / wall,
         "samples_per_s_per_iteration": per_iter,
         "tokens_per_s": sum(sum(o["lengths"]) for o in self.outs) / wall,
+        # The shape the simulator replays (experiments/sim/calibrate_costs.py's `predict`).
+        "output_lens": [n for o in self.outs for n in o["lengths"]],
+        "prompt_lens": [len(q.prompt_token_ids) for o in self.outs for q in o["samples"]],
         "policy_tokens_per_s": sum(sum(o["policy_tokens"]) for o in self.outs) / wall,
         "ranker_recall20": logged("ranker/pre_recall20"),
         "env_turns_mean": logged("env/turns_mean"),
@@ -198,6 +201,20 @@ class Arm:
         "timed": self.timed,
         "timeline": self.intervals,
     }
+
+
+def admission_lengths(requests, samples, gen_s: float) -> dict:
+  """One generated batch as the simulator's cost models take it: prompt and
+  output lengths in admission (request) order, the tokens the trainer sees,
+  and the generation's seconds."""
+  by_rid = {q.prompt_id: q for q in samples}
+  order = [by_rid[rid] for rid, _ in requests]
+  return {
+      "gen_s": gen_s,
+      "prompt_lens": [len(q.prompt_token_ids) for q in order],
+      "output_lens": [len(q.token_ids) for q in order],
+      "tokens": sum(len(q.prompt_token_ids) + len(q.token_ids) for q in order),
+  }
 
 
 def digest(samples) -> str:
@@ -237,10 +254,13 @@ class AloneArms:
   Training: a trainer of its own, in this process pinned to the trainer
   core, doing the trainer's side of `train.train_iteration` on those
   samples (`modes_workload.train_alone`: rewards, snapshot, prepare, PPO
-  updates); the Flax->HF weight export is timed apart.
+  updates); the Flax->HF weight export is timed apart. With `every_core`
+  the same work again on every core, as colocated trains.
+  Push: one blocking weight update into the generator per block.
+  `per_batch` and `push_s` are the simulator's inputs (`predict_modes`).
   """
 
-  def __init__(self, work: Workload):
+  def __init__(self, work: Workload, every_core: bool = False):
     self.work = work
     self.s = with_mode(work.s, "sync")
     self.trainer = work.trainer(self.s)
@@ -250,6 +270,12 @@ class AloneArms:
     self.gen = {"samples": 0, "wall_s": 0.0, "cpu": 0.0}
     self.train = {"samples": 0, "wall_s": 0.0, "cpu": 0.0, "export_s": 0.0}
     self.digest_it0 = None
+    # Also the trainer's work on every core, as colocated trains (its cost model).
+    self.every_core = every_core
+    # Per timed iteration, what the simulator's cost models take
+    # (experiments/sim/calibrate_costs.py's `cost_models`), and the pushes.
+    self.per_batch: list[dict] = []
+    self.push_s: list[float] = []
 
   def run_block(self, n: int, untimed: int) -> None:
     from streamrl.generator.local import round_seed  # pylint: disable=g-import-not-at-top
@@ -274,22 +300,17 @@ class AloneArms:
           self.gen["samples"] += len(samples)
           self.gen["wall_s"] += t1 - t0
           self.gen["cpu"] += c1 - c0
-        generated.append((it, samples, by_id))
+        generated.append((it, samples, by_id, admission_lengths(requests, samples, t1 - t0)))
         self.next_it += 1
+      # One blocking push (Flax -> HF export + load), a version above any generated.
+      t0 = now()
+      svc.update(self.trainer.export_weights(), self.next_it).wait()
+      self.push_s.append(now() - t0)
     finally:
       svc.close()
-    for j, (it, samples, by_id) in enumerate(generated):
+    for j, (it, samples, by_id, rec) in enumerate(generated):
       t0, c0 = now(), time.process_time()
-      train_alone(
-          self.trainer,
-          self.rewarder,
-          [samples],
-          by_id,
-          it=it,
-          ppo_epochs=s.trainer.ppo_epochs,
-          seed=s.seed,
-          copy=False,
-      )
+      rec["fwd_s"], rec["upd_s"] = self._train(samples, by_id, it)
       t1, c1 = now(), time.process_time()
       self.trainer.export_weights()
       t2 = now()
@@ -298,6 +319,27 @@ class AloneArms:
         self.train["wall_s"] += t1 - t0
         self.train["cpu"] += c1 - c0
         self.train["export_s"] += t2 - t1
+        if self.every_core:
+          unpin()
+          try:
+            rec["every_core"] = dict(zip(("fwd_s", "upd_s"), self._train(samples, by_id, it)))
+          finally:
+            pin_trainer(s)
+        self.per_batch.append(rec)
+
+  def _train(self, samples, by_id, it: int) -> tuple[float, float]:
+    """(forward, update) seconds of the trainer's work on one batch (`train_alone`)."""
+    s = self.s
+    return train_alone(
+        self.trainer,
+        self.rewarder,
+        [samples],
+        by_id,
+        it=it,
+        ppo_epochs=s.trainer.ppo_epochs,
+        seed=s.seed,
+        copy=False,
+    )
 
   def results(self) -> tuple[dict, dict]:
     g, t = self.gen, self.train
@@ -319,6 +361,46 @@ class AloneArms:
         "samples_per_s_with_export": t["samples"] / (t["wall_s"] + t["export_s"]),
     }
     return gen, trn
+
+
+# ---------------------------------------------------------------- simulator
+def predict_modes(s, results: dict, alone: AloneArms, profile) -> dict:
+  """The simulator's samples/s for each mode of `results` it models, from
+  costs measured one part at a time (experiments/sim/calibrate_costs.py,
+  as calibrate_sim.py predicts, with the sides' isolated speeds):
+
+  generator: `profile` (PTL(BS) of the in-process instance) plus the
+    per-request cost that makes the replay of the generator-alone batches
+    match their measured time; trainer: forward and update seconds per token
+    of the trainer alone (colocated: on every core, `AloneArms.every_core`);
+    transfer: the mean push. Each mode is simulated on its own output and
+    prompt lengths (its policy drifts), nothing else taken from its run.
+  Returns {mode: {"samples_per_s", "iteration_s", "gen_s", "train_s"}}.
+  """
+  from experiments.sim.calibrate_costs import PREDICTED, cost_models, predict  # pylint: disable=g-import-not-at-top
+
+  mean_prompt = statistics.fmean(n for b in alone.per_batch for n in b["prompt_lens"])
+  out = {}
+  for mode, res in results.items():
+    if mode not in PREDICTED:
+      continue
+    per_batch = alone.per_batch
+    if mode == "colocated":
+      per_batch = [{**b, **b["every_core"]} for b in per_batch if "every_core" in b]
+    if not per_batch:
+      continue
+    costs = cost_models(
+        mode, profile, per_batch, alone.push_s, s.engine.max_num_seqs, mean_prompt, "mean"
+    )
+    arm = {
+        "mode": mode,
+        "costs": {"isolated": {"mean": costs}},
+        "condition": "isolated",
+        "output_lens": res["output_lens"],
+        "prompt_lens": res["prompt_lens"],
+    }
+    out[mode] = {**predict(arm, s), "costs": costs}
+  return out
 
 
 # ------------------------------------------------------------------- report
