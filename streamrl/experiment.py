@@ -14,6 +14,10 @@ starts the generator actors on the `generation_pool` and streams their
 samples straight into this actor. The launching process only waits, and
 copies the actor's log (`<workdir>/trainer.log`) to its own output as it
 grows.
+
+The launcher imports this module and never loads JAX (nor the trainer's other
+libraries): what runs in the trainer's process (`streamrl.train`, the
+multi-process protocol, the checkpoints) is imported where it runs.
 """
 
 from __future__ import annotations
@@ -33,8 +37,7 @@ from streamrl import lifecycle
 from streamrl import metrics
 from streamrl import oom
 from streamrl.config import settings as settings_lib
-from streamrl import train
-from streamrl.trainer import follower as follower_lib, multihost, protocol, setup
+from streamrl.trainer import runtime
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +53,7 @@ def run(config, workdir: str) -> dict:
   disaggregated = s.pipeline.mode != "colocated"
   if disaggregated and s.cluster.trainer_actor:
     # Refuse an incompatible workdir here too, before Ray or an actor starts.
-    setup.open_checkpoints(s, workdir).close()
+    refuse_incompatible_checkpoints(s, workdir)
     return run_on_actor(s, workdir)
   if not disaggregated:
     share_gpu_memory(s.engine, os.environ)
@@ -58,7 +61,23 @@ def run(config, workdir: str) -> dict:
     # Local Ray: keep this process's threads off the generators' cores.
     shares = cluster_lib.plan_cpu_shares(s.cluster.generator_cpus, s.cluster.trainer_cpus)
     cluster_lib.bound_trainer_threads(shares.trainer_cores)
+  # The trainer runs in this process: only now is JAX loaded (module docstring).
+  from streamrl import train  # pylint: disable=g-import-not-at-top
+
   return train.run(s, workdir)
+
+
+def refuse_incompatible_checkpoints(s: settings_lib.Settings, workdir: str) -> None:
+  """UserError if `workdir` holds checkpoints another config wrote; nothing is
+  written. Reading them loads Orbax and JAX into this process, so a workdir
+  without checkpoints (nothing to refuse) is left unread."""
+  directory = os.path.join(workdir, "checkpoints")
+  empty = not os.path.exists(directory) or os.path.isdir(directory) and not os.listdir(directory)
+  if empty and "://" not in directory:
+    return
+  from streamrl.trainer import setup  # pylint: disable=g-import-not-at-top
+
+  setup.open_checkpoints(s, workdir).close()
 
 
 def share_gpu_memory(engine: settings_lib.Engine, env) -> None:
@@ -90,6 +109,7 @@ class TrainerActor:
 
   Process 0 runs the experiment (`run`); with `cluster.trainer_processes` > 1
   the others `follow` it, on one JAX runtime (streamrl/trainer/multihost.py).
+  Its methods import the trainer's modules when they run, in the actor.
   """
 
   def __init__(
@@ -110,7 +130,7 @@ class TrainerActor:
       for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS"):
         os.environ[var] = str(num_threads)
     if cpu_devices and not os.environ.get("CUDA_VISIBLE_DEVICES"):
-      multihost.set_cpu_devices(cpu_devices)
+      runtime.set_cpu_devices(cpu_devices)
     if os.environ.get("CUDA_VISIBLE_DEVICES"):
       # The trainer's GPUs are its own (disaggregated): JAX may take 90 % of each
       # instead of its default 75 %, as the memory plan assumes.
@@ -133,12 +153,12 @@ class TrainerActor:
   def coordinator_address(self) -> str:
     """Where process 0 will serve JAX's coordination service: on its Ray
     node's address (127.0.0.1 on a local Ray), the only one it listens on."""
-    return multihost.coordinator_address(cluster_lib.node_address())
+    return runtime.coordinator_address(cluster_lib.node_address())
 
   def init_distributed(self, coordinator: str, timeout_s: int) -> dict:
     """Joins the trainer's JAX runtime; returns this process's placement.
     Its gloo collectives listen on its Ray node's address."""
-    multihost.initialize(
+    runtime.initialize(
         coordinator,
         self.num_processes,
         self.process_index,
@@ -166,18 +186,31 @@ class TrainerActor:
       workdir: str,
       info: cluster_lib.ClusterInfo,
       processes: list[dict] | None = None,
-      followers: protocol.Followers | None = None,
+      queues: list[tuple] | None = None,
   ) -> dict:
+    """Runs the experiment as process 0 of `processes` (each one's placement),
+    leading the others through `queues` (each follower's commands and replies)."""
+    from streamrl import train  # pylint: disable=g-import-not-at-top
+    from streamrl.trainer import protocol  # pylint: disable=g-import-not-at-top
+
     self.open_log(workdir)
     processes = processes or [self.where()]
     placement = {"trainer": processes[0]}
+    followers = None
     if len(processes) > 1:
       placement["trainer_processes"] = processes
+      followers = protocol.Followers(
+          commands=[q[0] for q in queues],
+          replies=[q[1] for q in queues],
+          hosts=[p["host"] for p in processes[1:]],
+      )
     return train.run(s, workdir, cluster=info, placement=placement, followers=followers)
 
   def follow(self, s: settings_lib.Settings, workdir: str, commands, reply) -> None:
+    from streamrl.trainer import follower  # pylint: disable=g-import-not-at-top
+
     self.open_log(workdir)
-    follower_lib.follow(s, workdir, commands, reply)
+    follower.follow(s, workdir, commands, reply)
 
 
 def _redirect_output(path: str) -> None:
@@ -236,16 +269,16 @@ def run_on_actor(s: settings_lib.Settings, workdir: str) -> dict:
   refs: dict = {}
   queues: list = []
   try:
-    processes, followers = None, None
+    processes = None
     if n > 1:
-      processes, followers, queues = _start_processes(actors, s.cluster, workdir, logs)
+      processes, queues = _start_processes(actors, s.cluster, workdir, logs)
       refs.update(
           {
               actors[k].follow.remote(s, workdir, queues[k - 1][0], queues[k - 1][1]): k
               for k in range(1, n)
           }
       )
-    run_ref = actors[0].run.remote(s, workdir, info, processes, followers)
+    run_ref = actors[0].run.remote(s, workdir, info, processes, queues)
     refs[run_ref] = 0
     while True:
       ready, _ = ray.wait(list(refs), timeout=0.5)
@@ -346,8 +379,7 @@ def _get(ref, k: int, n: int, log_path: str, memory: oom.Watch | None = None):
 
 def _start_processes(actors, c: settings_lib.Cluster, workdir: str, logs: list[str]):
   """Joins the trainer actors into one JAX runtime; returns (placement of
-  each process, process 0's `Followers`, each follower's (commands, replies)
-  queues)."""
+  each process, each follower's (commands, replies) queues)."""
   from ray.util.queue import Queue  # pylint: disable=g-import-not-at-top
 
   n = len(actors)
@@ -366,12 +398,7 @@ def _start_processes(actors, c: settings_lib.Cluster, workdir: str, logs: list[s
       (Queue(actor_options={"num_cpus": 0}), Queue(actor_options={"num_cpus": 0}))
       for _ in actors[1:]
   ]
-  followers = protocol.Followers(
-      commands=[q[0] for q in queues],
-      replies=[q[1] for q in queues],
-      hosts=[p["host"] for p in processes[1:]],
-  )
-  return processes, followers, queues
+  return processes, queues
 
 
 class _LogFollower:
@@ -414,7 +441,7 @@ def record_plan(path: str, workdir: str, config) -> settings_lib.Settings:
   a workdir whose checkpoints another config wrote (nothing is written then),
   copies the plan file to <workdir>/plan.json and returns the run's Settings."""
   s = settings_lib.from_config(config)
-  setup.open_checkpoints(s, workdir).close()
+  refuse_incompatible_checkpoints(s, workdir)
   dst = os.path.join(workdir, "plan.json")
   if not (os.path.exists(dst) and os.path.samefile(path, dst)):
     shutil.copyfile(path, dst)

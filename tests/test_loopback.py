@@ -9,6 +9,7 @@ tests/test_multinode.py.
 """
 
 import os
+import sys
 import threading
 import types
 
@@ -19,7 +20,7 @@ import ray
 from streamrl import cluster, experiment
 from streamrl.errors import UserError
 from streamrl.generator import vllm_engine
-from streamrl.trainer import multihost
+from streamrl.trainer import runtime
 
 pytestmark = [pytest.mark.ray]
 
@@ -96,9 +97,9 @@ def test_ray_keeps_a_loopback_address_only_inside_loopback_kept():
 
 def test_the_coordinator_is_on_the_node_address_and_binds_only_it(monkeypatch):
   assert cluster.node_address() == "127.0.0.1"  # outside Ray
-  host, _, port = multihost.coordinator_address("127.0.0.1").rpartition(":")
+  host, _, port = runtime.coordinator_address("127.0.0.1").rpartition(":")
   assert host == "127.0.0.1" and int(port) > 0
-  assert multihost.coordinator_address("::1").startswith("[::1]:")
+  assert runtime.coordinator_address("::1").startswith("[::1]:")
   # What initialize asks of JAX (stand-ins: no runtime starts in this process).
   calls = {}
   fake = types.SimpleNamespace(
@@ -109,9 +110,9 @@ def test_the_coordinator_is_on_the_node_address_and_binds_only_it(monkeypatch):
       local_device_count=lambda: 1,
       device_count=lambda: 2,
   )
-  monkeypatch.setattr(multihost, "jax", fake)
-  monkeypatch.setattr(multihost, "_gloo_listens_on", lambda host: calls.update(gloo=host))
-  multihost.initialize("127.0.0.1:4321", 2, 0, timeout_s=5, host="127.0.0.1")
+  monkeypatch.setitem(sys.modules, "jax", fake)  # what initialize imports
+  monkeypatch.setattr(runtime, "_gloo_listens_on", lambda host: calls.update(gloo=host))
+  runtime.initialize("127.0.0.1:4321", 2, 0, timeout_s=5, host="127.0.0.1")
   assert calls["coordinator_bind_address"] == "127.0.0.1:4321"  # JAX's default: [::]:4321
   assert calls["gloo"] == "127.0.0.1"
 
@@ -155,7 +156,7 @@ def test_a_local_ray_and_a_two_process_trainer_listen_on_loopback_only(local_ray
     coordinator = ray.get(actors[0].coordinator_address.remote())
     assert coordinator.startswith("127.0.0.1:"), coordinator
     # As run_on_actor does: logs, coordinator, jax.distributed + gloo, queues.
-    processes, _, queues = experiment._start_processes(actors, c, str(tmp_path), logs)
+    processes, queues = experiment._start_processes(actors, c, str(tmp_path), logs)
     assert [p["process_index"] for p in processes] == [0, 1]
     found = listening()
   finally:

@@ -17,10 +17,12 @@ the rounds of `make_rounds`.
 
 from __future__ import annotations
 
+import typing
 from collections.abc import Callable
 
-from streamrl.generator.rollout import Rollout, Sample
-from streamrl.pipeline import base, dynamic_sampling, partial, stream, sync
+if typing.TYPE_CHECKING:  # Only named here: the settings import this package (below).
+  from streamrl.generator.rollout import Rollout, Sample
+  from streamrl.pipeline import base, dynamic_sampling
 
 
 def make_mode(
@@ -37,8 +39,10 @@ def make_mode(
   (which reads `model_dir` and keeps its files in `workdir`); `rounds(it)`
   gives iteration it's Round (`make_rounds`); `on_sample` and
   `group_rewards` as `base.Mode` takes them."""
-  # Imported here: the scheduler's module imports Ray, and reading the
-  # settings imports this package.
+  # Imported here: reading the settings imports this package (its config), in
+  # the launcher's process too, which must not load the modes' JAX (the RL
+  # math) nor the scheduler's Ray.
+  from streamrl.pipeline import partial, stream, sync  # pylint: disable=g-import-not-at-top
   from streamrl.scheduling.scheduler import GenerationScheduler  # pylint: disable=g-import-not-at-top
 
   scheduler = GenerationScheduler(
@@ -74,9 +78,9 @@ def make_mode(
 def make_rounds(loader, tokenizer, group_size: int) -> Callable[[int], base.Round]:
   """`rounds(it)`: the next prompt batch of `loader` (a `data.loader.PromptLoader`)
   as iteration it's Round, `group_size` requests per prompt."""
-  # Imported here: the loader's module imports grain, and reading the
-  # settings imports this package.
+  # Imported here, as in make_mode: the loader's module imports grain.
   from streamrl.data.loader import make_requests  # pylint: disable=g-import-not-at-top
+  from streamrl.pipeline import base  # pylint: disable=g-import-not-at-top
 
   def rounds(it: int) -> base.Round:
     examples = next(loader)

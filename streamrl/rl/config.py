@@ -6,9 +6,11 @@ from __future__ import annotations
 import dataclasses
 
 from streamrl.config.checks import need, one_of, positive
-from streamrl.rl.kl import KL_ESTIMATORS
 
+# The names of the estimators in streamrl/rl/ (whose modules import JAX, and
+# reading the settings must not).
 ADVANTAGES = ("gae", "grpo", "rloo", "reinforce_pp")
+KLS = ("k1", "k2", "k3")
 LOSS_AGGS = ("token_mean", "token_sum_norm", "seq_mean_token_mean", "seq_mean_token_sum")
 ROLLOUT_CORRECTIONS = ("auto", "none", "tis", "mis")
 IS_LEVELS = ("token", "sequence")
@@ -84,7 +86,7 @@ class Kl:
     return self.coef if self.use_reference and not self.in_reward else 0.0
 
   def check(self) -> None:
-    one_of("kl.estimator", self.estimator, KL_ESTIMATORS)
+    one_of("kl.estimator", self.estimator, KLS)
     positive("kl.coef", self.coef, zero_ok=True)
     need(
         not self.coef or self.use_reference,

@@ -2,14 +2,15 @@
 
 With `cluster.trainer_processes=N` the trainer is N Ray actors on the
 training pool (one per host, or per GPU group), and one device mesh spans
-all their devices (`initialize`; the same logical -> physical rules as one
-process). JAX is multi-controller: every process must run the same jitted
-computations in the same order. So the RL loop (`streamrl/train.py`) runs
-on process 0 only -- it owns the rollout, the rewards, the metrics and the
-logs -- and its trainer is a `protocol.Leader`: before each trainer operation it
-sends the operation and its inputs to every other process (a Ray queue
-each: the typed operations of streamrl/trainer/protocol.py), whose
-`protocol.follow` replays it on its own `RLTrainer`.
+all their devices (joined by streamrl/trainer/runtime.py; the same
+logical -> physical rules as one process). JAX is multi-controller: every
+process must run the same jitted computations in the same order. So the RL
+loop (`streamrl/train.py`) runs on process 0 only -- it owns the rollout, the
+rewards, the metrics and the logs -- and its trainer is a `protocol.Leader`:
+before each trainer operation it sends the operation and its inputs to every
+other process (a Ray queue each: the typed operations of
+streamrl/trainer/protocol.py), whose `protocol.follow` replays it on its own
+`RLTrainer`.
 
 Data: samples arrive at process 0, where the rollout streams them and the
 rewards are computed, and each chunk is forwarded with its rewards to the
@@ -35,10 +36,6 @@ which one died and where its log is.
 
 from __future__ import annotations
 
-import functools
-import logging
-import os
-import re
 import socket
 
 import jax
@@ -48,92 +45,6 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from streamrl.models import hf, safetensors_io
-
-log = logging.getLogger(__name__)
-
-_DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
-
-
-# ----------------------------------------------------------------- runtime
-def set_cpu_devices(count: int, env=os.environ) -> None:
-  """Makes this process's CPU backend offer `count` devices (before JAX starts)."""
-  flags = re.sub(rf"{_DEVICE_COUNT_FLAG}=\d+", "", env.get("XLA_FLAGS", "")).split()
-  env["XLA_FLAGS"] = " ".join(flags + [f"{_DEVICE_COUNT_FLAG}={int(count)}"])
-
-
-def free_port(host: str = "") -> int:
-  """A port free at `host` ("": on every interface) now."""
-  with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-    s.bind((host, 0))
-    return s.getsockname()[1]
-
-
-def host_port(host: str, port: int) -> str:
-  """`host:port`, an IPv6 host in brackets."""
-  return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def coordinator_address(host: str) -> str:
-  """Where process 0 serves JAX's coordination service: a free port at
-  `host`, its node's address (127.0.0.1 on a local Ray)."""
-  return host_port(host, free_port(host))
-
-
-def initialize(
-    coordinator: str,
-    num_processes: int,
-    process_id: int,
-    *,
-    timeout_s: int = 300,
-    host: str | None = None,
-) -> None:
-  """Joins this process to the trainer's JAX runtime (before any JAX computation).
-
-  On CPU the cross-process collectives run over gloo. A process that dies is
-  noticed by the coordination service after `timeout_s` at the latest; the
-  launcher notices sooner (through Ray) and stops the rest. The service
-  (process 0) listens on the coordinator's address only, not on every
-  interface; this process's gloo listens on `host` (its node's address) when
-  given, else on the address its hostname resolves to.
-  """
-  jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  jax.distributed.initialize(
-      coordinator,
-      num_processes=num_processes,
-      process_id=process_id,
-      initialization_timeout=timeout_s,
-      heartbeat_timeout_seconds=timeout_s,
-      coordinator_bind_address=coordinator,
-  )
-  if host:
-    _gloo_listens_on(host)
-  log.info(
-      "Trainer process %d of %d: %d local devices, %d in the mesh.",
-      jax.process_index(),
-      jax.process_count(),
-      jax.local_device_count(),
-      jax.device_count(),
-  )
-
-
-def _gloo_listens_on(host: str) -> None:
-  """The CPU backend, created at JAX's first computation, gets gloo
-  collectives that listen on `host`. JAX makes them for the address the
-  hostname resolves to (on many machines the network's) and has no setting
-  for it, so the backend is registered again with collectives of our own."""
-  from jax._src import distributed, xla_bridge  # pylint: disable=g-import-not-at-top
-  from jax._src.lib import _jax  # pylint: disable=g-import-not-at-top
-  from jax.extend import backend  # pylint: disable=g-import-not-at-top
-
-  collectives = _jax.make_gloo_tcp_collectives(
-      distributed_client=distributed.global_state.client, hostname=host
-  )
-  backend.register_backend_factory(
-      "cpu",
-      functools.partial(xla_bridge.make_cpu_client, collectives=collectives),
-      priority=0,
-      fail_quietly=False,
-  )
 
 
 # -------------------------------------------------------------------- data

@@ -11,7 +11,7 @@ from streamrl.config import settings
 from streamrl.errors import UserError
 from streamrl.models import config as model_config
 from streamrl.models import hf, transformer
-from streamrl.trainer import multihost, sharding
+from streamrl.trainer import multihost, runtime, sharding
 from streamrl.transfer.manifest import plan_payload
 from streamrl.transfer.shm import WeightsFile
 
@@ -82,10 +82,10 @@ def test_global_and_host_arrays_round_trip_on_the_mesh():
 
 def test_set_cpu_devices_replaces_the_device_count_and_keeps_other_flags():
   env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8 --xla_cpu_foo=1"}
-  multihost.set_cpu_devices(4, env)
+  runtime.set_cpu_devices(4, env)
   assert env["XLA_FLAGS"].split() == ["--xla_cpu_foo=1", "--xla_force_host_platform_device_count=4"]
   env = {}
-  multihost.set_cpu_devices(2, env)
+  runtime.set_cpu_devices(2, env)
   assert env["XLA_FLAGS"] == "--xla_force_host_platform_device_count=2"
 
 
