@@ -190,10 +190,10 @@ class TrainerActor:
   ) -> dict:
     """Runs the experiment as process 0 of `processes` (each one's placement),
     leading the others through `queues` (each follower's commands and replies)."""
+    self.open_log(workdir)  # First: what importing the trainer logs goes there too.
     from streamrl import train  # pylint: disable=g-import-not-at-top
     from streamrl.trainer import protocol  # pylint: disable=g-import-not-at-top
 
-    self.open_log(workdir)
     processes = processes or [self.where()]
     placement = {"trainer": processes[0]}
     followers = None
@@ -207,9 +207,9 @@ class TrainerActor:
     return train.run(s, workdir, cluster=info, placement=placement, followers=followers)
 
   def follow(self, s: settings_lib.Settings, workdir: str, commands, reply) -> None:
+    self.open_log(workdir)
     from streamrl.trainer import follower  # pylint: disable=g-import-not-at-top
 
-    self.open_log(workdir)
     follower.follow(s, workdir, commands, reply)
 
 
