@@ -31,6 +31,7 @@ import sys
 
 import ray
 
+from streamrl import allocator
 from streamrl import cluster as cluster_lib
 from streamrl import errors
 from streamrl import lifecycle
@@ -61,6 +62,7 @@ def run(config, workdir: str) -> dict:
     # Local Ray: keep this process's threads off the generators' cores.
     shares = cluster_lib.plan_cpu_shares(s.cluster.generator_cpus, s.cluster.trainer_cpus)
     cluster_lib.bound_trainer_threads(shares.trainer_cores)
+  allocator.hand_back_large_blocks()  # before the trainer's weights and buffers
   # The trainer runs in this process: only now is JAX loaded (module docstring).
   from streamrl import train  # pylint: disable=g-import-not-at-top
 
@@ -123,6 +125,7 @@ class TrainerActor:
     # If this actor dies (its driver died, or ray.kill), so do the engine
     # processes it started.
     lifecycle.guard_children()
+    allocator.hand_back_large_blocks()  # before the trainer's weights and buffers
     if cores:
       # Before JAX exists in this process: XLA sizes its pool from the mask.
       cluster_lib.bound_trainer_threads(cores)

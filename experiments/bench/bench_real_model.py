@@ -19,7 +19,13 @@ resident memory of every process it started (the launcher, Ray's daemons and
 workers, the trainer, generator and reward actors: every process that inherits
 this benchmark's tag in its environment) is summed every --sample_s seconds;
 the peak of that sum is `peak_rss_gb` (GB, 10^9 bytes), each process kind's
-own peak is in the JSON summary. The phase times are the means over the run's
+own peak is in the JSON summary. Resident memory counts a page that several
+processes map (libraries, a weights file in /dev/shm) in each of them, and a
+/dev/shm file no process maps in none, so two more views are sampled:
+`peak_pss_shm_gb`, the summed proportional set sizes of anonymous and file
+pages (each shared page split among its processes) plus the growth of
+/dev/shm (shared memory, counted there once whether mapped or not), and `peak_machine_gb`, the
+machine's used memory (MemTotal - MemAvailable) over its value at the start. The phase times are the means over the run's
 iterations of time/iteration_s, time/generation_s, time/training_s and
 time/weight_update_s in its metrics.jsonl; the exported <workdir>/hf must load
 in `transformers`. Ends with one line
@@ -144,6 +150,14 @@ class TreeMemory:
   def __init__(self, tag: str, every_s: float):
     self.tag, self.every_s = tag, every_s
     self.peak, self.peak_by_kind, self.samples = 0, {}, 0
+    # Resident memory counts a page shared by several processes (libraries,
+    # a weights file both sides map) once per process. The proportional set
+    # size splits it among them; with the run's /dev/shm growth (files no
+    # process maps are in nobody's RSS) it is the run's memory counted once.
+    # The machine's used memory (MemTotal - MemAvailable) over its value at
+    # the start is a third view, which also sees what other jobs do.
+    self.peak_pss_shm, self.peak_used = 0, 0
+    self._shm0, self._used0 = _shm_used(), _machine_used()
     self._seen: dict[tuple[int, float], bool] = {}
     self._stop = threading.Event()
     self._thread = threading.Thread(target=self._loop, daemon=True)
@@ -174,22 +188,47 @@ class TreeMemory:
     import psutil
 
     while not self._stop.is_set():
-      total, by_kind = 0, {}
+      total, pss, by_kind = 0, 0, {}
       for p in psutil.process_iter():
         if not self._tagged(p):
           continue
         try:
           rss = p.memory_info().rss
           kind = _kind(p.cmdline())
-        except psutil.Error:
+          pss += _pss_private_and_files(p.pid)
+        except (psutil.Error, OSError):
           continue
         total += rss
         by_kind[kind] = by_kind.get(kind, 0) + rss
       self.samples += 1
       self.peak = max(self.peak, total)
+      self.peak_pss_shm = max(self.peak_pss_shm, pss + max(0, _shm_used() - self._shm0))
+      self.peak_used = max(self.peak_used, _machine_used() - self._used0)
       for kind, rss in by_kind.items():
         self.peak_by_kind[kind] = max(self.peak_by_kind.get(kind, 0), rss)
       self._stop.wait(self.every_s)
+
+
+def _pss_private_and_files(pid: int) -> int:
+  """The process's proportional share of its anonymous and file-backed pages
+  (shared memory left out: the /dev/shm growth counts it once)."""
+  total = 0
+  with open(f"/proc/{pid}/smaps_rollup") as f:
+    for line in f:
+      if line.startswith(("Pss_Anon:", "Pss_File:")):
+        total += int(line.split()[1]) * 1024
+  return total
+
+
+def _shm_used() -> int:
+  st = os.statvfs("/dev/shm")
+  return (st.f_blocks - st.f_bfree) * st.f_frsize
+
+
+def _machine_used() -> int:
+  with open("/proc/meminfo") as f:
+    kb = {line.split(":")[0]: int(line.split()[1]) for line in f}
+  return (kb["MemTotal"] - kb["MemAvailable"]) * 1024
 
 
 def _kind(cmdline: list[str]) -> str:
@@ -246,7 +285,11 @@ def run_mode(mode: str, model_dir: str, data: str, out: str) -> dict:
         f"{memory.peak / 1e9:.2f} GB ({_by_kind(memory)}); its log is {log_path}."
     )
   rows = _iterations(os.path.join(workdir, "metrics.jsonl"))
-  result = {"peak_rss_gb": round(memory.peak / 1e9, 2)}
+  result = {
+      "peak_rss_gb": round(memory.peak / 1e9, 2),
+      "peak_pss_shm_gb": round(memory.peak_pss_shm / 1e9, 2),
+      "peak_machine_gb": round(memory.peak_used / 1e9, 2),
+  }
   for key in TIME_KEYS:
     values = [r[f"time/{key}"] for r in rows if f"time/{key}" in r]
     result[key] = round(sum(values) / len(values), 2) if values else float("nan")

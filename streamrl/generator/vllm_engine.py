@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 
+from streamrl import allocator
 from streamrl import cluster as cluster_lib
 from streamrl.data import tokenizer as tokenizer_lib
 from streamrl.generator import admission
@@ -209,7 +210,7 @@ class GeneratorInstance:
     self._engine = LLMEngine.from_engine_args(args)
     # The start-up profiling pass runs a whole token budget through the model; its
     # freed activations would otherwise stay in this process's heap.
-    vllm_worker.release_freed_memory()
+    allocator.release_freed()
     self.lora_rank = lora_rank
     self._lora = None  # the active adapter's LoRARequest (None: the base weights)
     self._lora_dir = None

@@ -10,14 +10,13 @@ expected per-reload messages are filtered out (`ReloadLogFilter`,
 
 from __future__ import annotations
 
-import ctypes
-import gc
 import logging
 import os
 from collections.abc import Iterator, Sequence
 
 import numpy as np
 
+from streamrl import allocator
 from streamrl.models import safetensors_io
 
 log = logging.getLogger(__name__)
@@ -236,19 +235,8 @@ class WorkerExtension:
     # one INFO line per update still shows.
     logging.getLogger(_BLOCK_POOL_LOGGER).addFilter(PREFIX_RESET_FILTER)
     PREFIX_RESET_FILTER.arm()
-    release_freed_memory()
+    allocator.release_freed()  # the loader's weight-sized temporaries
     return sorted(quiet.hidden)
-
-
-def release_freed_memory() -> None:
-  """Hands what the loader freed back to the OS: a reload's temporaries are
-  weight-sized, and glibc keeps freed blocks of that size in its heap, so
-  without this every update would leave the process larger by them."""
-  gc.collect()
-  try:
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-  except (OSError, AttributeError):  # not glibc: the allocator keeps what it keeps
-    pass
 
 
 # Whether update_weights has said why vLLM's reload warnings are hidden.
