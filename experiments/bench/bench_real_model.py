@@ -32,9 +32,9 @@ in `transformers`. Ends with one line
 
   RESULT full_peak_rss_gb=.. full_iteration_s=.. full_generation_s=.. ... lora_...
 
-and summary.json under --out. A run that fails prints its last lines and its
-memory plan (the table the trainer logs at start) and the benchmark exits
-non-zero. Not run in CI (tests/test_bench_real_model.py runs --quick).
+and summary.json (and each run's memory samples, run_<mode>_memory.jsonl)
+under --out. A run that fails prints its last lines and its memory plan (the
+table the trainer logs at start) and the benchmark exits non-zero. Not run in CI (tests/test_bench_real_model.py runs --quick).
 """
 
 from __future__ import annotations
@@ -158,6 +158,9 @@ class TreeMemory:
     # the start is a third view, which also sees what other jobs do.
     self.peak_pss_shm, self.peak_used = 0, 0
     self._shm0, self._used0 = _shm_used(), _machine_used()
+    # Every sample: seconds since the start, the summed view above, RSS by process kind.
+    self.timeline: list[dict] = []
+    self._t0 = time.perf_counter()
     self._seen: dict[tuple[int, float], bool] = {}
     self._stop = threading.Event()
     self._thread = threading.Thread(target=self._loop, daemon=True)
@@ -189,6 +192,7 @@ class TreeMemory:
 
     while not self._stop.is_set():
       total, pss, by_kind = 0, 0, {}
+      shm = max(0, _shm_used() - self._shm0)
       for p in psutil.process_iter():
         if not self._tagged(p):
           continue
@@ -201,8 +205,11 @@ class TreeMemory:
         total += rss
         by_kind[kind] = by_kind.get(kind, 0) + rss
       self.samples += 1
+      self.timeline.append(
+          {"t": round(time.perf_counter() - self._t0, 2), "pss_shm": pss + shm, **by_kind}
+      )
       self.peak = max(self.peak, total)
-      self.peak_pss_shm = max(self.peak_pss_shm, pss + max(0, _shm_used() - self._shm0))
+      self.peak_pss_shm = max(self.peak_pss_shm, pss + shm)
       self.peak_used = max(self.peak_used, _machine_used() - self._used0)
       for kind, rss in by_kind.items():
         self.peak_by_kind[kind] = max(self.peak_by_kind.get(kind, 0), rss)
@@ -285,6 +292,8 @@ def run_mode(mode: str, model_dir: str, data: str, out: str) -> dict:
         f"{memory.peak / 1e9:.2f} GB ({_by_kind(memory)}); its log is {log_path}."
     )
   rows = _iterations(os.path.join(workdir, "metrics.jsonl"))
+  with open(os.path.join(out, f"run_{mode}_memory.jsonl"), "w") as f:
+    f.writelines(json.dumps(row) + "\n" for row in memory.timeline)
   result = {
       "peak_rss_gb": round(memory.peak / 1e9, 2),
       "peak_pss_shm_gb": round(memory.peak_pss_shm / 1e9, 2),
