@@ -291,6 +291,11 @@ def run(
       trainer = protocol.Leader(trainer, followers)
     loader = PromptLoader(train_examples, s.trainer.prompts_per_iteration, seed=s.seed)
     start, meta = setup.resume(ckpt, trainer, loader, rewarder, followers)
+    if s.trainer.precompile:  # compiled while the generators start and make the first round
+      prompts = (
+          len(x.prompt_token_ids or tokenizer.encode_prompt(x.prompt)) for x in train_examples
+      )
+      trainer.start_warm_up(**RLTrainer.warm_up_args(s, max(prompts)))
     rollout = make_rollout(s, model_dir, cluster, workdir)
     stack.callback(rollout.close)
     mode = pipeline.make_mode(

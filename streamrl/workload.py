@@ -347,78 +347,37 @@ def train_alone(
 def precompile(work: Workload, settings_list, num_batches: int, streaming: bool = True) -> None:
   """Fills the jit caches for every padded length the workload can produce.
 
-  Mini-batches are padded to `experience.bucket_length`, and jit caches are per
-  process: a timed iteration that met a new length would pay a compile, and
-  whichever mode ran first would pay for the others. For each distinct loss
-  config among `settings_list` (async's rollout correction differs) and
-  each length, a fresh trainer (what every arm starts with) scores synthetic
-  samples (the whole batch; with `streaming`, one mini-batch too, on a
-  copied snapshot as stream mode takes it) and runs two updates (the first
-  step of a fresh state and the later ones compile apart). Trainers of equal
-  settings share these compiled functions.
+  jit caches are per process: a timed iteration that met a new length would
+  pay a compile, and whichever mode ran first would pay for the others. For
+  each distinct loss config among `settings_list` (async's rollout
+  correction differs), a fresh trainer (what every arm starts with) runs
+  `RLTrainer.warm_up` up to the longest prompt of the first `num_batches`
+  batches plus `sampling.max_tokens`: the whole batch scored by the live
+  parameters and, with `streaming`, one mini-batch scored by a copied
+  snapshot too (as stream mode does). Trainers of equal settings share
+  these compiled functions.
   """
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  from streamrl.generator.rollout import Sample  # pylint: disable=g-import-not-at-top
-  from streamrl.trainer import experience, rl_trainer  # pylint: disable=g-import-not-at-top
-
   s0 = work.s
   longest = max(
       len(work.tokenizer.encode_prompt(ex.prompt))
       for batch in work.batches(num_batches)
       for ex in batch
   )
-  top = experience.bucket_length(longest + s0.sampling.max_tokens)
-  lengths = sorted({experience.bucket_length(n) for n in range(1, top + 1)})
   distinct = {}
   for s in settings_list:
     distinct.setdefault(s.loss.resolved(s.pipeline.mode), s)
-  mb, full = s0.trainer.mini_batch_size, s0.samples_per_iteration
-  micro = s0.trainer.micro_batch_size
-
-  def samples(size: int, resp: int, long_rows: int):
-    # The first `long_rows` samples `resp` tokens long, the others one token.
-    return [
-        Sample(
-            prompt_id=i,
-            prompt_token_ids=(1, 5),
-            token_ids=(7,) * (resp if i < long_rows else 1),
-            logprobs=(-1.0,) * (resp if i < long_rows else 1),
-            finish_reason="length",
-            weight_version=0,
-            instance_id=0,
-        )
-        for i in range(size)
-    ]
-
+  sizes = {s0.samples_per_iteration, s0.trainer.mini_batch_size} if streaming else set()
   t0 = now()
   for s in distinct.values():
-    score_only = sorted(
-        {experience.bucket_length(n, rl_trainer.SCORE_SMALLEST_BUCKET) for n in range(1, top + 1)}
-        - set(lengths)
+    trainer = work.trainer(s)
+    trainer.warm_up(
+        longest + s.sampling.max_tokens,
+        chunk_sizes=sorted(sizes | {s0.samples_per_iteration}),
+        snapshot_copies=(True, False) if streaming else (False,),
     )
-    for length in lengths:
-      trainer = work.trainer(s)
-      resp = max(1, length - 3)
-      for size in sorted({full, mb} if streaming else {full}):
-        rewards = np.linspace(0, 1, size, dtype=np.float32)
-        for copy in (True, False) if streaming else (False,):
-          minis, _ = trainer.prepare(
-              samples(size, resp, size), rewards, trainer.snapshot(copy=copy)
-          )
-      trainer.update(minis[0])
-      trainer.update(minis[0])
-      for short in score_only:  # scored blocks pad from a smaller bucket than updates
-        trainer.prepare(samples(size, max(1, short - 3), size), rewards, trainer.snapshot())
-      score_only = ()
-      if micro < mb:
-        # A long-tailed mini-batch: one micro-batch at this length, the rest
-        # short (`RLTrainer.ragged_micros` cuts each to its own length).
-        rewards = np.linspace(0, 1, mb, dtype=np.float32)
-        minis, _ = trainer.prepare(samples(mb, resp, micro), rewards, trainer.snapshot(copy=False))
-        trainer.update(minis[0])
     trainer.export_weights()
   print(
-      f"precompiled {len(distinct)} trainer config(s) for lengths 32..{top} "
-      f"({now() - t0:.0f} s)",
+      f"precompiled {len(distinct)} trainer config(s) for samples of up to "
+      f"{longest + s0.sampling.max_tokens} tokens ({now() - t0:.0f} s)",
       flush=True,
   )

@@ -35,6 +35,11 @@ class Trainer:
   attention: "fused" (jax.nn.dot_product_attention) or "reference" (the
   scores spelled out), equal up to rounding.
 
+  precompile: compile every program the trainer can meet (each padded
+  length up to the longest prompt plus `sampling.max_tokens`) at start, in
+  the background while the generators begin (`RLTrainer.start_warm_up`), so
+  no iteration stops to compile a new length.
+
   LoRA (`lora_rank` > 0): the actor trains adapters of rank `lora_rank` on
   the `lora_targets` projections ("all", or a comma list of q, k, v, o,
   gate, up, down), scaled by `lora_alpha / lora_rank`, with its own weights
@@ -56,6 +61,7 @@ class Trainer:
   lora_rank: int = 0
   lora_alpha: float = 16.0
   lora_targets: str = "all"
+  precompile: bool = True
 
   def lora_spec(self) -> LoraSpec | None:
     """The actor's adapters (None: full fine-tuning)."""

@@ -25,7 +25,11 @@ from __future__ import annotations
 
 import typing
 
+import concurrent.futures
 import dataclasses
+import logging
+import threading
+import time
 from collections.abc import Sequence
 
 import jax
@@ -45,6 +49,8 @@ from streamrl.trainer import experience, multihost, sharding, step as step_lib
 if typing.TYPE_CHECKING:  # The run's settings are read here, never imported at run time.
   from streamrl.config import settings as settings_lib
 
+log = logging.getLogger(__name__)
+
 
 # One program per padded length (eager, every op of it would be one).
 _mismatch_metrics = jax.jit(rl.mismatch_metrics)
@@ -54,6 +60,32 @@ _mismatch_metrics = jax.jit(rl.mismatch_metrics)
 # blocks fit in 16 or 24 tokens, and a mini-batch of such blocks keeps that
 # length through its updates. Two more shapes per program than from 32.
 SCORE_SMALLEST_BUCKET = 16
+
+
+def _abstract(x):
+  """An array (or a compiled program's output) as the abstract value jit keys on."""
+  if x is None:
+    return None
+  return jax.ShapeDtypeStruct(
+      x.shape, x.dtype, sharding=getattr(x, "sharding", None), weak_type=x.weak_type
+  )
+
+
+def _jit_key(x) -> tuple:
+  """An abstract array as jit tells its arguments apart: shape, dtype, weak
+  type and sharding (as spelled: a program's output may spell a placement
+  otherwise than its input, and jit may then build another program)."""
+  return (x.shape, x.dtype, x.weak_type, x.sharding)
+
+
+def _add_new(todo: list, done: list, tree) -> None:
+  """Appends the abstract `tree` to `todo` unless it or one with the same
+  `_jit_key`s is in `todo` or `done` already."""
+  key = jax.tree.structure(tree), [_jit_key(x) for x in jax.tree.leaves(tree)]
+  for other in todo + done:
+    if key == (jax.tree.structure(other), [_jit_key(x) for x in jax.tree.leaves(other)]):
+      return
+  todo.append(tree)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,6 +193,7 @@ class RLTrainer:
     # With LoRA the reference is the frozen base itself (the adapter off).
     self.ref = self._frozen(self.state.actor) if kl.use_reference and not self.lora else None
     self.ref_is_base = bool(kl.use_reference and self.lora)
+    self._warming: concurrent.futures.Future | None = None  # `start_warm_up`'s
 
   @classmethod
   def from_settings(
@@ -271,6 +304,7 @@ class RLTrainer:
     metrics: KL to the reference, advantage and value means, and the
     trainer/generator mismatch on the sampled tokens (`mismatch/*`).
     """
+    self.wait_warm_up()
     if len(samples) % self.mini_batch_size:
       raise ValueError(
           f"{len(samples)} samples don't split into mini-batches of " f"{self.mini_batch_size}."
@@ -341,6 +375,7 @@ class RLTrainer:
     The rows of a mini-batch from `prepare` are sorted by length. With
     several micro-batches of different lengths each is padded to its own
     length only (`step.ragged_update`); else one jitted scan does the step."""
+    self.wait_warm_up()
     micros = self.ragged_micros(mini)
     if micros is None:
       batch = self._put_all(mini)
@@ -375,6 +410,177 @@ class RLTrainer:
         {key: np.asarray(v)[k * size : (k + 1) * size, :n] for key, v in mini.items()}
         for k, n in enumerate(lengths)
     ]
+
+  # ----------------------------------------------------------------- warm-up
+  @staticmethod
+  def warm_up_args(s: settings_lib.Settings, longest_prompt: int) -> dict:
+    """`warm_up`'s arguments for a run of settings `s` whose longest prompt
+    has `longest_prompt` tokens: samples of at most that plus
+    `sampling.max_tokens` (a multi-turn environment's trajectory: at most
+    `engine.max_model_len`), in the chunks and with the snapshot the mode
+    gives `prepare` (stream: mini-batches, scored by a copy; the others:
+    the whole batch, by the live parameters)."""
+    stream = s.pipeline.mode == "stream"
+    longest = longest_prompt + s.sampling.max_tokens
+    return dict(
+        max_length=s.engine.max_model_len if s.env.name else min(longest, s.engine.max_model_len),
+        chunk_sizes=(s.trainer.mini_batch_size if stream else s.samples_per_iteration,),
+        snapshot_copies=(stream,),
+    )
+
+  def start_warm_up(self, max_length: int, **kwargs) -> None:
+    """`warm_up` in a background thread (XLA compiles outside the GIL, so
+    the caller goes on: starting the generators, a first evaluation, the
+    first round). `prepare` and `update` wait for it to end, so a program is
+    never compiled twice at once; `wait_warm_up` re-raises its error."""
+    self._warming = concurrent.futures.Future()
+
+    def work():
+      try:
+        self._warming.set_result(self.warm_up(max_length, **kwargs))
+      except BaseException as e:  # pylint: disable=broad-exception-caught
+        self._warming.set_exception(e)
+
+    threading.Thread(target=work, name="streamrl-warm-up", daemon=True).start()
+
+  def wait_warm_up(self) -> None:
+    """Waits for `start_warm_up`'s thread (nothing when none runs)."""
+    if self._warming is not None:
+      warming, self._warming = self._warming, None
+      warming.result()
+
+  def warm_up(
+      self,
+      max_length: int,
+      *,
+      chunk_sizes: Sequence[int] = (),
+      snapshot_copies: Sequence[bool] = (True, False),
+  ) -> int:
+    """Compiles every program `prepare` and `update` can run on samples of
+    at most `max_length` tokens (prompt + response), before any exists.
+
+    Each jitted program is lowered on abstract arguments (the shapes, dtypes
+    and shardings the real calls give it) and compiled, which fills the jit
+    caches the later calls read: nothing runs, and the state, its RNG and
+    every array are left as they were. For each padded length L of
+    `prepare`'s buckets (from `SCORE_SMALLEST_BUCKET` up to `max_length`'s):
+    scoring one micro-batch's rows with the old policy (a copied snapshot
+    or the live parameters, as `snapshot_copies` lists), the advantages and
+    mismatch metrics of a chunk of n samples for each n of `chunk_sizes`
+    (default: one mini-batch), the update step of a mini-batch and, with
+    several micro-batches, the ragged step's parts (each micro-batch at its
+    own length). The state an update returns gets the same programs when its
+    shardings are not those of the state it got. Returns how many programs
+    it compiled.
+    """
+    t0 = time.perf_counter()
+    top = experience.bucket_length(max_length, SCORE_SMALLEST_BUCKET)
+    lengths = sorted(
+        {experience.bucket_length(n, SCORE_SMALLEST_BUCKET) for n in range(1, top + 1)}
+    )
+    size = self.mini_batch_size // self.num_micro
+    count = 0
+
+    def compiled(fn, *args, **kwargs):
+      nonlocal count
+      count += 1
+      return jax.tree.map(_abstract, fn.lower(*args, **kwargs).compile().out_info)
+
+    def on_mesh(shape, dtype):  # a host array as `_put` places it
+      return jax.ShapeDtypeStruct(
+          shape, dtype, sharding=sharding.batch_sharding(self.mesh, len(shape), shape=shape)
+      )
+
+    def frozen(params):  # `_frozen`: the read dtypes, in the live shardings
+      if params is None:
+        return None
+      out = compiled(step_lib.frozen_copy, params, self.model_cfg, self.compute)
+      return jax.tree.map(
+          lambda c, p: jax.ShapeDtypeStruct(c.shape, c.dtype, sharding=p.sharding), out, params
+      )
+
+    ref = jax.tree.map(_abstract, self.ref)
+    host = None  # {key: dtype} of a scored and advantaged chunk
+    zeros = None
+    states, seen = [jax.tree.map(_abstract, self.state)], []
+    while states:
+      state = states.pop()
+      seen.append(state)
+      for copy in snapshot_copies:
+        if copy:  # `snapshot(copy=True)`
+          old = Snapshot(state.actor if self.lora else frozen(state.actor), frozen(state.critic))
+        else:
+          old = Snapshot(state.actor, state.critic)
+        for length in lengths:
+          scored = compiled(
+              step_lib.score_batch,
+              on_mesh((size, length), np.int32),
+              old.actor,
+              old.critic,
+              ref,
+              state.actor_base,
+              models=self.models,
+              temperature=self.sampling.temperature,
+              ref_is_base=self.ref_is_base,
+          )
+      if host is None:
+        host = {"tokens_bt": np.int32, "mask_bt": np.float32, "gen_logp_bt": np.float32}
+        host.update({k: v.dtype for k, v in scored.items()})
+        host.setdefault("ref_logp_bt", host["old_logp_bt"])
+        for n in chunk_sizes or (self.mini_batch_size,):
+          for length in lengths:
+            full = {k: jax.ShapeDtypeStruct((n, length), v) for k, v in host.items()}
+            adv = compiled(
+                experience.compute_advantages,
+                full,
+                jax.ShapeDtypeStruct((n,), np.float32),
+                advantage=self.advantage,
+                kl=self.kl,
+            )
+            logp, mask = full["old_logp_bt"], full["mask_bt"]
+            compiled(_mismatch_metrics, logp, full["gen_logp_bt"], mask)
+        host.update({k: v.dtype for k, v in adv.items() if k != "kl_bt"})
+      returned = []
+      for length in lengths:
+        mini = {k: on_mesh((self.mini_batch_size, length), v) for k, v in host.items()}
+        out = compiled(
+            step_lib.update_step, state, mini, num_micro=self.num_micro, **self._step_parts()
+        )
+        returned.append(out[0])
+      if self.num_micro > 1:  # `step.ragged_update`'s programs
+        # The first micro-batch adds into zeros, the others into the sum so
+        # far. The zeros are made for real (and dropped after): a call types
+        # them as uncommitted arrays, which no abstract value spells.
+        with_critic = self.models.critic_def is not None
+        compiled(step_lib.zero_accumulator, state, with_critic)
+        if zeros is None:
+          zeros = step_lib.zero_accumulator(self.state, with_critic)
+        accs, done = [zeros], []
+        while accs:
+          acc = accs.pop()
+          done.append(acc)
+          for length in lengths:
+            micro = {k: on_mesh((size, length), v) for k, v in host.items()}
+            weight = jax.ShapeDtypeStruct((), np.float32)
+            acc_out, metrics = compiled(
+                step_lib.accumulate_micro, state, acc, micro, weight, **self._step_parts()
+            )
+            _add_new(accs, done, acc_out)
+        weights = jax.ShapeDtypeStruct((self.num_micro,), np.float32)
+        combine = step_lib._combine  # pylint: disable=protected-access
+        compiled(combine, [metrics] * self.num_micro, weights)
+        for acc in done[1:]:  # the sum of every micro-batch
+          acc = jax.tree.map(_abstract, acc)
+          returned.append(compiled(step_lib.apply_grads, state, acc[0], models=self.models)[0])
+      for new in returned:
+        _add_new(states, seen, new)
+    log.info(
+        "Compiled %d trainer programs for lengths up to %d in %.1f s",
+        count,
+        top,
+        time.perf_counter() - t0,
+    )
+    return count
 
   # ------------------------------------------------------------------ export
   def policy(self) -> Transformer:
