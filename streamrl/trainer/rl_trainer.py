@@ -72,10 +72,16 @@ def _abstract(x):
 
 
 def _jit_key(x) -> tuple:
-  """An abstract array as jit tells its arguments apart: shape, dtype, weak
-  type and sharding (as spelled: a program's output may spell a placement
-  otherwise than its input, and jit may then build another program)."""
-  return (x.shape, x.dtype, x.weak_type, x.sharding)
+  """What of an abstract array tells jit's compiled programs apart: shape,
+  dtype, weak type and sharding (`P()` and `P(None, None)` spell one
+  placement on a mesh, as an update's output and its input spell it)."""
+  s = x.sharding
+  if isinstance(s, NamedSharding):
+    spec = tuple(s.spec)
+    while spec and spec[-1] is None:
+      spec = spec[:-1]
+    s = (s.mesh, spec, s.memory_kind)
+  return (x.shape, x.dtype, x.weak_type, s)
 
 
 def _add_new(todo: list, done: list, tree) -> None:
@@ -469,9 +475,9 @@ class RLTrainer:
     mismatch metrics of a chunk of n samples for each n of `chunk_sizes`
     (default: one mini-batch), the update step of a mini-batch and, with
     several micro-batches, the ragged step's parts (each micro-batch at its
-    own length). The state an update returns gets the same programs when its
-    shardings are not those of the state it got. Returns how many programs
-    it compiled.
+    own length). The state an update returns gets the same programs when
+    its shardings place it otherwise than the state it got. Returns how many
+    programs it lowered (those jit had compiled already cost a lookup).
     """
     t0 = time.perf_counter()
     top = experience.bucket_length(max_length, SCORE_SMALLEST_BUCKET)
