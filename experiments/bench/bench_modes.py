@@ -170,8 +170,8 @@ _PRECOMPILE_TOKENS = flags.DEFINE_integer(
     "precompile_tokens",
     None,
     "Longest response the jit caches are filled for before the arms (default: "
-    "sampling.max_tokens). A policy whose responses stay far shorter (the mid model's: p99 "
-    "about 33 tokens) needs only the short buckets; a longer one pays its compile when met.",
+    "sampling.max_tokens). A policy whose responses stay far shorter (the mid model's) needs "
+    "only the short buckets; a longer one pays its compile when met.",
 )
 _PROFILE_REPS = flags.DEFINE_integer("profile_reps", 2, "Repetitions per PTL(BS) timing.")
 _COLOC_THREADS = flags.DEFINE_integer(
