@@ -38,7 +38,11 @@ class Trainer:
   precompile: compile every program the trainer can meet (each padded
   length up to the longest prompt plus `sampling.max_tokens`) at start, in
   the background while the generators begin (`RLTrainer.start_warm_up`), so
-  no iteration stops to compile a new length.
+  no iteration stops to compile a new length. Off by default: the first
+  update waits for all of them, and where they take longer to compile than
+  the start-up lasts (a cold XLA cache, a larger model on CPU) that wait
+  costs more than the few lengths a run meets late (experiments/RESULTS.md,
+  bench_peers.py).
 
   LoRA (`lora_rank` > 0): the actor trains adapters of rank `lora_rank` on
   the `lora_targets` projections ("all", or a comma list of q, k, v, o,
@@ -61,7 +65,7 @@ class Trainer:
   lora_rank: int = 0
   lora_alpha: float = 16.0
   lora_targets: str = "all"
-  precompile: bool = True
+  precompile: bool = False
 
   def lora_spec(self) -> LoraSpec | None:
     """The actor's adapters (None: full fine-tuning)."""
