@@ -115,8 +115,6 @@ tool standing in for a search API or code runner):
       --override=env.extra_tool_latency_s=0.2 --modes=colocated,async,async_partial
 """
 
-import copy
-import dataclasses
 import json
 import os
 import statistics
@@ -218,6 +216,34 @@ def save_timeline(res: dict, out_dir: str) -> str:
   return path
 
 
+def precompile_bounded(work: Workload, settings_list, num_batches: int) -> None:
+  """`workload.precompile`, its samples bounded by the longest prompt plus
+  --precompile_tokens instead of sampling.max_tokens (the settings, hence the
+  jitted programs' static arguments, stay the arms' own)."""
+  longest = max(
+      len(work.tokenizer.encode_prompt(ex.prompt))
+      for batch in work.batches(num_batches)
+      for ex in batch
+  )
+  s0, t0 = work.s, now()
+  distinct = {}
+  for x in settings_list:
+    distinct.setdefault(x.loss.resolved(x.pipeline.mode), x)
+  for x in distinct.values():
+    trainer = work.trainer(x)
+    trainer.warm_up(
+        longest + _PRECOMPILE_TOKENS.value,
+        chunk_sizes=sorted({s0.samples_per_iteration, s0.trainer.mini_batch_size}),
+        snapshot_copies=(True, False),
+    )
+    trainer.export_weights()
+  print(
+      f"precompiled {len(distinct)} trainer config(s) for samples of up to "
+      f"{longest + _PRECOMPILE_TOKENS.value} tokens ({now() - t0:.0f} s)",
+      flush=True,
+  )
+
+
 def simulate(work: Workload, s, results: dict, alone: AloneArms, out: str) -> dict:
   """The generator's PTL profile (an in-process instance on the generator's
   core, once every arm's engine is gone), then the simulator's prediction of
@@ -279,15 +305,12 @@ def main(argv):
       flush=True,
   )
   work = Workload(s, workdir)
-  capped = work
   if _PRECOMPILE_TOKENS.value:
-    # The same workload, its lengths bounded by --precompile_tokens (precompile reads
-    # sampling.max_tokens from `work.s`); the arms keep the config's max_tokens.
-    capped = copy.copy(work)
-    capped.s = s.replace(
-        sampling=dataclasses.replace(s.sampling, max_tokens=_PRECOMPILE_TOKENS.value)
+    precompile_bounded(
+        work, [with_mode(s, m) for m in modes + ["sync"]], blocks * (warm + iters) + 1
     )
-  precompile(capped, [with_mode(s, m) for m in modes + ["sync"]], blocks * (warm + iters) + 1)
+  else:
+    precompile(work, [with_mode(s, m) for m in modes + ["sync"]], blocks * (warm + iters) + 1)
   arms = {m: Arm(work, m, _COLOC_THREADS.value) for m in modes}
   alone = AloneArms(work, every_core=_PREDICT.value and "colocated" in modes)
   if _LOG_COMPILES.value:
