@@ -349,8 +349,9 @@ def precompile(work: Workload, settings_list, num_batches: int, streaming: bool 
 
   jit caches are per process: a timed iteration that met a new length would
   pay a compile, and whichever mode ran first would pay for the others. For
-  each distinct loss config among `settings_list` (async's rollout
-  correction differs), a fresh trainer (what every arm starts with) runs
+  each distinct loss and sampling config among `settings_list` (async's
+  rollout correction differs; the programs take both as static arguments),
+  a fresh trainer (what every arm starts with) runs
   `RLTrainer.warm_up` up to the longest prompt of the first `num_batches`
   batches plus `sampling.max_tokens`: the whole batch scored by the live
   parameters and, with `streaming`, one mini-batch scored by a copied
@@ -365,7 +366,7 @@ def precompile(work: Workload, settings_list, num_batches: int, streaming: bool 
   )
   distinct = {}
   for s in settings_list:
-    distinct.setdefault(s.loss.resolved(s.pipeline.mode), s)
+    distinct.setdefault((s.loss.resolved(s.pipeline.mode), s.sampling), s)
   sizes = {s0.samples_per_iteration, s0.trainer.mini_batch_size} if streaming else set()
   t0 = now()
   for s in distinct.values():
