@@ -399,7 +399,7 @@ def test_a_workdir_with_a_full_pre_rename_fingerprint_still_resumes(tmp_path):
 # part's config module (`streamrl/<part>/config.py`: plain frozen dataclasses)
 # may be read from any layer.
 LAYERS = (
-    {"errors", "config", "cli", "metrics", "lifecycle", "usercode", "oom"},
+    {"errors", "config", "cli", "metrics", "lifecycle", "usercode", "oom", "allocator"},
     {"cluster", "data", "envs", "rl", "transfer", "elastic", "models", "ranker"},
     {"trainer", "scheduling"},
     {"generator"},
