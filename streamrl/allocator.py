@@ -2,37 +2,31 @@
 
 The trainer and the generators allocate and free buffers the size of a weight
 matrix or a whole model many times per iteration (an update's gradients and
-temporaries, a reload's tensors). glibc serves a block above its mmap
-threshold with a mapping of its own, returned to the OS on free; but the
-threshold grows to the size of every such block freed (up to 32 MiB), after
-which blocks of that size come from the heap and stay resident once freed,
-and every thread that allocates may get a heap (an arena) of its own. Left so,
-a process's resident memory grows by the temporaries of its largest step,
-once per arena, memory that the run's memory plan does not count.
+temporaries, a reload's tensors, a checkpoint's). glibc serves a block above
+its mmap threshold with a mapping of its own, returned to the OS on free; but
+the threshold grows to the size of every such block freed (up to 32 MiB),
+after which blocks of that size come from the heap and stay resident once
+freed, and every thread that allocates may get a heap (an arena) of its own.
+Left so, a process's resident memory grows by what one phase freed, once per
+arena, and the next phase (an export, a checkpoint) allocates on top of it.
 
-`hand_back_large_blocks` fixes the threshold (which stops its growth) and
-caps the arenas, once, early in a process (and for the processes it starts);
-`release_freed` returns what the
-heap holds free after a one-off peak (a start-up profiling pass, a reload).
-Both do nothing where the C library is not glibc.
+Fixing the threshold low instead (every large block mapped apart) makes
+every temporary of every step a fresh mapping whose pages the kernel zeroes:
+measured far slower (experiments/RESULTS.md, bench_real_model.py). So the
+heap is kept, with few arenas (`cap_arenas`, once, early in a process and
+for the processes it starts), and what it holds free is returned at the ends
+of the phases that free the most (`release_freed`: after an update, a
+checkpoint, a reload). Both do nothing where the C library is not glibc.
 """
 
 from __future__ import annotations
 
 import ctypes
 import gc
-import logging
 import os
 
-log = logging.getLogger(__name__)
-
-# mallopt's parameter numbers (glibc's malloc.h).
-_M_MMAP_THRESHOLD = -3
+# mallopt's parameter number (glibc's malloc.h).
 _M_ARENA_MAX = -8
-
-# Blocks from this size up are mapped apart and unmapped on free. Large
-# enough that the small objects of Python and the runtimes stay in the heap.
-MMAP_THRESHOLD_BYTES = 128 * 1024
 # Heaps for the threads that allocate: a few, not one per thread.
 ARENA_MAX = 2
 
@@ -45,22 +39,12 @@ def _libc():
     return None
 
 
-def hand_back_large_blocks() -> bool:
-  """Makes glibc map every block of `MMAP_THRESHOLD_BYTES` or more apart (so
-  it is returned on free) and caps its arenas at `ARENA_MAX`. Call it before
-  the process allocates its large buffers (arenas already made stay). True if
-  both settings took."""
-  # For the processes this one starts (an engine's own process, workers).
-  os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(MMAP_THRESHOLD_BYTES))
+def cap_arenas() -> bool:
+  """Caps glibc's heaps at `ARENA_MAX` in this process (arenas already made
+  stay) and in the processes it starts. True if the setting took."""
   os.environ.setdefault("MALLOC_ARENA_MAX", str(ARENA_MAX))
   libc = _libc()
-  if libc is None:
-    return False
-  ok = bool(libc.mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
-  ok = bool(libc.mallopt(_M_ARENA_MAX, ARENA_MAX)) and ok
-  if not ok:
-    log.debug("glibc refused the allocator settings; freed memory may stay resident")
-  return ok
+  return libc is not None and bool(libc.mallopt(_M_ARENA_MAX, ARENA_MAX))
 
 
 def release_freed() -> None:

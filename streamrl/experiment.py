@@ -62,7 +62,7 @@ def run(config, workdir: str) -> dict:
     # Local Ray: keep this process's threads off the generators' cores.
     shares = cluster_lib.plan_cpu_shares(s.cluster.generator_cpus, s.cluster.trainer_cpus)
     cluster_lib.bound_trainer_threads(shares.trainer_cores)
-  allocator.hand_back_large_blocks()  # before the trainer's weights and buffers
+  allocator.cap_arenas()  # before the trainer's weights and buffers
   # The trainer runs in this process: only now is JAX loaded (module docstring).
   from streamrl import train  # pylint: disable=g-import-not-at-top
 
@@ -125,7 +125,7 @@ class TrainerActor:
     # If this actor dies (its driver died, or ray.kill), so do the engine
     # processes it started.
     lifecycle.guard_children()
-    allocator.hand_back_large_blocks()  # before the trainer's weights and buffers
+    allocator.cap_arenas()  # before the trainer's weights and buffers
     if cores:
       # Before JAX exists in this process: XLA sizes its pool from the mask.
       cluster_lib.bound_trainer_threads(cores)

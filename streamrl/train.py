@@ -38,6 +38,7 @@ from collections.abc import Mapping
 import jax
 import numpy as np
 
+from streamrl import allocator
 from streamrl import metrics as metrics_lib
 from streamrl import pipeline
 from streamrl.config import settings as settings_lib
@@ -127,6 +128,7 @@ def train_iteration(
     jax.block_until_ready(updates[-1])
   training_s += mode_base.now() - start
   t_push = mode_base.now()
+  allocator.release_freed()  # the update's temporaries, before the export allocates its own
   weights = trainer.export_weights()
   mode.push(weights, it + 1)
   t1 = mode_base.now()
@@ -396,6 +398,7 @@ def run(
         if followers:
           followers.send(protocol.Save(it + 1, meta))
         ckpt.save(it + 1, trainer.checkpoint_arrays(), meta)
+        allocator.release_freed()  # the checkpoint's buffers, before the next update
       final.update({k: v for k, v in scalars.items() if not k.startswith("eval/")})
     if s.checkpoint.export_hf:
       export.export_trained(s, workdir, trainer, model_dir, multi_process=bool(followers))

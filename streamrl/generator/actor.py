@@ -52,7 +52,7 @@ class _GeneratorActor:
       log_dir: str | None = None,
   ):
     lifecycle.guard_children()  # Its engine processes die with this actor.
-    allocator.hand_back_large_blocks()  # before the engine's weights and buffers
+    allocator.cap_arenas()  # before the engine's weights and buffers
     # First: vLLM's and other libraries' chatter goes to <log_dir>/libraries.log.
     from streamrl import metrics  # pylint: disable=g-import-not-at-top
 
