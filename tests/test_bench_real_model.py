@@ -24,7 +24,15 @@ def test_the_quick_run_reports_memory_and_time_per_phase(tmp_path):
   values = dict(kv.split("=") for kv in result[0].split()[1:])
   assert set(values) == {
       f"lora_{k}"
-      for k in ("peak_rss_gb", "iteration_s", "generation_s", "training_s", "weight_update_s")
+      for k in (
+          "peak_rss_gb",
+          "peak_pss_shm_gb",
+          "peak_machine_gb",
+          "iteration_s",
+          "generation_s",
+          "training_s",
+          "weight_update_s",
+      )
   }
   with open(tmp_path / "summary.json") as f:
     summary = json.load(f)
@@ -32,4 +40,5 @@ def test_the_quick_run_reports_memory_and_time_per_phase(tmp_path):
   # The trainer and the generator are Ray actors: their memory counts too.
   assert by_process["TrainerActor"] > 0 and by_process["GeneratorActor"] > 0
   assert float(values["lora_peak_rss_gb"]) >= by_process["TrainerActor"]
+  assert float(values["lora_peak_pss_shm_gb"]) > 0
   assert "Memory plan of the trainer" in summary["details"]["lora"]["plan"]
